@@ -1,0 +1,182 @@
+"""Multi-head Latent Attention (MLA), in both forms, with plain-jnp reference functions.
+
+Dimension letters: B batch, T query tokens, S key tokens (cached + new), H heads,
+N = qk_nope_head_dim, R = qk_rope_head_dim, V = v_head_dim, L = kv_lora_rank (latent),
+D = hidden_size, Q = q_lora_rank.
+
+Per token, MLA caches only the latent [kv_norm(c_kv) ; rope(k_pe)] (L + R values, 576 for V3),
+shared by every head. Two ways to attend over it, equal up to rounding:
+- naive / decompressed (`absorbed=False`): up-project the latent to per-head K_nope and V with
+  `wkv_b`, then ordinary attention with qk width N + R. Compute-friendly; training and long prefill.
+- absorbed (`absorbed=True`): fold W_UK (the K half of `wkv_b`) into the query,
+  q_lat = q_nope · W_UK (width L), attend over the latent itself (width L + R; V = the first L
+  columns), and apply W_UV after attention. Reads only the latent; decode and short chunks.
+
+Parameter names are the official code's (`wq_a`, `q_norm`, `wq_b` | `wq`, `wkv_a`, `kv_norm`,
+`wkv_b`, `wo`); `models.checkpoint` maps the HF names onto them one to one. Kernels are
+`nnx.Linear` kernels, i.e. the transpose [in, out] of torch's weight.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mla_jax.config import ModelConfig
+from mla_jax.norm import RMSNorm
+from mla_jax.rope import apply_rope, rope_cos_sin
+
+_F32 = jnp.float32
+
+
+# ------------------------------------------------------------------------------------------
+# Reference functions (plain jnp)
+# ------------------------------------------------------------------------------------------
+def attention_mask(q_positions: jax.Array, kv_positions: jax.Array) -> jax.Array:
+    """bool [B, T, S]: key s is visible to query t iff 0 <= kv_pos[s] <= q_pos[t] (causal; negative = padding)."""
+    return (kv_positions[:, None, :] <= q_positions[:, :, None]) & (kv_positions[:, None, :] >= 0)
+
+
+def _masked_softmax(scores_BHTS: jax.Array, mask_BTS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Softmax over S in fp32 and its natural-log normaliser; rows with no visible key give p = 0, lse = -inf."""
+    mask = mask_BTS[:, None]  # (B, 1, T, S)
+    s = jnp.where(mask, scores_BHTS, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(denom > 0, denom, 1.0)
+    lse = jnp.where(denom[..., 0] > 0, jnp.log(jnp.where(denom[..., 0] > 0, denom[..., 0], 1.0)) + m[..., 0], -jnp.inf)
+    return p, lse
+
+
+def mla_naive_attention(
+    q_nope: jax.Array, q_pe: jax.Array, kv_latent: jax.Array, wkv_b_LHK: jax.Array,
+    q_positions: jax.Array, kv_positions: jax.Array, *, softmax_scale: float,
+) -> jax.Array:
+    """Decompressed MLA attention.
+
+    q_nope [B,T,H,N], q_pe [B,T,H,R] (roped), kv_latent [B,S,L+R] ([normed c_kv ; roped k_pe]),
+    wkv_b_LHK [L, H, N+V], positions int32 [B,T] / [B,S] (negative key positions are padding).
+    Returns o [B,T,H,V] in q_nope's dtype. Scores and softmax in fp32.
+    """
+    n = q_nope.shape[-1]
+    L = wkv_b_LHK.shape[0]
+    c_BSL, k_pe_BSR = kv_latent[..., :L], kv_latent[..., L:]
+    kv_BSHK = jnp.einsum("bsl,lhk->bshk", c_BSL, wkv_b_LHK.astype(c_BSL.dtype))
+    k_nope_BSHN, v_BSHV = kv_BSHK[..., :n], kv_BSHK[..., n:]
+    scores = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope_BSHN, preferred_element_type=_F32)
+    scores += jnp.einsum("bthr,bsr->bhts", q_pe, k_pe_BSR, preferred_element_type=_F32)
+    p, _ = _masked_softmax(scores * softmax_scale, attention_mask(q_positions, kv_positions))
+    o = jnp.einsum("bhts,bshv->bthv", p.astype(v_BSHV.dtype), v_BSHV, preferred_element_type=_F32)
+    return o.astype(q_nope.dtype)
+
+
+def mla_absorbed_attention(
+    q_abs: jax.Array, kv_latent: jax.Array, q_positions: jax.Array, kv_positions: jax.Array,
+    *, softmax_scale: float, kv_lora_rank: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Absorbed MLA attention over the latent itself (the dense form of the decode kernel).
+
+    q_abs [B,T,H,L+R] = [q_nope·W_UK ; q_pe], kv_latent [B,S,L+R]. Keys are the whole latent,
+    values its first L columns. Returns (o_lat [B,T,H,L] in q's dtype, lse [B,T,H] float32,
+    natural log; -inf for a query that sees no key).
+    """
+    scores = jnp.einsum("bthc,bsc->bhts", q_abs, kv_latent, preferred_element_type=_F32) * softmax_scale
+    p, lse = _masked_softmax(scores, attention_mask(q_positions, kv_positions))
+    v_BSL = kv_latent[..., :kv_lora_rank]
+    o = jnp.einsum("bhts,bsl->bthl", p.astype(v_BSL.dtype), v_BSL, preferred_element_type=_F32)
+    return o.astype(q_abs.dtype), lse.transpose(0, 2, 1)
+
+
+# ------------------------------------------------------------------------------------------
+# The layer
+# ------------------------------------------------------------------------------------------
+class MLA(nnx.Module):
+    """Multi-head Latent Attention: `mla(x [B,T,D], positions int32 [B,T], *, absorbed=False) -> [B,T,D]`.
+
+    Causal over `positions` (a key is visible when its position is <= the query's; negative
+    positions mark padding). The pieces are public so that a cached engine can compose them:
+    `project_q`, `project_kv` (what the cache stores), `absorb_query`, `output_from_latent`,
+    `attend`.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.cfg = cfg
+        H, D = cfg.num_attention_heads, cfg.hidden_size
+        lin = partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                      kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+        if cfg.q_lora_rank is None:
+            self.wq = lin(D, H * cfg.qk_head_dim)
+        else:
+            self.wq_a = lin(D, cfg.q_lora_rank)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+            self.wq_b = lin(cfg.q_lora_rank, H * cfg.qk_head_dim)
+        self.wkv_a = lin(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.wkv_b = lin(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.wo = lin(H * cfg.v_head_dim, D)
+
+    # --- projections --------------------------------------------------------------------
+    def project_q(self, x_BTD: jax.Array, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """-> q_nope [B,T,H,N], q_pe [B,T,H,R] (roped)."""
+        cfg = self.cfg
+        q = self.wq(x_BTD) if cfg.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x_BTD)))
+        q_BTHK = q.reshape(q.shape[:2] + (cfg.num_attention_heads, cfg.qk_head_dim))
+        q_nope, q_pe = q_BTHK[..., : cfg.qk_nope_head_dim], q_BTHK[..., cfg.qk_nope_head_dim:]
+        cos, sin = rope_cos_sin(cfg, positions_BT)
+        return q_nope, apply_rope(q_pe, cos, sin, interleave=cfg.rope_interleave)
+
+    def project_kv(self, x_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
+        """-> the cached latent [B,T,L+R] = [kv_norm(c_kv) ; rope(k_pe)]."""
+        cfg = self.cfg
+        kv = self.wkv_a(x_BTD)
+        c_BTL, k_pe_BTR = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank:]
+        cos, sin = rope_cos_sin(cfg, positions_BT)
+        k_pe_BTR = apply_rope(k_pe_BTR, cos, sin, interleave=cfg.rope_interleave)
+        c_BTL = self.kv_norm(c_BTL)
+        return jnp.concatenate([c_BTL.astype(k_pe_BTR.dtype), k_pe_BTR], axis=-1)
+
+    def wkv_b_LHK(self) -> jax.Array:
+        """wkv_b as [L, H, N+V]: per head, the K_nope columns then the V columns (W_UK ; W_UV)."""
+        cfg = self.cfg
+        return self.wkv_b.kernel[...].reshape(cfg.kv_lora_rank, cfg.num_attention_heads,
+                                              cfg.qk_nope_head_dim + cfg.v_head_dim)
+
+    def absorb_query(self, q_nope: jax.Array, q_pe: jax.Array) -> jax.Array:
+        """[q_nope · W_UK ; q_pe] -> [B,T,H,L+R]: the query the absorbed path / decode kernel takes."""
+        w_uk_LHN = self.wkv_b_LHK()[..., : self.cfg.qk_nope_head_dim]
+        q_lat = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk_LHN.astype(q_nope.dtype), preferred_element_type=_F32)
+        return jnp.concatenate([q_lat.astype(q_pe.dtype), q_pe], axis=-1)
+
+    def output_from_latent(self, o_lat_BTHL: jax.Array) -> jax.Array:
+        """Un-absorb W_UV and apply the output projection: [B,T,H,L] -> [B,T,D]."""
+        w_uv_LHV = self.wkv_b_LHK()[..., self.cfg.qk_nope_head_dim:]
+        o = jnp.einsum("bthl,lhv->bthv", o_lat_BTHL, w_uv_LHV.astype(o_lat_BTHL.dtype), preferred_element_type=_F32)
+        return self.wo(o.astype(o_lat_BTHL.dtype).reshape(o.shape[:2] + (-1,)))
+
+    # --- attention ----------------------------------------------------------------------
+    def attend(self, q_nope: jax.Array, q_pe: jax.Array, kv_latent: jax.Array, q_positions: jax.Array,
+               kv_positions: jax.Array, *, absorbed: bool) -> jax.Array:
+        """Attend queries over a latent context (this chunk and/or a cached prefix) -> [B,T,D]."""
+        cfg = self.cfg
+        if absorbed:
+            o_lat, _ = mla_absorbed_attention(self.absorb_query(q_nope, q_pe), kv_latent, q_positions,
+                                              kv_positions, softmax_scale=cfg.softmax_scale,
+                                              kv_lora_rank=cfg.kv_lora_rank)
+            return self.output_from_latent(o_lat)
+        o_BTHV = mla_naive_attention(q_nope, q_pe, kv_latent, self.wkv_b_LHK(), q_positions, kv_positions,
+                                     softmax_scale=cfg.softmax_scale)
+        return self.wo(o_BTHV.reshape(o_BTHV.shape[:2] + (-1,)))
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, *, absorbed: bool = False) -> jax.Array:
+        if x_BTD.ndim != 3 or x_BTD.shape[-1] != self.cfg.hidden_size:
+            raise ValueError(f"MLA expects x [B, T, {self.cfg.hidden_size}], got {x_BTD.shape}")
+        if positions_BT.shape != x_BTD.shape[:2]:
+            raise ValueError(f"positions must be [B, T] = {x_BTD.shape[:2]}, got {positions_BT.shape}")
+        q_nope, q_pe = self.project_q(x_BTD, positions_BT)
+        kv_latent = self.project_kv(x_BTD, positions_BT)
+        return self.attend(q_nope, q_pe, kv_latent, positions_BT, positions_BT, absorbed=absorbed)

@@ -1,0 +1,20 @@
+"""RMSNorm as HF transformers' DeepSeek: normalise in fp32, cast to the input dtype, scale by `weight`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class RMSNorm(nnx.Module):
+    """y = weight * (x / sqrt(mean(x², -1) + eps)); `weight` [dim] is the HF checkpoint's `*.weight`."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
