@@ -1,0 +1,36 @@
+"""DeepSeek-V2/V3 models on top of `mla_jax`: MoE, MTP, the decoder, HF checkpoints, training, generation.
+
+The model, MoE, MTP and checkpoint names are imported eagerly; the training, generation and
+sampling names are resolved on first use (PEP 562), so that `import models` stays light and
+does not depend on those modules.
+"""
+
+import importlib
+
+from models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from models.deepseek import DecoderLayer, DeepSeekModel, ModelOutput
+from models.mlp import MLP
+from models.moe import (
+    MOE_IMPLS, Experts, MgpuTuning, MoE, Router, RouterBias, RouterOutput, moe_dense_reference, moe_grouped,
+    ragged_dot_mgpu, route,
+)
+from models.mtp import MTP
+
+_LAZY = {
+    "TrainConfig": "models.training", "loss_fn": "models.training", "make_train_step": "models.training",
+    "init_train_state": "models.training", "router_bias_update": "models.training",
+    "Engine": "models.engine", "GenerationResult": "models.engine", "SamplingParams": "models.sampling",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'models' has no attribute {name!r}")
+
+
+__all__ = [
+    "MLP", "MOE_IMPLS", "MTP", "DecoderLayer", "DeepSeekModel", "Experts", "MgpuTuning", "ModelOutput", "MoE",
+    "Router", "RouterBias", "RouterOutput", "load_hf_checkpoint", "moe_dense_reference", "moe_grouped",
+    "ragged_dot_mgpu", "route", "save_hf_checkpoint", *_LAZY,
+]

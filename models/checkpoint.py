@@ -1,0 +1,367 @@
+"""Hugging Face DeepSeek-V2/V2-Lite/V3 checkpoints (safetensors only) <-> `DeepSeekModel`.
+
+Layout read and written (DEEPSEEK_SEMANTICS.md §4): `config.json` + one `model.safetensors`, or
+shards listed by `model.safetensors.index.json`; torch weights [out, in] (transposed to our
+[in, out] kernels; the interleaved RoPE rows are used as they are, no permutation); per-expert
+keys `mlp.experts.{e}.{gate,up,down}_proj.weight` (stacked to [E, D, I] / [E, I, D]); the MTP
+module k at `model.layers.{num_hidden_layers + k}.*`. That layer's `embed_tokens.weight` and
+`shared_head.head.weight` are copies of the main embedding and LM head (our MTP shares them):
+on load they are CHECKED equal to the main ones (a mismatch raises); on save they are written
+as copies, as the release does.
+
+FP8 releases: a weight stored as F8_E4M3 with a `<name>_scale_inv` companion
+(`weight_scale_inv` fp32 [ceil(out/128), ceil(in/128)]) is dequantized on load, W = q · s per
+128×128 block (edge blocks partial). safetensors 0.8 cannot read F8_E4M3 through numpy/flax, so
+this module parses the file format itself (8-byte header length, JSON header, raw bytes) and
+views the bytes with `ml_dtypes` (§5.4). Pickle formats (.bin/.pt/...) are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from mla_jax.config import ModelConfig
+
+_ST_TO_NP = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+_NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+FP8_BLOCK = 128
+# Buffers some exporters write that carry no parameters (recomputed from the config).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# ------------------------------------------------------------------------------------------
+# safetensors files, read and written by hand (F8_E4M3 and BF16 through ml_dtypes)
+# ------------------------------------------------------------------------------------------
+def read_safetensors(file: str) -> dict[str, np.ndarray]:
+    """All tensors of one .safetensors file as read-only numpy arrays (memory-mapped, any dtype incl. F8_E4M3)."""
+    with open(file, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise ValueError(f"{file}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = np.frombuffer(raw_len, dtype="<u8")
+        header = json.loads(f.read(int(n)))
+    buf = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + int(n)) if os.path.getsize(file) > 8 + n else \
+        np.zeros((0,), np.uint8)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_TO_NP:
+            raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
+        dt = _ST_TO_NP[info["dtype"]]
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if end - begin != math.prod(shape) * dt.itemsize:
+            raise ValueError(f"{file}: tensor {name!r} byte range {begin}..{end} does not fit shape {shape} {dt}")
+        out[name] = buf[begin:end].view(dt).reshape(shape)
+    return out
+
+
+def write_safetensors(file: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write numpy arrays (f32/bf16/f16/fp8/ints) as one .safetensors file, names sorted, format 'pt'."""
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype not in _NP_TO_ST:
+            raise ValueError(f"tensor {name!r}: dtype {a.dtype} cannot be written to safetensors")
+        header[name] = {"dtype": _NP_TO_ST[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
+    with open(file, "wb") as f:
+        f.write(np.uint64(len(hb)).astype("<u8").tobytes())
+        f.write(hb)
+        for a in arrays:
+            f.write(a.tobytes())
+
+
+def dequantize_fp8_blocks(q: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
+    """fp8 [out, in] · scale_inv [ceil(out/block), ceil(in/block)] per block -> float32 [out, in]."""
+    o, i = q.shape
+    want = (-(-o // block), -(-i // block))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight {q.shape} "
+                         f"in {block}x{block} blocks (expected {want})")
+    s = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block, axis=0), block, axis=1)[:o, :i]
+    return np.asarray(q).astype(np.float32) * s
+
+
+def _refuse_pickle(path: str) -> None:
+    raise ValueError(f"{path!r} is a pickle-based checkpoint; only safetensors is supported "
+                     "(pickle files can run arbitrary code). Convert it to .safetensors first.")
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The .safetensors files of a checkpoint directory (index.json shards, or the files present)."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        if path.endswith(_PICKLE_SUFFIXES):
+            _refuse_pickle(path)
+        if not path.endswith(".safetensors"):
+            raise ValueError(f"{path!r} is not a .safetensors file")
+        return [path]
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r}")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
+        for s in files:
+            if not os.path.isfile(s):
+                raise FileNotFoundError(f"shard {os.path.basename(s)!r} listed in {index!r} is missing")
+        return files
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        pick = sorted(f for f in os.listdir(path) if f.endswith(_PICKLE_SUFFIXES))
+        if pick:
+            _refuse_pickle(os.path.join(path, pick[0]))
+        raise FileNotFoundError(f"no .safetensors files in {path!r}")
+    return files
+
+
+def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint, HF names, fp8 block-scaled weights dequantized to float32."""
+    raw: dict[str, np.ndarray] = {}
+    for file in checkpoint_files(path):
+        for k, v in read_safetensors(file).items():
+            if k in raw:
+                raise ValueError(f"tensor {k!r} appears in more than one shard")
+            raw[k] = v
+    out = {}
+    for k, v in raw.items():
+        if k.endswith("_scale_inv"):
+            if k[: -len("_scale_inv")] not in raw:
+                raise ValueError(f"unexpected tensor {k!r}: scale without its weight {k[:-len('_scale_inv')]!r}")
+            continue
+        if v.dtype in (_ST_TO_NP["F8_E4M3"], _ST_TO_NP["F8_E5M2"]):
+            s = raw.get(k + "_scale_inv")
+            if s is None:
+                raise ValueError(f"fp8 tensor {k!r} has no {k + '_scale_inv'!r} block scales")
+            if v.ndim != 2:
+                raise ValueError(f"fp8 tensor {k!r} must be 2-D, got shape {v.shape}")
+            out[k] = dequantize_fp8_blocks(v, s)
+        else:
+            out[k] = v
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# The name map: HF tensor name(s) <-> a variable of DeepSeekModel
+# ------------------------------------------------------------------------------------------
+# kind "T": torch [out, in] <-> kernel [in, out]; "id": as is; "stackT": E per-expert tensors,
+# each transposed, stacked along a new leading axis.
+Entry = tuple[tuple, str, object]  # (path in the model, kind, hf name | list of hf names)
+
+
+def _layer_entries(cfg: ModelConfig, prefix: str, base: tuple, is_moe: bool) -> Iterator[Entry]:
+    yield base + ("input_layernorm", "weight"), "id", prefix + "input_layernorm.weight"
+    yield base + ("post_attention_layernorm", "weight"), "id", prefix + "post_attention_layernorm.weight"
+    a, sa = base + ("self_attn",), prefix + "self_attn."
+    if cfg.q_lora_rank is None:
+        yield a + ("wq", "kernel"), "T", sa + "q_proj.weight"
+    else:
+        yield a + ("wq_a", "kernel"), "T", sa + "q_a_proj.weight"
+        yield a + ("q_norm", "weight"), "id", sa + "q_a_layernorm.weight"
+        yield a + ("wq_b", "kernel"), "T", sa + "q_b_proj.weight"
+    yield a + ("wkv_a", "kernel"), "T", sa + "kv_a_proj_with_mqa.weight"
+    yield a + ("kv_norm", "weight"), "id", sa + "kv_a_layernorm.weight"
+    yield a + ("wkv_b", "kernel"), "T", sa + "kv_b_proj.weight"
+    yield a + ("wo", "kernel"), "T", sa + "o_proj.weight"
+    m, sm = base + ("mlp",), prefix + "mlp."
+    if not is_moe:
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            yield m + (p, "kernel"), "T", sm + p + ".weight"
+        return
+    yield m + ("gate", "kernel"), "T", sm + "gate.weight"
+    if cfg.topk_method == "noaux_tc":
+        yield m + ("gate", "e_score_correction_bias"), "id", sm + "gate.e_score_correction_bias"
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        yield m + ("experts", p), "stackT", [f"{sm}experts.{e}.{p}.weight" for e in range(cfg.n_routed_experts)]
+    if cfg.n_shared_experts > 0:
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            yield m + ("shared_experts", p, "kernel"), "T", f"{sm}shared_experts.{p}.weight"
+
+
+def hf_entries(cfg: ModelConfig) -> list[Entry]:
+    """Every (model path, kind, HF name(s)) of a `DeepSeekModel(cfg)`; covers each variable exactly once."""
+    out: list[Entry] = [(("embed_tokens", "embedding"), "id", "model.embed_tokens.weight"),
+                        (("norm", "weight"), "id", "model.norm.weight")]
+    if not cfg.tie_word_embeddings:
+        out.append((("lm_head", "kernel"), "T", "lm_head.weight"))
+    for i in range(cfg.num_hidden_layers):
+        out += _layer_entries(cfg, f"model.layers.{i}.", ("layers", i), cfg.is_moe_layer(i))
+    for k in range(cfg.num_mtp_layers):
+        p, b = f"model.layers.{cfg.num_hidden_layers + k}.", ("mtp", k)
+        out += [(b + ("enorm", "weight"), "id", p + "enorm.weight"),
+                (b + ("hnorm", "weight"), "id", p + "hnorm.weight"),
+                (b + ("eh_proj", "kernel"), "T", p + "eh_proj.weight"),
+                (b + ("shared_head_norm", "weight"), "id", p + "shared_head.norm.weight")]
+        out += _layer_entries(cfg, p, b + ("block",), cfg.n_routed_experts > 0)
+    return out
+
+
+def _mtp_copies(cfg: ModelConfig) -> dict[str, str]:
+    """MTP-layer tensors that duplicate main ones: {copy name: main name}."""
+    out = {}
+    for k in range(cfg.num_mtp_layers):
+        p = f"model.layers.{cfg.num_hidden_layers + k}."
+        out[p + "embed_tokens.weight"] = "model.embed_tokens.weight"
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        out[p + "shared_head.head.weight"] = head
+    return out
+
+
+def _variable(model, path: tuple) -> nnx.Variable:
+    node = model
+    for p in path:
+        node = node[p] if isinstance(p, int) else getattr(node, p)
+    if not isinstance(node, nnx.Variable):
+        raise TypeError(f"model path {path} is {type(node).__name__}, not a variable")
+    return node
+
+
+def _hf_shape(shape: tuple, kind: str) -> tuple:
+    return tuple(shape[::-1]) if kind == "T" else tuple(shape[1:][::-1]) if kind == "stackT" else tuple(shape)
+
+
+# ------------------------------------------------------------------------------------------
+# Load / save
+# ------------------------------------------------------------------------------------------
+def load_hf_checkpoint(path: str | os.PathLike, dtype=jnp.float32, *, param_dtype=None, moe_impl: str = "auto",
+                       mtp_hidden_source: str = "post_norm"):
+    """A `DeepSeekModel` with the weights of an HF-layout checkpoint directory.
+
+    dtype: compute dtype; param_dtype: storage dtype (default `dtype`). The router kernel and
+    `e_score_correction_bias` are kept in fp32 whatever the dtype. Raises ValueError naming the
+    tensor for a missing, unexpected or mis-shaped tensor, an fp8 weight without scales, an MTP
+    copy of the embedding/head that differs from the main one, or a pickle checkpoint.
+    """
+    from models.deepseek import DeepSeekModel
+
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(_PICKLE_SUFFIXES):
+        _refuse_pickle(path)
+    # config.json sits beside the weights when `path` names one .safetensors file.
+    cfg = ModelConfig.from_hf(os.path.dirname(path) if os.path.isfile(path) else path)
+    tensors = read_hf_tensors(path)
+    param_dtype = dtype if param_dtype is None else param_dtype
+    model = nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
+                                                 moe_impl=moe_impl, mtp_hidden_source=mtp_hidden_source))
+    entries = hf_entries(cfg)
+    copies = _mtp_copies(cfg)
+    expected = {n for _, _, names in entries for n in ([names] if isinstance(names, str) else names)}
+    missing = sorted(expected - tensors.keys())
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensor(s) the config needs: {missing[:8]}"
+                         + (" ..." if len(missing) > 8 else ""))
+    unexpected = sorted(k for k in tensors if k not in expected and k not in copies
+                        and not k.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        raise ValueError(f"checkpoint {path!r} has {len(unexpected)} unexpected tensor(s): {unexpected[:8]}"
+                         + (" ..." if len(unexpected) > 8 else ""))
+    for copy, main in copies.items():
+        if copy in tensors:
+            a, b = tensors[copy], tensors[main]
+            same = a.shape == b.shape and (np.array_equal(a, b) if a.dtype == b.dtype else
+                                           np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)))
+            if not same:
+                raise ValueError(f"tensor {copy!r} should be a copy of {main!r} (the MTP module shares it), "
+                                 "but it differs")
+    for mpath, kind, names in entries:
+        var = _variable(model, mpath)
+        shape, vdt = tuple(var.shape), var.dtype
+        want = _hf_shape(shape, kind)
+        for n in [names] if isinstance(names, str) else names:
+            if tuple(tensors[n].shape) != want:
+                raise ValueError(f"tensor {n!r} has shape {tuple(tensors[n].shape)}, expected {want} for this config")
+        if kind == "T":
+            arr = np.asarray(tensors[names]).T
+        elif kind == "stackT":
+            arr = np.stack([np.asarray(tensors[n]).T for n in names])
+        else:
+            arr = np.asarray(tensors[names])
+        var.set_value(jnp.asarray(arr.astype(np.float32) if arr.dtype.itemsize < 2 else arr, dtype=vdt))
+    left = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))
+            if isinstance(v, jax.ShapeDtypeStruct)]
+    if left:  # every variable must come from the file
+        raise RuntimeError(f"internal: model variables not covered by the HF name map: {left}")
+    return model
+
+
+def to_hf_tensors(model) -> dict[str, np.ndarray]:
+    """The model's weights under HF names as numpy arrays (torch layout), MTP copies included."""
+    cfg = model.cfg
+    out: dict[str, np.ndarray] = {}
+    for mpath, kind, names in hf_entries(cfg):
+        a = np.asarray(jax.device_get(_variable(model, mpath)[...]))
+        if kind == "T":
+            out[names] = np.ascontiguousarray(a.T)
+        elif kind == "stackT":
+            for e, n in enumerate(names):
+                out[n] = np.ascontiguousarray(a[e].T)
+        else:
+            out[names] = a
+    for copy, main in _mtp_copies(cfg).items():
+        out[copy] = out[main] if main in out else np.ascontiguousarray(
+            np.asarray(model.embed_tokens.embedding[...]))
+    return out
+
+
+def save_hf_checkpoint(model, path: str | os.PathLike, *, max_shard_bytes: int | None = None) -> None:
+    """Write `config.json` (cfg.to_hf_dict()) and safetensors in HF naming (per-expert keys, MTP at layer L).
+
+    Tensors keep the model's parameter dtypes (fp32/bf16; router and bias fp32). With
+    `max_shard_bytes`, tensors are split over `model-0000i-of-0000n.safetensors` files plus
+    `model.safetensors.index.json`; otherwise one `model.safetensors`.
+    """
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tensors = to_hf_tensors(model)
+    d = model.cfg.to_hf_dict()
+    d["torch_dtype"] = "float32"
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(d, f, indent=2)
+        f.write("\n")
+    if max_shard_bytes is None:
+        write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+        return
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nb = tensors[name].nbytes
+        if shards[-1] and size + nb > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nb
+    n = len(shards)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        write_safetensors(os.path.join(path, fname), shard)
+        weight_map.update({k: fname for k in shard})
+    index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))}, "weight_map": weight_map}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)

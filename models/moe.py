@@ -1,0 +1,313 @@
+"""Mixture of experts: DeepSeek-V2/V3 routers, stacked routed experts run as a grouped GEMM, shared experts.
+
+Dimension letters: B batch, T tokens (B·T flattened where noted), D hidden_size,
+E routed experts, G expert groups, K experts per token (top-k), I moe_intermediate_size,
+M = T·K (token, expert) assignment rows, sorted by expert for the grouped GEMM.
+
+Routing (DEEPSEEK_SEMANTICS.md §2), always in fp32:
+- V3 `noaux_tc`: s = sigmoid(x·Wᵀ). The correction bias b is added ONLY to choose experts:
+  group score = sum of the top-2 of (s + b) in the group, the best `topk_group` groups are kept
+  (the others −inf), top-k of (s + b). The weights are the UNBIASED s of the chosen experts,
+  divided by (their sum + 1e-20) when `norm_topk_prob`, times `routed_scaling_factor`.
+- V2 `greedy` / `group_limited_greedy`: s = softmax(x·Wᵀ); top-k (after keeping the groups with the
+  largest max score); times `routed_scaling_factor`; never renormalised (HF ignores
+  `norm_topk_prob` for V2).
+
+Routed experts are stored stacked (`gate_proj`/`up_proj` [E, D, I], `down_proj` [E, I, D]) and run
+over the assignments sorted by expert with no token dropping. `impl` picks the grouped GEMM:
+"ragged_dot" (`jax.lax.ragged_dot`, portable, differentiable), "mgpu" (the Pallas Mosaic GPU
+kernel `ragged_dot_mgpu`; forward only, so its gradient is taken through `lax.ragged_dot`),
+"dense" (`moe_dense_reference`: every expert on every token, the oracle), or "auto" (mgpu on a
+Hopper GPU with bf16 compute, else ragged_dot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mla_jax.config import ModelConfig
+from models.mlp import MLP
+
+_F32 = jnp.float32
+MOE_IMPLS = ("auto", "ragged_dot", "mgpu", "dense")
+
+
+class RouterBias(nnx.Variable):
+    """The aux-loss-free load-balancing bias (HF `e_score_correction_bias`), fp32 [E].
+
+    Not an `nnx.Param`: it only enters a top-k, so no gradient reaches it; it is changed by
+    `models.training.router_bias_update` outside the optimizer.
+    """
+
+
+class RouterOutput(NamedTuple):
+    """What a router decided for T tokens.
+
+    weights [T, K] fp32: the gate values that multiply the chosen experts' outputs.
+    indices [T, K] int32: the chosen experts (order: descending biased score).
+    scores  [T, E] fp32: the unbiased affinities (sigmoid for V3, softmax for V2), what the
+            sequence-wise balance loss normalises into P.
+    """
+
+    weights: jax.Array
+    indices: jax.Array
+    scores: jax.Array
+
+
+# ------------------------------------------------------------------------------------------
+# Routing functions (pure)
+# ------------------------------------------------------------------------------------------
+def _keep_top_groups(choice_TE: jax.Array, group_score_TG: jax.Array, topk_group: int) -> jax.Array:
+    """Set to −inf the experts of every group outside each token's `topk_group` best groups."""
+    T, E = choice_TE.shape
+    G = group_score_TG.shape[-1]
+    _, keep_TK = jax.lax.top_k(group_score_TG, topk_group)
+    keep_TG = jnp.any(jax.nn.one_hot(keep_TK, G, dtype=jnp.bool_), axis=1)
+    keep_TE = jnp.repeat(keep_TG, E // G, axis=1)
+    # −inf, not 0: a negative bias can push kept scores below 0 (flashinfer #2168).
+    return jnp.where(keep_TE, choice_TE, -jnp.inf)
+
+
+def route(logits_TE: jax.Array, bias_E: jax.Array | None, cfg: ModelConfig) -> RouterOutput:
+    """Pick K experts per token from router logits [T, E] (fp32); see the module docstring for the rules.
+
+    `bias_E` (fp32 [E]) is used by `noaux_tc` only and must be None for the V2 methods.
+    """
+    logits_TE = logits_TE.astype(_F32)
+    T, E = logits_TE.shape
+    G, K = cfg.n_group, cfg.num_experts_per_tok
+    if cfg.topk_method == "noaux_tc":
+        if bias_E is None:
+            raise ValueError("topk_method='noaux_tc' needs the e_score_correction_bias, got None")
+        scores_TE = jax.nn.sigmoid(logits_TE) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits_TE, -1)
+        choice_TE = scores_TE + bias_E.astype(_F32)[None, :]
+        top2, _ = jax.lax.top_k(choice_TE.reshape(T, G, E // G), 2)
+        choice_TE = _keep_top_groups(choice_TE, top2.sum(-1), cfg.topk_group)
+        _, idx_TK = jax.lax.top_k(choice_TE, K)
+        # Gather the UNBIASED scores: never recover them as (s + b) − b (vLLM #12002, HF #41647).
+        w_TK = jnp.take_along_axis(scores_TE, idx_TK, axis=-1)
+        if cfg.norm_topk_prob:
+            w_TK = w_TK / (jnp.sum(w_TK, axis=-1, keepdims=True) + 1e-20)
+    elif cfg.topk_method in ("greedy", "group_limited_greedy"):
+        if bias_E is not None:
+            raise ValueError(f"topk_method={cfg.topk_method!r} takes no correction bias")
+        scores_TE = jax.nn.softmax(logits_TE, axis=-1) if cfg.scoring_func == "softmax" else jax.nn.sigmoid(logits_TE)
+        choice_TE = scores_TE
+        if cfg.topk_method == "group_limited_greedy":
+            choice_TE = _keep_top_groups(scores_TE, scores_TE.reshape(T, G, E // G).max(-1), cfg.topk_group)
+        w_TK, idx_TK = jax.lax.top_k(choice_TE, K)
+    else:
+        raise ValueError(f"unknown topk_method {cfg.topk_method!r}")
+    return RouterOutput(w_TK * cfg.routed_scaling_factor, idx_TK.astype(jnp.int32), scores_TE)
+
+
+class Router(nnx.Module):
+    """The gate: `router(x [T, D]) -> RouterOutput`. Logits x·Wᵀ in fp32.
+
+    `kernel` [D, E] fp32 (HF `mlp.gate.weight` [E, D], transposed); `e_score_correction_bias`
+    (a `RouterBias`, fp32 [E], zeros at init) exists only for `noaux_tc`.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        E, D = cfg.n_routed_experts, cfg.hidden_size
+        # HF keeps gate.weight and the bias in fp32 whatever the model dtype (_keep_in_fp32_modules_strict).
+        self.kernel = nnx.Param(nnx.initializers.normal(cfg.initializer_range)(rngs.params(), (D, E), _F32))
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = RouterBias(jnp.zeros((E,), _F32))
+        else:
+            self.e_score_correction_bias = None
+
+    def logits(self, x_TD: jax.Array) -> jax.Array:
+        """[T, D] -> fp32 [T, E]."""
+        return jnp.dot(x_TD.astype(_F32), self.kernel[...], precision=jax.lax.Precision.HIGHEST)
+
+    def __call__(self, x_TD: jax.Array) -> RouterOutput:
+        bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
+        return route(self.logits(x_TD), bias, self.cfg)
+
+
+# ------------------------------------------------------------------------------------------
+# Expert computation: the dense reference and the grouped GEMM
+# ------------------------------------------------------------------------------------------
+def moe_dense_reference(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, gate_EDI: jax.Array,
+                        up_EDI: jax.Array, down_EID: jax.Array) -> jax.Array:
+    """Σ_k w_k · expert_{idx_k}(x), computing every expert on every token (one-hot einsum). -> [T, D] in x's dtype.
+
+    O(T·E) work: the oracle for `moe_grouped`, and fine for tiny models.
+    """
+    E = gate_EDI.shape[0]
+    combine_TE = jnp.sum(jax.nn.one_hot(indices_TK, E, dtype=_F32) * weights_TK.astype(_F32)[..., None], axis=1)
+    g_TEI = jnp.einsum("td,edi->tei", x_TD, gate_EDI.astype(x_TD.dtype))
+    u_TEI = jnp.einsum("td,edi->tei", x_TD, up_EDI.astype(x_TD.dtype))
+    y_TED = jnp.einsum("tei,eid->ted", jax.nn.silu(g_TEI) * u_TEI, down_EID.astype(x_TD.dtype))
+    return jnp.einsum("te,ted->td", combine_TE, y_TED.astype(_F32)).astype(x_TD.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuTuning:
+    """Tile sizes of `ragged_dot_mgpu` (PALLAS_MGPU.md §10: 128/128/64/4/4 is near the best on H200)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_block_n: int = 4
+
+
+def _mgpu_forward(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, tuning: MgpuTuning) -> jax.Array:
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    M, Kd = lhs_MK.shape
+    N = rhs_GKN.shape[-1]
+    dt = lhs_MK.dtype
+    rhs_GKN = rhs_GKN.astype(dt)  # the kernel needs lhs.dtype == rhs.dtype
+    # Pad the contraction to a multiple of block_k (zeros add nothing), N to block_n, M to block_m.
+    pk = -Kd % tuning.block_k
+    pn = -N % tuning.block_n
+    pm = -M % tuning.block_m
+    lhs = jnp.pad(lhs_MK, ((0, pm), (0, pk)))
+    rhs = jnp.pad(rhs_GKN, ((0, 0), (0, pk), (0, pn)))
+    out = ragged_dot_mgpu.ragged_dot(
+        lhs, rhs, group_sizes=group_sizes_G.astype(jnp.int32), block_m=tuning.block_m, block_n=tuning.block_n,
+        block_k=tuning.block_k, max_concurrent_steps=tuning.max_concurrent_steps, grid_block_n=tuning.grid_block_n)
+    # Rows past sum(group_sizes) are never written by the kernel (garbage): mask them.
+    rows = jnp.arange(out.shape[0])[:, None]
+    out = jnp.where(rows < jnp.sum(group_sizes_G), out, jnp.zeros((), out.dtype))
+    return out[:M, :N]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def ragged_dot_mgpu(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array,
+                    tuning: MgpuTuning = MgpuTuning()) -> jax.Array:
+    """`lax.ragged_dot` semantics through the Mosaic GPU kernel: lhs [M, K], rhs [G, K, N] -> [M, N] in lhs's dtype.
+
+    The kernel is forward only; the gradient is `lax.ragged_dot`'s (so training stays correct).
+    Rows at or past sum(group_sizes) come back as zeros.
+    """
+    return _mgpu_forward(lhs_MK, rhs_GKN, group_sizes_G, tuning)
+
+
+def _mgpu_fwd(lhs, rhs, gs, tuning):
+    return _mgpu_forward(lhs, rhs, gs, tuning), (lhs, rhs, gs)
+
+
+def _mgpu_bwd(tuning, res, g):
+    lhs, rhs, gs = res
+    _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b.astype(a.dtype), gs), lhs, rhs)
+    d_lhs, d_rhs = vjp(g.astype(lhs.dtype))
+    return d_lhs, d_rhs.astype(rhs.dtype), None
+
+
+ragged_dot_mgpu.defvjp(_mgpu_fwd, _mgpu_bwd)
+
+
+def _on_hopper() -> bool:
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).split(".")[0] == "9"
+
+
+def resolve_moe_impl(impl: str, dtype) -> str:
+    """Map `impl` ("auto" included) to "ragged_dot" | "mgpu" | "dense"; ValueError on an unknown name."""
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "mgpu" if (jnp.dtype(dtype) == jnp.bfloat16 and _on_hopper()) else "ragged_dot"
+    return impl
+
+
+def moe_grouped(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, gate_EDI: jax.Array,
+                up_EDI: jax.Array, down_EID: jax.Array, *, impl: str = "ragged_dot",
+                tuning: MgpuTuning = MgpuTuning()) -> jax.Array:
+    """Σ_k w_k · expert_{idx_k}(x) as a grouped GEMM over the T·K assignments sorted by expert. -> [T, D].
+
+    No token dropping: every assignment is computed. `impl` is "ragged_dot" or "mgpu"; the
+    result equals `moe_dense_reference` up to rounding.
+    """
+    T, D = x_TD.shape
+    K = indices_TK.shape[1]
+    E = gate_EDI.shape[0]
+    dt = x_TD.dtype
+    flat_M = indices_TK.reshape(-1)
+    order_M = jnp.argsort(flat_M, stable=True)  # assignment rows grouped by expert
+    token_M = order_M // K
+    group_sizes_E = jnp.bincount(flat_M, length=E).astype(jnp.int32)
+    x_MD = x_TD[token_M]
+    if impl == "mgpu":
+        gdot = functools.partial(ragged_dot_mgpu, group_sizes_G=group_sizes_E, tuning=tuning)
+    elif impl == "ragged_dot":
+        gdot = lambda a, b: jax.lax.ragged_dot(a, b.astype(a.dtype), group_sizes_E)  # noqa: E731
+    else:
+        raise ValueError(f"moe_grouped impl must be 'ragged_dot' or 'mgpu', got {impl!r}")
+    h_MI = jax.nn.silu(gdot(x_MD, gate_EDI)) * gdot(x_MD, up_EDI)
+    y_MD = gdot(h_MI, down_EID)
+    w_M = weights_TK.reshape(-1)[order_M].astype(_F32)
+    y_MD = y_MD.astype(_F32) * w_M[:, None]
+    # Un-sort (a gather, deterministic, unlike a scatter-add) and sum each token's K rows.
+    inv_M = jnp.argsort(order_M)
+    return y_MD[inv_M].reshape(T, K, D).sum(axis=1).astype(dt)
+
+
+class Experts(nnx.Module):
+    """The E routed experts, stacked: `gate_proj`, `up_proj` [E, D, I], `down_proj` [E, I, D] (nnx.Param)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        init = nnx.initializers.normal(cfg.initializer_range)
+        self.gate_proj = nnx.Param(init(rngs.params(), (E, D, I), param_dtype))
+        self.up_proj = nnx.Param(init(rngs.params(), (E, D, I), param_dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (E, I, D), param_dtype))
+
+
+class MoE(nnx.Module):
+    """Routed experts + shared experts: `moe(x [..., D]) -> [..., D]` in `dtype`.
+
+    Attributes: `gate` (Router), `experts` (Experts), `shared_experts` (an MLP of width
+    n_shared·I, or None when n_shared_experts == 0). `impl` selects the expert computation
+    (see the module docstring); `return_router=True` also returns the RouterOutput over the
+    flattened tokens (leading axes of x flattened into T).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+                 impl: str = "auto", tuning: MgpuTuning = MgpuTuning()):
+        if cfg.n_routed_experts <= 0:
+            raise ValueError(f"MoE needs n_routed_experts > 0, got {cfg.n_routed_experts}")
+        if impl not in MOE_IMPLS:
+            raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {impl!r}")
+        self.cfg = cfg
+        self.dtype = dtype
+        self.impl = impl
+        self.tuning = tuning
+        self.gate = Router(cfg, rngs=rngs)
+        self.experts = Experts(cfg, rngs=rngs, param_dtype=param_dtype)
+        if cfg.n_shared_experts > 0:
+            self.shared_experts = MLP(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size, rngs=rngs,
+                                      dtype=dtype, param_dtype=param_dtype, init_std=cfg.initializer_range)
+        else:
+            self.shared_experts = None
+
+    def __call__(self, x: jax.Array, *, return_router: bool = False):
+        lead, D = x.shape[:-1], x.shape[-1]
+        x_TD = x.reshape(-1, D).astype(self.dtype)
+        r = self.gate(x_TD)
+        ex = self.experts
+        impl = resolve_moe_impl(self.impl, self.dtype)
+        if impl == "dense":
+            y_TD = moe_dense_reference(x_TD, r.weights, r.indices, ex.gate_proj[...], ex.up_proj[...],
+                                       ex.down_proj[...])
+        else:
+            y_TD = moe_grouped(x_TD, r.weights, r.indices, ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...],
+                               impl=impl, tuning=self.tuning)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        y = y_TD.reshape(lead + (D,))
+        return (y, r) if return_router else y

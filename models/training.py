@@ -1,0 +1,210 @@
+"""Training a DeepSeekModel: losses, the aux-loss-free router-bias update, and a jitted optax step.
+
+Dimension letters: B batch, T tokens, V vocab, E routed experts, K experts per token,
+N = number of MoE layers seen by the loss (main MoE layers in order, then the MTP blocks').
+
+Loss (DEEPSEEK_SEMANTICS.md §2.4, §3.1):
+  ce       next-token cross-entropy over valid (input, target) pairs
+  mtp      λ/D Σ_k CE of MTP depth k (position i predicts token i+2+k)
+  balance  α Σ_layers mean_sequences Σ_i f_i P_i, with f_i = E/(K·T_b) Σ_t 1[i ∈ TopK_t] and
+           P_i = (1/T_b) Σ_t s'_{i,t}, s' the affinities normalised over experts (sigmoid for V3)
+  loss     ce + mtp + balance
+The router bias is not trained: after the optimizer update, `router_bias_update` applies
+b += γ·sign(mean(load) − load) per MoE layer, with load the tokens routed to each expert over
+the whole batch (padding excluded). It never passes through the optimizer.
+
+State layout (flax 0.12, functional): `graphdef, state = nnx.split(model)`; `state` holds every
+variable (Params and RouterBias). The step splits it into Params (differentiated, updated by
+optax) and the rest (RouterBias, updated by the rule above), so the optimizer cannot touch the
+bias by construction. `opt_state = tx.init(params)` (see `init_train_state`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from models.deepseek import DeepSeekModel, ModelOutput
+from models.moe import RouterOutput
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Loss weights and the bias update rate (V3 values by default)."""
+
+    mtp_weight: float = 0.3  # λ (0.3 for the first 10T tokens of V3, then 0.1)
+    balance_alpha: float = 1e-4  # α of the sequence-wise balance loss
+    bias_update_rate: float = 1e-3  # γ (0 for V3's last 500B tokens)
+    absorbed: bool = False  # MLA path used in training (the naive one is the compute-friendly one)
+
+    def __post_init__(self):
+        for f in ("mtp_weight", "balance_alpha", "bias_update_rate"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"TrainConfig.{f}={getattr(self, f)!r}: must be >= 0")
+
+
+# ------------------------------------------------------------------------------------------
+# Pieces
+# ------------------------------------------------------------------------------------------
+def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
+    """int32 [B,T]: 0, 1, ... over the valid tokens of each row, −1 on padding (MLA ignores negative positions).
+
+    Works for left and right padding.
+    """
+    m = mask_BT.astype(jnp.int32)
+    return jnp.where(m > 0, jnp.cumsum(m, axis=1) - 1, -1).astype(jnp.int32)
+
+
+def masked_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+    """Mean token NLL over mask (fp32); 0 when nothing is valid."""
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(_F32), targets_BT)
+    m = mask_BT.astype(_F32)
+    return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def _router_masks(out: ModelOutput, mask_BT: jax.Array, n_main_moe: int) -> list[jax.Array]:
+    """The [B, T_r] validity mask of each router's tokens (MTP depth k sees positions 0..T-2-k)."""
+    T = mask_BT.shape[1]
+    masks = [mask_BT] * n_main_moe
+    for k in range(len(out.routers) - n_main_moe):
+        n = T - 1 - k
+        masks.append(mask_BT[:, :n] * mask_BT[:, 1 + k:])
+    return masks
+
+
+def expert_load(router: RouterOutput, mask_BT: jax.Array, num_experts: int) -> jax.Array:
+    """fp32 [E]: how many valid (token, expert) assignments each expert received."""
+    m = mask_BT.reshape(-1).astype(_F32)
+    onehot = jax.nn.one_hot(router.indices, num_experts, dtype=_F32)  # [B·T, K, E]
+    return jnp.einsum("t,tke->e", m, onehot)
+
+
+def sequence_balance_loss(router: RouterOutput, mask_BT: jax.Array, num_experts: int, top_k: int) -> jax.Array:
+    """Σ_i f_i P_i averaged over the sequences (without α). Gradient flows through P only."""
+    B, T = mask_BT.shape
+    m = mask_BT.astype(_F32)
+    count_BE = jnp.einsum("bt,btke->be", m, jax.nn.one_hot(router.indices.reshape(B, T, -1), num_experts, dtype=_F32))
+    t_b = jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0)  # [B, 1] valid tokens per sequence
+    f_BE = jax.lax.stop_gradient(count_BE * num_experts / (top_k * t_b))
+    s = router.scores.reshape(B, T, num_experts).astype(_F32)
+    s_norm = s / jnp.sum(s, axis=-1, keepdims=True)  # normalised affinities s'
+    p_BE = jnp.einsum("bt,bte->be", m, s_norm) / t_b
+    has_tokens = (jnp.sum(m, axis=1) > 0).astype(_F32)
+    per_seq = jnp.sum(f_BE * p_BE, axis=-1) * has_tokens
+    return jnp.sum(per_seq) / jnp.maximum(jnp.sum(has_tokens), 1.0)
+
+
+def moe_modules(model: DeepSeekModel) -> list:
+    """The MoE modules in the order of `ModelOutput.routers`: main MoE layers, then the MTP blocks'."""
+    mods = [layer.mlp for layer in model.layers if layer.is_moe]
+    mods += [m.block.mlp for m in model.mtp if m.block.is_moe]
+    return mods
+
+
+def router_bias_update(model: DeepSeekModel, loads_NE: jax.Array, gamma: float) -> None:
+    """In place: b += γ·sign(mean(load) − load) for each MoE layer with a correction bias (fp32).
+
+    `loads_NE` [N, E] in the order of `moe_modules(model)` (rows beyond the MoE layers the loss
+    saw are absent: those biases are left alone). Overloaded experts go down, underloaded up.
+    """
+    for mod, load in zip(moe_modules(model), loads_NE):
+        bias = mod.gate.e_score_correction_bias
+        if bias is None:
+            continue
+        load = load.astype(_F32)
+        bias[...] = bias[...] + jnp.float32(gamma) * jnp.sign(jnp.mean(load) - load)
+
+
+def loss_fn(model: DeepSeekModel, batch: dict[str, jax.Array], tc: TrainConfig = TrainConfig()):
+    """-> (loss, metrics). batch: `input_ids` int32 [B,T]; optional `attention_mask` [B,T] (1 = real token,
+    0 = padding, left or right: padding is invisible to attention, losses and loads); optional
+    `loss_mask` [B,T] (1 = this token is a training target, e.g. 0 on a prompt; default: attention_mask).
+
+    metrics: loss, ce, mtp_loss, balance_loss (all scalars, with their weights applied) and
+    expert_load fp32 [N, E] (valid assignments per expert, per MoE layer).
+    """
+    ids = batch["input_ids"]
+    if ids.ndim != 2 or ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be [B, T] with T >= 2, got {ids.shape}")
+    mask = batch.get("attention_mask")
+    mask = jnp.ones(ids.shape, _F32) if mask is None else mask.astype(_F32)
+    positions = positions_from_mask(mask)
+    target = batch.get("loss_mask")
+    target = mask if target is None else target.astype(_F32) * mask
+    cfg = model.cfg
+    use_mtp = tc.mtp_weight > 0 and len(model.mtp) > 0
+    out = model.forward(ids, positions, absorbed=tc.absorbed, with_mtp=use_mtp)
+    T = ids.shape[1]
+    ce = masked_cross_entropy(out.logits[:, :-1], ids[:, 1:], mask[:, :-1] * target[:, 1:])
+    mtp = jnp.zeros((), _F32)
+    for k, lg in enumerate(out.mtp_logits):
+        n = T - 2 - k  # positions whose target token i+2+k exists
+        if n < 1:
+            continue
+        valid = mask[:, :n] * mask[:, 1 + k:T - 1] * target[:, 2 + k:]
+        mtp = mtp + masked_cross_entropy(lg[:, :n], ids[:, 2 + k:], valid)
+    mtp = tc.mtp_weight * mtp / max(len(model.mtp), 1)
+    n_main = sum(1 for layer in model.layers if layer.is_moe)
+    masks = _router_masks(out, mask, n_main)
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    bal = jnp.zeros((), _F32)
+    loads = []
+    for r, m in zip(out.routers, masks):
+        bal = bal + sequence_balance_loss(r, m, E, K)
+        loads.append(expert_load(r, m, E))
+    bal = tc.balance_alpha * bal
+    loss = ce + mtp + bal
+    load_NE = jnp.stack(loads) if loads else jnp.zeros((0, max(E, 1)), _F32)
+    metrics = dict(loss=loss, ce=ce, mtp_loss=mtp, balance_loss=bal, expert_load=jax.lax.stop_gradient(load_NE))
+    return loss, metrics
+
+
+# ------------------------------------------------------------------------------------------
+# The step
+# ------------------------------------------------------------------------------------------
+def init_train_state(model: DeepSeekModel, tx: optax.GradientTransformation):
+    """-> (graphdef, state, opt_state): the functional form of `model` and the optimizer state over its Params."""
+    graphdef, state = nnx.split(model)
+    params = nnx.split_state(state, nnx.Param, ...)[0]
+    return graphdef, state, tx.init(params)
+
+
+def make_train_step(tx: optax.GradientTransformation, tc: TrainConfig = TrainConfig()):
+    """A jitted `train_step(graphdef, state, opt_state, batch) -> (state, opt_state, metrics)`.
+
+    One optax update of the Params on `loss_fn`'s gradient, then the router-bias rule with the
+    step's expert loads (outside the gradient). metrics: `loss_fn`'s plus `grad_norm`.
+    """
+
+    def train_step(graphdef, state, opt_state, batch):
+        params, rest = nnx.split_state(state, nnx.Param, ...)
+
+        def f(p):
+            return loss_fn(nnx.merge(graphdef, p, rest), batch, tc)
+
+        (_, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        model = nnx.merge(graphdef, params, rest)
+        if tc.bias_update_rate > 0:
+            router_bias_update(model, metrics["expert_load"], tc.bias_update_rate)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return nnx.state(model), opt_state, metrics
+
+    return jax.jit(train_step, static_argnums=(0,))
+
+
+def grads_of(model: DeepSeekModel, batch: dict[str, Any], tc: TrainConfig = TrainConfig()):
+    """(metrics, grads over the Params as an nnx.State) of `loss_fn`, for inspection and tests."""
+    graphdef, state = nnx.split(model)
+    params, rest = nnx.split_state(state, nnx.Param, ...)
+    (_, metrics), grads = jax.value_and_grad(
+        lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch, tc), has_aux=True)(params)
+    return metrics, grads

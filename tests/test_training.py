@@ -1,0 +1,176 @@
+"""Training: the loss goes down, every parameter learns, the router bias moves only by its rule, padding is inert."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from mla_jax import ModelConfig
+from models import DeepSeekModel, RouterBias, RouterOutput
+from models.training import (
+    TrainConfig, init_train_state, loss_fn, make_train_step, moe_modules, positions_from_mask, sequence_balance_loss,
+)
+
+CFG = ModelConfig.from_hf_dict(dict(
+    model_type="deepseek_v3", vocab_size=48, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+    num_hidden_layers=2, num_attention_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+    qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+    topk_group=1, first_k_dense_replace=1, num_nextn_predict_layers=1, routed_scaling_factor=2.5,
+    rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
+                      mscale_all_dim=1.0)))
+B, T = 2, 16
+GAMMA = 1e-3
+TC = TrainConfig(mtp_weight=0.3, balance_alpha=1e-2, bias_update_rate=GAMMA)
+
+
+def init_model(cfg, seed=0):
+    """Random weights without paying for a compiled init: norms 1, bias 0, matrices N(0, 1/fan_in)."""
+    abstract = nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    rng = np.random.default_rng(seed)
+
+    def fill(path, s):
+        name = jax.tree_util.keystr(path)
+        if "e_score_correction_bias" in name:
+            return jnp.zeros(s.shape, s.dtype)
+        if len(s.shape) == 1:
+            return jnp.ones(s.shape, s.dtype)
+        scale = 1.0 if "embedding" in name else 1.0 / np.sqrt(s.shape[-2])
+        return jnp.asarray(rng.standard_normal(s.shape) * scale, s.dtype)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
+
+
+def make_batch(seed=0):
+    ids = jax.random.randint(jax.random.key(seed), (B, T), 0, CFG.vocab_size, dtype=jnp.int32)
+    mask = jnp.ones((B, T), jnp.int32).at[1, -3:].set(0)  # row 1 right-padded by 3
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def biases(state):
+    return [np.asarray(v) for v in jax.tree.leaves(nnx.state(nnx.merge(*state), RouterBias))]
+
+
+@pytest.fixture(scope="module")
+def run():
+    """Five steps of adamw (with weight decay, which would move the bias if the optimizer saw it)."""
+    model = init_model(CFG)
+    tx = optax.adamw(3e-3, weight_decay=0.1)
+    graphdef, state, opt_state = init_train_state(model, tx)
+    step = make_train_step(tx, TC)
+    batch = make_batch()
+    history = []
+    for _ in range(5):
+        before = biases((graphdef, state))
+        state, opt_state, metrics = step(graphdef, state, opt_state, batch)
+        history.append((before, biases((graphdef, state)), jax.device_get(metrics)))
+    return graphdef, state, opt_state, history, batch
+
+
+def test_train_steps_lower_the_loss(run):
+    graphdef, state, opt_state, history, batch = run
+    losses = [float(m["loss"]) for _, _, m in history]
+    assert all(np.isfinite(losses))
+    assert losses[-1] < 0.8 * losses[0], losses
+    m = history[0][2]
+    assert set(m) >= {"loss", "ce", "mtp_loss", "balance_loss", "expert_load", "grad_norm"}
+    np.testing.assert_allclose(m["loss"], m["ce"] + m["mtp_loss"] + m["balance_loss"], rtol=1e-6)
+    assert m["mtp_loss"] > 0 and m["balance_loss"] > 0
+    # Loads count only real tokens: K per valid token (main MoE layer), K per valid MTP position.
+    valid = int(batch["attention_mask"].sum())
+    K = CFG.num_experts_per_tok
+    assert m["expert_load"].shape == (2, CFG.n_routed_experts)  # 1 main MoE layer + the MTP block
+    assert m["expert_load"][0].sum() == K * valid
+    assert m["expert_load"][1].sum() == K * (valid - B)
+    # The optimizer state holds no router bias.
+    n_bias = sum(int(np.prod(b.shape)) for b in history[0][0])
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.split_state(state, nnx.Param, ...)[0]))
+    assert sum(x.size for x in jax.tree.leaves(opt_state)) == 2 * n_params + 1  # adam mu, nu, count
+    assert n_bias == 2 * CFG.n_routed_experts
+
+
+def test_router_bias_moves_only_by_the_update_rule(run):
+    *_, history, _ = run
+    moved = 0
+    for before, after, m in history:
+        assert all(a.dtype == np.float32 for a in after)
+        for b0, b1, load in zip(before, after, m["expert_load"]):
+            want = b0 + np.float32(GAMMA) * np.sign(load.mean() - load).astype(np.float32)
+            np.testing.assert_array_equal(b1, want)
+            step = np.abs(b1 - b0)
+            assert np.all(np.isclose(step, GAMMA, rtol=1e-3) | (step == 0))
+            moved += int(np.count_nonzero(step))
+    assert moved > 0
+
+
+def test_every_trainable_parameter_gets_a_gradient():
+    model = init_model(CFG, seed=1)
+    batch = make_batch(1)
+    graphdef, state = nnx.split(model)
+    params, rest = nnx.split_state(state, nnx.Param, ...)
+
+    @jax.jit
+    def grad(p):
+        return jax.grad(lambda q: loss_fn(nnx.merge(graphdef, q, rest), batch, TC), has_aux=True)(p)
+
+    grads, metrics = grad(params)
+    # Precondition: every expert of every MoE layer got a token (else its zero gradient is right).
+    assert np.all(np.asarray(metrics["expert_load"]) > 0), metrics["expert_load"]
+    flat = jax.tree_util.tree_leaves_with_path(grads)
+    assert len(flat) == len(jax.tree.leaves(params))
+    dead = [jax.tree_util.keystr(p) for p, g in flat if not np.any(np.asarray(g) != 0)]
+    assert not dead, dead
+
+
+def test_padding_is_inert():
+    """Left vs right padding, and whatever token ids fill the pads, give the same losses and loads."""
+    model = init_model(CFG, seed=2)
+    graphdef, state = nnx.split(model)
+    f = jax.jit(lambda s, b: loss_fn(nnx.merge(graphdef, s), b, TC)[1])
+    ids = jax.random.randint(jax.random.key(3), (B, T), 0, CFG.vocab_size, dtype=jnp.int32)
+    n = T - 5
+    right = ids.at[1, n:].set(7)
+    left = ids.at[1].set(jnp.concatenate([jnp.full((T - n,), 11, jnp.int32), ids[1, :n]]))
+    mask_r = jnp.ones((B, T), jnp.int32).at[1, n:].set(0)
+    mask_l = jnp.ones((B, T), jnp.int32).at[1, : T - n].set(0)
+    a = f(state, {"input_ids": right, "attention_mask": mask_r, "loss_mask": mask_r})
+    b = f(state, {"input_ids": left, "attention_mask": mask_l, "loss_mask": jnp.ones((B, T), jnp.int32)})
+    for k in ("ce", "mtp_loss", "balance_loss", "expert_load"):
+        np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), rtol=2e-5, atol=1e-6, err_msg=k)
+    # A loss mask (e.g. prompt tokens) drops targets from the CE/MTP losses, not tokens from routing.
+    c = f(state, {"input_ids": right, "attention_mask": mask_r, "loss_mask": mask_r.at[:, : T // 2].set(0)})
+    np.testing.assert_array_equal(np.asarray(c["expert_load"]), np.asarray(a["expert_load"]))
+    np.testing.assert_array_equal(np.asarray(c["balance_loss"]), np.asarray(a["balance_loss"]))
+    assert abs(float(c["ce"]) - float(a["ce"])) > 1e-4
+    np.testing.assert_array_equal(np.asarray(positions_from_mask(mask_l[1:])), [[-1] * (T - n) + list(range(n))])
+
+
+def test_balance_loss_matches_numpy():
+    rng = np.random.default_rng(4)
+    Bq, Tq, E, K = 3, 7, 6, 2
+    scores = rng.uniform(0.05, 1.0, (Bq * Tq, E)).astype(np.float32)
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(Bq * Tq)]).astype(np.int32)
+    mask = np.ones((Bq, Tq), np.float32)
+    mask[2, 4:] = 0
+    r = RouterOutput(jnp.ones((Bq * Tq, K)), jnp.asarray(idx), jnp.asarray(scores))
+    got = float(sequence_balance_loss(r, jnp.asarray(mask), E, K))
+    per_seq = []
+    for b in range(Bq):
+        rows = [b * Tq + t for t in range(Tq) if mask[b, t]]
+        f = np.zeros(E)
+        for t in rows:
+            f[idx[t]] += 1
+        f *= E / (K * len(rows))
+        p = sum(scores[t] / scores[t].sum() for t in rows) / len(rows)
+        per_seq.append(np.sum(f * p))
+    np.testing.assert_allclose(got, np.mean(per_seq), rtol=1e-6)
+
+
+def test_train_config_validates():
+    with pytest.raises(ValueError, match="bias_update_rate"):
+        TrainConfig(bias_update_rate=-1.0)
+    assert len(moe_modules(init_model(CFG))) == 2
