@@ -1,0 +1,164 @@
+"""Kernel microbenchmarks: shared timing, ceilings and reporting helpers.
+
+Method (shared/BENCHMARKING.md): CUPTI kernel time via ``profiler.measure`` (median over >= 30
+iterations after a warm-up), a correctness check before every timed cell, and ceilings measured in
+the same run. Plotting (matplotlib) and the progress bar (tqdm) are optional: without them the
+benchmarks still print the table and write the CSV.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+
+
+def gpu_name() -> str:
+  import jax
+  return jax.devices()[0].device_kind
+
+
+def run_header() -> dict:
+  import jax
+  return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              device=gpu_name(), jax=jax.__version__, command=" ".join([sys.executable] + sys.argv))
+
+
+def cupti_median_us(fn, *args, iterations=30, per_kernel=False):
+  """Median CUPTI time of ``fn(*args)`` in µs (sum over its kernels), after one warm-up call.
+
+  With ``per_kernel`` also returns {kernel name: median µs} for the parts of the call.
+  """
+  import jax
+  from jax.experimental.mosaic.gpu import profiler
+  jax.block_until_ready(fn(*args))
+  if not per_kernel:
+    _, times_ms = profiler.measure(fn, iterations=iterations)(*args)
+    return statistics.median(times_ms) * 1e3
+  _, runs = profiler.measure(fn, iterations=iterations, aggregate=False)(*args)
+  totals = [sum(t for _, t in run) for run in runs]
+  parts = {}
+  for run in runs:
+    for name, t in run:
+      parts.setdefault(name, []).append(t)
+  return (statistics.median(totals) * 1e3,
+          {name: statistics.median(ts) * 1e3 for name, ts in parts.items()})
+
+
+def measure_ceilings(iterations=30) -> dict:
+  """Bandwidth and matrix-rate ceilings measured now, on this GPU.
+
+  * ``xla_copy_gbps``: XLA ``x * 2`` over 2 GiB of bf16, read + write bytes (a copy XLA cannot
+    elide).
+  * ``torch_copy_gbps``: ``torch`` device-to-device copy of 2 GiB when torch with CUDA is
+    importable (measured in a subprocess so the two allocators do not fight).
+  * ``xla_matmul_tflops``: XLA bf16 8192^3 matmul.
+  ``bandwidth_gbps`` = the larger copy figure; ``matmul_tflops`` = the matmul figure.
+  """
+  import jax
+  import jax.numpy as jnp
+  n = 1 << 30                                   # 2 GiB of bf16
+  x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.bfloat16)
+  t = cupti_median_us(jax.jit(lambda a: a * 2), x, iterations=iterations)
+  out = dict(xla_copy_gbps=2 * 2 * n / t / 1e3)
+  del x
+  a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
+  t = cupti_median_us(jax.jit(lambda p, q: p @ q), a, b, iterations=iterations)
+  out["xla_matmul_tflops"] = 2 * 8192 ** 3 / t / 1e6
+  out["torch_copy_gbps"] = _torch_copy_gbps()
+  out["bandwidth_gbps"] = max(v for v in (out["xla_copy_gbps"], out["torch_copy_gbps"]) if v)
+  out["matmul_tflops"] = out["xla_matmul_tflops"]
+  return out
+
+
+def _torch_copy_gbps():
+  script = textwrap.dedent("""
+      import torch
+      x = torch.randn(1 << 29, device="cuda", dtype=torch.float32)   # 2 GiB
+      y = torch.empty_like(x)
+      for _ in range(3): y.copy_(x)
+      s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      times = []
+      for _ in range(30):
+          s.record(); y.copy_(x); e.record(); torch.cuda.synchronize(); times.append(s.elapsed_time(e))
+      times.sort(); print(2 * x.numel() * 4 / (times[len(times) // 2] * 1e-3) / 1e9)
+  """)
+  try:
+    env = dict(os.environ, CUDA_MODULE_LOADING="LAZY")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env=env)
+    return float(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else None
+  except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+    return None
+
+
+def progress(iterable, **kwargs):
+  try:
+    from tqdm import tqdm
+  except ImportError:
+    return iterable
+  return tqdm(iterable, **kwargs)
+
+
+def log(msg: str) -> None:
+  """Prints a line without tearing an active tqdm progress bar."""
+  try:
+    from tqdm import tqdm
+  except ImportError:
+    print(msg, flush=True)
+    return
+  tqdm.write(msg)
+  sys.stdout.flush()
+
+
+def read_csv(path):
+  """Rows of a CSV written by `write_csv`, with numeric-looking fields as int/float."""
+  def conv(v):
+    for t in (int, float):
+      try:
+        return t(v)
+      except ValueError:
+        pass
+    return {"True": True, "False": False}.get(v, v)
+  with open(path, newline="") as f:
+    return [{k: conv(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def write_csv(path, rows):
+  if not rows:
+    return
+  fields = list(rows[0].keys())
+  for r in rows:
+    fields += [k for k in r if k not in fields]
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=fields)
+    w.writeheader()
+    w.writerows(rows)
+
+
+def write_json(path, obj):
+  with open(path, "w") as f:
+    json.dump(obj, f, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
+
+
+def print_table(rows, columns):
+  """Prints ``rows`` (dicts) as an aligned text table of ``columns`` [(key, header, fmt)]."""
+  def cell(r, key, fmt):
+    v = r.get(key)
+    if v is None or v == "":
+      return "-"
+    return fmt.format(v) if isinstance(v, (int, float)) else str(v)
+  table = [[h for _, h, _ in columns]] + [[cell(r, k, f) for k, _, f in columns] for r in rows]
+  widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+  for i, row in enumerate(table):
+    print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    if i == 0:
+      print("  ".join("-" * w for w in widths))
+  sys.stdout.flush()

@@ -1,0 +1,327 @@
+"""Benchmark of the absorbed MLA decode kernel against XLA and the naive decompressing path.
+
+Usage: ``python -m benchmarks mla_decode [--quick] [--out DIR] [--iters N] [--sweep]``
+
+For every cell (B, s_q, seq, H, fixed or ragged lengths):
+* kernel: `pallas_kernels.mla_decode` (whole call: main kernel + split combine + any pad/slice),
+  also the main kernel alone;
+* xla: the absorbed math in plain XLA, bf16 operands with fp32 accumulation (gather, einsum,
+  masked softmax, einsum);
+* naive: what a non-absorbed implementation does every step: up-project the whole latent cache
+  to per-head K_nope/V through W_UK/W_UV [H, 128, 512], then attend (may not fit: marked OOM).
+The kernel is checked against the XLA path before it is timed. Bytes and FLOPs follow FlashMLA's
+formulas (shared/BENCHMARKING.md); ceilings are measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import benchmarks as bm
+
+SCALE = 192 ** -0.5
+PAGE = 64
+
+# FlashMLA on an H200 (shared/BENCHMARKING.md; whole call, fixed lengths): (B, s_q, seq, H) -> µs.
+FLASHMLA_US = {
+    (128, 1, 4096, 64): 171, (128, 1, 8192, 64): 319, (128, 1, 8192, 16): 316,
+    (128, 1, 32768, 16): 1178, (128, 1, 32768, 64): 1221, (128, 1, 4096, 128): 232,
+    (128, 1, 32768, 128): 1968, (128, 2, 8192, 128): 920, (128, 2, 32768, 128): 3615,
+    (1, 1, 4096, 128): 24.4, (8, 1, 4096, 128): 38.1,
+}
+
+
+# The cells FlashMLA was measured at, plus H=32, ragged lengths and more small batches.
+QUICK_CELLS = [(128, 1, 4096, 64, False), (128, 1, 8192, 64, False), (128, 1, 8192, 16, False),
+               (128, 1, 32768, 16, False), (128, 1, 32768, 64, False), (128, 1, 4096, 128, False),
+               (128, 1, 32768, 128, False), (128, 2, 8192, 128, False),
+               (128, 2, 32768, 128, False), (1, 1, 4096, 128, False), (8, 1, 4096, 128, False),
+               (128, 1, 8192, 32, False), (128, 1, 8192, 64, True), (32, 1, 4096, 64, False),
+               (8, 1, 32768, 64, False), (1, 1, 32768, 64, False)]
+
+
+def grid(quick: bool):
+  """Cells (B, s_q, seq, H, ragged): fixed lengths at B=128, then small batches, then ragged."""
+  if quick:
+    return list(QUICK_CELLS)
+  cells = [(128, s_q, seq, H, False) for s_q in (1, 2) for seq in (4096, 8192, 16384, 32768)
+           for H in (16, 32, 64, 128)]
+  cells += [(B, 1, seq, H, False) for B in (1, 8, 32) for seq in (4096, 32768)
+            for H in (16, 64, 128)]
+  cells += [(128, s_q, seq, H, True) for s_q in (1, 2) for seq in (4096, 8192, 16384, 32768)
+            for H in (16, 32, 64, 128)]
+  return cells
+
+
+def make_cell(B, s_q, seq, H, ragged, seed=0):
+  """Random device inputs: lengths, a permuted block table over B*max_pages pages, q, kv."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  if ragged:
+    lens = np.clip(rng.normal(seq, seq / 2, B), max(1, s_q), 2 * seq).astype(np.int32)
+  else:
+    lens = np.full(B, seq, np.int32)
+  max_pages = -(-int(lens.max()) // PAGE)
+  num_pages = B * max_pages
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  table = jax.random.permutation(k1, num_pages).astype(jnp.int32).reshape(B, max_pages)
+  kv = jax.random.normal(k2, (num_pages, PAGE, 576), jnp.bfloat16)
+  q = jax.random.normal(k3, (B, s_q, H, 576), jnp.bfloat16)
+  return q, kv, table, jnp.asarray(lens), int(lens.sum())
+
+
+def xla_absorbed(q, kv_pages, block_table, seq_lens, *, causal):
+  """Absorbed decode in plain XLA: bf16 operands, fp32 accumulation and softmax."""
+  import jax.numpy as jnp
+  B, s_q, H, _ = q.shape
+  kv_BSK = kv_pages[block_table].reshape(B, -1, 576)
+  S = kv_BSK.shape[1]
+  s_BTHS = jnp.einsum("bthk,bsk->bths", q, kv_BSK, preferred_element_type=jnp.float32) * SCALE
+  key = jnp.arange(S)
+  lim_BT = seq_lens[:, None] - (s_q - 1 - jnp.arange(s_q))[None] if causal else seq_lens[:, None]
+  s_BTHS = jnp.where((key[None, None] < jnp.broadcast_to(lim_BT, (B, s_q))[..., None])[:, :, None],
+                     s_BTHS, -jnp.inf)
+  m = s_BTHS.max(-1, keepdims=True)
+  p = jnp.exp(s_BTHS - m)
+  l = p.sum(-1)
+  o = jnp.einsum("bths,bsl->bthl", p.astype(jnp.bfloat16), kv_BSK[..., :512],
+                 preferred_element_type=jnp.float32) / l[..., None]
+  return o.astype(q.dtype), m[..., 0] + jnp.log(l)
+
+
+def naive_decompressed(q_nope, q_pe, kv_pages, block_table, seq_lens, w_uk, w_uv):
+  """Non-absorbed decode: per-head K/V up-projected from the whole latent cache every step.
+
+  q_nope [B,T,H,128], q_pe [B,T,H,64], w_uk/w_uv [H,128,512] -> out [B,T,H,128] (pre-o_proj).
+  Non-causal (timing baseline only).
+  """
+  import jax.numpy as jnp
+  B = q_nope.shape[0]
+  kv_BSK = kv_pages[block_table].reshape(B, -1, 576)
+  c_BSL, k_pe_BSR = kv_BSK[..., :512], kv_BSK[..., 512:]
+  k_BSHD = jnp.einsum("bsl,hdl->bshd", c_BSL, w_uk)
+  v_BSHD = jnp.einsum("bsl,hdl->bshd", c_BSL, w_uv)
+  s = (jnp.einsum("bthd,bshd->bths", q_nope, k_BSHD, preferred_element_type=jnp.float32)
+       + jnp.einsum("bthr,bsr->bths", q_pe, k_pe_BSR, preferred_element_type=jnp.float32)) * SCALE
+  key = jnp.arange(s.shape[-1])
+  s = jnp.where((key[None] < seq_lens[:, None])[:, None, None], s, -jnp.inf)
+  p = jax_softmax(s)
+  return jnp.einsum("bths,bshd->bthd", p.astype(jnp.bfloat16), v_BSHD)
+
+
+def jax_softmax(s):
+  import jax
+  return jax.nn.softmax(s, axis=-1)
+
+
+def run(args):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from pallas_kernels import MlaDecodeConfig, mla_decode
+  from pallas_kernels.mla_decode import plan
+
+  os.makedirs(args.out, exist_ok=True)
+  header = bm.run_header()
+  print(f"# mla_decode benchmark on {header['device']}, jax {header['jax']}, {header['date']}")
+  ceil = bm.measure_ceilings(args.iters)
+  print(f"# ceilings: copy XLA {ceil['xla_copy_gbps']:.0f} GB/s, torch "
+        f"{ceil['torch_copy_gbps'] or float('nan'):.0f} GB/s; bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s")
+  configs = {"default": MlaDecodeConfig()}
+  if args.sweep:
+    configs["split_qk"] = MlaDecodeConfig(split_qk=True)
+    for n in (4, 16, 64):
+      for split_qk in (False, True):
+        configs[f"splits{n}{'_sqk' if split_qk else ''}"] = MlaDecodeConfig(num_splits=n,
+                                                                             split_qk=split_qk)
+  rows = []
+  cells = grid(args.quick)
+  if args.skip_quick:
+    cells = [c for c in cells if c not in QUICK_CELLS]
+  if args.cells:
+    cells = cells[:args.cells]
+  xla_jit = jax.jit(xla_absorbed, static_argnames="causal")
+  naive_jit = jax.jit(naive_decompressed)
+  baselines = {}
+  # Pass 1 times the default config (and the baselines) over every cell; pass 2 the sweep
+  # variants. A variant that fails or hangs then cannot cost the default's results.
+  passes = [{"default": configs["default"]}]
+  if len(configs) > 1:
+    passes.append({k: v for k, v in configs.items() if k != "default"})
+  work = [(i, cfgs, cell) for i, cfgs in enumerate(passes) for cell in cells]
+  if args.then_grid:
+    # Then the rest of the full grid with the default config (no naive path: time).
+    work += [(len(passes), passes[0], cell) for cell in grid(False) if cell not in cells]
+  for pass_idx, cfgs, (B, s_q, seq, H, ragged) in bm.progress(work, desc="mla_decode cells"):
+    causal = s_q > 1
+    key = (B, s_q, seq, H, ragged)
+    q, kv, table, lens, total = make_cell(B, s_q, seq, H, ragged)
+    nbytes = (total * 576 + B * s_q * H * 576 + B * s_q * H * 512) * 2
+    flops = s_q * total * H * (576 + 512) * 2
+    ref_out = ref_lse = None
+    base = dict(B=B, s_q=s_q, seq=seq, H=H, lengths="ragged" if ragged else "fixed",
+                causal=causal, gbytes=nbytes / 1e9, gflop=flops / 1e9)
+    try:
+      ref_out, ref_lse = xla_jit(q, kv, table, lens, causal=causal)
+    except Exception as e:  # noqa: BLE001 - an XLA OOM must not end the run
+      bm.log(f"  xla failed at {base}: {type(e).__name__}: {str(e)[:120]}")
+    if key not in baselines:
+      xla_us = None
+      if ref_out is not None:
+        xla_us = bm.cupti_median_us(lambda *a: xla_jit(*a, causal=causal), q, kv, table, lens,
+                                    iterations=args.iters)
+      naive_us, naive_note = None, ""
+      naive_gb = B * table.shape[1] * PAGE * H * 256 * 2 / 1e9
+      if args.naive and naive_gb < 60 and pass_idx < len(passes):
+        k = jax.random.split(jax.random.key(7), 4)
+        q_nope = jax.random.normal(k[0], (B, s_q, H, 128), jnp.bfloat16)
+        q_pe = jax.random.normal(k[1], (B, s_q, H, 64), jnp.bfloat16)
+        w_uk = jax.random.normal(k[2], (H, 128, 512), jnp.bfloat16) * 0.05
+        w_uv = jax.random.normal(k[3], (H, 128, 512), jnp.bfloat16) * 0.05
+        try:
+          naive_us = bm.cupti_median_us(naive_jit, q_nope, q_pe, kv, table, lens, w_uk, w_uv,
+                                        iterations=args.iters)
+        except Exception as e:  # noqa: BLE001
+          naive_note = f"failed: {type(e).__name__}"
+        del q_nope, q_pe, w_uk, w_uv
+      elif args.naive and pass_idx < len(passes):
+        naive_note = f"OOM (K/V {naive_gb:.0f} GB)"
+      baselines[key] = dict(xla_us=xla_us, naive_us=naive_us, naive_note=naive_note)
+    bl = baselines[key]
+    for cname, cfg in cfgs.items():
+      p = plan(B, s_q, H, table.shape[1], cfg)
+      if cfg.num_splits and (B * p.row_blocks >= 100 or cfg.num_splits > table.shape[1]):
+        continue    # split knobs only matter where the default leaves SMs idle
+      fn = jax.jit(lambda *a, cfg=cfg: mla_decode(*a, softmax_scale=SCALE, causal=causal,
+                                                   config=cfg, impl="kernel"))
+      row = dict(base, config=cname, splits=p.num_splits, row_blocks=p.row_blocks)
+      try:
+        out, lse = fn(q, kv, table, lens)
+        if ref_out is not None:
+          o, r = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
+          row["rel_err"] = float(np.linalg.norm(o - r) / np.linalg.norm(r))
+          row["lse_err"] = float(np.abs(np.asarray(lse) - np.asarray(ref_lse)).max())
+          if not row["rel_err"] < 1e-2:
+            row["note"] = "WRONG"
+        whole, parts = bm.cupti_median_us(fn, q, kv, table, lens, iterations=args.iters,
+                                          per_kernel=True)
+        main = max(parts.values())
+        row.update(us=whole, main_us=main, gbps=nbytes / whole / 1e3, tflops=flops / whole / 1e6)
+        row["bw_frac"] = row["gbps"] / ceil["bandwidth_gbps"]
+        row["flop_frac"] = row["tflops"] / ceil["matmul_tflops"]
+      except Exception as e:  # noqa: BLE001
+        row["note"] = f"kernel failed: {type(e).__name__}: {str(e)[:200]}"
+        bm.log(row["note"])
+      row.update(bl)
+      if bl["xla_us"] and row.get("us"):
+        row["x_vs_xla"] = bl["xla_us"] / row["us"]
+      if bl["naive_us"] and row.get("us"):
+        row["x_vs_naive"] = bl["naive_us"] / row["us"]
+      fm = FLASHMLA_US.get((B, s_q, seq, H)) if not ragged else None
+      if fm and row.get("us"):
+        row["flashmla_us"] = fm
+        row["vs_flashmla"] = fm / row["us"]     # > 1: faster than FlashMLA
+      rows.append(row)
+      bm.log("  " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                              for k, v in row.items() if k not in ("gbytes", "gflop", "causal")))
+      bm.write_csv(os.path.join(args.out, "mla_decode.csv"), rows)   # partial results survive a kill
+    del q, kv, table, lens, ref_out, ref_lse
+  report(rows, ceil, header, args.out)
+  return rows
+
+
+def report(rows, ceil, header, out_dir):
+  """Prints the table and writes CSV, JSON metadata and the roofline plot under ``out_dir``."""
+  columns = [("B", "B", "{}"), ("s_q", "s_q", "{}"), ("seq", "seq", "{}"), ("H", "H", "{}"),
+             ("lengths", "len", "{}"), ("config", "cfg", "{}"), ("splits", "spl", "{}"),
+             ("us", "kernel µs", "{:.1f}"), ("main_us", "main µs", "{:.1f}"),
+             ("gbps", "GB/s", "{:.0f}"), ("tflops", "TFLOP/s", "{:.0f}"),
+             ("bw_frac", "%BW", "{:.0%}"), ("flop_frac", "%MMA", "{:.0%}"),
+             ("xla_us", "XLA µs", "{:.0f}"), ("x_vs_xla", "xXLA", "{:.1f}"),
+             ("naive_us", "naive µs", "{:.0f}"), ("flashmla_us", "FlashMLA µs", "{}"),
+             ("vs_flashmla", "FM/ours", "{:.2f}"), ("rel_err", "rel err", "{:.1e}"),
+             ("note", "note", "{}")]
+  print()
+  bm.print_table(rows, columns)
+  bm.write_csv(os.path.join(out_dir, "mla_decode.csv"), rows)
+  bm.write_json(os.path.join(out_dir, "mla_decode_meta.json"), dict(header, ceilings=ceil))
+  plot_roofline(rows, ceil, os.path.join(out_dir, "mla_decode_roofline.png"), header)
+
+
+def plot_roofline(rows, ceil, path, header):
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("# matplotlib missing: no plot")
+    return
+  bw, peak = ceil["bandwidth_gbps"], ceil["matmul_tflops"]
+  fig, ax = plt.subplots(figsize=(8, 5.5))
+  xs = [10 ** (i / 20) for i in range(0, 81)]
+  ax.plot(xs, [min(bw * x / 1e3, peak) for x in xs], "k-", lw=1,
+          label=f"roof: {bw:.0f} GB/s, {peak:.0f} TFLOP/s (measured)")
+  for key, label, marker in (("us", "Mosaic GPU kernel", "o"), ("xla_us", "XLA absorbed", "s"),
+                             ("naive_us", "naive (decompress)", "x")):
+    pts = [(r["gflop"] / r["gbytes"], r["gflop"] / r[key] * 1e3) for r in rows
+           if r.get(key) and r.get("config") == "default"]
+    if pts:
+      ax.scatter(*zip(*pts), marker=marker, label=label, alpha=0.7)
+  fm = [(r["gflop"] / r["gbytes"], r["gflop"] / r["flashmla_us"] * 1e3) for r in rows
+        if r.get("flashmla_us") and r.get("config") == "default"]
+  if fm:
+    ax.scatter(*zip(*fm), marker="*", s=90, label="FlashMLA (H200, published run)")
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+  ax.set_ylabel("TFLOP/s")
+  ax.set_title(f"Absorbed MLA decode, {header['device']}, jax {header['jax']}")
+  ax.legend(fontsize=8)
+  ax.grid(True, which="both", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"# wrote {path}")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(prog="python -m benchmarks mla_decode", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--quick", action="store_true", help="a reduced grid")
+  p.add_argument("--out", default="runs/bench_mla_decode", help="directory for CSV/PNG/JSON")
+  p.add_argument("--iters", type=int, default=30, help="CUPTI iterations per timing (median)")
+  p.add_argument("--sweep", action="store_true",
+                 help="also time the split_qk variant everywhere and split counts at small batch")
+  p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive path")
+  p.add_argument("--cells", type=int, default=0, help="only the first N cells (0 = all)")
+  p.add_argument("--skip-quick", action="store_true", help="leave out the --quick cells")
+  p.add_argument("--then-grid", action="store_true",
+                 help="after the chosen cells, the rest of the full grid (default config only)")
+  p.add_argument("--from-csv", help="no GPU: re-report a CSV from an earlier run (table + plot)")
+  p.add_argument("--bandwidth-gbps", type=float, help="with --from-csv: the measured copy ceiling")
+  p.add_argument("--matmul-tflops", type=float, help="with --from-csv: the measured matmul ceiling")
+  p.add_argument("--device", default="NVIDIA H200", help="with --from-csv: the GPU it ran on")
+  args = p.parse_args(argv)
+  if args.from_csv:
+    if not (args.bandwidth_gbps and args.matmul_tflops):
+      p.error("--from-csv needs --bandwidth-gbps and --matmul-tflops")
+    rows = bm.read_csv(args.from_csv)
+    ceil = dict(bandwidth_gbps=args.bandwidth_gbps, matmul_tflops=args.matmul_tflops)
+    for r in rows:
+      if isinstance(r.get("us"), float):
+        r["bw_frac"] = r["gbps"] / ceil["bandwidth_gbps"]
+        r["flop_frac"] = r["tflops"] / ceil["matmul_tflops"]
+    import jax
+    os.makedirs(args.out, exist_ok=True)
+    report(rows, ceil, dict(device=args.device, jax=jax.__version__, source=args.from_csv), args.out)
+    return rows
+  if args.iters < 30:
+    print(f"# note: --iters {args.iters} < 30")
+  return run(args)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,92 @@
+"""Benchmark of the paged gather kernel against XLA's ``kv_pages[block_table]``.
+
+Usage: ``python -m benchmarks paged_gather [--quick] [--out DIR] [--iters N] [--sweep]``
+
+Bytes = read + written = 2 * B * T * 576 * 2; the ceiling is a device-to-device copy measured in
+the same run. Every kernel result is compared bit-exactly with XLA's before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import benchmarks as bm
+
+
+def grid(quick: bool):
+  """Cells (B, num_tokens)."""
+  if quick:
+    return [(32, 4096), (128, 4096), (8, 32768)]
+  return [(1, 32768), (8, 32768), (32, 4096), (32, 8192), (128, 4096), (128, 8192),
+          (128, 16384), (64, 2500)]
+
+
+def run(args):
+  import jax
+  import numpy as np
+  from pallas_kernels import PagedGatherConfig, paged_gather
+  from pallas_kernels.paged_gather import plan_chunks
+
+  os.makedirs(args.out, exist_ok=True)
+  header = bm.run_header()
+  print(f"# paged_gather benchmark on {header['device']}, jax {header['jax']}, {header['date']}")
+  ceil = bm.measure_ceilings(args.iters)
+  print(f"# ceilings: copy XLA {ceil['xla_copy_gbps']:.0f} GB/s, torch "
+        f"{ceil['torch_copy_gbps'] or float('nan'):.0f} GB/s")
+  configs = {"default": PagedGatherConfig()}
+  if args.sweep:
+    for chunks in (2, 4, 8, 16):
+      for steps in (2, 3):
+        configs[f"c{chunks}s{steps}"] = PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps)
+    configs["ctas132"] = PagedGatherConfig(target_ctas=132)
+    configs["ctas528"] = PagedGatherConfig(target_ctas=528)
+  rows = []
+  for B, T in bm.progress(grid(args.quick), desc="paged_gather cells"):
+    n_pages = -(-T // 64)
+    k1, k2 = jax.random.split(jax.random.key(B * T))
+    table = jax.random.permutation(k1, B * n_pages).astype(np.int32).reshape(B, n_pages)
+    kv = jax.random.normal(k2, (B * n_pages, 64, 576), jax.numpy.bfloat16)
+    nbytes = 2 * B * T * 576 * 2
+    xla_fn = jax.jit(lambda kv, bt: kv[bt].reshape(B, -1, 576)[:, :T])
+    want = xla_fn(kv, table)
+    xla_us = bm.cupti_median_us(xla_fn, kv, table, iterations=args.iters)
+    for name, cfg in configs.items():
+      fn = jax.jit(lambda kv, bt, cfg=cfg: paged_gather(kv, bt, num_tokens=T, config=cfg,
+                                                         impl="kernel"))
+      row = dict(B=B, T=T, config=name, chunks=plan_chunks(B, n_pages, cfg)[0],
+                 steps=cfg.max_concurrent_steps, gbytes=nbytes / 1e9, xla_us=xla_us,
+                 xla_gbps=nbytes / xla_us / 1e3)
+      try:
+        got = fn(kv, table)
+        row["exact"] = bool((got == want).all())
+        us = bm.cupti_median_us(fn, kv, table, iterations=args.iters)
+        row.update(us=us, gbps=nbytes / us / 1e3, x_vs_xla=xla_us / us)
+        row["bw_frac"] = row["gbps"] / ceil["bandwidth_gbps"]
+      except Exception as e:  # noqa: BLE001
+        row["note"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+      rows.append(row)
+    del kv, table, want
+  bm.print_table(rows, [("B", "B", "{}"), ("T", "T", "{}"), ("config", "cfg", "{}"),
+                        ("chunks", "chunks", "{}"), ("steps", "steps", "{}"),
+                        ("us", "kernel µs", "{:.1f}"), ("gbps", "GB/s", "{:.0f}"),
+                        ("bw_frac", "%copy", "{:.0%}"), ("xla_us", "XLA µs", "{:.1f}"),
+                        ("xla_gbps", "XLA GB/s", "{:.0f}"), ("x_vs_xla", "xXLA", "{:.2f}"),
+                        ("exact", "exact", "{}"), ("note", "note", "{}")])
+  bm.write_csv(os.path.join(args.out, "paged_gather.csv"), rows)
+  bm.write_json(os.path.join(args.out, "paged_gather_meta.json"), dict(header, ceilings=ceil))
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(prog="python -m benchmarks paged_gather", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--quick", action="store_true", help="a reduced grid")
+  p.add_argument("--out", default="runs/bench_paged_gather", help="directory for CSV/JSON")
+  p.add_argument("--iters", type=int, default=30, help="CUPTI iterations per timing (median)")
+  p.add_argument("--sweep", action="store_true", help="also time chunk/step configs")
+  return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,537 @@
+"""Absorbed Multi-head Latent Attention decode over a paged latent KV cache (Mosaic GPU, sm_90).
+
+Dimension letters: B batch, T query tokens per sequence (s_q), H heads, R = T*H query rows,
+P pages, S cached tokens, L latent width 512, K key width 576 = 512 latent + 64 rope.
+
+The absorbed form (DeepSeek-V2 §2.1.2): with q_lat = q_nope·W_UK folded into the query, every head
+attends over the same 576-wide cached latents, and V is the first 512 columns of the same rows.
+So one KV page tile in shared memory serves Q·Kᵀ (576 wide) and P·V (512 wide), and the kernel is a
+flash-decoding loop over pages:
+
+* Query rows: the (T, H) pairs of a sequence are packed row-major into R = T·H rows (row = t·H + h)
+  and padded to a multiple of 64, the wgmma M tile. A CTA owns one 64-row block, so H=16, T=1 pads
+  16 rows to 64, and H=128 uses two CTAs (row blocks) per sequence and KV split.
+* Split-KV: each sequence's pages are cut into ``num_splits`` contiguous ranges so that
+  B·row_blocks·num_splits fills about one wave of the GPU's SMs. With one split, the kernel
+  writes the final bf16 output and natural-log LSE itself. With more, it writes fp32 partials and a
+  second, small Mosaic GPU kernel combines them (still a single jitted call; no XLA math).
+* Warp specialisation: warpgroup 2 streams pages through the block table with TMA
+  (two 73.7 KB stages; with Q resident that is 221 KB of the 227 KB of SMEM); warpgroups 0 and 1
+  each own 256 of the 512 output columns (a 64x512 fp32 accumulator in one warpgroup spills).
+  Per page, S = Q·Kᵀ, an online softmax in fp32 in the exp2 domain, then O += P·V with P (bf16)
+  from registers. Two bodies: the plain one has both warpgroups compute all of S (redundant
+  tensor work, no synchronisation); the split-QK one has each compute S for 32 of the 64 tokens
+  and exchange row maxima, P halves and row sums through SMEM (two CTA barriers per page).
+  `MlaDecodeConfig.split_qk` picks; by default split-QK when all 64 rows of a CTA are real.
+* Ragged lengths: keys at positions >= the row's limit get -inf scores; the V rows of a partial
+  last page are zeroed in SMEM first, because P=0 times a garbage (even NaN) V row is still NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels import _platform
+
+PAGE_SIZE = 64          # tokens per KV page (the TMA box and the wgmma N of Q·Kᵀ)
+KEY_DIM = 576           # latent 512 ; rope 64
+LATENT_DIM = 512        # V width (first 512 columns of each cached row)
+ROWS = 64               # query rows per CTA = wgmma M of one warpgroup
+SUPPORTED_HEADS = (16, 32, 64, 128)
+MAX_QUERY_LEN = 4
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+# Running max starts finite so that a row whose keys are all masked in a page gives
+# exp2(-inf - m) = 0 rather than exp2(-inf + inf) = NaN.
+_M_INIT = -1e30
+# bf16 tiles as wgmma wants them: 8x64 tiles, 128-byte swizzle. Also splits the 576-wide rows
+# into <=256-element TMA boxes.
+_BF16_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaDecodeConfig:
+  """Static tuning knobs of `mla_decode`.
+
+  Attributes:
+    num_splits: KV splits per sequence; None picks ``target_ctas // (B * row_blocks)`` capped so
+      every split gets at least ``min_pages_per_split`` pages and at most ``max_splits`` splits.
+    target_ctas: CTAs the split heuristic aims for (132 = one wave on an H100/H200 SXM).
+    min_pages_per_split: lower bound of pages per split for the heuristic (each CTA pays a
+      73.7 KB Q load and a partial write, so tiny splits cost more than they hide).
+    max_splits: upper bound of the heuristic (the combine reads every split's partial; on an
+      H200, B=1, seq 32768, H=64 took 48.7 µs with 64 splits and 65.8 µs with 128).
+    max_concurrent_steps: KV pages in flight per CTA. Each stage is 73.7 KB of SMEM; with Q resident
+      only 2 fit.
+    memory_registers: registers per thread left to the TMA warpgroup (setmaxnreg).
+    combine_block_cols: output columns per CTA of the split combine kernel (divides 512).
+    split_qk: each compute warpgroup computes Q·Kᵀ for its own 32 of the page's 64 tokens
+      (instead of both computing all 64); the two exchange row maxima, P halves (bf16) and row
+      sums through SMEM with two CTA barriers per page. Halves the Q·Kᵀ tensor work. None = on
+      when the 64 query rows of a CTA are all real (s_q * H >= 64): on an H200 it was 2-16 %
+      faster there, and 2-5 % slower for H=16/32 at s_q=1, where rows are padding and the
+      kernel is purely bandwidth-bound.
+    interpretable: use constructs the Pallas interpreter can run (P staged through SMEM, P·V
+      accumulated with ``run_scoped`` instead of ``run_state``); slower, for interpret mode only.
+  """
+
+  num_splits: int | None = None
+  target_ctas: int = 132
+  min_pages_per_split: int = 4
+  max_splits: int = 64
+  max_concurrent_steps: int = 2
+  memory_registers: int = 40
+  combine_block_cols: int = 128
+  split_qk: bool | None = None
+  interpretable: bool = False
+
+  def __post_init__(self):
+    if self.num_splits is not None and not 1 <= self.num_splits <= 1024:
+      raise ValueError(f"num_splits must be None or in [1, 1024], got {self.num_splits}")
+    if self.target_ctas < 1:
+      raise ValueError(f"target_ctas must be >= 1, got {self.target_ctas}")
+    if self.max_splits < 1:
+      raise ValueError(f"max_splits must be >= 1, got {self.max_splits}")
+    if self.min_pages_per_split < 1:
+      raise ValueError(f"min_pages_per_split must be >= 1, got {self.min_pages_per_split}")
+    if self.max_concurrent_steps not in (1, 2):
+      raise ValueError(
+          "max_concurrent_steps must be 1 or 2 (73.7 KB of SMEM each), "
+          f"got {self.max_concurrent_steps}")
+    if not 24 <= self.memory_registers <= 256 or self.memory_registers % 8:
+      raise ValueError(
+          f"memory_registers must be a multiple of 8 in [24, 256], got {self.memory_registers}")
+    if self.combine_block_cols not in (64, 128, 256):
+      raise ValueError(
+          f"combine_block_cols must be one of 64, 128, 256, got {self.combine_block_cols}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference
+# ------------------------------------------------------------------------------------------------
+
+
+def _key_limits(seq_lens, s_q: int, causal: bool):
+  """Exclusive key bound per (sequence, query token): int32 [B, T]."""
+  j = jnp.arange(s_q, dtype=jnp.int32)[None, :]
+  lens = seq_lens.astype(jnp.int32)[:, None]
+  if causal:
+    return lens - s_q + 1 + j   # query j sits at position seq_len - s_q + j
+  return jnp.broadcast_to(lens, (lens.shape[0], s_q))
+
+
+def mla_decode_reference(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal=False,
+                         config=None, impl=None):
+  """Plain-jnp absorbed MLA decode with fp32 math; same contract as `mla_decode`.
+
+  ``config`` and ``impl`` are accepted (and ignored) so the two functions are interchangeable.
+  A query with no visible key (only possible when causal and seq_len < s_q) gets out = 0 and
+  lse = -inf, as in the kernel.
+  """
+  del config, impl
+  _validate(q, kv_pages, block_table, seq_lens, softmax_scale)
+  B, s_q, H, _ = q.shape
+  kv_BSK = kv_pages[block_table].reshape(B, -1, KEY_DIM).astype(jnp.float32)   # (B, S, K)
+  keys = jnp.arange(kv_BSK.shape[1], dtype=jnp.int32)
+  valid_BS = keys[None, :] < seq_lens.astype(jnp.int32)[:, None]
+  # Zero rows past the sequence: unused slots may hold anything (NaN), and 0 * NaN = NaN.
+  kv_BSK = jnp.where(valid_BS[..., None], kv_BSK, 0.0)
+  scores_BTHS = jnp.einsum("bthk,bsk->bths", q.astype(jnp.float32), kv_BSK,
+                           precision=lax.Precision.HIGHEST) * softmax_scale
+  visible_BTS = keys[None, None, :] < _key_limits(seq_lens, s_q, causal)[..., None]
+  scores_BTHS = jnp.where(visible_BTS[:, :, None, :], scores_BTHS, -jnp.inf)
+  m_BTH = scores_BTHS.max(axis=-1)
+  m_BTH = jnp.where(jnp.isfinite(m_BTH), m_BTH, 0.0)
+  p_BTHS = jnp.exp(scores_BTHS - m_BTH[..., None])
+  l_BTH = p_BTHS.sum(axis=-1)
+  out_BTHL = jnp.einsum("bths,bsl->bthl", p_BTHS, kv_BSK[..., :LATENT_DIM],
+                        precision=lax.Precision.HIGHEST)
+  out_BTHL = out_BTHL / jnp.where(l_BTH == 0, 1.0, l_BTH)[..., None]
+  lse_BTH = jnp.where(l_BTH == 0, -jnp.inf, m_BTH + jnp.log(l_BTH))
+  return out_BTHL.astype(q.dtype), lse_BTH
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation and planning
+# ------------------------------------------------------------------------------------------------
+
+
+def _validate(q, kv_pages, block_table, seq_lens, softmax_scale):
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, s_q, H, {KEY_DIM}], got shape {q.shape}")
+  B, s_q, H, D = q.shape
+  if D != KEY_DIM:
+    raise ValueError(f"q's last dim must be {KEY_DIM} (512 latent + 64 rope), got {D}")
+  if q.dtype != jnp.bfloat16:
+    raise ValueError(f"q must be bfloat16, got {q.dtype}")
+  if H not in SUPPORTED_HEADS:
+    raise ValueError(f"number of heads H must be one of {SUPPORTED_HEADS}, got {H}")
+  if not 1 <= s_q <= MAX_QUERY_LEN:
+    raise ValueError(f"s_q (query tokens per sequence) must be in [1, {MAX_QUERY_LEN}], got {s_q}")
+  if B < 1:
+    raise ValueError(f"batch must be >= 1, got {B}")
+  if kv_pages.ndim != 3 or kv_pages.shape[1:] != (PAGE_SIZE, KEY_DIM):
+    raise ValueError(
+        f"kv_pages must be [num_pages, {PAGE_SIZE}, {KEY_DIM}] (page size {PAGE_SIZE}), "
+        f"got {kv_pages.shape}")
+  if kv_pages.dtype != jnp.bfloat16:
+    raise ValueError(f"kv_pages must be bfloat16, got {kv_pages.dtype}")
+  if block_table.ndim != 2 or block_table.shape[0] != B or block_table.shape[1] < 1:
+    raise ValueError(f"block_table must be [B={B}, max_pages >= 1], got {block_table.shape}")
+  if block_table.dtype != jnp.int32:
+    raise ValueError(f"block_table must be int32, got {block_table.dtype}")
+  if seq_lens.shape != (B,):
+    raise ValueError(f"seq_lens must be [B={B}], got {seq_lens.shape}")
+  if seq_lens.dtype != jnp.int32:
+    raise ValueError(f"seq_lens must be int32, got {seq_lens.dtype}")
+  if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
+    raise ValueError("softmax_scale must be a Python float (it is baked into the kernel), "
+                     f"got {softmax_scale!r}")
+  if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+    raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static launch geometry derived from the shapes and the config."""
+  row_blocks: int        # G: 64-row query blocks per sequence
+  num_splits: int        # KV splits per sequence (after dropping splits that are always empty)
+  pages_per_split: int
+  split_qk: bool         # the Q·Kᵀ-split body (see MlaDecodeConfig.split_qk)
+
+
+def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConfig) -> _Plan:
+  """The launch geometry `mla_decode` uses for these shapes (exposed for the benchmark)."""
+  row_blocks = pl.cdiv(s_q * heads, ROWS)
+  if config.num_splits is not None:
+    splits = config.num_splits
+  else:
+    splits = max(1, config.target_ctas // (batch * row_blocks))
+    splits = min(splits, max(1, max_pages // config.min_pages_per_split), config.max_splits)
+  splits = max(1, min(splits, max_pages))
+  pages_per_split = pl.cdiv(max_pages, splits)
+  split_qk = config.split_qk if config.split_qk is not None else s_q * heads >= ROWS
+  return _Plan(row_blocks, pl.cdiv(max_pages, pages_per_split), pages_per_split, split_qk)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+
+
+def _row_limits(seq_len, g, *, heads: int, s_q: int, causal: bool, shape=(ROWS, PAGE_SIZE)):
+  """int32 ``shape`` (rows, keys) in the WGMMA layout: exclusive key bound of each query row of
+  block g, broadcast along the keys."""
+  row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+  if not causal:
+    return jnp.full_like(row, 0) + seq_len
+  # Row r of block g is query token j = (g*64 + r) // H; H is a power of two. Padding rows
+  # (j >= s_q) get the full length, so they never go empty.
+  j = lax.shift_right_logical(row + g * ROWS, int(math.log2(heads)))
+  return jnp.minimum(seq_len - s_q + 1 + j, seq_len)
+
+
+def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, causal, scale,
+                     plan_: _Plan, config: MlaDecodeConfig, interpret):
+  """Main kernel. With one split it returns the final (out [B, Rp, 512] bf16, lse [B, Rp] f32 ln);
+  with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in log2) for `_combine`."""
+  B, Rp, _ = q_rows.shape
+  G, S, pps = plan_.row_blocks, plan_.num_splits, plan_.pages_per_split
+  final = S == 1
+  scale_log2 = scale * _LOG2E
+  if final:
+    out_type = (jax.ShapeDtypeStruct((B, Rp, LATENT_DIM), q_rows.dtype),
+                jax.ShapeDtypeStruct((B, Rp), jnp.float32))
+  else:
+    out_type = (jax.ShapeDtypeStruct((B, S, Rp, LATENT_DIM), jnp.float32),
+                jax.ShapeDtypeStruct((B, S, Rp), jnp.float32))
+  scratch = dict(q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+                 q_bar=plgpu.Barrier())
+  if plan_.split_qk:
+    # P (64 rows x 64 tokens, bf16, untiled so each warpgroup can store its 32-token half and
+    # both can load all of it into registers), row maxima and row sums of each warpgroup, and
+    # the two per-page rendezvous barriers. 9 KB: what is left of the 227 KB after Q and two KV
+    # stages (221 KB) holds it; a 64x64 fp32 S would not fit.
+    scratch["p_full_smem"] = plgpu.SMEM((ROWS, PAGE_SIZE), jnp.bfloat16)
+    scratch["stat_smem"] = plgpu.SMEM((2, 2, ROWS), jnp.float32)      # [max|sum, wg, row]
+    scratch["max_bar"] = plgpu.Barrier(num_arrivals=2)
+    scratch["p_bar"] = plgpu.Barrier(num_arrivals=2)
+  if config.interpretable:
+    scratch["p_smem"] = plgpu.SMEM((2, ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS)
+  half = LATENT_DIM // 2
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+  # Grid x (fastest) = row block, so the CTAs reading the same pages for different heads run
+  # side by side and the second read hits L2; then the split, then the batch.
+  @functools.partial(
+      plgpu.kernel, out_type=out_type, grid=(G, S, B), grid_names=("g", "s", "b"),
+      num_threads=3, thread_name="wg", scratch_types=scratch,
+      # The split-QK buffers fill SMEM to the last KB, so give back the cross-warp reduction
+      # scratch (2 KB by default); its reductions are all along rows, inside a warp.
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, **({"reduction_scratch_bytes": 0} if plan_.split_qk else {})),
+      interpret=interpret)
+  def mla_decode_partials(q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref, q_smem, q_bar,
+                          p_smem=None, p_full_smem=None, stat_smem=None, max_bar=None, p_bar=None):
+    g, s, b = lax.axis_index("g"), lax.axis_index("s"), lax.axis_index("b")
+    wg = lax.axis_index("wg")
+    seq_len = lens_ref[b]
+    first_page = s * pps
+    n_pages = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
+    rows = pl.ds(g * ROWS, ROWS)
+    cols = pl.ds(wg * half, half)   # this compute warpgroup's share of the 512 output columns
+
+    def compute_context(pipeline):
+      @pl.when(wg == 0)
+      def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+      plgpu.barrier_wait(q_bar)     # one completion releases both compute warpgroups
+      acc, m, l = pipeline((
+          plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), wgmma_layout),
+          plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout),
+          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)))
+      # l == 0 only for rows that saw no key (empty split): write o = 0 and lse = -inf.
+      l_safe = jnp.where(l == 0.0, 1.0, l)
+      o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+      lse2 = m + jnp.log2(l)
+      if final:
+        o_ref[b, rows, cols] = o.astype(o_ref.dtype)
+      else:
+        o_ref[b, s, rows, cols] = o
+
+      @pl.when(wg == 0)
+      def _():
+        if final:
+          lse_ref[b, rows] = lse2 * _LN2
+        else:
+          lse_ref[b, s, rows] = lse2
+
+    def zero_v_tail(kv, valid):
+      @pl.when(valid < PAGE_SIZE)
+      def _():
+        # Zero this warpgroup's V columns past the sequence end (the page tail is unwritten cache).
+        for c in range(half // 64):
+          chunk = kv.at[:, pl.ds(wg * half + c * 64, 64)]
+          x = plgpu.load(chunk, layout=wgmma_layout)
+          tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 64), 0, layout=wgmma_layout)
+          chunk[...] = jnp.where(tok < valid, x, jnp.zeros_like(x))
+        plgpu.commit_smem()
+
+    def body_split_qk(idx, kv, carry):
+      # Warpgroup w scores tokens [32w, 32w+32) of the page. Rendezvous 1 (max_bar): both halves'
+      # row maxima are in SMEM. Rendezvous 2 (p_bar): both P halves and row sums are. The
+      # buffers are single: a warpgroup rewrites its maxima only after passing the other's p_bar
+      # arrival of the previous page (which follows the other's read of them), and its P half and
+      # sums only after the other's max_bar arrival of this page (which follows the other's
+      # loads of P and sums for the previous page).
+      (i,) = idx
+      acc, m, l = carry
+      page_start = (first_page + i) * PAGE_SIZE
+      zero_v_tail(kv, seq_len - page_start)
+      tokens = pl.ds(wg * (PAGE_SIZE // 2), PAGE_SIZE // 2)
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, kv.at[tokens].transpose((1, 0)))
+        return acc_ref[...]
+      sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE // 2), jnp.float32)) * scale_log2
+      key = (page_start + wg * (PAGE_SIZE // 2)
+             + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE // 2), 1, layout=wgmma_layout))
+      limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal,
+                          shape=(ROWS, PAGE_SIZE // 2))
+      sc = jnp.where(key < limit, sc, -jnp.inf)
+      stat_smem[0, wg] = sc.max(axis=1)
+      plgpu.barrier_arrive(max_bar)
+      plgpu.barrier_wait(max_bar)
+      m_new = jnp.maximum(m, jnp.maximum(plgpu.load(stat_smem.at[0, 0], layout=row_layout),
+                                         plgpu.load(stat_smem.at[0, 1], layout=row_layout)))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+      p_full_smem[:, tokens] = p.astype(jnp.bfloat16)
+      stat_smem[1, wg] = p.sum(axis=1)
+      plgpu.barrier_arrive(p_bar)
+      plgpu.barrier_wait(p_bar)
+      l = (l * alpha + plgpu.load(stat_smem.at[1, 0], layout=row_layout)
+           + plgpu.load(stat_smem.at[1, 1], layout=row_layout))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = plgpu.load(p_full_smem, layout=wgmma_layout)
+      return pv_update(acc, p16, kv.at[:, cols]), m_new, l
+
+    def pv_update(acc, p16, v):
+      """acc + P·V for this warpgroup's columns; P (64 x 64 bf16) in registers."""
+      if config.interpretable:
+        # The interpreter cannot take the wgmma A operand from registers: stage P in SMEM.
+        p_ref = p_smem.at[wg]
+        p_ref[...] = p16
+        plgpu.commit_smem()
+
+        def pv_scoped(acc_ref):
+          plgpu.wgmma(acc_ref, p_ref, v)
+          return acc_ref[...]
+        return acc + pl.run_scoped(pv_scoped, plgpu.ACC((ROWS, half), jnp.float32))
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v)
+      return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+    def body(idx, kv, carry):
+      (i,) = idx
+      acc, m, l = carry
+      page_start = (first_page + i) * PAGE_SIZE
+      zero_v_tail(kv, seq_len - page_start)
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, kv.transpose((1, 0)))
+        return acc_ref[...]
+      sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32)) * scale_log2
+      key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1,
+                                                layout=wgmma_layout)
+      limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
+      sc = jnp.where(key < limit, sc, -jnp.inf)
+      m_new = jnp.maximum(m, sc.max(axis=1))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      return pv_update(acc, p.astype(jnp.bfloat16), kv.at[:, cols]), m_new, l
+
+    table = bt_ref.at[b]
+    plgpu.emit_pipeline_warp_specialized(
+        body_split_qk if plan_.split_qk else body, grid=(n_pages,),
+        memory_registers=config.memory_registers, num_compute_wgs=2, wg_axis="wg",
+        max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context,
+        in_specs=[plgpu.BlockSpec((None, PAGE_SIZE, KEY_DIM),
+                                  lambda i: (table[first_page + i], 0, 0),
+                                  transforms=_BF16_TRANSFORMS)],
+    )(kv_ref)
+
+  return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens)
+
+
+def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret):
+  """Split combine: o [B, S, Rp, 512] f32 and lse [B, S, Rp] (log2) -> out [B, Rp, 512], lse (ln).
+
+  One CTA per (64 rows, combine_block_cols columns, sequence) streams the S partial tiles through
+  SMEM and keeps an online log-sum-exp, so no split count limits it. Empty splits carry
+  lse = -inf and o = 0, so they weigh exp2(-inf) = 0.
+  """
+  B, S, Rp, _ = o_part.shape
+  G = Rp // ROWS
+  cb = config.combine_block_cols
+  C = LATENT_DIM // cb
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+  @functools.partial(
+      plgpu.kernel,
+      out_type=(jax.ShapeDtypeStruct((B, Rp, LATENT_DIM), out_dtype),
+                jax.ShapeDtypeStruct((B, Rp), jnp.float32)),
+      grid=(C, G, B), grid_names=("c", "g", "b"), interpret=interpret,
+      compiler_params=plgpu.CompilerParams(approx_math=True))
+  def mla_decode_combine(o_ref, lse_ref, out_ref, lse_out_ref):
+    c, g, b = lax.axis_index("c"), lax.axis_index("g"), lax.axis_index("b")
+
+    def body(idx, o_smem, lse_smem, carry):
+      del idx
+      acc, m, l = carry
+      lse = plgpu.load(lse_smem, layout=row_layout)
+      o = plgpu.load(o_smem, layout=wgmma_layout)
+      m_new = jnp.maximum(m, lse)
+      alpha = jnp.exp2(m - m_new)
+      w = jnp.exp2(lse - m_new)
+      acc = (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+             + o * lax.broadcast_in_dim(w, o.shape, [0]))
+      return acc, m_new, l * alpha + w
+
+    acc, m, l = plgpu.emit_pipeline(
+        body, grid=(S,), max_concurrent_steps=2,
+        in_specs=[plgpu.BlockSpec((None, None, ROWS, cb), lambda s: (b, s, g, c)),
+                  plgpu.BlockSpec((None, None, ROWS), lambda s: (b, s, g))],
+        init_carry=(plgpu.layout_cast(jnp.zeros((ROWS, cb), jnp.float32), wgmma_layout),
+                    plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout),
+                    plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)),
+    )(o_ref, lse_ref)
+    l_safe = jnp.where(l == 0.0, 1.0, l)
+    out_ref[b, pl.ds(g * ROWS, ROWS), pl.ds(c * cb, cb)] = (
+        acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(out_ref.dtype)
+
+    @pl.when(c == 0)
+    def _():
+      lse_out_ref[b, pl.ds(g * ROWS, ROWS)] = (m + jnp.log2(l)) * _LN2
+
+  return mla_decode_combine(o_part, lse_part)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "config", "interpret"))
+def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal, config,
+                       interpret):
+  B, s_q, H, _ = q.shape
+  R = s_q * H
+  plan_ = plan(B, s_q, H, block_table.shape[1], config)
+  Rp = plan_.row_blocks * ROWS
+  q_rows = q.reshape(B, R, KEY_DIM)                        # (B, R, K), row = t*H + h
+  if Rp != R:
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))
+  # TMA needs 16-byte GMEM strides: pad the table to a multiple of 4 int32 columns. The kernel
+  # never reads past cdiv(seq_len, 64) pages, so the padding value is irrelevant.
+  pad = -block_table.shape[1] % 4
+  if pad:
+    block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
+  interpret_params = plgpu.InterpretGPUParams() if interpret else None
+  out, lse = _decode_partials(q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H,
+                              causal=causal, scale=float(softmax_scale), plan_=plan_,
+                              config=config, interpret=interpret_params)
+  if plan_.num_splits > 1:
+    out, lse = _combine(out, lse, out_dtype=q.dtype, config=config, interpret=interpret_params)
+  if Rp != R:
+    out, lse = out[:, :R], lse[:, :R]
+  return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
+
+
+def mla_decode(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal=False, config=None,
+               impl=None):
+  """Absorbed MLA decode attention over a paged latent cache.
+
+  Args:
+    q: bf16 [B, s_q, H, 576]: absorbed latent query (512) ; rope query (64). H in {16, 32, 64,
+      128}; s_q in [1, 4]; B >= 1.
+    kv_pages: bf16 [num_pages, 64, 576]: one layer's cache pages, rows = tokens, columns =
+      normalised latent (512) ; roped key (64). V is the first 512 columns of the same rows.
+    block_table: int32 [B, max_pages]: page ids of each sequence in token order. Entries past
+      cdiv(seq_len, 64) are never read (may be anything); the ones before must be valid page ids.
+    seq_lens: int32 [B]: cached tokens per sequence, including the s_q new ones. Preconditions
+      (not checked, the values are traced): 1 <= seq_len <= 64 * max_pages, and seq_len >= s_q when
+      causal (a query with no visible key returns out = 0, lse = -inf).
+    softmax_scale: Python float multiplying Q·Kᵀ (e.g. 192**-0.5 * mscale**2).
+    causal: query j of s_q sits at position seq_len - s_q + j and sees keys <= that position;
+      non-causal queries see all seq_len keys.
+    config: `MlaDecodeConfig` (static); None = defaults.
+    impl: None (kernel on a Hopper GPU, else reference), "kernel", "interpret" or "reference".
+
+  Returns:
+    out: [B, s_q, H, 512] in q's dtype (bf16); lse: float32 [B, s_q, H], natural log of the
+    softmax denominator (scaled scores).
+  """
+  _validate(q, kv_pages, block_table, seq_lens, softmax_scale)
+  if config is None:
+    config = MlaDecodeConfig()
+  if not isinstance(config, MlaDecodeConfig):
+    raise ValueError(f"config must be an MlaDecodeConfig or None, got {type(config).__name__}")
+  impl = _platform.resolve_impl(impl)
+  if impl == "reference":
+    return mla_decode_reference(q, kv_pages, block_table, seq_lens, softmax_scale=softmax_scale,
+                                causal=causal)
+  interpret = impl == "interpret"
+  if interpret and not config.interpretable:
+    config = dataclasses.replace(config, interpretable=True)
+  return _mla_decode_kernel(q, kv_pages, block_table, seq_lens, softmax_scale=float(softmax_scale),
+                            causal=bool(causal), config=config, interpret=interpret)

@@ -1,0 +1,207 @@
+"""Paged gather: copy each sequence's cache pages, in block-table order, into a contiguous buffer.
+
+Dimension letters: B batch, P pages, T tokens gathered per sequence, K = 576 (512 latent ; 64 rope).
+
+The prefill path attends with decompressed K/V over the cached prefix, which wants the prefix as a
+dense [B, T, 576] array. XLA's ``kv_pages[block_table]`` does this at ~3 TB/s; the kernel streams
+pages through SMEM with TMA (one bulk load and one bulk store per 73.7 KB page, several pages in
+flight per CTA) and aims at the device-to-device copy rate.
+
+Quantized page formats hook in through `PageFormat`: a format says what one cached page is
+(``validate``), how the reference turns pages into bf16 (``dequantize_reference``) and whether the
+kernel has a body for it (``kernel_supported``). Only `BF16_PAGES` exists now; an fp8 format would
+load its page (e4m3 latent + scales + bf16 rope) into SMEM, dequantize in registers, stage bf16 in
+a second SMEM buffer and store that, with the same grid and block-table walk as here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels import _platform
+
+PAGE_SIZE = 64
+KEY_DIM = 576
+
+
+@dataclasses.dataclass(frozen=True)
+class PageFormat:
+  """How one cache page is stored. The bf16 format is the identity.
+
+  Attributes:
+    name: short identifier ("bf16").
+    kernel_supported: whether `paged_gather`'s Mosaic GPU kernel has a body for this format.
+  """
+
+  name: str
+  kernel_supported: bool
+
+  def validate(self, kv_pages) -> None:
+    """Raises ValueError unless ``kv_pages`` is [num_pages, 64, 576] in this format."""
+    if self.name != "bf16":
+      raise ValueError(f"page format {self.name!r} has no layout defined yet")
+    if kv_pages.ndim != 3 or kv_pages.shape[1:] != (PAGE_SIZE, KEY_DIM):
+      raise ValueError(
+          f"kv_pages must be [num_pages, {PAGE_SIZE}, {KEY_DIM}] (page size {PAGE_SIZE}), got {kv_pages.shape}")
+    if kv_pages.dtype != jnp.bfloat16:
+      raise ValueError(f"bf16 kv_pages must be bfloat16, got {kv_pages.dtype}")
+
+  def dequantize_reference(self, pages):
+    """Pages [..., 64, 576] in this format -> bf16 [..., 64, 576] (jnp)."""
+    return pages
+
+
+BF16_PAGES = PageFormat(name="bf16", kernel_supported=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedGatherConfig:
+  """Static tuning knobs of `paged_gather`.
+
+  Attributes:
+    chunks: CTAs per sequence (each copies a contiguous run of pages); None = enough for
+      ``target_ctas`` CTAs in total.
+    target_ctas: CTAs the heuristic aims for (2 per SM of a 132-SM H100/H200).
+    max_concurrent_steps: pages in flight per CTA (73.7 KB of SMEM each; at most 3 fit).
+  """
+
+  chunks: int | None = None
+  target_ctas: int = 264
+  max_concurrent_steps: int = 3
+
+  def __post_init__(self):
+    if self.chunks is not None and self.chunks < 1:
+      raise ValueError(f"chunks must be None or >= 1, got {self.chunks}")
+    if self.target_ctas < 1:
+      raise ValueError(f"target_ctas must be >= 1, got {self.target_ctas}")
+    if not 2 <= self.max_concurrent_steps <= 3:
+      raise ValueError(
+          f"max_concurrent_steps must be 2 or 3 (73.7 KB of SMEM per page), got {self.max_concurrent_steps}")
+
+
+def _validate(kv_pages, block_table, num_tokens, page_format):
+  if not isinstance(page_format, PageFormat):
+    raise ValueError(f"page_format must be a PageFormat, got {page_format!r}")
+  page_format.validate(kv_pages)
+  if block_table.ndim != 2 or min(block_table.shape) < 1:
+    raise ValueError(f"block_table must be [B >= 1, max_pages >= 1], got {block_table.shape}")
+  if block_table.dtype != jnp.int32:
+    raise ValueError(f"block_table must be int32, got {block_table.dtype}")
+  if not isinstance(num_tokens, int) or isinstance(num_tokens, bool):
+    raise ValueError(f"num_tokens must be a Python int (it fixes the output shape), got {num_tokens!r}")
+  max_tokens = block_table.shape[1] * PAGE_SIZE
+  if not 1 <= num_tokens <= max_tokens:
+    raise ValueError(
+        f"num_tokens must be in [1, {max_tokens}] (max_pages={block_table.shape[1]} x {PAGE_SIZE}), got {num_tokens}")
+
+
+def paged_gather_reference(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES,
+                           config=None, impl=None):
+  """Plain-jnp paged gather; same contract as `paged_gather`."""
+  del config, impl
+  _validate(kv_pages, block_table, num_tokens, page_format)
+  B = block_table.shape[0]
+  n_pages = pl.cdiv(num_tokens, PAGE_SIZE)
+  pages_BPtK = page_format.dequantize_reference(kv_pages[block_table[:, :n_pages]])
+  return pages_BPtK.reshape(B, n_pages * PAGE_SIZE, KEY_DIM)[:, :num_tokens]
+
+
+def plan_chunks(batch: int, n_pages: int, config: PagedGatherConfig) -> tuple[int, int]:
+  """(chunks per sequence, pages per chunk) for this shape; chunks never left empty."""
+  chunks = config.chunks if config.chunks is not None else pl.cdiv(config.target_ctas, batch)
+  chunks = max(1, min(chunks, n_pages))
+  per_chunk = pl.cdiv(n_pages, chunks)
+  return pl.cdiv(n_pages, per_chunk), per_chunk
+
+
+@functools.partial(jax.jit, static_argnames=("num_tokens", "config", "interpret"))
+def _paged_gather_kernel(kv_pages, block_table, *, num_tokens, config, interpret):
+  B = block_table.shape[0]
+  n_pages = pl.cdiv(num_tokens, PAGE_SIZE)
+  chunks, per_chunk = plan_chunks(B, n_pages, config)
+  tail = num_tokens - (n_pages - 1) * PAGE_SIZE      # tokens of the last page that are copied
+  # TMA needs 16-byte GMEM strides: pad the table to a multiple of 4 int32 columns.
+  pad = -block_table.shape[1] % 4
+  if pad:
+    block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
+
+  @functools.partial(
+      plgpu.kernel, out_type=jax.ShapeDtypeStruct((B, num_tokens, KEY_DIM), kv_pages.dtype),
+      grid=(chunks, B), grid_names=("c", "b"),
+      interpret=plgpu.InterpretGPUParams() if interpret else None)
+  def kernel(kv_ref, bt_ref, out_ref):
+    c, b = lax.axis_index("c"), lax.axis_index("b")
+    base = c * per_chunk
+    count = jnp.clip(n_pages - base, 0, per_chunk)
+    table = bt_ref.at[b]
+
+    def body(idx, page_smem):
+      (i,) = idx
+      page = base + i
+      if tail == PAGE_SIZE:
+        plgpu.copy_smem_to_gmem(page_smem, out_ref.at[b, pl.ds(page * PAGE_SIZE, PAGE_SIZE)])
+      else:
+        # The last page is cut at num_tokens: a store of exactly `tail` rows, so nothing is
+        # written past the output (the untiled bulk store does not clip).
+        @pl.when(page != n_pages - 1)
+        def _():
+          plgpu.copy_smem_to_gmem(page_smem, out_ref.at[b, pl.ds(page * PAGE_SIZE, PAGE_SIZE)])
+
+        @pl.when(page == n_pages - 1)
+        def _():
+          plgpu.copy_smem_to_gmem(page_smem.at[pl.ds(0, tail)],
+                                  out_ref.at[b, pl.ds(page * PAGE_SIZE, tail)])
+      # With delay_release=1 the pipeline refills the slot of the previous step after this
+      # body: that store must have finished reading SMEM, this one may stay in flight.
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+    plgpu.emit_pipeline(
+        body, grid=(count,), max_concurrent_steps=config.max_concurrent_steps,
+        in_specs=[plgpu.BlockSpec((None, PAGE_SIZE, KEY_DIM), lambda i: (table[base + i], 0, 0),
+                                  delay_release=1,
+                                  # Untiled whole-page loads take the contiguous bulk-copy path.
+                                  oob_fill_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)],
+    )(kv_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  return kernel(kv_pages, block_table)
+
+
+def paged_gather(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, config=None,
+                 impl=None):
+  """Gathers the first ``num_tokens`` cached tokens of every sequence into a dense buffer.
+
+  Args:
+    kv_pages: [num_pages, 64, 576] cache pages in ``page_format`` (bf16: the array itself).
+    block_table: int32 [B, max_pages]: page ids of each sequence in token order; the first
+      cdiv(num_tokens, 64) entries of every row must be valid page ids, the rest are never read.
+    num_tokens: Python int in [1, 64 * max_pages]: tokens gathered per sequence. Tokens past a
+      sequence's length are copied as they are in the page (the caller masks them).
+    page_format: a `PageFormat`; `BF16_PAGES` is the only one now.
+    config: `PagedGatherConfig` (static); None = defaults.
+    impl: None (kernel on a Hopper GPU, else reference), "kernel", "interpret" or "reference".
+
+  Returns:
+    bf16 [B, num_tokens, 576]: row t of sequence b is token t of that sequence.
+  """
+  _validate(kv_pages, block_table, num_tokens, page_format)
+  if config is None:
+    config = PagedGatherConfig()
+  if not isinstance(config, PagedGatherConfig):
+    raise ValueError(f"config must be a PagedGatherConfig or None, got {type(config).__name__}")
+  impl = _platform.resolve_impl(impl)
+  if impl != "reference" and not page_format.kernel_supported:
+    raise ValueError(f"page format {page_format.name!r} has no kernel yet, got impl={impl!r}; "
+                     "use impl='reference'")
+  if impl == "reference":
+    return paged_gather_reference(kv_pages, block_table, num_tokens=num_tokens,
+                                  page_format=page_format)
+  return _paged_gather_kernel(kv_pages, block_table, num_tokens=num_tokens, config=config,
+                              interpret=impl == "interpret")

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The one script the GPU call runs: GPU tests, register report, benchmarks; results under $OUT.
+#   scripts/gpu_run.sh [quick] # GPU tests + the --quick cells (kernel, XLA, naive) + gather grid
+#   scripts/gpu_run.sh tests   # GPU tests only
+#   scripts/gpu_run.sh grid    # the full mla_decode grid (kernel + XLA, no naive)
+#   scripts/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
+#                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
+#                              #   + ptxas register/spill report
+# Benchmark stages write their CSV after every cell, so a stage stopped by its time limit still
+# returns what it measured.
+# The GPU tests run with XLA's GEMM autotuner off (--xla_gpu_autotune_level=0): it spent ~15 s
+# per new shape of the fp32 reference. The benchmarks keep it ON: with it off, XLA's bf16
+# 8192^3 matmul fell from 807 to 11 TFLOP/s, which would make every XLA baseline meaningless.
+# Every stage has its own time limit so a hang cannot eat the whole call. Run from the repo root.
+set -u
+MODE=${1:-quick}
+OUT=${OUT:-runs/gpu}
+R="$OUT/r"
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+PY=${PYTHON:-python3}
+LOG="$OUT/log.txt"
+stage() { echo "=== $(date -u +%H:%M:%S) $*" | tee -a "$LOG"; }
+
+stage "env"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  $PY -c 'import jax; print("jax", jax.__version__, jax.devices())'; } 2>&1 | tee -a "$LOG"
+
+bench() {   # $1: benchmark name, $2: time limit (s), rest: its options
+  local name=$1 limit=$2; shift 2
+  stage "benchmark $name $*"
+  timeout "$limit" $PY -m benchmarks "$name" --out "$R" "$@" 2>&1 | tr '\r' '\n' \
+    | grep -v "it/s\]\|s/it\]" | tee -a "$LOG"
+}
+
+ptxas_report() {
+  stage "ptxas registers/spills"
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 60 $PY - <<'PY' > "$R/ptxas.txt" 2>&1
+import jax, jax.numpy as jnp
+from pallas_kernels import mla_decode, MlaDecodeConfig
+for B, s_q, H, causal, splits, split_qk in [(4, 1, 64, False, 1, False), (4, 1, 64, False, 1, True),
+                                            (4, 2, 128, True, 1, True), (2, 1, 16, False, 4, False)]:
+  print(f"### B={B} s_q={s_q} H={H} causal={causal} splits={splits} split_qk={split_qk}", flush=True)
+  a = (jnp.ones((B, s_q, H, 576), jnp.bfloat16), jnp.ones((B * 8, 64, 576), jnp.bfloat16),
+       jnp.arange(B * 8, dtype=jnp.int32).reshape(B, 8), jnp.full((B,), 500, jnp.int32))
+  jax.block_until_ready(mla_decode(*a, softmax_scale=0.1, causal=causal,
+                                   config=MlaDecodeConfig(num_splits=splits, split_qk=split_qk),
+                                   impl="kernel"))
+PY
+  grep -E "###|registers|spill" "$R/ptxas.txt" | head -40 | tee -a "$LOG"
+}
+
+if [ "$MODE" = quick ] || [ "$MODE" = tests ]; then
+  stage "GPU tests"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+  timeout 150 $PY -m pytest -m gpu -q -rfs -p no:cacheprovider --timeout=60 --durations=5 \
+    tests/test_mla_decode.py tests/test_paged_gather.py 2>&1 | tail -40 | tee -a "$LOG"
+fi
+case "$MODE" in
+  quick) bench mla_decode 330 --quick
+         bench paged_gather 60 ;;
+  grid)  bench mla_decode 560 --no-naive ;;
+  sweep) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode 320 --quick --sweep --then-grid
+         ptxas_report ;;
+esac
+
+stage "pack"
+tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"
+ls -la "$OUT" | tee -a "$LOG"

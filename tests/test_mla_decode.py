@@ -1,0 +1,339 @@
+"""Tests of pallas_kernels.mla_decode.
+
+CPU (default): the reference against an independent numpy loop; the kernel in interpret mode
+against the reference over the feature list; cross-lowering of every production configuration
+for sm_90; input validation. GPU (``-m gpu``, Hopper only): the same equivalence at larger sizes.
+
+Every input has the unused page slots and the tail of each sequence's last page poisoned with NaN,
+and block tables are random permutations, so any read outside a sequence shows up as NaN.
+"""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import MlaDecodeConfig, mla_decode, mla_decode_reference
+from pallas_kernels import _platform
+from pallas_kernels.mla_decode import plan
+
+SCALE = 192 ** -0.5
+
+
+def make_inputs(batch, s_q, heads, seq_lens, max_pages, *, seed=0, spare_pages=3):
+  """Random bf16 inputs with a permuted block table and NaN everywhere a sequence does not own.
+
+  Returns (q [B,s_q,H,576], kv_pages [num_pages,64,576], block_table [B,max_pages], seq_lens [B]).
+  """
+  rng = np.random.default_rng(seed)
+  num_pages = batch * max_pages + spare_pages
+  kv = rng.standard_normal((num_pages, 64, 576), dtype=np.float32)
+  table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+  owned = np.zeros(num_pages, bool)
+  for b, length in enumerate(seq_lens):
+    used = -(-length // 64)
+    owned[table[b, :used]] = True
+    if length % 64:
+      kv[table[b, used - 1], length % 64:] = np.nan   # tail of the last page
+  kv[~owned] = np.nan                                  # unused slots and spare pages
+  q = rng.standard_normal((batch, s_q, heads, 576), dtype=np.float32)
+  return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16), jnp.asarray(table),
+          jnp.asarray(np.asarray(seq_lens, np.int32)))
+
+
+def assert_matches_reference(args, *, causal, config=None, impl):
+  out, lse = mla_decode(*args, softmax_scale=SCALE, causal=causal, config=config, impl=impl)
+  ref_out, ref_lse = mla_decode_reference(*args, softmax_scale=SCALE, causal=causal)
+  assert out.shape == ref_out.shape and out.dtype == jnp.bfloat16
+  assert lse.shape == ref_lse.shape and lse.dtype == jnp.float32
+  out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
+  assert np.isfinite(out).all() and np.isfinite(np.asarray(lse)).all()
+  rel = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
+  assert rel < 1e-2, f"relative error {rel}"
+  chex.assert_trees_all_close(np.asarray(lse), np.asarray(ref_lse), atol=2e-2, rtol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# The reference itself, against a per-query numpy loop written independently.
+# ------------------------------------------------------------------------------------------------
+
+
+def numpy_decode(q, kv_pages, block_table, seq_lens, scale, causal):
+  q = np.asarray(q, np.float64)
+  kv_pages = np.asarray(kv_pages, np.float64)
+  batch, s_q, heads, _ = q.shape
+  out = np.zeros((batch, s_q, heads, 512))
+  lse = np.zeros((batch, s_q, heads))
+  for b in range(batch):
+    length = int(seq_lens[b])
+    rows = np.concatenate([kv_pages[p] for p in np.asarray(block_table[b])])[:length]
+    for t in range(s_q):
+      visible = length - s_q + t + 1 if causal else length
+      keys = rows[:visible]
+      for h in range(heads):
+        s = keys @ q[b, t, h] * scale
+        w = np.exp(s - s.max())
+        out[b, t, h] = w @ keys[:, :512] / w.sum()
+        lse[b, t, h] = s.max() + np.log(w.sum())
+  return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_matches_numpy_loop(causal):
+  args = make_inputs(2, 3, 16, [5, 130], 3, seed=1)
+  out, lse = mla_decode_reference(*args, softmax_scale=SCALE, causal=causal)
+  want_out, want_lse = numpy_decode(*args, SCALE, causal)
+  np.testing.assert_allclose(np.asarray(out, np.float32), want_out, atol=2e-2, rtol=2e-2)
+  np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_reference_causal_differs_from_non_causal():
+  # Guards the causal mask against being a no-op: with s_q > 1 the early queries see fewer keys.
+  args = make_inputs(1, 2, 16, [70], 2, seed=2)
+  causal_out, _ = mla_decode_reference(*args, softmax_scale=SCALE, causal=True)
+  full_out, _ = mla_decode_reference(*args, softmax_scale=SCALE, causal=False)
+  assert not np.allclose(np.asarray(causal_out[:, 0], np.float32), np.asarray(full_out[:, 0], np.float32))
+  np.testing.assert_array_equal(np.asarray(causal_out[:, 1]), np.asarray(full_out[:, 1]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Interpret mode (CPU): the kernel's own code path, with P staged through SMEM.
+# ------------------------------------------------------------------------------------------------
+
+# (heads, s_q, causal, seq_lens, max_pages, num_splits): small enough for the interpreter.
+INTERPRET_CASES = [
+    (16, 1, False, [1, 63], 1, None),            # length 1; a tail inside the only page
+    (16, 4, True, [4, 129], 3, 2),               # 4x16 rows fill exactly one block; causal
+    (32, 3, True, [65, 130], 3, 2),              # 96 rows pad to two blocks; page boundaries
+    (32, 1, False, [64, 1], 2, 3),               # exact page; two empty splits for length 1
+    (64, 2, True, [3, 200], 4, 4),               # empty splits; ragged
+    (64, 1, False, [128], 2, 1),                 # one split: final output from the main kernel
+    (128, 1, False, [100, 7], 2, 2),             # two row blocks per sequence
+    (128, 2, True, [66], 2, None),               # four row blocks, causal
+]
+
+
+@pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,num_splits", INTERPRET_CASES)
+def test_interpret_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits):
+  args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q)
+  config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1, split_qk=False)
+  assert_matches_reference(args, causal=causal, config=config, impl="interpret")
+
+
+# The split-QK variant (two rendezvous barriers per page) over a subset of the cases.
+@pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,num_splits",
+                         [INTERPRET_CASES[i] for i in (1, 3, 4, 6)])
+def test_interpret_split_qk_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits):
+  args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 1)
+  config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1, split_qk=True)
+  assert_matches_reference(args, causal=causal, config=config, impl="interpret")
+
+
+@pytest.mark.parametrize("split_qk", [False, True])
+def test_interpret_query_without_keys_gives_zero_and_minus_inf(split_qk):
+  # seq_len = 1 < s_q = 2, causal: query 0 sits at position -1 and sees no key. Documented
+  # result: out = 0, lse = -inf (the reference agrees); query 1 is ordinary.
+  args = make_inputs(2, 2, 32, [1, 70], 2, seed=5)
+  config = MlaDecodeConfig(num_splits=2, min_pages_per_split=1, split_qk=split_qk)
+  out, lse = mla_decode(*args, softmax_scale=SCALE, causal=True, config=config, impl="interpret")
+  ref_out, ref_lse = mla_decode_reference(*args, softmax_scale=SCALE, causal=True)
+  assert np.all(np.asarray(out[0, 0]) == 0) and np.all(np.asarray(ref_out[0, 0]) == 0)
+  assert np.all(np.isneginf(np.asarray(lse[0, 0]))) and np.all(np.isneginf(np.asarray(ref_lse[0, 0])))
+  out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
+  rel = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
+  assert rel < 1e-2, f"relative error {rel}"
+  np.testing.assert_allclose(np.asarray(lse[:, 1]), np.asarray(ref_lse[:, 1]), atol=2e-2)
+
+
+def test_interpret_handles_unpadded_block_table_width():
+  # max_pages = 5 is not a multiple of 4 int32 (16 B); the wrapper pads it for TMA.
+  args = make_inputs(1, 1, 16, [300], 5, seed=7)
+  assert_matches_reference(args, causal=False, config=MlaDecodeConfig(num_splits=2),
+                           impl="interpret")
+
+
+# ------------------------------------------------------------------------------------------------
+# Cross-lowering (CPU): every production configuration through the full Mosaic GPU lowering.
+# ------------------------------------------------------------------------------------------------
+
+
+def lower_for_sm90(batch, s_q, heads, max_pages, *, causal, config=None):
+  shapes = (jax.ShapeDtypeStruct((batch, s_q, heads, 576), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch * max_pages, 64, 576), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))
+  fn = lambda *a: mla_decode(*a, softmax_scale=SCALE, causal=causal, config=config, impl="kernel")
+  return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])
+@pytest.mark.parametrize("s_q", [1, 2, 3, 4])
+@pytest.mark.parametrize("batch,max_pages", [(1, 1024), (8, 130), (256, 512)])
+def test_cross_lowers_for_sm90(heads, s_q, batch, max_pages):
+  # causal alternates with s_q so both mask paths lower at every head count.
+  lowered = lower_for_sm90(batch, s_q, heads, max_pages, causal=s_q % 2 == 0)
+  text = lowered.as_text()
+  assert "mosaic_gpu" in text
+  kernels_expected = 1 if plan(batch, s_q, heads, max_pages, MlaDecodeConfig()).num_splits == 1 else 2
+  assert text.count("mosaic_gpu") >= kernels_expected
+
+
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])
+@pytest.mark.parametrize("s_q", [1, 2, 3, 4])
+def test_cross_lowers_split_qk_for_sm90(heads, s_q):
+  lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1,
+                           config=MlaDecodeConfig(split_qk=True))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("config", [MlaDecodeConfig(max_concurrent_steps=1),
+                                    MlaDecodeConfig(num_splits=256, combine_block_cols=64),
+                                    MlaDecodeConfig(num_splits=3, combine_block_cols=256)])
+def test_cross_lowers_tuning_configs(config):
+  lower_for_sm90(4, 2, 64, 300, causal=True, config=config)
+
+
+def test_interpretable_variant_is_not_a_production_config():
+  # The SMEM-staged P buffer does not fit next to Q and two KV stages: lowering must say so
+  # rather than the production path silently using it.
+  with pytest.raises(ValueError, match="shared memory"):
+    lower_for_sm90(2, 1, 64, 8, causal=False, config=MlaDecodeConfig(interpretable=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# Split planning and dispatch
+# ------------------------------------------------------------------------------------------------
+
+
+def test_plan_fills_about_one_wave():
+  p = plan(8, 1, 64, 512, MlaDecodeConfig())
+  assert p.num_splits == 16 and 8 * p.num_splits <= 132
+  assert plan(128, 1, 64, 512, MlaDecodeConfig()).num_splits == 1
+  small = plan(1, 1, 16, 8, MlaDecodeConfig())          # 8 pages, >= 4 pages per split
+  assert small.num_splits == 2 and small.pages_per_split == 4
+  capped = plan(1, 1, 16, 10, MlaDecodeConfig(num_splits=4))   # 3+3+3+1 pages
+  assert (capped.num_splits, capped.pages_per_split) == (4, 3)
+  assert plan(1, 1, 16, 9, MlaDecodeConfig(num_splits=4)).num_splits == 3   # no split left empty
+  assert plan(1, 1, 64, 512, MlaDecodeConfig()).num_splits == 64             # max_splits
+  assert plan(1, 1, 64, 512, MlaDecodeConfig(max_splits=128)).num_splits == 128
+
+
+def test_plan_split_qk_default():
+  # Split-QK by default exactly when a CTA's 64 rows are all real query rows.
+  assert [plan(8, s_q, h, 64, MlaDecodeConfig()).split_qk for s_q, h in
+          [(1, 16), (1, 32), (2, 32), (4, 16), (1, 64), (3, 128)]] == [False, False, True, True,
+                                                                        True, True]
+  assert not plan(8, 1, 128, 64, MlaDecodeConfig(split_qk=False)).split_qk
+  assert plan(8, 1, 16, 64, MlaDecodeConfig(split_qk=True)).split_qk
+
+
+@pytest.mark.skipif(_platform.default_backend_is_hopper(), reason="checks the non-Hopper default")
+def test_default_impl_off_hopper_is_the_reference():
+  args = make_inputs(1, 1, 16, [10], 1)
+  out, lse = mla_decode(*args, softmax_scale=SCALE)
+  ref_out, ref_lse = mla_decode_reference(*args, softmax_scale=SCALE)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+
+
+# ------------------------------------------------------------------------------------------------
+# Input validation
+# ------------------------------------------------------------------------------------------------
+
+
+def _shapes_ok():
+  return make_inputs(1, 1, 16, [10], 1)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda q, kv, bt, sl: (q[:, :, :8], kv, bt, sl), "heads H must be one of .* got 8"),
+    (lambda q, kv, bt, sl: (jnp.concatenate([q] * 5, 1), kv, bt, sl), r"s_q .* \[1, 4\], got 5"),
+    (lambda q, kv, bt, sl: (q.astype(jnp.float32), kv, bt, sl), "q must be bfloat16, got float32"),
+    (lambda q, kv, bt, sl: (q[..., :512], kv, bt, sl), "last dim must be 576.* got 512"),
+    (lambda q, kv, bt, sl: (q, kv[:, :32], bt, sl), r"page size 64\), got \(4, 32, 576\)"),
+    (lambda q, kv, bt, sl: (q, kv.astype(jnp.float16), bt, sl), "kv_pages must be bfloat16, got float16"),
+    (lambda q, kv, bt, sl: (q, kv, bt.astype(jnp.int64 if jax.config.x64_enabled else jnp.int16), sl),
+     "block_table must be int32"),
+    (lambda q, kv, bt, sl: (q, kv, jnp.concatenate([bt, bt]), sl), r"block_table must be \[B=1"),
+    (lambda q, kv, bt, sl: (q, kv, bt, sl[None]), r"seq_lens must be \[B=1\], got \(1, 1\)"),
+])
+def test_invalid_inputs_raise(mutate, match):
+  args = mutate(*_shapes_ok())
+  with pytest.raises(ValueError, match=match):
+    mla_decode(*args, softmax_scale=SCALE, impl="interpret")
+
+
+def test_invalid_scale_and_impl_raise():
+  args = _shapes_ok()
+  with pytest.raises(ValueError, match="softmax_scale must be a Python float"):
+    mla_decode(*args, softmax_scale=jnp.float32(0.1), impl="reference")
+  with pytest.raises(ValueError, match="finite and > 0, got nan"):
+    mla_decode(*args, softmax_scale=math.nan, impl="reference")
+  with pytest.raises(ValueError, match="impl must be one of .* got 'cuda'"):
+    mla_decode(*args, softmax_scale=SCALE, impl="cuda")
+  with pytest.raises(ValueError, match="max_concurrent_steps must be 1 or 2 .* got 3"):
+    MlaDecodeConfig(max_concurrent_steps=3)
+  with pytest.raises(ValueError, match="combine_block_cols .* got 96"):
+    MlaDecodeConfig(combine_block_cols=96)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (Hopper): the production kernel at larger sizes
+# ------------------------------------------------------------------------------------------------
+
+requires_hopper = pytest.mark.skipif(not _platform.default_backend_is_hopper(),
+                                     reason="needs a Hopper (sm_90) GPU")
+
+
+def _ragged_lengths(rng, batch, mean, s_q):
+  return np.clip(rng.normal(mean, mean / 2, batch), s_q, 2 * mean).astype(int).tolist()
+
+
+# (heads, s_q, causal, batch, mean length, num_splits): every head count with every s_q; the
+# batch/length/split setting alternates so both the heuristic split and a forced odd split run.
+GPU_CASES = [(h, s_q, causal, *((40, 300, None) if (i + j) % 2 else (5, 2000, 7)))
+             for i, h in enumerate((16, 32, 64, 128))
+             for j, (s_q, causal) in enumerate(((1, False), (2, True), (3, True), (4, False)))]
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", GPU_CASES)
+def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
+  rng = np.random.default_rng(heads * 100 + s_q * 10 + batch)
+  lengths = _ragged_lengths(rng, batch, mean_len, s_q)
+  lengths[0] = max(s_q, 1)         # a length-1 (or s_q) sequence in every case
+  lengths[-1] = 2 * mean_len       # and one that fills the table
+  max_pages = -(-2 * mean_len // 64)
+  args = make_inputs(batch, s_q, heads, lengths, max_pages, seed=int(rng.integers(1 << 30)))
+  assert_matches_reference(args, causal=causal,
+                           config=MlaDecodeConfig(num_splits=num_splits, split_qk=False),
+                           impl="kernel")
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("split_qk", [False, True])
+@pytest.mark.parametrize("s_q,causal,lengths", [(1, False, [1, 63, 64, 65]),
+                                                (2, True, [4096, 129, 2, 4000])])
+def test_gpu_page_boundaries(s_q, causal, lengths, split_qk):
+  args = make_inputs(len(lengths), s_q, 64, lengths, 64, seed=3)
+  assert_matches_reference(args, causal=causal, config=MlaDecodeConfig(split_qk=split_qk),
+                           impl="kernel")
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", GPU_CASES[1::3])
+def test_gpu_split_qk_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
+  rng = np.random.default_rng(heads + s_q + batch)
+  lengths = _ragged_lengths(rng, batch, mean_len, s_q)
+  lengths[0] = s_q
+  max_pages = -(-2 * mean_len // 64)
+  args = make_inputs(batch, s_q, heads, lengths, max_pages, seed=int(rng.integers(1 << 30)))
+  assert_matches_reference(args, causal=causal,
+                           config=MlaDecodeConfig(num_splits=num_splits, split_qk=True),
+                           impl="kernel")

@@ -1,0 +1,110 @@
+"""Tests of pallas_kernels.paged_gather: interpret mode and cross-lowering on CPU, the real kernel
+on a Hopper GPU (``-m gpu``). The gather is a copy, so results must be bit-exact."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (BF16_PAGES, PagedGatherConfig, PageFormat, paged_gather,
+                            paged_gather_reference)
+from pallas_kernels import _platform
+from pallas_kernels.paged_gather import plan_chunks
+
+
+def make_inputs(batch, max_pages, *, seed=0, spare_pages=2):
+  """Random bf16 pages, NaN in pages no sequence owns, and a permuted block table."""
+  rng = np.random.default_rng(seed)
+  num_pages = batch * max_pages + spare_pages
+  kv = rng.standard_normal((num_pages, 64, 576), dtype=np.float32)
+  table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+  kv[np.setdiff1d(np.arange(num_pages), table)] = np.nan
+  return jnp.asarray(kv, jnp.bfloat16), jnp.asarray(table)
+
+
+def numpy_gather(kv, table, num_tokens):
+  kv, table = np.asarray(kv), np.asarray(table)
+  return np.stack([np.concatenate([kv[p] for p in row])[:num_tokens] for row in table])
+
+
+def test_reference_matches_numpy():
+  kv, table = make_inputs(3, 4)
+  got = paged_gather_reference(kv, table, num_tokens=200)
+  np.testing.assert_array_equal(np.asarray(got), numpy_gather(kv, table, 200))
+
+
+@pytest.mark.parametrize("batch,max_pages,num_tokens,chunks,steps", [
+    (2, 5, 320, 2, 3),      # whole pages, uneven chunks (3 + 2 pages)
+    (3, 6, 200, None, 2),   # cut inside the 4th page; the table's last pages are never read
+    (1, 3, 1, 1, 2),        # a single token
+    (2, 2, 65, 4, 3),       # more chunks asked than pages
+])
+def test_interpret_is_bit_exact(batch, max_pages, num_tokens, chunks, steps):
+  kv, table = make_inputs(batch, max_pages, seed=num_tokens)
+  # Poison the table entries past num_tokens: the kernel must not follow them.
+  used = -(-num_tokens // 64)
+  table = table.at[:, used:].set(-1)
+  got = paged_gather(kv, table, num_tokens=num_tokens, impl="interpret",
+                     config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps))
+  assert got.shape == (batch, num_tokens, 576) and got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got), numpy_gather(kv, table[:, :used], num_tokens))
+
+
+@pytest.mark.parametrize("batch,max_pages,num_tokens", [(1, 512, 32768), (128, 64, 4096),
+                                                         (256, 130, 8300), (3, 7, 100)])
+def test_cross_lowers_for_sm90(batch, max_pages, num_tokens):
+  shapes = (jax.ShapeDtypeStruct((batch * max_pages, 64, 576), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch, max_pages), jnp.int32))
+  fn = lambda kv, bt: paged_gather(kv, bt, num_tokens=num_tokens, impl="kernel")
+  text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+def test_plan_chunks():
+  assert plan_chunks(1, 64, PagedGatherConfig()) == (64, 1)
+  assert plan_chunks(128, 64, PagedGatherConfig()) == (3, 22)
+  assert plan_chunks(4, 10, PagedGatherConfig(chunks=4)) == (4, 3)
+  assert plan_chunks(4, 9, PagedGatherConfig(chunks=4)) == (3, 3)   # no empty chunk
+
+
+def test_invalid_inputs_raise():
+  kv, table = make_inputs(1, 2)
+  with pytest.raises(ValueError, match=r"num_tokens must be in \[1, 128\].* got 129"):
+    paged_gather(kv, table, num_tokens=129, impl="interpret")
+  with pytest.raises(ValueError, match="num_tokens must be a Python int"):
+    paged_gather(kv, table, num_tokens=jnp.int32(3), impl="interpret")
+  with pytest.raises(ValueError, match=r"page size 64\), got \(4, 32, 576\)"):
+    paged_gather(kv[:, :32], table, num_tokens=10, impl="interpret")
+  with pytest.raises(ValueError, match="must be bfloat16, got float32"):
+    paged_gather(kv.astype(jnp.float32), table, num_tokens=10, impl="interpret")
+  with pytest.raises(ValueError, match="block_table must be int32"):
+    paged_gather(kv, table.astype(jnp.int16), num_tokens=10, impl="interpret")
+  with pytest.raises(ValueError, match="max_concurrent_steps must be 2 or 3 .* got 4"):
+    PagedGatherConfig(max_concurrent_steps=4)
+
+
+def test_page_format_hook():
+  kv, table = make_inputs(1, 2)
+  fp8 = PageFormat(name="fp8_e4m3", kernel_supported=False)
+  with pytest.raises(ValueError, match="'fp8_e4m3' has no layout defined yet"):
+    paged_gather(kv, table, num_tokens=10, page_format=fp8, impl="reference")
+  with pytest.raises(ValueError, match="page_format must be a PageFormat"):
+    paged_gather(kv, table, num_tokens=10, page_format="bf16", impl="reference")
+  got = paged_gather(kv, table, num_tokens=10, page_format=BF16_PAGES, impl="reference")
+  np.testing.assert_array_equal(np.asarray(got), numpy_gather(kv, table, 10))
+
+
+requires_hopper = pytest.mark.skipif(not _platform.default_backend_is_hopper(),
+                                     reason="needs a Hopper (sm_90) GPU")
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("batch,max_pages,num_tokens", [(32, 64, 4096), (5, 40, 2500), (1, 300, 1)])
+@pytest.mark.parametrize("chunks,steps", [(None, 3), (7, 2)])
+def test_gpu_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps):
+  kv, table = make_inputs(batch, max_pages, seed=batch)
+  got = paged_gather(kv, table, num_tokens=num_tokens, impl="kernel",
+                     config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps))
+  want = paged_gather_reference(kv, table, num_tokens=num_tokens)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
