@@ -15,6 +15,7 @@ from models.moe import (
     ragged_dot_mgpu, route,
 )
 from models.mtp import MTP
+from models.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 _LAZY = {
     "TrainConfig": "models.training", "loss_fn": "models.training", "make_train_step": "models.training",
@@ -30,7 +31,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "MLP", "MOE_IMPLS", "MTP", "DecoderLayer", "DeepSeekModel", "Experts", "MgpuTuning", "ModelOutput", "MoE",
-    "Router", "RouterBias", "RouterOutput", "load_hf_checkpoint", "moe_dense_reference", "moe_grouped",
+    "ByteTokenizer", "HFTokenizer", "MLP", "MOE_IMPLS", "MTP", "DecoderLayer", "DeepSeekModel", "Experts", "MgpuTuning", "ModelOutput", "MoE",
+    "Router", "RouterBias", "RouterOutput", "load_hf_checkpoint", "load_tokenizer", "moe_dense_reference", "moe_grouped",
     "ragged_dot_mgpu", "route", "save_hf_checkpoint", *_LAZY,
 ]

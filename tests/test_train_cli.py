@@ -1,0 +1,140 @@
+"""mla-train: a short CPU run learns, an interrupted + resumed run equals an uninterrupted one bit for bit,
+the export loads, and bad arguments give one clear line and exit status 2."""
+
+import json
+import math
+import os
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from models import load_hf_checkpoint
+from models.tokenizer import ByteTokenizer, load_tokenizer
+from models.train_cli import (
+    UsageError, build_parser, build_model, checkpoint_manager, initial_state, load_config, main,
+    restore_checkpoint, split_corpus, train_batch,
+)
+
+# Small enough for a couple of seconds of steps on 2 CPU cores; the shipped corpus and the tiny config.
+# Every test uses the same trajectory arguments (shorter runs stop early with --stop-at), so the
+# jitted step is compiled once per process: compiling dominates the time of these tests.
+FAST = ["--steps", "40", "--warmup", "4", "--batch-size", "4", "--seq-len", "64", "--eval-windows", "8",
+        "--no-progress"]
+
+
+def _rows(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_short_run_lowers_heldout_loss(tmp_path):
+    out = str(tmp_path / "run")
+    rc = main(["--out", out, "--eval-every", "5", "--save-every", "0", *FAST])
+    assert rc == 0
+    evals = [r for r in _rows(out) if "eval_ce" in r]
+    assert [r["step"] for r in evals] == [5, 10, 15, 20, 25, 30, 35, 40]
+    first, last = evals[0]["eval_ce"], evals[-1]["eval_ce"]
+    # uniform over 264 ids is ln 264 = 5.58 nats; 40 small steps reach < 3 on this corpus (bytes of English)
+    assert last < first - 0.5, (first, last)
+    assert last < math.log(264) - 2.0, last
+    assert os.path.getsize(os.path.join(out, "loss.png")) > 1000
+    # the export loads through the public loaders and holds the trained weights
+    exp = os.path.join(out, "export")
+    model = load_hf_checkpoint(exp)
+    assert isinstance(load_tokenizer(exp), ByteTokenizer)
+    assert model.cfg.num_mtp_layers == 1 and model.cfg.vocab_size == 264
+    summary = json.load(open(os.path.join(exp, "training.json")))
+    assert summary["step"] == 40 and summary["eval_ce"] == pytest.approx(last)
+
+
+def _final_checkpoint(out, args):
+    """(state, opt_state, meta) of the latest checkpoint of a run, restored into fresh templates."""
+    ns = build_parser().parse_args(["--out", out, *args])
+    graphdef, state, opt_state = initial_state(ns)
+    mgr = checkpoint_manager(out)
+    try:
+        return restore_checkpoint(mgr, state, opt_state)
+    finally:
+        mgr.close()
+
+
+def test_resume_is_exact(tmp_path):
+    args = ["--eval-every", "0", "--save-every", "0", *FAST]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["--out", a, *args, "--stop-at", "6"]) == 0  # 6 steps in one go
+    assert main(["--out", b, *args, "--stop-at", "3"]) == 0  # "interrupted" after step 3
+    assert not os.path.exists(os.path.join(b, "export"))  # an unfinished run is not exported
+    assert main(["--out", b, *args, "--resume", "--stop-at", "6"]) == 0
+    sa, oa, ma = _final_checkpoint(a, args)
+    sb, ob, mb = _final_checkpoint(b, args)
+    assert ma["step"] == mb["step"] == 6
+    # the router biases moved (so their resume is really tested) ...
+    from flax import nnx
+
+    from models.moe import RouterBias
+    biases = jax.tree.leaves(nnx.split_state(sa, RouterBias, ...)[0])
+    assert biases and all(np.abs(np.asarray(x)).max() > 0 for x in biases)
+    # ... and params, biases and optimizer state (moments, schedule count) are equal bit for bit
+    chex.assert_trees_all_equal(sa, sb)
+    chex.assert_trees_all_equal(oa, ob)
+    # the log of the resumed run has each step once
+    assert [r["step"] for r in _rows(b) if "ce" in r] == list(range(1, 7))
+
+
+def test_resume_refuses_other_arguments_and_clobbering(tmp_path, capsys):
+    args = ["--eval-every", "0", "--save-every", "0", "--stop-at", "1", *FAST]
+    out = str(tmp_path / "r")
+    assert main(["--out", out, *args]) == 0
+    capsys.readouterr()
+    assert main(["--out", out, *args]) == 2  # would overwrite a run
+    assert "--resume" in capsys.readouterr().err
+    assert main(["--out", out, *args, "--lr", "1e-3", "--resume"]) == 2
+    assert "lr=0.004/0.001" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path / "empty"), *args, "--resume"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "ten"], "invalid int value"),
+    (["--lr", "-1"], "--lr must be a positive number"),
+    (["--dtype", "fp16"], "invalid choice"),
+    (["--config", "no_such_preset"], "not a preset"),
+    (["--corpus", "missing.txt"], "no such file"),
+    (["--warmup", "900"], "--warmup (900) must be smaller than --steps"),
+    (["--bogus"], "unrecognized arguments"),
+    (["--seq-len", "2"], "--seq-len must be >= 3"),
+])
+def test_bad_arguments_one_line_exit_2(tmp_path, capsys, argv, needle):
+    assert main(["--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mla-train: error: ") and err.count("\n") == 1, err
+    assert needle in err, err
+    assert not os.path.exists(tmp_path / "o" / "checkpoints")  # nothing was started
+
+
+def test_corpus_split_and_batches_are_deterministic():
+    paras = [f"Paragraph {i}." for i in range(100)]
+    train, held = split_corpus("\n\n".join(paras))
+    assert train == paras[:95] and held == paras[95:]  # the last 5 %, disjoint from training
+    stream = np.arange(1000, dtype=np.int32)
+    b1 = train_batch(stream, step=7, seed=0, batch_size=4, seq_len=16)
+    np.testing.assert_array_equal(b1, train_batch(stream, step=7, seed=0, batch_size=4, seq_len=16))
+    assert not np.array_equal(b1, train_batch(stream, step=8, seed=0, batch_size=4, seq_len=16))
+    assert b1.shape == (4, 16) and np.all(np.diff(b1, axis=1) == 1)  # contiguous windows
+    with pytest.raises(UsageError, match="at least 2 paragraphs"):
+        split_corpus("one paragraph only")
+
+
+def test_config_json_and_preset(tmp_path):
+    from mla_jax import ModelConfig
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(ModelConfig.tiny().replace(num_hidden_layers=2).to_hf_dict()))
+    assert load_config(str(path)).num_hidden_layers == 2
+    assert load_config("tiny") == ModelConfig.tiny()
+    path.write_text(json.dumps(ModelConfig.tiny().replace(vocab_size=100).to_hf_dict()))
+    with pytest.raises(UsageError, match="vocab_size=100"):
+        load_config(str(path))
