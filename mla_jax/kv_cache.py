@@ -1,0 +1,211 @@
+"""The paged latent KV cache of MLA: device page pools, a host-side page allocator, block tables.
+
+Dimension letters: B sequences (slots), T tokens written in a step, P pages a sequence may hold
+(block-table width), G = page_size tokens per page, C = L + R latent width (576 for V3),
+N = num_pages.
+
+Per layer the cache is one pool `[N, G, C]` of pages shared by all sequences (the main layers and
+then the MTP layers, one pool each, all indexed by the same page ids: a token's page holds its
+latent for every layer). A sequence owns a list of page ids, its block table, in token order;
+token t of a sequence lives at row t % G of page block_table[t // G].
+
+Two halves:
+- `PagedLatentCache` (host side, mutable): the pools, a free list, per-slot block tables and
+  lengths. `reserve` grows a slot to a length, `truncate` rewinds it (speculative decoding),
+  `release` returns its pages. `reserve` checks capacity first and raises `CacheFullError`
+  before it changes anything, so a failure never touches another sequence.
+- `write_latents` / `gather_latents` (pure, jit-able): what a jitted step does with one pool.
+
+The page format (dtype) is a property of the cache object: bf16 by default; float32 for exact
+tests. Quantized formats (fp8 / fp4, see `mla_jax.capacity.KV_DTYPES`) will plug in here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Names of the page formats this cache can allocate, as `mla_jax.capacity.KV_DTYPES` names them.
+PAGE_FORMATS = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+
+
+class CacheFullError(RuntimeError):
+    """The page pool cannot hold what a sequence needs. Raised before anything is modified."""
+
+    def __init__(self, message: str, *, pages_needed: int, pages_free: int, slot: int | None = None):
+        super().__init__(message)
+        self.pages_needed = pages_needed
+        self.pages_free = pages_free
+        self.slot = slot
+
+
+def _format_name(dtype) -> str:
+    for name, dt in PAGE_FORMATS.items():
+        if jnp.dtype(dtype) == jnp.dtype(dt):
+            return name
+    raise ValueError(f"cache dtype {jnp.dtype(dtype).name} is not a supported page format; "
+                     f"known: {', '.join(PAGE_FORMATS)}")
+
+
+class PagedLatentCache:
+    """Page pools of `num_layers` layers, and which pages each of `max_seqs` slots holds.
+
+    pages:        tuple of `num_layers` device arrays [num_pages, page_size, latent_dim] (dtype).
+    block_tables: host int32 [max_seqs, max_pages_per_seq]; entries past a slot's pages are 0
+                  (a valid page id, so a gather never goes out of bounds; masked by the length).
+    lengths:      host int32 [max_seqs]: tokens each slot's pages are reserved for (`reserve` /
+                  `truncate` set it; an engine may reserve ahead of what it has written).
+    """
+
+    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, latent_dim: int, max_seqs: int,
+                 max_pages_per_seq: int, dtype=jnp.bfloat16, fill_value: float = 0.0):
+        for name, v in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
+                        ("latent_dim", latent_dim), ("max_seqs", max_seqs),
+                        ("max_pages_per_seq", max_pages_per_seq)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        self.kv_dtype = _format_name(dtype)
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.latent_dim = latent_dim
+        self.max_seqs = max_seqs
+        self.max_pages_per_seq = max_pages_per_seq
+        # `fill_value` lets tests poison never-written rows (NaN) to prove they are never read.
+        self.pages: tuple[jax.Array, ...] = tuple(
+            jnp.full((num_pages, page_size, latent_dim), fill_value, self.dtype) for _ in range(num_layers))
+        self.block_tables = np.zeros((max_seqs, max_pages_per_seq), np.int32)
+        self.lengths = np.zeros((max_seqs,), np.int32)
+        self._owned: list[list[int]] = [[] for _ in range(max_seqs)]
+        # Pop from the end: pages are handed out in increasing id order from a fresh pool.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self.peak_pages_used = 0
+
+    # --- properties -----------------------------------------------------------------------
+    @property
+    def dtype(self):
+        """The element dtype of the pages (the page format; bf16 by default)."""
+        return PAGE_FORMATS[self.kv_dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pools allocate on the device (all layers)."""
+        return sum(int(p.size) * p.dtype.itemsize for p in self.pages)
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_of(self, slot: int) -> list[int]:
+        """The page ids slot `slot` holds, in token order (a copy)."""
+        return list(self._owned[slot])
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages a sequence of `tokens` tokens holds."""
+        return -(-tokens // self.page_size)
+
+    # --- allocator ------------------------------------------------------------------------
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_seqs:
+            raise ValueError(f"slot must be in [0, {self.max_seqs}), got {slot}")
+
+    def reserve(self, slot: int, length: int) -> None:
+        """Make slot `slot` hold enough pages for `length` tokens and set its length to `length`.
+
+        Never frees pages (use `truncate` to shrink).
+
+        Raises ValueError when `length` exceeds what a block table can address
+        (max_pages_per_seq * page_size), and `CacheFullError` (naming pages needed and free)
+        when the pool lacks pages; in both cases nothing has changed.
+        """
+        self._check_slot(slot)
+        limit = self.max_pages_per_seq * self.page_size
+        if not 0 <= length <= limit:
+            raise ValueError(f"length {length} is outside [0, {limit}] "
+                             f"(max_pages_per_seq={self.max_pages_per_seq} x page_size={self.page_size})")
+        owned = self._owned[slot]
+        need = self.pages_for(length) - len(owned)
+        if need > len(self._free):
+            raise CacheFullError(
+                f"KV cache full: slot {slot} needs {need} more page(s) for {length} tokens "
+                f"but only {len(self._free)} of {self.num_pages} are free "
+                f"(page_size={self.page_size}); raise num_pages or lower max_batch",
+                pages_needed=need, pages_free=len(self._free), slot=slot)
+        for _ in range(max(need, 0)):
+            page = self._free.pop()
+            self.block_tables[slot, len(owned)] = page
+            owned.append(page)
+        self.lengths[slot] = length
+        self.peak_pages_used = max(self.peak_pages_used, self.pages_used)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Rewind slot `slot` to its first `length` tokens, freeing pages that become empty."""
+        self._check_slot(slot)
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"truncate length {length} is outside [0, {int(self.lengths[slot])}] for slot {slot}")
+        owned = self._owned[slot]
+        keep = self.pages_for(length)
+        while len(owned) > keep:
+            self._free.append(owned.pop())
+            self.block_tables[slot, len(owned)] = 0
+        self.lengths[slot] = length
+
+    def release(self, slot: int) -> None:
+        """Free every page of slot `slot` (its sequence ended)."""
+        self.truncate(slot, 0)
+
+
+# ------------------------------------------------------------------------------------------
+# Pure functions used inside jitted steps
+# ------------------------------------------------------------------------------------------
+def write_latents(pages_NGC: jax.Array, latent_BTC: jax.Array, positions_BT: jax.Array,
+                  block_table_BP: jax.Array) -> jax.Array:
+    """Scatter the latents of T tokens per sequence into their pages -> the updated pool [N,G,C].
+
+    positions_BT int32: the token's position in its sequence; negative = padding, not written
+    (its update is sent out of bounds and dropped, so padding never touches a page).
+    Positions beyond the block table are dropped as well.
+    """
+    N, G, _ = pages_NGC.shape
+    P = block_table_BP.shape[1]
+    valid = (positions_BT >= 0) & (positions_BT < P * G)
+    pos = jnp.where(valid, positions_BT, 0)
+    page_BT = jnp.take_along_axis(block_table_BP, pos // G, axis=1)
+    page_BT = jnp.where(valid, page_BT, N)  # N is out of bounds: mode="drop" discards it
+    return pages_NGC.at[page_BT, pos % G].set(latent_BTC.astype(pages_NGC.dtype), mode="drop")
+
+
+def gather_latents(pages_NGC: jax.Array, block_table_BP: jax.Array, lengths_B: jax.Array, *,
+                   impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+    """Each sequence's cached tokens as a dense array, with their positions.
+
+    Returns (latent [B, P*G, C] in the pool's dtype, positions int32 [B, P*G]: s for s < length,
+    else -1, the padding mark of `mla_jax.attention`). Rows at or past a sequence's length are
+    zeroed: they may hold another sequence's stale data or never-written (even NaN) values, and
+    a masked softmax weight of 0 times NaN is still NaN.
+    impl: "reference" (`pages[block_table]`) or "kernel" / "interpret" (`pallas_kernels.paged_gather`,
+    which needs bf16 pages of 64 x 576).
+    """
+    N, G, C = pages_NGC.shape
+    B, P = block_table_BP.shape
+    if impl == "reference":
+        dense = pages_NGC[block_table_BP].reshape(B, P * G, C)
+    else:
+        from pallas_kernels import paged_gather
+        dense = paged_gather(pages_NGC, block_table_BP, num_tokens=P * G, impl=impl)
+    s = jnp.arange(P * G, dtype=jnp.int32)[None, :]
+    valid = s < lengths_B[:, None]
+    dense = jnp.where(valid[..., None], dense, jnp.zeros((), dense.dtype))
+    return dense, jnp.where(valid, s, -1)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1): the shape buckets of the jitted steps."""
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))

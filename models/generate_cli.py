@@ -1,0 +1,201 @@
+"""`mla-generate`: stream text from a DeepSeek-style model through the paged-cache engine.
+
+    mla-generate                                   # the built-in small model on a built-in prompt
+    mla-generate --prompt "Once upon" --max-new-tokens 64 --temperature 0.8 --top-p 0.9 --mtp
+    mla-generate --mtp --mtp-draft-tokens 2      # two drafts a step (the MTP module chained)
+    mla-generate --checkpoint DIR                  # an HF-layout checkpoint + its tokenizer.json
+
+The text is printed as it is generated, then one stats line (prefill and decode tokens/s, MTP
+acceptance, cache pages used). Steps that compiled are left out of the tokens/s figures and
+reported as compile time. Errors in arguments or inputs: one line on stderr, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import NoReturn, Sequence
+
+DTYPES = ("float32", "bfloat16")
+KV_DTYPES = ("bf16", "fp32")
+FALLBACK_PROMPT = "Once upon a time, there was a"
+
+
+class _UsageError(Exception):
+    """A bad argument or input: one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line instead of argparse's usage block
+        raise _UsageError(message)
+
+
+def _build_parser() -> _Parser:
+    p = _Parser(prog="mla-generate", description="Generate text with a DeepSeek-style model (MLA paged cache, "
+                "optional MTP speculative decoding), streaming it to stdout.")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="HF-layout checkpoint directory (config.json, safetensors, tokenizer.json); "
+                        "default: the built-in small model")
+    p.add_argument("--prompt", help="prompt text (default: a built-in prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate (default: 96)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 = off (default: 1)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = off (default: 0)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p filter, 0 = off (default: 0)")
+    p.add_argument("--mtp", action="store_true", help="speculative decoding with the model's MTP head")
+    p.add_argument("--mtp-draft-tokens", type=int, default=1, metavar="K",
+                   help="tokens the MTP head drafts a step, 1..3 (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: float32)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="latent cache format (default: bf16)")
+    p.add_argument("--attention-impl", choices=("auto", "reference", "kernel", "interpret"), default="auto",
+                   help="decode attention: Pallas kernel on Hopper (auto) or the jnp reference")
+    return p
+
+
+def _builtin_available() -> bool:
+    from models.builtin import BUILTIN_DIR
+    return os.path.isfile(os.path.join(BUILTIN_DIR, "config.json"))
+
+
+def _load(args):
+    """-> (model, tokenizer, default prompt, a warning or None)."""
+    import jax.numpy as jnp
+
+    from models.checkpoint import load_hf_checkpoint
+    from models.tokenizer import load_tokenizer
+
+    dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
+    if args.checkpoint is not None:
+        d = args.checkpoint
+        if not os.path.isdir(d):
+            raise _UsageError(f"--checkpoint {d}: no such directory")
+        if not os.path.isfile(os.path.join(d, "config.json")):
+            raise _UsageError(f"--checkpoint {d}: no config.json (expected a Hugging Face layout checkpoint)")
+        try:
+            tok = load_tokenizer(d)
+        except (OSError, ValueError) as e:
+            raise _UsageError(f"--checkpoint {d}: {e}") from None
+        try:
+            model = load_hf_checkpoint(d, dtype=dtype)
+        except (OSError, ValueError, KeyError) as e:
+            raise _UsageError(f"--checkpoint {d}: {e}") from None
+        return model, tok, FALLBACK_PROMPT, None
+    from models.builtin import BUILTIN_DIR, BUILTIN_PROMPT
+    if _builtin_available():
+        return load_hf_checkpoint(BUILTIN_DIR, dtype=dtype), load_tokenizer(BUILTIN_DIR), BUILTIN_PROMPT, None
+    # The built-in weights are not there (not trained yet): a random model of the same shape, so
+    # the command still exercises the whole path; its text is noise.
+    from flax import nnx
+
+    from mla_jax import ModelConfig
+    from models.deepseek import DeepSeekModel
+    from models.tokenizer import ByteTokenizer
+
+    model = DeepSeekModel(ModelConfig.tiny(), rngs=nnx.Rngs(0), dtype=dtype)
+    warning = ("warning: the built-in checkpoint (models/builtin/config.json) is missing; using a randomly "
+               "initialised ModelConfig.tiny() model, so the text is noise")
+    return model, ByteTokenizer(), BUILTIN_PROMPT, warning
+
+
+class _TextStream:
+    """Prints decoded text as tokens arrive. A byte-level token may end inside a UTF-8 character:
+    text ending in U+FFFD is held back until the next token completes it (or the stream ends)."""
+
+    def __init__(self, tok, out):
+        self.tok, self.out = tok, out
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, request: int, token: int) -> None:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        self._emit(text)
+
+    def _emit(self, text: str) -> None:
+        self.out.write(text[self.printed:])
+        self.out.flush()
+        self.printed = len(text)
+
+    def close(self) -> None:
+        self._emit(self.tok.decode(self.ids))
+
+
+def format_stats(stats: dict) -> str:
+    """The one-line summary printed after the text."""
+    acc = stats.get("mtp_acceptance")
+    mtp = "off" if acc is None else f"{100 * acc:.1f}% ({stats['mtp_accepted']}/{stats['mtp_drafted']})"
+    return (f"[stats] prefill {stats['prefill_tok_s']:.1f} tok/s ({stats['prefill_tokens']} tokens) | "
+            f"decode {stats['decode_tok_s']:.1f} tok/s ({stats['decode_tokens']} tokens, "
+            f"{stats['decode_steps']} steps) | MTP acceptance {mtp} | "
+            f"pages used {stats['pages_used_peak']}/{stats['pages_total']} | compile {stats['compile_s']:.1f} s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `mla-generate` console script: returns 0, or exits with status 2 and a one-line error."""
+    out, err = sys.stdout, sys.stderr
+    try:
+        args = _build_parser().parse_args(argv)
+        if args.max_new_tokens < 1:
+            raise _UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        if not 1 <= args.mtp_draft_tokens <= 3:
+            raise _UsageError(f"--mtp-draft-tokens must be in [1, 3], got {args.mtp_draft_tokens}")
+        import jax.numpy as jnp
+
+        from mla_jax.kv_cache import CacheFullError
+        from models.engine import Engine
+        from models.sampling import SamplingParams
+
+        try:
+            sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                      min_p=args.min_p, seed=args.seed)
+        except ValueError as e:  # name the flag the user typed
+            msg = str(e).replace("SamplingParams.", "--").replace("top_", "top-").replace("min_p", "min-p")
+            raise _UsageError(msg) from None
+        model, tok, default_prompt, warning = _load(args)
+        if warning:
+            print(warning, file=err)
+        if args.mtp and len(model.mtp) == 0:
+            raise _UsageError("--mtp: this model has no MTP module (num_nextn_predict_layers = 0)")
+        prompt_text = default_prompt if args.prompt is None else args.prompt
+        ids = tok.encode(prompt_text)
+        if not ids:
+            raise _UsageError("--prompt is empty and the tokenizer adds no BOS token")
+        cfg = model.cfg
+        if len(ids) >= cfg.max_position_embeddings:
+            raise _UsageError(f"the prompt has {len(ids)} tokens; the model's context is "
+                              f"{cfg.max_position_embeddings}")
+        max_context = min(cfg.max_position_embeddings, len(ids) + args.max_new_tokens)
+        page = 64
+        engine = Engine(model, page_size=page, num_pages=-(-(max_context + 2) // page), max_batch=1,
+                        max_context=max_context, attention_impl=args.attention_impl,
+                        kv_dtype=jnp.bfloat16 if args.kv_dtype == "bf16" else jnp.float32)
+        out.write(prompt_text)
+        out.flush()
+        stream = _TextStream(tok, out)
+        stops = () if tok.eos_id is None else (tok.eos_id,)
+        try:
+            res = engine.generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling, use_mtp=args.mtp,
+                                  stop_tokens=stops, stream=stream, on_cache_full="raise",
+                                  mtp_draft_tokens=args.mtp_draft_tokens)
+        except CacheFullError as e:
+            raise _UsageError(str(e)) from None
+        stream.close()
+        out.write("\n")
+        print(format_stats(res.stats), file=out)
+        out.flush()
+        return 0
+    except _UsageError as e:
+        print(f"mla-generate: error: {e}", file=err)
+        raise SystemExit(2) from None
+    except (ValueError, OSError) as e:  # anything else the inputs can cause, still one line
+        print(f"mla-generate: error: {e}", file=err)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,417 @@
+"""The generation engine against the full forward pass (teacher forcing), MTP speculation against
+plain greedy, chunked against one-shot prefill, cache pressure, bad input, compile counts.
+
+Every engine here uses a float32 cache (bit-comparable to the float32 model) and, unless a test
+says otherwise, the same shapes (page 4, 64 pages, 4 slots), so that the steps compile once for
+the module: the jitted steps are shared by engines over equal model structures and pool shapes.
+"""
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mla_jax import ModelConfig
+from mla_jax.kv_cache import CacheFullError
+from models import DeepSeekModel
+from models.engine import Engine, GenerationResult, trace_counts
+from models.sampling import SamplingParams
+
+CFG = ModelConfig.tiny().replace(num_hidden_layers=2)  # one dense layer, one MoE layer, one MTP module
+STD = dict(page_size=4, num_pages=64, max_batch=4, prefill_chunk=8, kv_dtype=jnp.float32)
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, CFG.vocab_size, n)] for n in lengths]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_argmax(graphdef, state, ids_BT):
+    return jnp.argmax(nnx.merge(graphdef, state)(ids_BT), axis=-1)
+
+
+def _full_argmax(model, seqs, width=128) -> np.ndarray:
+    """argmax of the full forward (naive attention, no cache) of each sequence, right-padded to one
+    shape (causal: padding after a token cannot change it) -> [len(seqs), width]."""
+    ids = np.zeros((8, width), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = s
+    return np.asarray(_forward_argmax(*nnx.split(model), jnp.asarray(ids)))[:len(seqs)]
+
+
+def _assert_teacher_forced(model, prompts, outs) -> None:
+    """Each generated token is the argmax of the full forward over the prompt + the tokens before it."""
+    am = _full_argmax(model, [p + o for p, o in zip(prompts, outs)])
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        assert am[i, len(p) - 1: len(p) + len(o) - 1].tolist() == o, f"request {i}"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return DeepSeekModel(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def spec_model():
+    """A model whose MTP drafts are often, not always, right: a strong bigram LM head (token a ->
+    perm[a]) that the MTP module reproduces from its embedding input, with attention scaled up so
+    that context overrides the bigram now and then (a rejected draft)."""
+    m = DeepSeekModel(CFG, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(0)
+    V, D = CFG.vocab_size, CFG.hidden_size
+    emb = rng.normal(size=(V, D)).astype(np.float32)
+    inv = np.argsort(rng.permutation(V))
+    m.embed_tokens.embedding[...] = jnp.asarray(emb)
+    m.lm_head.kernel[...] = jnp.asarray(emb[inv].T * 0.1)
+    m.mtp[0].eh_proj.kernel[...] = jnp.asarray(np.concatenate([np.eye(D), np.zeros((D, D))]).astype(np.float32))
+    for layer in m.layers:
+        layer.self_attn.wo.kernel[...] = layer.self_attn.wo.kernel[...] * 110.0
+    return m
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    # NaN in never-written cache rows: a masked row that leaked into attention would show.
+    return Engine(model, **STD, cache_fill=float("nan"))
+
+
+# --- equivalence with the full forward -----------------------------------------------------------
+def test_greedy_matches_teacher_forcing_ragged(engine, model):
+    # 6 prompts > 4 slots (continuous batching), ragged, crossing page boundaries (page 4).
+    prompts = _prompts(0, [1, 3, 9, 14, 5, 6])
+    streamed = {}
+    res = engine.generate(prompts, max_new_tokens=9, stream=lambda i, t: streamed.setdefault(i, []).append(t))
+    assert isinstance(res, GenerationResult)
+    assert [len(t) for t in res.tokens] == [9] * 6
+    assert res.finish_reasons == ["length"] * 6 and res.errors == [None] * 6
+    _assert_teacher_forced(model, prompts, res.tokens)
+    assert [streamed[i] for i in range(6)] == res.tokens
+    st = res.stats
+    assert st["prefill_tokens"] == sum(map(len, prompts)) and st["decode_tokens"] == 6 * 8
+    assert st["prefill_tok_s"] > 0 and st["decode_tok_s"] > 0 and st["mtp_acceptance"] is None
+    assert 0 < st["pages_used_peak"] <= STD["num_pages"]
+    assert engine.cache.pages_used == 0  # every page went back to the pool
+
+
+def test_greedy_matches_teacher_forcing_page64(model):
+    e = Engine(model, page_size=64, num_pages=8, max_batch=2, prefill_chunk=64, kv_dtype=jnp.float32)
+    prompts = _prompts(1, [70, 5])  # the first spans two pages, the second crosses none
+    res = e.generate(prompts, max_new_tokens=6)
+    _assert_teacher_forced(model, prompts, res.tokens)
+
+
+def test_bf16_cache_stays_close(model):
+    """The default bf16 page format: the first token's logits-argmax still match the fp32 model
+    on most requests (bf16 rounding of the latent may flip near-ties, so this is a smoke check)."""
+    e = Engine(model, page_size=4, num_pages=64, max_batch=4, prefill_chunk=8)
+    assert e.cache.dtype == jnp.bfloat16
+    prompts = _prompts(2, [3, 9, 14, 5])
+    res = e.generate(prompts, max_new_tokens=1)
+    am = _full_argmax(model, prompts)
+    ref = [int(am[i, len(p) - 1]) for i, p in enumerate(prompts)]
+    assert sum(a == [b] for a, b in zip(res.tokens, ref)) >= 3
+
+
+def test_stop_tokens_and_streaming(engine):
+    prompts = _prompts(3, [4, 7])
+    base = engine.generate(prompts, max_new_tokens=8).tokens
+    stop = base[0][2]
+    seen = []
+    res = engine.generate(prompts, max_new_tokens=8, stop_tokens=(stop,), stream=lambda i, t: seen.append((i, t)))
+    cut = base[0].index(stop) + 1
+    assert res.tokens[0] == base[0][:cut] and res.finish_reasons[0] == "stop"
+    if stop in base[1]:
+        assert res.tokens[1] == base[1][:base[1].index(stop) + 1]
+    else:
+        assert res.tokens[1] == base[1] and res.finish_reasons[1] == "length"
+    for i in range(2):
+        assert [t for j, t in seen if j == i] == res.tokens[i]
+
+
+def test_max_context_ends_a_sequence(model):
+    e = Engine(model, **{**STD, "num_pages": 64}, max_context=12)
+    res = e.generate(_prompts(4, [10, 12]), max_new_tokens=8)
+    # Tokens at positions 10, 11, 12 for the first (12 = max_context cannot be fed back), one for the second.
+    assert [len(t) for t in res.tokens] == [3, 1]
+    assert res.finish_reasons == ["context", "context"]
+
+
+# --- MTP speculative decoding ----------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_greedy_equals_plain_greedy(spec_model, k):
+    """k drafts a step (k > 1 chains the MTP module), verified with s_q = k + 1."""
+    e = Engine(spec_model, **STD)
+    prompts = _prompts(5, [3, 9, 14, 5, 1, 6])
+    plain = e.generate(prompts, max_new_tokens=20)
+    held = []
+
+    def check_pages(i, t):  # after every step: rewound slots hold exactly the pages their length needs
+        c = e.cache
+        held.append(all(len(c.pages_of(b)) == c.pages_for(int(c.lengths[b])) for b in range(c.max_seqs)))
+
+    spec = e.generate(prompts, max_new_tokens=20, use_mtp=True, mtp_draft_tokens=k, stream=check_pages)
+    assert held and all(held)
+    assert spec.tokens == plain.tokens
+    _assert_teacher_forced(spec_model, prompts, spec.tokens)
+    st = spec.stats
+    # Some drafts accepted, some rejected (and rewound): both paths of the verify step ran.
+    assert 0 < st["mtp_accepted"] < st["mtp_drafted"], st
+    assert st["mtp_acceptance"] == st["mtp_accepted"] / st["mtp_drafted"]
+    assert st["decode_steps"] < plain.stats["decode_steps"]
+    assert e.cache.pages_used == 0
+    print(f"k={k}: MTP acceptance {st['mtp_acceptance']:.3f} ({st['mtp_accepted']}/{st['mtp_drafted']}), "
+          f"decode steps {st['decode_steps']} vs {plain.stats['decode_steps']}")
+
+
+def test_mtp_rejection_sampling_path_with_one_hot_distributions(spec_model):
+    """temperature 1 with top_k = 1 runs the sampling code (rejection sampling, residual and bonus
+    draws, per-position keys) on one-hot p and q, where its result is known: the greedy tokens."""
+    e = Engine(spec_model, **STD)
+    prompts = _prompts(5, [3, 9, 14, 5, 1, 6])
+    greedy = e.generate(prompts, max_new_tokens=20)
+    res = e.generate(prompts, max_new_tokens=20, use_mtp=True, mtp_draft_tokens=2,
+                     sampling=SamplingParams(temperature=1.0, top_k=1, seed=5))
+    assert res.tokens == greedy.tokens
+    assert 0 < res.stats["mtp_accepted"] < res.stats["mtp_drafted"]
+
+
+def test_sampled_generation_reproduces_and_ignores_batching(spec_model):
+    """temperature > 0 with MTP (rejection sampling): a seed reproduces, and a request's tokens do
+    not depend on which other requests share its batch (the keys fold in positions, not slots)."""
+    e = Engine(spec_model, **STD)
+    prompts = _prompts(6, [3, 9, 5, 6, 2])
+    sp = SamplingParams(temperature=0.9, top_k=40, seed=3)
+    a = e.generate(prompts, max_new_tokens=6, sampling=sp, use_mtp=True)
+    b = e.generate(prompts, max_new_tokens=6, sampling=sp, use_mtp=True)
+    assert a.tokens == b.tokens
+    assert all(0 <= t < CFG.vocab_size for out in a.tokens for t in out)
+    per_request = [SamplingParams(temperature=0.9, top_k=40, seed=100 + i) for i in range(len(prompts))]
+    together = e.generate(prompts, max_new_tokens=6, sampling=per_request, use_mtp=True).tokens
+    alone = [e.generate([p], max_new_tokens=6, sampling=[s], use_mtp=True).tokens[0]
+             for p, s in zip(prompts[:2], per_request[:2])]
+    assert together[:2] == alone
+    c = e.generate(prompts, max_new_tokens=6, sampling=SamplingParams(temperature=0.9, top_k=40, seed=4),
+                   use_mtp=True)
+    assert c.tokens != a.tokens
+    assert 0.0 <= a.stats["mtp_acceptance"] <= 1.0
+
+
+# --- one cached attention step against the layer's own forward -------------------------------------
+@pytest.mark.parametrize("absorbed", [True, False])
+def test_cached_attention_equals_mla_forward(model, absorbed):
+    """Writing a chunk into a (NaN-poisoned, permuted) paged cache that already holds the prefix and
+    attending over it gives MLA's full causal forward of prefix + chunk, for both paths."""
+    import chex
+
+    from mla_jax.kv_cache import write_latents
+    from models.engine import AttnMode, _cached_attention
+
+    mla = model.layers[0].self_attn
+    B, S, T, G, N = 2, 11, 5, 4, 16
+    x = jax.random.normal(jax.random.PRNGKey(0), (B, S + T, CFG.hidden_size), jnp.float32)
+    lens = np.array([S + T, S + 2])  # row 1: a shorter sequence whose chunk ends in padding
+    pos = np.where(np.arange(S + T)[None] < lens[:, None], np.arange(S + T)[None], -1).astype(np.int32)
+    table = np.random.default_rng(0).permutation(N)[:2 * 5].reshape(B, 5).astype(np.int32)
+    pool = jnp.full((N, G, CFG.latent_dim), jnp.nan, jnp.float32)
+    pool = write_latents(pool, mla.project_kv(x[:, :S], jnp.maximum(pos[:, :S], 0)), jnp.asarray(pos[:, :S]),
+                         jnp.asarray(table))
+    mode = AttnMode(absorbed=absorbed, kernel=None, gather="reference")
+    step = jax.jit(lambda pool, x, pos, lens: _cached_attention(mla, pool, x, pos, jnp.asarray(table), lens, mode))
+    out, pool = step(pool, x[:, S:], jnp.asarray(pos[:, S:]), jnp.asarray(lens, jnp.int32))
+    want = jax.jit(lambda x, pos: mla(x, pos))(x, jnp.asarray(pos))[:, S:]
+    chex.assert_trees_all_close(out[0], want[0], rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(out[1, :2], want[1, :2], rtol=1e-5, atol=1e-5)  # its valid tokens
+    assert not np.isnan(np.asarray(out)).any()
+
+
+def test_mtp_sampling_keeps_the_output_distribution(spec_model):
+    """With temperature > 0 the first verified token (accepted draft or residual replacement) must
+    be distributed as without MTP: the joint frequencies of the first two new tokens over many
+    requests (per-request keys) agree with plain sampling within a generous bound."""
+    e = Engine(spec_model, **STD)
+    n = 1200
+    prompt = _prompts(16, [6])[0]
+    sp = SamplingParams(temperature=1.0, top_k=3, seed=21)  # 3 x 3 outcomes: well sampled
+    plain = e.generate([prompt] * n, max_new_tokens=2, sampling=sp)
+    spec = e.generate([prompt] * n, max_new_tokens=2, sampling=dataclasses.replace(sp, seed=22), use_mtp=True)
+    assert 0 < spec.stats["mtp_accepted"] < spec.stats["mtp_drafted"]  # both branches taken
+
+    def freq(res):
+        c = collections.Counter(tuple(t) for t in res.tokens)
+        return {k: v / n for k, v in c.items()}
+
+    fp, fs = freq(plain), freq(spec)
+    assert len(fp) <= 9 and len(fs) <= 9 and set(fs) <= set(fp) | set(fs)
+    worst = max(abs(fp.get(k, 0.0) - fs.get(k, 0.0)) for k in set(fp) | set(fs))
+    # Each frequency has a binomial std <= 0.015 at n = 1200; 0.07 is over 3 std of the difference.
+    assert worst < 0.07, (fp, fs)
+
+
+# --- chunked prefill -------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk, threshold", [(5, 1000), (16, 1000), (5, 1), (16, 1), (32, 1)])
+def test_chunked_prefill_equals_one_shot(model, chunk, threshold):
+    """Prefill in chunks (absorbed path; decompressed with threshold 1) = one absorbed chunk.
+
+    A fresh pool hands out pages from id 0 in order, so the prompt's latents of every layer sit in
+    the same rows in both runs and can be compared directly, as well as the generated tokens."""
+    prompt = _prompts(7, [27])
+
+    def run(c, t):
+        e = Engine(model, **{**STD, "prefill_chunk": c, "naive_threshold": t})
+        res = e.generate(prompt, max_new_tokens=3)
+        rows = [np.asarray(p).reshape(-1, CFG.latent_dim)[:27] for p in e.cache.pages]
+        return res, rows
+
+    ref, ref_rows = run(32, 1000)
+    got, rows = run(chunk, threshold)
+    assert got.tokens == ref.tokens
+    assert got.stats["prefill_steps"] == -(-27 // chunk)
+    for a, b in zip(rows, ref_rows):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+# --- cache pressure --------------------------------------------------------------------------------
+def test_out_of_pages_fails_one_request_and_spares_the_others(model):
+    small = {**STD, "num_pages": 14, "max_context": 64}
+    a_b = _prompts(8, [2, 3])
+    greedy_c = _prompts(9, [12])
+    e = Engine(model, **small)
+    alone = e.generate(a_b, max_new_tokens=16)
+    assert alone.errors == [None, None]
+    mixed = e.generate([a_b[0], greedy_c[0], a_b[1]], max_new_tokens=16)
+    assert mixed.errors[0] is None and mixed.errors[2] is None
+    assert mixed.tokens[0] == alone.tokens[0] and mixed.tokens[2] == alone.tokens[1]
+    assert mixed.finish_reasons[1] == "error"
+    assert "KV cache full" in mixed.errors[1] and "free" in mixed.errors[1]
+    assert 0 < len(mixed.tokens[1]) < 16  # it ran, then stopped where the pool ran out
+    assert mixed.stats["failed"] == 1 and mixed.stats["pages_used_peak"] == 14
+    assert e.cache.pages_used == 0
+    with pytest.raises(CacheFullError, match="KV cache full") as err:
+        e.generate([a_b[0], greedy_c[0], a_b[1]], max_new_tokens=16, on_cache_full="raise")
+    assert err.value.pages_needed >= 1 and err.value.pages_free == 0
+    assert err.value.partial_result.tokens[1] == mixed.tokens[1]
+    assert err.value.partial_result.errors[1] == str(err.value)
+    assert e.cache.pages_used == 0  # the aborted call left no page reserved
+    # ... and the engine still serves the same requests identically afterwards.
+    assert e.generate(a_b, max_new_tokens=16).tokens == alone.tokens
+
+
+def test_a_throwing_stream_callback_frees_every_page(engine):
+    def stream(i, t):
+        if i == 1:
+            raise KeyboardInterrupt  # e.g. the user stops a stream
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(_prompts(15, [3, 6, 9]), max_new_tokens=4, stream=stream)
+    assert engine.cache.pages_used == 0
+
+
+def test_prompt_larger_than_the_pool_fails_alone(model):
+    e = Engine(model, **{**STD, "num_pages": 14, "max_context": 64})  # 56 tokens of pool
+    res = e.generate(_prompts(10, [60, 3]), max_new_tokens=2)
+    assert res.finish_reasons[0] == "error" and "needs 15 more page(s)" in res.errors[0]
+    assert res.errors[1] is None and len(res.tokens[1]) == 2
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompts=[]), "non-empty list"),
+    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+    (dict(prompts=[[1] * 257]), "257 tokens, beyond max_context=256"),
+    (dict(prompts=[[1, CFG.vocab_size]]), f"token id {CFG.vocab_size} outside the vocabulary"),
+    (dict(prompts=[[-1]]), "token id -1 outside"),
+    (dict(prompts=["hello"]), "list of token ids"),
+    (dict(prompts=[[1.5]]), "non-integer token"),
+    (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    (dict(prompts=[[1]], sampling=[SamplingParams()] * 2), "one SamplingParams per prompt"),
+    (dict(prompts=[[1]], stream=5), "stream must be a callable"),
+    (dict(prompts=[[1]], on_cache_full="ignore"), "on_cache_full"),
+    (dict(prompts=[[1]], use_mtp=True, mtp_draft_tokens=4), r"mtp_draft_tokens must be an integer in \[1, 3\]"),
+    (dict(prompts=[[1]], use_mtp=True, mtp_draft_tokens=0), "mtp_draft_tokens"),
+])
+def test_bad_generate_arguments(engine, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate(**kwargs)
+
+
+def test_bad_engine_arguments(model):
+    with pytest.raises(ValueError, match="page_size must be an integer >= 1"):
+        Engine(model, page_size=0)
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        Engine(model, attention_impl="fast")
+    with pytest.raises(ValueError, match=r"max_context must be an integer in \[1, max_position_embeddings=2048\]"):
+        Engine(model, max_context=4096)
+    # The Pallas kernels serve the 576-wide latent, page 64, H in {16,32,64,128}, bf16 only.
+    with pytest.raises(ValueError, match=r"latent width .* = 80 .*page_size = 4.*num_attention_heads = 4"):
+        Engine(model, page_size=4, attention_impl="kernel")
+    no_mtp = DeepSeekModel(CFG.replace(num_mtp_layers=0), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="no MTP module"):
+        Engine(no_mtp, **STD).generate([[1, 2]], use_mtp=True)
+
+
+# --- compilation count -----------------------------------------------------------------------------
+def test_long_generation_compiles_a_bounded_number_of_times(model):
+    # A batch shape no other test uses (fresh compilations), and the smallest table bucket (1 page).
+    e = Engine(model, **{**STD, "max_batch": 2}, min_table_tokens=1)
+    before = trace_counts()
+    res = e.generate(_prompts(11, [5, 2]), max_new_tokens=56)
+    assert [len(t) for t in res.tokens] == [56, 56]
+    new = {k: v - before.get(k, 0) for k, v in trace_counts().items()}
+    # 55 decode steps over 6..61 cached tokens = 2..16 pages of 4: table widths 2, 4, 8, 16 -> 4 compilations.
+    assert new.get("decode", 0) == 4 and new.get("prefill", 0) == 1, new
+    again = e.generate(_prompts(12, [7, 3]), max_new_tokens=56)
+    assert trace_counts() == {k: before.get(k, 0) + new.get(k, 0) for k in trace_counts()}  # nothing new
+    assert again.stats["decode_steps"] == 55
+
+
+# --- the Pallas kernels (interpret mode on CPU, the real kernels on a Hopper GPU) -------------------
+KERNEL_CFG = ModelConfig.tiny().replace(  # the kernels' shape: latent 512 + rope 64, 16 heads
+    num_hidden_layers=1, first_k_dense_replace=1, kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16,
+    qk_nope_head_dim=16, v_head_dim=16, hidden_size=64, q_lora_rank=None)
+
+
+def _kernel_vs_reference(impl, prompts, max_new_tokens, max_batch, plain=True, k=1):
+    """Tokens of the kernel paths = tokens of the jnp paths, greedy, with MTP (k drafts) and, if
+    `plain`, without."""
+    m = DeepSeekModel(KERNEL_CFG, rngs=nnx.Rngs(0))
+    runs = {}
+    for name in ("reference", impl):
+        # naive_threshold 32: a 64-token chunk takes the decompressed path (paged_gather kernel),
+        # shorter ones the absorbed path; decode and MTP verify (s_q = 2) call mla_decode.
+        e = Engine(m, page_size=64, num_pages=4 * max_batch, max_batch=max_batch, prefill_chunk=64,
+                   naive_threshold=32, attention_impl=name)
+        assert e.kernel_impl == (None if name == "reference" else impl)
+        is_ref = name == "reference"
+        runs[name] = (e.generate(prompts, max_new_tokens=max_new_tokens) if plain or is_ref else None,
+                      e.generate(prompts, max_new_tokens=max_new_tokens, use_mtp=True, mtp_draft_tokens=k)
+                      if plain or not is_ref else None)
+    (ref, ref_mtp), (got, got_mtp) = runs["reference"], runs[impl]
+    # Both read the same bf16 cache; the kernel also rounds the absorbed query to bf16, so compare
+    # tokens (the tiny random model's top logits are far apart next to that rounding).
+    assert got_mtp.tokens == ref.tokens
+    if plain:
+        assert ref_mtp.tokens == ref.tokens
+    if plain:
+        assert got.tokens == ref.tokens
+
+
+def test_interpret_kernels_match_reference():
+    # MTP only (the interpreter is slow): prefill through paged_gather, verify through mla_decode
+    # with s_q = 4 (3 drafts), the draft chain with s_q = 1, and the last verifies with fewer drafts
+    # than k (padding queries at the end).
+    _kernel_vs_reference("interpret", _prompts(13, [5, 70]), max_new_tokens=5, max_batch=2, plain=False, k=3)
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_match_reference():
+    from pallas_kernels._platform import default_backend_is_hopper
+    if not default_backend_is_hopper():
+        pytest.skip("needs a Hopper GPU")
+    prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
+    _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4)
+    _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, plain=False, k=3)

@@ -1,0 +1,86 @@
+"""`mla-generate` in-process: streams text and a stats line; errors are one line and exit status 2."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from models.generate_cli import format_stats, main
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_v3_tiny")
+
+
+def test_no_arguments_streams_text_and_stats(capsys, monkeypatch):
+    written = []
+    real_write = __import__("sys").stdout.write
+
+    def spy(text):  # records each write: the text must arrive in pieces, as it is generated
+        written.append(text)
+        return real_write(text)
+
+    monkeypatch.setattr("sys.stdout.write", spy)
+    assert main(["--max-new-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    lines = out.rstrip("\n").split("\n")
+    stats = lines[-1]
+    assert stats.startswith("[stats] prefill ") and " tok/s" in stats and "decode " in stats
+    assert "MTP acceptance off" in stats and "pages used " in stats
+    from models.builtin import BUILTIN_PROMPT
+    assert out.startswith(BUILTIN_PROMPT)
+    assert len(written) >= 3  # the prompt, then generated text in several writes, then the stats
+    if "warning" in err:  # the built-in weights are not trained yet: the fallback says so
+        assert "randomly initialised" in err
+
+
+def test_prompt_sampling_and_mtp(capsys):
+    assert main(["--prompt", "Hello", "--max-new-tokens", "5", "--temperature", "0.8", "--top-p", "0.9",
+                 "--top-k", "50", "--min-p", "0.01", "--seed", "3", "--mtp"]) == 0
+    out, _ = capsys.readouterr()
+    assert out.startswith("Hello")
+    assert "MTP acceptance " in out and "MTP acceptance off" not in out
+
+
+def test_hf_checkpoint_with_tokenizer_json(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    for name in os.listdir(FIXTURE):
+        if name.endswith((".json", ".safetensors")):
+            shutil.copy(os.path.join(FIXTURE, name), tmp_path / name)
+    vocab = json.load(open(os.path.join(FIXTURE, "config.json")))["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert main(["--checkpoint", str(tmp_path), "--prompt", "w5 w9 w17", "--max-new-tokens", "4", "--mtp",
+                 "--mtp-draft-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("w5 w9 w17") and "[stats] prefill" in out and "warning" not in err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--checkpoint", "no/such/dir"], "no such directory"),
+    ([f"--checkpoint={FIXTURE}"], "no tokenizer"),  # the fixture has weights but no tokenizer.json
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--top-p", "0"], "--top-p must be in"),
+    (["--top-k", "-2"], "--top-k must be >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--mtp", "--mtp-draft-tokens", "5"], "--mtp-draft-tokens must be in [1, 3]"),
+    (["--dtype", "int8"], "invalid choice"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_errors_are_one_line_exit_2(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.strip().split("\n") if not ln.startswith("warning:")]
+    assert len(lines) == 1 and lines[0].startswith("mla-generate: error: ") and match in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_format_stats():
+    line = format_stats(dict(prefill_tok_s=10.0, prefill_tokens=5, decode_tok_s=2.5, decode_tokens=8, decode_steps=5,
+                             mtp_acceptance=0.75, mtp_accepted=3, mtp_drafted=4, pages_used_peak=2, pages_total=9,
+                             compile_s=1.25))
+    assert line == ("[stats] prefill 10.0 tok/s (5 tokens) | decode 2.5 tok/s (8 tokens, 5 steps) | "
+                    "MTP acceptance 75.0% (3/4) | pages used 2/9 | compile 1.2 s")

@@ -1,0 +1,119 @@
+"""The paged latent cache: allocator, CacheFullError before any change, byte count = the planner's,
+and the pure write / gather functions against a numpy reference (permuted pages, NaN poison)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_jax.capacity import mla_kv_bytes, plan_kv_cache
+from mla_jax.config import ModelConfig
+from mla_jax.kv_cache import CacheFullError, PagedLatentCache, gather_latents, next_pow2, write_latents
+
+
+def _cache(**kw):
+    args = dict(num_layers=2, num_pages=8, page_size=4, latent_dim=6, max_seqs=3, max_pages_per_seq=4)
+    args.update(kw)
+    return PagedLatentCache(**args)
+
+
+def test_reserve_truncate_release():
+    c = _cache()
+    c.reserve(0, 5)  # 2 pages
+    c.reserve(1, 4)  # 1 page
+    assert c.pages_of(0) == [0, 1] and c.pages_of(1) == [2]
+    np.testing.assert_array_equal(c.block_tables[0, :2], [0, 1])
+    assert c.pages_used == 3 and c.num_free_pages == 5 and list(c.lengths) == [5, 4, 0]
+    c.reserve(0, 9)  # grows to 3 pages
+    assert c.pages_of(0) == [0, 1, 3] and c.peak_pages_used == 4
+    c.truncate(0, 8)  # 8 tokens still need 2 pages: the third is freed
+    assert c.pages_of(0) == [0, 1] and c.lengths[0] == 8 and c.block_tables[0, 2] == 0
+    c.truncate(0, 7)  # same page count: nothing freed
+    assert c.pages_of(0) == [0, 1]
+    c.release(1)
+    assert c.pages_of(1) == [] and c.lengths[1] == 0 and c.pages_used == 2
+    assert c.peak_pages_used == 4
+    with pytest.raises(ValueError, match="truncate length 9"):
+        c.truncate(0, 9)
+    with pytest.raises(ValueError, match="slot must be in"):
+        c.reserve(3, 1)
+    with pytest.raises(ValueError, match="outside"):
+        c.reserve(0, 17)  # beyond max_pages_per_seq * page_size = 16
+
+
+def test_cache_full_changes_nothing():
+    c = _cache()
+    c.reserve(0, 16)  # 4 pages
+    c.reserve(1, 12)  # 3 pages -> 1 free
+    before = (list(c._free), c.block_tables.copy(), c.lengths.copy(), [c.pages_of(s) for s in range(3)],
+              [id(p) for p in c.pages])
+    with pytest.raises(CacheFullError, match=r"needs 2 more page\(s\).*only 1 of 8 are free") as e:
+        c.reserve(2, 5)
+    assert isinstance(e.value, RuntimeError)
+    assert (e.value.pages_needed, e.value.pages_free, e.value.slot) == (2, 1, 2)
+    after = (list(c._free), c.block_tables.copy(), c.lengths.copy(), [c.pages_of(s) for s in range(3)],
+             [id(p) for p in c.pages])
+    assert before[0] == after[0] and before[3] == after[3] and before[4] == after[4]
+    np.testing.assert_array_equal(before[1], after[1])
+    np.testing.assert_array_equal(before[2], after[2])
+    c.reserve(2, 4)  # one page still fits
+    assert c.num_free_pages == 0
+
+
+def test_dtype_is_a_property_of_the_cache():
+    assert _cache().dtype == jnp.bfloat16 and _cache().kv_dtype == "bf16"
+    c = _cache(dtype=jnp.float32)
+    assert c.kv_dtype == "fp32" and all(p.dtype == jnp.float32 for p in c.pages)
+    with pytest.raises(ValueError, match="not a supported page format"):
+        _cache(dtype=jnp.int8)
+    with pytest.raises(ValueError, match="num_pages must be a positive integer"):
+        _cache(num_pages=0)
+
+
+@pytest.mark.parametrize("cfg_name, num_pages, page_size", [("tiny", 29, 64), ("tiny", 10, 8), ("v3", 3, 64)])
+def test_pool_bytes_equal_the_planner(cfg_name, num_pages, page_size):
+    cfg = ModelConfig.tiny() if cfg_name == "tiny" else ModelConfig.deepseek_v3()
+    layers = cfg.num_hidden_layers + cfg.num_mtp_layers  # main layers + the MTP layer's own cache
+    c = PagedLatentCache(num_layers=layers, num_pages=num_pages, page_size=page_size, latent_dim=cfg.latent_dim,
+                         max_seqs=1, max_pages_per_seq=num_pages)
+    tokens = num_pages * page_size
+    assert c.nbytes == mla_kv_bytes(layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 2, tokens)
+    plan = plan_kv_cache(cfg.replace(num_hidden_layers=layers), context_len=tokens, page_size=page_size)
+    assert c.nbytes == plan.mla.allocated_bytes == plan.mla.logical_bytes
+    assert c.nbytes == sum(p.nbytes for p in c.pages)
+
+
+def test_write_and_gather_match_numpy():
+    rng = np.random.default_rng(0)
+    N, G, C, B, P = 10, 4, 6, 3, 3
+    pool = jnp.full((N, G, C), jnp.nan, jnp.float32)  # never-written rows are NaN
+    table = np.zeros((B, P), np.int32)
+    perm = rng.permutation(N)  # pages of each row in a shuffled order
+    table[0, :3], table[1, :2], table[2, :1] = perm[:3], perm[3:5], perm[5:6]
+    lengths = np.array([11, 6, 3], np.int32)
+    # Write every row's tokens in two steps, the second ragged with padding (-1).
+    ref = np.full((N, G, C), np.nan, np.float32)
+    for start, T in ((0, 5), (5, 6)):
+        pos = np.full((B, T), -1, np.int32)
+        lat = rng.normal(size=(B, T, C)).astype(np.float32)
+        for b in range(B):
+            n = max(0, min(T, lengths[b] - start))
+            pos[b, :n] = np.arange(start, start + n)
+            for t in range(n):
+                p = pos[b, t]
+                ref[table[b, p // G], p % G] = lat[b, t]
+        pool = jax.jit(write_latents)(pool, jnp.asarray(lat), jnp.asarray(pos), jnp.asarray(table))
+    np.testing.assert_array_equal(np.asarray(pool), ref)  # NaN where untouched, exact elsewhere
+    dense, kv_pos = gather_latents(pool, jnp.asarray(table), jnp.asarray(lengths))
+    dense, kv_pos = np.asarray(dense), np.asarray(kv_pos)
+    for b in range(B):
+        for s in range(P * G):
+            if s < lengths[b]:
+                np.testing.assert_array_equal(dense[b, s], ref[table[b, s // G], s % G])
+                assert kv_pos[b, s] == s
+            else:  # masked rows are zero, never the pool's NaN
+                assert kv_pos[b, s] == -1 and (dense[b, s] == 0).all()
+
+
+def test_next_pow2():
+    assert [next_pow2(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
