@@ -50,6 +50,8 @@ def _build_parser() -> _Parser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: float32)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="latent cache format (default: bf16)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the silent warm-up run that compiles the steps before the timed one")
     p.add_argument("--attention-impl", choices=("auto", "reference", "kernel", "interpret"), default="auto",
                    help="decode attention: Pallas kernel on Hopper (auto) or the jnp reference")
     return p
@@ -174,11 +176,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = Engine(model, page_size=page, num_pages=-(-(max_context + 2) // page), max_batch=1,
                         max_context=max_context, attention_impl=args.attention_impl,
                         kv_dtype=jnp.bfloat16 if args.kv_dtype == "bf16" else jnp.float32)
-        out.write(prompt_text)
-        out.flush()
-        stream = _TextStream(tok, out)
         stops = () if tok.eos_id is None else (tok.eos_id,)
+        compile_s = 0.0
         try:
+            if not args.no_warmup:
+                # Compile prefill/decode (and MTP verify) on the same shapes first, so that the
+                # stats line measures warm steps rather than XLA compilation.
+                warm = engine.generate([ids], max_new_tokens=min(2, args.max_new_tokens), sampling=sampling,
+                                       use_mtp=args.mtp, stop_tokens=stops, on_cache_full="raise",
+                                       mtp_draft_tokens=args.mtp_draft_tokens)
+                compile_s = warm.stats["compile_s"]
+            out.write(prompt_text)
+            out.flush()
+            stream = _TextStream(tok, out)
             res = engine.generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling, use_mtp=args.mtp,
                                   stop_tokens=stops, stream=stream, on_cache_full="raise",
                                   mtp_draft_tokens=args.mtp_draft_tokens)
@@ -186,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(str(e)) from None
         stream.close()
         out.write("\n")
-        print(format_stats(res.stats), file=out)
+        print(format_stats(dict(res.stats, compile_s=res.stats["compile_s"] + compile_s)), file=out)
         out.flush()
         return 0
     except _UsageError as e:
