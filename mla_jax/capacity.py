@@ -182,6 +182,8 @@ def plan_kv_cache(
     tp: int = 1,
     dp_attention: bool = False,
     gqa_groups: int = DEFAULT_GQA_GROUPS,
+    include_mtp: bool = False,
+    draft_tokens: int = 0,
 ) -> KVPlan:
     """Plan the KV cache of `num_sequences` sequences of `context_len` tokens for `cfg`.
 
@@ -193,7 +195,12 @@ def plan_kv_cache(
     For "fp8" / "fp4" the latent uses DeepSeek's quantized page formats (656 B / 416 B for V3, with
     their scales and a bf16 rope part) and the MHA / GQA rows store each K and V head vector as
     1 B a value (fp8, per-tensor scale) or e2m1 pairs + an e4m3 scale per 16 values (fp4).
-    Per sequence the cache allocates ceil(context_len / page_size) whole pages.
+    Per sequence the cache allocates ceil((context_len + draft_tokens) / page_size) whole pages.
+
+    Speculative decoding with MTP: `include_mtp=True` counts the `cfg.num_mtp_layers` MTP blocks,
+    which keep a latent cache of their own, as extra layers; `draft_tokens` is the room a sequence
+    keeps past its context for drafts that are not verified yet (the engine keeps 3 when the model
+    has an MTP head). Both default to plain decoding.
 
     Per device, with `tp` devices:
       MLA, plain tensor parallelism: the latent has no head axis, so every device holds all of it.
@@ -211,6 +218,10 @@ def plan_kv_cache(
     page_size = _positive_int("page_size", page_size)
     tp = _positive_int("tp", tp)
     gqa_groups = _positive_int("gqa_groups", gqa_groups)
+    if not isinstance(include_mtp, bool):
+        raise ValueError(f"include_mtp must be a bool, got {include_mtp!r}")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, numbers.Integral) or draft_tokens < 0:
+        raise ValueError(f"draft_tokens must be a non-negative integer, got {draft_tokens!r}")
     if not isinstance(dp_attention, bool):
         raise ValueError(f"dp_attention must be a bool, got {dp_attention!r}")
     latent_fn, head_vec_fn, _ = _dtype(kv_dtype)
@@ -220,9 +231,10 @@ def plan_kv_cache(
             f"max_position_embeddings={cfg.max_position_embeddings}"
         )
 
-    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    layers = cfg.num_hidden_layers + (cfg.num_mtp_layers if include_mtp else 0)
+    heads = cfg.num_attention_heads
     groups = min(gqa_groups, heads)
-    pages = _ceil_div(context_len, page_size)
+    pages = _ceil_div(context_len + int(draft_tokens), page_size)
     alloc_tokens = pages * page_size
 
     seqs_per_device = _ceil_div(num_sequences, tp) if dp_attention else num_sequences

@@ -159,7 +159,12 @@ def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
                 raise ValueError(f"fp8 tensor {k!r} has no {k + '_scale_inv'!r} block scales")
             if v.ndim != 2:
                 raise ValueError(f"fp8 tensor {k!r} must be 2-D, got shape {v.shape}")
-            out[k] = dequantize_fp8_blocks(v, s)
+            try:
+                out[k] = dequantize_fp8_blocks(v, s)
+            except ValueError as e:
+                raise ValueError(f"tensor {k + '_scale_inv'!r}: {e}") from None
+        elif k + "_scale_inv" in raw:
+            raise ValueError(f"tensor {k!r} has block scales {k + '_scale_inv'!r} but is {v.dtype}, not fp8")
         else:
             out[k] = v
     return out

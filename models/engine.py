@@ -382,8 +382,12 @@ class Engine:
         if max_context is None:
             cap = 2048 if num_pages is None else num_pages * page_size
             max_context = min(cfg.max_position_embeddings, cap)
-        # MTP drafts (and their chain rows) may sit up to MAX_DRAFT_TOKENS positions past the last kept token.
-        pages_per_seq = -(-(max_context + MAX_DRAFT_TOKENS) // page_size)
+        # MTP drafts (and their chain rows) may sit up to MAX_DRAFT_TOKENS positions past the last kept
+        # token; a model without an MTP head needs no such room. The default pool is what
+        # `plan_kv_cache(cfg, context_len=max_context, num_sequences=max_batch, include_mtp=True,
+        # draft_tokens=self.draft_room)` predicts (tests/test_kv_cache.py checks it).
+        self.draft_room = MAX_DRAFT_TOKENS if len(model.mtp) > 0 else 0
+        pages_per_seq = -(-(max_context + self.draft_room) // page_size)
         if num_pages is None:
             num_pages = max_batch * pages_per_seq
         self.cfg = cfg
@@ -734,7 +738,10 @@ class Engine:
 
     def _run_verify(self, slots, rows, spec, drafts, draft_probs, kind):
         k = drafts.shape[1]
-        need = max(len(self.cache.pages_of(b)) for b in rows)
+        # The kernel is given seq_len = cached + 1 + k (padding queries counted in, see
+        # `_cached_attention`), so the table must cover that many tokens even where fewer drafts
+        # are verified (entries past a row's own pages are page 0, masked out by position).
+        need = max(max(len(self.cache.pages_of(b)), self.cache.pages_for(slots[b].cached + 1 + k)) for b in rows)
         ids, pos, lengths, last, keys, sp, bt = self._inputs(slots, rows, k + 1, need)
         n_spec = np.zeros((self.max_batch,), np.int32)
         for b in rows:

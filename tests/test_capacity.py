@@ -322,3 +322,18 @@ def test_python_dash_m():
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert "latent MLA" in ok.stdout and "MiB" in ok.stdout
+
+
+def test_mtp_layers_and_draft_room():
+    cfg = ModelConfig.deepseek_v3()
+    plain = plan_kv_cache(cfg, context_len=4096)
+    spec = plan_kv_cache(cfg, context_len=4096, include_mtp=True, draft_tokens=3)
+    assert plain.mla.bytes_per_token == 61 * 1152
+    assert spec.mla.bytes_per_token == 62 * 1152  # the MTP block keeps its own latent cache
+    assert spec.pages_per_sequence == 65  # 4096 + 3 tokens -> one more 64-token page
+    assert spec.mla.logical_bytes == 62 * 1152 * 4096  # logical: exactly the context
+    assert spec.mla.allocated_bytes == 62 * 1152 * 65 * 64
+    with pytest.raises(ValueError, match="draft_tokens"):
+        plan_kv_cache(cfg, context_len=4096, draft_tokens=-1)
+    with pytest.raises(ValueError, match="include_mtp"):
+        plan_kv_cache(cfg, context_len=4096, include_mtp=1)

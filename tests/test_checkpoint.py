@@ -133,6 +133,17 @@ def test_fp8_checkpoint_is_dequantized_on_load(tmp_path):
     write_safetensors(file, tensors)
     with pytest.raises(ValueError, match="down_proj.weight.*block scales"):
         load_hf_checkpoint(tmp_path)
+    # mis-shaped scales: the error names the scale tensor
+    tensors[name + "_scale_inv"] = np.ones((3, 3), np.float32)
+    write_safetensors(file, tensors)
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj.weight_scale_inv'.*does not match"):
+        load_hf_checkpoint(tmp_path)
+    # scales next to a weight that is not fp8: refused, naming the weight
+    tensors[name] = np.asarray(np_dequant_loop(q, s), np.float32)
+    tensors[name + "_scale_inv"] = s
+    write_safetensors(file, tensors)
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj.weight' has block scales"):
+        load_hf_checkpoint(tmp_path)
 
 
 def test_fp8_fixture_header_is_read_by_hand():

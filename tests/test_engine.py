@@ -247,7 +247,9 @@ def test_mtp_sampling_keeps_the_output_distribution(spec_model):
         return {k: v / n for k, v in c.items()}
 
     fp, fs = freq(plain), freq(spec)
-    assert len(fp) <= 9 and len(fs) <= 9 and set(fs) <= set(fp) | set(fs)
+    assert len(fp) <= 9 and len(fs) <= 9
+    # MTP never produces an outcome that plain sampling makes rare (or impossible)
+    assert all(fs[k] < 0.01 for k in set(fs) - set(fp)), (fp, fs)
     worst = max(abs(fp.get(k, 0.0) - fs.get(k, 0.0)) for k in set(fp) | set(fs))
     # Each frequency has a binomial std <= 0.015 at n = 1200; 0.07 is over 3 std of the difference.
     assert worst < 0.07, (fp, fs)
@@ -415,3 +417,39 @@ def test_gpu_kernels_match_reference():
     prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
     _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4)
     _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, plain=False, k=3)
+
+
+def test_verify_step_table_covers_the_kernel_seq_len(monkeypatch):
+    """Regression: a verify step with fewer drafts than k (here at the context limit) still hands
+    the decode kernel seq_len = cached + 1 + k (padding queries counted in); the block table must
+    cover that many tokens, or the kernel would read past the table (`mla_decode` precondition
+    1 <= seq_len <= 64 * max_pages). The kernels are replaced by their references, recording
+    what they receive."""
+    import pallas_kernels
+
+    seen = []
+
+    def fake_decode(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal, impl=None, config=None):
+        width = block_table.shape[1]
+        jax.debug.callback(lambda s: seen.append((np.asarray(s).tolist(), width)), seq_lens)
+        return pallas_kernels.mla_decode_reference(q, kv_pages, block_table, seq_lens,
+                                                   softmax_scale=softmax_scale, causal=causal)
+
+    def fake_gather(kv_pages, block_table, *, num_tokens, impl=None, **kw):
+        return pallas_kernels.paged_gather_reference(kv_pages, block_table, num_tokens=num_tokens)
+
+    monkeypatch.setattr(pallas_kernels, "mla_decode", fake_decode)
+    monkeypatch.setattr(pallas_kernels, "paged_gather", fake_gather)
+    jax.clear_caches()  # the steps must be traced with the fakes in place
+    try:
+        m = DeepSeekModel(KERNEL_CFG.replace(num_mtp_layers=1), rngs=nnx.Rngs(0))
+        e = Engine(m, page_size=64, num_pages=16, max_batch=1, max_context=256, attention_impl="interpret")
+        res = e.generate(_prompts(1, [250]), max_new_tokens=20, use_mtp=True, mtp_draft_tokens=1)
+    finally:
+        jax.clear_caches()
+    # positions 250..256 are emitted; the token at 256 = max_context is not fed back
+    assert res.finish_reasons == ["context"] and len(res.tokens[0]) == 256 - 250 + 1
+    assert seen, "the decode kernel was never called"
+    assert any(s[0] == 257 for s, _ in seen)  # the step at the context limit ran
+    for s, width in seen:
+        assert max(s) <= 64 * width, (s, width)

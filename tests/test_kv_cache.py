@@ -78,9 +78,30 @@ def test_pool_bytes_equal_the_planner(cfg_name, num_pages, page_size):
                          max_seqs=1, max_pages_per_seq=num_pages)
     tokens = num_pages * page_size
     assert c.nbytes == mla_kv_bytes(layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 2, tokens)
-    plan = plan_kv_cache(cfg.replace(num_hidden_layers=layers), context_len=tokens, page_size=page_size)
+    plan = plan_kv_cache(cfg, context_len=tokens, page_size=page_size, include_mtp=True)
     assert c.nbytes == plan.mla.allocated_bytes == plan.mla.logical_bytes
     assert c.nbytes == sum(p.nbytes for p in c.pages)
+
+
+@pytest.mark.parametrize("mtp_layers", [1, 0])
+@pytest.mark.parametrize("max_batch, max_context, page_size", [(3, 300, 64), (2, 61, 8), (1, 2048, 64)])
+def test_engine_pool_equals_the_planner(mtp_layers, max_batch, max_context, page_size):
+    """The pool an Engine allocates by default is what the planner predicts for the same settings:
+    with an MTP head, its block's cache and the 3 tokens of draft room; without one, neither."""
+    from flax import nnx
+
+    from models import DeepSeekModel
+    from models.engine import Engine
+
+    cfg = ModelConfig.tiny().replace(num_hidden_layers=2, num_mtp_layers=mtp_layers)
+    e = Engine(DeepSeekModel(cfg, rngs=nnx.Rngs(0)), page_size=page_size, max_batch=max_batch,
+               max_context=max_context)
+    plan = plan_kv_cache(cfg, context_len=max_context, num_sequences=max_batch, page_size=page_size,
+                         include_mtp=mtp_layers > 0, draft_tokens=3 if mtp_layers else 0)
+    assert e.cache.nbytes == plan.mla.allocated_bytes
+    layers = cfg.num_hidden_layers + mtp_layers
+    pages = max_batch * -(-(max_context + (3 if mtp_layers else 0)) // page_size)
+    assert e.cache.nbytes == mla_kv_bytes(layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 2, pages * page_size)
 
 
 def test_write_and_gather_match_numpy():
