@@ -33,7 +33,8 @@ def run_header() -> dict:
 def cupti_median_us(fn, *args, iterations=30, per_kernel=False):
   """Median CUPTI time of ``fn(*args)`` in µs (sum over its kernels), after one warm-up call.
 
-  With ``per_kernel`` also returns {kernel name: median µs} for the parts of the call.
+  With ``per_kernel`` also returns {"<i>:<kernel name>": median µs} for the parts of the call,
+  keyed by the kernel's index within the call (two kernels of one call may share a name).
   """
   import jax
   from jax.experimental.mosaic.gpu import profiler
@@ -45,8 +46,8 @@ def cupti_median_us(fn, *args, iterations=30, per_kernel=False):
   totals = [sum(t for _, t in run) for run in runs]
   parts = {}
   for run in runs:
-    for name, t in run:
-      parts.setdefault(name, []).append(t)
+    for i, (name, t) in enumerate(run):
+      parts.setdefault(f"{i}:{name}", []).append(t)
   return (statistics.median(totals) * 1e3,
           {name: statistics.median(ts) * 1e3 for name, ts in parts.items()})
 

@@ -1,0 +1,29 @@
+"""The benchmark scripts' CPU parts: the table and roofline redrawn from the committed H200 CSV."""
+
+import csv
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "2026-11-30-h200"
+
+
+def test_roofline_redraws_from_the_committed_csv(tmp_path):
+    src = RESULTS / "mla_decode.csv"
+    rows = list(csv.DictReader(src.open()))
+    assert len(rows) > 50
+    # bytes follow BENCHMARKING.md: (sum(seq_lens)*576 + B*s_q*H*576 + B*s_q*H*512) * 2, and GB/s = bytes / time
+    for r in rows:
+        if r.get("lengths") == "fixed" and r.get("us"):
+            B, s_q, seq, H = (int(r[k]) for k in ("B", "s_q", "seq", "H"))
+            nbytes = (B * seq * 576 + B * s_q * H * 576 + B * s_q * H * 512) * 2
+            assert abs(float(r["gbytes"]) - nbytes / 1e9) < 1e-6 * nbytes / 1e9
+            assert abs(float(r["gbps"]) - nbytes / float(r["us"]) / 1e3) < 1e-3 * float(r["gbps"])
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "mla_decode", "--from-csv", str(src), "--bandwidth-gbps", "4176",
+         "--matmul-tflops", "807", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    png = tmp_path / "mla_decode_roofline.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
