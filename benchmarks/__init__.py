@@ -19,6 +19,14 @@ import sys
 import textwrap
 
 
+def require_gpu(prog: str) -> None:
+  """Exit with one line, not a CUPTI traceback, when there is no CUDA GPU to time on."""
+  import jax
+  if jax.default_backend() != "gpu":
+    raise SystemExit(f"{prog}: error: timing needs a CUDA GPU (jax backend is {jax.default_backend()!r}); "
+                     "on a CPU, --from-csv re-reports an earlier run where the benchmark offers it")
+
+
 def gpu_name() -> str:
   import jax
   return jax.devices()[0].device_kind

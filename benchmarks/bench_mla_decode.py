@@ -320,6 +320,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     report(rows, ceil, dict(device=args.device, jax=jax.__version__, source=args.from_csv), args.out)
     return rows
+  bm.require_gpu("mla_decode")
   if args.iters < 30:
     print(f"# note: --iters {args.iters} < 30")
   return run(args)

@@ -87,7 +87,9 @@ def main(argv=None):
   p.add_argument("--out", default="runs/bench_paged_gather", help="directory for CSV/JSON")
   p.add_argument("--iters", type=int, default=30, help="CUPTI iterations per timing (median)")
   p.add_argument("--sweep", action="store_true", help="also time chunk/step configs")
-  return run(p.parse_args(argv))
+  args = p.parse_args(argv)
+  bm.require_gpu("paged_gather")
+  return run(args)
 
 
 if __name__ == "__main__":

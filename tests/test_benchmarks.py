@@ -27,3 +27,11 @@ def test_roofline_redraws_from_the_committed_csv(tmp_path):
     assert out.returncode == 0, out.stderr
     png = tmp_path / "mla_decode_roofline.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timing_on_a_cpu_is_a_one_line_error():
+    for name in ("mla_decode", "paged_gather"):
+        out = subprocess.run([sys.executable, "-m", "benchmarks", name, "--quick"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+        assert out.returncode != 0
+        assert "timing needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr
