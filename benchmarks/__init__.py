@@ -35,7 +35,9 @@ def gpu_name() -> str:
 def run_header() -> dict:
   import jax
   return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              device=gpu_name(), jax=jax.__version__, command=" ".join([sys.executable] + sys.argv))
+              device=gpu_name(), jax=jax.__version__,
+              # no interpreter path: results are committed, and machine paths do not belong there
+              command=" ".join(["python", "-m", "benchmarks"] + sys.argv[1:]))
 
 
 def cupti_median_us(fn, *args, iterations=30, per_kernel=False):
