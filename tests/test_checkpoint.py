@@ -16,14 +16,10 @@ from mla_jax import ModelConfig
 from models import DeepSeekModel, load_hf_checkpoint, save_hf_checkpoint
 from models.checkpoint import dequantize_fp8_blocks, read_hf_tensors, read_safetensors, write_safetensors
 
+from micro_configs import MICRO_V3  # noqa: E402
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-V3 = ModelConfig.from_hf_dict(dict(
-    model_type="deepseek_v3", vocab_size=40, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-    num_hidden_layers=2, num_attention_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-    qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
-    topk_group=1, first_k_dense_replace=1, num_nextn_predict_layers=1, routed_scaling_factor=2.5,
-    rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
-                      mscale_all_dim=1.0)))
+V3 = MICRO_V3
 V2_LITE = V3.replace(q_lora_rank=None, scoring_func="softmax", topk_method="greedy", n_group=1, norm_topk_prob=False,
                      routed_scaling_factor=1.0, num_mtp_layers=0, n_shared_experts=2, model_type="deepseek_v2")
 

@@ -9,19 +9,14 @@ import optax
 import pytest
 from flax import nnx
 
-from mla_jax import ModelConfig
 from models import DeepSeekModel, RouterBias, RouterOutput
 from models.training import (
     TrainConfig, init_train_state, loss_fn, make_train_step, moe_modules, positions_from_mask, sequence_balance_loss,
 )
 
-CFG = ModelConfig.from_hf_dict(dict(
-    model_type="deepseek_v3", vocab_size=48, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-    num_hidden_layers=2, num_attention_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-    qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
-    topk_group=1, first_k_dense_replace=1, num_nextn_predict_layers=1, routed_scaling_factor=2.5,
-    rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
-                      mscale_all_dim=1.0)))
+from micro_configs import MICRO_V3  # noqa: E402
+
+CFG = MICRO_V3.replace(vocab_size=48)
 B, T = 2, 16
 GAMMA = 1e-3
 TC = TrainConfig(mtp_weight=0.3, balance_alpha=1e-2, bias_update_rate=GAMMA)
