@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script the GPU call runs: GPU tests, register report, benchmarks; results under $OUT.
 #   scripts/gpu_run.sh [quick] # GPU tests + the --quick cells (kernel, XLA, naive) + gather grid
-#   scripts/gpu_run.sh tests   # GPU tests only
+#   scripts/gpu_run.sh tests   # every GPU test (kernels, engine, MoE) + ptxas register report
 #   scripts/gpu_run.sh grid    # the full mla_decode grid (kernel + XLA, no naive)
 #   scripts/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
@@ -50,12 +50,20 @@ PY
   grep -E "###|registers|spill" "$R/ptxas.txt" | head -40 | tee -a "$LOG"
 }
 
-if [ "$MODE" = quick ] || [ "$MODE" = tests ]; then
-  stage "GPU tests"
+gpu_tests() {  # $1: time limit (s), rest: test paths
+  local limit=$1; shift
+  stage "GPU tests $*"
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
-  timeout 150 $PY -m pytest -m gpu -q -rfs -p no:cacheprovider --timeout=60 --durations=5 \
-    tests/test_mla_decode.py tests/test_paged_gather.py 2>&1 | tail -40 | tee -a "$LOG"
-fi
+  timeout "$limit" $PY -m pytest -m gpu -q -rfs -p no:cacheprovider --timeout=120 --durations=8 \
+    "$@" 2>&1 | tail -40 | tee -a "$LOG"
+}
+
+case "$MODE" in
+  quick) gpu_tests 150 tests/test_mla_decode.py tests/test_paged_gather.py ;;
+  tests) gpu_tests 200 tests/test_mla_decode.py tests/test_paged_gather.py
+         gpu_tests 200 tests/test_engine.py tests/test_moe.py
+         ptxas_report ;;
+esac
 case "$MODE" in
   quick) bench mla_decode 330 --quick
          bench paged_gather 60 ;;

@@ -346,3 +346,17 @@ def test_gpu_split_qk_matches_reference(heads, s_q, causal, batch, mean_len, num
   assert_matches_reference(args, causal=causal,
                            config=MlaDecodeConfig(num_splits=num_splits, split_qk=True),
                            impl="kernel")
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("heads,s_q,causal", [(64, 1, False), (128, 2, True)])
+def test_gpu_large_batch(heads, s_q, causal):
+  """B = 256 (the top of the supported batch range): one split per sequence, ragged lengths."""
+  batch = 256
+  rng = np.random.default_rng(heads + s_q)
+  lengths = _ragged_lengths(rng, batch, 600, s_q)
+  lengths[0], lengths[-1] = s_q, 1200
+  args = make_inputs(batch, s_q, heads, lengths, -(-1200 // 64), seed=11)
+  assert plan(batch, s_q, heads, args[2].shape[1], MlaDecodeConfig()).num_splits == 1
+  assert_matches_reference(args, causal=causal, impl="kernel")
