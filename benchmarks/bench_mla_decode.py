@@ -42,6 +42,22 @@ QUICK_CELLS = [(128, 1, 4096, 64, False), (128, 1, 8192, 64, False), (128, 1, 81
                (8, 1, 32768, 64, False), (1, 1, 32768, 64, False)]
 
 
+def variants():
+  """Named kernel configurations that ``--variants`` can time beside the default."""
+  from pallas_kernels import MlaDecodeConfig
+  return {
+      "plain": MlaDecodeConfig(split_qk=False),
+      "split_qk": MlaDecodeConfig(split_qk=True),
+      "seesaw": MlaDecodeConfig(seesaw=True),
+      "seesaw_c2": MlaDecodeConfig(seesaw=True, kv_chunks=2),
+      "seesaw_c4": MlaDecodeConfig(seesaw=True, kv_chunks=4),
+      "warp_spec": MlaDecodeConfig(seesaw=False),
+      "splits2": MlaDecodeConfig(num_splits=2),
+      "splits4": MlaDecodeConfig(num_splits=4),
+      "seesaw_splits2": MlaDecodeConfig(seesaw=True, num_splits=2),
+  }
+
+
 def grid(quick: bool):
   """Cells (B, s_q, seq, H, ragged): fixed lengths at B=128, then small batches, then ragged."""
   if quick:
@@ -138,10 +154,19 @@ def run(args):
       for split_qk in (False, True):
         configs[f"splits{n}{'_sqk' if split_qk else ''}"] = MlaDecodeConfig(num_splits=n,
                                                                              split_qk=split_qk)
+  if args.variants:
+    known = variants()
+    for name in args.variants.split(","):
+      if name not in known:
+        raise SystemExit(f"unknown variant {name!r}; known: {', '.join(known)}")
+      configs[name] = known[name]
   rows = []
   cells = grid(args.quick)
   if args.skip_quick:
     cells = [c for c in cells if c not in QUICK_CELLS]
+  if args.only_flashmla:
+    cells = [c for c in cells if c[:4] in FLASHMLA_US and not c[4]]
+    cells += [(128, 1, 8192, 64, True), (128, 2, 8192, 128, True)]
   if args.cells:
     cells = cells[:args.cells]
   xla_jit = jax.jit(xla_absorbed, static_argnames="causal")
@@ -194,8 +219,9 @@ def run(args):
     bl = baselines[key]
     for cname, cfg in cfgs.items():
       p = plan(B, s_q, H, table.shape[1], cfg)
-      if cfg.num_splits and (B * p.row_blocks >= 100 or cfg.num_splits > table.shape[1]):
-        continue    # split knobs only matter where the default leaves SMs idle
+      if (cname.startswith("splits") and args.sweep
+          and (B * p.row_blocks >= 100 or cfg.num_splits > table.shape[1])):
+        continue    # the sweep's split counts only matter where the default leaves SMs idle
       fn = jax.jit(lambda *a, cfg=cfg: mla_decode(*a, softmax_scale=SCALE, causal=causal,
                                                    config=cfg, impl="kernel"))
       row = dict(base, config=cname, splits=p.num_splits, row_blocks=p.row_blocks)
@@ -297,6 +323,11 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=30, help="CUPTI iterations per timing (median)")
   p.add_argument("--sweep", action="store_true",
                  help="also time the split_qk variant everywhere and split counts at small batch")
+  p.add_argument("--variants", default="",
+                 help="comma-separated named configs to time beside the default "
+                      "(see variants(): plain, split_qk, seesaw, seesaw_c2, ...)")
+  p.add_argument("--only-flashmla", action="store_true",
+                 help="only the cells FlashMLA was measured at (plus two ragged ones)")
   p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive path")
   p.add_argument("--cells", type=int, default=0, help="only the first N cells (0 = all)")
   p.add_argument("--skip-quick", action="store_true", help="leave out the --quick cells")

@@ -136,12 +136,35 @@ def test_interpret_split_qk_matches_reference(heads, s_q, causal, seq_lens, max_
   assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
-@pytest.mark.parametrize("split_qk", [False, True])
-def test_interpret_query_without_keys_gives_zero_and_minus_inf(split_qk):
+# The seesaw kernel (pages in pairs, two warpgroups exchanging P): every case, with the page
+# chunking cycling through 1, 2 and 4 TMA copies per page. The odd page of a last pair, empty
+# splits and one-page sequences are all in the list.
+@pytest.mark.parametrize("case,kv_chunks", [(c, (1, 2, 4)[i % 3]) for i, c in enumerate(INTERPRET_CASES)])
+def test_interpret_seesaw_matches_reference(case, kv_chunks):
+  heads, s_q, causal, seq_lens, max_pages, num_splits = case
+  args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 2)
+  config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1, seesaw=True,
+                           kv_chunks=kv_chunks)
+  assert_matches_reference(args, causal=causal, config=config, impl="interpret")
+
+
+def test_interpret_seesaw_odd_and_even_page_counts():
+  # 1..5 pages in one split, partial last pages, and a split that ends mid-sequence on an odd
+  # page (its masked partner page lies inside the sequence, not past it).
+  lens = [1, 64, 65, 130, 192, 257, 300]
+  args = make_inputs(len(lens), 1, 64, lens, 5, seed=9)
+  assert_matches_reference(args, causal=False, impl="interpret",
+                           config=MlaDecodeConfig(num_splits=1, seesaw=True))
+  assert_matches_reference(args, causal=False, impl="interpret",
+                           config=MlaDecodeConfig(num_splits=2, min_pages_per_split=1, seesaw=True))
+
+
+@pytest.mark.parametrize("variant", [dict(split_qk=False), dict(split_qk=True), dict(seesaw=True)])
+def test_interpret_query_without_keys_gives_zero_and_minus_inf(variant):
   # seq_len = 1 < s_q = 2, causal: query 0 sits at position -1 and sees no key. Documented
   # result: out = 0, lse = -inf (the reference agrees); query 1 is ordinary.
   args = make_inputs(2, 2, 32, [1, 70], 2, seed=5)
-  config = MlaDecodeConfig(num_splits=2, min_pages_per_split=1, split_qk=split_qk)
+  config = MlaDecodeConfig(num_splits=2, min_pages_per_split=1, **variant)
   out, lse = mla_decode(*args, softmax_scale=SCALE, causal=True, config=config, impl="interpret")
   ref_out, ref_lse = mla_decode_reference(*args, softmax_scale=SCALE, causal=True)
   assert np.all(np.asarray(out[0, 0]) == 0) and np.all(np.asarray(ref_out[0, 0]) == 0)
@@ -191,11 +214,19 @@ def test_cross_lowers_for_sm90(heads, s_q, batch, max_pages, causal):
 
 @pytest.mark.parametrize("heads", [16, 32, 64, 128])
 @pytest.mark.parametrize("s_q", [1, 2, 3, 4])
-@pytest.mark.parametrize("split_qk", [False, True])
-def test_cross_lowers_both_bodies_for_sm90(heads, s_q, split_qk):
-  # Both bodies at every shape, whichever the default picks there (the benchmarks time both).
-  lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=MlaDecodeConfig(split_qk=split_qk))
+@pytest.mark.parametrize("variant", [dict(split_qk=False, seesaw=False),
+                                     dict(split_qk=True, seesaw=False), dict(seesaw=True)])
+def test_cross_lowers_every_kernel_variant_for_sm90(heads, s_q, variant):
+  # Every variant at every shape, whichever the default picks there (the benchmarks time them).
+  lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=MlaDecodeConfig(**variant))
   assert _mosaic_calls(lowered) >= 1
+
+
+@pytest.mark.parametrize("kv_chunks", [2, 4])
+@pytest.mark.parametrize("batch,max_pages", [(1, 1024), (256, 512)])
+def test_cross_lowers_seesaw_chunks_for_sm90(kv_chunks, batch, max_pages):
+  lower_for_sm90(batch, 2, 128, max_pages, causal=True,
+                 config=MlaDecodeConfig(seesaw=True, kv_chunks=kv_chunks))
 
 
 @pytest.mark.parametrize("config", [MlaDecodeConfig(max_concurrent_steps=1),
@@ -287,6 +318,8 @@ def test_invalid_scale_and_impl_raise():
     MlaDecodeConfig(max_concurrent_steps=3)
   with pytest.raises(ValueError, match="combine_block_cols .* got 96"):
     MlaDecodeConfig(combine_block_cols=96)
+  with pytest.raises(ValueError, match=r"kv_chunks must be one of \(1, 2, 4\), got 3"):
+    MlaDecodeConfig(kv_chunks=3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -325,13 +358,30 @@ def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_s
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("split_qk", [False, True])
-@pytest.mark.parametrize("s_q,causal,lengths", [(1, False, [1, 63, 64, 65]),
+@pytest.mark.parametrize("variant", [dict(split_qk=False, seesaw=False),
+                                     dict(split_qk=True, seesaw=False), dict(seesaw=True)])
+@pytest.mark.parametrize("s_q,causal,lengths", [(1, False, [1, 63, 64, 65, 130, 192]),
                                                 (2, True, [4096, 129, 2, 4000])])
-def test_gpu_page_boundaries(s_q, causal, lengths, split_qk):
+def test_gpu_page_boundaries(s_q, causal, lengths, variant):
   args = make_inputs(len(lengths), s_q, 64, lengths, 64, seed=3)
-  assert_matches_reference(args, causal=causal, config=MlaDecodeConfig(split_qk=split_qk),
+  assert_matches_reference(args, causal=causal, config=MlaDecodeConfig(**variant),
                            impl="kernel")
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("case,kv_chunks", [(c, (1, 2, 4)[i % 3]) for i, c in enumerate(GPU_CASES)])
+def test_gpu_seesaw_matches_reference(case, kv_chunks):
+  heads, s_q, causal, batch, mean_len, num_splits = case
+  rng = np.random.default_rng(heads * 7 + s_q * 3 + batch)
+  lengths = _ragged_lengths(rng, batch, mean_len, s_q)
+  lengths[0] = max(s_q, 1)
+  lengths[-1] = 2 * mean_len
+  max_pages = -(-2 * mean_len // 64)
+  args = make_inputs(batch, s_q, heads, lengths, max_pages, seed=int(rng.integers(1 << 30)))
+  assert_matches_reference(args, causal=causal, impl="kernel",
+                           config=MlaDecodeConfig(num_splits=num_splits, seesaw=True,
+                                                  kv_chunks=kv_chunks))
 
 
 @pytest.mark.gpu
@@ -350,13 +400,15 @@ def test_gpu_split_qk_matches_reference(heads, s_q, causal, batch, mean_len, num
 
 @pytest.mark.gpu
 @requires_hopper
+@pytest.mark.parametrize("seesaw", [False, True])
 @pytest.mark.parametrize("heads,s_q,causal", [(64, 1, False), (128, 2, True)])
-def test_gpu_large_batch(heads, s_q, causal):
+def test_gpu_large_batch(heads, s_q, causal, seesaw):
   """B = 256 (the top of the supported batch range): one split per sequence, ragged lengths."""
   batch = 256
   rng = np.random.default_rng(heads + s_q)
   lengths = _ragged_lengths(rng, batch, 600, s_q)
   lengths[0], lengths[-1] = s_q, 1200
   args = make_inputs(batch, s_q, heads, lengths, -(-1200 // 64), seed=11)
-  assert plan(batch, s_q, heads, args[2].shape[1], MlaDecodeConfig()).num_splits == 1
-  assert_matches_reference(args, causal=causal, impl="kernel")
+  config = MlaDecodeConfig(seesaw=seesaw)
+  assert plan(batch, s_q, heads, args[2].shape[1], config).num_splits == 1
+  assert_matches_reference(args, causal=causal, impl="kernel", config=config)
