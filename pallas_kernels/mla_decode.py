@@ -435,23 +435,21 @@ def _decode_partials_seesaw(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
                             plan_: _Plan, config: MlaDecodeConfig, interpret):
   """Main kernel, seesaw schedule (same outputs as `_decode_partials`).
 
-  Two warpgroups and no TMA warpgroup (so each thread may hold up to 255 registers); each issues
-  the page loads for the KV slot it is the last to read. Pages are taken in pairs: warpgroup 0
-  scores page 2t (slot 0), warpgroup 1 page 2t+1 (slot 1), each for all 64 tokens, and each
-  accumulates its 256 output columns from both pages:
+  Two warpgroups and no TMA warpgroup; each issues the page loads for the KV slot it is the last
+  to read. Pages are taken in pairs: warpgroup 0 scores page 2t (slot 0), warpgroup 1 page 2t+1
+  (slot 1), each for all 64 tokens, and each accumulates its 256 output columns from both:
 
-    WG0: S0 = Q·K0ᵀ; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0)        -> m0 to WG1
-         O_L = O_L·exp2(m - m0) + P0·V0_L                                (WG1 scores K1 meanwhile)
-         <- m1, P1 from WG1;  P0·exp2(m0 - m1) -> WG1
-         O_L = O_L·exp2(m0 - m1) + P1·V1_L
-    WG1: S1 = Q·K1ᵀ;  <- m0;  m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1)  -> m1, P1 to WG0
-         O_R = O_R·exp2(m - m1) + P1·V1_R;  <- scaled P0;  O_R += P0'·V0_R
+    WG0: S0 = Q·K0ᵀ; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0)          -> m0, P0 to WG1
+         O_L = O_L·exp2(m - m0) + P0·V0_L                                  (WG1's softmax runs)
+         <- m1, P1;  O_L = O_L·exp2(m0 - m1) + P1·V1_L
+    WG1: S1 = Q·K1ᵀ;  <- m0, P0;  m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1)  -> m1, P1 to WG0
+         O_R = O_R·exp2(m - m0) + P0·V0_R;  O_R = O_R·exp2(m0 - m1) + P1·V1_R
 
-  so one warpgroup's softmax runs while the other's matrix products keep the tensor cores busy,
-  and no Q·Kᵀ is computed twice. SMEM: Q, two KV slots and one 64x64 bf16 P0 tile; P1 travels in
-  Q's 64 rope columns, which both warpgroups hold in registers instead (its part of Q·Kᵀ takes A
-  from registers). Every hand-off is a single-arrival barrier completed once per pair; the
-  comments at each wait say why a buffer is free to be rewritten.
+  so no Q·Kᵀ is computed twice, and one warpgroup's softmax runs beside the other's matrix
+  products. P of a page is written (bf16) over that page's 64 rope columns in its KV slot once
+  its Q·Kᵀ is done (P·V only reads the 512 latent columns), so the exchange needs no SMEM of its
+  own and both P·V products read A from SMEM. Every hand-off is a single-arrival barrier
+  completed once per pair; the comments at each wait say why a buffer is free.
   """
   B, Rp, _ = q_rows.shape
   G, S, pps = plan_.row_blocks, plan_.num_splits, plan_.pages_per_split
@@ -464,38 +462,31 @@ def _decode_partials_seesaw(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
   else:
     out_type = (jax.ShapeDtypeStruct((B, S, Rp, LATENT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((B, S, Rp), jnp.float32))
+  chunks = _KV_CHUNKS[config.kv_chunks]
   tile = lambda *shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=_BF16_TRANSFORMS)  # noqa: E731
   scratch = dict(
       q_smem=tile(ROWS, KEY_DIM),
       kv_smem=tile(2, PAGE_SIZE, KEY_DIM),
-      p0_smem=tile(ROWS, PAGE_SIZE),
       stat_smem=plgpu.SMEM((4, ROWS), jnp.float32),   # [m0, m1, l of WG0, l of WG1]
       q_bar=plgpu.Barrier(),
-      kv_bar=plgpu.Barrier(num_barriers=2 * len(_KV_CHUNKS[config.kv_chunks])),  # slot, chunk
-      m0_bar=plgpu.Barrier(),                         # WG0 -> WG1: m0 written
+      kv_bar=plgpu.Barrier(num_barriers=2 * len(chunks)),   # TMA completion per (slot, chunk)
+      m0_bar=plgpu.Barrier(),                         # WG0 -> WG1: m0 and P0 written
       s1_bar=plgpu.Barrier(),                         # WG1 -> WG0: m1 and P1 written
-      p0_bar=plgpu.Barrier(),                         # WG0 -> WG1: P0' written, slot 0 done
-      v1_bar=plgpu.Barrier(),                         # WG1 -> WG0: slot 1 done
+      done0_bar=plgpu.Barrier(),                      # WG0 -> WG1: WG0 is done with slot 0
+      done1_bar=plgpu.Barrier(),                      # WG1 -> WG0: WG1 is done with slot 1
       l_bar=plgpu.Barrier(num_arrivals=2))
-  if interp:
-    # The interpreter runs neither wgmma with A in registers nor run_state: P1 gets its own
-    # tile, Q·Kᵀ reads all of Q from SMEM, and P0 is staged through p0_smem.
-    scratch["p1_smem"] = tile(ROWS, PAGE_SIZE)
   half = LATENT_DIM // 2
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   f32 = jnp.float32
+  rope = pl.ds(LATENT_DIM, KEY_DIM - LATENT_DIM)
 
   @functools.partial(
       plgpu.kernel, out_type=out_type, grid=(G, S, B), grid_names=("g", "s", "b"),
       num_threads=2, thread_name="wg", scratch_types=scratch,
-      # SMEM holds 225 KB of buffers; the cross-warp reduction scratch (2 KB) would not fit
-      # beside them, and every reduction here is along rows, inside a warp.
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-      interpret=interpret)
-  def mla_decode_seesaw(q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref, q_smem, kv_smem, p0_smem,
-                        stat_smem, q_bar, kv_bar, m0_bar, s1_bar, p0_bar, v1_bar, l_bar,
-                        p1_smem=None):
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret)
+  def mla_decode_seesaw(q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref, q_smem, kv_smem,
+                        stat_smem, q_bar, kv_bar, m0_bar, s1_bar, done0_bar, done1_bar, l_bar):
     g, s, b = lax.axis_index("g"), lax.axis_index("s"), lax.axis_index("b")
     wg = lax.axis_index("wg")
     seq_len = lens_ref[b]
@@ -504,10 +495,6 @@ def _decode_partials_seesaw(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
     split_end = (first_page + n_pages) * PAGE_SIZE     # keys of this split end here
     kv_end = jnp.minimum(seq_len, split_end)             # ... and written rows here
     rows = pl.ds(g * ROWS, ROWS)
-    rope = pl.ds(LATENT_DIM, KEY_DIM - LATENT_DIM)
-    p1_ref = p1_smem if interp else q_smem.at[:, rope]
-
-    chunks = _KV_CHUNKS[config.kv_chunks]
 
     def fetch(j, slot):
       page = bt_ref[b, first_page + j]
@@ -517,45 +504,45 @@ def _decode_partials_seesaw(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
                                 kv_bar.at[slot * len(chunks) + c])
 
     def wait_chunk(slot, c, present):
+      bar = kv_bar.at[slot * len(chunks) + c]
       if present is None:
-        plgpu.barrier_wait(kv_bar.at[slot * len(chunks) + c])
+        plgpu.barrier_wait(bar)
       else:
         @pl.when(present)
         def _():
-          plgpu.barrier_wait(kv_bar.at[slot * len(chunks) + c])
+          plgpu.barrier_wait(bar)
 
     def wait_slot(slot, present=None):
       for c in range(len(chunks)):
         wait_chunk(slot, c, present)
 
-    def scores(slot, j, q_pe, present=None):
-      """Masked, scaled (log2) Q·Kᵀ of the page in a slot; waits for the page chunk by chunk, so
-      the first products start before the last bytes land. ``present``: whether the slot holds
-      page j at all (None: always)."""
+    def softmax_page(slot, j, m_prev, present=None):
+      """S of the page in a slot (waiting for it chunk by chunk, so the first products start
+      before the last bytes land), masked; returns (m_new, P in fp32). ``present``: whether the
+      slot holds page j at all (None: always). A page past the split (the odd page of a last
+      pair) is masked whole, whatever the slot holds (a stale page or uninitialised SMEM)."""
       kv = kv_smem.at[slot]
 
       def qk(acc_ref):
-        lat = pl.ds(0, LATENT_DIM)
         for c, (t0, tw) in enumerate(chunks):
           ts = pl.ds(t0, tw)
           wait_chunk(slot, c, present)
-          acc_c = acc_ref.at[:, ts]
-          if interp:
-            plgpu.wgmma(acc_c, q_smem, kv.at[ts].transpose((1, 0)))
-          else:     # the rope columns take Q from registers
-            plgpu.wgmma(acc_c, q_smem.at[:, lat], kv.at[ts, lat].transpose((1, 0)))
-            plgpu.wgmma(acc_c, q_pe, kv.at[ts, rope].transpose((1, 0)))
+          plgpu.wgmma(acc_ref.at[:, ts], q_smem, kv.at[ts].transpose((1, 0)))
         return acc_ref[...]
       sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), f32)) * scale_log2
       key = (first_page + j) * PAGE_SIZE + plgpu.broadcasted_iota(
           jnp.int32, (ROWS, PAGE_SIZE), 1, layout=wgmma_layout)
-      # A page past the split (the odd page of the last pair) is masked whole, whatever the slot
-      # holds (a stale page or uninitialised SMEM).
       lim = jnp.minimum(_row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal), split_end)
-      return jnp.where(key < lim, sc, -jnp.inf)
+      sc = jnp.where(key < lim, sc, -jnp.inf)
+      m_new = jnp.maximum(m_prev, sc.max(axis=1))
+      return m_new, jnp.exp2(sc - bcast(m_new, sc))
+
+    def publish_p(slot, p):
+      # The page's rope columns are dead once its Q·Kᵀ is done: P (query rows x tokens) goes there.
+      kv_smem[slot, :, rope] = p.astype(jnp.bfloat16)
 
     def zero_v(slot, j, col0):
-      """Zeroes V rows at and past the split end in columns [col0, col0 + 256) of a slot: the
+      """Zeroes V rows at and past the written end in columns [col0, col0 + 256) of a slot: the
       unwritten tail of a sequence's last page (maybe NaN) or a whole slot with no page in it;
       P = 0 there, but 0 · NaN = NaN."""
       valid = kv_end - (first_page + j) * PAGE_SIZE
@@ -569,17 +556,17 @@ def _decode_partials_seesaw(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
           chunk[...] = jnp.where(tok < valid, x, jnp.zeros_like(x))
         plgpu.commit_smem()
 
-    def pv(acc, a, slot, col0, then=None):
-      """acc + a·V (a: 64x64 bf16 registers or SMEM tile; V: columns [col0, col0 + 256) of a
-      slot); ``then`` runs while the product computes."""
+    def pv(acc, slot, col0, then=None):
+      """acc + P·V of the page in a slot, V = its columns [col0, col0 + 256), P read from the
+      slot's rope columns; ``then`` runs while the product computes."""
       def issue(acc_ref):
-        # The V view is built here: static indices closed over by run_state's body would become
+        # The views are built here: static indices closed over by run_state's body would become
         # constants its lowering cannot take.
-        plgpu.wgmma(acc_ref, a, kv_smem.at[slot, :, pl.ds(col0, half)])
+        plgpu.wgmma(acc_ref, kv_smem.at[slot, :, rope], kv_smem.at[slot, :, pl.ds(col0, half)])
         if then is not None:
           then()
 
-      if interp:
+      if interp:   # the interpreter has no run_state
         def scoped(acc_ref):
           issue(acc_ref)
           return acc_ref[...]
@@ -596,9 +583,6 @@ def _decode_partials_seesaw(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
       return (plgpu.layout_cast(jnp.zeros((ROWS, half), f32), wgmma_layout),
               plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, f32), row_layout),
               plgpu.layout_cast(jnp.zeros((ROWS,), f32), row_layout))
-
-    def q_rope():
-      return None if interp else plgpu.load(q_smem.at[:, rope], layout=wgmma_layout)
 
     def finish(acc, m, l, w):
       # The two warpgroups' row sums are over disjoint pages, scaled to the same final max.
@@ -634,41 +618,29 @@ def _decode_partials_seesaw(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
       def _():
         fetch(1, 1)
       plgpu.barrier_wait(q_bar)
-      q_pe = q_rope()   # before m0_bar's first arrival, so before WG1 writes P1 over it
 
       def pair(t, carry):
         acc, m, l = carry
         j0, j1 = 2 * t, 2 * t + 1
-        # Page j0 was fetched after WG1's P0'·V0_R of pair t-1 completed, so p0_smem is free.
-        s0 = scores(0, j0, q_pe)
-        m0 = jnp.maximum(m, s0.max(axis=1))
-        p0 = jnp.exp2(s0 - bcast(m0, s0))
-        # WG1 read m0 of pair t-1 before its s1_bar arrival, which this warpgroup has passed.
+        m0, p0 = softmax_page(0, j0, m)
+        # WG1 read m0 and P0 of the last pair before its s1_bar arrival, which this warpgroup
+        # has passed; and slot 0 holds a new page anyway.
         stat_smem[0] = m0
+        publish_p(0, p0)
+        plgpu.commit_smem()
         plgpu.barrier_arrive(m0_bar)
         alpha0 = jnp.exp2(m - m0)
         l = l * alpha0 + p0.sum(axis=1)
         zero_v(0, j0, 0)
-        if interp:
-          p0_smem[...] = p0.astype(jnp.bfloat16)
-          plgpu.commit_smem()
-          a0 = p0_smem
-        else:
-          a0 = p0.astype(jnp.bfloat16)
-        acc = pv(acc * bcast(alpha0, acc), a0, 0, 0,
-                 then=lambda: plgpu.barrier_wait(s1_bar))
+        acc = pv(acc * bcast(alpha0, acc), 0, 0, then=lambda: plgpu.barrier_wait(s1_bar))
+        plgpu.barrier_arrive(done0_bar)
         m1 = load_rows(1)
         alpha1 = jnp.exp2(m0 - m1)
-        p0_smem[...] = (p0 * bcast(alpha1, p0)).astype(jnp.bfloat16)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(p0_bar)     # this warpgroup is done with slot 0
         l = l * alpha1
-
-        wait_slot(1, j1 < n_pages)
+        wait_slot(1, j1 < n_pages)   # passed by WG1 already; every waiter sees every phase
         zero_v(1, j1, 0)
-        acc = pv(acc * bcast(alpha1, acc), p1_ref, 1, 0)
-        # Both warpgroups are done with slot 1: refill it.
-        plgpu.barrier_wait(v1_bar)
+        acc = pv(acc * bcast(alpha1, acc), 1, 0)
+        plgpu.barrier_wait(done1_bar)   # both warpgroups are done with slot 1: refill it
 
         @pl.when(j1 + 2 < n_pages)
         def _():
@@ -681,37 +653,32 @@ def _decode_partials_seesaw(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
     @pl.when(wg == 1)
     def _():
       plgpu.barrier_wait(q_bar)
-      q_pe = q_rope()
 
       def pair(t, carry):
         acc, m, l = carry
         j0, j1 = 2 * t, 2 * t + 1
-
-        s1 = scores(1, j1, q_pe, j1 < n_pages)
         plgpu.barrier_wait(m0_bar)
         m0 = load_rows(0)
-        m1 = jnp.maximum(m0, s1.max(axis=1))
-        p1 = jnp.exp2(s1 - bcast(m1, s1))
-        p1_16 = p1.astype(jnp.bfloat16)
-        # WG0 finished P1·V1_L of pair t-1 (and read m1) before its m0_bar arrival of pair t.
+        m1, p1 = softmax_page(1, j1, m0, j1 < n_pages)
+        # WG0 read m1 and P1 of the last pair before its m0_bar arrival of this one.
         stat_smem[1] = m1
-        p1_ref[...] = p1_16
+        publish_p(1, p1)
         plgpu.commit_smem()
         plgpu.barrier_arrive(s1_bar)
-        alpha = jnp.exp2(m - m1)          # = exp2(m - m0) * exp2(m0 - m1)
-        l = l * alpha + p1.sum(axis=1)
-        zero_v(1, j1, half)
-        acc = pv(acc * bcast(alpha, acc), p1_ref if interp else p1_16, 1, half)
-        plgpu.barrier_arrive(v1_bar)      # done with slot 1
-        plgpu.barrier_wait(p0_bar)
-        wait_slot(0)   # completed long ago; but every waiter must see every phase
+        alpha0 = jnp.exp2(m - m0)
+        alpha1 = jnp.exp2(m0 - m1)
+        l = l * (alpha0 * alpha1) + p1.sum(axis=1)
+        wait_slot(0)   # passed by WG0 already; every waiter sees every phase
         zero_v(0, j0, half)
-        acc = pv(acc, p0_smem, 0, half)
+        acc = pv(acc * bcast(alpha0, acc), 0, half)
+        plgpu.barrier_wait(done0_bar)   # both warpgroups are done with slot 0: refill it
 
-        # WG0 is done with slot 0 (p0_bar) and so is this warpgroup: refill it.
         @pl.when(j0 + 2 < n_pages)
         def _():
           fetch(j0 + 2, 0)
+        zero_v(1, j1, half)
+        acc = pv(acc * bcast(alpha1, acc), 1, half)
+        plgpu.barrier_arrive(done1_bar)
         return acc, m1, l
 
       acc, m, l = lax.fori_loop(0, n_pairs, pair, init_carry())
