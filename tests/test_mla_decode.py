@@ -25,6 +25,9 @@ from pallas_kernels import _platform
 from pallas_kernels.mla_decode import plan
 
 SCALE = 192 ** -0.5
+# The three kernel bodies: plain (both warpgroups score the whole page), split-QK, seesaw.
+VARIANTS = [dict(split_qk=False, seesaw=False), dict(split_qk=True, seesaw=False), dict(seesaw=True)]
+VARIANT_IDS = ["plain", "split_qk", "seesaw"]
 
 
 def make_inputs(batch, s_q, heads, seq_lens, max_pages, *, seed=0, spare_pages=3):
@@ -159,7 +162,7 @@ def test_interpret_seesaw_odd_and_even_page_counts():
                            config=MlaDecodeConfig(num_splits=2, min_pages_per_split=1, seesaw=True))
 
 
-@pytest.mark.parametrize("variant", [dict(split_qk=False), dict(split_qk=True), dict(seesaw=True)])
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 def test_interpret_query_without_keys_gives_zero_and_minus_inf(variant):
   # seq_len = 1 < s_q = 2, causal: query 0 sits at position -1 and sees no key. Documented
   # result: out = 0, lse = -inf (the reference agrees); query 1 is ordinary.
@@ -214,8 +217,7 @@ def test_cross_lowers_for_sm90(heads, s_q, batch, max_pages, causal):
 
 @pytest.mark.parametrize("heads", [16, 32, 64, 128])
 @pytest.mark.parametrize("s_q", [1, 2, 3, 4])
-@pytest.mark.parametrize("variant", [dict(split_qk=False, seesaw=False),
-                                     dict(split_qk=True, seesaw=False), dict(seesaw=True)])
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 def test_cross_lowers_every_kernel_variant_for_sm90(heads, s_q, variant):
   # Every variant at every shape, whichever the default picks there (the benchmarks time them).
   lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=MlaDecodeConfig(**variant))
@@ -358,8 +360,7 @@ def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_s
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("variant", [dict(split_qk=False, seesaw=False),
-                                     dict(split_qk=True, seesaw=False), dict(seesaw=True)])
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("s_q,causal,lengths", [(1, False, [1, 63, 64, 65, 130, 192]),
                                                 (2, True, [4096, 129, 2, 4000])])
 def test_gpu_page_boundaries(s_q, causal, lengths, variant):
@@ -400,7 +401,7 @@ def test_gpu_split_qk_matches_reference(heads, s_q, causal, batch, mean_len, num
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("seesaw", [False, True])
+@pytest.mark.parametrize("seesaw", [False, True], ids=["warp_specialized", "seesaw"])
 @pytest.mark.parametrize("heads,s_q,causal", [(64, 1, False), (128, 2, True)])
 def test_gpu_large_batch(heads, s_q, causal, seesaw):
   """B = 256 (the top of the supported batch range): one split per sequence, ragged lengths."""
