@@ -5,6 +5,7 @@
 #   scripts/gpu_run.sh grid    # the full mla_decode grid (kernel + XLA, no naive)
 #   scripts/gpu_run.sh variants # kernel GPU tests (seesaw, boundaries, B=256), ptxas report, then
 #                              #   the FlashMLA cells with the $VARIANTS configs (XLA autotuner off)
+#   scripts/gpu_run.sh fairxla  # the FlashMLA cells, default config, XLA autotuner ON (fair baseline)
 #   scripts/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -79,6 +80,7 @@ case "$MODE" in
   variants) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
          bench mla_decode 300 --only-flashmla --quick --no-naive \
            --variants "${VARIANTS:-seesaw,seesaw_c2}" ;;
+  fairxla) bench mla_decode 330 --only-flashmla --quick --no-naive ;;
   sweep) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode 320 --quick --sweep --then-grid
          ptxas_report ;;
 esac
