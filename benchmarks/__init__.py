@@ -32,12 +32,19 @@ def gpu_name() -> str:
   return jax.devices()[0].device_kind
 
 
+def _portable_command() -> str:
+  """The benchmark's command line with the $OUT directory (the GPU machine's) spelt as $OUT."""
+  cmd = " ".join(["python", "-m", "benchmarks"] + sys.argv[1:])
+  out = os.environ.get("OUT")
+  return cmd.replace(out, "$OUT") if out else cmd
+
+
 def run_header() -> dict:
   import jax
   return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               device=gpu_name(), jax=jax.__version__,
               # no interpreter path: results are committed, and machine paths do not belong there
-              command=" ".join(["python", "-m", "benchmarks"] + sys.argv[1:]))
+              command=_portable_command())
 
 
 def cupti_median_us(fn, *args, iterations=30, per_kernel=False):
