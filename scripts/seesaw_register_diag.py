@@ -46,25 +46,30 @@ def cell(B, seq, H, seed=0):
   q = jnp.asarray(rng.standard_normal((B, 1, H, 576), np.float32), jnp.bfloat16)
   return q, kv, bt, jnp.full((B,), seq, jnp.int32)
 
-cells = [(128, 4096, 128), (128, 8192, 64)]
-data = {c: cell(*c) for c in cells}
-refs = {c: md.mla_decode_reference(*data[c], softmax_scale=0.1) for c in cells}
-orig = md._decode_partials_seesaw
-for i, name in enumerate(["default", "v2"] + list(T)):
-  print(f"### {name}", flush=True)
-  cfg = MlaDecodeConfig(seesaw=name != "default", target_ctas=200 + i)
-  md._decode_partials_seesaw = orig if name in ("default", "v2") else build(name)
-  try:
-    for c in cells:
-      f = jax.jit(lambda *a: md.mla_decode(*a, softmax_scale=0.1, config=cfg, impl="kernel"))
-      out, _ = f(*data[c]); jax.block_until_ready(out)
-      r = np.asarray(refs[c][0], np.float32)
-      err = float(np.linalg.norm(np.asarray(out, np.float32) - r) / np.linalg.norm(r))
-      for _ in range(3): jax.block_until_ready(f(*data[c]))
-      t = time.perf_counter(); n = 20
-      for _ in range(n): o = f(*data[c])
-      jax.block_until_ready(o)
-      us = (time.perf_counter() - t) / n * 1e6
-      print(f"RESULT {name} cell={c} rel_err={err:.2e} wall_us={us:.1f}", flush=True)
-  except Exception as e:
-    print(f"RESULT {name} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+def main():
+  cells = [(128, 4096, 128), (128, 8192, 64)]
+  data = {c: cell(*c) for c in cells}
+  refs = {c: md.mla_decode_reference(*data[c], softmax_scale=0.1) for c in cells}
+  orig = md._decode_partials_seesaw
+  for i, name in enumerate(["default", "v2"] + list(T)):
+    print(f"### {name}", flush=True)
+    cfg = MlaDecodeConfig(seesaw=name != "default", target_ctas=200 + i)
+    md._decode_partials_seesaw = orig if name in ("default", "v2") else build(name)
+    try:
+      for c in cells:
+        f = jax.jit(lambda *a: md.mla_decode(*a, softmax_scale=0.1, config=cfg, impl="kernel"))
+        out, _ = f(*data[c]); jax.block_until_ready(out)
+        r = np.asarray(refs[c][0], np.float32)
+        err = float(np.linalg.norm(np.asarray(out, np.float32) - r) / np.linalg.norm(r))
+        for _ in range(3): jax.block_until_ready(f(*data[c]))
+        t = time.perf_counter(); n = 20
+        for _ in range(n): o = f(*data[c])
+        jax.block_until_ready(o)
+        us = (time.perf_counter() - t) / n * 1e6
+        print(f"RESULT {name} cell={c} rel_err={err:.2e} wall_us={us:.1f}", flush=True)
+    except Exception as e:
+      print(f"RESULT {name} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -413,3 +413,24 @@ def test_gpu_large_batch(heads, s_q, causal, seesaw):
   config = MlaDecodeConfig(seesaw=seesaw)
   assert plan(batch, s_q, heads, args[2].shape[1], config).num_splits == 1
   assert_matches_reference(args, causal=causal, impl="kernel", config=config)
+
+
+def test_seesaw_register_diagnosis_variants_still_build():
+  # scripts/seesaw_register_diag.py (quoted by NOTES.md) builds kernel variants by source
+  # transforms; each must still apply to the current kernel and trace for sm_90.
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).parent.parent / "scripts" / "seesaw_register_diag.py"
+  spec = importlib.util.spec_from_file_location("seesaw_register_diag", path)
+  diag = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(diag)
+  md = diag.md
+  original = md._decode_partials_seesaw
+  try:
+    for name in diag.T:
+      md._decode_partials_seesaw = diag.build(name)
+      jax.clear_caches()
+      lower_for_sm90(4, 1, 64, 8, causal=False, config=MlaDecodeConfig(seesaw=True))
+  finally:
+    md._decode_partials_seesaw = original
+    jax.clear_caches()
