@@ -23,6 +23,10 @@ flash-decoding loop over pages:
   tensor work, no synchronisation); the split-QK one has each compute S for 32 of the 64 tokens
   and exchange row maxima, P halves and row sums through SMEM (two CTA barriers per page).
   `MlaDecodeConfig.split_qk` picks; by default split-QK when all 64 rows of a CTA are real.
+* A third kernel, `_decode_partials_seesaw` (`MlaDecodeConfig(seesaw=True)`, opt-in): two
+  warpgroups and no TMA warpgroup, pages in pairs, one warpgroup's softmax beside the other's
+  products (FlashMLA's published schedule). Correct, but measured 1.3-2.4x slower than the
+  default on an H200 (255 registers with spills); NOTES.md has the analysis.
 * Ragged lengths: keys at positions >= the row's limit get -inf scores; the V rows of a partial
   last page are zeroed in SMEM first, because P=0 times a garbage (even NaN) V row is still NaN.
 """
@@ -84,7 +88,8 @@ class MlaDecodeConfig:
       kernel is purely bandwidth-bound.
     seesaw: use the seesaw kernel (`_decode_partials_seesaw`): two warpgroups, no TMA
       warpgroup, pages in pairs with one warpgroup's softmax overlapping the other's matrix
-      products. None = the default rule (see `plan`).
+      products. None/False = the warp-specialised kernel (the seesaw one measured 1.3-2.4x
+      slower on an H200, see NOTES.md), so it is opt-in.
     kv_chunks: seesaw kernel only: TMA copies (each with its own barrier) per KV page, 1, 2 or 4
       token ranges; Q·Kᵀ consumes them as they land.
     interpretable: use constructs the Pallas interpreter can run (P staged through SMEM, P·V
