@@ -434,3 +434,24 @@ def test_seesaw_register_diagnosis_variants_still_build():
   finally:
     md._decode_partials_seesaw = original
     jax.clear_caches()
+
+
+def test_time_split_ablations_still_build():
+  # scripts/decode_time_split.py (quoted by NOTES.md) ablates parts of the split-QK kernel by
+  # source transforms; each must still apply to the current kernel and lower for sm_90.
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).parent.parent / "scripts" / "decode_time_split.py"
+  spec = importlib.util.spec_from_file_location("decode_time_split", path)
+  split = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(split)
+  md = split.md
+  original = md._decode_partials
+  try:
+    for name in split.T:
+      md._decode_partials = split.build(name)
+      jax.clear_caches()
+      lower_for_sm90(4, 1, 128, 8, causal=False, config=MlaDecodeConfig(split_qk=True))
+  finally:
+    md._decode_partials = original
+    jax.clear_caches()
