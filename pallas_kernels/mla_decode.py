@@ -258,6 +258,17 @@ def _row_limits(seq_len, g, *, heads: int, s_q: int, causal: bool, shape=(ROWS, 
   return jnp.minimum(seq_len - s_q + 1 + j, seq_len)
 
 
+def _partials_out_type(B, S, Rp, dtype):
+  """Outputs of a main kernel: with one split the final (out [B, Rp, 512] in q's dtype, lse
+  [B, Rp] f32, natural log); with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in
+  log2) for `_combine`."""
+  if S == 1:
+    return (jax.ShapeDtypeStruct((B, Rp, LATENT_DIM), dtype),
+            jax.ShapeDtypeStruct((B, Rp), jnp.float32))
+  return (jax.ShapeDtypeStruct((B, S, Rp, LATENT_DIM), jnp.float32),
+          jax.ShapeDtypeStruct((B, S, Rp), jnp.float32))
+
+
 def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, causal, scale,
                      plan_: _Plan, config: MlaDecodeConfig, interpret):
   """Main kernel. With one split it returns the final (out [B, Rp, 512] bf16, lse [B, Rp] f32 ln);
@@ -266,12 +277,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
   G, S, pps = plan_.row_blocks, plan_.num_splits, plan_.pages_per_split
   final = S == 1
   scale_log2 = scale * _LOG2E
-  if final:
-    out_type = (jax.ShapeDtypeStruct((B, Rp, LATENT_DIM), q_rows.dtype),
-                jax.ShapeDtypeStruct((B, Rp), jnp.float32))
-  else:
-    out_type = (jax.ShapeDtypeStruct((B, S, Rp, LATENT_DIM), jnp.float32),
-                jax.ShapeDtypeStruct((B, S, Rp), jnp.float32))
+  out_type = _partials_out_type(B, S, Rp, q_rows.dtype)
   scratch = dict(q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
                  q_bar=plgpu.Barrier())
   if plan_.split_qk:
@@ -461,12 +467,7 @@ def _decode_partials_seesaw(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
   final = S == 1
   scale_log2 = scale * _LOG2E
   interp = config.interpretable
-  if final:
-    out_type = (jax.ShapeDtypeStruct((B, Rp, LATENT_DIM), q_rows.dtype),
-                jax.ShapeDtypeStruct((B, Rp), jnp.float32))
-  else:
-    out_type = (jax.ShapeDtypeStruct((B, S, Rp, LATENT_DIM), jnp.float32),
-                jax.ShapeDtypeStruct((B, S, Rp), jnp.float32))
+  out_type = _partials_out_type(B, S, Rp, q_rows.dtype)
   chunks = _KV_CHUNKS[config.kv_chunks]
   tile = lambda *shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=_BF16_TRANSFORMS)  # noqa: E731
   scratch = dict(

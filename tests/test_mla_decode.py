@@ -415,43 +415,33 @@ def test_gpu_large_batch(heads, s_q, causal, seesaw):
   assert_matches_reference(args, causal=causal, impl="kernel", config=config)
 
 
-def test_seesaw_register_diagnosis_variants_still_build():
-  # scripts/seesaw_register_diag.py (quoted by NOTES.md) builds kernel variants by source
-  # transforms; each must still apply to the current kernel and trace for sm_90.
+
+@pytest.mark.parametrize("script,heads", [("seesaw_register_diag.py", 64),
+                                          ("decode_time_split.py", 128)])
+def test_diagnosis_script_variants_still_build(script, heads):
+  # The GPU diagnosis scripts quoted by NOTES.md build kernel variants by source transforms;
+  # each must still apply to the current kernel and lower for sm_90.
   import importlib.util
   import pathlib
-  path = pathlib.Path(__file__).parent.parent / "scripts" / "seesaw_register_diag.py"
-  spec = importlib.util.spec_from_file_location("seesaw_register_diag", path)
-  diag = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(diag)
-  md = diag.md
-  original = md._decode_partials_seesaw
-  try:
-    for name in diag.T:
-      md._decode_partials_seesaw = diag.build(name)
-      jax.clear_caches()
-      lower_for_sm90(4, 1, 64, 8, causal=False, config=MlaDecodeConfig(seesaw=True))
-  finally:
-    md._decode_partials_seesaw = original
-    jax.clear_caches()
+  from benchmarks import kernel_variants
+  path = pathlib.Path(__file__).parent.parent / "scripts" / script
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  assert module.T
+  for name, transforms in module.T.items():
+    with kernel_variants.patched(module.FN, transforms, name):
+      jax.clear_caches()   # trace the variant, not a cached unmodified kernel
+      lower_for_sm90(4, 1, heads, 8, causal=False, config=module.CONFIG)
+  jax.clear_caches()
 
 
-def test_time_split_ablations_still_build():
-  # scripts/decode_time_split.py (quoted by NOTES.md) ablates parts of the split-QK kernel by
-  # source transforms; each must still apply to the current kernel and lower for sm_90.
-  import importlib.util
-  import pathlib
-  path = pathlib.Path(__file__).parent.parent / "scripts" / "decode_time_split.py"
-  spec = importlib.util.spec_from_file_location("decode_time_split", path)
-  split = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(split)
-  md = split.md
-  original = md._decode_partials
-  try:
-    for name in split.T:
-      md._decode_partials = split.build(name)
-      jax.clear_caches()
-      lower_for_sm90(4, 1, 128, 8, causal=False, config=MlaDecodeConfig(split_qk=True))
-  finally:
-    md._decode_partials = original
-    jax.clear_caches()
+def test_variant_harness_checks_and_reports(capsys):
+  # benchmarks.kernel_variants.run, in interpret mode on a tiny cell: the unmodified seesaw
+  # kernel is checked against the reference and reported.
+  from benchmarks import kernel_variants
+  kernel_variants.run("_decode_partials_seesaw", [("unmodified", None, MlaDecodeConfig(seesaw=True))],
+                      [(1, 128, 16)], timer=lambda f, args: 0.0, impl="interpret")
+  line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT")]
+  assert len(line) == 1 and "FAILED" not in line[0], line
+  assert float(re.search(r"rel_err=(\S+)", line[0]).group(1)) < 1e-2
