@@ -39,6 +39,18 @@ def _portable_command() -> str:
   return cmd.replace(out, "$OUT") if out else cmd
 
 
+def begin_run(name: str, out_dir: str, iters: int):
+  """Creates ``out_dir``, prints the run header and the ceilings measured now; returns both."""
+  os.makedirs(out_dir, exist_ok=True)
+  header = run_header()
+  print(f"# {name} benchmark on {header['device']}, jax {header['jax']}, {header['date']}")
+  ceil = measure_ceilings(iters)
+  print(f"# ceilings: copy XLA {ceil['xla_copy_gbps']:.0f} GB/s, torch "
+        f"{ceil['torch_copy_gbps'] or float('nan'):.0f} GB/s; bf16 matmul "
+        f"{ceil['matmul_tflops']:.0f} TFLOP/s")
+  return header, ceil
+
+
 def run_header() -> dict:
   import jax
   return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

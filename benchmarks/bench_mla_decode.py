@@ -141,12 +141,7 @@ def run(args):
   from pallas_kernels import MlaDecodeConfig, mla_decode
   from pallas_kernels.mla_decode import plan
 
-  os.makedirs(args.out, exist_ok=True)
-  header = bm.run_header()
-  print(f"# mla_decode benchmark on {header['device']}, jax {header['jax']}, {header['date']}")
-  ceil = bm.measure_ceilings(args.iters)
-  print(f"# ceilings: copy XLA {ceil['xla_copy_gbps']:.0f} GB/s, torch "
-        f"{ceil['torch_copy_gbps'] or float('nan'):.0f} GB/s; bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s")
+  header, ceil = bm.begin_run("mla_decode", args.out, args.iters)
   configs = {"default": MlaDecodeConfig()}
   if args.sweep:
     configs["split_qk"] = MlaDecodeConfig(split_qk=True)

@@ -28,12 +28,7 @@ def run(args):
   from pallas_kernels import PagedGatherConfig, paged_gather
   from pallas_kernels.paged_gather import plan_chunks
 
-  os.makedirs(args.out, exist_ok=True)
-  header = bm.run_header()
-  print(f"# paged_gather benchmark on {header['device']}, jax {header['jax']}, {header['date']}")
-  ceil = bm.measure_ceilings(args.iters)
-  print(f"# ceilings: copy XLA {ceil['xla_copy_gbps']:.0f} GB/s, torch "
-        f"{ceil['torch_copy_gbps'] or float('nan'):.0f} GB/s")
+  header, ceil = bm.begin_run("paged_gather", args.out, args.iters)
   configs = {"default": PagedGatherConfig()}
   if args.sweep:
     for chunks in (2, 4, 8, 16):

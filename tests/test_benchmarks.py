@@ -35,3 +35,16 @@ def test_timing_on_a_cpu_is_a_one_line_error():
                              text=True, timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
         assert out.returncode != 0
         assert "timing needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_begin_run_makes_the_directory_and_prints_header_and_ceilings(tmp_path, monkeypatch, capsys):
+    import benchmarks as bm
+    ceil = dict(xla_copy_gbps=3000.0, torch_copy_gbps=None, matmul_tflops=800.0)
+    monkeypatch.setattr(bm, "measure_ceilings", lambda iters: ceil)
+    monkeypatch.setattr(bm, "run_header", lambda: dict(device="GPU X", jax="0.11.2", date="today"))
+    out = tmp_path / "a" / "b"
+    header, got = bm.begin_run("paged_gather", str(out), 30)
+    assert out.is_dir() and got is ceil and header["device"] == "GPU X"
+    text = capsys.readouterr().out
+    assert "# paged_gather benchmark on GPU X, jax 0.11.2, today" in text
+    assert "copy XLA 3000 GB/s, torch nan GB/s; bf16 matmul 800 TFLOP/s" in text
