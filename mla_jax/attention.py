@@ -99,9 +99,19 @@ class MLA(nnx.Module):
     """Multi-head Latent Attention: `mla(x [B,T,D], positions int32 [B,T], *, absorbed=False) -> [B,T,D]`.
 
     Causal over `positions` (a key is visible when its position is <= the query's; negative
-    positions mark padding). The pieces are public so that a cached engine can compose them:
-    `project_q`, `project_kv` (what the cache stores), `absorb_query`, `output_from_latent`,
-    `attend`.
+    positions mark padding).
+
+    With a latent cache (`mla_jax.kv_cache.KVCache`), `mla(x, positions, cache=cache) -> (out,
+    cache)`: the layer writes this step's latents into its pages (pool `cache.layer`), then attends
+    over the row's whole cache, prefix and itself, and picks its path (as DeepSeek-V3's reference
+    `MLA.forward` does):
+    - T >= cache.naive_threshold (long prefill chunks): gather the prefix (`paged_gather` unless
+      the backend is "reference") and attend decompressed;
+    - T <= `pallas_kernels.mla_decode.MAX_QUERY_LEN` with a kernel backend (decode, MTP verify):
+      absorbed attention by `pallas_kernels.mla_decode` straight on the pages;
+    - otherwise (short chunks, or the "reference" backend): gather + absorbed attention in jnp.
+    `absorbed` is ignored with a cache (the cache's threshold decides). The pieces are public:
+    `project_q`, `project_kv` (what the cache stores), `absorb_query`, `output_from_latent`, `attend`.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
@@ -172,11 +182,38 @@ class MLA(nnx.Module):
                                      softmax_scale=cfg.softmax_scale)
         return self.wo(o_BTHV.reshape(o_BTHV.shape[:2] + (-1,)))
 
-    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, *, absorbed: bool = False) -> jax.Array:
+    def cached_attention(self, x_BTD: jax.Array, positions_BT: jax.Array, cache):
+        """Write this step's latents into the cache, then attend over it -> (out [B,T,D], cache)."""
+        from pallas_kernels.mla_decode import MAX_QUERY_LEN
+
+        cfg = self.cfg
+        T = x_BTD.shape[1]
+        rope_pos = jnp.maximum(positions_BT, 0)  # padding rows get any valid rope position; never seen
+        q_nope, q_pe = self.project_q(x_BTD, rope_pos)
+        cache = cache.write(self.project_kv(x_BTD, rope_pos), positions_BT)
+        if T < cache.naive_threshold and T <= MAX_QUERY_LEN and cache.impl != "reference":
+            from pallas_kernels import mla_decode
+
+            # The kernel places query j at seq_len - T + j. Valid tokens are a prefix of T here
+            # (decode, verify), so padding queries at the end are counted in: the valid ones land on
+            # their positions and the padding ones' outputs are discarded.
+            n_valid = jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
+            pages, table = cache.flat_pages()
+            q_BTHC = self.absorb_query(q_nope, q_pe).astype(pages.dtype)
+            o_lat, _ = mla_decode(q_BTHC, pages, table, cache.lengths + T - n_valid,
+                                  softmax_scale=cfg.softmax_scale, causal=True, impl=cache.impl)
+            return self.output_from_latent(o_lat.astype(x_BTD.dtype)), cache
+        ctx_BSC, kv_pos_BS = cache.gather(dtype=x_BTD.dtype)
+        out = self.attend(q_nope, q_pe, ctx_BSC, positions_BT, kv_pos_BS, absorbed=T < cache.naive_threshold)
+        return out, cache
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, *, absorbed: bool = False, cache=None):
         if x_BTD.ndim != 3 or x_BTD.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"MLA expects x [B, T, {self.cfg.hidden_size}], got {x_BTD.shape}")
         if positions_BT.shape != x_BTD.shape[:2]:
             raise ValueError(f"positions must be [B, T] = {x_BTD.shape[:2]}, got {positions_BT.shape}")
+        if cache is not None:
+            return self.cached_attention(x_BTD, positions_BT, cache)
         q_nope, q_pe = self.project_q(x_BTD, positions_BT)
         kv_latent = self.project_kv(x_BTD, positions_BT)
         return self.attend(q_nope, q_pe, kv_latent, positions_BT, positions_BT, absorbed=absorbed)

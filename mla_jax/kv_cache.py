@@ -6,15 +6,22 @@ N = num_pages.
 
 Per layer the cache is one pool `[N, G, C]` of pages shared by all sequences (the main layers and
 then the MTP layers, one pool each, all indexed by the same page ids: a token's page holds its
-latent for every layer). A sequence owns a list of page ids, its block table, in token order;
-token t of a sequence lives at row t % G of page block_table[t // G].
+latent for every layer). The pools are ONE stacked array `[num_layers, N, G, C]`, so that a
+scanned stack of layers carries it and updates it in place (a scan over per-layer pools as inputs
+and outputs would copy the whole cache every step). A sequence owns a list of page ids, its block
+table, in token order; token t of a sequence lives at row t % G of page block_table[t // G].
 
-Two halves:
-- `PagedLatentCache` (host side, mutable): the pools, a free list, per-slot block tables and
-  lengths. `reserve` grows a slot to a length, `truncate` rewinds it (speculative decoding),
+Three parts:
+- `PagedLatentCache` (host side, mutable): the stacked pools, a free list, per-slot block tables
+  and lengths. `reserve` grows a slot to a length, `truncate` rewinds it (speculative decoding),
   `release` returns its pages. `reserve` checks capacity first and raises `CacheFullError`
   before it changes anything, so a failure never touches another sequence.
-- `write_latents` / `gather_latents` (pure, jit-able): what a jitted step does with one pool.
+- `KVCache` (a pytree, what a jitted step passes to `model(ids, positions, cache=cache)`): the
+  stacked pools, the step's block table and lengths, the layer the next attention call uses, and
+  the static choices (backend "kernel" | "interpret" | "reference", the decompressed-path
+  threshold). `MLA` writes its latents through it and reads them back (`write`, `gather`, or the
+  decode kernel straight on the pages via `flat_pages`).
+- `write_latents` / `gather_latents` (pure, jit-able): one pool's scatter and gather.
 
 The page format (dtype) is a property of the cache object: bf16 by default; float32 for exact
 tests. Quantized formats (fp8 / fp4, see `mla_jax.capacity.KV_DTYPES`) will plug in here.
@@ -22,6 +29,7 @@ tests. Quantized formats (fp8 / fp4, see `mla_jax.capacity.KV_DTYPES`) will plug
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -53,7 +61,8 @@ def _format_name(dtype) -> str:
 class PagedLatentCache:
     """Page pools of `num_layers` layers, and which pages each of `max_seqs` slots holds.
 
-    pages:        tuple of `num_layers` device arrays [num_pages, page_size, latent_dim] (dtype).
+    pages:        one device array [num_layers, num_pages, page_size, latent_dim] (dtype): the pool
+                  of every layer (`pages[i]` is layer i's pool).
     block_tables: host int32 [max_seqs, max_pages_per_seq]; entries past a slot's pages are 0
                   (a valid page id, so a gather never goes out of bounds; masked by the length).
     lengths:      host int32 [max_seqs]: tokens each slot's pages are reserved for (`reserve` /
@@ -75,8 +84,7 @@ class PagedLatentCache:
         self.max_seqs = max_seqs
         self.max_pages_per_seq = max_pages_per_seq
         # `fill_value` lets tests poison never-written rows (NaN) to prove they are never read.
-        self.pages: tuple[jax.Array, ...] = tuple(
-            jnp.full((num_pages, page_size, latent_dim), fill_value, self.dtype) for _ in range(num_layers))
+        self.pages: jax.Array = jnp.full((num_layers, num_pages, page_size, latent_dim), fill_value, self.dtype)
         self.block_tables = np.zeros((max_seqs, max_pages_per_seq), np.int32)
         self.lengths = np.zeros((max_seqs,), np.int32)
         self._owned: list[list[int]] = [[] for _ in range(max_seqs)]
@@ -93,7 +101,7 @@ class PagedLatentCache:
     @property
     def nbytes(self) -> int:
         """Bytes the pools allocate on the device (all layers)."""
-        return sum(int(p.size) * p.dtype.itemsize for p in self.pages)
+        return int(self.pages.size) * self.pages.dtype.itemsize
 
     @property
     def num_free_pages(self) -> int:
@@ -209,3 +217,87 @@ def gather_latents(pages_NGC: jax.Array, block_table_BP: jax.Array, lengths_B: j
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (n >= 1): the shape buckets of the jitted steps."""
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+# ------------------------------------------------------------------------------------------
+# The cache a cached forward pass carries
+# ------------------------------------------------------------------------------------------
+BACKENDS = ("kernel", "interpret", "reference")  # `pallas_kernels`' resolved implementations
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """What `model(ids, positions, cache=cache)` reads and writes: a jax pytree.
+
+    pages           [num_layers, N, G, C] the stacked pools (main layers, then MTP layers); the
+                    step donates them and gets them back updated in place.
+    block_table     int32 [B, P] page ids of each row (entries past a row's pages: any valid id).
+    lengths         int32 [B] tokens in each row's cache AFTER this step's writes.
+    layer           int32 scalar: the pool the next attention call uses (a scanned stack sets it
+                    per layer; it is data, not a shape, so one compiled layer body serves all).
+    impl            static: "kernel" | "interpret" | "reference", how attention reads the pages
+                    (`pallas_kernels` kernels on the pages, in the interpreter, or plain jnp).
+    naive_threshold static: chunks of at least this many query tokens gather the prefix and use the
+                    decompressed path; shorter ones (decode, MTP verify, short chunks) the absorbed one.
+
+    A query token at position p (negative = padding, never written, sees nothing) attends causally
+    to the row's cached tokens at positions <= p, this step's own tokens included.
+    """
+
+    pages: jax.Array
+    block_table: jax.Array
+    lengths: jax.Array
+    layer: jax.Array
+    impl: str = "reference"
+    naive_threshold: int = 256
+
+    def __post_init__(self):
+        if self.impl not in BACKENDS:
+            raise ValueError(f"KVCache impl must be one of {BACKENDS}, got {self.impl!r}")
+
+    @classmethod
+    def create(cls, pages, block_table, lengths, *, impl: str = "reference", naive_threshold: int = 256):
+        """A cache at layer 0 over `pages` [num_layers, N, G, C] (int32 tables and lengths)."""
+        return cls(pages, np.asarray(block_table, np.int32), np.asarray(lengths, np.int32), np.zeros((), np.int32),
+                   impl, naive_threshold)
+
+    def at_layer(self, layer) -> "KVCache":
+        """The same cache pointed at pool `layer` (a Python int or a traced scalar)."""
+        return dataclasses.replace(self, layer=jnp.asarray(layer, jnp.int32))
+
+    def with_lengths(self, lengths) -> "KVCache":
+        return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.shape[2]
+
+    def flat_pages(self) -> tuple[jax.Array, jax.Array]:
+        """(every pool as one [num_layers * N, G, C] array, this layer's block table offset into it).
+
+        A reshape of the stacked pools is free (no copy), so a kernel reads the layer's pages where
+        they are, addressed by page id + layer * N.
+        """
+        L, N = self.pages.shape[:2]
+        return self.pages.reshape((L * N,) + self.pages.shape[2:]), self.block_table + self.layer * N
+
+    def write(self, latent_BTC: jax.Array, positions_BT: jax.Array) -> "KVCache":
+        """Scatter this step's latents [B,T,C] into this layer's pages (padding, position < 0, dropped)."""
+        flat, table = self.flat_pages()
+        flat = write_latents(flat, latent_BTC, positions_BT, table)
+        return dataclasses.replace(self, pages=flat.reshape(self.pages.shape))
+
+    def gather(self, *, dtype=None) -> tuple[jax.Array, jax.Array]:
+        """This layer's cached tokens per row, dense: (latent [B, P*G, C], positions int32 [B, P*G],
+        -1 past the row's length); see `gather_latents`."""
+        flat, table = self.flat_pages()
+        dense, pos = gather_latents(flat, table, self.lengths, impl=self.impl)
+        return (dense if dtype is None else dense.astype(dtype)), pos
+
+
+jax.tree_util.register_dataclass(KVCache, data_fields=["pages", "block_table", "lengths", "layer"],
+                                 meta_fields=["impl", "naive_threshold"])

@@ -174,54 +174,61 @@ def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
 # The name map: HF tensor name(s) <-> a variable of DeepSeekModel
 # ------------------------------------------------------------------------------------------
 # kind "T": torch [out, in] <-> kernel [in, out]; "id": as is; "stackT": E per-expert tensors,
-# each transposed, stacked along a new leading axis.
-Entry = tuple[tuple, str, object]  # (path in the model, kind, hf name | list of hf names)
+# each transposed, stacked along a new leading axis. Main layer i lives at index j of one of the
+# model's two scanned stacks (`dense_layers` / `moe_layers`, variables [n, ...]): its entries carry
+# that index and fill (load) or read (save) slice j; every other entry has index None.
+Entry = tuple[tuple, "int | None", str, object]  # (path in the model, stack index, kind, hf name | list)
 
 
-def _layer_entries(cfg: ModelConfig, prefix: str, base: tuple, is_moe: bool) -> Iterator[Entry]:
-    yield base + ("input_layernorm", "weight"), "id", prefix + "input_layernorm.weight"
-    yield base + ("post_attention_layernorm", "weight"), "id", prefix + "post_attention_layernorm.weight"
+def _layer_entries(cfg: ModelConfig, prefix: str, base: tuple, is_moe: bool, index: int | None) -> Iterator[Entry]:
+    yield base + ("input_layernorm", "weight"), index, "id", prefix + "input_layernorm.weight"
+    yield base + ("post_attention_layernorm", "weight"), index, "id", prefix + "post_attention_layernorm.weight"
     a, sa = base + ("self_attn",), prefix + "self_attn."
     if cfg.q_lora_rank is None:
-        yield a + ("wq", "kernel"), "T", sa + "q_proj.weight"
+        yield a + ("wq", "kernel"), index, "T", sa + "q_proj.weight"
     else:
-        yield a + ("wq_a", "kernel"), "T", sa + "q_a_proj.weight"
-        yield a + ("q_norm", "weight"), "id", sa + "q_a_layernorm.weight"
-        yield a + ("wq_b", "kernel"), "T", sa + "q_b_proj.weight"
-    yield a + ("wkv_a", "kernel"), "T", sa + "kv_a_proj_with_mqa.weight"
-    yield a + ("kv_norm", "weight"), "id", sa + "kv_a_layernorm.weight"
-    yield a + ("wkv_b", "kernel"), "T", sa + "kv_b_proj.weight"
-    yield a + ("wo", "kernel"), "T", sa + "o_proj.weight"
+        yield a + ("wq_a", "kernel"), index, "T", sa + "q_a_proj.weight"
+        yield a + ("q_norm", "weight"), index, "id", sa + "q_a_layernorm.weight"
+        yield a + ("wq_b", "kernel"), index, "T", sa + "q_b_proj.weight"
+    yield a + ("wkv_a", "kernel"), index, "T", sa + "kv_a_proj_with_mqa.weight"
+    yield a + ("kv_norm", "weight"), index, "id", sa + "kv_a_layernorm.weight"
+    yield a + ("wkv_b", "kernel"), index, "T", sa + "kv_b_proj.weight"
+    yield a + ("wo", "kernel"), index, "T", sa + "o_proj.weight"
     m, sm = base + ("mlp",), prefix + "mlp."
     if not is_moe:
         for p in ("gate_proj", "up_proj", "down_proj"):
-            yield m + (p, "kernel"), "T", sm + p + ".weight"
+            yield m + (p, "kernel"), index, "T", sm + p + ".weight"
         return
-    yield m + ("gate", "kernel"), "T", sm + "gate.weight"
+    yield m + ("gate", "kernel"), index, "T", sm + "gate.weight"
     if cfg.topk_method == "noaux_tc":
-        yield m + ("gate", "e_score_correction_bias"), "id", sm + "gate.e_score_correction_bias"
+        yield m + ("gate", "e_score_correction_bias"), index, "id", sm + "gate.e_score_correction_bias"
     for p in ("gate_proj", "up_proj", "down_proj"):
-        yield m + ("experts", p), "stackT", [f"{sm}experts.{e}.{p}.weight" for e in range(cfg.n_routed_experts)]
+        yield (m + ("experts", p), index, "stackT",
+               [f"{sm}experts.{e}.{p}.weight" for e in range(cfg.n_routed_experts)])
     if cfg.n_shared_experts > 0:
         for p in ("gate_proj", "up_proj", "down_proj"):
-            yield m + ("shared_experts", p, "kernel"), "T", f"{sm}shared_experts.{p}.weight"
+            yield m + ("shared_experts", p, "kernel"), index, "T", f"{sm}shared_experts.{p}.weight"
 
 
 def hf_entries(cfg: ModelConfig) -> list[Entry]:
-    """Every (model path, kind, HF name(s)) of a `DeepSeekModel(cfg)`; covers each variable exactly once."""
-    out: list[Entry] = [(("embed_tokens", "embedding"), "id", "model.embed_tokens.weight"),
-                        (("norm", "weight"), "id", "model.norm.weight")]
+    """Every (model path, stack index, kind, HF name(s)) of a `DeepSeekModel(cfg)`; covers each
+    variable (each layer's slice of a stacked one) exactly once."""
+    out: list[Entry] = [(("embed_tokens", "embedding"), None, "id", "model.embed_tokens.weight"),
+                        (("norm", "weight"), None, "id", "model.norm.weight")]
     if not cfg.tie_word_embeddings:
-        out.append((("lm_head", "kernel"), "T", "lm_head.weight"))
+        out.append((("lm_head", "kernel"), None, "T", "lm_head.weight"))
+    n_dense = cfg.num_hidden_layers - cfg.num_moe_layers
     for i in range(cfg.num_hidden_layers):
-        out += _layer_entries(cfg, f"model.layers.{i}.", ("layers", i), cfg.is_moe_layer(i))
+        moe = i >= n_dense
+        stack, j = ("moe_layers", i - n_dense) if moe else ("dense_layers", i)
+        out += _layer_entries(cfg, f"model.layers.{i}.", (stack,), moe, j)
     for k in range(cfg.num_mtp_layers):
         p, b = f"model.layers.{cfg.num_hidden_layers + k}.", ("mtp", k)
-        out += [(b + ("enorm", "weight"), "id", p + "enorm.weight"),
-                (b + ("hnorm", "weight"), "id", p + "hnorm.weight"),
-                (b + ("eh_proj", "kernel"), "T", p + "eh_proj.weight"),
-                (b + ("shared_head_norm", "weight"), "id", p + "shared_head.norm.weight")]
-        out += _layer_entries(cfg, p, b + ("block",), cfg.n_routed_experts > 0)
+        out += [(b + ("enorm", "weight"), None, "id", p + "enorm.weight"),
+                (b + ("hnorm", "weight"), None, "id", p + "hnorm.weight"),
+                (b + ("eh_proj", "kernel"), None, "T", p + "eh_proj.weight"),
+                (b + ("shared_head_norm", "weight"), None, "id", p + "shared_head.norm.weight")]
+        out += _layer_entries(cfg, p, b + ("block",), cfg.n_routed_experts > 0, None)
     return out
 
 
@@ -252,11 +259,13 @@ def _hf_shape(shape: tuple, kind: str) -> tuple:
 # ------------------------------------------------------------------------------------------
 # Load / save
 # ------------------------------------------------------------------------------------------
-def load_hf_checkpoint(path: str | os.PathLike, dtype=jnp.float32, *, param_dtype=None, moe_impl: str = "auto",
+def load_hf_checkpoint(path: str | os.PathLike, dtype=None, *, param_dtype=None, moe_impl: str = "auto",
                        mtp_hidden_source: str = "post_norm"):
     """A `DeepSeekModel` with the weights of an HF-layout checkpoint directory.
 
-    dtype: compute dtype; param_dtype: storage dtype (default `dtype`). The router kernel and
+    dtype: compute dtype; None = bf16 on a GPU (fp32 would double the bytes every decode step reads
+    and keep the MoE off its Mosaic GPU kernel), fp32 elsewhere. param_dtype: storage dtype
+    (default `dtype`). The router kernel and
     `e_score_correction_bias` are kept in fp32 whatever the dtype. Raises ValueError naming the
     tensor for a missing, unexpected or mis-shaped tensor, an fp8 weight without scales, an MTP
     copy of the embedding/head that differs from the main one, or a pickle checkpoint.
@@ -269,12 +278,14 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype=jnp.float32, *, param_dtyp
     # config.json sits beside the weights when `path` names one .safetensors file.
     cfg = ModelConfig.from_hf(os.path.dirname(path) if os.path.isfile(path) else path)
     tensors = read_hf_tensors(path)
+    if dtype is None:
+        dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     param_dtype = dtype if param_dtype is None else param_dtype
     model = nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
                                                  moe_impl=moe_impl, mtp_hidden_source=mtp_hidden_source))
     entries = hf_entries(cfg)
     copies = _mtp_copies(cfg)
-    expected = {n for _, _, names in entries for n in ([names] if isinstance(names, str) else names)}
+    expected = {n for _, _, _, names in entries for n in ([names] if isinstance(names, str) else names)}
     missing = sorted(expected - tensors.keys())
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensor(s) the config needs: {missing[:8]}"
@@ -292,9 +303,10 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype=jnp.float32, *, param_dtyp
             if not same:
                 raise ValueError(f"tensor {copy!r} should be a copy of {main!r} (the MTP module shares it), "
                                  "but it differs")
-    for mpath, kind, names in entries:
+    stacked: dict[tuple, np.ndarray] = {}  # a stacked variable's host buffer, filled layer by layer
+    for mpath, index, kind, names in entries:
         var = _variable(model, mpath)
-        shape, vdt = tuple(var.shape), var.dtype
+        shape = tuple(var.shape) if index is None else tuple(var.shape[1:])
         want = _hf_shape(shape, kind)
         for n in [names] if isinstance(names, str) else names:
             if tuple(tensors[n].shape) != want:
@@ -305,7 +317,16 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype=jnp.float32, *, param_dtyp
             arr = np.stack([np.asarray(tensors[n]).T for n in names])
         else:
             arr = np.asarray(tensors[names])
-        var.set_value(jnp.asarray(arr.astype(np.float32) if arr.dtype.itemsize < 2 else arr, dtype=vdt))
+        arr = arr.astype(np.float32) if arr.dtype.itemsize < 2 else arr
+        if index is None:
+            var.set_value(jnp.asarray(arr, dtype=var.dtype))
+        else:
+            if mpath not in stacked:
+                stacked[mpath] = np.empty(tuple(var.shape), np.dtype(var.dtype))
+            stacked[mpath][index] = arr
+    for mpath, buf in stacked.items():
+        var = _variable(model, mpath)
+        var.set_value(jnp.asarray(buf, dtype=var.dtype))
     left = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))
             if isinstance(v, jax.ShapeDtypeStruct)]
     if left:  # every variable must come from the file
@@ -317,8 +338,11 @@ def to_hf_tensors(model) -> dict[str, np.ndarray]:
     """The model's weights under HF names as numpy arrays (torch layout), MTP copies included."""
     cfg = model.cfg
     out: dict[str, np.ndarray] = {}
-    for mpath, kind, names in hf_entries(cfg):
-        a = np.asarray(jax.device_get(_variable(model, mpath)[...]))
+    host: dict[tuple, np.ndarray] = {}  # each (stacked) variable copied to the host once
+    for mpath, index, kind, names in hf_entries(cfg):
+        if mpath not in host:
+            host[mpath] = np.asarray(jax.device_get(_variable(model, mpath)[...]))
+        a = host[mpath] if index is None else host[mpath][index]
         if kind == "T":
             out[names] = np.ascontiguousarray(a.T)
         elif kind == "stackT":

@@ -5,7 +5,8 @@ Dimension letters:
   E routed experts   K experts per token            F intermediate_size (dense MLP)
 Parameter names follow HF transformers' checkpoint (`input_layernorm`, `self_attn`,
 `post_attention_layernorm`, `mlp`, `embed_tokens`, `norm`, `lm_head`); the attention's inner
-names are the official code's (see `mla_jax.attention`), mapped one to one by `models.checkpoint`.
+names are the official code's (see `mla_jax.attention`), mapped one to one by `models.checkpoint`
+(which stacks the per-layer tensors of HF's `model.layers.{i}.*` into the two scanned stacks).
 
 Numerics follow HF: RMSNorm in fp32, router in fp32, everything else in `dtype`.
 """
@@ -47,13 +48,13 @@ class DecoderLayer(nnx.Module):
     """x -> x + attn(input_layernorm(x)) -> h + mlp(post_attention_layernorm(h)).
 
     `mlp` is a dense `MLP` (width F) for layers < first_k_dense_replace, else a `MoE`.
-    `attention(x, positions)` and `ffn(h)` are the two residual halves, public so that a
-    cached engine can run attention itself and then call `ffn`.
+    `layer(x, positions)` -> out [B,T,D] (`return_router=True`: (out, RouterOutput or None));
+    `layer(x, positions, cache=cache)` -> (out, cache): the attention writes and reads the latent
+    cache (pool `cache.layer`, see `mla_jax.attention.MLA`). `forward` is the one body both use.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, moe: bool | None = None, moe_impl: str = "auto"):
-        self.layer_idx = layer_idx
         self.is_moe = cfg.is_moe_layer(layer_idx) if moe is None else bool(moe)
         norm = partial(RMSNorm, cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
         self.input_layernorm = norm()
@@ -65,24 +66,65 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                            init_std=cfg.initializer_range)
 
-    def attention(self, x_BTD: jax.Array, positions_BT: jax.Array, *, absorbed: bool = False) -> jax.Array:
-        """x + self_attn(input_layernorm(x)) -> [B,T,D]."""
-        return x_BTD + self.self_attn(self.input_layernorm(x_BTD), positions_BT, absorbed=absorbed).astype(x_BTD.dtype)
-
-    def ffn(self, h_BTD: jax.Array, *, return_router: bool = False):
-        """h + mlp(post_attention_layernorm(h)) -> [B,T,D] (and the RouterOutput, None for a dense layer)."""
-        x = self.post_attention_layernorm(h_BTD)
+    def forward(self, x_BTD: jax.Array, positions_BT: jax.Array, cache=None, *, absorbed: bool = False):
+        """-> (out [B,T,D], RouterOutput or None for a dense layer, cache or None)."""
+        a = self.self_attn(self.input_layernorm(x_BTD), positions_BT, absorbed=absorbed, cache=cache)
+        if cache is not None:
+            a, cache = a
+        h = x_BTD + a.astype(x_BTD.dtype)
+        y = self.post_attention_layernorm(h)
         r = None
         if self.is_moe:
-            y, r = self.mlp(x, return_router=True)
+            y, r = self.mlp(y, return_router=True)
         else:
-            y = self.mlp(x)
-        out = h_BTD + y.astype(h_BTD.dtype)
-        return (out, r) if return_router else out
+            y = self.mlp(y)
+        return h + y.astype(h.dtype), r, cache
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, *, absorbed: bool = False,
-                 return_router: bool = False):
-        return self.ffn(self.attention(x_BTD, positions_BT, absorbed=absorbed), return_router=return_router)
+                 return_router: bool = False, cache=None):
+        out, r, cache_out = self.forward(x_BTD, positions_BT, cache, absorbed=absorbed)
+        if cache is not None:
+            return out, cache_out
+        return (out, r) if return_router else out
+
+
+def _stacked_layers(n: int, make, rngs: nnx.Rngs):
+    """`n` layers built by `make(rngs)` with their variables stacked along a new leading axis (each
+    layer drawn from its own split of the rngs), or None when n == 0."""
+    if n == 0:
+        return None
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(r):
+        return make(r)
+
+    return create(rngs)
+
+
+def _scan_layers(stack, h_BTD, positions_BT, cache, first_layer: int, absorbed: bool):
+    """Run a stacked layer over h with `jax.lax.scan` (one compiled body, whatever the depth).
+
+    The cache (its stacked pools) is the scan's carry, updated in place; each layer is pointed at
+    its own pool by index. -> (h, stacked RouterOutput or None, cache).
+    """
+    graphdef, state = nnx.split(stack)
+    n = jax.tree.leaves(state)[0].shape[0]
+
+    def body(carry, xs):
+        h, c = carry
+        layer_state, idx = xs
+        layer = nnx.merge(graphdef, layer_state)
+        h, r, c = layer.forward(h, positions_BT, None if c is None else c.at_layer(idx), absorbed=absorbed)
+        return (h, c), r
+
+    (h_BTD, cache), routers = jax.lax.scan(body, (h_BTD, cache),
+                                           (state, first_layer + jnp.arange(n, dtype=jnp.int32)))
+    return h_BTD, routers, cache
+
+
+def _unstack(tree, n: int) -> list:
+    return [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n)]
 
 
 class DeepSeekModel(nnx.Module):
@@ -91,12 +133,21 @@ class DeepSeekModel(nnx.Module):
     `model(input_ids int32 [B,T]) -> logits [B,T,V]`;
     `model(input_ids, with_mtp=True) -> (logits, mtp_logits [B,T-1,V])`, where mtp position i
     combines hidden i with token i+1 and predicts token i+2 (with num_mtp_layers > 1:
-    a tuple over depths k of [B,T-1-k,V]).
+    a tuple over depths k of [B,T-1-k,V]);
+    `model(input_ids, positions, cache=cache) -> (logits, cache)`: the cached forward over a
+    `mla_jax.kv_cache.KVCache` (each layer writes its latents into its pool, then attends over the
+    cache; see `mla_jax.attention.MLA`). The engine's jitted steps use it and the pieces below.
     `positions` int32 [B,T] defaults to arange(T); negative positions mark padding (such a
     query sees no key and no query sees it). `absorbed` passes through to MLA.
 
-    Attributes: `embed_tokens` (nnx.Embed), `layers` (list of DecoderLayer), `norm`,
-    `lm_head` (nnx.Linear D -> V, no bias; None when tie_word_embeddings), `mtp` (list of
+    Layers of one kind are stacked and scanned (MaxText's `scan_layers`), so compile time does not
+    grow with depth: `dense_layers` (the first `first_k_dense_replace`, dense MLP) and `moe_layers`
+    (the rest), each ONE `DecoderLayer` whose variables have a leading layer axis (None when a kind
+    has no layer); `layer(i)` returns layer i alone (a copy, for inspection). Cache pools are
+    indexed by layer number: main layers 0..L-1, then MTP module k at L + k.
+
+    Attributes: `embed_tokens` (nnx.Embed), `dense_layers`, `moe_layers`, `norm`, `lm_head`
+    (nnx.Linear D -> V, no bias; None when tie_word_embeddings), `mtp` (list of
     `cfg.num_mtp_layers` MTP modules). `dtype` is the compute dtype, `param_dtype` the storage
     dtype (the router kernel and bias are fp32 always). `moe_impl` is `models.moe.MOE_IMPLS`.
     """
@@ -108,10 +159,11 @@ class DeepSeekModel(nnx.Module):
         init = nnx.initializers.normal(cfg.initializer_range)
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                       embedding_init=init, rngs=rngs)
-        self.layers = nnx.List([
-            DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype, moe_impl=moe_impl)
-            for i in range(cfg.num_hidden_layers)
-        ])
+        n_moe = cfg.num_moe_layers
+        self.num_dense_layers = cfg.num_hidden_layers - n_moe
+        layer = partial(DecoderLayer, cfg, dtype=dtype, param_dtype=param_dtype, moe_impl=moe_impl)
+        self.dense_layers = _stacked_layers(self.num_dense_layers, lambda r: layer(rngs=r, moe=False), rngs)
+        self.moe_layers = _stacked_layers(n_moe, lambda r: layer(rngs=r, moe=True), rngs)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -124,7 +176,27 @@ class DeepSeekModel(nnx.Module):
             for k in range(cfg.num_mtp_layers)
         ])
 
-    # --- building blocks (the engine and the trainer call these) -------------------------
+    # --- layers -----------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_hidden_layers
+
+    def layer_stack(self, i: int) -> tuple[DecoderLayer, int]:
+        """(the stack holding main layer i, its index in that stack)."""
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"layer {i} is outside [0, {self.num_layers})")
+        if i < self.num_dense_layers:
+            return self.dense_layers, i
+        return self.moe_layers, i - self.num_dense_layers
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Main layer i as a `DecoderLayer` of its own (a copy of its slice of the stack: reading
+        it is fine, writing to it does not change the model)."""
+        stack, j = self.layer_stack(i)
+        graphdef, state = nnx.split(stack)
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[j], state))
+
+    # --- building blocks (the engine's steps and the trainer call these) --------------------
     def _check_ids(self, ids: jax.Array, positions: jax.Array | None) -> jax.Array:
         if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"input_ids must be an integer array [B, T], got {ids.dtype} {ids.shape}")
@@ -138,28 +210,47 @@ class DeepSeekModel(nnx.Module):
         """Token embeddings [B,T,D] in the compute dtype."""
         return self.embed_tokens(ids_BT)
 
-    def _trunk(self, ids_BT, positions_BT, absorbed: bool):
-        """-> (pre-final-norm hidden [B,T,D], RouterOutputs of the MoE layers)."""
+    def _trunk(self, ids_BT, positions_BT, absorbed: bool, cache=None):
+        """-> (pre-final-norm hidden [B,T,D], RouterOutputs of the main MoE layers (a list), cache)."""
         h = self.embed(ids_BT)
         routers = []
-        for layer in self.layers:
-            h, r = layer(h, positions_BT, absorbed=absorbed, return_router=True)
-            if r is not None:
-                routers.append(r)
-        return h, routers
+        if self.dense_layers is not None:
+            h, _, cache = _scan_layers(self.dense_layers, h, positions_BT, cache, 0, absorbed)
+        if self.moe_layers is not None:
+            h, rs, cache = _scan_layers(self.moe_layers, h, positions_BT, cache, self.num_dense_layers, absorbed)
+            routers = _unstack(rs, self.cfg.num_moe_layers)
+        return h, routers, cache
 
     def hidden_states(self, ids_BT: jax.Array, positions_BT: jax.Array | None = None, *, absorbed: bool = False,
-                      pre_norm: bool = False) -> jax.Array:
-        """The last layer's hidden [B,T,D]: after the final norm (default) or before it (`pre_norm=True`)."""
+                      pre_norm: bool = False, cache=None):
+        """The last layer's hidden [B,T,D]: after the final norm (default) or before it (`pre_norm=True`).
+        With a cache: (hidden, cache)."""
         positions_BT = self._check_ids(ids_BT, positions_BT)
-        h, _ = self._trunk(ids_BT, positions_BT, absorbed)
-        return h if pre_norm else self.norm(h)
+        h, _, cache_out = self._trunk(ids_BT, positions_BT, absorbed, cache)
+        h = h if pre_norm else self.norm(h)
+        return h if cache is None else (h, cache_out)
 
     def logits_from_hidden(self, h_BTD: jax.Array) -> jax.Array:
         """LM head over a post-norm hidden: [..., D] -> [..., V]."""
         if self.lm_head is None:
             return self.embed_tokens.attend(h_BTD)
         return self.lm_head(h_BTD)
+
+    def mtp_source(self, h_pre: jax.Array, h_post: jax.Array) -> jax.Array:
+        """The main hidden that feeds MTP depth 0 (`mtp[0].hidden_source`): after or before the final norm."""
+        return h_post if self.mtp[0].hidden_source == "post_norm" else h_pre
+
+    def mtp_block(self, h_BTD: jax.Array, next_ids_BT: jax.Array, positions_BT: jax.Array, *, cache=None,
+                  absorbed: bool = False):
+        """MTP module 0 on pairs (h_i, t_{i+1}) -> its block output o [B,T,D] (with a cache: (o, cache);
+        the module's latents go to pool `num_hidden_layers`)."""
+        if len(self.mtp) == 0:
+            raise ValueError("this model has no MTP module (cfg.num_mtp_layers == 0)")
+        return self.mtp[0](h_BTD, self.embed(next_ids_BT), positions_BT, absorbed=absorbed, cache=cache)
+
+    def mtp_head(self, o_BTD: jax.Array) -> jax.Array:
+        """Logits of MTP module 0's block output: [..., D] -> [..., V] (the shared LM head)."""
+        return self.logits_from_hidden(self.mtp[0].head_hidden(o_BTD))
 
     def mtp_logits(self, h_BTD: jax.Array, next_ids_BT: jax.Array, positions_BT: jax.Array | None = None, *,
                    absorbed: bool = False) -> jax.Array:
@@ -168,14 +259,13 @@ class DeepSeekModel(nnx.Module):
         if len(self.mtp) == 0:
             raise ValueError("this model has no MTP module (cfg.num_mtp_layers == 0)")
         positions_BT = self._check_ids(next_ids_BT, positions_BT)
-        o = self.mtp[0](h_BTD, self.embed(next_ids_BT), positions_BT, absorbed=absorbed)
-        return self.logits_from_hidden(self.mtp[0].head_hidden(o))
+        return self.mtp_head(self.mtp_block(h_BTD, next_ids_BT, positions_BT, absorbed=absorbed))
 
     def forward(self, ids_BT: jax.Array, positions_BT: jax.Array | None = None, *, absorbed: bool = False,
                 with_mtp: bool = True) -> ModelOutput:
         """The full pass with what training needs (router decisions included); see `ModelOutput`."""
         positions_BT = self._check_ids(ids_BT, positions_BT)
-        h_pre, routers = self._trunk(ids_BT, positions_BT, absorbed)
+        h_pre, routers, _ = self._trunk(ids_BT, positions_BT, absorbed)
         h_post = self.norm(h_pre)
         logits = self.logits_from_hidden(h_post)
         mtp_out = []
@@ -183,7 +273,7 @@ class DeepSeekModel(nnx.Module):
             T = ids_BT.shape[1]
             if T < 2:
                 raise ValueError(f"with_mtp needs at least 2 tokens, got T={T}")
-            h = h_post if self.mtp[0].hidden_source == "post_norm" else h_pre
+            h = self.mtp_source(h_pre, h_post)
             for k, mod in enumerate(self.mtp):
                 n = T - 1 - k  # positions i whose token i+1+k exists
                 if n < 1:
@@ -197,10 +287,16 @@ class DeepSeekModel(nnx.Module):
         return ModelOutput(logits, tuple(mtp_out), h_post, tuple(routers))
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None, *, with_mtp: bool = False,
-                 absorbed: bool = False):
+                 absorbed: bool = False, cache=None):
+        if cache is not None:
+            if with_mtp:
+                raise ValueError("with_mtp=True is not available with a cache; the cached MTP module is "
+                                 "`model.mtp_block(h, next_ids, positions, cache=cache)`")
+            h, cache = self.hidden_states(input_ids, positions, cache=cache)
+            return self.logits_from_hidden(h), cache
         if not with_mtp:
             positions = self._check_ids(input_ids, positions)
-            h, _ = self._trunk(input_ids, positions, absorbed)
+            h, _, _ = self._trunk(input_ids, positions, absorbed)
             return self.logits_from_hidden(self.norm(h))
         if len(self.mtp) == 0:
             raise ValueError("with_mtp=True but this model has no MTP module (cfg.num_mtp_layers == 0)")

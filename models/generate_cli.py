@@ -7,7 +7,9 @@
 
 The text is printed as it is generated, then one stats line (prefill and decode tokens/s, MTP
 acceptance, cache pages used). Steps that compiled are left out of the tokens/s figures and
-reported as compile time. Errors in arguments or inputs: one line on stderr, exit status 2.
+reported as compile time. Compiled steps are kept in jax's persistent compilation cache
+(`--compile-cache`, see `models.compile_cache`), so a second run starts warm. Errors in arguments
+or inputs: one line on stderr, exit status 2.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 import time
 from typing import NoReturn, Sequence
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 KV_DTYPES = ("bf16", "fp32")
 FALLBACK_PROMPT = "Once upon a time, there was a"
 
@@ -48,13 +50,27 @@ def _build_parser() -> _Parser:
     p.add_argument("--mtp-draft-tokens", type=int, default=1, metavar="K",
                    help="tokens the MTP head drafts a step, 1..3 (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: float32)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="compute dtype; auto = bfloat16 on a GPU, float32 elsewhere (default: auto)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="latent cache format (default: bf16)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the silent warm-up run that compiles the steps before the timed one")
     p.add_argument("--attention-impl", choices=("auto", "reference", "kernel", "interpret"), default="auto",
                    help="decode attention: Pallas kernel on Hopper (auto) or the jnp reference")
+    from models import compile_cache
+    compile_cache.add_argument(p)
     return p
+
+
+def compute_dtype(name: str):
+    """The jnp dtype of `--dtype` ("auto": bf16 on a GPU, where fp32 would double the weight bytes
+    a decode step reads, fp32 on a CPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    return jnp.float32 if name == "float32" else jnp.bfloat16
 
 
 def _builtin_available() -> bool:
@@ -64,12 +80,10 @@ def _builtin_available() -> bool:
 
 def _load(args):
     """-> (model, tokenizer, default prompt, a warning or None)."""
-    import jax.numpy as jnp
-
     from models.checkpoint import load_hf_checkpoint
     from models.tokenizer import load_tokenizer
 
-    dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
+    dtype = compute_dtype(args.dtype)
     if args.checkpoint is not None:
         d = args.checkpoint
         if not os.path.isdir(d):
@@ -148,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"--mtp-draft-tokens must be in [1, 3], got {args.mtp_draft_tokens}")
         import jax.numpy as jnp
 
+        from models import compile_cache
+        compile_cache.enable(args.compile_cache)
         from mla_jax.kv_cache import CacheFullError
         from models.engine import Engine
         from models.sampling import SamplingParams
@@ -164,7 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.mtp and len(model.mtp) == 0:
             raise _UsageError("--mtp: this model has no MTP module (num_nextn_predict_layers = 0)")
         prompt_text = default_prompt if args.prompt is None else args.prompt
-        ids = tok.encode(prompt_text)
+        try:
+            ids = tok.encode(prompt_text)
+        except UnicodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
+            raise _UsageError("--prompt is not valid UTF-8 text") from None
         if not ids:
             raise _UsageError("--prompt is empty and the tokenizer adds no BOS token")
         cfg = model.cfg
@@ -172,9 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"the prompt has {len(ids)} tokens; the model's context is "
                               f"{cfg.max_position_embeddings}")
         max_context = min(cfg.max_position_embeddings, len(ids) + args.max_new_tokens)
-        page = 64
-        engine = Engine(model, page_size=page, num_pages=-(-(max_context + 2) // page), max_batch=1,
-                        max_context=max_context, attention_impl=args.attention_impl,
+        # The engine sizes its own pool for one sequence of max_context tokens (and the MTP draft room).
+        engine = Engine(model, page_size=64, max_batch=1, max_context=max_context,
+                        attention_impl=args.attention_impl,
                         kv_dtype=jnp.bfloat16 if args.kv_dtype == "bf16" else jnp.float32)
         stops = () if tok.eos_id is None else (tok.eos_id,)
         compile_s = 0.0
@@ -198,6 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.write("\n")
         print(format_stats(dict(res.stats, compile_s=res.stats["compile_s"] + compile_s)), file=out)
         out.flush()
+        if res.finish_reasons[0] == "context":
+            print(f"mla-generate: note: stopped after {len(res.tokens[0])} of {args.max_new_tokens} new tokens at "
+                  f"the model's context limit ({cfg.max_position_embeddings} tokens; the prompt has {len(ids)})",
+                  file=err)
         return 0
     except _UsageError as e:
         print(f"mla-generate: error: {e}", file=err)

@@ -208,20 +208,14 @@ def _mgpu_bwd(tuning, res, g):
 ragged_dot_mgpu.defvjp(_mgpu_fwd, _mgpu_bwd)
 
 
-def _on_hopper() -> bool:
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).split(".")[0] == "9"
-
-
 def resolve_moe_impl(impl: str, dtype) -> str:
     """Map `impl` ("auto" included) to "ragged_dot" | "mgpu" | "dense"; ValueError on an unknown name."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "mgpu" if (jnp.dtype(dtype) == jnp.bfloat16 and _on_hopper()) else "ragged_dot"
+        from pallas_kernels._platform import default_backend_is_hopper  # the one Hopper check
+
+        return "mgpu" if (jnp.dtype(dtype) == jnp.bfloat16 and default_backend_is_hopper()) else "ragged_dot"
     return impl
 
 

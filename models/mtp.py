@@ -55,11 +55,20 @@ class MTP(nnx.Module):
                                   moe=cfg.n_routed_experts > 0, moe_impl=moe_impl)
         self.shared_head_norm = norm()
 
+    @property
+    def cache_layer(self) -> int:
+        """The latent-cache pool of this module: after the main model's layers."""
+        return self.cfg.num_hidden_layers + self.depth
+
     def __call__(self, h_BTD: jax.Array, emb_BTD: jax.Array, positions_BT: jax.Array, *, absorbed: bool = False,
-                 return_router: bool = False):
+                 return_router: bool = False, cache=None):
+        """-> o [B,T,D] (`return_router`: (o, RouterOutput or None)); with a cache: (o, cache), the
+        block's latents written to pool `cache_layer`."""
         if h_BTD.shape != emb_BTD.shape:
             raise ValueError(f"MTP: hidden {h_BTD.shape} and embedding {emb_BTD.shape} must have the same shape")
         x = jnp.concatenate([self.enorm(emb_BTD), self.hnorm(h_BTD).astype(emb_BTD.dtype)], axis=-1)
+        if cache is not None:
+            return self.block(self.eh_proj(x), positions_BT, cache=cache.at_layer(self.cache_layer))
         return self.block(self.eh_proj(x), positions_BT, absorbed=absorbed, return_router=return_router)
 
     def head_hidden(self, o_BTD: jax.Array) -> jax.Array:

@@ -102,8 +102,10 @@ def sequence_balance_loss(router: RouterOutput, mask_BT: jax.Array, num_experts:
 
 
 def moe_modules(model: DeepSeekModel) -> list:
-    """The MoE modules in the order of `ModelOutput.routers`: main MoE layers, then the MTP blocks'."""
-    mods = [layer.mlp for layer in model.layers if layer.is_moe]
+    """The MoE modules in the order of `ModelOutput.routers`: the stack of main MoE layers (one
+    module whose variables have a leading layer axis, `cfg.num_moe_layers` routers), then the MTP
+    blocks' (one router each)."""
+    mods = [] if model.moe_layers is None else [model.moe_layers.mlp]
     mods += [m.block.mlp for m in model.mtp if m.block.is_moe]
     return mods
 
@@ -111,15 +113,20 @@ def moe_modules(model: DeepSeekModel) -> list:
 def router_bias_update(model: DeepSeekModel, loads_NE: jax.Array, gamma: float) -> None:
     """In place: b += γ·sign(mean(load) − load) for each MoE layer with a correction bias (fp32).
 
-    `loads_NE` [N, E] in the order of `moe_modules(model)` (rows beyond the MoE layers the loss
-    saw are absent: those biases are left alone). Overloaded experts go down, underloaded up.
+    `loads_NE` [N, E] in the order of `ModelOutput.routers` (main MoE layers, then the MTP blocks';
+    rows beyond the MoE layers the loss saw are absent: those biases are left alone). Overloaded
+    experts go down, underloaded up.
     """
-    for mod, load in zip(moe_modules(model), loads_NE):
+    row = 0
+    for mod in moe_modules(model):
         bias = mod.gate.e_score_correction_bias
-        if bias is None:
+        n = bias.shape[0] if bias is not None and bias.ndim == 2 else 1  # a stack holds n routers
+        load = loads_NE[row:row + n].astype(_F32)
+        row += n
+        if bias is None or load.shape[0] < n:
             continue
-        load = load.astype(_F32)
-        bias[...] = bias[...] + jnp.float32(gamma) * jnp.sign(jnp.mean(load) - load)
+        step = jnp.float32(gamma) * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        bias[...] = bias[...] + (step if bias.ndim == 2 else step[0])
 
 
 def loss_fn(model: DeepSeekModel, batch: dict[str, jax.Array], tc: TrainConfig = TrainConfig()):
@@ -151,7 +158,7 @@ def loss_fn(model: DeepSeekModel, batch: dict[str, jax.Array], tc: TrainConfig =
         valid = mask[:, :n] * mask[:, 1 + k:T - 1] * target[:, 2 + k:]
         mtp = mtp + masked_cross_entropy(lg[:, :n], ids[:, 2 + k:], valid)
     mtp = tc.mtp_weight * mtp / max(len(model.mtp), 1)
-    n_main = sum(1 for layer in model.layers if layer.is_moe)
+    n_main = cfg.num_moe_layers
     masks = _router_masks(out, mask, n_main)
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     bal = jnp.zeros((), _F32)

@@ -10,3 +10,12 @@ MICRO_V3 = ModelConfig.from_hf_dict(dict(
     topk_group=1, first_k_dense_replace=1, num_nextn_predict_layers=1, routed_scaling_factor=2.5,
     rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
                       mscale_all_dim=1.0)))
+
+
+def narrow_v2_lite(layers: int) -> ModelConfig:
+    """DeepSeek-V2-Lite's structure (1 dense layer then MoE layers, 64 experts top-6, softmax greedy
+    routing, no q LoRA, YaRN) at `layers` layers with narrow widths: compile-time and HLO studies."""
+    return ModelConfig.deepseek_v2_lite().replace(
+        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=layers,
+        num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+        max_position_embeddings=4096)

@@ -58,7 +58,7 @@ def test_files_and_config(builtin):
                   "kv_lora_rank", "q_lora_rank", "num_mtp_layers", "topk_method", "bos_token_id", "eos_token_id"):
         assert getattr(model.cfg, field) == getattr(tiny, field), field
     # the router biases were trained by the aux-loss-free rule (they start at 0)
-    biases = [layer.mlp.gate.e_score_correction_bias[...] for layer in model.layers if layer.is_moe]
+    biases = list(model.moe_layers.mlp.gate.e_score_correction_bias[...])
     assert biases and all(float(jnp.abs(b).max()) > 0 for b in biases)
     recipe = json.load(open(os.path.join(BUILTIN_DIR, "training.json")))
     assert recipe["step"] == recipe["args"]["steps"]

@@ -59,7 +59,7 @@ def test_save_load_roundtrip_is_exact(tmp_path, cfg, dtype, shard):
     back = load_hf_checkpoint(tmp_path, dtype=dtype)
     assert_models_equal(model, back)
     # The router stays fp32 whatever the dtype; the bias is saved too (it is part of the routing).
-    assert back.layers[1].mlp.gate.kernel[...].dtype == jnp.float32
+    assert back.layer(1).mlp.gate.kernel[...].dtype == jnp.float32
 
 
 def test_saved_layout_is_the_hf_fixture_layout(tmp_path):
@@ -123,7 +123,7 @@ def test_fp8_checkpoint_is_dequantized_on_load(tmp_path):
     tensors = {k: np.array(v) for k, v in tensors.items()}
     write_safetensors(file, tensors)
     back = load_hf_checkpoint(tmp_path)
-    np.testing.assert_array_equal(np.asarray(back.layers[0].mlp.down_proj.kernel[...]), np_dequant_loop(q, s).T)
+    np.testing.assert_array_equal(np.asarray(back.layer(0).mlp.down_proj.kernel[...]), np_dequant_loop(q, s).T)
     # fp8 without its scales is an error naming the tensor
     del tensors[name + "_scale_inv"]
     write_safetensors(file, tensors)

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from mla_jax import ModelConfig
-from mla_jax.kv_cache import CacheFullError
+from mla_jax.kv_cache import CacheFullError, KVCache, write_latents
 from models import DeepSeekModel
 from models.engine import Engine, GenerationResult, trace_counts
 from models.sampling import SamplingParams
@@ -70,8 +70,8 @@ def spec_model():
     m.embed_tokens.embedding[...] = jnp.asarray(emb)
     m.lm_head.kernel[...] = jnp.asarray(emb[inv].T * 0.1)
     m.mtp[0].eh_proj.kernel[...] = jnp.asarray(np.concatenate([np.eye(D), np.zeros((D, D))]).astype(np.float32))
-    for layer in m.layers:
-        layer.self_attn.wo.kernel[...] = layer.self_attn.wo.kernel[...] * 110.0
+    for stack in (m.dense_layers, m.moe_layers):  # every main layer (the stacks' leading axis)
+        stack.self_attn.wo.kernel[...] = stack.self_attn.wo.kernel[...] * 110.0
     return m
 
 
@@ -202,14 +202,16 @@ def test_sampled_generation_reproduces_and_ignores_batching(spec_model):
     assert 0.0 <= a.stats["mtp_acceptance"] <= 1.0
 
 
+def _layer_cache(pool_NGC, table, lengths, absorbed: bool) -> KVCache:
+    """A one-layer cache over `pool` whose threshold makes T-token chunks take the asked-for path."""
+    return KVCache.create(pool_NGC[None], table, lengths, impl="reference", naive_threshold=1000 if absorbed else 1)
+
+
 @pytest.mark.parametrize("absorbed", [True, False])
 def test_bf16_cache_attention_within_design_tolerance(model, absorbed):
     """The default bf16 page format, one cached attention step against the fp32 forward of the
     layer: ||out - ref|| / ||ref|| < 1e-2 (DESIGN.md's bound for bf16 paths)."""
-    from mla_jax.kv_cache import write_latents
-    from models.engine import AttnMode, _cached_attention
-
-    mla = model.layers[1].self_attn
+    mla = model.layer(1).self_attn
     B, S, T, G, N = 2, 13, 3, 4, 16
     x = jax.random.normal(jax.random.PRNGKey(3), (B, S + T, CFG.hidden_size), jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(S + T, dtype=jnp.int32), (B, S + T))
@@ -217,8 +219,8 @@ def test_bf16_cache_attention_within_design_tolerance(model, absorbed):
     pool = jnp.full((N, G, CFG.latent_dim), jnp.nan, jnp.bfloat16)
     pool = write_latents(pool, mla.project_kv(x[:, :S], pos[:, :S]), pos[:, :S], table)
     assert pool.dtype == jnp.bfloat16
-    mode = AttnMode(absorbed=absorbed, kernel=None, gather="reference")
-    out, _ = _cached_attention(mla, pool, x[:, S:], pos[:, S:], table, jnp.full((B,), S + T, jnp.int32), mode)
+    out, cache = mla(x[:, S:], pos[:, S:], cache=_layer_cache(pool, table, jnp.full((B,), S + T, jnp.int32), absorbed))
+    assert cache.pages.dtype == jnp.bfloat16
     want = mla(x, pos)[:, S:]
     rel = float(jnp.linalg.norm(out - want) / jnp.linalg.norm(want))
     assert 0 < rel < 1e-2, rel
@@ -231,10 +233,7 @@ def test_cached_attention_equals_mla_forward(model, absorbed):
     attending over it gives MLA's full causal forward of prefix + chunk, for both paths."""
     import chex
 
-    from mla_jax.kv_cache import write_latents
-    from models.engine import AttnMode, _cached_attention
-
-    mla = model.layers[0].self_attn
+    mla = model.layer(0).self_attn
     B, S, T, G, N = 2, 11, 5, 4, 16
     x = jax.random.normal(jax.random.PRNGKey(0), (B, S + T, CFG.hidden_size), jnp.float32)
     lens = np.array([S + T, S + 2])  # row 1: a shorter sequence whose chunk ends in padding
@@ -243,13 +242,17 @@ def test_cached_attention_equals_mla_forward(model, absorbed):
     pool = jnp.full((N, G, CFG.latent_dim), jnp.nan, jnp.float32)
     pool = write_latents(pool, mla.project_kv(x[:, :S], jnp.maximum(pos[:, :S], 0)), jnp.asarray(pos[:, :S]),
                          jnp.asarray(table))
-    mode = AttnMode(absorbed=absorbed, kernel=None, gather="reference")
-    step = jax.jit(lambda pool, x, pos, lens: _cached_attention(mla, pool, x, pos, jnp.asarray(table), lens, mode))
-    out, pool = step(pool, x[:, S:], jnp.asarray(pos[:, S:]), jnp.asarray(lens, jnp.int32))
+    step = jax.jit(lambda cache, x, pos: mla(x, pos, cache=cache))
+    out, cache = step(_layer_cache(pool, table, jnp.asarray(lens, jnp.int32), absorbed), x[:, S:],
+                      jnp.asarray(pos[:, S:]))
     want = jax.jit(lambda x, pos: mla(x, pos))(x, jnp.asarray(pos))[:, S:]
     chex.assert_trees_all_close(out[0], want[0], rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(out[1, :2], want[1, :2], rtol=1e-5, atol=1e-5)  # its valid tokens
     assert not np.isnan(np.asarray(out)).any()
+    # The chunk's latents landed in the rows of its pages (padding wrote nothing).
+    rows = np.asarray(cache.pages[0])[table[0]].reshape(-1, CFG.latent_dim)[S:S + T]
+    np.testing.assert_allclose(rows, np.asarray(mla.project_kv(x[:1, S:], jnp.asarray(pos[:1, S:])))[0],
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_mtp_sampling_keeps_the_output_distribution(spec_model):

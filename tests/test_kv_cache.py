@@ -46,13 +46,13 @@ def test_cache_full_changes_nothing():
     c.reserve(0, 16)  # 4 pages
     c.reserve(1, 12)  # 3 pages -> 1 free
     before = (list(c._free), c.block_tables.copy(), c.lengths.copy(), [c.pages_of(s) for s in range(3)],
-              [id(p) for p in c.pages])
+              id(c.pages))
     with pytest.raises(CacheFullError, match=r"needs 2 more page\(s\).*only 1 of 8 are free") as e:
         c.reserve(2, 5)
     assert isinstance(e.value, RuntimeError)
     assert (e.value.pages_needed, e.value.pages_free, e.value.slot) == (2, 1, 2)
     after = (list(c._free), c.block_tables.copy(), c.lengths.copy(), [c.pages_of(s) for s in range(3)],
-             [id(p) for p in c.pages])
+             id(c.pages))
     assert before[0] == after[0] and before[3] == after[3] and before[4] == after[4]
     np.testing.assert_array_equal(before[1], after[1])
     np.testing.assert_array_equal(before[2], after[2])

@@ -218,9 +218,9 @@ def test_mgpu_kernel_interpret_mode_matches_reference():
 
 
 def _hopper() -> bool:
-    from models.moe import _on_hopper
+    from pallas_kernels._platform import default_backend_is_hopper
 
-    return _on_hopper()
+    return default_backend_is_hopper()
 
 
 @pytest.mark.gpu

@@ -47,7 +47,10 @@ def make_batch(seed=0):
 
 
 def biases(state):
-    return [np.asarray(v) for v in jax.tree.leaves(nnx.state(nnx.merge(*state), RouterBias))]
+    """Each MoE layer's router bias [E], in the order of the loss's routers (the stacked main MoE
+    layers' [n, E] row by row, then the MTP block's)."""
+    leaves = jax.tree.leaves(nnx.state(nnx.merge(*state), RouterBias))
+    return [row for v in leaves for row in np.asarray(v).reshape(-1, CFG.n_routed_experts)]
 
 
 @pytest.fixture(scope="module")

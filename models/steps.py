@@ -1,0 +1,224 @@
+"""The jitted generation steps: prefill (a prompt chunk), decode (one token), MTP verify.
+
+Dimension letters: B slots (max_batch), T tokens a step, P block-table width (pages), V vocab,
+k MTP drafts a step.
+
+Each step is a small pure function over explicit state, `(model state, KVCache, inputs) ->
+(KVCache, outputs)`; it calls only the model (`model(ids, positions, cache=...)`'s pieces:
+`hidden_states`, `norm`, `logits_from_hidden`, `mtp_source`, `mtp_block`, `mtp_head`): the
+forward pass, the cache writes and the choice of attention path live in the model and its MLA
+layers. `compiled_steps(graphdef)` jits them once per model structure with the graphdef closed
+over (hashed once, not at every call) and the cache donated, so XLA updates the pools in place.
+
+MTP speculative decoding (DEEPSEEK_SEMANTICS.md §3.3): after the main model samples t_{n+1} from
+h_n, the MTP module drafts t_{n+2} from (h_n, t_{n+1}); with k > 1 drafts a step it is chained
+on its own output (draft j+1 from (o_j, draft j)), one module reused. The next step runs the main
+model on [t_{n+1}, d_1 .. d_k] (s_q = k + 1 <= 4, causal) and accepts drafts in order by rejection
+sampling (`models.sampling.speculative_accept`: exact for greedy and for temperature > 0), then
+emits the replacement of the first rejected one or a bonus token. The MTP block keeps its own
+latent pool (after the main layers' pools, same page ids): its row i holds the pair (h_i, t_{i+1}),
+rewritten from the main model's hiddens for every kept position, so after every step the MTP cache
+and the main cache have the same length.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mla_jax.kv_cache import KVCache
+from models.sampling import SamplingArrays, filtered_probs, row_keys, sample_from_probs, speculative_accept
+
+MAX_DRAFT_TOKENS = 3  # a verify step has s_q = k + 1 <= 4 queries: what `mla_decode` takes
+
+# Draws of one position never share a key: the main model's token uses stream 0, the verify
+# step's bonus draw stream 2, the draft at chain index j stream 16 + j.
+_BONUS_STREAM = 2
+_DRAFT_STREAM = 16
+
+
+class StepInputs(NamedTuple):
+    """Arrays of one step (B = max_batch rows; idle rows are all padding).
+
+    ids         int32 [B,T]  token ids (0 for padding)
+    positions   int32 [B,T]  position of each token in its sequence; -1 = padding
+    block_table int32 [B,P]  page ids per row
+    lengths     int32 [B]    tokens in the row's cache after this step's writes
+    last_idx    int32 [B]    index along T of the token whose logits are sampled
+    base_keys   uint32 [B,2] the row's request key (sampling folds the position in)
+    sampling    SamplingArrays of the rows
+    """
+
+    ids: jax.Array
+    positions: jax.Array
+    block_table: jax.Array
+    lengths: jax.Array
+    last_idx: jax.Array
+    base_keys: jax.Array
+    sampling: SamplingArrays
+
+
+def _sample(logits_BV, inp: StepInputs, counter_B, sampler: str, stream: int = 0):
+    """Draw one token per row -> (int32 [B], the distribution f32 [B,V] or None when greedy)."""
+    if sampler == "greedy":
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+    probs = filtered_probs(logits_BV, inp.sampling, filtered=sampler == "filtered")
+    return sample_from_probs(row_keys(inp.base_keys, counter_B, stream), probs), probs
+
+
+def _draft_chain(model, cache: KVCache, o_BD, pos_B, active_B, inp: StepInputs, k: int, sampler: str):
+    """k drafts from the MTP block output o at position pos (the pair (h_pos, t_{pos+1})).
+
+    Draft 1 = head(o) predicts t_{pos+2}; draft j+1 reuses the module on (its own output, draft j)
+    at position pos + j (DeepSeek-V3 §2.2 depth chaining with one module), writing that chain row
+    into the MTP pool; the next verify step overwrites the rows it keeps with true pairs.
+    -> (drafts int32 [B,k], their distributions f32 [B,k,V] or None when greedy, cache).
+    """
+    ds, qs = [], []
+    for j in range(k):
+        d, q = _sample(model.mtp_head(o_BD), inp, pos_B + 2 + j, sampler, stream=_DRAFT_STREAM + j)
+        ds.append(d)
+        qs.append(q)
+        if j + 1 < k:
+            p = pos_B + 1 + j
+            o, cache = model.mtp_block(o_BD[:, None], d[:, None], jnp.where(active_B, p, -1)[:, None],
+                                       cache=cache.with_lengths(jnp.where(active_B, p + 1, 0)))
+            o_BD = o[:, 0]
+    return jnp.stack(ds, axis=1), (None if qs[0] is None else jnp.stack(qs, axis=1)), cache
+
+
+def prefill_step(model, cache: KVCache, inp: StepInputs, mtp_next_ids, prompt_ends, drafts, draft_probs, *,
+                 use_mtp: bool, sampler: str):
+    """One prefill chunk (or a plain decode step: T = 1) for every row; samples at `last_idx`.
+
+    mtp_next_ids int32 [B,T]: t_{i+1} for each token i (ignored unless `use_mtp`); prompt_ends
+    bool [B]: the chunk holds the row's last prompt token, whose MTP pair takes the token sampled
+    here; drafts int32 [B,k] / draft_probs f32 [B,k,V]: the MTP draft state, replaced in the rows
+    that end their prompt (draft_probs is passed through when `sampler` is "greedy", see
+    `models.sampling.sampler_kind`). Returns (cache, tokens int32 [B], drafts, draft_probs).
+    """
+    B, T = inp.ids.shape
+    rows = jnp.arange(B)
+    h_pre, cache = model.hidden_states(inp.ids, inp.positions, pre_norm=True, cache=cache)
+    h_post = model.norm(h_pre)
+    logits = model.logits_from_hidden(h_post[rows, inp.last_idx])
+    last_pos = inp.positions[rows, inp.last_idx]
+    tokens, _ = _sample(logits, inp, last_pos + 1, sampler)
+    if use_mtp:
+        at_end = prompt_ends[:, None] & (jnp.arange(T)[None, :] == inp.last_idx[:, None])
+        nxt = jnp.where(at_end, tokens[:, None], mtp_next_ids)
+        o, cache = model.mtp_block(model.mtp_source(h_pre, h_post), nxt, inp.positions, cache=cache)
+        d, q, cache = _draft_chain(model, cache, o[rows, inp.last_idx], last_pos, prompt_ends, inp,
+                                   drafts.shape[1], sampler)
+        drafts = jnp.where(prompt_ends[:, None], d, drafts)
+        if q is not None:
+            draft_probs = jnp.where(prompt_ends[:, None, None], q, draft_probs)
+    return cache, tokens, drafts, draft_probs
+
+
+def decode_step(model, cache: KVCache, inp: StepInputs, *, sampler: str):
+    """One plain decode step (T = 1): -> (cache, the next token int32 [B])."""
+    cache, tokens, _, _ = prefill_step(model, cache, inp, None, None, None, None, use_mtp=False, sampler=sampler)
+    return cache, tokens
+
+
+def verify_step(model, cache: KVCache, inp: StepInputs, drafts, draft_probs, n_spec, *, sampler: str):
+    """MTP decode step: verify [t_n, d_1 .. d_k] (T = k + 1, causal) and draft again.
+
+    inp.ids[:, 0] = t_n (the last sampled token, not yet cached) at inp.positions[:, 0] = n; drafts
+    int32 [B,k] sit at n+1 .. n+k, of which the first n_spec [B] are verified (the positions of the
+    others are padding, -1). Draft j is accepted by rejection sampling against the main model's
+    distribution, in order, until the first rejection, which emits a replacement from the residual;
+    when all n_spec are accepted a bonus token is drawn from the next distribution. Greedy: the
+    accepted drafts are those equal to the argmax. Returns (cache, tokens int32 [B,k+1] of which
+    the first accepted + 1 are new, accepted int32 [B], drafts [B,k], draft_probs).
+    """
+    B, k = drafts.shape
+    n = inp.positions[:, 0]
+    active = n >= 0
+    rows = jnp.arange(B)
+    ids = jnp.concatenate([inp.ids[:, :1], drafts], axis=1)
+    h_pre, cache = model.hidden_states(ids, inp.positions, pre_norm=True, cache=cache)
+    h_post = model.norm(h_pre)
+    logits = model.logits_from_hidden(h_post)  # [B,k+1,V]
+    V = logits.shape[-1]
+    j = jnp.arange(k + 1)[None, :]
+    verifiable = (j[:, :k] < n_spec[:, None]) & active[:, None]  # [B,k]
+    counters = (n[:, None] + 1 + j).reshape(-1)  # position of the token each logit row decides
+    if sampler == "greedy":  # one-hot p and q: a draft is accepted iff it is the argmax
+        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B,k+1]
+        ok = (best[:, :k] == drafts) & verifiable
+        accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+        tokens = best  # tokens before `accepted` equal the drafts; the one at `accepted` is the argmax
+    else:
+        keys = jnp.repeat(inp.base_keys, k + 1, axis=0)
+        flat = StepInputs(*inp[:5], base_keys=keys, sampling=SamplingArrays(*(jnp.repeat(a, k + 1) for a in
+                                                                              inp.sampling)))
+        bonus, p = _sample(logits.reshape(B * (k + 1), V), flat, counters, sampler, stream=_BONUS_STREAM)
+        p = p.reshape(B, k + 1, V)
+        acc, repl = speculative_accept(row_keys(keys, counters).reshape(B, k + 1, 2)[:, :k].reshape(B * k, 2),
+                                       p[:, :k].reshape(B * k, V), draft_probs.reshape(B * k, V),
+                                       drafts.reshape(B * k))
+        ok = acc.reshape(B, k) & verifiable
+        accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+        repl = jnp.concatenate([repl.reshape(B, k), jnp.zeros((B, 1), jnp.int32)], axis=1)
+        # At index `accepted`: the residual replacement after a rejection, else (all verified
+        # drafts accepted) the bonus token drawn from p.
+        last = jnp.where(accepted < n_spec, repl[rows, accepted], bonus.reshape(B, k + 1)[rows, accepted])
+        tokens = jnp.where(j < accepted[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1), last[:, None])
+    # MTP pairs (h_{n+i}, t_{n+i+1}) for the kept positions i = 0 .. accepted (rows of rejected drafts
+    # and chain rows of the last step are overwritten or left past the length).
+    kept = (j <= accepted[:, None]) & active[:, None]
+    mtp_pos = jnp.where(kept, n[:, None] + j, -1)
+    mtp_len = jnp.where(active, n + 1 + accepted, 0)
+    o, cache = model.mtp_block(model.mtp_source(h_pre, h_post), tokens, mtp_pos, cache=cache.with_lengths(mtp_len))
+    d, q, cache = _draft_chain(model, cache, o[rows, accepted], n + accepted, active, inp, k, sampler)
+    return cache, tokens, accepted, d, draft_probs if q is None else q
+
+
+# ------------------------------------------------------------------------------------------
+# Compilation: one set of jitted steps per model structure
+# ------------------------------------------------------------------------------------------
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+def trace_counts() -> dict[str, int]:
+    """How many times each step kind ("prefill", "decode", "verify") has been traced (= compiled)
+    in this process."""
+    return dict(TRACE_COUNTS)
+
+
+class Steps(NamedTuple):
+    """The jitted steps of one model structure: `prefill(state, cache, inp, mtp_next_ids, prompt_ends,
+    drafts, draft_probs, *, use_mtp, sampler)`, `decode(state, cache, inp, *, sampler)`,
+    `verify(state, cache, inp, drafts, draft_probs, n_spec, *, sampler)`; the cache (and the draft
+    state) donated."""
+
+    prefill: object
+    decode: object
+    verify: object
+
+
+def _bind(kind: str, step, graphdef):
+    def traced(state, *args, **kwargs):
+        TRACE_COUNTS[kind] += 1  # runs once per trace, i.e. once per compilation
+        return step(nnx.merge(graphdef, state), *args, **kwargs)
+    return traced
+
+
+@functools.lru_cache(maxsize=16)
+def compiled_steps(graphdef) -> Steps:
+    """The steps of models with this graphdef, jitted with the graphdef closed over: a step call
+    hashes only its small static choices, and engines over equal model structures share compilations."""
+    return Steps(
+        prefill=jax.jit(_bind("prefill", prefill_step, graphdef), static_argnames=("use_mtp", "sampler"),
+                        donate_argnums=(1, 5, 6)),
+        decode=jax.jit(_bind("decode", decode_step, graphdef), static_argnames=("sampler",), donate_argnums=(1,)),
+        verify=jax.jit(_bind("verify", verify_step, graphdef), static_argnames=("sampler",),
+                       donate_argnums=(1, 3, 4)),
+    )
