@@ -40,7 +40,7 @@ preallocation and torch never share the GPU. Every finished cell is appended to 
 killed run keeps its rows); a failing cell becomes a row with the error's first line. ``--time-budget``
 stops starting cells (ours stop ``--hf-reserve`` seconds early so the peer gets its turn).
 ``--ttft-subprocess`` instead runs the first cell twice in fresh processes with JAX's persistent compilation
-cache on (``--compile-cache DIR``, default a fresh folder under ``--out``) and reports, per process, the
+cache on (``--compile-cache DIR``, default a fresh temporary folder) and reports, per process, the
 time from generate to the first token, from process launch to the first token, and the process wall time.
 """
 
@@ -266,7 +266,8 @@ def kv_pages(cfg, batch: int, prompt: int, new_tokens: int) -> int:
   return batch * plan.pages_per_sequence
 
 
-def derive(row: dict, cfg, ceil: dict | None, *, kv_dtype: str = "bf16", mtp: bool = False) -> dict:
+def derive(row: dict, cfg, ceil: dict | None, *, dtype_bytes: int = 2, kv_dtype: str = "bf16",
+           mtp: bool = False) -> dict:
   """Adds the counted and the ratio columns (FLOPs, MFU, floor, x floor) from B, prompt, new_tokens and the
   measured prefill_s / decode_ms_step of a row; the same arithmetic for ours and the peer."""
   B, T, N = row["B"], row["prompt"], row["new_tokens"]
@@ -278,7 +279,8 @@ def derive(row: dict, cfg, ceil: dict | None, *, kv_dtype: str = "bf16", mtp: bo
     if ceil and ceil.get("matmul_tflops"):
       row["prefill_mfu"] = row["prefill_tflops"] / ceil["matmul_tflops"]
   queries = 2 if mtp else 1
-  floor = decode_floor_bytes(cfg, B, T + N / 2, kv_dtype=kv_dtype, queries=queries, mtp=mtp)
+  floor = decode_floor_bytes(cfg, B, T + N / 2, dtype_bytes=dtype_bytes, kv_dtype=kv_dtype, queries=queries,
+                             mtp=mtp)
   row["floor_gb"] = floor / 1e9
   row["experts_touched"] = expected_experts_touched(cfg, B * queries)
   if ceil and ceil.get("bandwidth_gbps"):
@@ -546,7 +548,7 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
   row["pages_used_peak"] = stat(st, "pages_used_peak")
   row["peak_mem_gb"] = _peak_mem_gb()
   del engine
-  return derive(row, cfg, ceil, kv_dtype=args.kv_dtype, mtp=mtp)
+  return derive(row, cfg, ceil, dtype_bytes=4 if args.dtype == "fp32" else 2, kv_dtype=args.kv_dtype, mtp=mtp)
 
 
 def run_ours_worker(args) -> None:
@@ -699,7 +701,7 @@ def run_hf_worker(args) -> None:
     import torch
     import transformers
   except ImportError as e:
-    return skip_all(f"torch/transformers not importable: {one_line(e)}")
+    return skip_all(f"not importable: {e}")
   if not torch.cuda.is_available():
     return skip_all("no CUDA device for torch")
   config_cls, model_cls, kind = _hf_classes(cfg)
@@ -800,7 +802,8 @@ def _cache_files(path: str) -> int:
 def run_ttft(args, argv) -> list[dict]:
   """--ttft-subprocess: the first cell twice, each in a fresh process with the persistent cache on."""
   os.makedirs(args.out, exist_ok=True)
-  cache = args.compile_cache or tempfile.mkdtemp(prefix="jax_cache_", dir=os.path.abspath(args.out))
+  # Not under --out by default: a GPU run's $OUT comes back to the caller, and the cache can be large.
+  cache = args.compile_cache or tempfile.mkdtemp(prefix="mla_e2e_jax_cache_")
   name, b, t = grid(args)[0]
   rows = []
   for run in (1, 2):
@@ -819,7 +822,7 @@ def run_ttft(args, argv) -> list[dict]:
       with open(result) as f:
         r = json.load(f)
       row.update(ttft_s=r["t_first_token"] - r["t_generate"], launch_to_first_token_s=r["t_first_token"] - t_launch,
-                 import_s=r["t_start"] - t_launch, build_s=r["build_s"], compile_s=r["compile_s"])
+                 startup_s=r["t_start"] - t_launch, build_s=r["build_s"], compile_s=r["compile_s"])
     except (OSError, ValueError, KeyError) as e:
       row["error"] = f"worker exited with code {rc}: {one_line(e)}"
     finally:
@@ -939,7 +942,8 @@ def report(csv_path: str, out_dir: str) -> list[dict]:
   if ceil:
     print(f"# ceilings: copy {ceil.get('bandwidth_gbps', float('nan')):.0f} GB/s, bf16 matmul "
           f"{ceil.get('matmul_tflops', float('nan')):.0f} TFLOP/s" + (f" ({ceil['method']})" if "method" in ceil else ""))
-  bm.print_table(rows, TABLE)
+  clip = lambda v: v if not isinstance(v, str) or len(v) <= 70 else v[:67] + "..."  # noqa: E731
+  bm.print_table([{k: clip(v) for k, v in r.items()} for r in rows], TABLE)
   if rows:
     os.makedirs(out_dir, exist_ok=True)
     plot(rows, os.path.join(out_dir, "e2e.png"), meta)
@@ -956,23 +960,25 @@ def plot(rows, path, meta):
     return
   fig, (ax_d, ax_p) = plt.subplots(1, 2, figsize=(13, 5))
   num = lambda r, k: isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)  # noqa: E731
-  keys = sorted({(r["model"], r["prompt"]) for r in rows})
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-  for i, (model, prompt) in enumerate(keys):
+  styles = {"ours": ("-", "o"), "hf": ("--", "s")}
+  for i, (model, prompt) in enumerate(sorted({(r["model"], r["prompt"]) for r in rows})):
     c = colors[i % len(colors)]
-    for impl, style, marker in (("ours", "-", "o"), ("hf", "--", "s")):
-      pts = sorted(((r["B"], r) for r in rows if (r["model"], r["prompt"], r["impl"]) == (model, prompt, impl)
-                    and r.get("mtp", "off") == "off"), key=lambda br: br[0])
-      d = [(b, r["decode_ms_step"]) for b, r in pts if num(r, "decode_ms_step")]
-      if d:
-        ax_d.plot(*zip(*d), style, marker=marker, color=c, label=f"{model} T={prompt} {impl}")
-      p = [(b, r["prefill_tok_s"]) for b, r in pts if num(r, "prefill_tok_s")]
-      if p:
-        ax_p.plot(*zip(*p), style, marker=marker, color=c, label=f"{model} T={prompt} {impl}")
-      if impl == "ours":
-        f = [(b, r["floor_ms"]) for b, r in pts if num(r, "floor_ms")]
-        if f:
-          ax_d.plot(*zip(*f), ":", color=c, label=f"{model} T={prompt} floor")
+    for impl, mtp in sorted({(r["impl"], r.get("mtp") or "off") for r in rows if (r["model"], r["prompt"]) == (model, prompt)}):
+      pts = sorted((r for r in rows if (r["model"], r["prompt"], r["impl"], r.get("mtp") or "off")
+                    == (model, prompt, impl, mtp)), key=lambda r: r["B"])
+      style, marker = styles.get(impl, ("-.", "^"))
+      label = f"{model} T={prompt} {impl}" + (" MTP" if mtp == "on" else "")
+      if mtp == "on":
+        style, marker = "-.", "^"
+      for ax, key in ((ax_d, "decode_ms_step"), (ax_p, "prefill_tok_s")):
+        xy = [(r["B"], r[key]) for r in pts if num(r, key)]
+        if xy:
+          ax.plot(*zip(*xy), style, marker=marker, color=c, label=label)
+      if impl == "ours" and mtp == "off":
+        xy = [(r["B"], r["floor_ms"]) for r in pts if num(r, "floor_ms")]
+        if xy:
+          ax_d.plot(*zip(*xy), ":", color=c, label=f"{model} T={prompt} floor")
   for ax, ylabel, title in ((ax_d, "decode ms / step", "Decode step vs its weight+KV read floor"),
                             (ax_p, "prefill tokens / s", "Prefill throughput")):
     ax.set_xscale("log", base=2)
@@ -983,7 +989,7 @@ def plot(rows, path, meta):
     ax.grid(True, which="both", alpha=0.3)
     if ax.lines:
       ax.legend(fontsize=7)
-  fig.suptitle(f"End to end, random bf16 weights, {meta.get('device', '?')}, jax {meta.get('jax', '?')}")
+  fig.suptitle(f"End to end, random weights, greedy, {meta.get('device', '?')}, jax {meta.get('jax', '?')}")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
