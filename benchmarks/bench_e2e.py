@@ -370,7 +370,7 @@ def stat(stats, key):
   """stats["key"] of a dict or of a dataclass that supports [] (or has the attribute); None when absent."""
   try:
     return stats[key]
-  except (KeyError, TypeError, IndexError):
+  except (KeyError, TypeError, IndexError, AttributeError):
     return getattr(stats, key, None)
 
 
@@ -630,25 +630,30 @@ def hf_memory_bytes(cfg, batch: int, prompt: int, new_tokens: int, attn: str) ->
   return weights + kv + act + batch * cfg.vocab_size * 4
 
 
-def _hf_classes(cfg):
-  import transformers
-  kind = "DeepseekV2" if cfg.model_type == "deepseek_v2" else "DeepseekV3"
-  return getattr(transformers, f"{kind}Config", None), getattr(transformers, f"{kind}ForCausalLM", None), kind
+def _hf_class_name(cfg) -> str:
+  return "DeepseekV2ForCausalLM" if cfg.model_type == "deepseek_v2" else "DeepseekV3ForCausalLM"
 
 
 def build_hf_model(cfg, attn: str):
-  """transformers' DeepSeek model for `cfg` (same sizes, via `cfg.to_hf_dict()`), bf16, random init, on the GPU."""
+  """transformers' DeepSeek model for `cfg` (same sizes), bf16, random init, on the GPU.
+
+  The config goes the way of a real checkpoint: `cfg.to_hf_dict()` written as config.json and read by
+  `AutoConfig.from_pretrained` (what the project's HF fixtures are loaded through, legacy rope keys included).
+  """
   import torch
-  config_cls, model_cls, kind = _hf_classes(cfg)
+  import transformers
   d = cfg.to_hf_dict()
-  for k in ("architectures", "model_type", "torch_dtype"):
-    d.pop(k, None)
-  config = config_cls(**d)
+  d.pop("torch_dtype", None)
+  with tempfile.TemporaryDirectory() as tmp:
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(d, f)
+    config = transformers.AutoConfig.from_pretrained(tmp)
   err = None
   for dtype_kw in ("dtype", "torch_dtype"):     # transformers 5 / 4 spelling
     try:
       with torch.device("cuda"):
-        model = model_cls._from_config(config, attn_implementation=attn, **{dtype_kw: torch.bfloat16})
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn,
+                                                              **{dtype_kw: torch.bfloat16})
       return model.to(device="cuda", dtype=torch.bfloat16).eval()
     except TypeError as e:
       err = e
@@ -704,10 +709,10 @@ def run_hf_worker(args) -> None:
     return skip_all(f"not importable: {e}")
   if not torch.cuda.is_available():
     return skip_all("no CUDA device for torch")
-  config_cls, model_cls, kind = _hf_classes(cfg)
-  if model_cls is None:
-    return skip_all(f"transformers {transformers.__version__} has no {kind}ForCausalLM")
-  bm.log(f"# HF peer {name}: building {kind}ForCausalLM (transformers {transformers.__version__}, "
+  kind = _hf_class_name(cfg)
+  if not hasattr(transformers, kind):
+    return skip_all(f"transformers {transformers.__version__} has no {kind}")
+  bm.log(f"# HF peer {name}: building {kind} (transformers {transformers.__version__}, "
          f"attention {args.hf_attn}) ...")
   t0 = time.perf_counter()
   try:
