@@ -50,7 +50,6 @@ import argparse
 import gc
 import itertools
 import json
-import math
 import os
 import shlex
 import subprocess
@@ -424,6 +423,9 @@ def worker_ceilings(args, tiny: bool) -> tuple[dict, dict]:
   else:
     header, ceil = bm.begin_run("e2e", args.out, args.ceiling_iters)
   header["command"] = args.header_command or header["command"]
+  # With the persistent cache on, a "cold" generate may load its executables from disk instead of compiling.
+  import jax
+  header["compile_cache"] = jax.config.jax_compilation_cache_dir or ""
   meta.update(header, ceilings=ceil)
   write_meta(args.out, meta)
   return meta, ceil
@@ -944,9 +946,12 @@ def report(csv_path: str, out_dir: str) -> list[dict]:
   print()
   print(f"# e2e on {meta.get('device', '?')}, jax {meta.get('jax', '?')}, {meta.get('date', '?')}")
   print(f"# command: {meta.get('command', '?')}")
+  if meta.get("compile_cache"):
+    print(f"# persistent compilation cache on ({meta['compile_cache']}): cold compiles may be cache loads")
   if ceil:
     print(f"# ceilings: copy {ceil.get('bandwidth_gbps', float('nan')):.0f} GB/s, bf16 matmul "
-          f"{ceil.get('matmul_tflops', float('nan')):.0f} TFLOP/s" + (f" ({ceil['method']})" if "method" in ceil else ""))
+          f"{ceil.get('matmul_tflops', float('nan')):.0f} TFLOP/s"
+          + (f" ({ceil['method']})" if "method" in ceil else ""))
   clip = lambda v: v if not isinstance(v, str) or len(v) <= 70 else v[:67] + "..."  # noqa: E731
   bm.print_table([{k: clip(v) for k, v in r.items()} for r in rows], TABLE)
   if rows:
@@ -969,7 +974,8 @@ def plot(rows, path, meta):
   styles = {"ours": ("-", "o"), "hf": ("--", "s")}
   for i, (model, prompt) in enumerate(sorted({(r["model"], r["prompt"]) for r in rows})):
     c = colors[i % len(colors)]
-    for impl, mtp in sorted({(r["impl"], r.get("mtp") or "off") for r in rows if (r["model"], r["prompt"]) == (model, prompt)}):
+    series = {(r["impl"], r.get("mtp") or "off") for r in rows if (r["model"], r["prompt"]) == (model, prompt)}
+    for impl, mtp in sorted(series):
       pts = sorted((r for r in rows if (r["model"], r["prompt"], r["impl"], r.get("mtp") or "off")
                     == (model, prompt, impl, mtp)), key=lambda r: r["B"])
       style, marker = styles.get(impl, ("-.", "^"))
