@@ -28,6 +28,12 @@ Per cell (model, batch B, prompt T; random prompt ids, ``--new-tokens`` N = 128 
   LM head, the B embedding rows) plus the routed experts the batch is expected to touch,
   E * (1 - (1 - K/E)^B) per MoE layer, plus the latent cache read, sum(seq_lens) * 576 * 2 B * layers.
   The context is the mean over the decode steps, T + N/2.
+Other columns: ``compiles`` (step compilations of the cold generate), ``ttft_stats_s`` (the engine's own
+TTFT when its stats carry one), ``same_tokens`` (the warm generate reproduced the cold one's tokens),
+``experts_touched`` (the expected distinct experts per MoE layer of a decode step), ``peak_mem_gb`` (the
+process's peak device memory so far: JAX never resets it, so it is the cell's own only in a run of growing
+cells), ``build_s`` / ``weights_gb`` (the model's construction). ``e2e.jsonl`` holds every row with the
+engine's full compile log.
 HF peer (``--no-hf`` to skip): `transformers`' DeepseekV2ForCausalLM (V3: DeepseekV3ForCausalLM, with
 ``--hf-models``) from `cfg.to_hf_dict()`, bf16 random weights on the GPU, same prompts: one forward over the
 prompt (logits of the last position only, as ours) timed as prefill, then N-1 cached greedy steps timed as
