@@ -1,0 +1,107 @@
+"""`mla-bench e2e` on a CPU: the counting functions against hand arithmetic, and one tiny cell end to end."""
+
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import bench_e2e as e2e
+from mla_jax import ModelConfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY = ModelConfig.tiny()  # V=264 D=128 F=320 I=64, 4 layers (1 dense), H=4 Q=64 L=64 N=32 R=16 Vd=32, E=8 K=2
+
+
+def test_param_counts_of_tiny_by_hand():
+    c = e2e.param_counts(TINY)
+    # wq_a 128*64 + wq_b 64*4*48 + wkv_a 128*80 + wkv_b 64*4*64 + wo 4*32*128
+    assert c["attention"] == 8192 + 12288 + 10240 + 16384 + 16384 == 63488
+    assert c["layer_norms"] == 2 * 128 + 64 + 64
+    assert c["dense_mlp"] == 3 * 128 * 320
+    assert c["shared"] == c["expert"] == 3 * 128 * 64
+    assert c["router"] == 128 * 8 and c["lm_head"] == c["embedding"] == 264 * 128
+
+
+def test_decode_floor_of_tiny_by_hand():
+    # B=1: one token picks K=2 of the 8 experts, so 8 * (1 - 6/8) = 2 are read.
+    assert e2e.expected_experts_touched(TINY, 1) == 2.0
+    dense_layer = (63488 + 384) * 2 + 122880 * 2                          # attention + norms, dense MLP
+    moe_layer = (63488 + 384) * 2 + 24576 * 2 + 1024 * 4 + 2 * 24576 * 2  # + shared, fp32 router, 2 experts
+    head = 33792 * 2 + 128 * 2 + 1 * 128 * 2                              # LM head, final norm, 1 embedding row
+    kv = 1 * 20 * 80 * 2 * 4                                              # 20 cached tokens, 80 values, 4 layers
+    assert dense_layer + 3 * moe_layer + head + kv == 1292288
+    assert e2e.decode_floor_bytes(TINY, 1, 20) == 1292288
+    # B=4: 8 * (1 - 0.75^4) = 5.46875 experts; the KV grows with B * context.
+    assert e2e.expected_experts_touched(TINY, 4) == 5.46875
+    moe4 = (63488 + 384) * 2 + 24576 * 2 + 1024 * 4 + 5.46875 * 24576 * 2
+    head4 = 33792 * 2 + 128 * 2 + 4 * 128 * 2
+    assert e2e.decode_floor_bytes(TINY, 4, 30.5) == dense_layer + 3 * moe4 + head4 + 4 * 30.5 * 160 * 4
+
+
+def test_decode_floor_of_v2_lite_matches_the_issue():
+    cfg = ModelConfig.deepseek_v2_lite()
+    # ~4.9 GB a step at batch 1 (1K context), and about 61 of the 64 experts touched at batch 32.
+    assert 4.85e9 < e2e.decode_floor_bytes(cfg, 1, 1088) < 5.0e9
+    assert 61.0 < e2e.expected_experts_touched(cfg, 32) < 61.5
+    # the KV part: 27 layers * 576 * 2 B a token
+    assert e2e.decode_floor_bytes(cfg, 8, 2000) - e2e.decode_floor_bytes(cfg, 8, 1000) == 8 * 1000 * 27 * 1152
+    assert abs(e2e.total_params(cfg) / 1e9 - 15.706) < 1e-3
+
+
+def test_prefill_flops_of_tiny_by_hand():
+    # attention x4 layers, one dense MLP, 3 MoE layers x (shared + router + 2 routed experts)
+    per_token = 4 * 63488 + 122880 + 3 * (24576 + 1024 + 2 * 24576)
+    attn = 2 * 4 * 4 * (48 + 32) * (16 * 17 / 2)                       # layers * H * (qk + v) * causal pairs
+    expected = 2 * per_token * 16 + 2 * 33792 + attn
+    assert expected == 19650560
+    assert e2e.prefill_flops(TINY, 1, 16) == expected
+    assert e2e.prefill_flops(TINY, 3, 16) == 2 * per_token * 48 + 3 * 2 * 33792 + 3 * attn
+
+
+def test_derive_fills_the_ratio_columns():
+    row = dict(B=1, prompt=16, new_tokens=4, prefill_s=0.5, decode_ms_step=2.0)
+    e2e.derive(row, TINY, dict(matmul_tflops=1.0, bandwidth_gbps=100.0))
+    assert row["prefill_tok_s"] == 32 and row["prefill_mfu"] == pytest.approx(19650560 / 0.5 / 1e12)
+    assert row["floor_ms"] == pytest.approx(e2e.decode_floor_bytes(TINY, 1, 18) / 1e11 * 1e3)
+    assert row["x_floor"] == pytest.approx(2.0 / row["floor_ms"])
+
+
+def test_cells_parse_and_group_into_worker_segments():
+    cells = e2e.parse_cells("v2-lite:1x1024,8x1024;v3-cut:1x1024;v2-lite:1x8192")
+    assert cells == [("v2-lite", 1, 1024), ("v2-lite", 8, 1024), ("v3-cut", 1, 1024), ("v2-lite", 1, 8192)]
+    assert [len(s) for s in e2e.segments(cells)] == [2, 1, 1]
+    assert e2e.parse_cells(e2e.format_cells(cells)) == cells
+    assert e2e.kv_pages(ModelConfig.deepseek_v2_lite(), 8, 1024, 128) == 8 * 18     # ceil(1152 / 64)
+    assert e2e.kv_pages(e2e.model_config("v3-cut"), 1, 1024, 128) == 19            # + 3 draft rows
+
+
+def test_a_tiny_cell_end_to_end_on_cpu(tmp_path, monkeypatch):
+    # In this process (the worker's subprocess plumbing is covered by the test below), one MoE layer.
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    out = tmp_path / "e2e"
+    e2e.main(["--config", "tiny", "--layers", "1", "--model", "v2-lite", "--batch", "1", "--prompt", "16",
+              "--new-tokens", "4", "--no-hf", "--in-process", "--out", str(out)])
+    rows = e2e.bm.read_csv(out / "e2e.csv")
+    assert len(rows) == 1, rows
+    r = rows[0]
+    assert (r["model"], r["impl"], r["B"], r["prompt"], r["new_tokens"]) == ("v2-lite", "ours", 1, 16, 4)
+    assert r["error"] == "", r["error"]
+    for k in ("cold_wall_s", "warm_wall_s", "compile_s", "ttft_s", "prefill_s", "prefill_tok_s", "prefill_mfu",
+              "decode_ms_step", "decode_tok_s", "floor_gb", "floor_ms", "x_floor", "build_s", "weights_gb"):
+        assert isinstance(r[k], float) and math.isfinite(r[k]) and r[k] > 0, (k, r[k])
+    assert r["decode_steps"] == 3 and r["same_tokens"] is True and r["compiles"] >= 2
+    assert r["prefill_tok_s"] == pytest.approx(16 / r["prefill_s"])
+    assert (out / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    meta = e2e.read_meta(str(out))
+    assert meta["ceilings"]["bandwidth_gbps"] > 0 and "--config tiny" in meta["command"]
+
+
+def test_full_models_on_a_cpu_are_a_one_line_error(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "e2e", "--quick", "--no-hf", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == e2e.EXIT_NO_GPU
+    assert "timing needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr
