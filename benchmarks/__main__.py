@@ -1,10 +1,11 @@
-"""``python -m benchmarks {mla_decode,paged_gather,e2e} [options]`` (``--help`` after the name)."""
+"""``python -m benchmarks {mla_decode,paged_gather,moe,e2e} [options]`` (``--help`` after the name)."""
 
 import sys
 
 BENCHMARKS = {
     "mla_decode": "benchmarks.bench_mla_decode",
     "paged_gather": "benchmarks.bench_paged_gather",
+    "moe": "benchmarks.bench_moe",
     "e2e": "benchmarks.bench_e2e",
 }
 

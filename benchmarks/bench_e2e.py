@@ -447,11 +447,9 @@ def kv_dtype_arg(name: str):
 
 
 def enable_compile_cache(path: str) -> None:
-  """JAX's persistent compilation cache in `path`, for every compilation (as the project's CLIs will)."""
-  import jax
-  os.makedirs(path, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  """JAX's persistent compilation cache in `path`, for every compilation, as the CLIs turn it on."""
+  from models import compile_cache
+  compile_cache.enable(path)
 
 
 def _trace_total():

@@ -16,9 +16,12 @@ Routing (DEEPSEEK_SEMANTICS.md §2), always in fp32:
 Routed experts are stored stacked (`gate_proj`/`up_proj` [E, D, I], `down_proj` [E, I, D]) and run
 over the assignments sorted by expert with no token dropping. `impl` picks the grouped GEMM:
 "ragged_dot" (`jax.lax.ragged_dot`, portable, differentiable), "mgpu" (the Pallas Mosaic GPU
-kernel `ragged_dot_mgpu`; forward only, so its gradient is taken through `lax.ragged_dot`),
-"dense" (`moe_dense_reference`: every expert on every token, the oracle), or "auto" (mgpu on a
-Hopper GPU with bf16 compute, else ragged_dot).
+kernel `ragged_dot_mgpu`, tiled for prefill; forward only, so its gradient is taken through
+`lax.ragged_dot`), "decode" (`pallas_kernels.moe_decode`: few rows per expert, each chosen
+expert's weights read once; forward only likewise), "dense" (`moe_dense_reference`: every expert
+on every token, the oracle), or "auto": on a Hopper GPU with bf16 compute, "decode" when a call
+has at most `DECODE_ROWS_PER_EXPERT` assignment rows per expert on average (decode steps) and
+"mgpu" otherwise; elsewhere "ragged_dot".
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from mla_jax.config import ModelConfig
 from models.mlp import MLP
 
 _F32 = jnp.float32
-MOE_IMPLS = ("auto", "ragged_dot", "mgpu", "dense")
+MOE_IMPLS = ("auto", "ragged_dot", "mgpu", "decode", "dense")
+DECODE_ROWS_PER_EXPERT = 16  # `pallas_kernels.moe_decode` reads each expert once up to 16 rows
 
 
 class RouterBias(nnx.Variable):
@@ -208,14 +212,47 @@ def _mgpu_bwd(tuning, res, g):
 ragged_dot_mgpu.defvjp(_mgpu_fwd, _mgpu_bwd)
 
 
-def resolve_moe_impl(impl: str, dtype) -> str:
-    """Map `impl` ("auto" included) to "ragged_dot" | "mgpu" | "dense"; ValueError on an unknown name."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, kernel_impl):
+    """silu(x W_g) * (x W_u) W_d per row's expert through `pallas_kernels.moe_decode` -> f32 [M, D]; the
+    gradient is `lax.ragged_dot`'s (the kernel is forward only)."""
+    from pallas_kernels.moe_decode import moe_decode
+
+    return moe_decode(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, impl=kernel_impl)
+
+
+def _experts_decode_fwd(x, g, u, d, gs, kernel_impl):
+    return _experts_decode(x, g, u, d, gs, kernel_impl), (x, g, u, d, gs)
+
+
+def _experts_decode_bwd(kernel_impl, res, ct):
+    from pallas_kernels.moe_decode import moe_decode_reference
+
+    x, g, u, d, gs = res
+    _, vjp = jax.vjp(lambda *w: moe_decode_reference(w[0], gs, *w[1:]), x, g, u, d)
+    return (*vjp(ct.astype(jnp.float32)), None)
+
+
+_experts_decode.defvjp(_experts_decode_fwd, _experts_decode_bwd)
+
+
+def resolve_moe_impl(impl: str, dtype, rows: int | None = None, num_experts: int | None = None,
+                     widths: tuple[int, int] | None = None) -> str:
+    """Map `impl` ("auto" included) to "ragged_dot" | "mgpu" | "decode" | "dense"; ValueError on an unknown
+    name. `rows` (assignments, T·K), `num_experts` and `widths` (D, I) let "auto" pick the decode kernel."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {impl!r}")
     if impl == "auto":
         from pallas_kernels._platform import default_backend_is_hopper  # the one Hopper check
 
-        return "mgpu" if (jnp.dtype(dtype) == jnp.bfloat16 and default_backend_is_hopper()) else "ragged_dot"
+        if not (jnp.dtype(dtype) == jnp.bfloat16 and default_backend_is_hopper()):
+            return "ragged_dot"
+        if rows is not None and num_experts and rows <= DECODE_ROWS_PER_EXPERT * num_experts:
+            from pallas_kernels.moe_decode import moe_decode_problems
+
+            if widths is None or not moe_decode_problems(*widths):
+                return "decode"
+        return "mgpu"
     return impl
 
 
@@ -224,8 +261,9 @@ def moe_grouped(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, g
                 tuning: MgpuTuning = MgpuTuning()) -> jax.Array:
     """Σ_k w_k · expert_{idx_k}(x) as a grouped GEMM over the T·K assignments sorted by expert. -> [T, D].
 
-    No token dropping: every assignment is computed. `impl` is "ragged_dot" or "mgpu"; the
-    result equals `moe_dense_reference` up to rounding.
+    No token dropping: every assignment is computed. `impl` is "ragged_dot", "mgpu", "decode" or
+    "decode_interpret" (the decode kernel in the Pallas interpreter); the result equals
+    `moe_dense_reference` up to rounding.
     """
     T, D = x_TD.shape
     K = indices_TK.shape[1]
@@ -236,18 +274,22 @@ def moe_grouped(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, g
     token_M = order_M // K
     group_sizes_E = jnp.bincount(flat_M, length=E).astype(jnp.int32)
     x_MD = x_TD[token_M]
+    w_M = weights_TK.reshape(-1)[order_M].astype(_F32)
+    inv_M = jnp.argsort(order_M)
+    if impl in ("decode", "decode_interpret"):
+        y_MD = _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E,
+                               "kernel" if impl == "decode" else "interpret")
+        return (y_MD * w_M[:, None])[inv_M].reshape(T, K, D).sum(axis=1).astype(dt)
     if impl == "mgpu":
         gdot = functools.partial(ragged_dot_mgpu, group_sizes_G=group_sizes_E, tuning=tuning)
     elif impl == "ragged_dot":
         gdot = lambda a, b: jax.lax.ragged_dot(a, b.astype(a.dtype), group_sizes_E)  # noqa: E731
     else:
-        raise ValueError(f"moe_grouped impl must be 'ragged_dot' or 'mgpu', got {impl!r}")
+        raise ValueError(f"moe_grouped impl must be 'ragged_dot', 'mgpu' or 'decode', got {impl!r}")
     h_MI = jax.nn.silu(gdot(x_MD, gate_EDI)) * gdot(x_MD, up_EDI)
     y_MD = gdot(h_MI, down_EID)
-    w_M = weights_TK.reshape(-1)[order_M].astype(_F32)
     y_MD = y_MD.astype(_F32) * w_M[:, None]
     # Un-sort (a gather, deterministic, unlike a scatter-add) and sum each token's K rows.
-    inv_M = jnp.argsort(order_M)
     return y_MD[inv_M].reshape(T, K, D).sum(axis=1).astype(dt)
 
 
@@ -294,7 +336,9 @@ class MoE(nnx.Module):
         x_TD = x.reshape(-1, D).astype(self.dtype)
         r = self.gate(x_TD)
         ex = self.experts
-        impl = resolve_moe_impl(self.impl, self.dtype)
+        impl = resolve_moe_impl(self.impl, self.dtype, rows=x_TD.shape[0] * self.cfg.num_experts_per_tok,
+                                num_experts=self.cfg.n_routed_experts,
+                                widths=(self.cfg.hidden_size, self.cfg.moe_intermediate_size))
         if impl == "dense":
             y_TD = moe_dense_reference(x_TD, r.weights, r.indices, ex.gate_proj[...], ex.up_proj[...],
                                        ex.down_proj[...])

@@ -1,0 +1,109 @@
+"""The decode-shaped MoE kernel (`pallas_kernels.moe_decode`, Pallas Triton backend) against its
+`lax.ragged_dot` reference: interpret mode on CPU, cross-lowered for sm_90, and on a Hopper GPU.
+
+Guards against: a row tile that skips or double-counts rows when an expert has more than 16 rows
+(or 0); rows past the groups written with garbage; the contraction loop missing a chunk (block
+sizes not dividing D / I are refused instead); the custom gradient drifting from ragged_dot's;
+"auto" choosing the decode kernel for prefill-sized calls (its weights would be re-read per tile).
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import moe as moe_mod
+from models.moe import moe_dense_reference, moe_grouped, resolve_moe_impl
+from pallas_kernels.moe_decode import MoeDecodeConfig, moe_decode, moe_decode_problems, moe_decode_reference
+
+SMALL = MoeDecodeConfig(block_i=32, block_d=32, block_o=32, block_k=32)
+
+
+def _problem(sizes, D=64, I=64, pad=3, seed=0, dtype=jnp.bfloat16):
+    rng = np.random.default_rng(seed)
+    E = len(sizes)
+    M = int(sum(sizes)) + pad
+    x = jnp.asarray(rng.standard_normal((M, D)), dtype)
+    w = [jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), dtype) for s in ((E, D, I), (E, D, I), (E, I, D))]
+    return x, jnp.asarray(sizes, jnp.int32), *w
+
+
+@pytest.mark.parametrize("sizes", [[1, 0, 0, 2], [0, 17, 3, 0], [33, 1, 0, 16]], ids=["few", "17-rows", "3-tiles"])
+def test_interpret_matches_reference(sizes):
+    args = _problem(sizes)
+    ref = moe_decode_reference(*args)
+    got = moe_decode(*args, config=SMALL, impl="interpret")
+    assert got.dtype == jnp.float32 and got.shape == ref.shape
+    chex.assert_trees_all_close(got, ref, rtol=1e-2, atol=1e-2)  # bf16 h rounded alike; sums in fp32
+    assert not np.asarray(got[int(sum(sizes)):]).any()  # rows past the groups are 0
+
+
+def test_cross_lowers_for_sm90():
+    from jax._src import mesh as mesh_lib
+
+    args = _problem([2, 0, 5, 1])
+    h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    # Triton's lowering asks the device for its compute capability: name an abstract H200 (the
+    # arguments are made before, outside the abstract mesh, where no eager op can run).
+    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        traced = jax.jit(lambda *a: moe_decode(*a, config=SMALL, impl="kernel")).trace(*args)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 2, "gate/up and down kernels"
+
+
+def test_moe_grouped_decode_equals_the_dense_oracle_and_ragged_dot_gradients():
+    rng = np.random.default_rng(1)
+    T, K, E, D, I = 5, 2, 4, 128, 64  # multiples of the default blocks
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
+    w = jnp.asarray(rng.random((T, K)), jnp.float32)
+    gate, up, down = (jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
+                      for s in ((E, D, I), (E, D, I), (E, I, D)))
+    got = moe_grouped(x, w, idx, gate, up, down, impl="decode_interpret")
+    chex.assert_trees_all_close(got, moe_dense_reference(x, w, idx, gate, up, down), rtol=1e-4, atol=1e-4)
+
+    def loss(impl, x, gate):
+        return jnp.sum(moe_grouped(x, w, idx, gate, up, down, impl=impl) ** 2)
+
+    g_dec = jax.grad(lambda *a: loss("decode_interpret", *a), argnums=(0, 1))(x, gate)
+    g_ref = jax.grad(lambda *a: loss("ragged_dot", *a), argnums=(0, 1))(x, gate)
+    chex.assert_trees_all_close(g_dec, g_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_widths_the_blocks_do_not_divide_are_refused():
+    assert moe_decode_problems(2048, 1408) == []  # V2-Lite
+    assert moe_decode_problems(7168, 2048) == []  # V3
+    assert moe_decode_problems(128, 48) == ["I (moe_intermediate_size) = 48 is not a multiple of the block 64"]
+    with pytest.raises(ValueError, match="moe_decode: D"):
+        moe_decode(*_problem([1, 1], D=48), impl="interpret")
+    with pytest.raises(ValueError, match="power of two"):
+        MoeDecodeConfig(block_i=48)
+
+
+def test_auto_takes_the_decode_kernel_only_for_decode_shaped_calls(monkeypatch):
+    monkeypatch.setattr("pallas_kernels._platform.default_backend_is_hopper", lambda: True)
+    bf16 = jnp.bfloat16
+    assert resolve_moe_impl("auto", bf16, rows=6, num_experts=64, widths=(2048, 1408)) == "decode"
+    assert resolve_moe_impl("auto", bf16, rows=768, num_experts=64, widths=(2048, 1408)) == "decode"  # B=128
+    assert resolve_moe_impl("auto", bf16, rows=3072, num_experts=64, widths=(2048, 1408)) == "mgpu"  # prefill
+    assert resolve_moe_impl("auto", bf16, rows=6, num_experts=64, widths=(64, 48)) == "mgpu"  # widths refused
+    assert resolve_moe_impl("auto", jnp.float32, rows=6, num_experts=64) == "ragged_dot"
+    assert moe_mod.DECODE_ROWS_PER_EXPERT == 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 32, 128])
+def test_gpu_kernel_matches_reference_at_v2_lite_widths(tokens):
+    from pallas_kernels._platform import default_backend_is_hopper
+    if not default_backend_is_hopper():
+        pytest.skip("needs a Hopper GPU")
+    rng = np.random.default_rng(tokens)
+    E, K = 64, 6
+    sizes = np.bincount(np.concatenate([rng.choice(E, K, replace=False) for _ in range(tokens)]), minlength=E)
+    args = _problem(sizes.tolist(), D=2048, I=1408, pad=5)
+    got = jax.jit(lambda *a: moe_decode(*a, impl="kernel"))(*args)
+    ref = jax.jit(moe_decode_reference)(*args)
+    rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+    assert rel < 1e-2, rel
+    assert not np.asarray(got[int(sizes.sum()):]).any()
