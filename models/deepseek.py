@@ -66,8 +66,10 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                            init_std=cfg.initializer_range)
 
-    def forward(self, x_BTD: jax.Array, positions_BT: jax.Array, cache=None, *, absorbed: bool = False):
-        """-> (out [B,T,D], RouterOutput or None for a dense layer, cache or None)."""
+    def forward(self, x_BTD: jax.Array, positions_BT: jax.Array, cache=None, *, absorbed: bool = False,
+                stack_index=None):
+        """-> (out [B,T,D], RouterOutput or None for a dense layer, cache or None). `stack_index`: the
+        routed experts' variables are the whole stack's and this is its layer `stack_index`."""
         a = self.self_attn(self.input_layernorm(x_BTD), positions_BT, absorbed=absorbed, cache=cache)
         if cache is not None:
             a, cache = a
@@ -75,7 +77,7 @@ class DecoderLayer(nnx.Module):
         y = self.post_attention_layernorm(h)
         r = None
         if self.is_moe:
-            y, r = self.mlp(y, return_router=True)
+            y, r = self.mlp(y, return_router=True, stack_index=stack_index)
         else:
             y = self.mlp(y)
         return h + y.astype(h.dtype), r, cache
@@ -107,19 +109,29 @@ def _scan_layers(stack, h_BTD, positions_BT, cache, first_layer: int, absorbed: 
 
     The cache (its stacked pools) is the scan's carry, updated in place; each layer is pointed at
     its own pool by index. -> (h, stacked RouterOutput or None, cache).
+
+    With a cache (inference), the routed experts are not sliced per layer either: a scan slices its
+    inputs, and a slice that feeds a kernel is a copy (1.1 GB a layer for V2-Lite's experts, every
+    decode step). The whole [L, E, ...] stack goes in as a constant and the MoE reads its layer's
+    experts in place (`MoE(stack_index=...)`). Training keeps them scanned (sliced): the gradient
+    of a whole-stack constant would be accumulated at full size in every iteration.
     """
-    graphdef, state = nnx.split(stack)
+    whole = cache is not None and stack.is_moe
+    if whole:
+        graphdef, experts, state = nnx.split(stack, nnx.PathContains("experts"), ...)
+    else:
+        graphdef, state = nnx.split(stack)
     n = jax.tree.leaves(state)[0].shape[0]
 
     def body(carry, xs):
         h, c = carry
         layer_state, idx = xs
-        layer = nnx.merge(graphdef, layer_state)
-        h, r, c = layer.forward(h, positions_BT, None if c is None else c.at_layer(idx), absorbed=absorbed)
+        layer = nnx.merge(graphdef, experts, layer_state) if whole else nnx.merge(graphdef, layer_state)
+        h, r, c = layer.forward(h, positions_BT, None if c is None else c.at_layer(first_layer + idx),
+                                absorbed=absorbed, stack_index=idx if whole else None)
         return (h, c), r
 
-    (h_BTD, cache), routers = jax.lax.scan(body, (h_BTD, cache),
-                                           (state, first_layer + jnp.arange(n, dtype=jnp.int32)))
+    (h_BTD, cache), routers = jax.lax.scan(body, (h_BTD, cache), (state, jnp.arange(n, dtype=jnp.int32)))
     return h_BTD, routers, cache
 
 

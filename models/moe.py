@@ -212,25 +212,26 @@ def _mgpu_bwd(tuning, res, g):
 ragged_dot_mgpu.defvjp(_mgpu_fwd, _mgpu_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, kernel_impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, expert_offset, kernel_impl):
     """silu(x W_g) * (x W_u) W_d per row's expert through `pallas_kernels.moe_decode` -> f32 [M, D]; the
     gradient is `lax.ragged_dot`'s (the kernel is forward only)."""
     from pallas_kernels.moe_decode import moe_decode
 
-    return moe_decode(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, impl=kernel_impl)
+    return moe_decode(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset=expert_offset,
+                      impl=kernel_impl)
 
 
-def _experts_decode_fwd(x, g, u, d, gs, kernel_impl):
-    return _experts_decode(x, g, u, d, gs, kernel_impl), (x, g, u, d, gs)
+def _experts_decode_fwd(x, g, u, d, gs, off, kernel_impl):
+    return _experts_decode(x, g, u, d, gs, off, kernel_impl), (x, g, u, d, gs, off)
 
 
 def _experts_decode_bwd(kernel_impl, res, ct):
     from pallas_kernels.moe_decode import moe_decode_reference
 
-    x, g, u, d, gs = res
-    _, vjp = jax.vjp(lambda *w: moe_decode_reference(w[0], gs, *w[1:]), x, g, u, d)
-    return (*vjp(ct.astype(jnp.float32)), None)
+    x, g, u, d, gs, off = res
+    _, vjp = jax.vjp(lambda *w: moe_decode_reference(w[0], gs, *w[1:], expert_offset=off), x, g, u, d)
+    return (*vjp(ct.astype(jnp.float32)), None, None)
 
 
 _experts_decode.defvjp(_experts_decode_fwd, _experts_decode_bwd)
@@ -258,16 +259,24 @@ def resolve_moe_impl(impl: str, dtype, rows: int | None = None, num_experts: int
 
 def moe_grouped(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, gate_EDI: jax.Array,
                 up_EDI: jax.Array, down_EID: jax.Array, *, impl: str = "ragged_dot",
-                tuning: MgpuTuning = MgpuTuning()) -> jax.Array:
+                tuning: MgpuTuning = MgpuTuning(), num_experts: int | None = None, expert_offset=None) -> jax.Array:
     """Σ_k w_k · expert_{idx_k}(x) as a grouped GEMM over the T·K assignments sorted by expert. -> [T, D].
 
     No token dropping: every assignment is computed. `impl` is "ragged_dot", "mgpu", "decode" or
     "decode_interpret" (the decode kernel in the Pallas interpreter); the result equals
     `moe_dense_reference` up to rounding.
+
+    The weights may hold several layers' experts, flattened ([L·E, D, I]): then `num_experts` = E
+    and this call uses experts [expert_offset, expert_offset + E) (a traced layer · E). The decode
+    kernel reads them in place; the other impls take that slice first.
     """
     T, D = x_TD.shape
     K = indices_TK.shape[1]
-    E = gate_EDI.shape[0]
+    E = gate_EDI.shape[0] if num_experts is None else num_experts
+    off = 0 if expert_offset is None else expert_offset
+    if impl not in ("decode", "decode_interpret") and gate_EDI.shape[0] != E:
+        gate_EDI, up_EDI, down_EID = (jax.lax.dynamic_slice_in_dim(w, off, E, axis=0)
+                                      for w in (gate_EDI, up_EDI, down_EID))
     dt = x_TD.dtype
     flat_M = indices_TK.reshape(-1)
     order_M = jnp.argsort(flat_M, stable=True)  # assignment rows grouped by expert
@@ -277,7 +286,7 @@ def moe_grouped(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, g
     w_M = weights_TK.reshape(-1)[order_M].astype(_F32)
     inv_M = jnp.argsort(order_M)
     if impl in ("decode", "decode_interpret"):
-        y_MD = _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E,
+        y_MD = _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, jnp.asarray(off, jnp.int32),
                                "kernel" if impl == "decode" else "interpret")
         return (y_MD * w_M[:, None])[inv_M].reshape(T, K, D).sum(axis=1).astype(dt)
     if impl == "mgpu":
@@ -331,7 +340,9 @@ class MoE(nnx.Module):
         else:
             self.shared_experts = None
 
-    def __call__(self, x: jax.Array, *, return_router: bool = False):
+    def __call__(self, x: jax.Array, *, return_router: bool = False, stack_index=None):
+        """`stack_index` (a scalar, may be traced): the routed experts' variables are a whole scanned
+        stack, [L, E, ...], and this call is layer `stack_index` of it (see `models.deepseek`)."""
         lead, D = x.shape[:-1], x.shape[-1]
         x_TD = x.reshape(-1, D).astype(self.dtype)
         r = self.gate(x_TD)
@@ -339,12 +350,19 @@ class MoE(nnx.Module):
         impl = resolve_moe_impl(self.impl, self.dtype, rows=x_TD.shape[0] * self.cfg.num_experts_per_tok,
                                 num_experts=self.cfg.n_routed_experts,
                                 widths=(self.cfg.hidden_size, self.cfg.moe_intermediate_size))
+        E = self.cfg.n_routed_experts
+        gate, up, down = ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...]
+        off = None
+        if stack_index is not None:  # [L, E, ...] -> [L·E, ...]: a free reshape, no copy
+            gate, up, down = (w.reshape((-1,) + w.shape[2:]) for w in (gate, up, down))
+            off = stack_index * E
         if impl == "dense":
-            y_TD = moe_dense_reference(x_TD, r.weights, r.indices, ex.gate_proj[...], ex.up_proj[...],
-                                       ex.down_proj[...])
+            if off is not None:
+                gate, up, down = (jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in (gate, up, down))
+            y_TD = moe_dense_reference(x_TD, r.weights, r.indices, gate, up, down)
         else:
-            y_TD = moe_grouped(x_TD, r.weights, r.indices, ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...],
-                               impl=impl, tuning=self.tuning)
+            y_TD = moe_grouped(x_TD, r.weights, r.indices, gate, up, down, impl=impl, tuning=self.tuning,
+                               num_experts=E, expert_offset=off)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         y = y_TD.reshape(lead + (D,))

@@ -71,8 +71,17 @@ def moe_decode_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfi
   return out
 
 
-def moe_decode_reference(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID):
+def _expert_slice(w, expert_offset, E):
+  """Experts [offset, offset + E) of a weight array holding more (a stack of layers, flattened)."""
+  if w.shape[0] == E:
+    return w
+  return lax.dynamic_slice_in_dim(w, jnp.asarray(expert_offset, jnp.int32), E, axis=0)
+
+
+def moe_decode_reference(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset=0):
   """silu(x·W_gate) * (x·W_up) · W_down per row's expert -> f32 [M, D] (rows past the groups: 0)."""
+  E = group_sizes_E.shape[0]
+  gate_EDI, up_EDI, down_EID = (_expert_slice(w, expert_offset, E) for w in (gate_EDI, up_EDI, down_EID))
   gs = group_sizes_E.astype(jnp.int32)
   dt = x_MD.dtype
   g = lax.ragged_dot(x_MD, gate_EDI.astype(dt), gs, preferred_element_type=jnp.float32)
@@ -89,21 +98,23 @@ def _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config):
   M, D = x_MD.shape
   if gate_EDI.ndim != 3 or gate_EDI.shape[1] != D or up_EDI.shape != gate_EDI.shape:
     raise ValueError(f"gate/up weights must both be [E, D={D}, I], got {gate_EDI.shape} and {up_EDI.shape}")
-  E, _, I = gate_EDI.shape
-  if down_EID.shape != (E, I, D):
-    raise ValueError(f"down weights must be [E={E}, I={I}, D={D}], got {down_EID.shape}")
-  if group_sizes_E.shape != (E,):
-    raise ValueError(f"group_sizes must be [E={E}], got {group_sizes_E.shape}")
+  Ew, _, I = gate_EDI.shape
+  if down_EID.shape != (Ew, I, D):
+    raise ValueError(f"down weights must be [E={Ew}, I={I}, D={D}], got {down_EID.shape}")
+  if group_sizes_E.ndim != 1 or not 1 <= group_sizes_E.shape[0] <= Ew or Ew % group_sizes_E.shape[0]:
+    raise ValueError(f"group_sizes must be [E] with E dividing the {Ew} experts of the weights, "
+                     f"got {group_sizes_E.shape}")
   problems = moe_decode_problems(D, I, config)
   if problems:
     raise ValueError("moe_decode: " + "; ".join(problems))
 
 
-def _gate_up_kernel(start_ref, size_ref, x_ref, wg_ref, wu_ref, h_ref, *, block_i, block_d, D):
+def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, wg_ref, wu_ref, h_ref, *, block_i, block_d, D):
   from jax.experimental.pallas import triton as plgpu
 
-  e, j = pl.program_id(0), pl.program_id(1)
-  start, n = start_ref[e], size_ref[e]
+  j = pl.program_id(1)
+  start, n = start_ref[pl.program_id(0)], size_ref[pl.program_id(0)]
+  e = off_ref[0] + pl.program_id(0)   # the expert's index in the weights (a layer stack, flattened)
   cols = pl.ds(j * block_i, block_i)
 
   def row_tile(t, carry):
@@ -127,11 +138,12 @@ def _gate_up_kernel(start_ref, size_ref, x_ref, wg_ref, wu_ref, h_ref, *, block_
   lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
 
 
-def _down_kernel(start_ref, size_ref, h_ref, wd_ref, y_ref, *, block_o, block_k, I):
+def _down_kernel(start_ref, size_ref, off_ref, h_ref, wd_ref, y_ref, *, block_o, block_k, I):
   from jax.experimental.pallas import triton as plgpu
 
-  e, j = pl.program_id(0), pl.program_id(1)
-  start, n = start_ref[e], size_ref[e]
+  j = pl.program_id(1)
+  start, n = start_ref[pl.program_id(0)], size_ref[pl.program_id(0)]
+  e = off_ref[0] + pl.program_id(0)
   cols = pl.ds(j * block_o, block_o)
 
   def row_tile(t, carry):
@@ -150,14 +162,15 @@ def _down_kernel(start_ref, size_ref, h_ref, wd_ref, y_ref, *, block_o, block_k,
   lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
 
 
-def _moe_decode_kernel(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, *, config, interpret):
+def _moe_decode_kernel(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset, *, config, interpret):
   from jax.experimental.pallas import triton as plgpu
 
   M, D = x_MD.shape
-  E, _, I = gate_EDI.shape
+  E, I = group_sizes_E.shape[0], gate_EDI.shape[2]
   dt = x_MD.dtype
   sizes = group_sizes_E.astype(jnp.int32)
   starts = jnp.cumsum(sizes) - sizes
+  off = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))
   params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
   # The row tiles may read past M (masked); pad so that no address leaves the buffers.
   x = jnp.pad(x_MD, ((0, ROW_TILE), (0, 0)))
@@ -165,24 +178,27 @@ def _moe_decode_kernel(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, *, confi
       functools.partial(_gate_up_kernel, block_i=config.block_i, block_d=config.block_d, D=D),
       out_shape=jax.ShapeDtypeStruct((M + ROW_TILE, I), dt), grid=(E, I // config.block_i),
       compiler_params=params, interpret=interpret, name="moe_decode_gate_up",
-  )(starts, sizes, x, gate_EDI.astype(dt), up_EDI.astype(dt))
+  )(starts, sizes, off, x, gate_EDI.astype(dt), up_EDI.astype(dt))
   y = pl.pallas_call(
       functools.partial(_down_kernel, block_o=config.block_o, block_k=config.block_k, I=I),
       out_shape=jax.ShapeDtypeStruct((M + ROW_TILE, D), jnp.float32), grid=(E, D // config.block_o),
       compiler_params=params, interpret=interpret, name="moe_decode_down",
-  )(starts, sizes, h, down_EID.astype(dt))
+  )(starts, sizes, off, h, down_EID.astype(dt))
   rows = jnp.arange(M)[:, None]
   return jnp.where(rows < jnp.sum(sizes), y[:M], 0.0)   # rows past the groups were never written
 
 
-def moe_decode(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, *, config: MoeDecodeConfig | None = None,
-               impl: str | None = None):
+def moe_decode(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, *, expert_offset=0,
+               config: MoeDecodeConfig | None = None, impl: str | None = None):
   """The routed experts of sorted assignment rows -> f32 [M, D].
 
   Args:
     x_MD: [M, D] bf16 (or f32) rows, sorted by expert: the first group_sizes[0] use expert 0, ...
     group_sizes_E: int [E] rows per expert (sum <= M; rows past the sum come back as 0).
-    gate_EDI, up_EDI: [E, D, I]; down_EID: [E, I, D] (cast to x's dtype).
+    gate_EDI, up_EDI: [E', D, I]; down_EID: [E', I, D] (cast to x's dtype), E' >= E: the weights
+      may hold the experts of every layer of a stack, flattened ([L·E, ...], a free reshape of a
+      scanned stack's [L, E, ...]); group e then uses weights `expert_offset + e` (an int scalar,
+      may be traced: layer · E). The kernel reads them in place: no per-layer copy.
     config: `MoeDecodeConfig`; D and I must be multiples of its blocks (`moe_decode_problems`).
     impl: None (the kernel on a GPU, else the reference), "kernel", "interpret" or "reference".
   Fast while every expert has at most 16 rows (weights read once); correct for any sizes.
@@ -191,6 +207,6 @@ def moe_decode(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, *, config: MoeDe
   _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config)
   impl = _platform.resolve_impl(impl)
   if impl == "reference":
-    return moe_decode_reference(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID)
-  return _moe_decode_kernel(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config=config,
+    return moe_decode_reference(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset)
+  return _moe_decode_kernel(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset, config=config,
                             interpret=impl == "interpret")

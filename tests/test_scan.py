@@ -58,13 +58,15 @@ def test_decode_step_updates_the_pools_in_place(compiled):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_step_through_the_kernel_copies_no_pool():
+def test_gpu_decode_step_through_the_kernels_copies_no_pool_and_no_experts():
     """The same on a Hopper GPU, with the decode kernel reading the stacked pools in place (bf16
-    pages of 64 x 576, a kernel-shaped narrow model)."""
+    pages of 64 x 576, a kernel-shaped narrow model), and the MoE decode kernel reading each
+    layer's experts out of the whole stack (no per-layer slice of the [L, E, D, I] weights)."""
     from pallas_kernels._platform import default_backend_is_hopper
     if not default_backend_is_hopper():
         pytest.skip("needs a Hopper GPU")
-    cfg = narrow_v2_lite(6).replace(kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16)
+    cfg = narrow_v2_lite(6).replace(kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16,
+                                    hidden_size=128, moe_intermediate_size=64)
     model = DeepSeekModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     e = Engine(model, page_size=64, num_pages=256, max_batch=B, attention_impl="kernel")
     inp = StepInputs(np.zeros((B, 1), np.int32), np.zeros((B, 1), np.int32), np.zeros((B, P), np.int32),
@@ -76,3 +78,8 @@ def test_gpu_decode_step_through_the_kernel_copies_no_pool():
     assert "input_output_alias={ {0}:" in hlo.splitlines()[0]
     copies = [line for line in hlo.splitlines() if pool in line and ("copy(" in line or "copy-start" in line)]
     assert not copies, copies[:3]
+    E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    one_layer = (f"bf16[{E},{D},{I}]", f"bf16[{E},{I},{D}]")  # a layer's gate/up or down weights
+    made = [line for line in hlo.splitlines() if " = " in line
+            and line.split(" = ", 1)[1].lstrip().startswith(one_layer)]
+    assert not made, made[:3]
