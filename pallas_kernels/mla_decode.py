@@ -40,6 +40,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import _platform
+from pallas_kernels._page_table import check_page_table
 
 PAGE_SIZE = 64          # tokens per KV page (the TMA box and the wgmma N of Q·Kᵀ)
 KEY_DIM = 576           # latent 512 ; rope 64
@@ -129,15 +130,15 @@ def _key_limits(seq_lens, s_q: int, causal: bool):
 
 
 def mla_decode_reference(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal=False,
-                         config=None, impl=None):
-  """Plain-jnp absorbed MLA decode with fp32 math; same contract as `mla_decode`.
+                         config=None, impl=None, checked=False):
+  """Plain-jnp absorbed MLA decode with fp32 math; same contract (and checks) as `mla_decode`.
 
   ``config`` and ``impl`` are accepted (and ignored) so the two functions are interchangeable.
   A query with no visible key (only possible when causal and seq_len < s_q) gets out = 0 and
   lse = -inf, as in the kernel.
   """
   del config, impl
-  _validate(q, kv_pages, block_table, seq_lens, softmax_scale)
+  _validate(q, kv_pages, block_table, seq_lens, softmax_scale, checked=checked)
   B, s_q, H, _ = q.shape
   kv_BSK = kv_pages[block_table].reshape(B, -1, KEY_DIM).astype(jnp.float32)   # (B, S, K)
   keys = jnp.arange(kv_BSK.shape[1], dtype=jnp.int32)
@@ -164,7 +165,39 @@ def mla_decode_reference(q, kv_pages, block_table, seq_lens, *, softmax_scale, c
 # ------------------------------------------------------------------------------------------------
 
 
-def _validate(q, kv_pages, block_table, seq_lens, softmax_scale):
+def mla_decode_problems(heads, latent_dim, page_size, dtype) -> list[str]:
+  """Why `mla_decode` cannot serve a model shape: [] when it can, else one line per broken limit.
+
+  Args:
+    heads: query heads of one call (H of q; per device under tensor parallelism).
+    latent_dim: values cached per token, kv_lora_rank + qk_rope_head_dim.
+    page_size: tokens a cache page.
+    dtype: the pages' dtype: a jnp / numpy dtype, or a cache format name ("bf16", "fp32", ...).
+
+  The limits are this module's `SUPPORTED_HEADS`, `KEY_DIM` and `PAGE_SIZE`, and bf16 pages; the
+  query length (at most `MAX_QUERY_LEN`) is a property of a step, not of the model, and is
+  checked per call.
+  """
+  problems = []
+  if heads not in SUPPORTED_HEADS:
+    problems.append(f"heads = {heads!r} (the decode kernel supports H in {SUPPORTED_HEADS})")
+  if latent_dim != KEY_DIM:
+    problems.append(f"latent_dim = {latent_dim!r} (the decode kernel needs {KEY_DIM} = {LATENT_DIM} "
+                    f"latent + {KEY_DIM - LATENT_DIM} rope)")
+  if page_size != PAGE_SIZE:
+    problems.append(f"page_size = {page_size!r} (the decode kernel needs {PAGE_SIZE})")
+  name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype) \
+      if isinstance(dtype, str) else dtype
+  try:
+    shown = jnp.dtype(name).name
+  except TypeError:
+    shown = repr(dtype)
+  if shown != "bfloat16":
+    problems.append(f"dtype = {shown} (the decode kernel reads bfloat16 pages)")
+  return problems
+
+
+def _validate(q, kv_pages, block_table, seq_lens, softmax_scale, *, checked=False):
   if q.ndim != 4:
     raise ValueError(f"q must be [B, s_q, H, {KEY_DIM}], got shape {q.shape}")
   B, s_q, H, D = q.shape
@@ -197,6 +230,8 @@ def _validate(q, kv_pages, block_table, seq_lens, softmax_scale):
                      f"got {softmax_scale!r}")
   if not math.isfinite(softmax_scale) or softmax_scale <= 0:
     raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+  check_page_table(block_table, seq_lens, num_pages=kv_pages.shape[0], page_size=PAGE_SIZE,
+                   checked=checked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -504,7 +539,7 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
 
 
 def mla_decode(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal=False, config=None,
-               impl=None):
+               impl=None, checked=False):
   """Absorbed MLA decode attention over a paged latent cache.
 
   Args:
@@ -513,21 +548,30 @@ def mla_decode(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal=Fals
     kv_pages: bf16 [num_pages, 64, 576]: one layer's cache pages, rows = tokens, columns =
       normalised latent (512) ; roped key (64). V is the first 512 columns of the same rows.
     block_table: int32 [B, max_pages]: page ids of each sequence in token order. Entries past
-      cdiv(seq_len, 64) are never read (may be anything); the ones before must be valid page ids.
-    seq_lens: int32 [B]: cached tokens per sequence, including the s_q new ones. Preconditions
-      (not checked, the values are traced): 1 <= seq_len <= 64 * max_pages, and seq_len >= s_q when
-      causal (a query with no visible key returns out = 0, lse = -inf).
+      cdiv(seq_len, 64) are never read (may be anything); the ones before must be page ids in
+      [0, num_pages).
+    seq_lens: int32 [B]: cached tokens per sequence, including the s_q new ones, in
+      [0, 64 * max_pages] (0: an idle row, out = 0, lse = -inf). When causal, a query with no
+      visible key (seq_len < s_q) returns out = 0, lse = -inf.
     softmax_scale: Python float multiplying Q·Kᵀ (e.g. 192**-0.5 * mscale**2).
     causal: query j of s_q sits at position seq_len - s_q + j and sees keys <= that position;
       non-causal queries see all seq_len keys.
     config: `MlaDecodeConfig` (static); None = defaults.
     impl: None (kernel on a Hopper GPU, else reference), "kernel", "interpret" or "reference".
+    checked: also check traced block tables and lengths, with `jax.experimental.checkify`
+      (the caller wraps the jitted function in `checkify.checkify`; see `_page_table`).
+      Concrete ones are always checked.
 
   Returns:
     out: [B, s_q, H, 512] in q's dtype (bf16); lse: float32 [B, s_q, H], natural log of the
     softmax denominator (scaled scores).
+
+  Raises:
+    ValueError naming the argument and the limit: a shape, dtype or head count the kernel does
+    not support (`mla_decode_problems`), s_q outside [1, 4], a concrete seq_len outside
+    [0, 64 * max_pages] or a concrete block-table entry it reads outside [0, num_pages).
   """
-  _validate(q, kv_pages, block_table, seq_lens, softmax_scale)
+  _validate(q, kv_pages, block_table, seq_lens, softmax_scale, checked=checked)
   if config is None:
     config = MlaDecodeConfig()
   if not isinstance(config, MlaDecodeConfig):
@@ -535,7 +579,7 @@ def mla_decode(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal=Fals
   impl = _platform.resolve_impl(impl)
   if impl == "reference":
     return mla_decode_reference(q, kv_pages, block_table, seq_lens, softmax_scale=softmax_scale,
-                                causal=causal)
+                                causal=causal, checked=checked)
   interpret = impl == "interpret"
   if interpret and not config.interpretable:
     config = dataclasses.replace(config, interpretable=True)

@@ -1,0 +1,132 @@
+"""Every bad input ends in one clear error: a `ValueError` naming the input and the limit from the
+API, one line `prog: error: ...` and a non-zero exit from the command-line tools, no traceback,
+nothing written. One parametrised test per row of docs/ERRORS.md; each param id names the bug it
+guards (what happened before the fix).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental import checkify
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (mla_decode, mla_decode_problems, mla_decode_reference, paged_gather,
+                            paged_gather_reference)
+
+# ------------------------------------------------------------------------------------------------
+# Kernels: block tables and lengths (pallas_kernels.mla_decode / paged_gather and references)
+# ------------------------------------------------------------------------------------------------
+NUM_PAGES = 4
+
+
+def _decode_inputs(table, lens):
+  q = jnp.zeros((len(lens), 1, 16, 576), jnp.bfloat16)
+  kv = jnp.ones((NUM_PAGES, 64, 576), jnp.bfloat16)
+  return q, kv, jnp.asarray(table, jnp.int32), jnp.asarray(lens, jnp.int32)
+
+
+def _decode(impl):
+  return lambda q, kv, bt, sl, **kw: mla_decode(q, kv, bt, sl, softmax_scale=0.1, impl=impl, **kw)
+
+
+def _decode_ref(q, kv, bt, sl, **kw):
+  return mla_decode_reference(q, kv, bt, sl, softmax_scale=0.1, **kw)
+
+
+def _gather(impl):
+  # num_tokens = the largest length: every row reads that many pages.
+  return lambda q, kv, bt, sl, **kw: paged_gather(kv, bt, num_tokens=int(max(sl)), impl=impl, **kw)
+
+
+def _gather_ref(q, kv, bt, sl, **kw):
+  return paged_gather_reference(kv, bt, num_tokens=int(max(sl)), **kw)
+
+
+KERNEL_FNS = {"mla_decode[interpret]": _decode("interpret"), "mla_decode[reference]": _decode("reference"),
+              "mla_decode_reference": _decode_ref, "paged_gather[interpret]": _gather("interpret"),
+              "paged_gather_reference": _gather_ref}
+
+# (table, lengths, message); the id says what happened before the fix.
+BAD_TABLES = [
+    pytest.param([[0, 1], [2, 4]], [10, 100], r"block_table\[1, 1\] = 4 is not a page id: kv_pages has 4 pages "
+                 r"\(ids 0\.\.3\)", id="page-id-past-pool-read-the-last-page-silently"),
+    pytest.param([[0, 1], [-1, 3]], [10, 100], r"block_table\[1, 0\] = -1 is not a page id",
+                 id="negative-page-id-wrapped-to-the-last-page"),
+    pytest.param([[0, 1], [2, 3]], [10, 129], r"seq_lens\[1\] = 129 is outside \[0, 128\]: the block table "
+                 r"holds 2 pages of 64 tokens", id="seq-len-past-the-table-was-clipped"),
+]
+
+
+@pytest.mark.parametrize("fn", KERNEL_FNS.values(), ids=KERNEL_FNS.keys())
+@pytest.mark.parametrize("table,lens,match", BAD_TABLES)
+def test_kernel_block_table_and_lengths(fn, table, lens, match):
+  if fn in (KERNEL_FNS["paged_gather[interpret]"], KERNEL_FNS["paged_gather_reference"]) and "seq_lens" in match:
+    match = r"num_tokens must be in \[1, 128\]"     # one length for every row: a static argument
+  with pytest.raises(ValueError, match=match):
+    fn(*_decode_inputs(table, lens))
+
+
+def test_kernel_negative_seq_len():
+  """seq_lens < 0 was accepted (every key masked)."""
+  with pytest.raises(ValueError, match=r"seq_lens\[0\] = -1 is outside \[0, 128\]"):
+    _decode_ref(*_decode_inputs([[0, 1]], [-1]))
+
+
+def test_kernel_unread_entries_may_hold_anything():
+  """Entries past cdiv(seq_len, 64) are never read: garbage there is no error (as documented)."""
+  args = _decode_inputs([[0, 99], [2, -5]], [64, 0])
+  out, lse = _decode_ref(*args)
+  assert out.shape == (2, 1, 16, 512) and np.isneginf(np.asarray(lse[1])).all()
+  assert paged_gather_reference(args[1], args[2][:1], num_tokens=64).shape == (1, 64, 576)
+
+
+CHECKED_FNS = {
+    "mla_decode[interpret]": lambda q, kv, bt, sl: mla_decode(q, kv, bt, sl, softmax_scale=0.1, impl="interpret",
+                                                              checked=True),
+    "mla_decode_reference": lambda q, kv, bt, sl: _decode_ref(q, kv, bt, sl, checked=True),
+    "paged_gather[interpret]": lambda q, kv, bt, sl: paged_gather(kv, bt, num_tokens=100, impl="interpret",
+                                                                  checked=True),
+}
+
+
+@pytest.mark.parametrize("fn", CHECKED_FNS.values(), ids=CHECKED_FNS.keys())
+def test_kernel_checked_mode_under_jit(fn):
+  """Under jax.jit the table is traced and cannot raise: `checked=True` + checkify reports the
+  same message (before: nothing, the reference read the last page)."""
+  q, kv, bt, sl = _decode_inputs([[0, 1], [2, 4]], [10, 100])
+  run = checkify.checkify(jax.jit(fn))
+  err, _ = run(q, kv, bt, sl)
+  with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 4 is not a page id"):
+    err.throw()
+  err, _ = run(q, kv, bt.at[1, 1].set(3), sl)
+  assert err.get() is None
+  # Traced without checked=True: no check and no cost (the documented contract).
+  jax.jit(_decode_ref)(q, kv, bt, sl)
+
+
+def test_kernel_checked_mode_seq_lens():
+  q, kv, bt, sl = _decode_inputs([[0, 1]], [200])
+  err, _ = checkify.checkify(jax.jit(lambda *a: _decode_ref(*a, checked=True)))(q, kv, bt, sl)
+  with pytest.raises(ValueError, match=r"seq_lens\[0\] = 200 is outside \[0, 128\]"):
+    err.throw()
+
+
+@pytest.mark.parametrize("args,problems", [
+    pytest.param((128, 576, 64, "bf16"), [], id="supported"),
+    pytest.param((16, 576, 64, jnp.bfloat16), [], id="supported-jnp-dtype"),
+    pytest.param((8, 576, 64, "bf16"), [r"heads = 8 \(the decode kernel supports H in \(16, 32, 64, 128\)\)"],
+                 id="heads"),
+    pytest.param((16, 192, 32, "fp32"), [r"latent_dim = 192 \(.* needs 576", r"page_size = 32 \(.* needs 64\)",
+                                          r"dtype = float32 \(the decode kernel reads bfloat16 pages\)"],
+                 id="latent-page-dtype"),
+    pytest.param((16, 576, 64, "fp8"), [r"dtype = 'fp8'"], id="unknown-dtype-name"),
+])
+def test_mla_decode_problems(args, problems):
+  """One function says what the kernel supports (the engine copied the limits before)."""
+  got = mla_decode_problems(*args)
+  assert len(got) == len(problems), got
+  for line, pattern in zip(got, problems):
+    assert "\n" not in line
+    assert __import__("re").search(pattern, line), (pattern, line)
