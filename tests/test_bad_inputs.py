@@ -130,3 +130,39 @@ def test_mla_decode_problems(args, problems):
   for line, pattern in zip(got, problems):
     assert "\n" not in line
     assert __import__("re").search(pattern, line), (pattern, line)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling: tiny temperatures and non-finite logits (models.sampling)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("filtered", [False, True], ids=["random", "filtered"])
+@pytest.mark.parametrize("temperature", [
+    pytest.param(1e-10, id="1e-10-gave-NaN-probs-and-NUL-bytes"), pytest.param(1e-30, id="1e-30"),
+    pytest.param(2e-38, id="smallest-normal-range"), pytest.param(1e-40, id="subnormal-is-greedy"),
+    pytest.param(1e-300, id="zero-in-fp32-is-greedy")])
+def test_sampling_tiny_temperature_is_greedy_and_finite(temperature, filtered):
+  from models.sampling import SamplingArrays, SamplingParams, filtered_probs, row_keys, sample_from_probs
+  logits = jax.random.normal(jax.random.PRNGKey(0), (4, 300), jnp.float32) * jnp.asarray([[1.0], [30.0], [1e3], [1e-3]])
+  s = SamplingArrays.from_params([SamplingParams(temperature=temperature, top_p=0.9 if filtered else 1.0)] * 4)
+  probs = jax.jit(filtered_probs, static_argnames="filtered")(logits, s, filtered=filtered)
+  probs = np.asarray(probs)
+  assert np.isfinite(probs).all() and np.allclose(probs.sum(-1), 1.0)
+  keys = row_keys(jnp.broadcast_to(jax.random.PRNGKey(1), (4, 2)), jnp.arange(4))
+  tokens = np.asarray(jax.jit(sample_from_probs)(keys, jnp.asarray(probs)))
+  np.testing.assert_array_equal(tokens, np.argmax(np.asarray(logits), -1))
+
+
+def test_sampling_finite_rows_flags_nan_and_inf():
+  """NaN weights gave NaN logits, and the sampler turned them into token 0 (a NUL byte)."""
+  from models.sampling import NonFiniteLogitsError, check_finite_rows, finite_rows
+  x = np.zeros((5, 8), np.float32)
+  x[1, 3] = np.nan
+  x[2, 0] = np.inf
+  x[3, :] = -np.inf          # no token left: no distribution
+  x[4, :4] = -np.inf         # masked tokens are fine
+  ok = np.asarray(jax.jit(finite_rows)(jnp.asarray(x)))
+  assert ok.tolist() == [True, False, False, False, True]
+  check_finite_rows(ok[[0, 4]])
+  with pytest.raises(NonFiniteLogitsError, match=r"NaN or infinite logits for request\(s\) \[7, 8, 9\]"):
+    check_finite_rows(ok, requests=[6, 7, 8, 9, 10])
+  assert issubclass(NonFiniteLogitsError, ValueError)   # the CLIs' one-line path
