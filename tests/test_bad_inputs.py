@@ -166,3 +166,36 @@ def test_sampling_finite_rows_flags_nan_and_inf():
   with pytest.raises(NonFiniteLogitsError, match=r"NaN or infinite logits for request\(s\) \[7, 8, 9\]"):
     check_finite_rows(ok, requests=[6, 7, 8, 9, 10])
   assert issubclass(NonFiniteLogitsError, ValueError)   # the CLIs' one-line path
+
+
+# ------------------------------------------------------------------------------------------------
+# Capacity planner (mla_jax.capacity: plan_kv_cache and mla-capacity)
+# ------------------------------------------------------------------------------------------------
+def _one_line_exit_2(main, argv, capsys, prog):
+  """Runs a CLI's main in-process; returns its one error line (asserts exit 2, nothing on stdout)."""
+  with pytest.raises(SystemExit) as e:
+    main(argv)
+  assert e.value.code == 2
+  out, err = capsys.readouterr()
+  lines = [ln for ln in err.strip().split("\n") if not ln.startswith("warning:")]
+  assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), err
+  assert "Traceback" not in err and not out.strip(), (out, err)
+  return lines[0]
+
+
+@pytest.mark.parametrize("preset,tp", [pytest.param("deepseek_v3", 3, id="tp3-planned-43-of-128-heads"),
+                                       pytest.param("tiny", 6, id="tp6-of-4-heads")])
+def test_capacity_tp_must_split_whole_heads(preset, tp):
+  from mla_jax import ModelConfig
+  from mla_jax.capacity import plan_kv_cache
+  cfg = getattr(ModelConfig, preset)()
+  with pytest.raises(ValueError, match=rf"tp={tp} does not divide num_attention_heads={cfg.num_attention_heads}"):
+    plan_kv_cache(cfg, context_len=1024, tp=tp)
+  plan_kv_cache(cfg, context_len=1024, tp=2 * cfg.num_attention_heads)   # a multiple: heads replicated
+
+
+def test_capacity_cli_tp(capsys):
+  """`mla-capacity --tp 3` printed a plan for "43 of 128 heads" and exited 0."""
+  from mla_jax.capacity import main
+  line = _one_line_exit_2(main, ["--tp", "3"], capsys, "mla-capacity")
+  assert "--tp" in line and "tp=3 does not divide num_attention_heads=128" in line
