@@ -199,3 +199,78 @@ def test_capacity_cli_tp(capsys):
   from mla_jax.capacity import main
   line = _one_line_exit_2(main, ["--tp", "3"], capsys, "mla-capacity")
   assert "--tp" in line and "tp=3 does not divide num_attention_heads=128" in line
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json (ModelConfig.from_hf)
+# ------------------------------------------------------------------------------------------------
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+
+from models.builtin import BUILTIN_DIR  # noqa: E402
+
+BUILTIN_CONFIG = json.load(open(os.path.join(BUILTIN_DIR, "config.json")))
+
+
+def _without(*keys):
+  return {k: v for k, v in BUILTIN_CONFIG.items() if k not in keys}
+
+
+# (config.json text, message after "<file>: "); ids: what happened before.
+BAD_CONFIGS = [
+    pytest.param(json.dumps([BUILTIN_CONFIG]), r"expected a JSON object \(\{\.\.\.\}\), got an array \(list\)",
+                 id="list-AttributeError"),
+    pytest.param('{"vocab_size": 264,', r"not valid JSON: Expecting property name .*line 1 column 20",
+                 id="invalid-json-message-without-the-file"),
+    pytest.param(json.dumps(dict(BUILTIN_CONFIG, n_group="2")), r"n_group='2': must be an integer, got a string",
+                 id="n_group-string-TypeError"),
+    pytest.param(json.dumps(dict(BUILTIN_CONFIG, moe_intermediate_size="64")),
+                 r"moe_intermediate_size='64': must be an integer, got a string", id="moe_intermediate_size-string"),
+    pytest.param(json.dumps(dict(BUILTIN_CONFIG, rope_scaling="yarn")),
+                 r"rope_scaling='yarn': must be an object \(or null\)", id="rope_scaling-string-AttributeError"),
+    pytest.param(json.dumps(dict(BUILTIN_CONFIG, rope_scaling={"type": "yarn"})),
+                 r"rope_scaling has type 'yarn' but no 'factor'", id="yarn-without-factor-KeyError"),
+    pytest.param(json.dumps(dict(BUILTIN_CONFIG, rope_scaling=dict(BUILTIN_CONFIG["rope_scaling"], factor="4"))),
+                 r"rope_scaling\.factor='4': must be a finite number, got a string", id="rope-factor-string"),
+    pytest.param(json.dumps(dict(BUILTIN_CONFIG, num_experts_per_tok=2.0)),
+                 r"num_experts_per_tok=2\.0: must be an integer, got a decimal number", id="top-k-2.0-accepted"),
+    pytest.param(json.dumps(dict(BUILTIN_CONFIG, norm_topk_prob="false")),
+                 r"norm_topk_prob='false': must be true or false", id="bool-string-read-as-true"),
+    pytest.param(json.dumps(_without("vocab_size")), r"missing required key 'vocab_size'$",
+                 id="missing-key-reported-as-'vocab_size'"),
+    pytest.param(json.dumps(_without("vocab_size", "hidden_size")), r"missing required keys 'vocab_size', 'hidden_size'",
+                 id="missing-keys"),
+    pytest.param(json.dumps(dict(BUILTIN_CONFIG, n_group=3)), r"n_group=3: must divide n_routed_experts=8",
+                 id="range-error-without-the-file"),
+]
+
+
+@pytest.mark.parametrize("text,match", BAD_CONFIGS)
+def test_config_json(tmp_path, text, match):
+  from mla_jax import ModelConfig
+  (tmp_path / "config.json").write_text(text)
+  with pytest.raises(ValueError) as e:
+    ModelConfig.from_hf(tmp_path)
+  msg = str(e.value)
+  assert "\n" not in msg and msg.startswith(f"{tmp_path / 'config.json'}: "), msg
+  assert __import__("re").search(match, msg), (match, msg)
+
+
+def test_config_json_not_utf8(tmp_path):
+  from mla_jax import ModelConfig
+  (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")
+  with pytest.raises(ValueError, match=r"config\.json: not UTF-8 text \(byte 0\)"):
+    ModelConfig.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    pytest.param("n_group", "2", r"ModelConfig\.n_group='2': must be an integer, got a string", id="str-TypeError"),
+    pytest.param("num_experts_per_tok", 2.0, r"num_experts_per_tok=2\.0: must be an integer", id="float-int"),
+    pytest.param("rope_theta", "1e4", r"rope_theta='1e4': must be a finite number", id="str-float"),
+    pytest.param("tie_word_embeddings", 1, r"tie_word_embeddings=1: must be true or false", id="int-bool"),
+])
+def test_model_config_field_types(field, value, match):
+  from mla_jax import ModelConfig
+  with pytest.raises(ValueError, match=match):
+    ModelConfig.tiny().replace(**{field: value})
