@@ -274,3 +274,115 @@ def test_model_config_field_types(field, value, match):
   from mla_jax import ModelConfig
   with pytest.raises(ValueError, match=match):
     ModelConfig.tiny().replace(**{field: value})
+
+
+# ------------------------------------------------------------------------------------------------
+# Safetensors files (models.checkpoint.read_safetensors / read_hf_tensors / checkpoint_files)
+# ------------------------------------------------------------------------------------------------
+def _header_file(path, header, data=b""):
+  """A safetensors file with this header (a JSON-able value or raw bytes) and data section."""
+  raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+  path.write_bytes(np.uint64(len(raw)).astype("<u8").tobytes() + raw + data)
+  return str(path)
+
+
+def _raw(path, data: bytes):
+  path.write_bytes(data)
+  return str(path)
+
+
+def _good_file(path):
+  from models.checkpoint import write_safetensors
+  write_safetensors(str(path), {"w": np.ones((64, 128), np.float32)})
+  return str(path)
+
+
+def _truncated(path):
+  _good_file(path)
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) - 28840)
+  return str(path)
+
+
+W = {"dtype": "F32", "shape": [2, 2]}
+BAD_SAFETENSORS = [
+    pytest.param(lambda p: _raw(p, b"\x01\x02"), r"not a safetensors file \(shorter than 8 bytes\)",
+                 id="shorter-than-8-bytes"),
+    pytest.param(lambda p: _raw(p, b"\xff" * 8 + b"{}"),
+                 r"header length 18446744073709551615 exceeds the 2 bytes that follow", id="huge-header-length"),
+    pytest.param(lambda p: _raw(p, np.random.default_rng(0).bytes(4096)),
+                 r"not a safetensors file, or truncated: its header length \d+ exceeds", id="random-bytes"),
+    pytest.param(_truncated, r"tensor 'w': byte range 0\.\.32768 lies past the end of the data section \(3928 bytes\)",
+                 id="truncated-cannot-reshape-982-into-(64,128)"),
+    pytest.param(lambda p: _header_file(p, b"\xff\xfenot json"), r"its 10-byte header is not UTF-8 JSON",
+                 id="header-not-utf8"),
+    pytest.param(lambda p: _header_file(p, b"{'w': 1}"), r"its 8-byte header is not UTF-8 JSON \(Expecting property",
+                 id="header-not-json"),
+    pytest.param(lambda p: _header_file(p, [1, 2]), r"the safetensors header must be a JSON object, got list",
+                 id="header-not-an-object"),
+    pytest.param(lambda p: _header_file(p, {"w": [1, 2]}), r"tensor 'w': header entry must be an object",
+                 id="entry-not-an-object-TypeError"),
+    pytest.param(lambda p: _header_file(p, {"w": dict(W, dtype="F4", data_offsets=[0, 16])}, bytes(16)),
+                 r"tensor 'w' has unsupported dtype 'F4'", id="unknown-dtype"),
+    pytest.param(lambda p: _header_file(p, {"w": dict(W, dtype=["F32"], data_offsets=[0, 16])}, bytes(16)),
+                 r"tensor 'w' has unsupported dtype \['F32'\]", id="dtype-a-list-TypeError-unhashable"),
+    pytest.param(lambda p: _header_file(p, {"w": dict(W, shape=[2, -2], data_offsets=[0, 16])}, bytes(16)),
+                 r"tensor 'w': shape must be a list of non-negative integers, got \[2, -2\]", id="negative-shape"),
+    pytest.param(lambda p: _header_file(p, {"w": dict(W, data_offsets=[16, 0])}, bytes(16)),
+                 r"tensor 'w': data_offsets must be \[begin, end\] with 0 <= begin <= end, got \[16, 0\]",
+                 id="offsets-reversed"),
+    pytest.param(lambda p: _header_file(p, {"w": dict(W, data_offsets=[0])}, bytes(16)),
+                 r"tensor 'w': data_offsets must be \[begin, end\]", id="offsets-one-number-ValueError-unpack"),
+    pytest.param(lambda p: _header_file(p, {"w": dict(W, data_offsets=[0, 1 << 40])}, bytes(16)),
+                 r"tensor 'w': byte range 0\.\.1099511627776 lies past the end of the data section \(16 bytes\)",
+                 id="offsets-past-the-end"),
+    pytest.param(lambda p: _header_file(p, {"w": dict(W, data_offsets=[0, 12])}, bytes(16)),
+                 r"tensor 'w': byte range 0\.\.12 does not fit shape \(2, 2\) float32", id="offsets-wrong-length"),
+]
+
+
+@pytest.mark.parametrize("make,match", BAD_SAFETENSORS)
+def test_safetensors_file(tmp_path, make, match):
+  from models.checkpoint import read_safetensors
+  file = make(tmp_path / "model.safetensors")
+  with pytest.raises(ValueError) as e:
+    read_safetensors(file)
+  msg = str(e.value)
+  assert msg.startswith(f"{file}: ") and "\n" not in msg, msg
+  assert __import__("re").search(match, msg), (match, msg)
+
+
+def test_safetensors_good_file_still_reads(tmp_path):
+  from models.checkpoint import read_safetensors
+  t = read_safetensors(_good_file(tmp_path / "a.safetensors"))
+  assert t["w"].shape == (64, 128) and float(t["w"].sum()) == 64 * 128
+
+
+@pytest.mark.parametrize("index,match", [
+    pytest.param("{", r"model\.safetensors\.index\.json: not valid JSON", id="index-invalid-json"),
+    pytest.param("[]", r"index\.json: expected a JSON object", id="index-a-list"),
+    pytest.param('{"metadata": {}}', r'index\.json: "weight_map" must be a non-empty object',
+                 id="index-without-weight_map-KeyError"),
+    pytest.param('{"weight_map": {"w": 3}}', r'"weight_map" must be a non-empty object of tensor name -> shard',
+                 id="index-shard-not-a-string"),
+])
+def test_safetensors_index(tmp_path, index, match):
+  from models.checkpoint import checkpoint_files
+  (tmp_path / "model.safetensors.index.json").write_text(index)
+  with pytest.raises(ValueError, match=match):
+    checkpoint_files(str(tmp_path))
+
+
+def test_safetensors_duplicate_tensor_names_both_shards(tmp_path):
+  from models.checkpoint import read_hf_tensors, write_safetensors
+  for name in ("a", "b"):
+    write_safetensors(str(tmp_path / f"{name}.safetensors"), {"w": np.zeros(2, np.float32)})
+  with pytest.raises(ValueError, match=r"tensor 'w' appears in more than one shard: .*a\.safetensors and "
+                                       r".*b\.safetensors"):
+    read_hf_tensors(str(tmp_path))
+
+
+def test_fp8_scales_must_be_2d():
+  from models.checkpoint import dequantize_fp8_blocks
+  with pytest.raises(ValueError, match=r"2-D weight and 2-D scales, got weight \(4,\)"):
+    dequantize_fp8_blocks(np.zeros(4, np.float32), np.ones((1, 1), np.float32))
