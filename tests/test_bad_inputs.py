@@ -386,3 +386,80 @@ def test_fp8_scales_must_be_2d():
   from models.checkpoint import dequantize_fp8_blocks
   with pytest.raises(ValueError, match=r"2-D weight and 2-D scales, got weight \(4,\)"):
     dequantize_fp8_blocks(np.zeros(4, np.float32), np.ones((1, 1), np.float32))
+
+
+# ------------------------------------------------------------------------------------------------
+# Tokenizers (models.tokenizer)
+# ------------------------------------------------------------------------------------------------
+def _byte_checkpoint(tmp_path):
+  """A copy of the built-in checkpoint directory (config.json, model.safetensors, byte_tokenizer.json)."""
+  d = tmp_path / "ckpt"
+  d.mkdir()
+  for name in os.listdir(BUILTIN_DIR):
+    if name.endswith((".json", ".safetensors")) and name != "training.json":
+      shutil.copy(os.path.join(BUILTIN_DIR, name), d / name)
+  return d
+
+
+BAD_TOKENIZER_DIRS = [
+    pytest.param("tokenizer.json", '{"version": "1.0", "model": 3}',
+                 r"cannot read tokenizer .*tokenizer\.json: data did not match any variant",
+                 id="tokenizer.json-malformed-bare-Exception"),
+    pytest.param("tokenizer.json", "[1, 2", r"cannot read tokenizer .*tokenizer\.json: ", id="tokenizer.json-invalid"),
+    pytest.param("tokenizer_config.json", "{", r"tokenizer_config\.json: not valid JSON", id="tokenizer_config-invalid"),
+    pytest.param("config.json", "[]", r"config\.json: expected a JSON object", id="config.json-list-AttributeError"),
+    pytest.param("byte_tokenizer.json", '{"type": "byte", "vocab_size": "264"}',
+                 r"byte_tokenizer\.json: ByteTokenizer vocab_size='264': must be an int",
+                 id="byte-marker-vocab-string-TypeError"),
+    pytest.param("byte_tokenizer.json", '{"type": "byte", "bos_id": 300}',
+                 r"byte_tokenizer\.json: ByteTokenizer bos_id=300: must be an int in \[256, 264\)",
+                 id="byte-marker-bos-past-vocab"),
+]
+
+
+@pytest.mark.parametrize("name,text,match", BAD_TOKENIZER_DIRS)
+def test_tokenizer_files(tmp_path, name, text, match):
+  from models.tokenizer import load_tokenizer
+  d = _byte_checkpoint(tmp_path)
+  if name == "tokenizer_config.json":     # read only beside a tokenizer.json
+    _word_tokenizer(d)
+  (d / name).write_text(text)
+  with pytest.raises(ValueError) as e:
+    load_tokenizer(d)
+  assert "\n" not in str(e.value) and __import__("re").search(match, str(e.value)), str(e.value)
+
+
+def _word_tokenizer(d, vocab=264):
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w2"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(str(d / "tokenizer.json"))
+
+
+def test_tokenizer_special_id_types(tmp_path):
+  from models.tokenizer import load_tokenizer
+  d = _byte_checkpoint(tmp_path)
+  _word_tokenizer(d)
+  (d / "config.json").write_text(json.dumps(dict(BUILTIN_CONFIG, bos_token_id="<s>")))
+  with pytest.raises(ValueError, match=r"config\.json: bos_token_id='<s>': must be an integer token id"):
+    load_tokenizer(d)
+  (d / "config.json").write_text(json.dumps(dict(BUILTIN_CONFIG, eos_token_id=999)))
+  with pytest.raises(ValueError, match=r"tokenizer\.json with .*config\.json: HFTokenizer eos_id=999 is outside the "
+                                       r"vocabulary \[0, 264\)"):
+    load_tokenizer(d)
+
+
+@pytest.mark.parametrize("hf", [False, True], ids=["byte", "tokenizer.json"])
+@pytest.mark.parametrize("text,match", [
+    pytest.param("ab\udcff", r"character 2 is the byte 0xff, which is not UTF-8", id="argv-byte-0xff-UnicodeEncodeError"),
+    pytest.param("\ud800", r"character 0 is a lone surrogate U\+D800", id="lone-surrogate-TypeError-in-tokenizers"),
+])
+def test_tokenizer_encode_non_utf8_text(tmp_path, hf, text, match):
+  from models.tokenizer import ByteTokenizer, HFTokenizer
+  if hf:
+    _word_tokenizer(tmp_path)
+    tok = HFTokenizer(tmp_path / "tokenizer.json")
+  else:
+    tok = ByteTokenizer()
+  with pytest.raises(ValueError, match=match):
+    tok.encode(text)
