@@ -584,3 +584,16 @@ def test_console_scripts_exit_2_without_traceback(argv, match):
   lines = [ln for ln in err.strip().split("\n") if not ln.startswith("warning:")]
   assert r.returncode == 2 and not r.stdout.strip(), (r.returncode, r.stdout, err)
   assert len(lines) == 1 and match in lines[0] and "Traceback" not in err, err
+
+
+def test_capacity_cli_closed_stdout():
+  """`mla-capacity | head -1` ended in a BrokenPipeError traceback."""
+  read_end, write_end = os.pipe()
+  os.close(read_end)                    # every write to stdout now fails with EPIPE
+  try:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "mla_jax.capacity"], stdout=write_end, stderr=subprocess.PIPE,
+                       env=env, timeout=300, cwd=ROOT)
+  finally:
+    os.close(write_end)
+  assert r.returncode == 1 and b"Traceback" not in r.stderr, r.stderr
