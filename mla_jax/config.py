@@ -302,8 +302,8 @@ class ModelConfig:
         )
         # Where each field came from, for messages that name the key the user wrote.
         source = {f: f for f in kw}
-        source.update(num_mtp_layers="num_nextn_predict_layers", rope_theta="rope_theta",
-                      rope_type=f"{rope_key}.type")
+        source.update(num_mtp_layers="num_nextn_predict_layers",
+                      rope_theta=f"{rope_key}.rope_theta" if "rope_theta" in rope else "rope_theta")
         if rope_type not in ("default", "yarn"):
             raise ValueError(f"{rope_key}.type={rope_type!r}: not supported (expected 'yarn' or 'default')")
         if rope_type == "yarn":
@@ -374,8 +374,14 @@ _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
 
 
 def _number(v: Any) -> Any:
-    """A JSON int read into a float field becomes a float; anything else is left for the type check."""
-    return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+    """A JSON int read into a float field becomes a float (inf past float range); anything else is left
+    for the type check."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        try:
+            return float(v)
+        except OverflowError:
+            return math.inf
+    return v
 
 
 def _type_problem(annotation: str, v: Any) -> str | None:
@@ -386,7 +392,7 @@ def _type_problem(annotation: str, v: Any) -> str | None:
     if base == "int":
         ok = isinstance(v, int) and not isinstance(v, bool)
     elif base == "float":
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(_number(v))
     elif base == "bool":
         ok = isinstance(v, bool)
     else:
