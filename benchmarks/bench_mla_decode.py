@@ -48,13 +48,8 @@ def variants():
   return {
       "plain": MlaDecodeConfig(split_qk=False),
       "split_qk": MlaDecodeConfig(split_qk=True),
-      "seesaw": MlaDecodeConfig(seesaw=True),
-      "seesaw_c2": MlaDecodeConfig(seesaw=True, kv_chunks=2),
-      "seesaw_c4": MlaDecodeConfig(seesaw=True, kv_chunks=4),
-      "warp_spec": MlaDecodeConfig(seesaw=False),
       "splits2": MlaDecodeConfig(num_splits=2),
       "splits4": MlaDecodeConfig(num_splits=4),
-      "seesaw_splits2": MlaDecodeConfig(seesaw=True, num_splits=2),
   }
 
 
@@ -320,7 +315,7 @@ def main(argv=None):
                  help="also time the split_qk variant everywhere and split counts at small batch")
   p.add_argument("--variants", default="",
                  help="comma-separated named configs to time beside the default "
-                      "(see variants(): plain, split_qk, seesaw, seesaw_c2, ...)")
+                      "(see variants(): plain, split_qk, splits2, splits4)")
   p.add_argument("--only-flashmla", action="store_true",
                  help="only the cells FlashMLA was measured at (plus two ragged ones)")
   p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive path")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import numbers
+import os
 import sys
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -209,9 +210,11 @@ def plan_kv_cache(
       MHA / GQA: heads are split by tensor parallelism: ceil(H / tp) heads, ceil(G / tp) groups
         on a device (a KV group is replicated when tp > G), all sequences.
 
-    `gqa_groups` above H is capped at H (GQA with as many groups as heads is MHA). Raises
-    `ValueError` naming the argument for a non-positive size, an unknown `kv_dtype`, or a
-    `context_len` beyond `cfg.max_position_embeddings`.
+    `gqa_groups` above H is capped at H (GQA with as many groups as heads is MHA). `tp` must
+    divide H, or be a multiple of it (each head then replicated): tensor parallelism gives every
+    device whole heads. Raises `ValueError` naming the argument for a non-positive size, an
+    unknown `kv_dtype`, a `tp` that splits heads unevenly, or a `context_len` beyond
+    `cfg.max_position_embeddings`.
     """
     context_len = _positive_int("context_len", context_len)
     num_sequences = _positive_int("num_sequences", num_sequences)
@@ -233,6 +236,9 @@ def plan_kv_cache(
 
     layers = cfg.num_hidden_layers + (cfg.num_mtp_layers if include_mtp else 0)
     heads = cfg.num_attention_heads
+    if heads % tp and tp % heads:
+        raise ValueError(f"tp={tp} does not divide num_attention_heads={heads} (nor is it a multiple of it): "
+                         "tensor parallelism gives every device whole heads")
     groups = min(gqa_groups, heads)
     pages = _ceil_div(context_len + int(draft_tokens), page_size)
     alloc_tokens = pages * page_size
@@ -391,7 +397,7 @@ def _build_parser() -> _Parser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `mla-capacity` console script; returns 0, or exits 2 with a one-line error."""
+    """The `mla-capacity` console script; returns 0, or exits 2 with a one-line error (1 when stdout closes early)."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
@@ -416,7 +422,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 msg = f"{flag}: {msg}"
                 break
         parser.error(msg)
-    print(format_plan(plan))
+    try:
+        print(format_plan(plan))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `mla-capacity | head`: the reader left; exit without a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 

@@ -2,7 +2,9 @@
 
 `ModelConfig` speaks the vocabulary of DeepSeek's own `config.json` (the Hugging Face field
 names), so `ModelConfig.from_hf(dir)` is a field-for-field read. Every field is validated in
-`__post_init__`; an invalid value raises `ValueError` naming the field and the value.
+`__post_init__` (type, then range); an invalid value raises `ValueError` naming the field and the
+value. `from_hf` raises one-line `ValueError`s naming the file and the key for a file that is not
+a JSON object, a missing required key, or a value of the wrong type or range.
 """
 
 from __future__ import annotations
@@ -83,6 +85,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {why}")
+
+        for f in dataclasses.fields(self):
+            why = _type_problem(f.type, getattr(self, f.name))
+            if why:
+                raise bad(f.name, why)
 
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -225,21 +232,39 @@ class ModelConfig:
         """Read a DeepSeek-V2/V2-Lite/V3 `config.json` (a directory holding one, or the file itself).
 
         Accepts the v4 `rope_scaling` dict (`type`) and the v5 `rope_parameters` dict (`rope_type`,
-        possibly holding `rope_theta`), and `q_lora_rank: null`.
+        possibly holding `rope_theta`), and `q_lora_rank: null`. Raises FileNotFoundError when there
+        is no such file, and ValueError "<file>: <key>=<value>: <what is wrong>" for invalid JSON, a
+        file that is not a JSON object, a missing required key or a bad value.
         """
         path = os.fspath(path)
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"no config.json at {path!r}")
-        with open(file) as f:
-            return cls.from_hf_dict(json.load(f))
+        d = read_json_object(file)
+        try:
+            return cls.from_hf_dict(d)
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from None
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """`from_hf` on a parsed config.json; ValueErrors name the key (not the file)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a config must be a JSON object, got {_json_kind(d)}")
+        missing = [k for k in _REQUIRED_HF_KEYS if d.get(k) is None]
+        if missing:
+            raise ValueError("missing required key" + ("s " if len(missing) > 1 else " ")
+                             + ", ".join(repr(k) for k in missing))
         model_type = d.get("model_type", "deepseek_v3")
+        if not isinstance(model_type, str):
+            raise ValueError(f"model_type={model_type!r}: must be a string")
         v3 = model_type != "deepseek_v2"
         base = cls.deepseek_v3() if v3 else cls.deepseek_v2_lite()
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+        rope = d.get(rope_key) or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"{rope_key}={rope!r}: must be an object (or null), e.g. "
+                             '{"type": "yarn", "factor": 40, ...}')
         rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
 
@@ -262,30 +287,44 @@ class ModelConfig:
             # HF's V3 router always uses sigmoid + noaux_tc, whatever config.json says.
             scoring_func="sigmoid" if v3 else get("scoring_func", "softmax"),
             topk_method="noaux_tc" if v3 else get("topk_method", "greedy"),
-            norm_topk_prob=bool(get("norm_topk_prob", v3)),
-            routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=get("norm_topk_prob", v3),
+            routed_scaling_factor=_number(get("routed_scaling_factor", 1.0)),
             first_k_dense_replace=get("first_k_dense_replace", 0),
-            rope_theta=float(theta), rope_type="yarn" if rope_type == "yarn" else "default",
-            rope_interleave=bool(d.get("rope_interleave", True)),
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            num_mtp_layers=int(d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            initializer_range=float(d.get("initializer_range", 0.02)),
+            rope_theta=_number(theta), rope_type="yarn" if rope_type == "yarn" else "default",
+            rope_interleave=get("rope_interleave", True),
+            max_position_embeddings=get("max_position_embeddings", 4096),
+            rms_norm_eps=_number(get("rms_norm_eps", 1e-6)),
+            num_mtp_layers=get("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0,
+            tie_word_embeddings=get("tie_word_embeddings", False),
+            initializer_range=_number(get("initializer_range", 0.02)),
             bos_token_id=d.get("bos_token_id"), eos_token_id=_first(d.get("eos_token_id")),
             model_type=model_type,
         )
+        # Where each field came from, for messages that name the key the user wrote.
+        source = {f: f for f in kw}
+        source.update(num_mtp_layers="num_nextn_predict_layers",
+                      rope_theta=f"{rope_key}.rope_theta" if "rope_theta" in rope else "rope_theta")
         if rope_type not in ("default", "yarn"):
-            raise ValueError(f"config.json rope type {rope_type!r} is not supported (expected 'yarn' or 'default')")
+            raise ValueError(f"{rope_key}.type={rope_type!r}: not supported (expected 'yarn' or 'default')")
         if rope_type == "yarn":
+            if rope.get("factor") is None:
+                raise ValueError(f"{rope_key} has type 'yarn' but no 'factor'")
             kw.update(
-                rope_factor=float(rope["factor"]),
-                original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 4096)),
-                beta_fast=float(rope.get("beta_fast", 32.0)), beta_slow=float(rope.get("beta_slow", 1.0)),
-                mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
+                rope_factor=_number(rope["factor"]),
+                original_max_position_embeddings=rope.get("original_max_position_embeddings", 4096),
+                beta_fast=_number(rope.get("beta_fast", 32.0)), beta_slow=_number(rope.get("beta_slow", 1.0)),
+                mscale=_number(rope.get("mscale")), mscale_all_dim=_number(rope.get("mscale_all_dim")),
             )
+            source.update(rope_factor=f"{rope_key}.factor", **{
+                k: f"{rope_key}.{k}" for k in ("original_max_position_embeddings", "beta_fast", "beta_slow",
+                                               "mscale", "mscale_all_dim")})
         else:
             kw.update(rope_factor=1.0, mscale=None, mscale_all_dim=None)
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        for field, value in kw.items():
+            why = _type_problem(types[field], value)
+            if why:
+                raise ValueError(f"{source.get(field, field)}={value!r}: {why}")
         if kw["n_routed_experts"] == 0:
             kw.update(num_experts_per_tok=1, n_group=1, topk_group=1)
         return cls(**kw)
@@ -327,3 +366,78 @@ class ModelConfig:
 
 def _first(x: Any) -> Any:
     return x[0] if isinstance(x, (list, tuple)) and x else x
+
+
+# config.json keys without a sensible default: the model's shape.
+_REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _number(v: Any) -> Any:
+    """A JSON int read into a float field becomes a float (inf past float range); anything else is left
+    for the type check."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        try:
+            return float(v)
+        except OverflowError:
+            return math.inf
+    return v
+
+
+def _type_problem(annotation: str, v: Any) -> str | None:
+    """What is wrong with `v` for a field annotated `annotation` ("int", "float | None", ...), or None."""
+    base, _, optional = annotation.partition(" | ")
+    if v is None:
+        return None if optional == "None" else f"must be {_KIND_WORDS[base]}, not null"
+    if base == "int":
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    elif base == "float":
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(_number(v))
+    elif base == "bool":
+        ok = isinstance(v, bool)
+    else:
+        ok = isinstance(v, str)
+    if ok:
+        return None
+    return f"must be {_KIND_WORDS[base]}" + (" or null" if optional else "") + f", got {_json_kind(v)}"
+
+
+_KIND_WORDS = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}
+
+
+def _json_kind(v: Any) -> str:
+    """How JSON calls the type of a parsed value."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a decimal number" if math.isfinite(v) else f"{v}"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, (list, tuple)):
+        return "an array (list)"
+    if isinstance(v, dict):
+        return "an object"
+    return type(v).__name__
+
+
+def read_json_object(file: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object a file holds. ValueError naming the file when it is not UTF-8 JSON or not an object
+    (`{...}`); OSError when it cannot be read."""
+    file = os.fspath(file)
+    with open(file, "rb") as f:
+        raw = f.read()
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file}: not UTF-8 text (byte {e.start}); expected JSON") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{file}: JSON nested too deeply") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{file}: expected a JSON object ({{...}}), got {_json_kind(d)}")
+    return d

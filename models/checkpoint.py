@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from mla_jax.config import ModelConfig
+from mla_jax.config import ModelConfig, read_json_object
 
 _ST_TO_NP = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -48,28 +48,62 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # safetensors files, read and written by hand (F8_E4M3 and BF16 through ml_dtypes)
 # ------------------------------------------------------------------------------------------
 def read_safetensors(file: str) -> dict[str, np.ndarray]:
-    """All tensors of one .safetensors file as read-only numpy arrays (memory-mapped, any dtype incl. F8_E4M3)."""
+    """All tensors of one .safetensors file as read-only numpy arrays (memory-mapped, any dtype incl. F8_E4M3).
+
+    Raises ValueError naming the file, and the tensor where there is one, unless the file is well
+    formed: an 8-byte little-endian header length that fits in the file, a header that is a UTF-8
+    JSON object, and per tensor a known dtype, a shape of non-negative integers and data_offsets
+    [begin, end] inside the data section whose length matches the shape.
+    """
+    size = os.path.getsize(file)
     with open(file, "rb") as f:
         raw_len = f.read(8)
         if len(raw_len) != 8:
             raise ValueError(f"{file}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = np.frombuffer(raw_len, dtype="<u8")
-        header = json.loads(f.read(int(n)))
-    buf = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + int(n)) if os.path.getsize(file) > 8 + n else \
-        np.zeros((0,), np.uint8)
+        n = int(np.frombuffer(raw_len, dtype="<u8")[0])
+        if n > size - 8:
+            raise ValueError(f"{file}: not a safetensors file, or truncated: its header length {n} exceeds the "
+                             f"{size - 8} bytes that follow")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{file}: not a safetensors file: its {n}-byte header is not UTF-8 JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: the safetensors header must be a JSON object, got {type(header).__name__}")
+    data_size = size - 8 - n
+    buf = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + n) if data_size > 0 else np.zeros((0,), np.uint8)
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _ST_TO_NP:
-            raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
-        dt = _ST_TO_NP[info["dtype"]]
-        begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
+        where = f"{file}: tensor {name!r}"
+        if not isinstance(info, dict):
+            raise ValueError(f"{where}: header entry must be an object with dtype, shape and data_offsets, "
+                             f"got {info!r:.80}")
+        st_dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(st_dtype, str) or st_dtype not in _ST_TO_NP:
+            raise ValueError(f"{where} has unsupported dtype {st_dtype!r} (known: {', '.join(_ST_TO_NP)})")
+        if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+            raise ValueError(f"{where}: shape must be a list of non-negative integers, got {shape!r:.80}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
+            raise ValueError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, "
+                             f"got {offsets!r:.80}")
+        dt = _ST_TO_NP[st_dtype]
+        begin, end = offsets
+        shape = tuple(shape)
+        if end > data_size:
+            raise ValueError(f"{where}: byte range {begin}..{end} lies past the end of the data section "
+                             f"({data_size} bytes): the file is truncated or its header is wrong")
         if end - begin != math.prod(shape) * dt.itemsize:
-            raise ValueError(f"{file}: tensor {name!r} byte range {begin}..{end} does not fit shape {shape} {dt}")
+            raise ValueError(f"{where}: byte range {begin}..{end} does not fit shape {shape} {dt}")
         out[name] = buf[begin:end].view(dt).reshape(shape)
     return out
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def write_safetensors(file: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
@@ -96,6 +130,9 @@ def write_safetensors(file: str, tensors: dict[str, np.ndarray], metadata: dict[
 
 def dequantize_fp8_blocks(q: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
     """fp8 [out, in] · scale_inv [ceil(out/block), ceil(in/block)] per block -> float32 [out, in]."""
+    if q.ndim != 2 or scale_inv.ndim != 2:
+        raise ValueError(f"fp8 block scaling needs a 2-D weight and 2-D scales, got weight {q.shape} and "
+                         f"weight_scale_inv {tuple(scale_inv.shape)}")
     o, i = q.shape
     want = (-(-o // block), -(-i // block))
     if tuple(scale_inv.shape) != want:
@@ -123,8 +160,10 @@ def checkpoint_files(path: str) -> list[str]:
         raise FileNotFoundError(f"no checkpoint at {path!r}")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json_object(index).get("weight_map")
+        if not (isinstance(weight_map, dict) and weight_map
+                and all(isinstance(v, str) and v for v in weight_map.values())):
+            raise ValueError(f"{index}: \"weight_map\" must be a non-empty object of tensor name -> shard file name")
         files = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
         for s in files:
             if not os.path.isfile(s):
@@ -140,31 +179,37 @@ def checkpoint_files(path: str) -> list[str]:
 
 
 def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
-    """Every tensor of a checkpoint, HF names, fp8 block-scaled weights dequantized to float32."""
+    """Every tensor of a checkpoint, HF names, fp8 block-scaled weights dequantized to float32.
+
+    ValueErrors name the file and the tensor (see `read_safetensors`, `checkpoint_files`).
+    """
     raw: dict[str, np.ndarray] = {}
+    origin: dict[str, str] = {}  # tensor -> the file it came from, for messages
     for file in checkpoint_files(path):
         for k, v in read_safetensors(file).items():
             if k in raw:
-                raise ValueError(f"tensor {k!r} appears in more than one shard")
-            raw[k] = v
+                raise ValueError(f"tensor {k!r} appears in more than one shard: {origin[k]} and {file}")
+            raw[k], origin[k] = v, file
     out = {}
     for k, v in raw.items():
         if k.endswith("_scale_inv"):
             if k[: -len("_scale_inv")] not in raw:
-                raise ValueError(f"unexpected tensor {k!r}: scale without its weight {k[:-len('_scale_inv')]!r}")
+                raise ValueError(f"{origin[k]}: unexpected tensor {k!r}: scale without its weight "
+                                 f"{k[:-len('_scale_inv')]!r}")
             continue
         if v.dtype in (_ST_TO_NP["F8_E4M3"], _ST_TO_NP["F8_E5M2"]):
             s = raw.get(k + "_scale_inv")
             if s is None:
-                raise ValueError(f"fp8 tensor {k!r} has no {k + '_scale_inv'!r} block scales")
+                raise ValueError(f"{origin[k]}: fp8 tensor {k!r} has no {k + '_scale_inv'!r} block scales")
             if v.ndim != 2:
-                raise ValueError(f"fp8 tensor {k!r} must be 2-D, got shape {v.shape}")
+                raise ValueError(f"{origin[k]}: fp8 tensor {k!r} must be 2-D, got shape {v.shape}")
             try:
                 out[k] = dequantize_fp8_blocks(v, s)
             except ValueError as e:
-                raise ValueError(f"tensor {k + '_scale_inv'!r}: {e}") from None
+                raise ValueError(f"{origin[k]}: tensor {k + '_scale_inv'!r}: {e}") from None
         elif k + "_scale_inv" in raw:
-            raise ValueError(f"tensor {k!r} has block scales {k + '_scale_inv'!r} but is {v.dtype}, not fp8")
+            raise ValueError(f"{origin[k]}: tensor {k!r} has block scales {k + '_scale_inv'!r} but is {v.dtype}, "
+                             "not fp8")
         else:
             out[k] = v
     return out

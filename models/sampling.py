@@ -5,7 +5,7 @@ Dimension letters: B rows (sequences), V vocabulary.
 
 Every row carries its own parameters as arrays, so one compiled step serves a batch that mixes
 greedy and sampled requests:
-    temperature f32 [B]  0 = greedy (argmax)
+    temperature f32 [B]  0 = greedy (argmax); so is anything below MIN_TEMPERATURE
     top_k       i32 [B]  0 = off; else keep the k most likely tokens
     top_p       f32 [B]  1 = off; else keep the smallest prefix (by probability) whose mass >= top_p
     min_p       f32 [B]  0 = off; else keep tokens with p >= min_p * max(p)
@@ -13,6 +13,13 @@ The filters apply in that order (temperature, top-k, top-p, min-p), each on the 
 by the previous one, as in vLLM and HF. `filtered_probs` returns the resulting distribution; a
 greedy row gets the one-hot distribution of its argmax, so the rejection-sampling rule below is
 exact for greedy too (accept iff the draft is the argmax, else emit the argmax).
+
+Numerics: a row is tempered as (logits - max) / temperature in fp32, so the most likely token
+scores exactly 0 and every other one <= 0 at any temperature (no inf - inf, no overflow in exp);
+a tiny temperature tends to greedy, and below `MIN_TEMPERATURE` (where a device may flush the
+divisor to zero) the row is greedy. Logits that are NaN or +inf give no distribution at all:
+`finite_rows` flags such rows inside the jitted step, and the host raises
+`NonFiniteLogitsError` (`check_finite_rows`) instead of emitting whatever token a NaN draw gives.
 """
 
 from __future__ import annotations
@@ -23,15 +30,20 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _F32 = jnp.float32
+# The smallest normal float32 (1.18e-38). Below it a temperature is subnormal, which the device may
+# flush to zero (0 / 0 = NaN), so such rows are greedy; above it tempering is exact.
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How a request's tokens are drawn.
 
-    temperature: >= 0; 0 means greedy (argmax, the other filters are then irrelevant).
+    temperature: >= 0; 0 means greedy (argmax, the other filters are then irrelevant), as does
+        anything below `MIN_TEMPERATURE`.
     top_k: >= 0; 0 = no top-k filter.
     top_p: in (0, 1]; 1 = no nucleus filter.
     min_p: in [0, 1]; 0 = no min-p filter.
@@ -71,7 +83,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 class SamplingArrays(NamedTuple):
@@ -117,9 +129,12 @@ def filtered_probs(logits_BV: jax.Array, s: SamplingArrays, *, filtered: bool = 
     """
     logits = logits_BV.astype(_F32)
     B, V = logits.shape
-    greedy = s.temperature <= 0.0
+    greedy = s.temperature < MIN_TEMPERATURE
     t = jnp.where(greedy, 1.0, s.temperature)[:, None]
-    scaled = logits / t
+    # Shift first: the max scores exactly 0 and the rest <= 0 whatever t is. logits / t at a tiny t
+    # is ~1e11 in magnitude, and softmax's own max-subtraction then differed by rounding from the
+    # values it exponentiated (exp(+1e4) = inf, inf / inf = NaN under jit).
+    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / t
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=_F32)
     if not filtered:
         return jnp.where(greedy[:, None], onehot, jax.nn.softmax(scaled, axis=-1))
@@ -140,6 +155,35 @@ def filtered_probs(logits_BV: jax.Array, s: SamplingArrays, *, filtered: bool = 
     keep = keep & (p >= s.min_p[:, None] * jnp.max(p, axis=-1, keepdims=True))
     probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
     return jnp.where(greedy[:, None], onehot, probs)
+
+
+def finite_rows(logits_BV: jax.Array) -> jax.Array:
+    """bool [B]: whether each row of logits [B, V] defines a distribution: no NaN, no +inf, and at
+    least one finite logit (-inf entries are fine: masked tokens). Jit-able; compute it in the step
+    beside the sampled tokens and pass it to `check_finite_rows` on the host. A False row came
+    from non-finite weights or activations; its "sampled" token is meaningless."""
+    x = logits_BV.astype(_F32)
+    return ~jnp.any(jnp.isnan(x) | (x == jnp.inf), axis=-1) & jnp.any(jnp.isfinite(x), axis=-1)
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model produced NaN / infinite logits (a `ValueError`: command-line tools print it as one line)."""
+
+
+def check_finite_rows(finite_B, requests=None) -> None:
+    """Raise `NonFiniteLogitsError` unless every entry of `finite_B` (from `finite_rows`) is True.
+
+    requests: optional labels of the rows (e.g. request indices) for the message; default the row
+    indices. Host-side (reads the flags).
+    """
+    ok = np.asarray(finite_B, bool).reshape(-1)
+    if ok.all():
+        return
+    bad = np.flatnonzero(~ok)
+    names = [requests[i] for i in bad] if requests is not None else bad.tolist()
+    raise NonFiniteLogitsError(
+        f"the model produced NaN or infinite logits for request(s) {names}: its weights or activations are not "
+        "finite (a corrupt or mis-converted checkpoint, or a dtype that overflows)")
 
 
 def sample_from_probs(keys_B2: jax.Array, probs_BV: jax.Array) -> jax.Array:

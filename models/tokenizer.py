@@ -9,6 +9,9 @@ Interface (both classes):
 says it uses it with the marker file `byte_tokenizer.json` (written by `save_byte_tokenizer`).
 
 `load_tokenizer(dir)` picks `tokenizer.json` (HF) when present, else the byte marker, else raises.
+A malformed file raises `ValueError` naming it; text that is not valid Unicode (a lone surrogate,
+which is how Python hands over the undecodable bytes of a non-UTF-8 command-line argument) raises
+`ValueError` from `encode` naming the offending byte.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Iterable
+
+from mla_jax.config import read_json_object
 
 BYTE_TOKENIZER_FILE = "byte_tokenizer.json"  # the marker a byte-level checkpoint carries
 HF_TOKENIZER_FILE = "tokenizer.json"
@@ -27,18 +32,21 @@ class ByteTokenizer:
     num_bytes = 256
 
     def __init__(self, bos_id: int = 256, eos_id: int = 257, pad_id: int = 258, vocab_size: int = 264):
+        if not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size > self.num_bytes + 2):
+            raise ValueError(f"ByteTokenizer vocab_size={vocab_size!r}: must be an int > {self.num_bytes + 2} "
+                             "(256 bytes and 3 special ids)")
         specials = {"bos_id": bos_id, "eos_id": eos_id, "pad_id": pad_id}
         for name, v in specials.items():
             if not (isinstance(v, int) and self.num_bytes <= v < vocab_size):
                 raise ValueError(f"ByteTokenizer {name}={v!r}: must be an int in [{self.num_bytes}, {vocab_size})")
+            if isinstance(v, bool):
+                raise ValueError(f"ByteTokenizer {name}={v!r}: must be an int, not a boolean")
         if len(set(specials.values())) != 3:
             raise ValueError(f"ByteTokenizer special ids must differ, got {specials}")
         self.bos_id, self.eos_id, self.pad_id, self.vocab_size = bos_id, eos_id, pad_id, vocab_size
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError(f"encode expects str, got {type(text).__name__}")
-        ids = list(text.encode("utf-8"))
+        ids = list(_utf8(text))
         return [self.bos_id, *ids] if add_bos else ids
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -71,24 +79,18 @@ class HFTokenizer:
 
     def __init__(self, path: str | os.PathLike, bos_id: int | None = None, eos_id: int | None = None,
                  pad_id: int | None = None):
-        from tokenizers import Tokenizer
-
         path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no tokenizer file at {path!r}")
-        try:
-            self._tok = Tokenizer.from_file(path)
-        except Exception as e:  # the library raises a bare Exception on a malformed file
-            raise ValueError(f"cannot read tokenizer {path!r}: {e}") from e
+        self._tok = _read_hf_tokenizer(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         for name, v in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"HFTokenizer {name}={v!r}: must be an integer token id or None")
             if v is not None and not 0 <= v < self.vocab_size:
                 raise ValueError(f"HFTokenizer {name}={v} is outside the vocabulary [0, {self.vocab_size})")
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        _utf8(text)  # the library raises TypeError("TextInputSequence must be str") on a lone surrogate
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else list(ids)
 
@@ -97,6 +99,32 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
+
+
+def _utf8(text: str) -> bytes:
+    """`text` as UTF-8; TypeError for a non-str, ValueError naming the first character UTF-8 cannot hold."""
+    if not isinstance(text, str):
+        raise TypeError(f"encode expects str, got {type(text).__name__}")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = (f"the byte 0x{c - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= c <= 0xDCFF  # surrogateescape
+                else f"a lone surrogate U+{c:04X}")
+        raise ValueError(f"the text is not valid Unicode: character {e.start} is {what}; pass UTF-8 text") from None
+
+
+def _read_hf_tokenizer(path: str):
+    """`tokenizers.Tokenizer` of a tokenizer.json; FileNotFoundError / ValueError naming the file."""
+    from tokenizers import Tokenizer
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no tokenizer file at {path!r}")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the library raises a bare Exception on a malformed file
+        reason = " ".join(str(e).split())
+        raise ValueError(f"cannot read tokenizer {path}: {reason}") from None
 
 
 def save_byte_tokenizer(directory: str | os.PathLike, tok: ByteTokenizer | None = None) -> str:
@@ -110,14 +138,15 @@ def save_byte_tokenizer(directory: str | os.PathLike, tok: ByteTokenizer | None 
 
 
 def _read_json(path: str) -> dict:
+    """The JSON object of a file, {} when there is no file; ValueError naming a malformed one."""
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    return read_json_object(path)
 
 
-def _special_id(tok, tok_cfg: dict, key: str, fallback):
-    """An id from tokenizer_config.json's `bos_token`-style entry (str or {"content": str}), else `fallback`."""
+def _special_id(tok, tok_cfg: dict, key: str, model_cfg: dict, model_cfg_path: str):
+    """An id from tokenizer_config.json's `bos_token`-style entry (str or {"content": str}), else
+    config.json's `<key>_id` (an int, a list of ints whose first counts, or null)."""
     entry = tok_cfg.get(key)
     if isinstance(entry, dict):
         entry = entry.get("content")
@@ -125,8 +154,12 @@ def _special_id(tok, tok_cfg: dict, key: str, fallback):
         i = tok.token_to_id(entry)
         if i is not None:
             return i
+    fallback = model_cfg.get(key + "_id")
     if isinstance(fallback, list):  # config.json may list several eos ids
         fallback = fallback[0] if fallback else None
+    if fallback is not None and (not isinstance(fallback, int) or isinstance(fallback, bool)):
+        raise ValueError(f"{model_cfg_path}: {key}_id={model_cfg[key + '_id']!r}: must be an integer token id, "
+                         "a list of them, or null")
     return fallback
 
 
@@ -141,24 +174,25 @@ def load_tokenizer(checkpoint_dir: str | os.PathLike) -> ByteTokenizer | HFToken
         raise FileNotFoundError(f"checkpoint directory {d!r} does not exist")
     hf_path = os.path.join(d, HF_TOKENIZER_FILE)
     byte_path = os.path.join(d, BYTE_TOKENIZER_FILE)
-    model_cfg = _read_json(os.path.join(d, "config.json"))
+    cfg_path = os.path.join(d, "config.json")
+    model_cfg = _read_json(cfg_path)
     if os.path.isfile(hf_path):
-        from tokenizers import Tokenizer
-
         tok_cfg = _read_json(os.path.join(d, "tokenizer_config.json"))
-        raw = Tokenizer.from_file(hf_path)
-        return HFTokenizer(
-            hf_path,
-            bos_id=_special_id(raw, tok_cfg, "bos_token", model_cfg.get("bos_token_id")),
-            eos_id=_special_id(raw, tok_cfg, "eos_token", model_cfg.get("eos_token_id")),
-            pad_id=_special_id(raw, tok_cfg, "pad_token", model_cfg.get("pad_token_id")),
-        )
+        raw = _read_hf_tokenizer(hf_path)
+        ids = {name: _special_id(raw, tok_cfg, f"{name}_token", model_cfg, cfg_path) for name in ("bos", "eos", "pad")}
+        try:
+            return HFTokenizer(hf_path, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"])
+        except ValueError as e:  # a special id outside the vocabulary: say which files disagree
+            raise ValueError(f"{hf_path} with {cfg_path}: {e}") from None
     if os.path.isfile(byte_path):
         spec = _read_json(byte_path)
         if spec.get("type") != "byte":
             raise ValueError(f"{byte_path}: expected \"type\": \"byte\", got {spec.get('type')!r}")
-        tok = ByteTokenizer(bos_id=spec.get("bos_id", 256), eos_id=spec.get("eos_id", 257),
-                            pad_id=spec.get("pad_id", 258), vocab_size=spec.get("vocab_size", 264))
+        try:
+            tok = ByteTokenizer(bos_id=spec.get("bos_id", 256), eos_id=spec.get("eos_id", 257),
+                                pad_id=spec.get("pad_id", 258), vocab_size=spec.get("vocab_size", 264))
+        except ValueError as e:
+            raise ValueError(f"{byte_path}: {e}") from None
         vocab = model_cfg.get("vocab_size")
         if vocab is not None and vocab != tok.vocab_size:
             raise ValueError(f"{byte_path}: byte tokenizer vocab_size={tok.vocab_size} but config.json has "

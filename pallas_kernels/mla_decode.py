@@ -23,10 +23,6 @@ flash-decoding loop over pages:
   tensor work, no synchronisation); the split-QK one has each compute S for 32 of the 64 tokens
   and exchange row maxima, P halves and row sums through SMEM (two CTA barriers per page).
   `MlaDecodeConfig.split_qk` picks; by default split-QK when all 64 rows of a CTA are real.
-* A third kernel, `_decode_partials_seesaw` (`MlaDecodeConfig(seesaw=True)`, opt-in): two
-  warpgroups and no TMA warpgroup, pages in pairs, one warpgroup's softmax beside the other's
-  products (FlashMLA's published schedule). Correct, but measured 1.3-2.4x slower than the
-  default on an H200 (255 registers with spills); NOTES.md has the analysis.
 * Ragged lengths: keys at positions >= the row's limit get -inf scores; the V rows of a partial
   last page are zeroed in SMEM first, because P=0 times a garbage (even NaN) V row is still NaN.
 """
@@ -44,6 +40,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import _platform
+from pallas_kernels._page_table import check_page_table
 
 PAGE_SIZE = 64          # tokens per KV page (the TMA box and the wgmma N of Q·Kᵀ)
 KEY_DIM = 576           # latent 512 ; rope 64
@@ -59,9 +56,6 @@ _M_INIT = -1e30
 # bf16 tiles as wgmma wants them: 8x64 tiles, 128-byte swizzle. Also splits the 576-wide rows
 # into <=256-element TMA boxes.
 _BF16_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-# Token ranges (start, count) of the TMA copies of one KV page in the seesaw kernel (row ranges,
-# because only those are contiguous in the tiled SMEM layout).
-_KV_CHUNKS = {n: tuple((c * PAGE_SIZE // n, PAGE_SIZE // n) for c in range(n)) for n in (1, 2, 4)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +80,6 @@ class MlaDecodeConfig:
       when the 64 query rows of a CTA are all real (s_q * H >= 64): on an H200 it was 2-16 %
       faster there, and 2-5 % slower for H=16/32 at s_q=1, where rows are padding and the
       kernel is purely bandwidth-bound.
-    seesaw: use the seesaw kernel (`_decode_partials_seesaw`): two warpgroups, no TMA
-      warpgroup, pages in pairs with one warpgroup's softmax overlapping the other's matrix
-      products. None/False = the warp-specialised kernel (the seesaw one measured 1.3-2.4x
-      slower on an H200, see NOTES.md), so it is opt-in.
-    kv_chunks: seesaw kernel only: TMA copies (each with its own barrier) per KV page, 1, 2 or 4
-      token ranges; Q·Kᵀ consumes them as they land.
     interpretable: use constructs the Pallas interpreter can run (P staged through SMEM, P·V
       accumulated with ``run_scoped`` instead of ``run_state``); slower, for interpret mode only.
   """
@@ -104,8 +92,6 @@ class MlaDecodeConfig:
   memory_registers: int = 40
   combine_block_cols: int = 128
   split_qk: bool | None = None
-  seesaw: bool | None = None
-  kv_chunks: int = 1
   interpretable: bool = False
 
   def __post_init__(self):
@@ -124,8 +110,6 @@ class MlaDecodeConfig:
     if not 24 <= self.memory_registers <= 256 or self.memory_registers % 8:
       raise ValueError(
           f"memory_registers must be a multiple of 8 in [24, 256], got {self.memory_registers}")
-    if self.kv_chunks not in _KV_CHUNKS:
-      raise ValueError(f"kv_chunks must be one of {tuple(_KV_CHUNKS)}, got {self.kv_chunks}")
     if self.combine_block_cols not in (64, 128, 256):
       raise ValueError(
           f"combine_block_cols must be one of 64, 128, 256, got {self.combine_block_cols}")
@@ -146,15 +130,15 @@ def _key_limits(seq_lens, s_q: int, causal: bool):
 
 
 def mla_decode_reference(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal=False,
-                         config=None, impl=None):
-  """Plain-jnp absorbed MLA decode with fp32 math; same contract as `mla_decode`.
+                         config=None, impl=None, checked=False):
+  """Plain-jnp absorbed MLA decode with fp32 math; same contract (and checks) as `mla_decode`.
 
   ``config`` and ``impl`` are accepted (and ignored) so the two functions are interchangeable.
   A query with no visible key (only possible when causal and seq_len < s_q) gets out = 0 and
   lse = -inf, as in the kernel.
   """
   del config, impl
-  _validate(q, kv_pages, block_table, seq_lens, softmax_scale)
+  _validate(q, kv_pages, block_table, seq_lens, softmax_scale, checked=checked)
   B, s_q, H, _ = q.shape
   kv_BSK = kv_pages[block_table].reshape(B, -1, KEY_DIM).astype(jnp.float32)   # (B, S, K)
   keys = jnp.arange(kv_BSK.shape[1], dtype=jnp.int32)
@@ -181,7 +165,39 @@ def mla_decode_reference(q, kv_pages, block_table, seq_lens, *, softmax_scale, c
 # ------------------------------------------------------------------------------------------------
 
 
-def _validate(q, kv_pages, block_table, seq_lens, softmax_scale):
+def mla_decode_problems(heads, latent_dim, page_size, dtype) -> list[str]:
+  """Why `mla_decode` cannot serve a model shape: [] when it can, else one line per broken limit.
+
+  Args:
+    heads: query heads of one call (H of q; per device under tensor parallelism).
+    latent_dim: values cached per token, kv_lora_rank + qk_rope_head_dim.
+    page_size: tokens a cache page.
+    dtype: the pages' dtype: a jnp / numpy dtype, or a cache format name ("bf16", "fp32", ...).
+
+  The limits are this module's `SUPPORTED_HEADS`, `KEY_DIM` and `PAGE_SIZE`, and bf16 pages; the
+  query length (at most `MAX_QUERY_LEN`) is a property of a step, not of the model, and is
+  checked per call.
+  """
+  problems = []
+  if heads not in SUPPORTED_HEADS:
+    problems.append(f"heads = {heads!r} (the decode kernel supports H in {SUPPORTED_HEADS})")
+  if latent_dim != KEY_DIM:
+    problems.append(f"latent_dim = {latent_dim!r} (the decode kernel needs {KEY_DIM} = {LATENT_DIM} "
+                    f"latent + {KEY_DIM - LATENT_DIM} rope)")
+  if page_size != PAGE_SIZE:
+    problems.append(f"page_size = {page_size!r} (the decode kernel needs {PAGE_SIZE})")
+  name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype) \
+      if isinstance(dtype, str) else dtype
+  try:
+    shown = jnp.dtype(name).name
+  except TypeError:
+    shown = repr(dtype)
+  if shown != "bfloat16":
+    problems.append(f"dtype = {shown} (the decode kernel reads bfloat16 pages)")
+  return problems
+
+
+def _validate(q, kv_pages, block_table, seq_lens, softmax_scale, *, checked=False):
   if q.ndim != 4:
     raise ValueError(f"q must be [B, s_q, H, {KEY_DIM}], got shape {q.shape}")
   B, s_q, H, D = q.shape
@@ -214,6 +230,8 @@ def _validate(q, kv_pages, block_table, seq_lens, softmax_scale):
                      f"got {softmax_scale!r}")
   if not math.isfinite(softmax_scale) or softmax_scale <= 0:
     raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+  check_page_table(block_table, seq_lens, num_pages=kv_pages.shape[0], page_size=PAGE_SIZE,
+                   checked=checked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +241,6 @@ class _Plan:
   num_splits: int        # KV splits per sequence (after dropping splits that are always empty)
   pages_per_split: int
   split_qk: bool         # the Q·Kᵀ-split body (see MlaDecodeConfig.split_qk)
-  seesaw: bool = False   # the seesaw kernel (see MlaDecodeConfig.seesaw); split_qk is then moot
 
 
 def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConfig) -> _Plan:
@@ -237,8 +254,7 @@ def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConf
   splits = max(1, min(splits, max_pages))
   pages_per_split = pl.cdiv(max_pages, splits)
   split_qk = config.split_qk if config.split_qk is not None else s_q * heads >= ROWS
-  seesaw = bool(config.seesaw)
-  return _Plan(row_blocks, pl.cdiv(max_pages, pages_per_split), pages_per_split, split_qk, seesaw)
+  return _Plan(row_blocks, pl.cdiv(max_pages, pages_per_split), pages_per_split, split_qk)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -442,257 +458,6 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
   return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens)
 
 
-def _decode_partials_seesaw(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, causal, scale,
-                            plan_: _Plan, config: MlaDecodeConfig, interpret):
-  """Main kernel, seesaw schedule (same outputs as `_decode_partials`).
-
-  Two warpgroups and no TMA warpgroup; each issues the page loads for the KV slot it is the last
-  to read. Pages are taken in pairs: warpgroup 0 scores page 2t (slot 0), warpgroup 1 page 2t+1
-  (slot 1), each for all 64 tokens, and each accumulates its 256 output columns from both:
-
-    WG0: S0 = Q·K0ᵀ; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0)          -> m0, P0 to WG1
-         O_L = O_L·exp2(m - m0) + P0·V0_L                                  (WG1's softmax runs)
-         <- m1, P1;  O_L = O_L·exp2(m0 - m1) + P1·V1_L
-    WG1: S1 = Q·K1ᵀ;  <- m0, P0;  m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1)  -> m1, P1 to WG0
-         O_R = O_R·exp2(m - m0) + P0·V0_R;  O_R = O_R·exp2(m0 - m1) + P1·V1_R
-
-  so no Q·Kᵀ is computed twice, and one warpgroup's softmax runs beside the other's matrix
-  products. P of a page is written (bf16) over that page's 64 rope columns in its KV slot once
-  its Q·Kᵀ is done (P·V only reads the 512 latent columns), so the exchange needs no SMEM of its
-  own and both P·V products read A from SMEM. Every hand-off is a single-arrival barrier
-  completed once per pair; the comments at each wait say why a buffer is free.
-  """
-  B, Rp, _ = q_rows.shape
-  G, S, pps = plan_.row_blocks, plan_.num_splits, plan_.pages_per_split
-  final = S == 1
-  scale_log2 = scale * _LOG2E
-  interp = config.interpretable
-  out_type = _partials_out_type(B, S, Rp, q_rows.dtype)
-  chunks = _KV_CHUNKS[config.kv_chunks]
-  tile = lambda *shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=_BF16_TRANSFORMS)  # noqa: E731
-  scratch = dict(
-      q_smem=tile(ROWS, KEY_DIM),
-      kv_smem=tile(2, PAGE_SIZE, KEY_DIM),
-      stat_smem=plgpu.SMEM((4, ROWS), jnp.float32),   # [m0, m1, l of WG0, l of WG1]
-      q_bar=plgpu.Barrier(),
-      kv_bar=plgpu.Barrier(num_barriers=2 * len(chunks)),   # TMA completion per (slot, chunk)
-      m0_bar=plgpu.Barrier(),                         # WG0 -> WG1: m0 and P0 written
-      s1_bar=plgpu.Barrier(),                         # WG1 -> WG0: m1 and P1 written
-      done0_bar=plgpu.Barrier(),                      # WG0 -> WG1: WG0 is done with slot 0
-      done1_bar=plgpu.Barrier(),                      # WG1 -> WG0: WG1 is done with slot 1
-      l_bar=plgpu.Barrier(num_arrivals=2))
-  half = LATENT_DIM // 2
-  wgmma_layout = plgpu.Layout.WGMMA
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  f32 = jnp.float32
-  rope = pl.ds(LATENT_DIM, KEY_DIM - LATENT_DIM)
-
-  @functools.partial(
-      plgpu.kernel, out_type=out_type, grid=(G, S, B), grid_names=("g", "s", "b"),
-      num_threads=2, thread_name="wg", scratch_types=scratch,
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret)
-  def mla_decode_seesaw(q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref, q_smem, kv_smem,
-                        stat_smem, q_bar, kv_bar, m0_bar, s1_bar, done0_bar, done1_bar, l_bar):
-    g, s, b = lax.axis_index("g"), lax.axis_index("s"), lax.axis_index("b")
-    wg = lax.axis_index("wg")
-    seq_len = lens_ref[b]
-    first_page = s * pps
-    n_pages = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
-    split_end = (first_page + n_pages) * PAGE_SIZE     # keys of this split end here
-    kv_end = jnp.minimum(seq_len, split_end)             # ... and written rows here
-    rows = pl.ds(g * ROWS, ROWS)
-
-    def fetch(j, slot):
-      page = bt_ref[b, first_page + j]
-      for c, (t0, tw) in enumerate(chunks):
-        ts = pl.ds(t0, tw)
-        plgpu.copy_gmem_to_smem(kv_ref.at[page, ts], kv_smem.at[slot, ts],
-                                kv_bar.at[slot * len(chunks) + c])
-
-    def wait_chunk(slot, c, present):
-      bar = kv_bar.at[slot * len(chunks) + c]
-      if present is None:
-        plgpu.barrier_wait(bar)
-      else:
-        @pl.when(present)
-        def _():
-          plgpu.barrier_wait(bar)
-
-    def wait_slot(slot, present=None):
-      for c in range(len(chunks)):
-        wait_chunk(slot, c, present)
-
-    def softmax_page(slot, j, m_prev, present=None):
-      """S of the page in a slot (waiting for it chunk by chunk, so the first products start
-      before the last bytes land), masked; returns (m_new, P in fp32). ``present``: whether the
-      slot holds page j at all (None: always). A page past the split (the odd page of a last
-      pair) is masked whole, whatever the slot holds (a stale page or uninitialised SMEM)."""
-      kv = kv_smem.at[slot]
-
-      def qk(acc_ref):
-        for c, (t0, tw) in enumerate(chunks):
-          ts = pl.ds(t0, tw)
-          wait_chunk(slot, c, present)
-          plgpu.wgmma(acc_ref.at[:, ts], q_smem, kv.at[ts].transpose((1, 0)))
-        return acc_ref[...]
-      sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), f32)) * scale_log2
-      key = (first_page + j) * PAGE_SIZE + plgpu.broadcasted_iota(
-          jnp.int32, (ROWS, PAGE_SIZE), 1, layout=wgmma_layout)
-      lim = jnp.minimum(_row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal), split_end)
-      sc = jnp.where(key < lim, sc, -jnp.inf)
-      m_new = jnp.maximum(m_prev, sc.max(axis=1))
-      return m_new, jnp.exp2(sc - bcast(m_new, sc))
-
-    def publish_p(slot, p):
-      # The page's rope columns are dead once its Q·Kᵀ is done: P (query rows x tokens) goes there.
-      kv_smem[slot, :, rope] = p.astype(jnp.bfloat16)
-
-    def zero_v(slot, j, col0):
-      """Zeroes V rows at and past the written end in columns [col0, col0 + 256) of a slot: the
-      unwritten tail of a sequence's last page (maybe NaN) or a whole slot with no page in it;
-      P = 0 there, but 0 · NaN = NaN."""
-      valid = kv_end - (first_page + j) * PAGE_SIZE
-
-      @pl.when(valid < PAGE_SIZE)
-      def _():
-        for c in range(half // 64):
-          chunk = kv_smem.at[slot, :, pl.ds(col0 + c * 64, 64)]
-          x = plgpu.load(chunk, layout=wgmma_layout)
-          tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 64), 0, layout=wgmma_layout)
-          chunk[...] = jnp.where(tok < valid, x, jnp.zeros_like(x))
-        plgpu.commit_smem()
-
-    def pv(acc, slot, col0, then=None):
-      """acc + P·V of the page in a slot, V = its columns [col0, col0 + 256), P read from the
-      slot's rope columns; ``then`` runs while the product computes."""
-      def issue(acc_ref):
-        # The views are built here: static indices closed over by run_state's body would become
-        # constants its lowering cannot take.
-        plgpu.wgmma(acc_ref, kv_smem.at[slot, :, rope], kv_smem.at[slot, :, pl.ds(col0, half)])
-        if then is not None:
-          then()
-
-      if interp:   # the interpreter has no run_state
-        def scoped(acc_ref):
-          issue(acc_ref)
-          return acc_ref[...]
-        return acc + pl.run_scoped(scoped, plgpu.ACC((ROWS, half), f32))
-      return pl.run_state(issue)(plgpu.ACC.init(acc))
-
-    def bcast(x, like):
-      return lax.broadcast_in_dim(x, like.shape, [0])
-
-    def load_rows(i):
-      return plgpu.load(stat_smem.at[i], layout=row_layout)
-
-    def init_carry():
-      return (plgpu.layout_cast(jnp.zeros((ROWS, half), f32), wgmma_layout),
-              plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, f32), row_layout),
-              plgpu.layout_cast(jnp.zeros((ROWS,), f32), row_layout))
-
-    def finish(acc, m, l, w):
-      # The two warpgroups' row sums are over disjoint pages, scaled to the same final max.
-      stat_smem[2 + w] = l
-      plgpu.barrier_arrive(l_bar)
-      plgpu.barrier_wait(l_bar)
-      l = load_rows(2) + load_rows(3)
-      l_safe = jnp.where(l == 0.0, 1.0, l)    # l == 0: no key in this split (o = 0, lse = -inf)
-      o = acc / bcast(l_safe, acc)
-      cols = pl.ds(w * half, half)
-      if final:
-        o_ref[b, rows, cols] = o.astype(o_ref.dtype)
-      else:
-        o_ref[b, s, rows, cols] = o
-      if w == 0:
-        lse2 = m + jnp.log2(l)
-        if final:
-          lse_ref[b, rows] = lse2 * _LN2
-        else:
-          lse_ref[b, s, rows] = lse2
-
-    n_pairs = pl.cdiv(n_pages, 2)
-
-    @pl.when(wg == 0)
-    def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
-
-      @pl.when(n_pages > 0)
-      def _():
-        fetch(0, 0)
-
-      @pl.when(n_pages > 1)
-      def _():
-        fetch(1, 1)
-      plgpu.barrier_wait(q_bar)
-
-      def pair(t, carry):
-        acc, m, l = carry
-        j0, j1 = 2 * t, 2 * t + 1
-        m0, p0 = softmax_page(0, j0, m)
-        # WG1 read m0 and P0 of the last pair before its s1_bar arrival, which this warpgroup
-        # has passed; and slot 0 holds a new page anyway.
-        stat_smem[0] = m0
-        publish_p(0, p0)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(m0_bar)
-        alpha0 = jnp.exp2(m - m0)
-        l = l * alpha0 + p0.sum(axis=1)
-        zero_v(0, j0, 0)
-        acc = pv(acc * bcast(alpha0, acc), 0, 0, then=lambda: plgpu.barrier_wait(s1_bar))
-        plgpu.barrier_arrive(done0_bar)
-        m1 = load_rows(1)
-        alpha1 = jnp.exp2(m0 - m1)
-        l = l * alpha1
-        wait_slot(1, j1 < n_pages)   # passed by WG1 already; every waiter sees every phase
-        zero_v(1, j1, 0)
-        acc = pv(acc * bcast(alpha1, acc), 1, 0)
-        plgpu.barrier_wait(done1_bar)   # both warpgroups are done with slot 1: refill it
-
-        @pl.when(j1 + 2 < n_pages)
-        def _():
-          fetch(j1 + 2, 1)
-        return acc, m1, l
-
-      acc, m, l = lax.fori_loop(0, n_pairs, pair, init_carry())
-      finish(acc, m, l, 0)
-
-    @pl.when(wg == 1)
-    def _():
-      plgpu.barrier_wait(q_bar)
-
-      def pair(t, carry):
-        acc, m, l = carry
-        j0, j1 = 2 * t, 2 * t + 1
-        plgpu.barrier_wait(m0_bar)
-        m0 = load_rows(0)
-        m1, p1 = softmax_page(1, j1, m0, j1 < n_pages)
-        # WG0 read m1 and P1 of the last pair before its m0_bar arrival of this one.
-        stat_smem[1] = m1
-        publish_p(1, p1)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(s1_bar)
-        alpha0 = jnp.exp2(m - m0)
-        alpha1 = jnp.exp2(m0 - m1)
-        l = l * (alpha0 * alpha1) + p1.sum(axis=1)
-        wait_slot(0)   # passed by WG0 already; every waiter sees every phase
-        zero_v(0, j0, half)
-        acc = pv(acc * bcast(alpha0, acc), 0, half)
-        plgpu.barrier_wait(done0_bar)   # both warpgroups are done with slot 0: refill it
-
-        @pl.when(j0 + 2 < n_pages)
-        def _():
-          fetch(j0 + 2, 0)
-        zero_v(1, j1, half)
-        acc = pv(acc * bcast(alpha1, acc), 1, half)
-        plgpu.barrier_arrive(done1_bar)
-        return acc, m1, l
-
-      acc, m, l = lax.fori_loop(0, n_pairs, pair, init_carry())
-      finish(acc, m, l, 1)
-
-  return mla_decode_seesaw(q_rows, kv_pages, block_table, seq_lens)
-
-
 def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret):
   """Split combine: o [B, S, Rp, 512] f32 and lse [B, S, Rp] (log2) -> out [B, Rp, 512], lse (ln).
 
@@ -763,8 +528,7 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
   if pad:
     block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
   interpret_params = plgpu.InterpretGPUParams() if interpret else None
-  partials = _decode_partials_seesaw if plan_.seesaw else _decode_partials
-  out, lse = partials(q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H,
+  out, lse = _decode_partials(q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H,
                               causal=causal, scale=float(softmax_scale), plan_=plan_,
                               config=config, interpret=interpret_params)
   if plan_.num_splits > 1:
@@ -775,7 +539,7 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
 
 
 def mla_decode(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal=False, config=None,
-               impl=None):
+               impl=None, checked=False):
   """Absorbed MLA decode attention over a paged latent cache.
 
   Args:
@@ -784,21 +548,30 @@ def mla_decode(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal=Fals
     kv_pages: bf16 [num_pages, 64, 576]: one layer's cache pages, rows = tokens, columns =
       normalised latent (512) ; roped key (64). V is the first 512 columns of the same rows.
     block_table: int32 [B, max_pages]: page ids of each sequence in token order. Entries past
-      cdiv(seq_len, 64) are never read (may be anything); the ones before must be valid page ids.
-    seq_lens: int32 [B]: cached tokens per sequence, including the s_q new ones. Preconditions
-      (not checked, the values are traced): 1 <= seq_len <= 64 * max_pages, and seq_len >= s_q when
-      causal (a query with no visible key returns out = 0, lse = -inf).
+      cdiv(seq_len, 64) are never read (may be anything); the ones before must be page ids in
+      [0, num_pages).
+    seq_lens: int32 [B]: cached tokens per sequence, including the s_q new ones, in
+      [0, 64 * max_pages] (0: an idle row, out = 0, lse = -inf). When causal, a query with no
+      visible key (seq_len < s_q) returns out = 0, lse = -inf.
     softmax_scale: Python float multiplying Q·Kᵀ (e.g. 192**-0.5 * mscale**2).
     causal: query j of s_q sits at position seq_len - s_q + j and sees keys <= that position;
       non-causal queries see all seq_len keys.
     config: `MlaDecodeConfig` (static); None = defaults.
     impl: None (kernel on a Hopper GPU, else reference), "kernel", "interpret" or "reference".
+    checked: also check traced block tables and lengths, with `jax.experimental.checkify`
+      (the caller wraps the jitted function in `checkify.checkify`; see `_page_table`).
+      Concrete ones are always checked.
 
   Returns:
     out: [B, s_q, H, 512] in q's dtype (bf16); lse: float32 [B, s_q, H], natural log of the
     softmax denominator (scaled scores).
+
+  Raises:
+    ValueError naming the argument and the limit: a shape, dtype or head count the kernel does
+    not support (`mla_decode_problems`), s_q outside [1, 4], a concrete seq_len outside
+    [0, 64 * max_pages] or a concrete block-table entry it reads outside [0, num_pages).
   """
-  _validate(q, kv_pages, block_table, seq_lens, softmax_scale)
+  _validate(q, kv_pages, block_table, seq_lens, softmax_scale, checked=checked)
   if config is None:
     config = MlaDecodeConfig()
   if not isinstance(config, MlaDecodeConfig):
@@ -806,7 +579,7 @@ def mla_decode(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal=Fals
   impl = _platform.resolve_impl(impl)
   if impl == "reference":
     return mla_decode_reference(q, kv_pages, block_table, seq_lens, softmax_scale=softmax_scale,
-                                causal=causal)
+                                causal=causal, checked=checked)
   interpret = impl == "interpret"
   if interpret and not config.interpretable:
     config = dataclasses.replace(config, interpretable=True)

@@ -26,6 +26,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import _platform
+from pallas_kernels._page_table import check_page_table
 
 PAGE_SIZE = 64
 KEY_DIM = 576
@@ -86,7 +87,7 @@ class PagedGatherConfig:
           f"max_concurrent_steps must be 2 or 3 (73.7 KB of SMEM per page), got {self.max_concurrent_steps}")
 
 
-def _validate(kv_pages, block_table, num_tokens, page_format):
+def _validate(kv_pages, block_table, num_tokens, page_format, checked=False):
   if not isinstance(page_format, PageFormat):
     raise ValueError(f"page_format must be a PageFormat, got {page_format!r}")
   page_format.validate(kv_pages)
@@ -100,13 +101,15 @@ def _validate(kv_pages, block_table, num_tokens, page_format):
   if not 1 <= num_tokens <= max_tokens:
     raise ValueError(
         f"num_tokens must be in [1, {max_tokens}] (max_pages={block_table.shape[1]} x {PAGE_SIZE}), got {num_tokens}")
+  check_page_table(block_table, num_tokens, num_pages=kv_pages.shape[0], page_size=PAGE_SIZE,
+                   lengths_name="num_tokens", checked=checked)
 
 
 def paged_gather_reference(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES,
-                           config=None, impl=None):
-  """Plain-jnp paged gather; same contract as `paged_gather`."""
+                           config=None, impl=None, checked=False):
+  """Plain-jnp paged gather; same contract (and checks) as `paged_gather`."""
   del config, impl
-  _validate(kv_pages, block_table, num_tokens, page_format)
+  _validate(kv_pages, block_table, num_tokens, page_format, checked)
   B = block_table.shape[0]
   n_pages = pl.cdiv(num_tokens, PAGE_SIZE)
   pages_BPtK = page_format.dequantize_reference(kv_pages[block_table[:, :n_pages]])
@@ -175,23 +178,30 @@ def _paged_gather_kernel(kv_pages, block_table, *, num_tokens, config, interpret
 
 
 def paged_gather(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, config=None,
-                 impl=None):
+                 impl=None, checked=False):
   """Gathers the first ``num_tokens`` cached tokens of every sequence into a dense buffer.
 
   Args:
     kv_pages: [num_pages, 64, 576] cache pages in ``page_format`` (bf16: the array itself).
     block_table: int32 [B, max_pages]: page ids of each sequence in token order; the first
-      cdiv(num_tokens, 64) entries of every row must be valid page ids, the rest are never read.
+      cdiv(num_tokens, 64) entries of every row must be page ids in [0, num_pages), the rest are
+      never read.
     num_tokens: Python int in [1, 64 * max_pages]: tokens gathered per sequence. Tokens past a
       sequence's length are copied as they are in the page (the caller masks them).
     page_format: a `PageFormat`; `BF16_PAGES` is the only one now.
     config: `PagedGatherConfig` (static); None = defaults.
     impl: None (kernel on a Hopper GPU, else reference), "kernel", "interpret" or "reference".
+    checked: also check a traced block table, with `jax.experimental.checkify` (the caller wraps
+      the jitted function in `checkify.checkify`); a concrete one is always checked.
 
   Returns:
     bf16 [B, num_tokens, 576]: row t of sequence b is token t of that sequence.
+
+  Raises:
+    ValueError naming the argument and the limit, for a bad shape or dtype, num_tokens outside
+    [1, 64 * max_pages], or a concrete block-table entry it reads outside [0, num_pages).
   """
-  _validate(kv_pages, block_table, num_tokens, page_format)
+  _validate(kv_pages, block_table, num_tokens, page_format, checked)
   if config is None:
     config = PagedGatherConfig()
   if not isinstance(config, PagedGatherConfig):
@@ -202,6 +212,6 @@ def paged_gather(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, c
                      "use impl='reference'")
   if impl == "reference":
     return paged_gather_reference(kv_pages, block_table, num_tokens=num_tokens,
-                                  page_format=page_format)
+                                  page_format=page_format, checked=checked)
   return _paged_gather_kernel(kv_pages, block_table, num_tokens=num_tokens, config=config,
                               interpret=impl == "interpret")

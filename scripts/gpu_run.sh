@@ -3,7 +3,7 @@
 #   scripts/gpu_run.sh [quick] # GPU tests + the --quick cells (kernel, XLA, naive) + gather grid
 #   scripts/gpu_run.sh tests   # every GPU test (kernels, engine, MoE) + ptxas register report
 #   scripts/gpu_run.sh grid    # the full mla_decode grid (kernel + XLA, no naive)
-#   scripts/gpu_run.sh variants # kernel GPU tests (seesaw, boundaries, B=256), ptxas report, then
+#   scripts/gpu_run.sh variants # kernel GPU tests (boundaries, B=256), ptxas report, then
 #                              #   the FlashMLA cells with the $VARIANTS configs (XLA autotuner off)
 #   scripts/gpu_run.sh fairxla  # the FlashMLA cells, default config, XLA autotuner ON (fair baseline)
 #   scripts/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
@@ -41,17 +41,15 @@ ptxas_report() {
   MOSAIC_GPU_DUMP_PTXAS=1 timeout 60 $PY - <<'PY' > "$R/ptxas.txt" 2>&1
 import jax, jax.numpy as jnp
 from pallas_kernels import mla_decode, MlaDecodeConfig
-for B, s_q, H, causal, splits, split_qk, seesaw in [
-    (4, 1, 64, False, 1, False, False), (4, 1, 64, False, 1, True, False),
-    (4, 2, 128, True, 1, True, False), (2, 1, 16, False, 4, False, False),
-    (4, 1, 64, False, 1, False, True), (4, 2, 128, True, 1, False, True)]:
-  print(f"### B={B} s_q={s_q} H={H} causal={causal} splits={splits} split_qk={split_qk} "
-        f"seesaw={seesaw}", flush=True)
+for B, s_q, H, causal, splits, split_qk in [
+    (4, 1, 64, False, 1, False), (4, 1, 64, False, 1, True),
+    (4, 2, 128, True, 1, True), (2, 1, 16, False, 4, False)]:
+  print(f"### B={B} s_q={s_q} H={H} causal={causal} splits={splits} split_qk={split_qk}",
+        flush=True)
   a = (jnp.ones((B, s_q, H, 576), jnp.bfloat16), jnp.ones((B * 8, 64, 576), jnp.bfloat16),
        jnp.arange(B * 8, dtype=jnp.int32).reshape(B, 8), jnp.full((B,), 500, jnp.int32))
   jax.block_until_ready(mla_decode(*a, softmax_scale=0.1, causal=causal,
-                                   config=MlaDecodeConfig(num_splits=splits, split_qk=split_qk,
-                                                          seesaw=seesaw),
+                                   config=MlaDecodeConfig(num_splits=splits, split_qk=split_qk),
                                    impl="kernel"))
 PY
   grep -E "###|registers|spill" "$R/ptxas.txt" | head -40 | tee -a "$LOG"
@@ -70,7 +68,7 @@ case "$MODE" in
   tests) gpu_tests 200 tests/test_mla_decode.py tests/test_paged_gather.py
          gpu_tests 200 tests/test_engine.py tests/test_moe.py
          ptxas_report ;;
-  variants) gpu_tests 130 tests/test_mla_decode.py -k seesaw
+  variants) gpu_tests 130 tests/test_mla_decode.py -k "page_boundaries or large_batch"
          ptxas_report ;;
 esac
 case "$MODE" in
@@ -79,7 +77,7 @@ case "$MODE" in
   grid)  bench mla_decode 560 --no-naive ;;
   variants) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
          bench mla_decode 300 --only-flashmla --quick --no-naive \
-           --variants "${VARIANTS:-seesaw,seesaw_c2}" ;;
+           --variants "${VARIANTS:-plain,split_qk}" ;;
   fairxla) bench mla_decode 330 --only-flashmla --quick --no-naive ;;
   sweep) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode 320 --quick --sweep --then-grid
          ptxas_report ;;

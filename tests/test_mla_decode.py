@@ -25,9 +25,9 @@ from pallas_kernels import _platform
 from pallas_kernels.mla_decode import plan
 
 SCALE = 192 ** -0.5
-# The three kernel bodies: plain (both warpgroups score the whole page), split-QK, seesaw.
-VARIANTS = [dict(split_qk=False, seesaw=False), dict(split_qk=True, seesaw=False), dict(seesaw=True)]
-VARIANT_IDS = ["plain", "split_qk", "seesaw"]
+# The two kernel bodies: plain (both warpgroups score the whole page), split-QK.
+VARIANTS = [dict(split_qk=False), dict(split_qk=True)]
+VARIANT_IDS = ["plain", "split_qk"]
 
 
 def make_inputs(batch, s_q, heads, seq_lens, max_pages, *, seed=0, spare_pages=3):
@@ -139,29 +139,6 @@ def test_interpret_split_qk_matches_reference(heads, s_q, causal, seq_lens, max_
   assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
-# The seesaw kernel (pages in pairs, two warpgroups exchanging P): every case, with the page
-# chunking cycling through 1, 2 and 4 TMA copies per page. The odd page of a last pair, empty
-# splits and one-page sequences are all in the list.
-@pytest.mark.parametrize("case,kv_chunks", [(c, (1, 2, 4)[i % 3]) for i, c in enumerate(INTERPRET_CASES)])
-def test_interpret_seesaw_matches_reference(case, kv_chunks):
-  heads, s_q, causal, seq_lens, max_pages, num_splits = case
-  args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 2)
-  config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1, seesaw=True,
-                           kv_chunks=kv_chunks)
-  assert_matches_reference(args, causal=causal, config=config, impl="interpret")
-
-
-def test_interpret_seesaw_odd_and_even_page_counts():
-  # 1..5 pages in one split, partial last pages, and a split that ends mid-sequence on an odd
-  # page (its masked partner page lies inside the sequence, not past it).
-  lens = [1, 64, 65, 130, 192, 257, 300]
-  args = make_inputs(len(lens), 1, 64, lens, 5, seed=9)
-  assert_matches_reference(args, causal=False, impl="interpret",
-                           config=MlaDecodeConfig(num_splits=1, seesaw=True))
-  assert_matches_reference(args, causal=False, impl="interpret",
-                           config=MlaDecodeConfig(num_splits=2, min_pages_per_split=1, seesaw=True))
-
-
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 def test_interpret_query_without_keys_gives_zero_and_minus_inf(variant):
   # seq_len = 1 < s_q = 2, causal: query 0 sits at position -1 and sees no key. Documented
@@ -222,13 +199,6 @@ def test_cross_lowers_every_kernel_variant_for_sm90(heads, s_q, variant):
   # Every variant at every shape, whichever the default picks there (the benchmarks time them).
   lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=MlaDecodeConfig(**variant))
   assert _mosaic_calls(lowered) >= 1
-
-
-@pytest.mark.parametrize("kv_chunks", [2, 4])
-@pytest.mark.parametrize("batch,max_pages", [(1, 1024), (256, 512)])
-def test_cross_lowers_seesaw_chunks_for_sm90(kv_chunks, batch, max_pages):
-  lower_for_sm90(batch, 2, 128, max_pages, causal=True,
-                 config=MlaDecodeConfig(seesaw=True, kv_chunks=kv_chunks))
 
 
 @pytest.mark.parametrize("config", [MlaDecodeConfig(max_concurrent_steps=1),
@@ -320,8 +290,6 @@ def test_invalid_scale_and_impl_raise():
     MlaDecodeConfig(max_concurrent_steps=3)
   with pytest.raises(ValueError, match="combine_block_cols .* got 96"):
     MlaDecodeConfig(combine_block_cols=96)
-  with pytest.raises(ValueError, match=r"kv_chunks must be one of \(1, 2, 4\), got 3"):
-    MlaDecodeConfig(kv_chunks=3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -371,22 +339,6 @@ def test_gpu_page_boundaries(s_q, causal, lengths, variant):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("case,kv_chunks", [(c, (1, 2, 4)[i % 3]) for i, c in enumerate(GPU_CASES)])
-def test_gpu_seesaw_matches_reference(case, kv_chunks):
-  heads, s_q, causal, batch, mean_len, num_splits = case
-  rng = np.random.default_rng(heads * 7 + s_q * 3 + batch)
-  lengths = _ragged_lengths(rng, batch, mean_len, s_q)
-  lengths[0] = max(s_q, 1)
-  lengths[-1] = 2 * mean_len
-  max_pages = -(-2 * mean_len // 64)
-  args = make_inputs(batch, s_q, heads, lengths, max_pages, seed=int(rng.integers(1 << 30)))
-  assert_matches_reference(args, causal=causal, impl="kernel",
-                           config=MlaDecodeConfig(num_splits=num_splits, seesaw=True,
-                                                  kv_chunks=kv_chunks))
-
-
-@pytest.mark.gpu
-@requires_hopper
 @pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", GPU_CASES[1::3])
 def test_gpu_split_qk_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
   rng = np.random.default_rng(heads + s_q + batch)
@@ -401,23 +353,21 @@ def test_gpu_split_qk_matches_reference(heads, s_q, causal, batch, mean_len, num
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("seesaw", [False, True], ids=["warp_specialized", "seesaw"])
 @pytest.mark.parametrize("heads,s_q,causal", [(64, 1, False), (128, 2, True)])
-def test_gpu_large_batch(heads, s_q, causal, seesaw):
+def test_gpu_large_batch(heads, s_q, causal):
   """B = 256 (the top of the supported batch range): one split per sequence, ragged lengths."""
   batch = 256
   rng = np.random.default_rng(heads + s_q)
   lengths = _ragged_lengths(rng, batch, 600, s_q)
   lengths[0], lengths[-1] = s_q, 1200
   args = make_inputs(batch, s_q, heads, lengths, -(-1200 // 64), seed=11)
-  config = MlaDecodeConfig(seesaw=seesaw)
+  config = MlaDecodeConfig()
   assert plan(batch, s_q, heads, args[2].shape[1], config).num_splits == 1
   assert_matches_reference(args, causal=causal, impl="kernel", config=config)
 
 
 
-@pytest.mark.parametrize("script,heads", [("seesaw_register_diag.py", 64),
-                                          ("decode_time_split.py", 128)])
+@pytest.mark.parametrize("script,heads", [("decode_time_split.py", 128)])
 def test_diagnosis_script_variants_still_build(script, heads):
   # The GPU diagnosis scripts quoted by NOTES.md build kernel variants by source transforms;
   # each must still apply to the current kernel and lower for sm_90.
@@ -437,10 +387,10 @@ def test_diagnosis_script_variants_still_build(script, heads):
 
 
 def test_variant_harness_checks_and_reports(capsys):
-  # benchmarks.kernel_variants.run, in interpret mode on a tiny cell: the unmodified seesaw
-  # kernel is checked against the reference and reported.
+  # benchmarks.kernel_variants.run, in interpret mode on a tiny cell: the unmodified kernel is
+  # checked against the reference and reported.
   from benchmarks import kernel_variants
-  kernel_variants.run("_decode_partials_seesaw", [("unmodified", None, MlaDecodeConfig(seesaw=True))],
+  kernel_variants.run("_decode_partials", [("unmodified", None, MlaDecodeConfig())],
                       [(1, 128, 16)], timer=lambda f, args: 0.0, impl="interpret")
   line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT")]
   assert len(line) == 1 and "FAILED" not in line[0], line
