@@ -30,9 +30,9 @@ import numpy as np
 from flax import nnx
 
 from mla_jax.kv_cache import KVCache, CacheFullError, PagedLatentCache, next_pow2
-from models.sampling import SamplingArrays, SamplingParams, sampler_kind
-from models.steps import (MAX_DRAFT_TOKENS, StepInputs, compiled_steps, decode_step, prefill_step, trace_counts,
-                          verify_step)
+from models.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
+from models.steps import (MAX_DRAFT_TOKENS, NON_FINITE, StepInputs, compiled_steps, decode_step, prefill_step,
+                          trace_counts, verify_step)
 
 ATTENTION_IMPLS = ("auto", "reference", "kernel", "interpret")
 ON_CACHE_FULL = ("fail_request", "raise")
@@ -59,22 +59,11 @@ def rows_needed(cached: int, k: int, n_spec: int = 0) -> int:
 
 
 def kernel_problems(cfg, page_size: int, kv_dtype: str) -> list[str]:
-    """Why the Pallas kernels cannot serve this model / page shape (empty when they can); the limits
-    are the kernel modules' own."""
-    from pallas_kernels.mla_decode import KEY_DIM, PAGE_SIZE, SUPPORTED_HEADS
+    """Why the Pallas kernels cannot serve this model / page shape (empty when they can): the decode
+    kernel module's own limits (`pallas_kernels.mla_decode_problems`)."""
+    from pallas_kernels import mla_decode_problems
 
-    problems = []
-    if cfg.latent_dim != KEY_DIM:
-        problems.append(f"latent width kv_lora_rank + qk_rope_head_dim = {cfg.latent_dim} (kernels need "
-                        f"{KEY_DIM})")
-    if page_size != PAGE_SIZE:
-        problems.append(f"page_size = {page_size} (kernels need {PAGE_SIZE})")
-    if cfg.num_attention_heads not in SUPPORTED_HEADS:
-        problems.append(f"num_attention_heads = {cfg.num_attention_heads} (kernels need one of "
-                        f"{SUPPORTED_HEADS})")
-    if kv_dtype != "bf16":
-        problems.append(f"kv_dtype = {kv_dtype} (kernels need bf16)")
-    return problems
+    return mla_decode_problems(cfg.num_attention_heads, cfg.latent_dim, page_size, kv_dtype)
 
 
 # ------------------------------------------------------------------------------------------
@@ -358,7 +347,8 @@ class Engine:
 
         When the pool runs out of pages for a request, `on_cache_full="fail_request"` ends that
         request (finish reason "error", the message in `errors`) and the others go on untouched;
-        "raise" raises the `CacheFullError` (with `.partial_result`). Bad arguments raise ValueError.
+        "raise" raises the `CacheFullError` (with `.partial_result`). A request whose logits turn
+        NaN / infinite ends the same way (error, no token emitted). Bad arguments raise ValueError.
         """
         prompts, params, keys, stops = self._check_request(prompts, max_new_tokens, sampling, use_mtp,
                                                            stop_tokens, stream, on_cache_full, mtp_draft_tokens)
@@ -461,8 +451,15 @@ class _Generation:
     # --- emission and the end of a request ----------------------------------------------------
     def emit(self, b: int, tok: int, position: int) -> bool:
         """Record slot b's new token (at `position` of its sequence); True when the request is done
-        (and its slot freed)."""
+        (and its slot freed). A `NON_FINITE` token ends the request with an error, emitting nothing."""
         seq = self.slots[b]
+        if tok == NON_FINITE:
+            err = NonFiniteLogitsError(
+                f"request {seq.req}: the model produced NaN or infinite logits at position {position} (its weights "
+                "or activations are not finite: a corrupt or mis-converted checkpoint, or a dtype that overflows)")
+            self.errors[seq.req] = str(err)
+            self.finish(b, "error")
+            return True
         if self.stats.ttft_s is None:
             self.stats.ttft_s = time.perf_counter() - self.t_start
         seq.out.append(tok)

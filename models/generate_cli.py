@@ -182,8 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompt_text = default_prompt if args.prompt is None else args.prompt
         try:
             ids = tok.encode(prompt_text)
-        except UnicodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
-            raise _UsageError("--prompt is not valid UTF-8 text") from None
+        except ValueError as e:  # e.g. argv bytes that are not UTF-8 (they arrive as surrogate escapes)
+            raise _UsageError(f"--prompt: {e}") from None
         if not ids:
             raise _UsageError("--prompt is empty and the tokenizer adds no BOS token")
         cfg = model.cfg
@@ -205,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        use_mtp=args.mtp, stop_tokens=stops, on_cache_full="raise",
                                        mtp_draft_tokens=args.mtp_draft_tokens)
                 compile_s = warm.stats["compile_s"]
+                if warm.errors[0] is not None:  # e.g. NaN logits: say so before printing anything
+                    raise _UsageError(warm.errors[0])
             out.write(prompt_text)
             out.flush()
             stream = _TextStream(tok, out)
@@ -215,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(str(e)) from None
         stream.close()
         out.write("\n")
+        if res.errors[0] is not None:
+            raise _UsageError(res.errors[0])
         print(format_stats(dict(res.stats, compile_s=res.stats["compile_s"] + compile_s)), file=out)
         out.flush()
         if res.finish_reasons[0] == "context":

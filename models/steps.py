@@ -32,7 +32,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax.kv_cache import KVCache
-from models.sampling import SamplingArrays, filtered_probs, row_keys, sample_from_probs, speculative_accept
+from models.sampling import (SamplingArrays, filtered_probs, finite_rows, row_keys, sample_from_probs,
+                             speculative_accept)
+
+NON_FINITE = -1  # the token a row gets when its logits are not finite (NaN weights, overflow)
 
 MAX_DRAFT_TOKENS = 3  # a verify step has s_q = k + 1 <= 4 queries: what `mla_decode` takes
 
@@ -100,7 +103,8 @@ def prefill_step(model, cache: KVCache, inp: StepInputs, mtp_next_ids, prompt_en
     bool [B]: the chunk holds the row's last prompt token, whose MTP pair takes the token sampled
     here; drafts int32 [B,k] / draft_probs f32 [B,k,V]: the MTP draft state, replaced in the rows
     that end their prompt (draft_probs is passed through when `sampler` is "greedy", see
-    `models.sampling.sampler_kind`). Returns (cache, tokens int32 [B], drafts, draft_probs).
+    `models.sampling.sampler_kind`). Returns (cache, tokens int32 [B], drafts, draft_probs); a row
+    whose logits are not finite (NaN weights, an overflow) gets the token `NON_FINITE`.
     """
     B, T = inp.ids.shape
     rows = jnp.arange(B)
@@ -109,6 +113,7 @@ def prefill_step(model, cache: KVCache, inp: StepInputs, mtp_next_ids, prompt_en
     logits = model.logits_from_hidden(h_post[rows, inp.last_idx])
     last_pos = inp.positions[rows, inp.last_idx]
     tokens, _ = _sample(logits, inp, last_pos + 1, sampler)
+    tokens = jnp.where(finite_rows(logits), tokens, NON_FINITE)
     if use_mtp:
         at_end = prompt_ends[:, None] & (jnp.arange(T)[None, :] == inp.last_idx[:, None])
         nxt = jnp.where(at_end, tokens[:, None], mtp_next_ids)
@@ -136,7 +141,8 @@ def verify_step(model, cache: KVCache, inp: StepInputs, drafts, draft_probs, n_s
     distribution, in order, until the first rejection, which emits a replacement from the residual;
     when all n_spec are accepted a bonus token is drawn from the next distribution. Greedy: the
     accepted drafts are those equal to the argmax. Returns (cache, tokens int32 [B,k+1] of which
-    the first accepted + 1 are new, accepted int32 [B], drafts [B,k], draft_probs).
+    the first accepted + 1 are new, accepted int32 [B], drafts [B,k], draft_probs). A row whose
+    logits are not finite gets tokens `NON_FINITE` (as in the other steps).
     """
     B, k = drafts.shape
     n = inp.positions[:, 0]
@@ -171,6 +177,8 @@ def verify_step(model, cache: KVCache, inp: StepInputs, drafts, draft_probs, n_s
         # drafts accepted) the bonus token drawn from p.
         last = jnp.where(accepted < n_spec, repl[rows, accepted], bonus.reshape(B, k + 1)[rows, accepted])
         tokens = jnp.where(j < accepted[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1), last[:, None])
+    finite = finite_rows(logits.reshape(B * (k + 1), V)).reshape(B, k + 1).all(axis=1)
+    tokens = jnp.where(finite[:, None], tokens, NON_FINITE)
     # MTP pairs (h_{n+i}, t_{n+i+1}) for the kept positions i = 0 .. accepted (rows of rejected drafts
     # and chain rows of the last step are overwritten or left past the length).
     kept = (j <= accepted[:, None]) & active[:, None]
