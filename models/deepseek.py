@@ -110,13 +110,16 @@ def _scan_layers(stack, h_BTD, positions_BT, cache, first_layer: int, absorbed: 
     The cache (its stacked pools) is the scan's carry, updated in place; each layer is pointed at
     its own pool by index. -> (h, stacked RouterOutput or None, cache).
 
-    With a cache (inference), the routed experts are not sliced per layer either: a scan slices its
-    inputs, and a slice that feeds a kernel is a copy (1.1 GB a layer for V2-Lite's experts, every
-    decode step). The whole [L, E, ...] stack goes in as a constant and the MoE reads its layer's
-    experts in place (`MoE(stack_index=...)`). Training keeps them scanned (sliced): the gradient
-    of a whole-stack constant would be accumulated at full size in every iteration.
+    With a cache (inference) and a call the MoE decode kernel serves, the routed experts are not
+    sliced per layer either: a scan slices its inputs, and a slice that feeds a kernel is a copy
+    (1.1 GB a layer for V2-Lite's experts, every decode step). The whole [L, E, ...] stack goes in
+    as a constant and the kernel reads its layer's experts in place (`MoE(stack_index=...)`).
+    Training keeps them scanned (sliced): the gradient of a whole-stack constant would be
+    accumulated at full size in every iteration; so do prefill-sized calls, whose grouped GEMM
+    takes one layer's experts.
     """
-    whole = cache is not None and stack.is_moe
+    whole = (cache is not None and stack.is_moe
+             and stack.mlp.resolved_impl(h_BTD.shape[0] * h_BTD.shape[1]) in ("decode", "decode_interpret"))
     if whole:
         graphdef, experts, state = nnx.split(stack, nnx.PathContains("experts"), ...)
     else:

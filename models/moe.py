@@ -18,7 +18,7 @@ over the assignments sorted by expert with no token dropping. `impl` picks the g
 "ragged_dot" (`jax.lax.ragged_dot`, portable, differentiable), "mgpu" (the Pallas Mosaic GPU
 kernel `ragged_dot_mgpu`, tiled for prefill; forward only, so its gradient is taken through
 `lax.ragged_dot`), "decode" (`pallas_kernels.moe_decode`: few rows per expert, each chosen
-expert's weights read once; forward only likewise), "dense" (`moe_dense_reference`: every expert
+expert's weights read once; forward only likewise; its `ragged_dot` reference off a Hopper GPU), "dense" (`moe_dense_reference`: every expert
 on every token, the oracle), or "auto": on a Hopper GPU with bf16 compute, "decode" when a call
 has at most `DECODE_ROWS_PER_EXPERT` assignment rows per expert on average (decode steps) and
 "mgpu" otherwise; elsewhere "ragged_dot".
@@ -286,8 +286,9 @@ def moe_grouped(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, g
     w_M = weights_TK.reshape(-1)[order_M].astype(_F32)
     inv_M = jnp.argsort(order_M)
     if impl in ("decode", "decode_interpret"):
+        # "decode": the kernel on a Hopper GPU, its reference elsewhere (pallas_kernels' rule)
         y_MD = _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, jnp.asarray(off, jnp.int32),
-                               "kernel" if impl == "decode" else "interpret")
+                               None if impl == "decode" else "interpret")
         return (y_MD * w_M[:, None])[inv_M].reshape(T, K, D).sum(axis=1).astype(dt)
     if impl == "mgpu":
         gdot = functools.partial(ragged_dot_mgpu, group_sizes_G=group_sizes_E, tuning=tuning)
@@ -340,6 +341,12 @@ class MoE(nnx.Module):
         else:
             self.shared_experts = None
 
+    def resolved_impl(self, num_tokens: int) -> str:
+        """The expert implementation a call over `num_tokens` tokens runs (`impl` with "auto" resolved)."""
+        cfg = self.cfg
+        return resolve_moe_impl(self.impl, self.dtype, rows=num_tokens * cfg.num_experts_per_tok,
+                                num_experts=cfg.n_routed_experts, widths=(cfg.hidden_size, cfg.moe_intermediate_size))
+
     def __call__(self, x: jax.Array, *, return_router: bool = False, stack_index=None):
         """`stack_index` (a scalar, may be traced): the routed experts' variables are a whole scanned
         stack, [L, E, ...], and this call is layer `stack_index` of it (see `models.deepseek`)."""
@@ -347,9 +354,7 @@ class MoE(nnx.Module):
         x_TD = x.reshape(-1, D).astype(self.dtype)
         r = self.gate(x_TD)
         ex = self.experts
-        impl = resolve_moe_impl(self.impl, self.dtype, rows=x_TD.shape[0] * self.cfg.num_experts_per_tok,
-                                num_experts=self.cfg.n_routed_experts,
-                                widths=(self.cfg.hidden_size, self.cfg.moe_intermediate_size))
+        impl = self.resolved_impl(x_TD.shape[0])
         E = self.cfg.n_routed_experts
         gate, up, down = ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...]
         off = None

@@ -107,3 +107,22 @@ def test_gpu_kernel_matches_reference_at_v2_lite_widths(tokens):
     rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
     assert rel < 1e-2, rel
     assert not np.asarray(got[int(sizes.sum()):]).any()
+
+
+def test_engine_with_the_decode_experts_reads_each_layer_out_of_the_stack():
+    """moe_impl="decode" (the kernel's reference on CPU) makes the cached forward hand the MoE the
+    whole [L, E, ...] expert stack with a layer offset instead of a per-layer slice: a wrong offset
+    (another layer's experts, or layer 0's for all) changes the generated tokens."""
+    from flax import nnx
+
+    from micro_configs import narrow_v2_lite
+    from models import DeepSeekModel, Engine
+
+    cfg = narrow_v2_lite(4).replace(hidden_size=128, moe_intermediate_size=64)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    out = {}
+    for impl in ("ragged_dot", "decode"):
+        m = DeepSeekModel(cfg, rngs=nnx.Rngs(0), moe_impl=impl)
+        out[impl] = Engine(m, page_size=16, num_pages=16, max_batch=2, kv_dtype=jnp.float32).generate(
+            prompts, max_new_tokens=6).tokens
+    assert out["decode"] == out["ragged_dot"]
