@@ -39,10 +39,12 @@ from typing import Any
 
 import numpy as np
 
+from models.data import CORPUS_PATH
+
 HELDOUT_FRACTION = 0.05
 PRESETS = ("tiny", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
 _HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CORPUS = os.path.join(os.path.dirname(_HERE), "data", "corpus.txt")
+DEFAULT_CORPUS = CORPUS_PATH  # shipped inside the package (models/data), so an installed wheel finds it
 # Arguments that change the training trajectory: a resumed run must use the same ones.
 _TRAJECTORY_ARGS = ("config", "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "weight_decay",
                     "clip", "seed", "dtype", "mtp_weight", "balance_alpha", "bias_update_rate", "moe_impl")
@@ -74,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--out", default=os.path.join("runs", "mla-train"), help="run directory: checkpoints, metrics.jsonl, loss.png")
     a("--corpus", default=None, help="UTF-8 text file, paragraphs separated by blank lines "
-      "(default: the shipped data/corpus.txt)")
+      "(default: the shipped models/data/corpus.txt)")
     a("--config", default="tiny", help=f"preset ({', '.join(PRESETS)}) or a config.json path")
     a("--steps", type=int, default=800, help="total optimizer steps")
     a("--batch-size", type=int, default=8, help="sequences per step")
