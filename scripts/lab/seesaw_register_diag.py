@@ -9,9 +9,9 @@ the ones to quote). "no_zero" is only valid on inputs without NaN page tails, wh
 have.
 
   MOSAIC_GPU_DUMP_PTXAS=1 XLA_FLAGS=--xla_gpu_autotune_level=0 PYTHONPATH=. \\
-      python3 scripts/seesaw_register_diag.py 2>&1 | grep -E "###|RESULT|Used|spill stores|injected"
+      python3 scripts/lab/seesaw_register_diag.py 2>&1 | grep -E "###|RESULT|Used|spill stores|injected"
 """
-from benchmarks import kernel_variants as kv
+import kernel_variants as kv  # scripts/lab/, the script's own directory
 from pallas_kernels import MlaDecodeConfig
 
 FN = "_decode_partials_seesaw"

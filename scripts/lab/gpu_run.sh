@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The one script the GPU call runs: GPU tests, register report, benchmarks; results under $OUT.
-#   scripts/gpu_run.sh [quick] # GPU tests + the --quick cells (kernel, XLA, naive) + gather grid
-#   scripts/gpu_run.sh tests   # every GPU test (kernels, engine, MoE) + ptxas register report
-#   scripts/gpu_run.sh grid    # the full mla_decode grid (kernel + XLA, no naive)
-#   scripts/gpu_run.sh variants # kernel GPU tests (seesaw, boundaries, B=256), ptxas report, then
-#                              #   the FlashMLA cells with the $VARIANTS configs (XLA autotuner off)
-#   scripts/gpu_run.sh fairxla  # the FlashMLA cells, default config, XLA autotuner ON (fair baseline)
-#   scripts/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
-#                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
-#                              #   + ptxas register/spill report
+# The one script a GPU session runs (lab: not part of the package): GPU tests, register report,
+# benchmarks; results under $OUT.
+#   scripts/lab/gpu_run.sh [quick] # GPU tests + the --quick cells (kernel, XLA, naive) + gather grid
+#   scripts/lab/gpu_run.sh tests   # every GPU test (kernels, engine, MoE) + ptxas register report
+#   scripts/lab/gpu_run.sh grid    # the full mla_decode grid (kernel + XLA, no naive)
+#   scripts/lab/gpu_run.sh variants # kernel GPU tests (seesaw, boundaries, B=256), ptxas report, then
+#                                  #   the FlashMLA cells with the $VARIANTS configs (XLA autotuner off)
+#   scripts/lab/gpu_run.sh fairxla  # the FlashMLA cells, default config, XLA autotuner ON (fair baseline)
+#   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
+#                                  #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
+#                                  #   + ptxas register/spill report
 # Benchmark stages write their CSV after every cell, so a stage stopped by its time limit still
 # returns what it measured.
 # The GPU tests run with XLA's GEMM autotuner off (--xla_gpu_autotune_level=0): it spent ~15 s
