@@ -24,7 +24,7 @@ from mla_jax import ModelConfig
 from models import load_hf_checkpoint
 from models.builtin import BUILTIN_DIR, BUILTIN_PROMPT
 from models.tokenizer import ByteTokenizer, load_tokenizer
-from models.train_cli import DEFAULT_CORPUS, eval_windows, split_corpus, token_stream
+from models.trainer import DEFAULT_CORPUS, eval_windows, split_corpus, token_stream
 
 SEQ_LEN, WINDOWS = 256, 32
 # Measured with `_heldout_losses` on the shipped model: main CE 0.2870 nats/token (0.414 bits per
