@@ -16,7 +16,7 @@ import dataclasses
 import os
 import sys
 
-from models.trainer import DTYPES, MOE_IMPLS, PRESETS, SettingError, TrainerError, TrainSettings
+from models.trainer import DTYPES, MOE_IMPLS, PRESETS, SettingError, TrainerError, TrainSettings, train
 
 
 class UsageError(TrainerError):
@@ -87,12 +87,10 @@ def _flag(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from models import trainer
-
     try:
         args = build_parser().parse_args(argv)
-        trainer.train(settings(args), args.out, resume=args.resume, stop_at=args.stop_at, export_dir=args.export,
-                      progress=not args.no_progress)
+        train(settings(args), args.out, resume=args.resume, stop_at=args.stop_at, export_dir=args.export,
+              progress=not args.no_progress)
     except SettingError as e:
         print(f"mla-train: error: {e.message(_flag)}", file=sys.stderr)
         return 2
