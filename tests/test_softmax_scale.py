@@ -68,17 +68,19 @@ def test_mla_layer_scales_scores_by_the_config_property(absorbed):
     using `cfg.softmax_scale`, whose value the tests above check by hand. A config whose property is
     overridden to the hand value gives the same output bit for bit; overridden to twice that, another one."""
 
-    def layer_output(cfg):
-        mla = MLA(cfg, rngs=nnx.Rngs(0))
-        x = jax.random.normal(jax.random.key(1), (2, 6, cfg.hidden_size))
-        pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    cfg = _cfg(0.5, 1.0)
+    mla = MLA(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 6, cfg.hidden_size))
+    pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+
+    def output_with(layer_cfg):  # the same weights; the layer reads its config when called
+        mla.cfg = layer_cfg
         return np.asarray(mla(x, pos, absorbed=absorbed))
 
-    def with_scale(cfg, value):
+    def scaled(value):
         cls = type("Scaled", (ModelConfig,), {"softmax_scale": property(lambda self: value)})
         return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
 
-    cfg = _cfg(0.5, 1.0)
-    y = layer_output(cfg)
-    np.testing.assert_array_equal(layer_output(with_scale(cfg, cfg.softmax_scale)), y)
-    assert np.abs(layer_output(with_scale(cfg, 2 * cfg.softmax_scale)) - y).max() > 1e-3
+    y = output_with(cfg)
+    np.testing.assert_array_equal(output_with(scaled(cfg.softmax_scale)), y)
+    assert np.abs(output_with(scaled(2 * cfg.softmax_scale)) - y).max() > 1e-3

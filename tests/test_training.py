@@ -147,12 +147,19 @@ def test_ce_and_mtp_loss_match_numpy_on_a_padded_batch():
     """Guards: the CE scored against token t (or t+2) instead of t+1, the MTP head against t+1 (or t+3)
     instead of t+2, padding counted as a target, λ left out of mtp_loss, a term dropped from the loss.
     Both terms are recomputed in numpy from the model's own logits on a hand-made right-padded batch."""
-    model = init_model(CFG)
+    graphdef, state = nnx.split(init_model(CFG))
     ids = np.array([[5, 9, 3, 7, 1, 2, 8, 4], [6, 2, 2, 9, 11, 0, 0, 0]], np.int32)
     mask = np.array([[1] * 8, [1] * 5 + [0] * 3], np.int32)  # row 1: 5 real tokens, then padding
-    _, m = loss_fn(model, {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask)}, TC)
-    # causal, and no routing capacity: a real token's logits do not depend on the padding after it
-    logits, mtp_logits = (np.asarray(x, np.float64) for x in model(jnp.asarray(ids), with_mtp=True))
+
+    @jax.jit  # one compile for both (eager dispatch of two forwards costs several times more)
+    def metrics_and_logits(state, ids, mask):
+        model = nnx.merge(graphdef, state)
+        _, m = loss_fn(model, {"input_ids": ids, "attention_mask": mask}, TC)
+        # causal, and no routing capacity: a real token's logits do not depend on the padding after it
+        return m, model(ids, with_mtp=True)
+
+    m, logits_pair = metrics_and_logits(state, jnp.asarray(ids), jnp.asarray(mask))
+    logits, mtp_logits = (np.asarray(x, np.float64) for x in logits_pair)
 
     def nll(lg, target):
         return np.log(np.sum(np.exp(lg - lg.max()))) + lg.max() - lg[target]
