@@ -1,13 +1,13 @@
-"""Write `data/corpus.txt`: short, simple English stories from a seeded grammar.
+"""Write `models/data/corpus.txt`: short, simple English stories from a seeded grammar.
 
 The built-in model is a ~1.4M-parameter byte-level DeepSeek-style model trained on a CPU in
 minutes, so the corpus has to be small, regular and still read as English: a closed vocabulary
 (names, animals, places, things, adjectives), fixed story shapes (an opening, a trip, a meeting,
 a bit of dialogue, an event, an ending) and correct agreement (a/an, he/she, was/were). The
 text is the project's own, generated here, and shipped under the project's licence
-(Apache-2.0); see `data/README.md`.
+(Apache-2.0); see `models/data/README.md`.
 
-Usage:  python scripts/make_corpus.py [--out data/corpus.txt] [--stories 2000] [--seed 0]
+Usage:  python scripts/make_corpus.py [--out models/data/corpus.txt] [--stories 2000] [--seed 0]
 The output is a pure function of (--stories, --seed): rerunning writes the same bytes.
 """
 
@@ -199,7 +199,7 @@ def make_corpus(stories: int, seed: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p.add_argument("--out", default=os.path.join(here, "data", "corpus.txt"))
+    p.add_argument("--out", default=os.path.join(here, "models", "data", "corpus.txt"))
     p.add_argument("--stories", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "2026-11-30-h200"
+RESULTS = ROOT / "results" / "2026-11-30-h200"  # session results: in the repository, not the wheel
 
 
 def test_roofline_redraws_from_the_committed_csv(tmp_path):

@@ -2,7 +2,7 @@
 a measured bound, its MTP head predicts token i+2, and greedy decoding continues a corpus prompt in English.
 
 How the bounds were measured: once, on the exported model, with `_heldout_losses` below over the
-first 32 non-overlapping 256-token windows of the held-out split (the last 5 % of data/corpus.txt's
+first 32 non-overlapping 256-token windows of the held-out split (the last 5 % of models/data/corpus.txt's
 paragraphs, as `mla-train` splits it; mla-train's own evaluation over 64 windows reported 0.2841
 / 0.2782, in models/builtin/training.json). Each bound adds 0.1 nats of margin for numerics across
 machines and for a retrained model (the recipe is deterministic on one machine, not across BLAS
@@ -24,7 +24,7 @@ from mla_jax import ModelConfig
 from models import load_hf_checkpoint
 from models.builtin import BUILTIN_DIR, BUILTIN_PROMPT
 from models.tokenizer import ByteTokenizer, load_tokenizer
-from models.train_cli import DEFAULT_CORPUS, eval_windows, split_corpus, token_stream
+from models.trainer import DEFAULT_CORPUS, eval_windows, split_corpus, token_stream
 
 SEQ_LEN, WINDOWS = 256, 32
 # Measured with `_heldout_losses` on the shipped model: main CE 0.2870 nats/token (0.414 bits per

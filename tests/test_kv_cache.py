@@ -70,17 +70,23 @@ def test_dtype_is_a_property_of_the_cache():
         _cache(num_pages=0)
 
 
-@pytest.mark.parametrize("cfg_name, num_pages, page_size", [("tiny", 29, 64), ("tiny", 10, 8), ("v3", 3, 64)])
-def test_pool_bytes_equal_the_planner(cfg_name, num_pages, page_size):
+# Hand-computed: layers (main + the MTP layer's own cache) x (kv_lora_rank + rope) x 2 bytes (bf16) x tokens.
+#   tiny: 4 + 1 layers, 64 + 16 = 80 values:  5 * 80 * 2 * (29 * 64) = 1,484,800;  5 * 80 * 2 * (10 * 8) = 64,000
+#   V3:  61 + 1 layers, 512 + 64 = 576:       62 * 576 * 2 * (3 * 64) = 13,713,408
+@pytest.mark.parametrize("cfg_name, num_pages, page_size, expected", [
+    ("tiny", 29, 64, 1_484_800), ("tiny", 10, 8, 64_000), ("v3", 3, 64, 13_713_408)])
+def test_pool_bytes_equal_the_planner(cfg_name, num_pages, page_size, expected):
+    """Guards: a byte count that is off (a forgotten MTP layer, the rope part, 4-byte elements) in the pool
+    or in the planner: both are compared to numbers computed by hand, not to the formula again."""
     cfg = ModelConfig.tiny() if cfg_name == "tiny" else ModelConfig.deepseek_v3()
-    layers = cfg.num_hidden_layers + cfg.num_mtp_layers  # main layers + the MTP layer's own cache
+    layers = cfg.num_hidden_layers + cfg.num_mtp_layers
     c = PagedLatentCache(num_layers=layers, num_pages=num_pages, page_size=page_size, latent_dim=cfg.latent_dim,
                          max_seqs=1, max_pages_per_seq=num_pages)
     tokens = num_pages * page_size
-    assert c.nbytes == mla_kv_bytes(layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 2, tokens)
+    assert c.nbytes == expected
+    assert mla_kv_bytes(layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 2, tokens) == expected
     plan = plan_kv_cache(cfg, context_len=tokens, page_size=page_size, include_mtp=True)
-    assert c.nbytes == plan.mla.allocated_bytes == plan.mla.logical_bytes
-    assert c.nbytes == sum(p.nbytes for p in c.pages)
+    assert plan.mla.allocated_bytes == plan.mla.logical_bytes == expected
 
 
 @pytest.mark.parametrize("mtp_layers", [1, 0])

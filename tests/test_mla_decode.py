@@ -364,34 +364,3 @@ def test_gpu_large_batch(heads, s_q, causal):
   config = MlaDecodeConfig()
   assert plan(batch, s_q, heads, args[2].shape[1], config).num_splits == 1
   assert_matches_reference(args, causal=causal, impl="kernel", config=config)
-
-
-
-@pytest.mark.parametrize("script,heads", [("decode_time_split.py", 128)])
-def test_diagnosis_script_variants_still_build(script, heads):
-  # The GPU diagnosis scripts quoted by NOTES.md build kernel variants by source transforms;
-  # each must still apply to the current kernel and lower for sm_90.
-  import importlib.util
-  import pathlib
-  from benchmarks import kernel_variants
-  path = pathlib.Path(__file__).parent.parent / "scripts" / script
-  spec = importlib.util.spec_from_file_location(path.stem, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  assert module.T
-  for name, transforms in module.T.items():
-    with kernel_variants.patched(module.FN, transforms, name):
-      jax.clear_caches()   # trace the variant, not a cached unmodified kernel
-      lower_for_sm90(4, 1, heads, 8, causal=False, config=module.CONFIG)
-  jax.clear_caches()
-
-
-def test_variant_harness_checks_and_reports(capsys):
-  # benchmarks.kernel_variants.run, in interpret mode on a tiny cell: the unmodified kernel is
-  # checked against the reference and reported.
-  from benchmarks import kernel_variants
-  kernel_variants.run("_decode_partials", [("unmodified", None, MlaDecodeConfig())],
-                      [(1, 128, 16)], timer=lambda f, args: 0.0, impl="interpret")
-  line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT")]
-  assert len(line) == 1 and "FAILED" not in line[0], line
-  assert float(re.search(r"rel_err=(\S+)", line[0]).group(1)) < 1e-2

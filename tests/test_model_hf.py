@@ -46,7 +46,7 @@ def _pieces(model, ids, x_ref):
         h = layer(h, pos)
     gate = model.layer(k).mlp.gate
     out = dict(router_input=router_input, router_logits=gate.logits(x_ref), router=gate(x_ref),
-               logits=model.logits_from_hidden(model.norm(h)), h_pre=h,
+               hidden=model.norm(h), logits=model.logits_from_hidden(model.norm(h)), h_pre=h,
                hidden_pre=model.hidden_states(ids, pre_norm=True))
     if len(model.mtp):
         hid = model.hidden_states(ids)
@@ -96,7 +96,8 @@ def test_public_pieces_and_router_records_match_hf(loaded):
     name, model, ref = loaded
     ids = jnp.asarray(ref["input_ids"])
     out = _pieces(model, ids, jnp.asarray(ref["router_input"]))
-    # layers composed one by one == the HF logits
+    # the layers composed one by one give HF's last hidden state and logits
+    np.testing.assert_allclose(np.asarray(out["hidden"]), ref["hidden"], rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(np.asarray(out["logits"]), ref["logits"], rtol=RTOL, atol=ATOL)
     # the scanned stacks (one compiled body) against the layers run one by one, eagerly: fp32 rounding
     np.testing.assert_allclose(np.asarray(out["hidden_pre"]), np.asarray(out["h_pre"]), rtol=1e-5, atol=5e-5)

@@ -12,9 +12,9 @@ import pytest
 
 from models import load_hf_checkpoint
 from models.tokenizer import ByteTokenizer, load_tokenizer
-from models.train_cli import (
-    UsageError, build_parser, build_model, checkpoint_manager, initial_state, load_config, main,
-    restore_checkpoint, split_corpus, train_batch,
+from models.train_cli import build_parser, main, settings
+from models.trainer import (
+    TrainerError, checkpoint_manager, initial_state, load_config, restore_checkpoint, split_corpus, train_batch,
 )
 
 # Small enough for a couple of seconds of steps on 2 CPU cores; the shipped corpus and the tiny config.
@@ -51,8 +51,7 @@ def test_short_run_lowers_heldout_loss(tmp_path):
 
 def _final_checkpoint(out, args):
     """(state, opt_state, meta) of the latest checkpoint of a run, restored into fresh templates."""
-    ns = build_parser().parse_args(["--out", out, *args])
-    graphdef, state, opt_state = initial_state(ns)
+    graphdef, state, opt_state = initial_state(settings(build_parser().parse_args(["--out", out, *args])))
     mgr = checkpoint_manager(out)
     try:
         return restore_checkpoint(mgr, state, opt_state)
@@ -124,7 +123,7 @@ def test_corpus_split_and_batches_are_deterministic():
     np.testing.assert_array_equal(b1, train_batch(stream, step=7, seed=0, batch_size=4, seq_len=16))
     assert not np.array_equal(b1, train_batch(stream, step=8, seed=0, batch_size=4, seq_len=16))
     assert b1.shape == (4, 16) and np.all(np.diff(b1, axis=1) == 1)  # contiguous windows
-    with pytest.raises(UsageError, match="at least 2 paragraphs"):
+    with pytest.raises(TrainerError, match="at least 2 paragraphs"):
         split_corpus("one paragraph only")
 
 
@@ -136,5 +135,173 @@ def test_config_json_and_preset(tmp_path):
     assert load_config(str(path)).num_hidden_layers == 2
     assert load_config("tiny") == ModelConfig.tiny()
     path.write_text(json.dumps(ModelConfig.tiny().replace(vocab_size=100).to_hf_dict()))
-    with pytest.raises(UsageError, match="vocab_size=100"):
+    with pytest.raises(TrainerError, match="vocab_size=100"):
         load_config(str(path))
+
+
+# ------------------------------------------------------------------------------------------
+# Damaged checkpoints: every one ends in one line naming the checkpoint, exit status 2
+# ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """Checkpoints at steps 1 and 2 of two different states, written as `mla-train` writes them
+    (`Trainer.save`: arrays, record, checksums) but without training, so nothing is compiled. The config
+    is a config.json (of ModelConfig.tiny()) that a test may rewrite."""
+    import jax.numpy as jnp
+
+    from mla_jax import ModelConfig
+    from models.trainer import Trainer, TrainState
+
+    d = tmp_path_factory.mktemp("saved")
+    config = d / "config.json"
+    config.write_text(json.dumps(ModelConfig.tiny().to_hf_dict()))
+    args = ["--config", str(config), "--eval-every", "0", "--save-every", "1", *FAST]
+    trainer = Trainer(settings(build_parser().parse_args(args)))
+    ts = trainer.init()
+    moved = jax.tree.map(lambda x: x + 1 if jnp.issubdtype(x.dtype, jnp.floating) else x, ts.state)
+    mgr = checkpoint_manager(str(d / "run"))
+    try:
+        trainer.save(mgr, TrainState(ts.graphdef, ts.state, ts.opt_state, 1))
+        trainer.save(mgr, TrainState(ts.graphdef, moved, ts.opt_state, 2))
+    finally:
+        mgr.close()
+    assert sorted(os.listdir(d / "run" / "checkpoints")) == ["1", "2"]
+    return d / "run", config, args, moved
+
+
+def _largest_file(d):
+    return max((p for p in d.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _truncate(ck, config):
+    f = _largest_file(ck / "2" / "state")
+    os.truncate(f, f.stat().st_size // 2)
+
+
+def _random_bytes(ck, config):
+    f = _largest_file(ck / "2" / "state")
+    with open(f, "r+b") as fh:
+        fh.seek(f.stat().st_size // 3)
+        fh.write(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+
+
+def _arrays_of_step_1(ck, config):
+    import shutil
+
+    shutil.rmtree(ck / "2" / "state")
+    shutil.copytree(ck / "1" / "state", ck / "2" / "state")
+
+
+def _other_config_shape(ck, config):
+    d = json.loads(config.read_text())
+    config.write_text(json.dumps({**d, "num_hidden_layers": d["num_hidden_layers"] - 1}))
+
+
+def _empty_step_dir(ck, config):
+    import shutil
+
+    shutil.rmtree(ck / "2")
+    (ck / "2").mkdir()
+
+
+# (corruption, what the error line must say): random bytes are either unreadable or read back different
+CORRUPTIONS = {
+    "truncated array file": (_truncate, r"checkpoints/2/state cannot be read"),
+    "deleted array metadata": (lambda ck, c: (ck / "2" / "state" / "_METADATA").unlink(),
+                               r"checkpoints/2/state cannot be read"),
+    "deleted run record": (lambda ck, c: (ck / "2" / "meta" / "metadata").unlink(),
+                           r"checkpoints/2: its record \(meta/metadata\) cannot be read"),
+    "wrong step directory": (lambda ck, c: (ck / "2").rename(ck / "7"), r"checkpoints/7 holds step 2, not 7"),
+    "random bytes in an array file": (_random_bytes, r"checkpoints/2/state( cannot be read|: .*sha256 mismatch)"),
+    "arrays of another step": (_arrays_of_step_1, r"checkpoints/2/state: .*sha256 mismatch"),
+    "another config's shape": (_other_config_shape, r"checkpoints/2 holds a model of another config .*"
+                               r"num_hidden_layers=4/3"),
+    "empty step directory": (_empty_step_dir, r"checkpoints/2: its record \(meta/metadata\) cannot be read"),
+}
+
+
+# orbax leaves the reads it abandoned on a damaged file as coroutines that complain when collected
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("name", CORRUPTIONS)
+def test_damaged_checkpoint_is_one_line_error(saved_run, tmp_path, capsys, name):
+    """Guards: a damaged checkpoint resumed silently (garbage weights, the wrong step) or ending in a
+    traceback. Each corruption must end in `mla-train: error: checkpoint <dir>/<step>...`, exit 2."""
+    import gc
+    import re
+    import shutil
+
+    run, config, args, _ = saved_run
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    original = config.read_text()
+    corrupt, pattern = CORRUPTIONS[name]
+    try:
+        corrupt(out / "checkpoints", config)
+        capsys.readouterr()
+        rc = main(["--out", str(out), *args, "--resume", "--stop-at", "3"])
+    finally:
+        config.write_text(original)
+        gc.collect()  # here, under this test's warning filter, not in a later test
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert rc == 2, err
+    assert last.startswith(f"mla-train: error: checkpoint {out / 'checkpoints'}"), err
+    assert re.search(pattern, last), last
+    assert "Traceback" not in err
+    assert not (out / "export").exists() and sorted(os.listdir(out / "checkpoints")) != ["1", "2", "3"]
+
+
+def test_undamaged_copy_restores_exactly(saved_run, tmp_path):
+    """The control of the test above: the same copy, unharmed, passes every check and restores the
+    latest state bit for bit (so each failure above is the damage's)."""
+    import shutil
+
+    from models.trainer import Trainer
+
+    run, config, args, moved = saved_run
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    trainer = Trainer(settings(build_parser().parse_args(args)))
+    mgr = checkpoint_manager(str(out))
+    try:
+        ts = trainer.restore(mgr)
+    finally:
+        mgr.close()
+    assert ts.step == 2
+    chex.assert_trees_all_equal(ts.state, moved)
+
+
+# ------------------------------------------------------------------------------------------
+# A model that cannot fit is refused before anything is allocated
+# ------------------------------------------------------------------------------------------
+def test_deepseek_v3_is_refused_in_one_line_with_the_figures(tmp_path, capsys):
+    """Guards: `mla-train --config deepseek_v3` allocating 671B fp32 parameters and dying with `Killed`."""
+    out = tmp_path / "o"
+    assert main(["--out", str(out), "--config", "deepseek_v3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mla-train: error: --config 'deepseek_v3': training needs at least ") and \
+        err.count("\n") == 1, err
+    # 682.6B parameters (671B + the MTP layer): 4 B weights + 4 B gradients + 8 B AdamW moments each = 10.9 TB
+    assert "682.64B parameters" in err and "10.9 TB" in err and "more than the " in err, err
+    assert not out.exists()
+
+
+def test_memory_estimate_counts_weights_gradients_and_adamw(monkeypatch):
+    """Guards: an estimate that forgets the optimizer state or the gradients, and a check that compares
+    the wrong way. The built-in model's training.json records 1,431,968 variables (fp32), of which
+    32 are router biases (4 MoE blocks x 8 experts), which get no gradient and no moments."""
+    from models import trainer
+
+    cfg = load_config("tiny")
+    need = trainer.training_memory(cfg, trainer.TrainSettings())
+    n_params = 1_431_968 - 4 * 8
+    assert need["parameters"] == n_params
+    assert need["variables"] == 4 * 1_431_968
+    assert need["gradients"] == 4 * n_params
+    assert need["optimizer"] == 8 * n_params + 2 * 4  # AdamW's two moments + two int32 step counts
+    assert need["total"] == need["variables"] + need["gradients"] + need["optimizer"]
+    monkeypatch.setattr(trainer, "available_memory", lambda: (need["total"], "of test memory"))
+    trainer.check_memory(cfg, trainer.TrainSettings())  # exactly enough: accepted
+    monkeypatch.setattr(trainer, "available_memory", lambda: (need["total"] - 1, "of test memory"))
+    with pytest.raises(TrainerError, match=r"needs at least 0.02 GB .* more than the 0.02 GB of test memory"):
+        trainer.check_memory(cfg, trainer.TrainSettings())

@@ -1,5 +1,6 @@
 """The built-in small model: a ~1.4M-parameter byte-level DeepSeek-V3-style model (`ModelConfig.tiny()`:
-MLA, 8-expert MoE with the V3 router, one MTP layer) trained by `mla-train` on `data/corpus.txt`.
+MLA, 8-expert MoE with the V3 router, one MTP layer) trained by `mla-train` on
+`models/data/corpus.txt`.
 
 `BUILTIN_DIR` is an HF-layout checkpoint directory (config.json, model.safetensors,
 byte_tokenizer.json, training.json with the exact recipe and losses):

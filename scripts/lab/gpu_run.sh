@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The one script the GPU call runs: GPU tests, register report, benchmarks; results under $OUT.
-#   scripts/gpu_run.sh [quick] # GPU tests + the --quick cells (kernel, XLA, naive) + gather grid
-#   scripts/gpu_run.sh tests   # every GPU test (kernels, engine, MoE) + ptxas register report
-#   scripts/gpu_run.sh grid    # the full mla_decode grid (kernel + XLA, no naive)
-#   scripts/gpu_run.sh variants # kernel GPU tests (boundaries, B=256), ptxas report, then
+#   scripts/lab/gpu_run.sh [quick] # GPU tests + the --quick cells (kernel, XLA, naive) + gather grid
+#   scripts/lab/gpu_run.sh tests   # every GPU test (kernels, engine, MoE) + ptxas register report
+#   scripts/lab/gpu_run.sh grid    # the full mla_decode grid (kernel + XLA, no naive)
+#   scripts/lab/gpu_run.sh variants # kernel GPU tests (boundaries, B=256), ptxas report, then
 #                              #   the FlashMLA cells with the $VARIANTS configs (XLA autotuner off)
-#   scripts/gpu_run.sh fairxla  # the FlashMLA cells, default config, XLA autotuner ON (fair baseline)
-#   scripts/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
+#   scripts/lab/gpu_run.sh fairxla  # the FlashMLA cells, default config, XLA autotuner ON (fair baseline)
+#   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
 # Benchmark stages write their CSV after every cell, so a stage stopped by its time limit still

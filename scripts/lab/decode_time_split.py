@@ -9,9 +9,9 @@ purpose (their rel_err is printed, not checked); the point is the time each part
   l2_pages   every step of a split re-reads the split's first page (L2-resident): the kernel
              with DRAM traffic taken out
 
-  PYTHONPATH=. python3 scripts/decode_time_split.py
+  PYTHONPATH=. python3 scripts/lab/decode_time_split.py
 """
-from benchmarks import kernel_variants as kv
+import kernel_variants as kv  # scripts/lab/, the script's own directory
 from pallas_kernels import MlaDecodeConfig
 
 FN = "_decode_partials"

@@ -1,11 +1,13 @@
-"""Kernel variants by source transform, for GPU diagnosis scripts (scripts/seesaw_register_diag.py,
-scripts/decode_time_split.py).
+"""Kernel variants by source transform, for the GPU diagnosis scripts beside it
+(scripts/lab/decode_time_split.py). Lab code: not in the
+wheel, and no test depends on it.
 
 A variant is a list of (old, new) text replacements applied to the source of one kernel-building
 function of `pallas_kernels.mla_decode`; `patched` swaps the rebuilt function in for as long as
 a ``with`` block lasts, and `run` checks and times each variant beside the unmodified kernel.
-The replacements must match the current source exactly (`build` asserts it), and the scripts'
-CPU tests lower every variant, so a kernel edit that breaks a diagnosis fails CI.
+The replacements must match the source of the day exactly (`build` asserts it): after a kernel
+edit, a diagnosis fails when it is run, and is updated or dropped then; CI never pins the
+kernel's source text.
 """
 
 from __future__ import annotations

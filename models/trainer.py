@@ -1,0 +1,767 @@
+"""Training a small DeepSeek-style model (MLA + MoE + MTP) on a text corpus: data, schedule, evaluation,
+logging, the loss curve, orbax checkpoints with exact resume, and HF-layout export. `mla-train` is
+the command line over this module.
+
+    from models.trainer import TrainSettings, train
+    result = train(TrainSettings(steps=200, seq_len=128), out="runs/small")      # -> RunResult
+    result = train(TrainSettings(steps=400, seq_len=128), out="runs/small", resume=True)
+
+What one step is: `models.training.make_train_step` (CE + λ·MTP + α·sequence-wise balance loss,
+AdamW on the Params, then the aux-loss-free router-bias update outside the gradient). This module
+adds everything around it; `Trainer` holds one run's pieces and `TrainState` its state between
+steps, so a caller can drive the steps itself (`Trainer.init`, `.restore`, `.step`, `.evaluate`, `.save`).
+
+Data: the corpus is split into paragraphs (blank-line separated); the last `HELDOUT_FRACTION`
+of them are held out. Each paragraph becomes [bos] + UTF-8 bytes + [eos] (`ByteTokenizer`), and
+the paragraphs of each split are concatenated into one token stream. A training batch is B
+windows of T tokens at offsets drawn from `numpy.random.default_rng([seed, step])`: the data
+order is a pure function of (seed, step), so the step number *is* the data-order RNG state and
+resuming at step s draws exactly the batches an uninterrupted run would have drawn.
+Evaluation: consecutive non-overlapping T-token windows of the held-out stream (fixed).
+
+Checkpoints (orbax `CheckpointManager`, `<out>/checkpoints/<step>`): every variable of the
+model (Params and router biases), the optax state (moments and the schedule's step count) and
+a JSON record: the step, the data-order seed, the settings that shape the trajectory, the model
+config, the corpus fingerprint and a sha256 of each array tree. Resuming refuses different
+settings, another corpus or another model config, and a checkpoint whose files do not read back
+exactly as they were saved (truncated, edited, renamed, half written): each is one `TrainerError`
+naming the checkpoint directory.
+
+Memory: before anything is allocated, `check_memory` compares what the parameters, their gradients
+and the AdamW state need (from shapes alone) with the memory there is, and refuses a model that
+cannot fit, with both figures.
+
+Errors are `TrainerError` (a bad input, setting or checkpoint; one line); `SettingError`, its
+subclass, names the settings at fault so the command line can print them as flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, ClassVar
+
+import numpy as np
+
+from models.data import CORPUS_PATH
+
+HELDOUT_FRACTION = 0.05
+DEFAULT_CORPUS = CORPUS_PATH  # inside the package (models/data), so an installed wheel trains with no arguments
+PRESETS = ("tiny", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
+DTYPES = ("fp32", "bf16")
+MOE_IMPLS = ("auto", "ragged_dot", "mgpu", "dense")
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class TrainerError(ValueError):
+    """A bad input, setting or checkpoint; the message is one line that names it."""
+
+
+class SettingError(TrainerError):
+    """A bad value of one or more settings. The message names them by field (`steps`); `message(style)`
+    names them another way (the command line uses `--steps`)."""
+
+    def __init__(self, template: str, *names: str, **values: Any):
+        self.template, self.names, self.values = template, names, values
+        super().__init__(self.message(str))
+
+    def message(self, style) -> str:
+        return self.template.format(*(style(n) for n in self.names), **self.values)
+
+
+# ------------------------------------------------------------------------------------------
+# Settings
+# ------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """A run's settings; the defaults are the recipe of the built-in model (`models.builtin`)."""
+
+    config: str = "tiny"            # a preset (PRESETS) or a config.json path
+    steps: int = 800                # total optimizer steps
+    batch_size: int = 8             # sequences per step
+    seq_len: int = 256              # tokens per training window
+    lr: float = 4e-3                # peak learning rate
+    min_lr_ratio: float = 0.1       # final lr of the cosine decay, relative to lr
+    warmup: int = 60                # linear warmup steps
+    weight_decay: float = 0.1       # AdamW decay on matrices (not norms, biases)
+    clip: float = 1.0               # global gradient-norm clip (0 = off)
+    seed: int = 0                   # initialisation and data-order seed
+    dtype: str = "fp32"             # compute dtype (DTYPES); parameters stay fp32
+    mtp_weight: float = 0.3         # λ of the MTP loss
+    balance_alpha: float = 1e-4     # α of the sequence-wise balance loss
+    bias_update_rate: float = 1e-2  # γ of the aux-loss-free router-bias update
+    moe_impl: str = "auto"          # expert computation (MOE_IMPLS); auto = dense on CPU, else models.moe's auto
+    # Not part of the trajectory: a resumed run may change them.
+    corpus: str = DEFAULT_CORPUS    # UTF-8 text, paragraphs separated by blank lines
+    eval_every: int = 100           # held-out evaluation period in steps (0 = only at the end)
+    eval_windows: int = 64          # held-out windows per evaluation (at most what the split holds)
+    save_every: int = 200           # checkpoint period in steps (0 = only at the end)
+
+    # The settings that change the training trajectory: a resumed run must use the same ones.
+    TRAJECTORY: ClassVar[tuple[str, ...]] = (
+        "config", "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "weight_decay", "clip", "seed",
+        "dtype", "mtp_weight", "balance_alpha", "bias_update_rate", "moe_impl")
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise SettingError("{0} must be >= 1, got {v}", name, v=getattr(self, name))
+        if self.seq_len < 3:
+            raise SettingError("{0} must be >= 3 (the MTP loss predicts two tokens ahead), got {v}", "seq_len",
+                               v=self.seq_len)
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise SettingError("{0} must be a positive number, got {v}", "lr", v=self.lr)
+        for name in ("warmup", "eval_every", "save_every", "eval_windows"):
+            if getattr(self, name) < 0:
+                raise SettingError("{0} must be >= 0, got {v}", name, v=getattr(self, name))
+        if self.warmup >= self.steps:
+            raise SettingError("{0} ({w}) must be smaller than {1} ({s})", "warmup", "steps", w=self.warmup,
+                               s=self.steps)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise SettingError("{0} must be in [0, 1], got {v}", "min_lr_ratio", v=self.min_lr_ratio)
+        for name in ("weight_decay", "clip", "mtp_weight", "balance_alpha", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise SettingError("{0} must be >= 0, got {v}", name, v=getattr(self, name))
+        if self.dtype not in DTYPES:
+            raise SettingError("{0} must be one of {c}, got {v!r}", "dtype", c=DTYPES, v=self.dtype)
+        if self.moe_impl not in MOE_IMPLS:
+            raise SettingError("{0} must be one of {c}, got {v!r}", "moe_impl", c=MOE_IMPLS, v=self.moe_impl)
+
+    def trajectory(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.TRAJECTORY}
+
+
+def load_config(spec: str):
+    """A ModelConfig from a preset name or a config.json path, with the byte tokenizer's specials
+    (SettingError on anything else)."""
+    from mla_jax.config import ModelConfig
+
+    key = spec.replace("-", "_")
+    if key in PRESETS:
+        cfg = getattr(ModelConfig, key)()
+    elif os.path.exists(spec):
+        try:
+            cfg = ModelConfig.from_hf(spec)
+        except (ValueError, KeyError, json.JSONDecodeError) as e:
+            raise SettingError("{0} {spec!r}: {e}", "config", spec=spec, e=e) from e
+    else:
+        raise SettingError("{0} {spec!r}: not a preset ({p}) nor an existing config.json", "config", spec=spec,
+                           p=", ".join(PRESETS))
+    if cfg.vocab_size < 259:
+        raise SettingError("{0} {spec!r}: vocab_size={v} cannot hold the byte tokenizer (256 bytes + bos/eos/pad)",
+                           "config", spec=spec, v=cfg.vocab_size)
+    # The byte tokenizer's specials, so an exported config.json tells generation where to stop.
+    return cfg.replace(bos_token_id=256, eos_token_id=257)
+
+
+# ------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------
+def split_corpus(text: str, heldout_fraction: float = HELDOUT_FRACTION) -> tuple[list[str], list[str]]:
+    """(train paragraphs, held-out paragraphs): the last `heldout_fraction` of the blank-line separated
+    paragraphs (at least one) are held out. Deterministic; raises TrainerError on fewer than 2 paragraphs."""
+    paras = [p.strip() for p in text.replace("\r\n", "\n").split("\n\n")]
+    paras = [p for p in paras if p]
+    if len(paras) < 2:
+        raise TrainerError(f"the corpus needs at least 2 paragraphs (blank-line separated), found {len(paras)}")
+    n_held = max(1, int(round(len(paras) * heldout_fraction)))
+    return paras[:-n_held], paras[-n_held:]
+
+
+def token_stream(paragraphs: list[str], tok) -> np.ndarray:
+    """int32 [N]: [bos] + bytes + [eos] per paragraph, concatenated."""
+    ids: list[int] = []
+    for p in paragraphs:
+        ids += tok.encode(p, add_bos=True)
+        ids.append(tok.eos_id)
+    return np.asarray(ids, np.int32)
+
+
+def train_batch(stream: np.ndarray, step: int, seed: int, batch_size: int, seq_len: int) -> np.ndarray:
+    """int32 [B, T]: random windows; the offsets depend only on (seed, step) (see the module docstring)."""
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(stream) - seq_len + 1, size=batch_size)
+    return np.stack([stream[s:s + seq_len] for s in starts])
+
+
+def eval_windows(stream: np.ndarray, seq_len: int, max_windows: int) -> np.ndarray:
+    """int32 [W, T]: the first `max_windows` consecutive non-overlapping windows of the held-out stream."""
+    n = min(len(stream) // seq_len, max_windows)
+    return stream[:n * seq_len].reshape(n, seq_len)
+
+
+def corpus_fingerprint(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusData:
+    """A corpus made ready for a run: the token streams of both splits and the fixed evaluation windows."""
+
+    train_ids: np.ndarray     # int32 [N_train]
+    heldout_ids: np.ndarray   # int32 [N_held]
+    windows: np.ndarray       # int32 [W, T]
+    fingerprint: str          # corpus_fingerprint of the text
+
+
+def load_corpus(path: str, seq_len: int, max_windows: int) -> CorpusData:
+    """Read, split and tokenize a corpus (TrainerError when it is missing, not UTF-8 or too short)."""
+    from models.tokenizer import ByteTokenizer
+
+    if not os.path.isfile(path):
+        raise SettingError("{0} {p!r}: no such file", "corpus", p=path)
+    with open(path, encoding="utf-8", errors="strict") as f:
+        try:
+            text = f.read()
+        except UnicodeDecodeError as e:
+            raise SettingError("{0} {p!r} is not UTF-8 text: {e}", "corpus", p=path, e=e) from e
+    tok = ByteTokenizer()
+    train_paras, held_paras = split_corpus(text)
+    train_ids, held_ids = token_stream(train_paras, tok), token_stream(held_paras, tok)
+    if len(train_ids) < seq_len + 1:
+        raise SettingError("the training split has {n} tokens, fewer than {0} {t} + 1", "seq_len",
+                           n=len(train_ids), t=seq_len)
+    windows = eval_windows(held_ids, seq_len, max_windows)
+    if len(windows) == 0:
+        raise SettingError("the held-out split has {n} tokens, fewer than one {0} window ({t})", "seq_len",
+                           n=len(held_ids), t=seq_len)
+    return CorpusData(train_ids, held_ids, windows, corpus_fingerprint(text))
+
+
+# ------------------------------------------------------------------------------------------
+# Model, optimizer, steps, memory
+# ------------------------------------------------------------------------------------------
+def make_optimizer(s: TrainSettings):
+    """(optax AdamW with warmup + cosine schedule and global-norm clipping, the schedule)."""
+    return _optimizer(s.lr, s.min_lr_ratio, s.warmup, s.steps, s.weight_decay, s.clip)
+
+
+@functools.lru_cache(maxsize=8)
+def _optimizer(lr, min_lr_ratio, warmup, steps, weight_decay, clip):
+    import jax
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=steps, end_value=lr * min_lr_ratio)
+    # Decay matrices only: norms' scales and 1-D tensors are not weights to shrink toward 0.
+    adamw = optax.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay,
+                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+    tx = optax.chain(optax.clip_by_global_norm(clip), adamw) if clip > 0 else adamw
+    return tx, schedule
+
+
+def train_config(s: TrainSettings):
+    from models.training import TrainConfig
+
+    return TrainConfig(mtp_weight=s.mtp_weight, balance_alpha=s.balance_alpha, bias_update_rate=s.bias_update_rate)
+
+
+@functools.lru_cache(maxsize=8)
+def _steps(tx, tc):
+    """The jitted (train_step, eval_step), one pair per (optimizer, loss weights): a second run in the
+    same process (a resumed run, a test) reuses the compiled steps instead of compiling again."""
+    from models.training import make_train_step
+
+    return make_train_step(tx, tc), make_eval_step(tc)
+
+
+def make_eval_step(tc):
+    """A jitted `eval_step(graphdef, state, ids [W,T]) -> metrics` (loss_fn without the update)."""
+    import jax
+    from flax import nnx
+
+    from models.training import loss_fn
+
+    def eval_step(graphdef, state, ids):
+        _, metrics = loss_fn(nnx.merge(graphdef, state), {"input_ids": ids}, tc)
+        return metrics
+
+    return jax.jit(eval_step, static_argnums=(0,))
+
+
+def resolve_moe_impl(name: str) -> str:
+    import jax
+
+    if name == "auto" and jax.default_backend() == "cpu":
+        return "dense"
+    return name
+
+
+def build_model(cfg, s: TrainSettings):
+    """The DeepSeekModel of a fresh run: initialised from `s.seed`, fp32 parameters, `s.dtype` compute."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.deepseek import DeepSeekModel
+
+    dtype = jnp.bfloat16 if s.dtype == "bf16" else jnp.float32
+    return DeepSeekModel(cfg, rngs=nnx.Rngs(s.seed), dtype=dtype, param_dtype=jnp.float32,
+                         moe_impl=resolve_moe_impl(s.moe_impl))
+
+
+def initial_state(s: TrainSettings, cfg=None):
+    """(graphdef, state, opt_state) of a fresh run: the model initialised from the seed, AdamW's zero state.
+    Also the template a checkpoint is restored into."""
+    from models.training import init_train_state
+
+    cfg = load_config(s.config) if cfg is None else cfg
+    tx, _ = make_optimizer(s)
+    return init_train_state(build_model(cfg, s), tx)
+
+
+def training_memory(cfg, s: TrainSettings) -> dict[str, int]:
+    """Bytes a training step holds at least, from shapes alone (nothing is allocated): the model's
+    variables, a gradient per parameter and the optimizer state; activations come on top.
+    -> {"parameters": count, "variables", "gradients", "optimizer", "total": bytes}."""
+    import jax
+    from flax import nnx
+
+    abstract = nnx.eval_shape(lambda: build_model(cfg, s))
+    variables = nnx.state(abstract)
+    params = nnx.state(abstract, nnx.Param)
+    tx, _ = make_optimizer(s)
+    opt = jax.eval_shape(tx.init, params)
+
+    def nbytes(tree):
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+    out = {"parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
+           "variables": nbytes(variables), "gradients": nbytes(params), "optimizer": nbytes(opt)}
+    out["total"] = out["variables"] + out["gradients"] + out["optimizer"]
+    return out
+
+
+def available_memory() -> tuple[int, str]:
+    """(bytes free for training, where): the accelerator's free memory when jax runs on one, else the
+    host's available memory."""
+    import jax
+
+    dev = jax.local_devices()[0]
+    if dev.platform != "cpu":
+        stats = dev.memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"free on the {dev.device_kind}"
+    try:
+        import psutil  # a dependency of orbax-checkpoint
+
+        return int(psutil.virtual_memory().available), "of available host memory"
+    except ImportError:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "of host memory"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e12:.1f} TB" if n >= 1e12 else f"{n / 1e9:.2f} GB"
+
+
+def check_memory(cfg, s: TrainSettings) -> None:
+    """SettingError (on `config`) when the parameters, gradients and AdamW state alone exceed the memory
+    there is: a model that cannot fit is refused in one line instead of being killed mid-allocation."""
+    need = training_memory(cfg, s)
+    have, where = available_memory()
+    if need["total"] > have:
+        raise SettingError(
+            "{0} {spec!r}: training needs at least {total} ({n:.2f}B parameters: {v} of weights + {g} of gradients "
+            "+ {o} of AdamW state, before activations), more than the {have} {where}", "config", spec=s.config,
+            total=_gb(need["total"]), n=need["parameters"] / 1e9, v=_gb(need["variables"]),
+            g=_gb(need["gradients"]), o=_gb(need["optimizer"]), have=_gb(have), where=where)
+
+
+# ------------------------------------------------------------------------------------------
+# Evaluation and metrics
+# ------------------------------------------------------------------------------------------
+def evaluate(eval_step, graphdef, state, windows: np.ndarray, batch_size: int) -> dict[str, float]:
+    """Token-weighted mean CE and MTP loss over the held-out windows (every window has T tokens)."""
+    import jax.numpy as jnp
+
+    ce = mtp = 0.0
+    n = 0
+    for i in range(0, len(windows), batch_size):
+        chunk = windows[i:i + batch_size]
+        m = eval_step(graphdef, state, jnp.asarray(chunk))
+        ce += float(m["ce"]) * len(chunk)
+        mtp += float(m["mtp_loss"]) * len(chunk)
+        n += len(chunk)
+    return {"eval_ce": ce / n, "eval_mtp_loss": mtp / n}
+
+
+def load_balance(expert_load_NE) -> float:
+    """max/mean expert load of the worst MoE layer (1.0 = perfectly balanced)."""
+    load = np.asarray(expert_load_NE, np.float64)
+    if load.size == 0:
+        return 1.0
+    return float(np.max(load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-9)))
+
+
+class MetricsLog:
+    """`metrics.jsonl`: one JSON row per training step ({"step", "loss", "ce", ...}) or evaluation
+    ({"step", "eval_ce", ...}); `rows` holds what the file holds."""
+
+    def __init__(self, path: str, upto_step: int | None = None):
+        """Keep the rows of an existing file up to `upto_step` (what a resumed run continues; None = none)."""
+        self.path = path
+        self.rows: list[dict] = []
+        if upto_step is not None and os.path.isfile(path):
+            with open(path) as f:
+                self.rows = [r for r in map(json.loads, filter(str.strip, f)) if r["step"] <= upto_step]
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.rows)
+
+    def append(self, row: dict) -> None:
+        self.rows.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def plot_losses(rows: list[dict], path: str) -> None:
+    """The loss curve (train and held-out CE, main and MTP head, log scale) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in rows if "ce" in r]
+    ev = [r for r in rows if "eval_ce" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if train:
+        ax.plot([r["step"] for r in train], [r["ce"] for r in train], lw=0.8, alpha=0.8, label="train CE")
+        ax.plot([r["step"] for r in train], [r["mtp_ce"] for r in train], lw=0.8, alpha=0.6,
+                label="train MTP CE (token i+2)")
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["eval_ce"] for r in ev], "o-", label="held-out CE")
+        ax.plot([r["step"] for r in ev], [r["eval_mtp_ce"] for r in ev], "s--", label="held-out MTP CE")
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats / token")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    ax.set_title("mla-train")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints
+# ------------------------------------------------------------------------------------------
+_ITEMS = ("state", "opt_state")
+
+
+def checkpoint_manager(out: str, create: bool = True):
+    """The orbax CheckpointManager of `<out>/checkpoints` (the last two steps are kept)."""
+    import orbax.checkpoint as ocp
+
+    opts = ocp.CheckpointManagerOptions(max_to_keep=2, create=create)
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(out, "checkpoints")), options=opts)
+
+
+def tree_sha256(tree) -> str:
+    """sha256 over every leaf's key path, dtype, shape and bytes, in tree order."""
+    import jax
+
+    h = hashlib.sha256()
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        a = np.ascontiguousarray(np.asarray(x))
+        h.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def save_checkpoint(mgr, step: int, state, opt_state, meta: dict) -> None:
+    """Write step `step`: both array trees and `meta` plus their checksums (`tree_sha256`), then wait."""
+    import orbax.checkpoint as ocp
+
+    meta = {**meta, "step": step, "sha256": {"state": tree_sha256(state), "opt_state": tree_sha256(opt_state)}}
+    mgr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), opt_state=ocp.args.StandardSave(opt_state),
+        meta=ocp.args.JsonSave(meta)), force=True)
+    mgr.wait_until_finished()
+
+
+def _reason(e: BaseException) -> str:
+    """An exception as a short phrase: its first line, without tensorstore's spec dump."""
+    text = (str(e).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def checkpoint_record(mgr, step: int | None = None) -> tuple[int, str, dict]:
+    """(step, its directory, its JSON record) of `step` (default the latest), checked to belong to that
+    directory; TrainerError when there is none or it cannot be read."""
+    import orbax.checkpoint as ocp
+
+    try:
+        steps = mgr.all_steps()
+    except Exception as e:  # noqa: BLE001 - anything orbax cannot list is a damaged directory
+        raise TrainerError(f"cannot list the checkpoints in {mgr.directory}: {_reason(e)}") from e
+    if not steps:
+        raise TrainerError(f"no checkpoint in {mgr.directory} to resume from")
+    step = max(steps) if step is None else step
+    where = os.path.join(str(mgr.directory), str(step))
+    try:
+        meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # noqa: BLE001
+        raise TrainerError(f"checkpoint {where}: its record (meta/metadata) cannot be read: {_reason(e)}") from e
+    if not isinstance(meta, dict) or not {"step", "trajectory", "corpus_sha256"} <= meta.keys():
+        raise TrainerError(f"checkpoint {where}: its record (meta/metadata) is not one mla-train wrote")
+    if meta["step"] != step:
+        raise TrainerError(f"checkpoint {where} holds step {meta['step']}, not {step}: a step directory renamed or "
+                           "copied from another run; remove it or restore its name")
+    return step, where, meta
+
+
+def restore_checkpoint(mgr, state_template, opt_template, step: int | None = None):
+    """(state, opt_state, meta) of `step` (default the latest), restored into the templates' structure and
+    checked against the checksums saved with them. TrainerError, naming the step directory and what is
+    wrong, on a missing, truncated, altered or mismatched checkpoint."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    step, where, meta = checkpoint_record(mgr, step)
+    abstract = lambda t: jax.tree.map(ocp.utils.to_shape_dtype_struct, t)  # noqa: E731
+    # orbax hands back arrays committed to a device; fresh ones are uncommitted, and jit keys its cache
+    # on that, so a resumed run would compile the step again. A host round-trip is exact.
+    fresh = lambda t: jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), t)  # noqa: E731
+    restored = []
+    for item, template in zip(_ITEMS, (state_template, opt_template)):
+        try:
+            tree = mgr.restore(step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(abstract(template))}))
+            tree = fresh(tree[item])
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds; all mean "unreadable"
+            raise TrainerError(f"checkpoint {where}/{item} cannot be read: {_reason(e)}") from e
+        saved = meta.get("sha256", {}).get(item)
+        if saved is not None and tree_sha256(tree) != saved:
+            raise TrainerError(f"checkpoint {where}/{item}: the arrays read back differ from those saved (sha256 "
+                               "mismatch): its files were damaged or changed")
+        restored.append(tree)
+    return restored[0], restored[1], meta
+
+
+def _config_record(cfg) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+# ------------------------------------------------------------------------------------------
+# Export
+# ------------------------------------------------------------------------------------------
+def export(graphdef, state, directory: str, summary: dict | None = None) -> None:
+    """HF layout (config.json + model.safetensors) plus the byte-tokenizer marker, loadable by
+    `load_hf_checkpoint` / `load_tokenizer` / `mla-generate --checkpoint`; `summary` -> training.json."""
+    from flax import nnx
+
+    from models.checkpoint import save_hf_checkpoint
+    from models.tokenizer import save_byte_tokenizer
+
+    save_hf_checkpoint(nnx.merge(graphdef, state), directory)
+    save_byte_tokenizer(directory)
+    if summary is not None:
+        with open(os.path.join(directory, "training.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+
+
+def _portable(value):
+    """A path inside the package's root (the repository, in a checkout) made relative to it: an exported
+    model must not carry this machine's absolute paths."""
+    if isinstance(value, str) and os.path.isabs(value) and os.path.commonpath([_PACKAGE_ROOT, value]) == _PACKAGE_ROOT:
+        return os.path.relpath(value, _PACKAGE_ROOT)
+    return value
+
+
+# ------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TrainState:
+    """A run between two steps: the model (graphdef + state: Params and router biases), the optax state,
+    and the steps done, which is also the data-order RNG state (batch `step` is drawn next)."""
+
+    graphdef: Any
+    state: Any
+    opt_state: Any
+    step: int = 0
+
+
+@dataclasses.dataclass
+class RunResult:
+    step: int
+    train_ce: float | None
+    eval: dict[str, float]
+    out: str
+    export_dir: str | None
+
+
+class Trainer:
+    """One run's fixed pieces: settings, model config (memory-checked), corpus, optimizer and compiled
+    steps. Its methods take and return the `TrainState`; `train` below drives them.
+
+        trainer = Trainer(TrainSettings(steps=100))
+        ts = trainer.init()
+        ts, row = trainer.step(ts)              # one optimizer step; row: loss, ce, mtp_ce, ..., tokens_per_s
+        trainer.evaluate(ts)                    # {"eval_ce", "eval_mtp_loss", "eval_mtp_ce"}
+    """
+
+    def __init__(self, settings: TrainSettings, cfg=None):
+        self.settings = settings
+        self.cfg = load_config(settings.config) if cfg is None else cfg
+        check_memory(self.cfg, settings)
+        self.data = load_corpus(settings.corpus, settings.seq_len, settings.eval_windows)
+        self.tx, self.schedule = make_optimizer(settings)
+        self.train_step, self.eval_step = _steps(self.tx, train_config(settings))
+
+    def init(self) -> TrainState:
+        return TrainState(*initial_state(self.settings, self.cfg), step=0)
+
+    def record(self, step: int) -> dict[str, Any]:
+        """The JSON record saved with a checkpoint of `step` (what `restore` checks)."""
+        return {"step": step, "data_seed": self.settings.seed, "corpus_sha256": self.data.fingerprint,
+                "trajectory": self.settings.trajectory(), "model_config": _config_record(self.cfg)}
+
+    def save(self, mgr, ts: TrainState) -> None:
+        save_checkpoint(mgr, ts.step, ts.state, ts.opt_state, self.record(ts.step))
+
+    def restore(self, mgr) -> TrainState:
+        """The latest checkpoint of `mgr`, refused (TrainerError) unless it was written by a run of the same
+        corpus, trajectory settings and model config, and reads back exactly as it was saved."""
+        step, where, saved = checkpoint_record(mgr)
+        if saved["corpus_sha256"] != self.data.fingerprint:
+            raise TrainerError(f"checkpoint {where} was trained on another corpus than {self.settings.corpus!r}")
+        given = self.settings.trajectory()
+        diff = {k: (v, given[k]) for k, v in saved["trajectory"].items() if k in given and given[k] != v}
+        if diff:
+            raise TrainerError(f"checkpoint {where} was trained with other settings (saved/given): "
+                               + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in diff.items()))
+        now = _config_record(self.cfg)
+        diff = {k: (v, now[k]) for k, v in saved.get("model_config", {}).items() if k in now and now[k] != v}
+        if diff:
+            raise TrainerError(f"checkpoint {where} holds a model of another config than {self.settings.config!r} "
+                               "(saved/given): " + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in diff.items()))
+        fresh = self.init()
+        state, opt_state, _ = restore_checkpoint(mgr, fresh.state, fresh.opt_state, step)
+        return TrainState(fresh.graphdef, state, opt_state, step)
+
+    def step(self, ts: TrainState) -> tuple[TrainState, dict[str, float]]:
+        """One optimizer step on batch `ts.step` -> (the next state, its metrics row). FloatingPointError when
+        the loss is not finite."""
+        import jax
+        import jax.numpy as jnp
+
+        s = self.settings
+        batch = {"input_ids": jnp.asarray(train_batch(self.data.train_ids, ts.step, s.seed, s.batch_size, s.seq_len))}
+        t0 = time.perf_counter()
+        state, opt_state, m = self.train_step(ts.graphdef, ts.state, ts.opt_state, batch)
+        m = jax.device_get(m)
+        seconds = time.perf_counter() - t0
+        if not math.isfinite(float(m["loss"])):
+            raise FloatingPointError(f"loss is {float(m['loss'])} at step {ts.step + 1}; try a lower learning rate")
+        row = {"step": ts.step + 1, "loss": float(m["loss"]), "ce": float(m["ce"]),
+               "mtp_ce": float(m["mtp_loss"]) / s.mtp_weight if s.mtp_weight > 0 else float("nan"),
+               "balance_loss": float(m["balance_loss"]), "load_max_over_mean": load_balance(m["expert_load"]),
+               "grad_norm": float(m["grad_norm"]), "lr": float(self.schedule(ts.step)),
+               "tokens_per_s": s.batch_size * s.seq_len / seconds}
+        return TrainState(ts.graphdef, state, opt_state, ts.step + 1), row
+
+    def evaluate(self, ts: TrainState) -> dict[str, float]:
+        """Held-out CE and MTP loss, and the MTP head's plain CE (the step's "mtp_loss" carries λ)."""
+        ev = evaluate(self.eval_step, ts.graphdef, ts.state, self.data.windows, self.settings.batch_size)
+        w = self.settings.mtp_weight
+        ev["eval_mtp_ce"] = ev["eval_mtp_loss"] / w if w > 0 else float("nan")
+        return ev
+
+
+def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: int | None = None,
+          export_dir: str | None = None, progress: bool = True, cfg=None) -> RunResult:
+    """Train per `settings` in the run directory `out` (checkpoints/, metrics.jsonl, loss.png, export/).
+
+    resume: continue from the latest checkpoint in `out` (without it, `out` must hold none).
+    stop_at: stop after this step with a checkpoint, as if interrupted (an unfinished run is not exported).
+    export_dir: where the finished model goes in HF layout (default `<out>/export`).
+    progress: a tqdm bar on stderr; without it, a log line at each evaluation.
+    Raises TrainerError on a bad input, setting or checkpoint, FloatingPointError on a diverged loss.
+    """
+    import jax
+    from tqdm import tqdm
+
+    if stop_at is not None and stop_at < 1:
+        raise SettingError("{0} must be >= 1, got {v}", "stop_at", v=stop_at)
+    trainer = Trainer(settings, cfg)  # config, memory and corpus are checked before anything is written
+    os.makedirs(out, exist_ok=True)
+    mgr = checkpoint_manager(out)
+    try:
+        if resume:
+            ts = trainer.restore(mgr)
+        elif mgr.latest_step() is not None:
+            raise SettingError("{0} {out!r} already holds checkpoints: pass {1}, or choose another {0}", "out",
+                               "resume", out=out)
+        else:
+            ts = trainer.init()
+        log = MetricsLog(os.path.join(out, "metrics.jsonl"), upto_step=ts.step if resume else None)
+        s = settings
+        start = ts.step
+        stop = s.steps if stop_at is None else min(stop_at, s.steps)
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(ts.state))
+
+        def run_eval(ts: TrainState) -> dict[str, float]:
+            ev = trainer.evaluate(ts)
+            log.append({"step": ts.step, **ev})
+            plot_losses(log.rows, os.path.join(out, "loss.png"))
+            return ev
+
+        bar = tqdm(total=stop, initial=start, disable=not progress, desc="mla-train", dynamic_ncols=True,
+                   file=sys.stderr)
+        if not progress:
+            print(f"mla-train: {n_params / 1e6:.2f}M parameters, {len(trainer.data.train_ids)} train / "
+                  f"{len(trainer.data.heldout_ids)} held-out tokens, steps {start}->{stop}", file=sys.stderr)
+        train_ce = None
+        t_start = time.perf_counter()
+        try:
+            while ts.step < stop:
+                first = ts.step == start
+                ts, row = trainer.step(ts)
+                # the step alone (not evaluation or checkpoints); a session's first step includes compiling it
+                if first:
+                    row["tokens_per_s"] = float("nan")
+                log.append(row)
+                train_ce = row["ce"]
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['ce']:.3f}", mtp=f"{row['mtp_ce']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                                load=f"{row['load_max_over_mean']:.2f}", refresh=False)
+                if s.eval_every and ts.step % s.eval_every == 0 and ts.step != stop:
+                    ev = run_eval(ts)
+                    msg = f"step {ts.step}: train CE {train_ce:.4f}, held-out CE {ev['eval_ce']:.4f} nats/token"
+                    if progress:
+                        bar.write(msg, file=sys.stderr)
+                    else:
+                        print("mla-train: " + msg, file=sys.stderr)
+                if s.save_every and ts.step % s.save_every == 0 and ts.step != stop:
+                    trainer.save(mgr, ts)
+        finally:
+            bar.close()
+        if mgr.latest_step() != ts.step:
+            trainer.save(mgr, ts)
+        ev = run_eval(ts)
+        last_ce = float("nan") if train_ce is None else train_ce
+        print(f"mla-train: step {ts.step}/{s.steps}: train CE {last_ce:.4f}, "
+              f"held-out CE {ev['eval_ce']:.4f} nats/token ({ev['eval_ce'] / math.log(2):.3f} bits), "
+              f"held-out MTP CE {ev['eval_mtp_ce']:.4f}", file=sys.stderr)
+        done_dir = None
+        if ts.step >= s.steps:  # an interrupted run (stop_at) is not a finished model
+            done_dir = export_dir or os.path.join(out, "export")
+            run_args = {"out": out, **dataclasses.asdict(s), "stop_at": stop_at, "resume": resume,
+                        "export": export_dir}
+            summary = {"step": ts.step, "train_ce_last_step": train_ce, **ev,
+                       "train_seconds_this_session": round(time.perf_counter() - t_start, 1),
+                       "heldout_tokens_evaluated": int(trainer.data.windows.size), "parameters": n_params,
+                       "corpus_sha256": trainer.data.fingerprint,
+                       "args": {k: _portable(v) for k, v in run_args.items()}}
+            export(ts.graphdef, ts.state, done_dir, summary)
+            print(f"mla-train: exported to {done_dir}", file=sys.stderr)
+        return RunResult(ts.step, train_ce, ev, out, done_dir)
+    finally:
+        mgr.close()
