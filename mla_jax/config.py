@@ -226,6 +226,14 @@ class ModelConfig:
             bos_token_id=256, eos_token_id=257, model_type="deepseek_v3",
         )
 
+    @classmethod
+    def builtin(cls) -> "ModelConfig":
+        """The built-in model's shape: `tiny()` with attention the Pallas kernels serve (latent 512 +
+        rope 64, 16 heads, so `mla_decode` and `paged_gather` run on 64-token pages), trained on
+        windows as long as its context (2048)."""
+        return cls.tiny().replace(num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64,
+                                  qk_nope_head_dim=16, v_head_dim=16)
+
     # --- Hugging Face config.json ----------------------------------------------------------
     @classmethod
     def from_hf(cls, path: str | os.PathLike) -> "ModelConfig":

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--export", default=None, help="write an HF-layout checkpoint (config.json, model.safetensors, tokenizer "
       "marker) here at the end (by default <out>/export)")
     a("--no-progress", action="store_true", help="no progress bar (log lines at each evaluation instead)")
+    from models import compile_cache
+    compile_cache.add_argument(p)
     return p
 
 
@@ -89,6 +91,8 @@ def _flag(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        from models import compile_cache
+        compile_cache.enable(args.compile_cache)
         train(settings(args), args.out, resume=args.resume, stop_at=args.stop_at, export_dir=args.export,
               progress=not args.no_progress)
     except SettingError as e:
@@ -100,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as e:  # a diverged run: say so in one line, not a traceback
         print(f"mla-train: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # e.g. a compile-cache or output directory that cannot be created
+        print(f"mla-train: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("mla-train: interrupted (resume from the last checkpoint with --resume)", file=sys.stderr)
         return 130

@@ -53,7 +53,7 @@ from models.data import CORPUS_PATH
 
 HELDOUT_FRACTION = 0.05
 DEFAULT_CORPUS = CORPUS_PATH  # inside the package (models/data), so an installed wheel trains with no arguments
-PRESETS = ("tiny", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
+PRESETS = ("tiny", "builtin", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
 DTYPES = ("fp32", "bf16")
 MOE_IMPLS = ("auto", "ragged_dot", "mgpu", "dense")
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
