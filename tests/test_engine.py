@@ -400,7 +400,7 @@ def test_bad_engine_arguments(model):
     with pytest.raises(ValueError, match=r"max_context must be an integer in \[1, max_position_embeddings=2048\]"):
         Engine(model, max_context=4096)
     # The Pallas kernels serve the 576-wide latent, page 64, H in {16,32,64,128}, bf16 only.
-    with pytest.raises(ValueError, match=r"latent width .* = 80 .*page_size = 4.*num_attention_heads = 4"):
+    with pytest.raises(ValueError, match=r"heads = 4 .*latent_dim = 80 .*page_size = 4"):
         Engine(model, page_size=4, attention_impl="kernel")
     no_mtp = DeepSeekModel(CFG.replace(num_mtp_layers=0), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="no MTP module"):

@@ -33,18 +33,14 @@ def _compiled_decode(layers: int):
     return e, lowered, lowered.compile()
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    return {n: _compiled_decode(n) for n in (4, 27)}
-
-
-def test_compiled_decode_step_does_not_grow_with_depth(compiled):
-    sizes = {n: (len(lo.as_text().splitlines()), len(c.as_text().splitlines())) for n, (_, lo, c) in compiled.items()}
-    # Same program at any depth: only the stacked parameters' leading axis differs.
-    assert sizes[27] == sizes[4], sizes
-
-
-def test_decode_step_updates_the_pools_in_place(compiled):
+def test_decode_step_does_not_grow_with_depth_and_updates_the_pools_in_place():
+    compiled = {n: _compiled_decode(n) for n in (4, 27)}
+    lowered = {n: len(lo.as_text().splitlines()) for n, (_, lo, _) in compiled.items()}
+    optimized = {n: len(c.as_text().splitlines()) for n, (_, _, c) in compiled.items()}
+    # Same program at any depth: only the stacked parameters' leading axis differs (XLA's fusion
+    # decisions may move a few lines; an unrolled 27-layer step would be ~7x the 4-layer one).
+    assert lowered[27] == lowered[4], lowered
+    assert abs(optimized[27] - optimized[4]) <= 0.02 * optimized[4], optimized
     for n, (engine, _, c) in compiled.items():
         hlo = c.as_text()
         pool = "f32[" + ",".join(map(str, engine.cache.pages.shape)) + "]"
