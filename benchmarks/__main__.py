@@ -1,4 +1,4 @@
-"""``python -m benchmarks {mla_decode,paged_gather,moe,e2e} [options]`` (``--help`` after the name)."""
+"""``python -m benchmarks {mla_decode,paged_gather,moe,e2e,compile_depth} [options]`` (``--help`` after the name)."""
 
 import sys
 
@@ -7,6 +7,7 @@ BENCHMARKS = {
     "paged_gather": "benchmarks.bench_paged_gather",
     "moe": "benchmarks.bench_moe",
     "e2e": "benchmarks.bench_e2e",
+    "compile_depth": "benchmarks.bench_compile_depth",
 }
 
 

@@ -409,11 +409,17 @@ def test_bad_engine_arguments(model):
 
 # --- compilation count -----------------------------------------------------------------------------
 def test_long_generation_compiles_a_bounded_number_of_times(model):
+    """Also guards the decode step's block table: with the smallest table bucket (1 page) the table
+    is exactly as wide as the pages in use, so a table one page short (the step's token written
+    nowhere, its attention missing the last page) diverges from the full forward pass at the
+    power-of-two page boundaries this generation crosses."""
     # A batch shape no other test uses (fresh compilations), and the smallest table bucket (1 page).
     e = Engine(model, **{**STD, "max_batch": 2}, min_table_tokens=1)
     before = trace_counts()
-    res = e.generate(_prompts(11, [5, 2]), max_new_tokens=56)
+    prompts = _prompts(11, [5, 2])
+    res = e.generate(prompts, max_new_tokens=56)
     assert [len(t) for t in res.tokens] == [56, 56]
+    _assert_teacher_forced(model, prompts, res.tokens)
     new = {k: v - before.get(k, 0) for k, v in trace_counts().items()}
     # 55 decode steps over 6..61 cached tokens = 2..16 pages of 4: table widths 2, 4, 8, 16 -> 4 compilations.
     assert new.get("decode", 0) == 4 and new.get("prefill", 0) == 1, new
@@ -504,3 +510,51 @@ def test_verify_step_table_covers_the_kernel_seq_len(monkeypatch):
     assert any(s[0] == 257 for s, _ in seen)  # the step at the context limit ran
     for s, width in seen:
         assert max(s) <= 64 * width, (s, width)
+
+
+def test_prefill_mtp_state_equals_the_uncached_mtp_forward(model):
+    """The MTP pool rows a prefill writes are the pairs (h_i, t_{i+1}), and the first draft's
+    distribution is the uncached MTP forward over the prompt's pairs and (h_{n-1}, t_n). Guards
+    against the pairs shifted by one (then the draft attends over wrong rows; greedy output would
+    not show it, only the acceptance rate would drop)."""
+    from models.sampling import SamplingArrays
+    from models.steps import StepInputs
+
+    e = Engine(model, page_size=4, num_pages=16, max_batch=1, kv_dtype=jnp.float32)
+    prompt = _prompts(21, [11])[0]
+    n, T = len(prompt), 16
+    e.cache.reserve(0, n + 1)
+    ids = np.zeros((1, T), np.int32)
+    ids[0, :n] = prompt
+    pos = np.where(np.arange(T) < n, np.arange(T), -1)[None].astype(np.int32)
+    nxt = np.zeros((1, T), np.int32)
+    nxt[0, :n - 1] = prompt[1:]
+    sp = SamplingArrays(*(np.asarray(v) for v in ([1.0], [0], [1.0], [0.0])))  # temperature 1: q = softmax
+    inp = StepInputs(ids, pos, e.cache.block_tables[:, :4].copy(), np.array([n], np.int32),
+                     np.array([n - 1], np.int32), np.zeros((1, 2), np.uint32), sp)
+    cache = KVCache.create(e.cache.pages, inp.block_table, inp.lengths)
+    _, tok, _, q = e.steps.prefill(e.state, cache, inp, nxt, np.array([True]), jnp.zeros((1, 1), jnp.int32),
+                                   jnp.zeros((1, 1, CFG.vocab_size), jnp.float32), use_mtp=True, sampler="random")
+    # the uncached reference: the main token t_n sampled from the same keys, then MTP over all pairs
+    x = jnp.asarray([prompt])
+    h = model.hidden_states(x)
+    pairs_next = jnp.asarray([prompt[1:] + [int(tok[0])]])
+    want = jax.nn.softmax(model.mtp_logits(h, pairs_next)[0, n - 1])
+    np.testing.assert_allclose(np.asarray(q[0, 0]), np.asarray(want), rtol=1e-4, atol=1e-6)
+    # ... and the engine hands the step those pairs, across chunk boundaries (chunks of 4 here):
+    # row i of a chunk pairs token i with prompt token i + 1.
+    e = Engine(model, page_size=4, num_pages=16, max_batch=1, prefill_chunk=4, kv_dtype=jnp.float32)
+    seen = []
+    real = e.steps.prefill
+
+    def recording(state, cache, inp, mtp_next_ids, *args, **kw):
+        seen.append((np.asarray(inp.positions[0]), np.asarray(mtp_next_ids[0])))
+        return real(state, cache, inp, mtp_next_ids, *args, **kw)
+
+    e.steps = e.steps._replace(prefill=recording)
+    e.generate([prompt], max_new_tokens=2, use_mtp=True)
+    assert len(seen) == 3  # 11 prompt tokens in chunks of 4
+    for positions, nxt_ids in seen:
+        for j, p in enumerate(positions):
+            if 0 <= p < n - 1:
+                assert nxt_ids[j] == prompt[p + 1], (p, nxt_ids[j], prompt[p + 1])
