@@ -1,6 +1,7 @@
 """`mla-train`: train a small DeepSeek-style model (MLA + MoE + MTP) on a text corpus, on CPU or GPU.
 
-    mla-train --out runs/tiny                        # the built-in model's recipe: shipped corpus, tiny config
+    mla-train --out runs/tiny                        # shipped corpus, tiny config (the built-in model's
+                                                     # recipe: models/builtin/training.json)
     mla-train --out runs/tiny --resume               # continue an interrupted run, bit for bit
     mla-train --out runs/small --steps 200 --seq-len 128 --dtype bf16 --export runs/small-hf
 
@@ -38,7 +39,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     d = TrainSettings()
     p = _Parser(prog="mla-train", description="Train a small DeepSeek-style model (MLA + MoE + MTP) on a corpus. "
-                "The defaults are the recipe of the built-in model (models/builtin).",
+                "The defaults train ModelConfig.tiny() on 256-token windows (CPU-sized); the built-in model's "
+                "recipe is in models/builtin/training.json.",
                 formatter_class=_Formatter)
     a = p.add_argument
     a("--out", default=os.path.join("runs", "mla-train"), help="run directory: checkpoints, metrics.jsonl, loss.png")

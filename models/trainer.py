@@ -80,7 +80,8 @@ class SettingError(TrainerError):
 # ------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """A run's settings; the defaults are the recipe of the built-in model (`models.builtin`)."""
+    """A run's settings; the defaults train `ModelConfig.tiny()` on 256-token windows (CPU-sized; the
+    built-in model's own recipe is in `models/builtin/training.json`)."""
 
     config: str = "tiny"            # a preset (PRESETS) or a config.json path
     steps: int = 800                # total optimizer steps
