@@ -1,21 +1,28 @@
-"""Pallas Mosaic GPU kernels (sm_90) with their plain-jnp references.
+"""Pallas kernels for Hopper (Mosaic GPU, sm_90; `moe_decode` on Pallas' Triton backend) with their
+plain-jnp references, and the one "which implementation" vocabulary (`_platform.IMPLS`: kernel /
+interpret / reference, with the one Hopper check).
 
 Imports nothing from the rest of the project.
 """
 
 from pallas_kernels.mla_decode import (MlaDecodeConfig, mla_decode, mla_decode_problems,
                                        mla_decode_reference)
+from pallas_kernels.moe_decode import MoeDecodeConfig, moe_decode, moe_decode_problems, moe_decode_reference
 from pallas_kernels.paged_gather import (BF16_PAGES, PagedGatherConfig, PageFormat, paged_gather,
                                          paged_gather_reference)
 
 __all__ = [
     "BF16_PAGES",
     "MlaDecodeConfig",
+    "MoeDecodeConfig",
     "PageFormat",
     "PagedGatherConfig",
     "mla_decode",
     "mla_decode_problems",
     "mla_decode_reference",
+    "moe_decode",
+    "moe_decode_problems",
+    "moe_decode_reference",
     "paged_gather",
     "paged_gather_reference",
 ]
