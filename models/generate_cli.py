@@ -21,7 +21,7 @@ import time
 from typing import NoReturn, Sequence
 
 DTYPES = ("auto", "float32", "bfloat16")
-KV_DTYPES = ("bf16", "fp32")
+KV_DTYPES = ("auto", "bf16", "fp32")
 FALLBACK_PROMPT = "Once upon a time, there was a"
 
 
@@ -52,7 +52,9 @@ def _build_parser() -> _Parser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="compute dtype; auto = bfloat16 on a GPU, float32 elsewhere (default: auto)")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="latent cache format (default: bf16)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                   help="latent cache format; auto = bf16 on a GPU (what the Pallas kernels read), fp32 "
+                        "elsewhere, where the jnp path keeps the latents exact (default: auto)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the silent warm-up run that compiles the steps before the timed one")
     p.add_argument("--attention-impl", choices=("auto", "reference", "kernel", "interpret"), default="auto",
@@ -60,6 +62,17 @@ def _build_parser() -> _Parser:
     from models import compile_cache
     compile_cache.add_argument(p)
     return p
+
+
+def cache_dtype(name: str):
+    """The page dtype of `--kv-dtype` ("auto": bf16 on a GPU, where the kernels need it, fp32 elsewhere:
+    the small built-in model's greedy text drifts with bf16 latents on the jnp path)."""
+    import jax
+    import jax.numpy as jnp
+
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    return jnp.bfloat16 if name == "bf16" else jnp.float32
 
 
 def compute_dtype(name: str):
@@ -194,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The engine sizes its own pool for one sequence of max_context tokens (and the MTP draft room).
         engine = Engine(model, page_size=64, max_batch=1, max_context=max_context,
                         attention_impl=args.attention_impl,
-                        kv_dtype=jnp.bfloat16 if args.kv_dtype == "bf16" else jnp.float32)
+                        kv_dtype=cache_dtype(args.kv_dtype))
         stops = () if tok.eos_id is None else (tok.eos_id,)
         compile_s = 0.0
         try:
