@@ -222,7 +222,9 @@ def next_pow2(n: int) -> int:
 # ------------------------------------------------------------------------------------------
 # The cache a cached forward pass carries
 # ------------------------------------------------------------------------------------------
-BACKENDS = ("kernel", "interpret", "reference")  # `pallas_kernels`' resolved implementations
+from pallas_kernels._platform import IMPLS as _IMPLS  # noqa: E402  (the one "which implementation" vocabulary)
+
+BACKENDS = tuple(i for i in _IMPLS if i is not None)  # resolved: "kernel", "interpret", "reference"
 
 
 @dataclasses.dataclass(frozen=True)

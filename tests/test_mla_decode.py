@@ -197,15 +197,20 @@ def test_cross_lowers_for_sm90(heads, s_q, batch, max_pages, causal):
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 def test_cross_lowers_every_kernel_variant_for_sm90(heads, s_q, variant):
   # Every variant at every shape, whichever the default picks there (the benchmarks time them).
-  lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=MlaDecodeConfig(**variant))
-  assert _mosaic_calls(lowered) >= 1
+  config = MlaDecodeConfig(**variant)
+  lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=config)
+  assert _mosaic_calls(lowered) == (1 if plan(8, s_q, heads, 130, config).num_splits == 1 else 2)
 
 
 @pytest.mark.parametrize("config", [MlaDecodeConfig(max_concurrent_steps=1),
                                     MlaDecodeConfig(num_splits=256, combine_block_cols=64),
                                     MlaDecodeConfig(num_splits=3, combine_block_cols=256)])
 def test_cross_lowers_tuning_configs(config):
-  lower_for_sm90(4, 2, 64, 300, causal=True, config=config)
+  # A tuning knob that dropped the combine kernel (or added one) would show in the call count.
+  lowered = lower_for_sm90(4, 2, 64, 300, causal=True, config=config)
+  splits = plan(4, 2, 64, 300, config).num_splits
+  assert splits > 1  # each of these configs splits KV: the combine kernel must be there
+  assert _mosaic_calls(lowered) == 2
 
 
 def test_interpretable_variant_is_not_a_production_config():
