@@ -22,7 +22,8 @@ from models.steps import StepInputs
 B, P = 2, 4
 
 
-def _compiled_decode(layers: int):
+def _decode_step(layers: int, compile: bool = True):
+    """(engine, lowered, compiled or None) of the decode step of a narrow V2-Lite-shaped model."""
     model = DeepSeekModel(narrow_v2_lite(layers), rngs=nnx.Rngs(0))
     e = Engine(model, page_size=16, num_pages=64, max_batch=B, kv_dtype=jnp.float32)
     inp = StepInputs(np.zeros((B, 1), np.int32), np.zeros((B, 1), np.int32), np.zeros((B, P), np.int32),
@@ -30,18 +31,17 @@ def _compiled_decode(layers: int):
                      SamplingArrays.from_params([SamplingParams()] * B))
     cache = KVCache.create(e.cache.pages, inp.block_table, inp.lengths)
     lowered = e.steps.decode.lower(e.state, cache, inp, sampler="greedy")
-    return e, lowered, lowered.compile()
+    return e, lowered, lowered.compile() if compile else None
 
 
 def test_decode_step_does_not_grow_with_depth_and_updates_the_pools_in_place():
-    compiled = {n: _compiled_decode(n) for n in (4, 27)}
-    lowered = {n: len(lo.as_text().splitlines()) for n, (_, lo, _) in compiled.items()}
-    optimized = {n: len(c.as_text().splitlines()) for n, (_, _, c) in compiled.items()}
-    # Same program at any depth: only the stacked parameters' leading axis differs (XLA's fusion
-    # decisions may move a few lines; an unrolled 27-layer step would be ~7x the 4-layer one).
+    steps = {4: _decode_step(4), 27: _decode_step(27, compile=False)}
+    lowered = {n: len(lo.as_text().splitlines()) for n, (_, lo, _) in steps.items()}
+    # Same program at any depth: only the stacked parameters' leading axis differs (an unrolled
+    # 27-layer step would be ~7x the 4-layer one). Lowering shows it; compiling the 27-layer one too
+    # (CPU seconds) adds nothing: the compiled program is the lowered one optimised.
     assert lowered[27] == lowered[4], lowered
-    assert abs(optimized[27] - optimized[4]) <= 0.02 * optimized[4], optimized
-    for n, (engine, _, c) in compiled.items():
+    for n, (engine, _, c) in [(4, steps[4])]:
         hlo = c.as_text()
         pool = "f32[" + ",".join(map(str, engine.cache.pages.shape)) + "]"
         assert pool.startswith(f"f32[{n},")
