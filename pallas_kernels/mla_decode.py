@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _platform
 from pallas_kernels._page_table import check_page_table
+from pallas_kernels.page_format import BF16_PAGES, FP8_PAGES
 
 PAGE_SIZE = 64          # tokens per KV page (the TMA box and the wgmma N of Q·Kᵀ)
 KEY_DIM = 576           # latent 512 ; rope 64
@@ -140,7 +141,10 @@ def mla_decode_reference(q, kv_pages, block_table, seq_lens, *, softmax_scale, c
   del config, impl
   _validate(q, kv_pages, block_table, seq_lens, softmax_scale, checked=checked)
   B, s_q, H, _ = q.shape
-  kv_BSK = kv_pages[block_table].reshape(B, -1, KEY_DIM).astype(jnp.float32)   # (B, S, K)
+  pages = kv_pages[block_table]
+  if is_fp8_pages(kv_pages):   # dequantise (to bf16, what the kernel's tensor cores see), then as bf16
+    pages = FP8_PAGES.dequantize_reference(pages)
+  kv_BSK = pages.reshape(B, -1, KEY_DIM).astype(jnp.float32)   # (B, S, K)
   keys = jnp.arange(kv_BSK.shape[1], dtype=jnp.int32)
   valid_BS = keys[None, :] < seq_lens.astype(jnp.int32)[:, None]
   # Zero rows past the sequence: unused slots may hold anything (NaN), and 0 * NaN = NaN.
@@ -163,6 +167,11 @@ def mla_decode_reference(q, kv_pages, block_table, seq_lens, *, softmax_scale, c
 # ------------------------------------------------------------------------------------------------
 # Validation and planning
 # ------------------------------------------------------------------------------------------------
+
+
+def is_fp8_pages(kv_pages) -> bool:
+  """Whether ``kv_pages`` are fp8 pages (uint8, last dim 656: `pallas_kernels.page_format`)."""
+  return kv_pages.dtype == jnp.uint8 and kv_pages.shape[-1] == FP8_PAGES.width
 
 
 def mla_decode_problems(heads, latent_dim, page_size, dtype) -> list[str]:
@@ -211,12 +220,12 @@ def _validate(q, kv_pages, block_table, seq_lens, softmax_scale, *, checked=Fals
     raise ValueError(f"s_q (query tokens per sequence) must be in [1, {MAX_QUERY_LEN}], got {s_q}")
   if B < 1:
     raise ValueError(f"batch must be >= 1, got {B}")
-  if kv_pages.ndim != 3 or kv_pages.shape[1:] != (PAGE_SIZE, KEY_DIM):
+  if kv_pages.ndim != 3 or kv_pages.shape[1:] not in ((PAGE_SIZE, KEY_DIM), (PAGE_SIZE, FP8_PAGES.width)):
     raise ValueError(
-        f"kv_pages must be [num_pages, {PAGE_SIZE}, {KEY_DIM}] (page size {PAGE_SIZE}), "
-        f"got {kv_pages.shape}")
-  if kv_pages.dtype != jnp.bfloat16:
-    raise ValueError(f"kv_pages must be bfloat16, got {kv_pages.dtype}")
+        f"kv_pages must be bf16 [num_pages, {PAGE_SIZE}, {KEY_DIM}] or fp8 uint8 [num_pages, {PAGE_SIZE}, "
+        f"{FP8_PAGES.width}] (page size {PAGE_SIZE}), got {kv_pages.shape}")
+  fmt = BF16_PAGES if kv_pages.shape[2] == KEY_DIM else FP8_PAGES
+  fmt.validate(kv_pages, PAGE_SIZE)
   if block_table.ndim != 2 or block_table.shape[0] != B or block_table.shape[1] < 1:
     raise ValueError(f"block_table must be [B={B}, max_pages >= 1], got {block_table.shape}")
   if block_table.dtype != jnp.int32:

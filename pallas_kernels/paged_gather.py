@@ -27,39 +27,12 @@ import jax.numpy as jnp
 
 from pallas_kernels import _platform
 from pallas_kernels._page_table import check_page_table
+from pallas_kernels.page_format import BF16_PAGES, FP8_PAGES, PageFormat  # noqa: F401  (re-exported)
 
 PAGE_SIZE = 64
 KEY_DIM = 576
 
 
-@dataclasses.dataclass(frozen=True)
-class PageFormat:
-  """How one cache page is stored. The bf16 format is the identity.
-
-  Attributes:
-    name: short identifier ("bf16").
-    kernel_supported: whether `paged_gather`'s Mosaic GPU kernel has a body for this format.
-  """
-
-  name: str
-  kernel_supported: bool
-
-  def validate(self, kv_pages) -> None:
-    """Raises ValueError unless ``kv_pages`` is [num_pages, 64, 576] in this format."""
-    if self.name != "bf16":
-      raise ValueError(f"page format {self.name!r} has no layout defined yet")
-    if kv_pages.ndim != 3 or kv_pages.shape[1:] != (PAGE_SIZE, KEY_DIM):
-      raise ValueError(
-          f"kv_pages must be [num_pages, {PAGE_SIZE}, {KEY_DIM}] (page size {PAGE_SIZE}), got {kv_pages.shape}")
-    if kv_pages.dtype != jnp.bfloat16:
-      raise ValueError(f"bf16 kv_pages must be bfloat16, got {kv_pages.dtype}")
-
-  def dequantize_reference(self, pages):
-    """Pages [..., 64, 576] in this format -> bf16 [..., 64, 576] (jnp)."""
-    return pages
-
-
-BF16_PAGES = PageFormat(name="bf16", kernel_supported=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +161,7 @@ def paged_gather(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, c
       never read.
     num_tokens: Python int in [1, 64 * max_pages]: tokens gathered per sequence. Tokens past a
       sequence's length are copied as they are in the page (the caller masks them).
-    page_format: a `PageFormat`; `BF16_PAGES` is the only one now.
+    page_format: a `PageFormat` (`BF16_PAGES`; `FP8_PAGES` through the reference for now).
     config: `PagedGatherConfig` (static); None = defaults.
     impl: None (kernel on a Hopper GPU, else reference), "kernel", "interpret" or "reference".
     checked: also check a traced block table, with `jax.experimental.checkify` (the caller wraps

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (BF16_PAGES, PagedGatherConfig, PageFormat, paged_gather,
+from pallas_kernels import (BF16_PAGES, FP8_PAGES, PagedGatherConfig, PageFormat, paged_gather,
                             paged_gather_reference)
 from pallas_kernels import _platform
 from pallas_kernels.paged_gather import plan_chunks
@@ -84,10 +84,13 @@ def test_invalid_inputs_raise():
 
 
 def test_page_format_hook():
+  """Guards: a format given where its pages are not (bf16 pages read as fp8), a string accepted as
+  a format, and an unknown format name accepted."""
   kv, table = make_inputs(1, 2)
-  fp8 = PageFormat(name="fp8_e4m3", kernel_supported=False)
-  with pytest.raises(ValueError, match="'fp8_e4m3' has no layout defined yet"):
-    paged_gather(kv, table, num_tokens=10, page_format=fp8, impl="reference")
+  with pytest.raises(ValueError, match="page format 'fp8_e4m3' is unknown"):
+    PageFormat(name="fp8_e4m3", kernel_supported=False)
+  with pytest.raises(ValueError, match=r"fp8 kv_pages must be \[num_pages, 64, 656\]"):
+    paged_gather(kv, table, num_tokens=10, page_format=FP8_PAGES, impl="reference")
   with pytest.raises(ValueError, match="page_format must be a PageFormat"):
     paged_gather(kv, table, num_tokens=10, page_format="bf16", impl="reference")
   got = paged_gather(kv, table, num_tokens=10, page_format=BF16_PAGES, impl="reference")
