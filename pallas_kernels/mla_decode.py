@@ -467,6 +467,180 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
   return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens)
 
 
+# fp8 pages (`pallas_kernels.page_format`): per token 512 e4m3 bytes, 4 fp32 scales (one per 128
+# latent values), 64 bf16 rope values = 656 bytes. The kernel reads each page through three views
+# of the same buffer: the latent bytes (uint8, 128-byte swizzled tiles), the scales (fp32 words
+# 128..131 of the row) and the rope (bf16 elements 264..327 of the row, in wgmma tiles).
+_FP8_SCALE_COL = LATENT_DIM // 4                          # 128: first scale, in fp32 words
+_FP8_ROPE_COL = (LATENT_DIM + 4 * (LATENT_DIM // 128)) // 2  # 264: first rope value, in bf16 elements
+# Whether `mla_decode` has a kernel body for fp8 pages (the model's cached path asks).
+FP8_KERNEL = True
+
+
+def _fp8_views(kv_u8):
+  """(latent uint8 [N, 64, 656], scales f32 [N, 64, 164], rope bf16 [N, 64, 328]): bitcasts of
+  one fp8 pages buffer (no copy)."""
+  N, G, W = kv_u8.shape
+  as_f32 = lax.bitcast_convert_type(kv_u8.reshape(N, G, W // 4, 4), jnp.float32)
+  as_bf16 = lax.bitcast_convert_type(kv_u8.reshape(N, G, W // 2, 2), jnp.bfloat16)
+  return kv_u8, as_f32, as_bf16
+
+
+def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, causal, scale,
+                         plan_: _Plan, config: MlaDecodeConfig, interpret):
+  """`_decode_partials` over fp8 pages. Per page the two compute warpgroups first dequantise
+  (e4m3 -> f16 -> f32, times the token's block scale, -> bf16; rows past the sequence end zeroed)
+  their 256 latent columns into one shared bf16 [64, 576] key buffer in wgmma tiles (warpgroup 0
+  adds the rope columns), meet at a barrier, then both run the plain body on that buffer (Q·Kᵀ
+  over 576 columns, online softmax, P·V over their 256 columns); a second barrier per page keeps
+  the buffer until both have finished P·V. The TMA stages hold the page as it is in HBM, in
+  16-byte tiles (the only width that divides its 656-byte rows); the scales are read from GMEM
+  (L2), as a [64, 4] fp32 box has no register layout to land in. SMEM: Q 72 KB + two 41 KB stages
+  + the 72 KB buffer = 226 KB of the 227."""
+  B, Rp, _ = q_rows.shape
+  G, S, pps = plan_.row_blocks, plan_.num_splits, plan_.pages_per_split
+  final = S == 1
+  scale_log2 = scale * _LOG2E
+  out_type = _partials_out_type(B, S, Rp, q_rows.dtype)
+  scratch = dict(q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+                 q_bar=plgpu.Barrier(),
+                 lat_smem=plgpu.SMEM((PAGE_SIZE, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+                 deq_bar=plgpu.Barrier(num_arrivals=2),
+                 free_bar=plgpu.Barrier(num_arrivals=2))
+  if config.interpretable:
+    scratch["p_smem"] = plgpu.SMEM((2, ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS)
+  half = LATENT_DIM // 2
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  lat_view, scale_view, rope_view = _fp8_views(kv_u8)
+
+  @functools.partial(
+      plgpu.kernel, out_type=out_type, grid=(G, S, B), grid_names=("g", "s", "b"),
+      num_threads=3, thread_name="wg", scratch_types=scratch,
+      # SMEM is full to the last KB: no cross-warp reduction scratch (every reduction is along
+      # rows, inside a warp).
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      interpret=interpret)
+  def mla_decode_partials_fp8(q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, o_ref, lse_ref,
+                              q_smem, q_bar, lat_smem, deq_bar, free_bar, p_smem=None):
+    g, s, b = lax.axis_index("g"), lax.axis_index("s"), lax.axis_index("b")
+    wg = lax.axis_index("wg")
+    seq_len = lens_ref[b]
+    first_page = s * pps
+    n_pages = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
+    rows = pl.ds(g * ROWS, ROWS)
+    cols = pl.ds(wg * half, half)
+
+    def compute_context(pipeline):
+      @pl.when(wg == 0)
+      def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+      plgpu.barrier_wait(q_bar)
+      acc, m, l = pipeline((
+          plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), wgmma_layout),
+          plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout),
+          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)))
+      l_safe = jnp.where(l == 0.0, 1.0, l)
+      o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+      lse2 = m + jnp.log2(l)
+      if final:
+        o_ref[b, rows, cols] = o.astype(o_ref.dtype)
+      else:
+        o_ref[b, s, rows, cols] = o
+
+      @pl.when(wg == 0)
+      def _():
+        if final:
+          lse_ref[b, rows] = lse2 * _LN2
+        else:
+          lse_ref[b, s, rows] = lse2
+
+    def load_scales(page):
+      """This warpgroup's two per-token scales of the page (row vectors), read from GMEM: a
+      [64, 4] fp32 TMA box has no register layout to land in, and they are in L2 with the page."""
+      return [plgpu.load(scale_ref.at[page, :, _FP8_SCALE_COL + wg * (half // 128) + k], layout=row_layout,
+                         optimized=False) for k in range(half // 128)]
+
+    def dequantize(lat8, scales, rope, valid):
+      """This warpgroup's 256 latent columns of the page, e4m3 x scale -> bf16, into lat_smem;
+      rows past the sequence end zeroed (they may hold anything, even NaN bytes or scales, and
+      V must be 0 there). Warpgroup 0 also copies the rope columns (bf16 already) after them."""
+      tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 128), 0, layout=wgmma_layout)
+      for k, sc in enumerate(scales):
+        c0 = wg * half + k * 128
+        x8 = plgpu.load(lat8.at[:, pl.ds(c0, 128)], layout=plgpu.Layout.WGMMA_UPCAST_2X)
+        x = plgpu.layout_cast(
+            lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float16), wgmma_layout)
+        x = x.astype(jnp.float32) * lax.broadcast_in_dim(sc, (PAGE_SIZE, 128), [0])
+        lat_smem[:, pl.ds(c0, 128)] = jnp.where(tok < valid, x, 0.0).astype(jnp.bfloat16)
+
+      @pl.when(wg == 0)
+      def _():
+        lat_smem[:, pl.ds(LATENT_DIM, KEY_DIM - LATENT_DIM)] = plgpu.load(rope, layout=wgmma_layout)
+      plgpu.commit_smem()
+
+    def pv_update(acc, p16):
+      v = lat_smem.at[:, cols]
+      if config.interpretable:
+        p_ref = p_smem.at[wg]
+        p_ref[...] = p16
+        plgpu.commit_smem()
+
+        def pv_scoped(acc_ref):
+          plgpu.wgmma(acc_ref, p_ref, v)
+          return acc_ref[...]
+        return acc + pl.run_scoped(pv_scoped, plgpu.ACC((ROWS, half), jnp.float32))
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v)
+      return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+    def body(idx, lat8, rope, carry):
+      (i,) = idx
+      acc, m, l = carry
+      page_start = (first_page + i) * PAGE_SIZE
+      scales = load_scales(table[first_page + i])
+      # Both warpgroups are done with the previous page's buffer (their P·V) before it is rewritten.
+      plgpu.barrier_arrive(free_bar)
+      plgpu.barrier_wait(free_bar)
+      dequantize(lat8, scales, rope, seq_len - page_start)
+      plgpu.barrier_arrive(deq_bar)
+      plgpu.barrier_wait(deq_bar)
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, lat_smem.transpose((1, 0)))
+        return acc_ref[...]
+      sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32)) * scale_log2
+      key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=wgmma_layout)
+      limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
+      sc = jnp.where(key < limit, sc, -jnp.inf)
+      m_new = jnp.maximum(m, sc.max(axis=1))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      return pv_update(acc, p.astype(jnp.bfloat16)), m_new, l
+
+    table = bt_ref.at[b]
+    index = lambda i: (table[first_page + i], 0, 0)
+    plgpu.emit_pipeline_warp_specialized(
+        body, grid=(n_pages,),
+        memory_registers=config.memory_registers, num_compute_wgs=2, wg_axis="wg",
+        max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context,
+        # Tiles as wide as the 656-byte rows allow (a tiled copy needs the tile width to divide
+        # the row: 16 bytes; 41 is prime). On an H200 the body takes ~5 µs a page even without
+        # its dequantisation and barriers (bf16: 2.7); these narrow copies are the prime
+        # suspect (NOTES.md, "fp8 decode").
+        in_specs=[plgpu.BlockSpec((None, PAGE_SIZE, LATENT_DIM), index,
+                                  transforms=(plgpu.TilingTransform((8, 16)),)),
+                  plgpu.BlockSpec((None, PAGE_SIZE, KEY_DIM - LATENT_DIM), index,
+                                  transforms=(plgpu.TilingTransform((8, 8)),))],
+    )(lat_ref.at[:, :, pl.ds(0, LATENT_DIM)], rope_ref.at[:, :, pl.ds(_FP8_ROPE_COL, KEY_DIM - LATENT_DIM)])
+
+  return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens)
+
+
 def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret):
   """Split combine: o [B, S, Rp, 512] f32 and lse [B, S, Rp] (log2) -> out [B, Rp, 512], lse (ln).
 
@@ -537,9 +711,10 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
   if pad:
     block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
   interpret_params = plgpu.InterpretGPUParams() if interpret else None
-  out, lse = _decode_partials(q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H,
-                              causal=causal, scale=float(softmax_scale), plan_=plan_,
-                              config=config, interpret=interpret_params)
+  partials = _decode_partials_fp8 if is_fp8_pages(kv_pages) else _decode_partials
+  out, lse = partials(q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H,
+                      causal=causal, scale=float(softmax_scale), plan_=plan_,
+                      config=config, interpret=interpret_params)
   if plan_.num_splits > 1:
     out, lse = _combine(out, lse, out_dtype=q.dtype, config=config, interpret=interpret_params)
   if Rp != R:
@@ -556,6 +731,9 @@ def mla_decode(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal=Fals
       128}; s_q in [1, 4]; B >= 1.
     kv_pages: bf16 [num_pages, 64, 576]: one layer's cache pages, rows = tokens, columns =
       normalised latent (512) ; roped key (64). V is the first 512 columns of the same rows.
+      Or fp8 pages, uint8 [num_pages, 64, 656] (`pallas_kernels.page_format`: 512 e4m3 bytes,
+      4 fp32 scales, 64 bf16 rope values a token), dequantised to bf16 inside the kernel; the
+      reference dequantises them first, then computes as for bf16 pages.
     block_table: int32 [B, max_pages]: page ids of each sequence in token order. Entries past
       cdiv(seq_len, 64) are never read (may be anything); the ones before must be page ids in
       [0, num_pages).
