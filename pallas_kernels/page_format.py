@@ -125,7 +125,7 @@ class PageFormat:
 
 
 BF16_PAGES = PageFormat(name="bf16", kernel_supported=True)
-FP8_PAGES = PageFormat(name="fp8", kernel_supported=False)
+FP8_PAGES = PageFormat(name="fp8", kernel_supported=True)
 
 
 def page_format_of(pages, *, rope_dim: int = 64) -> PageFormat:
@@ -136,7 +136,10 @@ def page_format_of(pages, *, rope_dim: int = 64) -> PageFormat:
     lat = 32 * (pages.shape[-1] - 2 * rope_dim)
     if lat <= 0 or lat % 33:
       raise ValueError(f"uint8 pages of last dim {pages.shape[-1]} are not fp8 pages with rope_dim={rope_dim}")
-    return PageFormat("fp8", kernel_supported=False, latent_dim=lat // 33, rope_dim=rope_dim)
+    lat //= 33
+    # paged_gather's fp8 kernel body reads DeepSeek's 656-byte tokens only
+    kernel = FP8_PAGES.kernel_supported and (lat, rope_dim) == (FP8_PAGES.latent_dim, FP8_PAGES.rope_dim)
+    return PageFormat("fp8", kernel_supported=kernel, latent_dim=lat, rope_dim=rope_dim)
   for name, d in _PLAIN.items():
     if dt == jnp.dtype(d):
       return PageFormat(name, latent_dim=pages.shape[-1] - rope_dim, rope_dim=rope_dim)
