@@ -1,5 +1,5 @@
 """Tests of pallas_kernels.page_format: the fp8 byte layout against a numpy / ml_dtypes construction
-written here from the documented layout (never from the code under test), the round-trip error
+from the documented layout (tests/fp8_numpy.py, never the code under test), the round-trip error
 bound, zero blocks, byte counts against the capacity planner, and one-line errors."""
 
 import jax
@@ -8,26 +8,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from fp8_numpy import fp8_bytes, fp8_values
 from pallas_kernels import (BF16_PAGES, FP8_PAGES, PageFormat, dequantize_latent_fp8, page_format_of,
                             quantize_latent_fp8)
 
 L, R = 512, 64
-
-
-def numpy_fp8_bytes(latent, rope_dim=R):
-  """The documented layout, built with numpy: e4m3 bytes of x / scale (IEEE fp32 division, round to
-  nearest even after clipping to ±448), little-endian fp32 scales amax / 448, little-endian bf16 rope."""
-  x = np.asarray(latent, np.float32)
-  lat = x.shape[-1] - rope_dim
-  lead = x.shape[:-1]
-  blocks = x[..., :lat].reshape(lead + (lat // 128, 128))
-  scale = (np.abs(blocks).max(-1) / np.float32(448)).astype(np.float32)
-  safe = np.where(scale > 0, scale, np.float32(1))
-  q = np.clip(blocks / safe[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
-  q_bytes = q.view(np.uint8).reshape(lead + (lat,))
-  s_bytes = scale.astype("<f4").view(np.uint8).reshape(lead + (4 * (lat // 128),))
-  r_bytes = x[..., lat:].astype(ml_dtypes.bfloat16).view(np.uint8).reshape(lead + (2 * rope_dim,))
-  return np.concatenate([q_bytes, s_bytes, r_bytes], axis=-1)
 
 
 def adversarial_latents(shape=(3, 5), seed=0):
@@ -55,7 +40,7 @@ def test_fp8_bytes_match_the_numpy_construction():
   as 0x00 instead of 0x80."""
   x = adversarial_latents()
   got = np.asarray(jax.jit(quantize_latent_fp8)(jnp.asarray(x)))
-  want = numpy_fp8_bytes(x)
+  want = fp8_bytes(x)
   assert got.dtype == np.uint8 and got.shape == (3, 5, 656)
   np.testing.assert_array_equal(got, want)
   flat = got.reshape(-1, 656)
@@ -73,6 +58,7 @@ def test_fp8_round_trip_error_is_within_half_an_e4m3_step_of_the_top_binade():
   x = adversarial_latents(seed=1)
   dec = np.asarray(dequantize_latent_fp8(quantize_latent_fp8(jnp.asarray(x))))
   assert dec.dtype == np.float32 and dec.shape == x.shape
+  np.testing.assert_array_equal(dec, fp8_values(fp8_bytes(x)))   # the decode is the documented one
   blocks = x[..., :L].reshape(x.shape[:-1] + (4, 128))
   err = np.abs(dec[..., :L].reshape(blocks.shape) - blocks)
   bound = np.abs(blocks).max(-1, keepdims=True) * (16 / 448) * (1 + 2.0 ** -20)

@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from fp8_numpy import fp8_values
 from pallas_kernels import (BF16_PAGES, FP8_PAGES, PagedGatherConfig, PageFormat, paged_gather,
                             paged_gather_reference, quantize_latent_fp8)
 from pallas_kernels import _platform
@@ -43,17 +44,6 @@ def make_fp8_inputs(batch, max_pages, *, seed=0, spare_pages=2):
   table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
   pages[np.setdiff1d(np.arange(num_pages), table)] = 0xFF
   return jnp.asarray(pages), jnp.asarray(table)
-
-
-def numpy_dequantize(pages):
-  """uint8 [..., 656] -> bf16 [..., 576] from the documented layout: e4m3 * fp32 scale of its
-  128-block (computed in fp32, rounded once to bf16), then the bf16 rope bytes."""
-  p = np.ascontiguousarray(np.asarray(pages))
-  q = p[..., :512].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-  scale = p[..., 512:528].view("<f4")
-  lat = (q.reshape(q.shape[:-1] + (4, 128)) * scale[..., None]).reshape(q.shape)
-  rope = p[..., 528:].view(ml_dtypes.bfloat16)
-  return np.concatenate([lat.astype(ml_dtypes.bfloat16), rope], axis=-1)
 
 
 def test_reference_matches_numpy():
@@ -95,7 +85,7 @@ def test_fp8_reference_matches_numpy():
   kv, table = make_fp8_inputs(2, 3)
   got = paged_gather_reference(kv, table, num_tokens=150, page_format=FP8_PAGES)
   assert got.dtype == jnp.bfloat16 and got.shape == (2, 150, 576)
-  np.testing.assert_array_equal(np.asarray(got), numpy_dequantize(numpy_gather(kv, table, 150)))
+  np.testing.assert_array_equal(np.asarray(got), fp8_values(numpy_gather(kv, table, 150), dtype=ml_dtypes.bfloat16))
 
 
 @pytest.mark.parametrize("batch,max_pages,num_tokens,chunks,steps", [
@@ -114,7 +104,7 @@ def test_fp8_interpret_is_bit_exact(batch, max_pages, num_tokens, chunks, steps)
   got = paged_gather(kv, table, num_tokens=num_tokens, page_format=FP8_PAGES, impl="interpret",
                      config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps))
   assert got.shape == (batch, num_tokens, 576) and got.dtype == jnp.bfloat16
-  want = numpy_dequantize(numpy_gather(kv, table[:, :used], num_tokens))
+  want = fp8_values(numpy_gather(kv, table[:, :used], num_tokens), dtype=ml_dtypes.bfloat16)
   assert not np.isnan(want.astype(np.float32)).any()
   np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -194,5 +184,5 @@ def test_gpu_fp8_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps
   kv, table = make_fp8_inputs(batch, max_pages, seed=batch)
   got = paged_gather(kv, table, num_tokens=num_tokens, page_format=FP8_PAGES, impl="kernel",
                      config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps))
-  want = numpy_dequantize(numpy_gather(kv, table, num_tokens))
+  want = fp8_values(numpy_gather(kv, table, num_tokens), dtype=ml_dtypes.bfloat16)
   np.testing.assert_array_equal(np.asarray(got), want)
