@@ -76,7 +76,7 @@ def _validate(kv_pages, block_table, num_tokens, page_format, checked=False):
     raise ValueError(f"page_format must be a PageFormat, got {page_format!r}")
   if (page_format.latent_dim, page_format.rope_dim) != (KEY_DIM - ROPE_DIM, ROPE_DIM):
     raise ValueError(f"paged_gather reads tokens of {KEY_DIM - ROPE_DIM} latent + {ROPE_DIM} rope values, "
-                     f"got a {page_format.name} format of {page_format.latent_dim} + {page_format.rope_dim}")
+                     f"got {page_format.latent_dim} + {page_format.rope_dim} ({page_format.name} pages)")
   page_format.validate(kv_pages)
   if block_table.ndim != 2 or min(block_table.shape) < 1:
     raise ValueError(f"block_table must be [B >= 1, max_pages >= 1], got {block_table.shape}")

@@ -86,20 +86,9 @@ def test_format_stats():
                     "MTP acceptance 75.0% (3/4) | pages used 2/9 | compile 1.2 s")
 
 
-def test_kv_dtype_fp8_generates_and_names_the_limit(tmp_path, capsys):
-    """--kv-dtype fp8: the built-in model (latent 512 + 64) generates through fp8 pages; a model whose
-    latent fp8 pages cannot hold (the HF fixture: kv_lora_rank 32) is a one-line error naming the flag."""
+def test_kv_dtype_fp8_generates(capsys):
+    """--kv-dtype fp8: the built-in model (latent 512 + 64) generates through fp8 pages (a model whose
+    latent fp8 pages cannot hold: tests/test_bad_inputs.py)."""
     assert main(["--kv-dtype", "fp8", "--max-new-tokens", "4", "--no-warmup"]) == 0
     out, _ = capsys.readouterr()
     assert "[stats] prefill " in out
-    for name in os.listdir(FIXTURE):
-        if name.endswith((".json", ".safetensors")):
-            shutil.copy(os.path.join(FIXTURE, name), tmp_path / name)
-    from tokenizers import Tokenizer, models
-    Tokenizer(models.WordLevel({"w0": 0, "w1": 1, "w2": 2}, unk_token="w2")).save(str(tmp_path / "tokenizer.json"))
-    with pytest.raises(SystemExit) as e:
-        main(["--checkpoint", str(tmp_path), "--prompt", "w1", "--kv-dtype", "fp8"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().split("\n")
-    assert len(err) == 1 and err[0].startswith("mla-generate: error: --kv-dtype fp8: fp8 pages need latent_dim a "
-                                               "positive multiple of 128"), err

@@ -153,7 +153,7 @@ def test_page_format_hook():
     paged_gather(kv, table, num_tokens=10, page_format="bf16", impl="reference")
   got = paged_gather(kv, table, num_tokens=10, page_format=BF16_PAGES, impl="reference")
   np.testing.assert_array_equal(np.asarray(got), numpy_gather(kv, table, 10))
-  with pytest.raises(ValueError, match="reads tokens of 512 latent . 64 rope values, got a fp8 format of 256 . 32"):
+  with pytest.raises(ValueError, match="reads tokens of 512 latent . 64 rope values, got 256 . 32 .fp8 pages."):
     paged_gather(kv, table, num_tokens=10, page_format=FP8_PAGES.with_dims(256, 32), impl="reference")
   with pytest.raises(ValueError, match="page format 'fp8' has no kernel yet"):
     paged_gather(jnp.zeros((4, 64, 656), jnp.uint8), table, num_tokens=10,
