@@ -21,7 +21,7 @@ body for it (``kernel_supported``). Two bodies:
   nearest: the reference's arithmetic, so the result is bit-exact), write the bf16 page into
   one SMEM staging buffer, and one bulk store per page writes it out. SMEM: 41 KB a stage (up to
   3 in flight) + 72 KB of staging; the staging buffer is rewritten once the previous page's store
-  has read it.
+  has read it. On an H200: 3.5 TB/s of fp8 read + bf16 written at B=128, 1.8x XLA (NOTES.md).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import jax
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental.mosaic.gpu.fragmented_array import Tiling
 import jax.numpy as jnp
 
 from pallas_kernels import _platform
@@ -169,6 +170,14 @@ _FP8_LATENT = 512                       # e4m3 bytes, then
 _FP8_SCALE_WORD = 128                   # fp32 word offset of the 4 scales (byte 512) in a 164-word row
 _FP8_ROPE_HALF = 264                    # bf16 offset of the 64 rope values (byte 528) in a 328-half row
 _FP8_BLOCK = 128                        # latent values a scale covers
+# Register layouts of the dequantisation: a warp covers 2 rows x 16 lanes, a lane 8 consecutive values
+# (rope: 4), so one warp access reads or writes whole rows' runs of 128 (bytes) or 256 (bf16) bytes and
+# no two lanes of it meet in a bank. (The WGMMA layout puts 8 rows in a warp at the same offset: on
+# these 256- and 1152-byte rows, an 8-way bank conflict on every load and store.)
+_BLOCK_LAYOUT = plgpu.Layout.TILED(Tiling(((64, _FP8_BLOCK), (16, _FP8_BLOCK), (2, _FP8_BLOCK), (8,))),
+                                   warp_dims=(-7,), lane_dims=(-3, -2), vector_dim=-1)
+_ROPE_LAYOUT = plgpu.Layout.TILED(Tiling(((64, 64), (16, 64), (2, 64), (4,))),
+                                  warp_dims=(-7,), lane_dims=(-3, -2), vector_dim=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens", "config", "interpret"))
@@ -185,8 +194,7 @@ def _paged_gather_fp8_kernel(kv_pages, block_table, *, num_tokens, config, inter
   width = FP8_PAGES.width
   scale_view = lax.bitcast_convert_type(kv_pages.reshape(N, PAGE_SIZE, width // 4, 4), jnp.float32)
   rope_view = lax.bitcast_convert_type(kv_pages.reshape(N, PAGE_SIZE, width // 2, 2), jnp.bfloat16)
-  layout = plgpu.Layout.WGMMA
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  row_layout = _BLOCK_LAYOUT.reduce(1)
   half = _FP8_LATENT // 2
 
   @functools.partial(
@@ -211,12 +219,13 @@ def _paged_gather_fp8_kernel(kv_pages, block_table, *, num_tokens, config, inter
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       for k in range(_FP8_LATENT // _FP8_BLOCK):
         src = (lat_lo if k * _FP8_BLOCK < half else lat_hi).at[:, pl.ds(k * _FP8_BLOCK % half, _FP8_BLOCK)]
-        q = plgpu.load(src, layout=layout, optimized=False)                     # uint8 [64, 128]
+        q = plgpu.load(src, layout=_BLOCK_LAYOUT, optimized=False)              # uint8 [64, 128]
         x = lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.float32)
         s = plgpu.load(scales.at[:, k], layout=row_layout, optimized=False)    # f32 [64]
-        out_smem[:, pl.ds(k * _FP8_BLOCK, _FP8_BLOCK)] = (
-            x * lax.broadcast_in_dim(s, x.shape, [0])).astype(jnp.bfloat16)
-      out_smem[:, pl.ds(_FP8_LATENT, KEY_DIM - _FP8_LATENT)] = plgpu.load(rope, layout=layout,
+        # (the broadcast's layout is named: it has more than one)
+        s_rows = plgpu.layout_cast(lax.broadcast_in_dim(s, x.shape, [0]), _BLOCK_LAYOUT)
+        out_smem[:, pl.ds(k * _FP8_BLOCK, _FP8_BLOCK)] = (x * s_rows).astype(jnp.bfloat16)
+      out_smem[:, pl.ds(_FP8_LATENT, KEY_DIM - _FP8_LATENT)] = plgpu.load(rope, layout=_ROPE_LAYOUT,
                                                                            optimized=False)
       plgpu.commit_smem()
       if tail == PAGE_SIZE:
