@@ -203,10 +203,11 @@ def test_generate_kv_dtype_fp8_on_a_narrow_latent(tmp_path, capsys):
                   "(one fp32 scale per 128 values), got 32")
 
 
-@pytest.mark.parametrize("bench,known", [("mla_decode", "'bf16', 'fp8'"), ("e2e", "'bf16', 'fp16', 'fp32', 'fp8'")])
+@pytest.mark.parametrize("bench,known", [("mla_decode", "'bf16', 'fp8'"), ("paged_gather", "'bf16', 'fp8'"),
+                                         ("e2e", "'bf16', 'fp16', 'fp32', 'fp8'")])
 def test_bench_kv_dtype(bench, known, capsys):
-  """`mla-bench mla_decode|e2e --kv-dtype fp4` (e2e passed any name through to the engine, which failed in
-  its worker; both printed argparse's usage block)."""
+  """`mla-bench mla_decode|paged_gather|e2e --kv-dtype fp4` (e2e passed any name through to the engine, which
+  failed in its worker; the others printed argparse's usage block)."""
   mod = importlib.import_module(f"benchmarks.bench_{bench}")
   line = _one_line_exit_2(mod.main, ["--kv-dtype", "fp4"], capsys, f"python -m benchmarks {bench}")
   assert line.endswith(f"argument --kv-dtype: invalid choice: 'fp4' (choose from {known}) (see --help)"), line

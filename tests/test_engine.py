@@ -438,7 +438,7 @@ KERNEL_CFG = ModelConfig.tiny().replace(  # the kernels' shape: latent 512 + rop
     qk_nope_head_dim=16, v_head_dim=16, hidden_size=64, q_lora_rank=None)
 
 
-def _kernel_vs_reference(impl, prompts, max_new_tokens, max_batch, plain=True, k=1):
+def _kernel_vs_reference(impl, prompts, max_new_tokens, max_batch, plain=True, k=1, kv_dtype=jnp.bfloat16):
     """Tokens of the kernel paths = tokens of the jnp paths, greedy, with MTP (k drafts) and, if
     `plain`, without."""
     m = DeepSeekModel(KERNEL_CFG, rngs=nnx.Rngs(0))
@@ -447,7 +447,7 @@ def _kernel_vs_reference(impl, prompts, max_new_tokens, max_batch, plain=True, k
         # naive_threshold 32: a 64-token chunk takes the decompressed path (paged_gather kernel),
         # shorter ones the absorbed path; decode and MTP verify (s_q = 2) call mla_decode.
         e = Engine(m, page_size=64, num_pages=4 * max_batch, max_batch=max_batch, prefill_chunk=64,
-                   naive_threshold=32, attention_impl=name)
+                   naive_threshold=32, attention_impl=name, kv_dtype=kv_dtype)
         assert e.kernel_impl == (None if name == "reference" else impl)
         is_ref = name == "reference"
         runs[name] = (e.generate(prompts, max_new_tokens=max_new_tokens) if plain or is_ref else None,
@@ -478,6 +478,18 @@ def test_gpu_kernels_match_reference():
     prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
     _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4)
     _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, plain=False, k=3)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_kernels_match_reference():
+    """fp8 pages on the GPU: paged_gather's fp8 body (and mla_decode's, once it reads fp8) against the jnp
+    path over the same bytes."""
+    from pallas_kernels._platform import default_backend_is_hopper
+    if not default_backend_is_hopper():
+        pytest.skip("needs a Hopper GPU")
+    prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
+    _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, kv_dtype="fp8")
+    _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, plain=False, k=3, kv_dtype="fp8")
 
 
 def test_fp8_pages_through_the_interpret_kernels_match_the_jnp_path():
