@@ -180,8 +180,9 @@ def test_fp8_pages_track_bf16_pages(builtin):
     difference comes at token 27; bf16 pages against fp32 ones differ from token 7 on: this model's
     greedy text turns on near-ties); decode logits fp8 vs bf16 max |d| 0.735, mean |d| 0.0269 (bf16
     vs fp32: 0.383, 0.0418), the same next token in 24 of 24 steps; the logits' spread is 2.8 a
-    step. Bounds: the first 16 tokens equal (a margin of 10 before the near-tie at 27), mean |d| < 0.06 (2.2x the measured, above bf16's own error),
-    max |d| < 1.5, the same next token in >= 90 % of the steps. Mutation checks: the rope stored in
+    step. Bounds: the first 16 tokens equal (a margin of 10 before the near-tie at 27), mean |d| < 0.06
+    (2.2x the measured, above bf16's own error), max |d| < 1.5, the same next token in >= 90 % of the
+    steps. Mutation checks: the rope stored in
     e4m3 moved the mean to 0.098; every block read with block 0's scale to 0.93 (79 % same token);
     the scale not applied to 3.9; NaN from the poisoned page would fail `isfinite`.
     """
