@@ -8,6 +8,7 @@ benchmarks still print the table and write the CSV.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import datetime
@@ -17,6 +18,13 @@ import statistics
 import subprocess
 import sys
 import textwrap
+
+
+class OneLineParser(argparse.ArgumentParser):
+  """argparse that reports a bad argument as one line on stderr and exit status 2 (as mla-capacity does)."""
+
+  def error(self, message: str):
+    self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def require_gpu(prog: str) -> None:

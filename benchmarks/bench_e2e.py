@@ -26,7 +26,9 @@ Per cell (model, batch B, prompt T; random prompt ids, ``--new-tokens`` N = 128 
 * decode x floor = decode ms/step / floor ms, floor = `decode_floor_bytes` / the copy bandwidth measured in
   the same run: every weight the step must read (attention, dense MLPs, shared experts, routers, norms,
   LM head, the B embedding rows) plus the routed experts the batch is expected to touch,
-  E * (1 - (1 - K/E)^B) per MoE layer, plus the latent cache read, sum(seq_lens) * 576 * 2 B * layers.
+  E * (1 - (1 - K/E)^B) per MoE layer, plus the latent cache read, sum(seq_lens) * layers * the planner's
+  bytes a token of ``--kv-dtype`` (`mla_jax.capacity.latent_bytes_per_token_layer`: 576 * 2 B in bf16,
+  656 B in fp8).
   The context is the mean over the decode steps, T + N/2.
 Other columns: ``compiles`` (step compilations of the cold generate), ``ttft_stats_s`` (the engine's own
 TTFT when its stats carry one), ``same_tokens`` (the warm generate reproduced the cold one's tokens),
@@ -88,16 +90,19 @@ COLUMNS = ["model", "impl", "B", "prompt", "new_tokens", "mtp", "layers", "kv_dt
 # ------------------------------------------------------------------------------------------
 # Models
 # ------------------------------------------------------------------------------------------
-def model_config(name: str, *, config: str = "full", layers: int | None = None):
+def model_config(name: str, *, config: str = "full", layers: int | None = None, kv_dtype: str = "bf16"):
   """The ModelConfig of a benchmark model.
 
   ``config="tiny"`` keeps each model's kind at `ModelConfig.tiny()` sizes (v2-lite: one query projection,
-  softmax greedy routing, no MTP; v3-cut: tiny() itself), for a CPU run. ``layers`` cuts the V3 model (and
-  the tiny ones); the first min(3, layers - 1) layers stay dense so that at least one MoE layer remains.
+  softmax greedy routing, no MTP; v3-cut: tiny() itself), for a CPU run; with ``kv_dtype="fp8"`` its latent
+  is 128 wide (fp8 pages scale the latent in blocks of 128; tiny()'s is 64). ``layers`` cuts the V3 model
+  (and the tiny ones); the first min(3, layers - 1) layers stay dense so that at least one MoE layer remains.
   """
   from mla_jax import ModelConfig
   if config == "tiny":
     cfg = ModelConfig.tiny()
+    if kv_dtype == "fp8":
+      cfg = cfg.replace(kv_lora_rank=128)
     if name == "v2-lite":
       cfg = cfg.replace(q_lora_rank=None, n_group=1, topk_group=1, scoring_func="softmax", topk_method="greedy",
                         norm_topk_prob=False, routed_scaling_factor=1.0, num_mtp_layers=0, model_type="deepseek_v2")
@@ -440,8 +445,11 @@ def worker_ceilings(args, tiny: bool) -> tuple[dict, dict]:
 # ------------------------------------------------------------------------------------------
 # Our engine
 # ------------------------------------------------------------------------------------------
+KV_DTYPES = ("bf16", "fp16", "fp32", "fp8")   # what the engine's cache allocates (fp4 is a planner row only)
+
+
 def kv_dtype_arg(name: str):
-  """--kv-dtype -> the Engine's kv_dtype (a jnp dtype for the plain formats; other names pass through)."""
+  """--kv-dtype -> the Engine's kv_dtype (a jnp dtype for the plain formats; "fp8" passes through as the name)."""
   import jax.numpy as jnp
   return {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}.get(name, name)
 
@@ -575,7 +583,7 @@ def run_ours_worker(args) -> None:
   deadline = args.deadline
   for name, group in itertools.groupby(grid(args), key=lambda c: c[0]):
     group = list(group)
-    cfg = model_config(name, config=args.config, layers=args.layers)
+    cfg = model_config(name, config=args.config, layers=args.layers, kv_dtype=args.kv_dtype)
     variants = {"off": [False], "on": [True], "both": [False, True]}[args.mtp]
     variants = [v for v in variants if not v or cfg.num_mtp_layers] or [False]   # no MTP head: plain decode
     base = dict(model=name, impl="ours", new_tokens=args.new_tokens, layers=cfg.num_hidden_layers,
@@ -697,7 +705,7 @@ def run_hf_worker(args) -> None:
   if not cells:
     return
   name = cells[0][0]
-  cfg = model_config(name, config=args.config, layers=args.layers)
+  cfg = model_config(name, config=args.config, layers=args.layers, kv_dtype=args.kv_dtype)
   meta = read_meta(args.out)
   ceil = meta.get("ceilings")
   base = dict(model=name, impl="hf", new_tokens=args.new_tokens, mtp="off", layers=cfg.num_hidden_layers,
@@ -785,7 +793,7 @@ def run_ttft_worker(args) -> None:
   import jax.numpy as jnp
   from models import Engine, SamplingParams
   name, b, t = grid(args)[0]
-  cfg = model_config(name, config=args.config, layers=args.layers)
+  cfg = model_config(name, config=args.config, layers=args.layers, kv_dtype=args.kv_dtype)
   model, build_s = build_model(cfg, jnp.float32 if args.dtype == "fp32" else jnp.bfloat16)
   engine = Engine(model, page_size=PAGE, num_pages=kv_pages(cfg, b, t, args.new_tokens), max_batch=b,
                   prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
@@ -1013,8 +1021,8 @@ def plot(rows, path, meta):
 
 # ------------------------------------------------------------------------------------------
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m benchmarks e2e", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = bm.OneLineParser(prog="python -m benchmarks e2e", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default="v2-lite,v3-cut", help=f"comma-separated, of {', '.join(MODELS)}")
   p.add_argument("--batch", default="1,8,32,128", help="comma-separated batch sizes")
   p.add_argument("--prompt", default="1024,8192", help="comma-separated prompt lengths (tokens)")
@@ -1027,7 +1035,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--config", choices=("full", "tiny"), default="full",
                  help="tiny: ModelConfig.tiny()-sized models, runs on a CPU in seconds (no GPU ceilings)")
   p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights and compute")
-  p.add_argument("--kv-dtype", default="bf16", help="the engine's page format (passed through)")
+  p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
+                 help="the engine's page format; fp8: 656-byte tokens, and the decode floor reads the planner's "
+                      "fp8 bytes a token (default: bf16)")
   p.add_argument("--mtp", choices=("off", "on", "both"), default="off",
                  help="speculative decoding with the MTP head, for models that have one")
   p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens a row prefills per step")

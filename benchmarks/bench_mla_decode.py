@@ -1,6 +1,6 @@
 """Benchmark of the absorbed MLA decode kernel against XLA and the naive decompressing path.
 
-Usage: ``python -m benchmarks mla_decode [--quick] [--out DIR] [--iters N] [--sweep]``
+Usage: ``python -m benchmarks mla_decode [--quick] [--out DIR] [--iters N] [--sweep] [--kv-dtype fp8]``
 
 For every cell (B, s_q, seq, H, fixed or ragged lengths):
 * kernel: `pallas_kernels.mla_decode` (whole call: main kernel + split combine + any pad/slice),
@@ -11,6 +11,11 @@ For every cell (B, s_q, seq, H, fixed or ragged lengths):
   to per-head K_nope/V through W_UK/W_UV [H, 128, 512], then attend (may not fit: marked OOM).
 The kernel is checked against the XLA path before it is timed. Bytes and FLOPs follow FlashMLA's
 formulas (shared/BENCHMARKING.md); ceilings are measured in the same run.
+
+``--kv-dtype fp8``: the pages are fp8 (random latents quantised, `pallas_kernels.quantize_latent_fp8`:
+656 bytes a token, so the cache bytes are sum(seq_lens) * 656); the XLA and naive paths read the same
+pages and dequantise them first. The decode kernel is timed on fp8 pages once
+`pallas_kernels.mla_decode.FP8_KERNEL` is set; until then its rows say so.
 """
 
 from __future__ import annotations
@@ -66,8 +71,28 @@ def grid(quick: bool):
   return cells
 
 
-def make_cell(B, s_q, seq, H, ragged, seed=0):
-  """Random device inputs: lengths, a permuted block table over B*max_pages pages, q, kv."""
+def fp8_decode_kernel() -> bool:
+  """Whether `mla_decode`'s kernel reads fp8 pages (its module sets FP8_KERNEL)."""
+  import importlib
+  return bool(getattr(importlib.import_module("pallas_kernels.mla_decode"), "FP8_KERNEL", False))
+
+
+def token_bytes(kv_dtype: str) -> int:
+  """Bytes of one cached token in one layer (`pallas_kernels.PageFormat`: 1152 bf16, 656 fp8)."""
+  from pallas_kernels import BF16_PAGES, FP8_PAGES
+  return (FP8_PAGES if kv_dtype == "fp8" else BF16_PAGES).token_bytes
+
+
+def dense_pages(kv_pages):
+  """The pages as bf16 values [N, 64, 576] (fp8 pages dequantised, as the kernel's tensor cores see them)."""
+  from pallas_kernels import FP8_PAGES
+  from pallas_kernels.mla_decode import is_fp8_pages
+  return FP8_PAGES.dequantize_reference(kv_pages) if is_fp8_pages(kv_pages) else kv_pages
+
+
+def make_cell(B, s_q, seq, H, ragged, seed=0, kv_dtype="bf16"):
+  """Random device inputs: lengths, a permuted block table over B*max_pages pages, q, kv (bf16 pages,
+  or with kv_dtype "fp8" the same random latents quantised to fp8 pages)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -81,15 +106,19 @@ def make_cell(B, s_q, seq, H, ragged, seed=0):
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
   table = jax.random.permutation(k1, num_pages).astype(jnp.int32).reshape(B, max_pages)
   kv = jax.random.normal(k2, (num_pages, PAGE, 576), jnp.bfloat16)
+  if kv_dtype == "fp8":
+    from pallas_kernels import quantize_latent_fp8
+    kv = jax.jit(quantize_latent_fp8)(kv)
   q = jax.random.normal(k3, (B, s_q, H, 576), jnp.bfloat16)
   return q, kv, table, jnp.asarray(lens), int(lens.sum())
 
 
 def xla_absorbed(q, kv_pages, block_table, seq_lens, *, causal):
-  """Absorbed decode in plain XLA: bf16 operands, fp32 accumulation and softmax."""
+  """Absorbed decode in plain XLA: bf16 operands, fp32 accumulation and softmax (fp8 pages: the
+  gathered pages dequantised first)."""
   import jax.numpy as jnp
   B, s_q, H, _ = q.shape
-  kv_BSK = kv_pages[block_table].reshape(B, -1, 576)
+  kv_BSK = dense_pages(kv_pages[block_table]).reshape(B, -1, 576)
   S = kv_BSK.shape[1]
   s_BTHS = jnp.einsum("bthk,bsk->bths", q, kv_BSK, preferred_element_type=jnp.float32) * SCALE
   key = jnp.arange(S)
@@ -112,7 +141,7 @@ def naive_decompressed(q_nope, q_pe, kv_pages, block_table, seq_lens, w_uk, w_uv
   """
   import jax.numpy as jnp
   B = q_nope.shape[0]
-  kv_BSK = kv_pages[block_table].reshape(B, -1, 576)
+  kv_BSK = dense_pages(kv_pages[block_table]).reshape(B, -1, 576)
   c_BSL, k_pe_BSR = kv_BSK[..., :512], kv_BSK[..., 512:]
   k_BSHD = jnp.einsum("bsl,hdl->bshd", c_BSL, w_uk)
   v_BSHD = jnp.einsum("bsl,hdl->bshd", c_BSL, w_uv)
@@ -174,12 +203,14 @@ def run(args):
   for pass_idx, cfgs, (B, s_q, seq, H, ragged) in bm.progress(work, desc="mla_decode cells"):
     causal = s_q > 1
     key = (B, s_q, seq, H, ragged)
-    q, kv, table, lens, total = make_cell(B, s_q, seq, H, ragged)
-    nbytes = (total * 576 + B * s_q * H * 576 + B * s_q * H * 512) * 2
+    q, kv, table, lens, total = make_cell(B, s_q, seq, H, ragged, kv_dtype=args.kv_dtype)
+    nbytes = total * token_bytes(args.kv_dtype) + (B * s_q * H * 576 + B * s_q * H * 512) * 2
     flops = s_q * total * H * (576 + 512) * 2
     ref_out = ref_lse = None
     base = dict(B=B, s_q=s_q, seq=seq, H=H, lengths="ragged" if ragged else "fixed",
                 causal=causal, gbytes=nbytes / 1e9, gflop=flops / 1e9)
+    if args.kv_dtype != "bf16":
+      base["kv_dtype"] = args.kv_dtype
     try:
       ref_out, ref_lse = xla_jit(q, kv, table, lens, causal=causal)
     except Exception as e:  # noqa: BLE001 - an XLA OOM must not end the run
@@ -216,6 +247,8 @@ def run(args):
                                                    config=cfg, impl="kernel"))
       row = dict(base, config=cname, splits=p.num_splits, row_blocks=p.row_blocks)
       try:
+        if args.kv_dtype == "fp8" and not fp8_decode_kernel():
+          raise RuntimeError("not timed: the decode kernel has no fp8 body yet (mla_decode.FP8_KERNEL unset)")
         out, lse = fn(q, kv, table, lens)
         # A cell is timed only after its output was checked against the XLA path.
         if ref_out is None:
@@ -306,8 +339,8 @@ def plot_roofline(rows, ceil, path, header):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(prog="python -m benchmarks mla_decode", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = bm.OneLineParser(prog="python -m benchmarks mla_decode", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--quick", action="store_true", help="a reduced grid")
   p.add_argument("--out", default="runs/bench_mla_decode", help="directory for CSV/PNG/JSON")
   p.add_argument("--iters", type=int, default=30, help="CUPTI iterations per timing (median)")
@@ -323,6 +356,8 @@ def main(argv=None):
   p.add_argument("--skip-quick", action="store_true", help="leave out the --quick cells")
   p.add_argument("--then-grid", action="store_true",
                  help="after the chosen cells, the rest of the full grid (default config only)")
+  p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                 help="page format of the cache: bf16 pages or fp8 ones (656 bytes a token) (default: bf16)")
   p.add_argument("--from-csv", help="no GPU: re-report a CSV from an earlier run (table + plot)")
   p.add_argument("--bandwidth-gbps", type=float, help="with --from-csv: the measured copy ceiling")
   p.add_argument("--matmul-tflops", type=float, help="with --from-csv: the measured matmul ceiling")

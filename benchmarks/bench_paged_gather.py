@@ -1,9 +1,11 @@
 """Benchmark of the paged gather kernel against XLA's ``kv_pages[block_table]``.
 
-Usage: ``python -m benchmarks paged_gather [--quick] [--out DIR] [--iters N] [--sweep]``
+Usage: ``python -m benchmarks paged_gather [--quick] [--out DIR] [--iters N] [--sweep] [--kv-dtype fp8]``
 
-Bytes = read + written = 2 * B * T * 576 * 2; the ceiling is a device-to-device copy measured in
-the same run. Every kernel result is compared bit-exactly with XLA's before it is timed.
+Bytes = read + written = 2 * B * T * 576 * 2 (bf16 pages); with ``--kv-dtype fp8`` the pages are fp8
+(random latents quantised, 656 bytes a token) and the kernel dequantises them: B * T * (656 + 1152),
+against XLA's ``dequantize(kv[bt])``. The ceiling is a device-to-device copy measured in the same run.
+Every kernel result is compared bit-exactly with XLA's before it is timed.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ def grid(quick: bool):
 def run(args):
   import jax
   import numpy as np
-  from pallas_kernels import PagedGatherConfig, paged_gather
+  from pallas_kernels import BF16_PAGES, FP8_PAGES, PagedGatherConfig, paged_gather, quantize_latent_fp8
   from pallas_kernels.paged_gather import plan_chunks
+  fmt = FP8_PAGES if args.kv_dtype == "fp8" else BF16_PAGES
 
   header, ceil = bm.begin_run("paged_gather", args.out, args.iters)
   configs = {"default": PagedGatherConfig()}
@@ -42,14 +45,16 @@ def run(args):
     k1, k2 = jax.random.split(jax.random.key(B * T))
     table = jax.random.permutation(k1, B * n_pages).astype(np.int32).reshape(B, n_pages)
     kv = jax.random.normal(k2, (B * n_pages, 64, 576), jax.numpy.bfloat16)
-    nbytes = 2 * B * T * 576 * 2
-    xla_fn = jax.jit(lambda kv, bt: kv[bt].reshape(B, -1, 576)[:, :T])
+    if fmt.quantized:
+      kv = jax.jit(quantize_latent_fp8)(kv)
+    nbytes = B * T * (fmt.token_bytes + 576 * 2)
+    xla_fn = jax.jit(lambda kv, bt: fmt.dequantize_reference(kv[bt]).reshape(B, -1, 576)[:, :T])
     want = xla_fn(kv, table)
     xla_us = bm.cupti_median_us(xla_fn, kv, table, iterations=args.iters)
     for name, cfg in configs.items():
-      fn = jax.jit(lambda kv, bt, cfg=cfg: paged_gather(kv, bt, num_tokens=T, config=cfg,
+      fn = jax.jit(lambda kv, bt, cfg=cfg: paged_gather(kv, bt, num_tokens=T, config=cfg, page_format=fmt,
                                                          impl="kernel"))
-      row = dict(B=B, T=T, config=name, chunks=plan_chunks(B, n_pages, cfg)[0],
+      row = dict(B=B, T=T, kv_dtype=fmt.name, config=name, chunks=plan_chunks(B, n_pages, cfg)[0],
                  steps=cfg.max_concurrent_steps, gbytes=nbytes / 1e9, xla_us=xla_us,
                  xla_gbps=nbytes / xla_us / 1e3)
       try:
@@ -76,12 +81,14 @@ def run(args):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(prog="python -m benchmarks paged_gather", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = bm.OneLineParser(prog="python -m benchmarks paged_gather", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--quick", action="store_true", help="a reduced grid")
   p.add_argument("--out", default="runs/bench_paged_gather", help="directory for CSV/JSON")
   p.add_argument("--iters", type=int, default=30, help="CUPTI iterations per timing (median)")
   p.add_argument("--sweep", action="store_true", help="also time chunk/step configs")
+  p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                 help="page format: bf16 (a copy) or fp8 (dequantised to bf16) (default: bf16)")
   args = p.parse_args(argv)
   bm.require_gpu("paged_gather")
   return run(args)

@@ -108,8 +108,10 @@ class MLA(nnx.Module):
     - T >= cache.naive_threshold (long prefill chunks): gather the prefix (`paged_gather` unless
       the backend is "reference") and attend decompressed;
     - T <= `pallas_kernels.mla_decode.MAX_QUERY_LEN` with a kernel backend (decode, MTP verify):
-      absorbed attention by `pallas_kernels.mla_decode` straight on the pages;
-    - otherwise (short chunks, or the "reference" backend): gather + absorbed attention in jnp.
+      absorbed attention by `pallas_kernels.mla_decode` straight on the pages (fp8 pages only once
+      that module's fp8 body exists, `mla_jax.kv_cache.decode_kernel_reads`);
+    - otherwise (short chunks, the "reference" backend, fp8 pages the decode kernel cannot read):
+      gather (decoding the page format) + absorbed attention in jnp.
     `absorbed` is ignored with a cache (the cache's threshold decides). The pieces are public:
     `project_q`, `project_kv` (what the cache stores), `absorb_query`, `output_from_latent`, `attend`.
     """
@@ -184,6 +186,7 @@ class MLA(nnx.Module):
 
     def cached_attention(self, x_BTD: jax.Array, positions_BT: jax.Array, cache):
         """Write this step's latents into the cache, then attend over it -> (out [B,T,D], cache)."""
+        from mla_jax.kv_cache import decode_kernel_reads
         from pallas_kernels.mla_decode import MAX_QUERY_LEN
 
         cfg = self.cfg
@@ -191,7 +194,8 @@ class MLA(nnx.Module):
         rope_pos = jnp.maximum(positions_BT, 0)  # padding rows get any valid rope position; never seen
         q_nope, q_pe = self.project_q(x_BTD, rope_pos)
         cache = cache.write(self.project_kv(x_BTD, rope_pos), positions_BT)
-        if T < cache.naive_threshold and T <= MAX_QUERY_LEN and cache.impl != "reference":
+        if (T < cache.naive_threshold and T <= MAX_QUERY_LEN and cache.impl != "reference"
+                and decode_kernel_reads(cache.page_format)):
             from pallas_kernels import mla_decode
 
             # The kernel places query j at seq_len - T + j. Valid tokens are a prefix of T here
@@ -199,7 +203,8 @@ class MLA(nnx.Module):
             # their positions and the padding ones' outputs are discarded.
             n_valid = jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
             pages, table = cache.flat_pages()
-            q_BTHC = self.absorb_query(q_nope, q_pe).astype(pages.dtype)
+            # bf16 queries: the pages' own dtype, or what fp8 pages dequantise to in the kernel
+            q_BTHC = self.absorb_query(q_nope, q_pe).astype(jnp.bfloat16 if cache.quantized else pages.dtype)
             o_lat, _ = mla_decode(q_BTHC, pages, table, cache.lengths + T - n_valid,
                                   softmax_scale=cfg.softmax_scale, causal=True, impl=cache.impl)
             return self.output_from_latent(o_lat.astype(x_BTD.dtype)), cache

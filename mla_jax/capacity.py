@@ -32,24 +32,34 @@ from mla_jax.config import ModelConfig
 # function of L and R, bytes of one cached K or V head vector of width w in the MHA/GQA
 # comparison rows, a one-line description).
 #
-# fp8 is DeepSeek's (FlashMLA) page format: L e4m3 bytes, one fp32 scale per 128 latent values,
-# the rope part kept in bf16 -> 512 + 4*4 + 64*2 = 656 B for V3. fp4 packs e2m1 pairs (two values
-# per byte) with one e4m3 scale byte per 16 values, rope again in bf16 -> 256 + 32 + 128 = 416 B.
+# bf16 / fp16 / fp32 / fp8 are the formats the cache allocates: their latent bytes are
+# `pallas_kernels.PageFormat.token_bytes`, the number the cache's pools are sized by, so a plan and
+# an allocation never disagree. fp8 is DeepSeek's (FlashMLA) page format: L e4m3 bytes, one fp32
+# scale per 128 latent values, the rope part kept in bf16 -> 512 + 4*4 + 64*2 = 656 B for V3 (a
+# latent width that is not a multiple of 128, which no cache stores, is priced with a whole last
+# scale). fp4 is a planner-only row (no cache allocates it): e2m1 pairs (two values per byte) with
+# one e4m3 scale byte per 16 values, rope again in bf16 -> 256 + 32 + 128 = 416 B.
 # The comparison rows store K and V the way an MHA/GQA cache of that width usually does: fp8
 # with a per-tensor scale (1 B a value), fp4 as e2m1 pairs with an e4m3 scale per 16 values.
+def _page_format_bytes(name: str):
+    def latent_bytes(L: int, R: int) -> int:
+        from pallas_kernels.page_format import FP8_BLOCK, PageFormat
+
+        if name == "fp8" and L % FP8_BLOCK:
+            return L + _ceil_div(L, FP8_BLOCK) * 4 + R * 2
+        return PageFormat(name, latent_dim=L, rope_dim=R).token_bytes
+    return latent_bytes
+
+
 KV_DTYPES: dict[str, tuple] = {
-    "bf16": (lambda L, R: (L + R) * 2, lambda w: 2 * w, "bfloat16, 2 B a value"),
-    "fp16": (lambda L, R: (L + R) * 2, lambda w: 2 * w, "float16, 2 B a value"),
-    "fp32": (lambda L, R: (L + R) * 4, lambda w: 4 * w, "float32, 4 B a value"),
-    "fp8": (
-        lambda L, R: L + _ceil_div(L, 128) * 4 + R * 2,
-        lambda w: w,
-        "e4m3 latent + fp32 scale per 128 + bf16 rope",
-    ),
+    "bf16": (_page_format_bytes("bf16"), lambda w: 2 * w, "bfloat16, 2 B a value"),
+    "fp16": (_page_format_bytes("fp16"), lambda w: 2 * w, "float16, 2 B a value"),
+    "fp32": (_page_format_bytes("fp32"), lambda w: 4 * w, "float32, 4 B a value"),
+    "fp8": (_page_format_bytes("fp8"), lambda w: w, "e4m3 latent + fp32 scale per 128 + bf16 rope"),
     "fp4": (
         lambda L, R: _ceil_div(L, 2) + _ceil_div(L, 16) + R * 2,
         lambda w: _ceil_div(w, 2) + _ceil_div(w, 16),
-        "e2m1 pairs + e4m3 scale per 16 + bf16 rope",
+        "e2m1 pairs + e4m3 scale per 16 + bf16 rope; planner only, no cache allocates it",
     ),
 }
 

@@ -23,8 +23,12 @@ Three parts:
   decode kernel straight on the pages via `flat_pages`).
 - `write_latents` / `gather_latents` (pure, jit-able): one pool's scatter and gather.
 
-The page format (dtype) is a property of the cache object: bf16 by default; float32 for exact
-tests. Quantized formats (fp8 / fp4, see `mla_jax.capacity.KV_DTYPES`) will plug in here.
+The page format is a property of the cache object, one `pallas_kernels.PageFormat`: bf16 by default,
+float32 for exact tests, or "fp8" (FlashMLA's 656-byte tokens: e4m3 latent, an fp32 scale per 128
+values, bf16 rope), whose pools are uint8 [num_layers, N, G, W] with W the stored width. A write
+encodes (quantises) this step's latents inside the same jitted step and scatters the stored rows; a
+gather decodes them to the dtype the attention computes in. The 4-bit format of
+`mla_jax.capacity.KV_DTYPES` is a planner row only: no cache allocates it.
 """
 
 from __future__ import annotations
@@ -36,8 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Names of the page formats this cache can allocate, as `mla_jax.capacity.KV_DTYPES` names them.
-PAGE_FORMATS = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+from pallas_kernels.page_format import BF16_PAGES, FP8_PAGES, NAMES as _FORMAT_NAMES, PageFormat
+
+# Names of the page formats this cache can allocate (as `mla_jax.capacity.KV_DTYPES` names them)
+# -> the element dtype of their pages.
+PAGE_FORMATS = {name: PageFormat(name).storage_dtype for name in _FORMAT_NAMES}
 
 
 class CacheFullError(RuntimeError):
@@ -51,11 +58,44 @@ class CacheFullError(RuntimeError):
 
 
 def _format_name(dtype) -> str:
-    for name, dt in PAGE_FORMATS.items():
-        if jnp.dtype(dtype) == jnp.dtype(dt):
+    """The page format name of `dtype`: a name of `PAGE_FORMATS`, a `PageFormat`, or the element dtype
+    of a format's pages (uint8 -> "fp8")."""
+    if isinstance(dtype, PageFormat):
+        return dtype.name
+    if isinstance(dtype, str) and dtype in PAGE_FORMATS:
+        return dtype
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    for name, storage in PAGE_FORMATS.items():
+        if dt is not None and dt == jnp.dtype(storage):
             return name
-    raise ValueError(f"cache dtype {jnp.dtype(dtype).name} is not a supported page format; "
-                     f"known: {', '.join(PAGE_FORMATS)}")
+    shown = dt.name if dt is not None else repr(dtype)
+    extra = " (fp4 is a capacity-planner row only)" if isinstance(dtype, str) and dtype == "fp4" else ""
+    raise ValueError(f"cache dtype {shown} is not a supported page format{extra}; known: {', '.join(PAGE_FORMATS)}")
+
+
+def page_format_for(dtype, latent_dim: int, rope_dim: int = 64) -> PageFormat:
+    """The `PageFormat` of a cache whose tokens hold `latent_dim` values (C = L + R), the last
+    `rope_dim` of them rope, stored as `dtype` (a format name, a `PageFormat`, or a page dtype).
+
+    Raises ValueError for an unknown format or a shape the format cannot store (fp8 needs L a
+    positive multiple of 128). Plain formats store every value alike: for them the split only
+    names the widths (a rope wider than the token is read as the whole token).
+    """
+    name = _format_name(dtype)
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 0:
+        raise ValueError(f"rope_dim must be a non-negative integer, got {rope_dim!r}")
+    if name != "fp8":
+        rope_dim = min(rope_dim, latent_dim)
+    elif rope_dim >= latent_dim:
+        raise ValueError(f"fp8 pages need a latent part: rope_dim={rope_dim} >= latent_dim={latent_dim}")
+    lat = latent_dim - rope_dim
+    base = FP8_PAGES if name == "fp8" else (BF16_PAGES if name == "bf16" else PageFormat(name))
+    # The kernels' bodies read DeepSeek's 512 + 64 tokens only.
+    kernel = base.kernel_supported and (lat, rope_dim) == (base.latent_dim, base.rope_dim)
+    return PageFormat(name, kernel_supported=kernel, latent_dim=lat, rope_dim=rope_dim)
 
 
 class PagedLatentCache:
@@ -70,21 +110,31 @@ class PagedLatentCache:
     """
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, latent_dim: int, max_seqs: int,
-                 max_pages_per_seq: int, dtype=jnp.bfloat16, fill_value: float = 0.0):
+                 max_pages_per_seq: int, dtype=jnp.bfloat16, fill_value: float = 0.0, rope_dim: int = 64):
         for name, v in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
                         ("latent_dim", latent_dim), ("max_seqs", max_seqs),
                         ("max_pages_per_seq", max_pages_per_seq)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        self.kv_dtype = _format_name(dtype)
+        self._page_format = page_format_for(dtype, latent_dim, rope_dim)
+        self.kv_dtype = self._page_format.name
+        self.rope_dim = self._page_format.rope_dim
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
         self.latent_dim = latent_dim
         self.max_seqs = max_seqs
         self.max_pages_per_seq = max_pages_per_seq
-        # `fill_value` lets tests poison never-written rows (NaN) to prove they are never read.
-        self.pages: jax.Array = jnp.full((num_layers, num_pages, page_size, latent_dim), fill_value, self.dtype)
+        # `fill_value` lets tests poison never-written rows (NaN) to prove they are never read. In a
+        # quantized format every row holds the encoded token of `fill_value`s, so it decodes to them
+        # (NaN: e4m3 0x7F, a NaN scale and NaN rope, NaN in every value; 0: all-zero bytes, 0).
+        shape = (num_layers, num_pages) + self._page_format.page_shape(page_size)
+        fmt = self._page_format
+        if fmt.quantized:
+            row = fmt.encode(jnp.full((latent_dim,), fill_value, jnp.float32))
+            self.pages: jax.Array = jnp.broadcast_to(row, shape)
+        else:
+            self.pages = jnp.full(shape, fill_value, self.dtype)
         self.block_tables = np.zeros((max_seqs, max_pages_per_seq), np.int32)
         self.lengths = np.zeros((max_seqs,), np.int32)
         self._owned: list[list[int]] = [[] for _ in range(max_seqs)]
@@ -95,12 +145,17 @@ class PagedLatentCache:
     # --- properties -----------------------------------------------------------------------
     @property
     def dtype(self):
-        """The element dtype of the pages (the page format; bf16 by default)."""
+        """The element dtype of the pages: the format's storage dtype (bf16 by default; uint8 for fp8)."""
         return PAGE_FORMATS[self.kv_dtype]
 
     @property
+    def page_format(self) -> PageFormat:
+        """The `PageFormat` of the pools, with this cache's latent and rope widths."""
+        return self._page_format
+
+    @property
     def nbytes(self) -> int:
-        """Bytes the pools allocate on the device (all layers)."""
+        """Bytes the pools allocate on the device (all layers): num_layers * N * G * the format's token bytes."""
         return int(self.pages.size) * self.pages.dtype.itemsize
 
     @property
@@ -179,8 +234,13 @@ def write_latents(pages_NGC: jax.Array, latent_BTC: jax.Array, positions_BT: jax
 
     positions_BT int32: the token's position in its sequence; negative = padding, not written
     (its update is sent out of bounds and dropped, so padding never touches a page).
-    Positions beyond the block table are dropped as well.
+    Positions beyond the block table are dropped as well. `latent_BTC` holds rows as the pool stores
+    them: values for a plain pool (cast to its dtype), encoded bytes for a uint8 (fp8) one
+    (`PageFormat.encode`, as `KVCache.write` does).
     """
+    if pages_NGC.dtype == jnp.uint8 and latent_BTC.dtype != jnp.uint8:
+        raise ValueError(f"uint8 (fp8) pages take encoded rows (PageFormat.encode the latents first), "
+                         f"got {latent_BTC.dtype} {latent_BTC.shape}")
     N, G, _ = pages_NGC.shape
     P = block_table_BP.shape[1]
     valid = (positions_BT >= 0) & (positions_BT < P * G)
@@ -191,23 +251,36 @@ def write_latents(pages_NGC: jax.Array, latent_BTC: jax.Array, positions_BT: jax
 
 
 def gather_latents(pages_NGC: jax.Array, block_table_BP: jax.Array, lengths_B: jax.Array, *,
-                   impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+                   impl: str = "reference", page_format: PageFormat | None = None,
+                   dtype=None) -> tuple[jax.Array, jax.Array]:
     """Each sequence's cached tokens as a dense array, with their positions.
 
-    Returns (latent [B, P*G, C] in the pool's dtype, positions int32 [B, P*G]: s for s < length,
-    else -1, the padding mark of `mla_jax.attention`). Rows at or past a sequence's length are
-    zeroed: they may hold another sequence's stale data or never-written (even NaN) values, and
-    a masked softmax weight of 0 times NaN is still NaN.
-    impl: "reference" (`pages[block_table]`) or "kernel" / "interpret" (`pallas_kernels.paged_gather`,
-    which needs bf16 pages of 64 x 576).
+    Returns (latent [B, P*G, C], positions int32 [B, P*G]: s for s < length, else -1, the padding
+    mark of `mla_jax.attention`). Rows at or past a sequence's length are zeroed: they may hold
+    another sequence's stale data or never-written (even NaN) values, and a masked softmax weight
+    of 0 times NaN is still NaN.
+    page_format: the pool's `PageFormat` (None: plain values of the pool's dtype). A quantized
+    format is decoded. dtype: the result's dtype (None: the pool's for plain pools; float32 for a
+    quantized pool read by jnp, bf16 when `paged_gather`'s kernel decodes it).
+    impl: "reference" (`pages[block_table]`, decoded in jnp) or "kernel" / "interpret"
+    (`pallas_kernels.paged_gather`, 64 x 576 tokens, for a format whose `kernel_supported`; other
+    formats take the jnp path).
     """
-    N, G, C = pages_NGC.shape
+    N, G, _ = pages_NGC.shape
     B, P = block_table_BP.shape
-    if impl == "reference":
-        dense = pages_NGC[block_table_BP].reshape(B, P * G, C)
-    else:
+    fmt = page_format
+    if fmt is not None and fmt.quantized and pages_NGC.dtype != fmt.storage_dtype:
+        raise ValueError(f"{fmt.name} pages are {jnp.dtype(fmt.storage_dtype).name}, got {pages_NGC.dtype}")
+    if impl != "reference" and (fmt is None or fmt.kernel_supported):
         from pallas_kernels import paged_gather
-        dense = paged_gather(pages_NGC, block_table_BP, num_tokens=P * G, impl=impl)
+        dense = paged_gather(pages_NGC, block_table_BP, num_tokens=P * G, impl=impl,
+                             page_format=fmt if fmt is not None else BF16_PAGES)
+    else:
+        dense = pages_NGC[block_table_BP].reshape(B, P * G, pages_NGC.shape[-1])
+        if fmt is not None and fmt.quantized:
+            dense = fmt.decode(dense, dtype or jnp.float32)
+    if dtype is not None:
+        dense = dense.astype(dtype)
     s = jnp.arange(P * G, dtype=jnp.int32)[None, :]
     valid = s < lengths_B[:, None]
     dense = jnp.where(valid[..., None], dense, jnp.zeros((), dense.dtype))
@@ -241,6 +314,8 @@ class KVCache:
                     (`pallas_kernels` kernels on the pages, in the interpreter, or plain jnp).
     naive_threshold static: chunks of at least this many query tokens gather the prefix and use the
                     decompressed path; shorter ones (decode, MTP verify, short chunks) the absorbed one.
+    page_format     static: the pools' `PageFormat` (None: plain values of the pages' dtype). `write`
+                    encodes with it (fp8: quantises, in the step), `gather` decodes.
 
     A query token at position p (negative = padding, never written, sees nothing) attends causally
     to the row's cached tokens at positions <= p, this step's own tokens included.
@@ -252,16 +327,24 @@ class KVCache:
     layer: jax.Array
     impl: str = "reference"
     naive_threshold: int = 256
+    page_format: PageFormat | None = None
 
     def __post_init__(self):
         if self.impl not in BACKENDS:
             raise ValueError(f"KVCache impl must be one of {BACKENDS}, got {self.impl!r}")
+        if self.page_format is not None and not isinstance(self.page_format, PageFormat):
+            raise ValueError(f"KVCache page_format must be a PageFormat or None, got {self.page_format!r}")
 
     @classmethod
-    def create(cls, pages, block_table, lengths, *, impl: str = "reference", naive_threshold: int = 256):
-        """A cache at layer 0 over `pages` [num_layers, N, G, C] (int32 tables and lengths)."""
+    def create(cls, pages, block_table, lengths, *, impl: str = "reference", naive_threshold: int = 256,
+               page_format: PageFormat | None = None):
+        """A cache at layer 0 over `pages` [num_layers, N, G, W] (int32 tables and lengths). `page_format`
+        None reads uint8 pages as fp8 (`pallas_kernels.page_format_of`, rope 64) and others as plain values."""
+        if page_format is None and jnp.dtype(pages.dtype) == jnp.uint8:
+            from pallas_kernels.page_format import page_format_of
+            page_format = page_format_of(pages)
         return cls(pages, np.asarray(block_table, np.int32), np.asarray(lengths, np.int32), np.zeros((), np.int32),
-                   impl, naive_threshold)
+                   impl, naive_threshold, page_format)
 
     def at_layer(self, layer) -> "KVCache":
         """The same cache pointed at pool `layer` (a Python int or a traced scalar)."""
@@ -287,19 +370,38 @@ class KVCache:
         L, N = self.pages.shape[:2]
         return self.pages.reshape((L * N,) + self.pages.shape[2:]), self.block_table + self.layer * N
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the pages hold a quantized format (their rows are bytes, not values)."""
+        return self.page_format is not None and self.page_format.quantized
+
     def write(self, latent_BTC: jax.Array, positions_BT: jax.Array) -> "KVCache":
-        """Scatter this step's latents [B,T,C] into this layer's pages (padding, position < 0, dropped)."""
+        """Scatter this step's latents [B,T,C] into this layer's pages (padding, position < 0, dropped),
+        encoded in the cache's page format (fp8: quantised here, inside the step)."""
         flat, table = self.flat_pages()
-        flat = write_latents(flat, latent_BTC, positions_BT, table)
+        rows = self.page_format.encode(latent_BTC) if self.quantized else latent_BTC
+        flat = write_latents(flat, rows, positions_BT, table)
         return dataclasses.replace(self, pages=flat.reshape(self.pages.shape))
 
     def gather(self, *, dtype=None) -> tuple[jax.Array, jax.Array]:
-        """This layer's cached tokens per row, dense: (latent [B, P*G, C], positions int32 [B, P*G],
-        -1 past the row's length); see `gather_latents`."""
+        """This layer's cached tokens per row, dense and decoded: (latent [B, P*G, C] in `dtype`,
+        positions int32 [B, P*G], -1 past the row's length); see `gather_latents`."""
         flat, table = self.flat_pages()
-        dense, pos = gather_latents(flat, table, self.lengths, impl=self.impl)
-        return (dense if dtype is None else dense.astype(dtype)), pos
+        return gather_latents(flat, table, self.lengths, impl=self.impl, page_format=self.page_format, dtype=dtype)
+
+
+def decode_kernel_reads(page_format: PageFormat | None) -> bool:
+    """Whether `pallas_kernels.mla_decode`'s kernel reads pages of this format straight from the pool.
+    Plain pages: yes (its own limits are `mla_decode_problems`'). fp8 pages: once the module sets
+    `FP8_KERNEL = True` (its fp8 body); until then the cached attention gathers them through
+    `paged_gather` (which dequantises) and attends in jnp."""
+    if page_format is None or not page_format.quantized:
+        return True
+    import importlib
+
+    # `pallas_kernels.mla_decode` the attribute is the function; the module holds the flag.
+    return bool(getattr(importlib.import_module("pallas_kernels.mla_decode"), "FP8_KERNEL", False))
 
 
 jax.tree_util.register_dataclass(KVCache, data_fields=["pages", "block_table", "lengths", "layer"],
-                                 meta_fields=["impl", "naive_threshold"])
+                                 meta_fields=["impl", "naive_threshold", "page_format"])

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mla_jax.kv_cache import KVCache, CacheFullError, PagedLatentCache, next_pow2
+from mla_jax.kv_cache import KVCache, CacheFullError, PagedLatentCache, decode_kernel_reads, next_pow2
 from models.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
 from models.steps import (MAX_DRAFT_TOKENS, NON_FINITE, StepInputs, compiled_steps, decode_step, prefill_step,
                           trace_counts, verify_step)
@@ -198,7 +198,12 @@ class Engine:
         model / page shape is not one they support) — `pallas_kernels`' vocabulary.
       max_context: tokens a sequence may hold (prompt + generated); None = min(the model's
         max_position_embeddings, num_pages * page_size) (2048 when num_pages is None too).
-      kv_dtype: the page format's dtype (bf16 default; float32 for exact comparisons).
+      kv_dtype: the page format: a name ("bf16", "fp16", "fp32", "fp8"), a jnp dtype (bf16 default;
+        float32 for exact comparisons) or a `pallas_kernels.PageFormat`. "fp8" stores FlashMLA's
+        656-byte tokens (e4m3 latent + an fp32 scale per 128 values + bf16 rope; needs
+        kv_lora_rank a multiple of 128): 1.76x the tokens of bf16 in the same bytes. Decode reads fp8
+        pages through `pallas_kernels.mla_decode` once its fp8 body exists, else through
+        `paged_gather` (which dequantises) and absorbed attention in jnp.
       cache_fill: value of never-written cache rows (tests poison them with NaN).
       min_chunk_bucket: the smallest prefill chunk shape (tokens); chunk shapes are powers of two.
       min_table_tokens: the smallest block-table width, in tokens (rounded up to whole pages);
@@ -252,7 +257,8 @@ class Engine:
         self.cache = PagedLatentCache(
             num_layers=cfg.num_hidden_layers + (1 if self.has_mtp else 0), num_pages=num_pages,
             page_size=page_size, latent_dim=cfg.latent_dim, max_seqs=max_batch,
-            max_pages_per_seq=next_pow2(pages_per_seq), dtype=kv_dtype, fill_value=cache_fill)
+            max_pages_per_seq=next_pow2(pages_per_seq), dtype=kv_dtype, fill_value=cache_fill,
+            rope_dim=cfg.qk_rope_head_dim)
         self.attention_impl = attention_impl
         self.kernel_impl = self._resolve_kernel(attention_impl)
         self.compile_log: list[dict] = []
@@ -261,7 +267,11 @@ class Engine:
         """The kernels' implementation ("kernel" | "interpret") the cache will use, or None for jnp."""
         from pallas_kernels._platform import default_backend_is_hopper
 
-        problems = kernel_problems(self.cfg, self.page_size, self.cache.kv_dtype)
+        fmt = self.cache.page_format
+        # fp8 pages the decode kernel cannot read go through paged_gather's fp8 body and jnp attention:
+        # the kernels' shape limits apply to them, not the decode kernel's page dtype.
+        kv_dtype = "bf16" if fmt.quantized and not decode_kernel_reads(fmt) else self.cache.kv_dtype
+        problems = kernel_problems(self.cfg, self.page_size, kv_dtype)
         if impl == "reference":
             return None
         if impl == "auto":
@@ -525,7 +535,7 @@ class _Generation:
         traces0 = sum(trace_counts().values())
         t0 = time.perf_counter()
         cache = KVCache.create(self.cache.pages, inp.block_table, inp.lengths, impl=self.e.backend,
-                               naive_threshold=self.e.naive_threshold)
+                               naive_threshold=self.e.naive_threshold, page_format=self.cache.page_format)
         cache, *outs = fn(self.e.state, cache, inp, *args, **static)
         self.cache.pages = cache.pages
         host = [np.asarray(o) if i < n_host else o for i, o in enumerate(outs)]

@@ -181,11 +181,12 @@ def mla_decode_problems(heads, latent_dim, page_size, dtype) -> list[str]:
     heads: query heads of one call (H of q; per device under tensor parallelism).
     latent_dim: values cached per token, kv_lora_rank + qk_rope_head_dim.
     page_size: tokens a cache page.
-    dtype: the pages' dtype: a jnp / numpy dtype, or a cache format name ("bf16", "fp32", ...).
+    dtype: the pages' dtype: a jnp / numpy dtype, or a cache format name ("bf16", "fp32", "fp8",
+      ...); uint8 and "fp8" name fp8 pages (`pallas_kernels.page_format.FP8_PAGES`).
 
-  The limits are this module's `SUPPORTED_HEADS`, `KEY_DIM` and `PAGE_SIZE`, and bf16 pages; the
-  query length (at most `MAX_QUERY_LEN`) is a property of a step, not of the model, and is
-  checked per call.
+  The limits are this module's `SUPPORTED_HEADS`, `KEY_DIM` and `PAGE_SIZE`, and bf16 pages, or
+  fp8 pages once this module's fp8 body exists (`FP8_KERNEL = True`); the query length (at most
+  `MAX_QUERY_LEN`) is a property of a step, not of the model, and is checked per call.
   """
   problems = []
   if heads not in SUPPORTED_HEADS:
@@ -195,13 +196,17 @@ def mla_decode_problems(heads, latent_dim, page_size, dtype) -> list[str]:
                     f"latent + {KEY_DIM - LATENT_DIM} rope)")
   if page_size != PAGE_SIZE:
     problems.append(f"page_size = {page_size!r} (the decode kernel needs {PAGE_SIZE})")
-  name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype) \
+  name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "uint8"}.get(dtype, dtype) \
       if isinstance(dtype, str) else dtype
   try:
     shown = jnp.dtype(name).name
   except TypeError:
     shown = repr(dtype)
-  if shown != "bfloat16":
+  if shown == "uint8":   # fp8 pages
+    if not globals().get("FP8_KERNEL", False):
+      problems.append("dtype = fp8 (the decode kernel has no fp8 body yet, FP8_KERNEL is unset; "
+                      "it reads bfloat16 pages)")
+  elif shown != "bfloat16":
     problems.append(f"dtype = {shown} (the decode kernel reads bfloat16 pages)")
   return problems
 

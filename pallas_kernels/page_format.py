@@ -125,7 +125,7 @@ class PageFormat:
 
 
 BF16_PAGES = PageFormat(name="bf16", kernel_supported=True)
-FP8_PAGES = PageFormat(name="fp8", kernel_supported=False)
+FP8_PAGES = PageFormat(name="fp8", kernel_supported=True)
 
 
 def page_format_of(pages, *, rope_dim: int = 64) -> PageFormat:
@@ -136,17 +136,29 @@ def page_format_of(pages, *, rope_dim: int = 64) -> PageFormat:
     lat = 32 * (pages.shape[-1] - 2 * rope_dim)
     if lat <= 0 or lat % 33:
       raise ValueError(f"uint8 pages of last dim {pages.shape[-1]} are not fp8 pages with rope_dim={rope_dim}")
-    return PageFormat("fp8", kernel_supported=False, latent_dim=lat // 33, rope_dim=rope_dim)
+    lat //= 33
+    # paged_gather's fp8 kernel body reads DeepSeek's 656-byte tokens only
+    kernel = FP8_PAGES.kernel_supported and (lat, rope_dim) == (FP8_PAGES.latent_dim, FP8_PAGES.rope_dim)
+    return PageFormat("fp8", kernel_supported=kernel, latent_dim=lat, rope_dim=rope_dim)
   for name, d in _PLAIN.items():
     if dt == jnp.dtype(d):
       return PageFormat(name, latent_dim=pages.shape[-1] - rope_dim, rope_dim=rope_dim)
   raise ValueError(f"pages of dtype {dt.name} are in no known page format; known: {', '.join(NAMES)}")
 
 
+def _divide(a, b):
+  """a / b, correctly rounded in every element. XLA rewrites a division by a broadcast (a scalar
+  constant, or a per-block scale) into a multiplication by its reciprocal, which is off by one ulp
+  in about half the elements (amax / 448 included); the barrier keeps the division a division, so
+  the stored bytes are the documented ones on every backend."""
+  return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, a.shape))
+
+
 def quantize_latent_fp8(latent, *, rope_dim: int = 64):
   """float latent [..., L + R] -> uint8 [..., L + 4·L/128 + 2·R] in the fp8 page layout.
 
-  Layout (the module docstring): L float8_e4m3fn bytes of x / scale_k; L/128 little-endian
+  Layout (the module docstring): L float8_e4m3fn bytes of x / scale_k (both divisions correctly
+  rounded fp32, the quotient rounded to nearest e4m3 after clipping to ±448); L/128 little-endian
   float32 scales scale_k = amax_k / 448 (0 for an all-zero block); R little-endian bf16 rope
   values. 576 -> 656 bytes for DeepSeek's L=512, R=64. Pure jnp: it fuses into the cache write.
   """
@@ -156,9 +168,9 @@ def quantize_latent_fp8(latent, *, rope_dim: int = 64):
                      f"got {L} (last dim {latent.shape[-1]} - rope_dim {rope_dim})")
   lead = latent.shape[:-1]
   x = latent[..., :L].astype(jnp.float32).reshape(lead + (L // FP8_BLOCK, FP8_BLOCK))
-  scale = jnp.max(jnp.abs(x), axis=-1) / FP8_MAX                     # [..., L/128]
+  scale = _divide(jnp.max(jnp.abs(x), axis=-1), jnp.float32(FP8_MAX))   # [..., L/128]
   safe = jnp.where(scale > 0, scale, 1.0)
-  q = jnp.clip(x / safe[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+  q = jnp.clip(_divide(x, safe[..., None]), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
   q_bytes = jax.lax.bitcast_convert_type(q, jnp.uint8).reshape(lead + (L,))
   s_bytes = jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(lead + (4 * (L // FP8_BLOCK),))
   rope = latent[..., L:].astype(jnp.bfloat16)

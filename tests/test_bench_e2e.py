@@ -105,3 +105,29 @@ def test_full_models_on_a_cpu_are_a_one_line_error(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == e2e.EXIT_NO_GPU
     assert "timing needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_decode_floor_reads_the_planners_fp8_bytes():
+    """The KV part of the floor is sum(seq_lens) * layers * the planner's bytes a token: 656 in fp8
+    (512 e4m3 + 4 fp32 scales + 64 bf16 rope), by hand; the weights part does not change."""
+    cfg = ModelConfig.deepseek_v2_lite()
+    fp8 = e2e.decode_floor_bytes(cfg, 8, 2000, kv_dtype="fp8") - e2e.decode_floor_bytes(cfg, 8, 1000, kv_dtype="fp8")
+    assert fp8 == 8 * 1000 * 27 * (512 + 16 + 128)
+    assert (e2e.decode_floor_bytes(cfg, 1, 1, kv_dtype="fp8") - 27 * 656
+            == e2e.decode_floor_bytes(cfg, 1, 1) - 27 * 1152)
+
+
+def test_a_tiny_fp8_cell_end_to_end_on_cpu(tmp_path, monkeypatch):
+    """--kv-dtype fp8 builds the engine's cache in fp8 (the tiny model's latent widened to 128, a block)
+    and the row's floor counts fp8 bytes (a bad --kv-dtype: tests/test_bad_inputs.py)."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    out = tmp_path / "e2e"
+    e2e.main(["--config", "tiny", "--layers", "1", "--model", "v2-lite", "--batch", "1", "--prompt", "16",
+              "--new-tokens", "2", "--no-hf", "--in-process", "--kv-dtype", "fp8", "--out", str(out)])
+    r = e2e.bm.read_csv(out / "e2e.csv")[0]
+    assert r["error"] == "" and r["kv_dtype"] == "fp8" and r["decode_steps"] == 1, r
+    cfg = e2e.model_config("v2-lite", config="tiny", layers=1, kv_dtype="fp8")
+    assert cfg.kv_lora_rank == 128
+    assert r["floor_gb"] == pytest.approx(e2e.decode_floor_bytes(cfg, 1, 17, kv_dtype="fp8") / 1e9)
+    assert (e2e.decode_floor_bytes(cfg, 1, 17) - e2e.decode_floor_bytes(cfg, 1, 17, kv_dtype="fp8")
+            == 17 * 1 * ((128 + 16) * 2 - (128 + 4 + 32)))

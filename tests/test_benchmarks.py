@@ -48,3 +48,23 @@ def test_begin_run_makes_the_directory_and_prints_header_and_ceilings(tmp_path, 
     text = capsys.readouterr().out
     assert "# paged_gather benchmark on GPU X, jax 0.11.2, today" in text
     assert "copy XLA 3000 GB/s, torch nan GB/s; bf16 matmul 800 TFLOP/s" in text
+
+
+def test_mla_decode_fp8_cells_on_a_cpu():
+    """`mla-bench mla_decode --kv-dtype fp8` builds fp8 pages (quantised random latents) and its XLA
+    baseline reads them dequantised: it agrees with mla_decode_reference on those pages (a bad
+    --kv-dtype: tests/test_bad_inputs.py)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import bench_mla_decode as bench
+    from pallas_kernels import mla_decode_reference
+
+    q, kv, table, lens, total = bench.make_cell(2, 2, 100, 16, True, kv_dtype="fp8")
+    assert kv.dtype == jnp.uint8 and kv.shape[1:] == (64, 656)
+    assert bench.token_bytes("fp8") == 656 and bench.token_bytes("bf16") == 1152
+    out, lse = bench.xla_absorbed(q, kv, table, lens, causal=True)
+    ref, ref_lse = mla_decode_reference(q, kv, table, lens, softmax_scale=bench.SCALE, causal=True)
+    o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.linalg.norm(o - r) / np.linalg.norm(r) < 1e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-3)

@@ -84,3 +84,11 @@ def test_format_stats():
                              compile_s=1.25))
     assert line == ("[stats] prefill 10.0 tok/s (5 tokens) | decode 2.5 tok/s (8 tokens, 5 steps) | "
                     "MTP acceptance 75.0% (3/4) | pages used 2/9 | compile 1.2 s")
+
+
+def test_kv_dtype_fp8_generates(capsys):
+    """--kv-dtype fp8: the built-in model (latent 512 + 64) generates through fp8 pages (a model whose
+    latent fp8 pages cannot hold: tests/test_bad_inputs.py)."""
+    assert main(["--kv-dtype", "fp8", "--max-new-tokens", "4", "--no-warmup"]) == 0
+    out, _ = capsys.readouterr()
+    assert "[stats] prefill " in out

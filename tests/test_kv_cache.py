@@ -144,3 +144,95 @@ def test_write_and_gather_match_numpy():
 
 def test_next_pow2():
     assert [next_pow2(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
+
+
+# --- fp8 pages --------------------------------------------------------------------------------------
+def test_fp8_cache_format_shape_and_bytes():
+    """Guards: a format name taken for a dtype (or refused), pools allocated as [.., C] values instead
+    of [.., W] bytes, nbytes counting elements of the wrong size, the rope width ignored."""
+    from pallas_kernels import FP8_PAGES, PageFormat
+
+    c = _cache(dtype="fp8", latent_dim=576, rope_dim=64)
+    assert c.kv_dtype == "fp8" and c.dtype == jnp.uint8 and c.rope_dim == 64
+    assert c.page_format == FP8_PAGES and c.page_format.kernel_supported
+    assert c.pages.shape == (2, 8, 4, 656) and c.pages.dtype == jnp.uint8
+    assert c.nbytes == 2 * 8 * 4 * 656 == 41_984
+    assert _cache(dtype=FP8_PAGES, latent_dim=576).kv_dtype == "fp8"
+    assert _cache(dtype=jnp.uint8, latent_dim=576).kv_dtype == "fp8"   # uint8 pages are fp8 pages
+    # other widths: L = 256, R = 32 -> 256 + 8 + 64 bytes; not the kernels' shape
+    odd = _cache(dtype="fp8", latent_dim=288, rope_dim=32)
+    assert odd.page_format == PageFormat("fp8", kernel_supported=False, latent_dim=256, rope_dim=32)
+    assert odd.pages.shape[-1] == 328 and odd.nbytes == 2 * 8 * 4 * 328
+    for name, dt in (("bf16", jnp.bfloat16), ("fp16", jnp.float16), ("fp32", jnp.float32)):
+        assert _cache(dtype=name).dtype == dt and _cache(dtype=name).kv_dtype == name
+    with pytest.raises(ValueError, match="fp8 pages need latent_dim a positive multiple of 128.* got 64"):
+        _cache(dtype="fp8", latent_dim=80, rope_dim=16)  # ModelConfig.tiny()'s latent
+    with pytest.raises(ValueError, match=r"cache dtype 'fp4' is not a supported page format \(fp4 is a "
+                                         r"capacity-planner row only\); known: bf16, fp16, fp32, fp8"):
+        _cache(dtype="fp4")
+
+
+def test_fp8_cache_holds_1_75x_the_tokens_of_bf16_in_the_same_bytes():
+    """1152 / 656 = 1.756: in (at most) the bytes of a bf16 pool, an fp8 pool holds >= 1.75x the
+    pages. Guards: fp8 pages that are not smaller (values stored, scales per value)."""
+    kw = dict(num_layers=3, page_size=64, latent_dim=576, max_seqs=1, max_pages_per_seq=4)
+    bf16 = PagedLatentCache(num_pages=100, **kw)
+    fp8 = PagedLatentCache(num_pages=100 * 1152 // 656, dtype="fp8", **kw)
+    assert fp8.nbytes <= bf16.nbytes
+    assert fp8.num_pages * fp8.page_size >= 1.75 * bf16.num_pages * bf16.page_size
+    assert fp8.nbytes == 3 * 175 * 64 * 656 and bf16.nbytes == 3 * 100 * 64 * 1152
+
+
+@pytest.mark.parametrize("mtp_layers", [1, 0])
+def test_fp8_engine_pool_equals_the_planner(mtp_layers):
+    """The planner's fp8 bytes for an engine's config are the bytes its cache allocates (and each
+    token takes 656 bytes a layer, counted by hand)."""
+    from flax import nnx
+
+    from models import DeepSeekModel
+    from models.engine import Engine
+
+    cfg = ModelConfig.tiny().replace(num_hidden_layers=2, num_mtp_layers=mtp_layers, kv_lora_rank=512,
+                                     qk_rope_head_dim=64)
+    e = Engine(DeepSeekModel(cfg, rngs=nnx.Rngs(0)), page_size=64, max_batch=2, max_context=300, kv_dtype="fp8")
+    plan = plan_kv_cache(cfg, context_len=300, num_sequences=2, page_size=64, kv_dtype="fp8",
+                         include_mtp=mtp_layers > 0, draft_tokens=3 if mtp_layers else 0)
+    assert plan.mla.bytes_per_token_layer == 656
+    assert e.cache.nbytes == plan.mla.allocated_bytes == (2 + mtp_layers) * 2 * 5 * 64 * 656  # 5 pages a row
+
+
+def test_fp8_write_and_gather_match_numpy():
+    """The cache's write encodes inside the jitted step and scatters the bytes where numpy says; its
+    gather decodes them (jnp, float32) and zeroes rows past each length. Every never-written row is
+    the encoded NaN token (fill_value=nan): a row read by mistake would show. Expected bytes and
+    values: tests/fp8_numpy.py."""
+    from fp8_numpy import fp8_bytes, fp8_values
+    from mla_jax.kv_cache import KVCache
+
+    rng = np.random.default_rng(1)
+    c = PagedLatentCache(num_layers=2, num_pages=6, page_size=4, latent_dim=576, max_seqs=2, max_pages_per_seq=3,
+                         dtype="fp8", fill_value=float("nan"))
+    assert np.isnan(fp8_values(c.pages)).all()
+    table = np.array([[4, 1, 3], [0, 5, 2]], np.int32)
+    lengths = np.array([9, 3], np.int32)
+    pos = np.array([[6, 7, 8], [0, 1, 2]], np.int32)          # row 0 adds tokens 6..8, row 1 its first 3
+    lat = (rng.standard_normal((2, 3, 576)) * 3).astype(np.float32)
+    write = jax.jit(lambda kv, x, p: kv.at_layer(1).write(x, p))
+    kv = write(KVCache.create(c.pages, table, lengths, page_format=c.page_format), jnp.asarray(lat), jnp.asarray(pos))
+    pages = np.asarray(kv.pages)
+    want = np.asarray(c.pages).copy()
+    for b in range(2):
+        for t in range(3):
+            p = pos[b, t]
+            want[1, table[b, p // 4], p % 4] = fp8_bytes(lat[b, t])
+    np.testing.assert_array_equal(pages, want)                # layer 0 untouched, NaN rows elsewhere
+    dense, kv_pos = kv.at_layer(1).gather(dtype=jnp.float32)
+    dense = np.asarray(dense)
+    assert dense.shape == (2, 12, 576) and dense.dtype == np.float32
+    np.testing.assert_array_equal(dense[0, 6:9], fp8_values(fp8_bytes(lat[0])))
+    np.testing.assert_array_equal(dense[1, :3], fp8_values(fp8_bytes(lat[1])))
+    assert np.isnan(dense[0, :6]).all()                       # never written, inside the length: NaN shows
+    assert (dense[0, 9:] == 0).all() and (dense[1, 3:] == 0).all()   # past the length: zero, not NaN
+    np.testing.assert_array_equal(np.asarray(kv_pos)[1], np.where(np.arange(12) < 3, np.arange(12), -1))
+    with pytest.raises(ValueError, match="uint8 .fp8. pages take encoded rows"):
+        write_latents(kv.pages[0], jnp.asarray(lat), jnp.asarray(pos), jnp.asarray(table))

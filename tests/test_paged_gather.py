@@ -1,13 +1,17 @@
 """Tests of pallas_kernels.paged_gather: interpret mode and cross-lowering on CPU, the real kernel
 on a Hopper GPU (``-m gpu``). The gather is a copy, so results must be bit-exact."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
+from fp8_numpy import fp8_values
 from pallas_kernels import (BF16_PAGES, FP8_PAGES, PagedGatherConfig, PageFormat, paged_gather,
-                            paged_gather_reference)
+                            paged_gather_reference, quantize_latent_fp8)
 from pallas_kernels import _platform
 from pallas_kernels.paged_gather import plan_chunks
 
@@ -25,6 +29,21 @@ def make_inputs(batch, max_pages, *, seed=0, spare_pages=2):
 def numpy_gather(kv, table, num_tokens):
   kv, table = np.asarray(kv), np.asarray(table)
   return np.stack([np.concatenate([kv[p] for p in row])[:num_tokens] for row in table])
+
+
+def make_fp8_inputs(batch, max_pages, *, seed=0, spare_pages=2):
+  """fp8 pages [num_pages, 64, 656] of random tokens (magnitudes over 1e-6..1e6, a zero block, -0.0),
+  0xFF bytes (NaN in every part) in pages no sequence owns, and a permuted block table."""
+  rng = np.random.default_rng(seed)
+  num_pages = batch * max_pages + spare_pages
+  lat = rng.standard_normal((num_pages, 64, 576)).astype(np.float32)
+  lat *= np.exp(rng.uniform(-14, 14, (num_pages, 64, 1))).astype(np.float32)
+  lat[:, 3, 128:256] = 0.0
+  lat[:, 5, 7] = -0.0
+  pages = np.array(quantize_latent_fp8(jnp.asarray(lat)))
+  table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+  pages[np.setdiff1d(np.arange(num_pages), table)] = 0xFF
+  return jnp.asarray(pages), jnp.asarray(table)
 
 
 def test_reference_matches_numpy():
@@ -58,6 +77,45 @@ def test_cross_lowers_for_sm90(batch, max_pages, num_tokens):
   fn = lambda kv, bt: paged_gather(kv, bt, num_tokens=num_tokens, impl="kernel")
   text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+def test_fp8_reference_matches_numpy():
+  """Guards: the reference gathering the wrong pages or decoding another layout than the one
+  documented (checked against a numpy decode, never against the code's own)."""
+  kv, table = make_fp8_inputs(2, 3)
+  got = paged_gather_reference(kv, table, num_tokens=150, page_format=FP8_PAGES)
+  assert got.dtype == jnp.bfloat16 and got.shape == (2, 150, 576)
+  np.testing.assert_array_equal(np.asarray(got), fp8_values(numpy_gather(kv, table, 150), dtype=ml_dtypes.bfloat16))
+
+
+@pytest.mark.parametrize("batch,max_pages,num_tokens,chunks,steps", [
+    (2, 3, 150, None, 3),   # cut inside the 3rd page, 3 pages in flight
+    (3, 2, 128, 2, 2),      # whole pages, one page a CTA
+    (1, 2, 1, None, 2),     # a single token
+])
+def test_fp8_interpret_is_bit_exact(batch, max_pages, num_tokens, chunks, steps):
+  """The fp8 body against the numpy decode, bit for bit (NaN where NaN). Guards: a scale applied
+  to the wrong 128-block or token, the rope read from the wrong bytes (elements 264.. of the bf16
+  view), the two latent halves swapped, a last page stored whole past num_tokens, a table entry
+  past num_tokens followed (they are -1 here), a page no sequence owns read (it is all NaN)."""
+  kv, table = make_fp8_inputs(batch, max_pages, seed=num_tokens)
+  used = -(-num_tokens // 64)
+  table = table.at[:, used:].set(-1)
+  got = paged_gather(kv, table, num_tokens=num_tokens, page_format=FP8_PAGES, impl="interpret",
+                     config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps))
+  assert got.shape == (batch, num_tokens, 576) and got.dtype == jnp.bfloat16
+  want = fp8_values(numpy_gather(kv, table[:, :used], num_tokens), dtype=ml_dtypes.bfloat16)
+  assert not np.isnan(want.astype(np.float32)).any()
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("batch,max_pages,num_tokens", [(1, 512, 32768), (128, 64, 4096), (3, 7, 100)])
+def test_fp8_cross_lowers_for_sm90(batch, max_pages, num_tokens):
+  shapes = (jax.ShapeDtypeStruct((batch * max_pages, 64, 656), jnp.uint8),
+            jax.ShapeDtypeStruct((batch, max_pages), jnp.int32))
+  fn = lambda kv, bt: paged_gather(kv, bt, num_tokens=num_tokens, page_format=FP8_PAGES, impl="kernel")
+  text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 1 and "ui8" in text
 
 
 def test_plan_chunks():
@@ -95,6 +153,11 @@ def test_page_format_hook():
     paged_gather(kv, table, num_tokens=10, page_format="bf16", impl="reference")
   got = paged_gather(kv, table, num_tokens=10, page_format=BF16_PAGES, impl="reference")
   np.testing.assert_array_equal(np.asarray(got), numpy_gather(kv, table, 10))
+  with pytest.raises(ValueError, match="reads tokens of 512 latent . 64 rope values, got 256 . 32 .fp8 pages."):
+    paged_gather(kv, table, num_tokens=10, page_format=FP8_PAGES.with_dims(256, 32), impl="reference")
+  with pytest.raises(ValueError, match="page format 'fp8' has no kernel yet"):
+    paged_gather(jnp.zeros((4, 64, 656), jnp.uint8), table, num_tokens=10,
+                 page_format=dataclasses.replace(FP8_PAGES, kernel_supported=False), impl="interpret")
 
 
 requires_hopper = pytest.mark.skipif(not _platform.default_backend_is_hopper(),
@@ -111,3 +174,15 @@ def test_gpu_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps):
                      config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps))
   want = paged_gather_reference(kv, table, num_tokens=num_tokens)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("batch,max_pages,num_tokens", [(32, 64, 4096), (5, 40, 2500), (1, 300, 1)])
+@pytest.mark.parametrize("chunks,steps", [(None, 3), (7, 2)])
+def test_gpu_fp8_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps):
+  kv, table = make_fp8_inputs(batch, max_pages, seed=batch)
+  got = paged_gather(kv, table, num_tokens=num_tokens, page_format=FP8_PAGES, impl="kernel",
+                     config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps))
+  want = fp8_values(numpy_gather(kv, table, num_tokens), dtype=ml_dtypes.bfloat16)
+  np.testing.assert_array_equal(np.asarray(got), want)

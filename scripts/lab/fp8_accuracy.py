@@ -1,0 +1,113 @@
+"""FP8 latent pages against bf16 ones on the built-in model: decode-step logits and greedy tokens.
+
+Two measurements, both through the model's cached forward (`model(ids, positions, cache=...)`,
+the jnp path: attention_impl "reference", so it runs on a CPU) with the two page formats:
+
+* teacher-forced decode logits: the prompt is prefilled, then the bf16 cache's greedy continuation
+  is fed one token a step to both caches; at every decode step the logits of the two are compared
+  (max and mean |fp8 - bf16| over the vocabulary and the steps, the logits' own spread for scale,
+  and how often the two pick the same next token). The fp32-cache run is printed beside it: bf16
+  pages already differ from exact latents, and this says by how much.
+* free-running greedy: `Engine.generate` with kv_dtype "bf16" and "fp8", N new tokens each; the
+  tokens up to the first difference, and the share of positions that agree.
+
+  PYTHONPATH=. python3 scripts/lab/fp8_accuracy.py [--new-tokens 256] [--prompt TEXT]
+
+BENCHMARKS.md ("FP8 pages — accuracy") quotes its output; tests/test_engine.py bounds a short run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mla_jax.kv_cache import KVCache, PagedLatentCache
+from models import Engine, SamplingParams, load_hf_checkpoint
+from models.builtin import BUILTIN_DIR, BUILTIN_PROMPT
+from models.tokenizer import load_tokenizer
+
+PAGE = 64
+
+
+def decode_logits(model, ids: list[int], n_prompt: int, kv_dtype) -> np.ndarray:
+    """Logits [len(ids) - n_prompt + 1, V] (float32) of the cached forward: one prefill of the first
+    n_prompt tokens (its last position's logits), then one decode step for each later token."""
+    cfg = model.cfg
+    pages_needed = -(-len(ids) // PAGE)
+    cache = PagedLatentCache(num_layers=cfg.num_hidden_layers + len(model.mtp), num_pages=pages_needed,
+                             page_size=PAGE, latent_dim=cfg.latent_dim, max_seqs=1,
+                             max_pages_per_seq=pages_needed, dtype=kv_dtype, rope_dim=cfg.qk_rope_head_dim)
+    cache.reserve(0, len(ids))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, kv, tok, pos):
+        logits, kv = nnx.merge(graphdef, state)(tok, pos, cache=kv)
+        return logits[:, -1].astype(jnp.float32), kv
+
+    table = cache.block_tables[:, :pages_needed]
+    pages, out = cache.pages, []
+    spans = [(0, n_prompt)] + [(t, t + 1) for t in range(n_prompt, len(ids))]
+    for a, b in spans:
+        kv = KVCache.create(pages, table, np.array([b], np.int32), page_format=cache.page_format)
+        logits, kv = step(state, kv, jnp.asarray([ids[a:b]], jnp.int32), jnp.arange(a, b, dtype=jnp.int32)[None])
+        pages = kv.pages
+        out.append(np.asarray(logits[0]))
+    return np.stack(out[:-1])   # the last token's logits predict past the sequence
+
+
+def greedy(model, prompt: list[int], n: int, kv_dtype) -> list[int]:
+    e = Engine(model, page_size=PAGE, max_batch=1, max_context=len(prompt) + n, kv_dtype=kv_dtype,
+               attention_impl="reference")
+    return e.generate([prompt], max_new_tokens=n, sampling=SamplingParams(temperature=0.0)).tokens[0]
+
+
+def compare(a: np.ndarray, b: np.ndarray) -> dict:
+    """|a - b| statistics of logits [steps, V] and the share of steps with the same argmax."""
+    d = np.abs(a - b)
+    return dict(max=float(d.max()), mean=float(d.mean()), step_max_mean=float(d.max(-1).mean()),
+                top1=float((a.argmax(-1) == b.argmax(-1)).mean()))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt", default=BUILTIN_PROMPT)
+    args = p.parse_args(argv)
+    model, tok = load_hf_checkpoint(BUILTIN_DIR), load_tokenizer(BUILTIN_DIR)
+    prompt = tok.encode(args.prompt)
+    n = args.new_tokens
+    print(f"# fp8 vs bf16 latent pages, built-in model, {datetime.date.today()}, {platform.machine()} CPU "
+          f"({jax.default_backend()}), jax {jax.__version__}; prompt {len(prompt)} tokens, {n} new tokens")
+
+    runs = {kv: greedy(model, prompt, n, kv) for kv in ("fp32", "bf16", "fp8")}
+    bf16_tokens, fp8_tokens = runs["bf16"], runs["fp8"]
+    for x, y in (("fp8", "bf16"), ("bf16", "fp32"), ("fp8", "fp32")):
+        same = [a == b for a, b in zip(runs[x], runs[y])]
+        first = same.index(False) if False in same else len(same)
+        print(f"{x + ' vs ' + y:13s} greedy (free-running): the first {first} of {len(same)} tokens agree; "
+              f"{100 * np.mean(same):.1f} % of positions agree")
+
+    ids = prompt + bf16_tokens   # teacher forcing: both caches read the bf16 run's tokens
+    ref = {kv: decode_logits(model, ids, len(prompt), kv) for kv in ("fp32", "bf16", "fp8")}
+    spread = float(ref["bf16"].std(-1).mean())
+    for name, (x, y) in {"fp8 vs bf16": ("fp8", "bf16"), "bf16 vs fp32": ("bf16", "fp32"),
+                         "fp8 vs fp32": ("fp8", "fp32")}.items():
+        c = compare(ref[x], ref[y])
+        print(f"{name:13s} decode logits over {len(ref[x])} steps (teacher-forced): max |d| {c['max']:.4f}, "
+              f"mean |d| {c['mean']:.5f}, mean of per-step max {c['step_max_mean']:.4f}; same next token "
+              f"{100 * c['top1']:.1f} %")
+    print(f"(logit scale: per-step standard deviation over the vocabulary {spread:.3f}, "
+          f"bf16 cache; {ref['bf16'].shape[1]} logits a step)")
+    print("bf16:", repr(tok.decode(bf16_tokens[:80])))
+    print("fp8: ", repr(tok.decode(fp8_tokens[:80])))
+
+
+if __name__ == "__main__":
+    main()
