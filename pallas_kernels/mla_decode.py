@@ -635,8 +635,8 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
         compute_context=compute_context,
         # Tiles as wide as the 656-byte rows allow (a tiled copy needs the tile width to divide
         # the row: 16 bytes; 41 is prime). On an H200 the body takes ~5 µs a page even without
-        # its dequantisation and barriers (bf16: 2.7); these narrow copies are the prime
-        # suspect (NOTES.md, "fp8 decode").
+        # its dequantisation and barriers (bf16: 2.7), and untiled 256-byte boxes measured no
+        # faster (NOTES.md, "mla_decode on fp8 pages").
         in_specs=[plgpu.BlockSpec((None, PAGE_SIZE, LATENT_DIM), index,
                                   transforms=(plgpu.TilingTransform((8, 16)),)),
                   plgpu.BlockSpec((None, PAGE_SIZE, KEY_DIM - LATENT_DIM), index,
