@@ -474,8 +474,8 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
 
 # fp8 pages (`pallas_kernels.page_format`): per token 512 e4m3 bytes, 4 fp32 scales (one per 128
 # latent values), 64 bf16 rope values = 656 bytes. The kernel reads each page through three views
-# of the same buffer: the latent bytes (uint8, 128-byte swizzled tiles), the scales (fp32 words
-# 128..131 of the row) and the rope (bf16 elements 264..327 of the row, in wgmma tiles).
+# of the same buffer: the latent bytes (uint8), the scales (fp32 words 128..131 of the row) and
+# the rope (bf16 elements 264..327 of the row).
 _FP8_SCALE_COL = LATENT_DIM // 4                          # 128: first scale, in fp32 words
 _FP8_ROPE_COL = (LATENT_DIM + 4 * (LATENT_DIM // 128)) // 2  # 264: first rope value, in bf16 elements
 # Whether `mla_decode` has a kernel body for fp8 pages (the model's cached path asks).
@@ -498,10 +498,10 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
   their 256 latent columns into one shared bf16 [64, 576] key buffer in wgmma tiles (warpgroup 0
   adds the rope columns), meet at a barrier, then both run the plain body on that buffer (Q·Kᵀ
   over 576 columns, online softmax, P·V over their 256 columns); a second barrier per page keeps
-  the buffer until both have finished P·V. The TMA stages hold the page as it is in HBM, in
-  16-byte tiles (the only width that divides its 656-byte rows); the scales are read from GMEM
-  (L2), as a [64, 4] fp32 box has no register layout to land in. SMEM: Q 72 KB + two 41 KB stages
-  + the 72 KB buffer = 226 KB of the 227."""
+  the buffer until both have finished P·V. The TMA stages hold the page's bytes as they are in
+  HBM (untiled boxes through free bitcast views: latent bytes, fp32 scales, bf16 rope), read
+  under Lane semantics (no swizzled layout fits those strided views). SMEM: Q 72 KB + two 41 KB
+  stages  + the 72 KB buffer = 226 KB of the 227."""
   B, Rp, _ = q_rows.shape
   G, S, pps = plan_.row_blocks, plan_.num_splits, plan_.pages_per_split
   final = S == 1
@@ -524,7 +524,10 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
       num_threads=3, thread_name="wg", scratch_types=scratch,
       # SMEM is full to the last KB: no cross-warp reduction scratch (every reduction is along
       # rows, inside a warp).
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      # Lane semantics: the untiled stage views below (a 128-column block of a 256-byte row, a
+      # scale column) have no swizzled layout for the warpgroup layout inference to pick.
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                           lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=interpret)
   def mla_decode_partials_fp8(q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, o_ref, lse_ref,
                               q_smem, q_bar, lat_smem, deq_bar, free_bar, p_smem=None):
@@ -560,28 +563,25 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
         else:
           lse_ref[b, s, rows] = lse2
 
-    def load_scales(page):
-      """This warpgroup's two per-token scales of the page (row vectors), read from GMEM: a
-      [64, 4] fp32 TMA box has no register layout to land in, and they are in L2 with the page."""
-      return [plgpu.load(scale_ref.at[page, :, _FP8_SCALE_COL + wg * (half // 128) + k], layout=row_layout,
-                         optimized=False) for k in range(half // 128)]
-
-    def dequantize(lat8, scales, rope, valid):
+    def dequantize(lat_lo, lat_hi, scales, rope, valid):
       """This warpgroup's 256 latent columns of the page, e4m3 x scale -> bf16, into lat_smem;
       rows past the sequence end zeroed (they may hold anything, even NaN bytes or scales, and
       V must be 0 there). Warpgroup 0 also copies the rope columns (bf16 already) after them."""
       tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 128), 0, layout=wgmma_layout)
-      for k, sc in enumerate(scales):
-        c0 = wg * half + k * 128
-        x8 = plgpu.load(lat8.at[:, pl.ds(c0, 128)], layout=plgpu.Layout.WGMMA_UPCAST_2X)
-        x = plgpu.layout_cast(
-            lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float16), wgmma_layout)
-        x = x.astype(jnp.float32) * lax.broadcast_in_dim(sc, (PAGE_SIZE, 128), [0])
-        lat_smem[:, pl.ds(c0, 128)] = jnp.where(tok < valid, x, 0.0).astype(jnp.bfloat16)
-
-      @pl.when(wg == 0)
-      def _():
-        lat_smem[:, pl.ds(LATENT_DIM, KEY_DIM - LATENT_DIM)] = plgpu.load(rope, layout=wgmma_layout)
+      for w, lat in enumerate((lat_lo, lat_hi)):
+        @pl.when(wg == w)
+        def _():
+          for k in range(half // 128):
+            x8 = plgpu.load(lat.at[:, pl.ds(k * 128, 128)], layout=plgpu.Layout.WGMMA_UPCAST_2X,
+                            optimized=False)
+            x = plgpu.layout_cast(
+                lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float16), wgmma_layout)
+            sc = plgpu.load(scales.at[:, w * (half // 128) + k], layout=row_layout, optimized=False)
+            x = x.astype(jnp.float32) * lax.broadcast_in_dim(sc, (PAGE_SIZE, 128), [0])
+            lat_smem[:, pl.ds(w * half + k * 128, 128)] = jnp.where(tok < valid, x, 0.0).astype(jnp.bfloat16)
+          if w == 0:
+            lat_smem[:, pl.ds(LATENT_DIM, KEY_DIM - LATENT_DIM)] = plgpu.load(
+                rope, layout=wgmma_layout, optimized=False)
       plgpu.commit_smem()
 
     def pv_update(acc, p16):
@@ -600,15 +600,14 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
         plgpu.wgmma(acc_ref, p16, v)
       return pl.run_state(pv)(plgpu.ACC.init(acc))
 
-    def body(idx, lat8, rope, carry):
+    def body(idx, lat_lo, lat_hi, scales, rope, carry):
       (i,) = idx
       acc, m, l = carry
       page_start = (first_page + i) * PAGE_SIZE
-      scales = load_scales(table[first_page + i])
       # Both warpgroups are done with the previous page's buffer (their P·V) before it is rewritten.
       plgpu.barrier_arrive(free_bar)
       plgpu.barrier_wait(free_bar)
-      dequantize(lat8, scales, rope, seq_len - page_start)
+      dequantize(lat_lo, lat_hi, scales, rope, seq_len - page_start)
       plgpu.barrier_arrive(deq_bar)
       plgpu.barrier_wait(deq_bar)
 
@@ -627,21 +626,24 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
       return pv_update(acc, p.astype(jnp.bfloat16)), m_new, l
 
     table = bt_ref.at[b]
-    index = lambda i: (table[first_page + i], 0, 0)
+    page_of = lambda i: table[first_page + i]
+    in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+    # The page's three parts land as they are in HBM, in untiled TMA boxes of 256 latent bytes
+    # (two per row), 4 fp32 scales and 64 bf16 rope values a token (the views' offsets: byte 512
+    # = fp32 word 128, byte 528 = bf16 element 264), as in `paged_gather`'s fp8 body.
     plgpu.emit_pipeline_warp_specialized(
         body, grid=(n_pages,),
         memory_registers=config.memory_registers, num_compute_wgs=2, wg_axis="wg",
         max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context,
-        # Tiles as wide as the 656-byte rows allow (a tiled copy needs the tile width to divide
-        # the row: 16 bytes; 41 is prime). On an H200 the body takes ~5 µs a page even without
-        # its dequantisation and barriers (bf16: 2.7), and untiled 256-byte boxes measured no
-        # faster (NOTES.md, "mla_decode on fp8 pages").
-        in_specs=[plgpu.BlockSpec((None, PAGE_SIZE, LATENT_DIM), index,
-                                  transforms=(plgpu.TilingTransform((8, 16)),)),
-                  plgpu.BlockSpec((None, PAGE_SIZE, KEY_DIM - LATENT_DIM), index,
-                                  transforms=(plgpu.TilingTransform((8, 8)),))],
-    )(lat_ref.at[:, :, pl.ds(0, LATENT_DIM)], rope_ref.at[:, :, pl.ds(_FP8_ROPE_COL, KEY_DIM - LATENT_DIM)])
+        in_specs=[
+            plgpu.BlockSpec((None, PAGE_SIZE, half), lambda i: (page_of(i), 0, 0), oob_fill_mode=in_bounds),
+            plgpu.BlockSpec((None, PAGE_SIZE, half), lambda i: (page_of(i), 0, 1), oob_fill_mode=in_bounds),
+            plgpu.BlockSpec((None, PAGE_SIZE, 4), lambda i: (page_of(i), 0, _FP8_SCALE_COL // 4),
+                            oob_fill_mode=in_bounds),
+            plgpu.BlockSpec((None, PAGE_SIZE, pl.Element(KEY_DIM - LATENT_DIM)),
+                            lambda i: (page_of(i), 0, _FP8_ROPE_COL), oob_fill_mode=in_bounds)],
+    )(lat_ref, lat_ref, scale_ref, rope_ref)
 
   return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens)
 

@@ -70,14 +70,12 @@ def test_reference_reads_the_dequantised_pages():
   np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
-# (heads, s_q, causal, seq_lens, max_pages, num_splits): small enough for the interpreter. Some
-# other shapes (two row blocks with KV splits, e.g. H=128 with 2 splits; or s_q=2 with 2 splits)
-# deadlock the Pallas interpreter on jax 0.11.2 in its barrier callbacks (NOTES.md, "mla_decode
-# on fp8 pages"); they run on the GPU below, and every shape is cross-lowered.
+# (heads, s_q, causal, seq_lens, max_pages, num_splits): small enough for the interpreter.
 INTERPRET_CASES = [
     (16, 1, False, [1, 63], 1, None),     # length 1; a NaN tail inside the only page
-    (64, 1, True, [3, 200], 4, 4),        # empty splits, ragged, causal, split combine
-    (64, 1, False, [130, 64], 3, 1),      # three pages through one CTA, a full last page
+    (32, 2, True, [65, 130], 3, 2),       # two pages through one CTA, page boundaries, causal
+    (64, 1, True, [3, 200], 4, 4),        # empty splits, ragged, split combine
+    (128, 1, False, [100, 7], 2, 2),      # two row blocks per sequence
 ]
 
 
