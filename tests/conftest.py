@@ -1,6 +1,41 @@
 """The command-line tools turn on jax's persistent compilation cache by default; tests keep it off
-(set it per test where a test is about it), so they never read or write a user's cache."""
+(set it per test where a test is about it), so they never read or write a user's cache.
+
+Under `-n N` (pytest-xdist's default "load" distribution) the tests go to the workers one by one,
+except those of the modules in WHOLE_MODULES, each of which runs whole on one worker (the largest
+first): their module-scoped fixtures (a model, an engine, a trained run, a built wheel) and the
+steps their tests compile are then built once, not once per worker that happens to get one of
+their tests. (xdist's own `--dist loadgroup` does not group under pytest 9: it renames the test
+ids through an attribute pytest no longer reads.)"""
 
 import os
 
+import pytest
+
 os.environ.setdefault("MLA_JAX_COMPILE_CACHE", "off")
+
+WHOLE_MODULES = frozenset({
+    "test_engine.py",        # the model / spec_model / engine fixtures; steps shared by equal shapes
+    "test_generate_cli.py",  # the built-in model's steps, shared by the runs of equal pool shapes
+    "test_model_hf.py",      # a loaded model per fixture, and eager ops shared across them
+    "test_train_cli.py",     # the train step, compiled once for every run of the module
+    "test_training.py",      # the five-step run fixture
+    "test_wheel.py",         # the built and installed wheel
+})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "load":
+        return None  # another --dist is kept
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesWhole(LoadScopeScheduling):
+        """Scope = the module for WHOLE_MODULES, the test itself otherwise; scopes with more tests
+        are handed out first (LoadScopeScheduling's reordering)."""
+
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return module if os.path.basename(module) in WHOLE_MODULES else nodeid
+
+    return ModulesWhole(config, log)

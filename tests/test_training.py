@@ -104,20 +104,18 @@ def test_router_bias_moves_only_by_the_update_rule(run):
     assert moved > 0
 
 
-def test_every_trainable_parameter_gets_a_gradient():
-    model = init_model(CFG, seed=1)
-    batch = make_batch(1)
-    graphdef, state = nnx.split(model)
-    params, rest = nnx.split_state(state, nnx.Param, ...)
-
-    @jax.jit
-    def grad(p):
-        return jax.grad(lambda q: loss_fn(nnx.merge(graphdef, q, rest), batch, TC), has_aux=True)(p)
-
-    grads, metrics = grad(params)
+def test_every_trainable_parameter_gets_a_gradient(run):
+    """Every Param's AdamW first moment (an average of its gradients over the run's five steps) is
+    nonzero somewhere: a parameter the loss does not reach keeps mu = 0 exactly. (The run's own step
+    computes the gradients: no second backward pass is compiled.)"""
+    graphdef, state, opt_state, history, _ = run
     # Precondition: every expert of every MoE layer got a token (else its zero gradient is right).
-    assert np.all(np.asarray(metrics["expert_load"]) > 0), metrics["expert_load"]
-    flat = jax.tree_util.tree_leaves_with_path(grads)
+    loads = sum(np.asarray(m["expert_load"]) for *_, m in history)
+    assert np.all(loads > 0), loads
+    params = nnx.split_state(state, nnx.Param, ...)[0]
+    (mu,) = [s.mu for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+             if isinstance(s, optax.ScaleByAdamState)]
+    flat = jax.tree_util.tree_leaves_with_path(mu)
     assert len(flat) == len(jax.tree.leaves(params))
     dead = [jax.tree_util.keystr(p) for p, g in flat if not np.any(np.asarray(g) != 0)]
     assert not dead, dead

@@ -26,7 +26,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = {"mla_jax", "pallas_kernels", "models", "benchmarks"}
-pytestmark = pytest.mark.slow  # about a minute on 2 CPU cores, most of it compiling the train and decode steps
+pytestmark = pytest.mark.slow  # under a minute on 2 CPU cores, most of it compiling the train and decode steps
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +90,20 @@ def test_installed_packages_come_from_the_wheel(installed):
 
 
 def test_installed_mla_train_and_mla_generate_run(installed, tmp_path):
+    from mla_jax import ModelConfig
+
     target = installed[1]
     run_dir = tmp_path / "run"
-    train = _run(installed, str(target / "bin" / "mla-train"), "--out", str(run_dir), "--steps", "2",
-                 "--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--eval-windows", "2", "--no-progress")
+    # The smallest model with every part (a dense and a MoE layer, MTP): what is tested is that the
+    # installed script finding its corpus and modules, not the model (a smaller one compiles sooner).
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(ModelConfig.tiny().replace(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=2,
+        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+        n_routed_experts=4).to_hf_dict()))
+    train = _run(installed, str(target / "bin" / "mla-train"), "--out", str(run_dir), "--config", str(config),
+                 "--steps", "2", "--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--eval-windows", "2",
+                 "--no-progress")
     assert train.returncode == 0, train.stderr
     summary = json.loads((run_dir / "export" / "training.json").read_text())
     assert summary["step"] == 2 and summary["args"]["corpus"] == os.path.join("models", "data", "corpus.txt")
