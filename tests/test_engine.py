@@ -589,13 +589,13 @@ def test_verify_step_table_covers_the_kernel_seq_len(monkeypatch):
 
     monkeypatch.setattr(pallas_kernels, "mla_decode", fake_decode)
     monkeypatch.setattr(pallas_kernels, "paged_gather", fake_gather)
-    jax.clear_caches()  # the steps must be traced with the fakes in place
-    try:
-        m = DeepSeekModel(KERNEL_CFG.replace(num_mtp_layers=1), rngs=nnx.Rngs(0))
-        e = Engine(m, page_size=64, num_pages=16, max_batch=1, max_context=256, attention_impl="interpret")
-        res = e.generate(_prompts(1, [250]), max_new_tokens=20, use_mtp=True, mtp_draft_tokens=1)
-    finally:
-        jax.clear_caches()
+    # The steps must be traced with the fakes in place: a config no other test uses (its dense MLP's
+    # width) has steps of its own (`compiled_steps` is per graphdef), jitted anew here, so neither
+    # another test's compiled steps nor, later, another test gets the fakes (no jax.clear_caches,
+    # which would make every later test of the process compile again).
+    m = DeepSeekModel(KERNEL_CFG.replace(intermediate_size=72), rngs=nnx.Rngs(0))
+    e = Engine(m, page_size=64, num_pages=16, max_batch=1, max_context=256, attention_impl="interpret")
+    res = e.generate(_prompts(1, [250]), max_new_tokens=20, use_mtp=True, mtp_draft_tokens=1)
     # positions 250..256 are emitted; the token at 256 = max_context is not fed back
     assert res.finish_reasons == ["context"] and len(res.tokens[0]) == 256 - 250 + 1
     assert seen, "the decode kernel was never called"

@@ -100,8 +100,8 @@ def test_engine_pool_equals_the_planner(mtp_layers, max_batch, max_context, page
     from models.engine import Engine
 
     cfg = ModelConfig.tiny().replace(num_hidden_layers=2, num_mtp_layers=mtp_layers)
-    e = Engine(DeepSeekModel(cfg, rngs=nnx.Rngs(0)), page_size=page_size, max_batch=max_batch,
-               max_context=max_context)
+    model = nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0)))  # the pool needs no weights
+    e = Engine(model, page_size=page_size, max_batch=max_batch, max_context=max_context)
     plan = plan_kv_cache(cfg, context_len=max_context, num_sequences=max_batch, page_size=page_size,
                          include_mtp=mtp_layers > 0, draft_tokens=3 if mtp_layers else 0)
     assert e.cache.nbytes == plan.mla.allocated_bytes

@@ -23,8 +23,10 @@ B, P = 2, 4
 
 
 def _decode_step(layers: int, compile: bool = True):
-    """(engine, lowered, compiled or None) of the decode step of a narrow V2-Lite-shaped model."""
-    model = DeepSeekModel(narrow_v2_lite(layers), rngs=nnx.Rngs(0))
+    """(engine, lowered, compiled or None) of the decode step of a narrow V2-Lite-shaped model; a step
+    only lowered needs the weights' shapes alone (no initialisation)."""
+    make = lambda: DeepSeekModel(narrow_v2_lite(layers), rngs=nnx.Rngs(0))  # noqa: E731
+    model = make() if compile else nnx.eval_shape(make)
     e = Engine(model, page_size=16, num_pages=64, max_batch=B, kv_dtype=jnp.float32)
     inp = StepInputs(np.zeros((B, 1), np.int32), np.zeros((B, 1), np.int32), np.zeros((B, P), np.int32),
                      np.ones((B,), np.int32), np.zeros((B,), np.int32), np.zeros((B, 2), np.uint32),
