@@ -94,8 +94,8 @@ def test_installed_mla_train_and_mla_generate_run(installed, tmp_path):
 
     target = installed[1]
     run_dir = tmp_path / "run"
-    # The smallest model with every part (a dense and a MoE layer, MTP): what is tested is that the
-    # installed script finding its corpus and modules, not the model (a smaller one compiles sooner).
+    # The smallest model with every part (a dense and a MoE layer, MTP): the test is about the installed
+    # script finding its corpus and modules, not about the model (and a smaller one compiles sooner).
     config = tmp_path / "config.json"
     config.write_text(json.dumps(ModelConfig.tiny().replace(
         num_hidden_layers=2, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=2,
