@@ -9,10 +9,30 @@ their tests. (xdist's own `--dist loadgroup` does not group under pytest 9: it r
 ids through an attribute pytest no longer reads.)"""
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("MLA_JAX_COMPILE_CACHE", "off")
+
+# One run's own compilation cache: a fresh directory per `pytest` run, shared by its xdist workers
+# and by the tools the tests start (they inherit the environment), removed at the end. Most of the
+# suite's time is XLA compiling, and many tests compile the same programs through fresh jitted
+# closures (a new Engine's steps, a CLI run in a subprocess, the other worker): they hit here.
+# Never a user's cache, and never one from an earlier run.
+_RUN_CACHE_ENV = "MLA_JAX_TEST_RUN_CACHE"
+_OWN_RUN_CACHE = _RUN_CACHE_ENV not in os.environ   # true in the process that starts the run
+if _OWN_RUN_CACHE:
+    os.environ[_RUN_CACHE_ENV] = tempfile.mkdtemp(prefix="mla-jax-test-xla-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_RUN_CACHE_ENV]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+def pytest_unconfigure(config):
+    if _OWN_RUN_CACHE:
+        shutil.rmtree(os.environ[_RUN_CACHE_ENV], ignore_errors=True)
 
 WHOLE_MODULES = frozenset({
     "test_engine.py",        # the model / spec_model / engine fixtures; steps shared by equal shapes
