@@ -33,6 +33,10 @@ def run(args):
 
   header, ceil = bm.begin_run("paged_gather", args.out, args.iters)
   configs = {"default": PagedGatherConfig()}
+  if fmt.quantized:  # the dequantised page stored from one staging buffer or from two in turn
+    configs["staging2"] = PagedGatherConfig(staging_buffers=2, max_concurrent_steps=2)
+    configs["staging2_ctas132"] = PagedGatherConfig(staging_buffers=2, max_concurrent_steps=2, target_ctas=132)
+    configs["ctas132"] = PagedGatherConfig(target_ctas=132)
   if args.sweep:
     for chunks in (2, 4, 8, 16):
       for steps in (2, 3):
