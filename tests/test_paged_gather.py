@@ -124,6 +124,16 @@ def test_fp8_cross_lowers_for_sm90(batch, max_pages, num_tokens, staging):
   assert text.count("mosaic_gpu") >= 1 and "ui8" in text
 
 
+def test_config_defaults_per_page_format():
+  """fp8 pages default to two staging buffers and 2 steps (3 steps would not fit beside them);
+  bf16 pages to 3 steps. Guards a default that overflows SMEM or drops the faster fp8 schedule."""
+  assert (PagedGatherConfig().for_format(FP8_PAGES).staging_buffers,
+          PagedGatherConfig().for_format(FP8_PAGES).max_concurrent_steps) == (2, 2)
+  assert PagedGatherConfig().for_format(BF16_PAGES).max_concurrent_steps == 3
+  assert PagedGatherConfig(max_concurrent_steps=3).for_format(FP8_PAGES).staging_buffers == 1
+  assert PagedGatherConfig(staging_buffers=1).for_format(FP8_PAGES).max_concurrent_steps == 3
+
+
 def test_plan_chunks():
   assert plan_chunks(1, 64, PagedGatherConfig()) == (64, 1)
   assert plan_chunks(128, 64, PagedGatherConfig()) == (3, 22)
@@ -143,9 +153,9 @@ def test_invalid_inputs_raise():
     paged_gather(kv.astype(jnp.float32), table, num_tokens=10, impl="interpret")
   with pytest.raises(ValueError, match="block_table must be int32"):
     paged_gather(kv, table.astype(jnp.int16), num_tokens=10, impl="interpret")
-  with pytest.raises(ValueError, match="max_concurrent_steps must be 2 or 3 .* got 4"):
+  with pytest.raises(ValueError, match="max_concurrent_steps must be None, 2 or 3 .* got 4"):
     PagedGatherConfig(max_concurrent_steps=4)
-  with pytest.raises(ValueError, match="staging_buffers must be 1 or 2, got 3"):
+  with pytest.raises(ValueError, match="staging_buffers must be None, 1 or 2, got 3"):
     PagedGatherConfig(staging_buffers=3)
   with pytest.raises(ValueError, match="leaves room for max_concurrent_steps <= 2 fp8 stages of 41 KB, got 3"):
     PagedGatherConfig(staging_buffers=2, max_concurrent_steps=3)
