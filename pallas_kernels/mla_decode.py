@@ -15,6 +15,13 @@ flash-decoding loop over pages:
   B·row_blocks·num_splits fills about one wave of the GPU's SMs. With one split, the kernel
   writes the final bf16 output and natural-log LSE itself. With more, it writes fp32 partials and a
   second, small Mosaic GPU kernel combines them (still a single jitted call; no XLA math).
+* Token-balanced schedule (`MlaDecodeConfig.schedule="balanced"`, FlashMLA's tile scheduler):
+  instead of cutting each sequence on its own, the batch's pages (Σ cdiv(seq_len, 64)) are laid
+  end to end and cut into equal contiguous runs, one per CTA (and row block). A run may cross
+  sequence boundaries: the CTA reloads Q when the sequence changes and writes one fp32 partial per
+  sequence piece, into piece slot ``cta + b`` (unique: slots grow along the runs). The combine
+  reduces each sequence's pieces (``piece_start[b]``, ``num_pieces[b]``). `balanced_schedule`
+  computes the metadata on the device from ``seq_lens``.
 * Warp specialisation: warpgroup 2 streams pages through the block table with TMA
   (two 73.7 KB stages; with Q resident that is 221 KB of the 227 KB of SMEM); warpgroups 0 and 1
   each own 256 of the 512 output columns (a 64x512 fp32 accumulator in one warpgroup spills).
@@ -32,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -57,6 +65,7 @@ _M_INIT = -1e30
 # bf16 tiles as wgmma wants them: 8x64 tiles, 128-byte swizzle. Also splits the 576-wide rows
 # into <=256-element TMA boxes.
 _BF16_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+SCHEDULES = ("per_sequence", "balanced")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +92,12 @@ class MlaDecodeConfig:
       kernel is purely bandwidth-bound.
     interpretable: use constructs the Pallas interpreter can run (P staged through SMEM, P·V
       accumulated with ``run_scoped`` instead of ``run_state``); slower, for interpret mode only.
+    schedule: how pages are dealt to CTAs. "per_sequence": each CTA takes one split of one
+      sequence (``num_splits`` per sequence, the same for all). "balanced": the batch's pages are
+      cut into ``target_ctas // row_blocks`` equal runs (at least ``min_pages_per_split`` pages
+      each) that may span sequences, so the longest sequence no longer sets the time for ragged
+      lengths; always followed by the combine. bf16 pages only. ``num_splits`` and
+      ``max_splits`` do not apply.
   """
 
   num_splits: int | None = None
@@ -94,8 +109,11 @@ class MlaDecodeConfig:
   combine_block_cols: int = 128
   split_qk: bool | None = None
   interpretable: bool = False
+  schedule: str = "per_sequence"
 
   def __post_init__(self):
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
     if self.num_splits is not None and not 1 <= self.num_splits <= 1024:
       raise ValueError(f"num_splits must be None or in [1, 1024], got {self.num_splits}")
     if self.target_ctas < 1:
@@ -255,6 +273,8 @@ class _Plan:
   num_splits: int        # KV splits per sequence (after dropping splits that are always empty)
   pages_per_split: int
   split_qk: bool         # the Q·Kᵀ-split body (see MlaDecodeConfig.split_qk)
+  schedule: str = "per_sequence"
+  num_ctas: int = 0      # balanced: CTAs (page runs) per row block; 0 for per_sequence
 
 
 def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConfig) -> _Plan:
@@ -268,7 +288,65 @@ def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConf
   splits = max(1, min(splits, max_pages))
   pages_per_split = pl.cdiv(max_pages, splits)
   split_qk = config.split_qk if config.split_qk is not None else s_q * heads >= ROWS
+  if config.schedule == "balanced":
+    return _Plan(row_blocks, 1, pages_per_split, split_qk, "balanced",
+                 max(1, config.target_ctas // row_blocks))
   return _Plan(row_blocks, pl.cdiv(max_pages, pages_per_split), pages_per_split, split_qk)
+
+
+class BalancedSchedule(NamedTuple):
+  """Token-balanced work split (`balanced_schedule`); every field int32, N = B * max_pages.
+
+  The batch's pages in order (sequence 0's, then 1's, ...) are "global pages" g in [0, total);
+  CTA c takes the run [min(c * ppc, total), min((c + 1) * ppc, total)).
+  """
+  scalars: jax.Array       # [2]: (ppc = pages per CTA, total pages)
+  page: jax.Array          # [N]: physical page id of global page g (0 past total)
+  seq: jax.Array           # [N]: its sequence b
+  pos: jax.Array           # [N]: its page index inside sequence b
+  piece_start: jax.Array   # [B]: piece slot of sequence b's first piece (= its first CTA + b)
+  num_pieces: jax.Array    # [B]: pieces (CTAs) sequence b's pages fall into; 0 for an empty one
+
+
+def num_piece_slots(batch: int, num_ctas: int) -> int:
+  """Piece slots of the partials buffer: slot = cta + b grows strictly along the runs, and both
+  are below their counts."""
+  return num_ctas + batch - 1
+
+
+def balanced_schedule(seq_lens, block_table, *, num_ctas: int, min_pages_per_cta: int = 1):
+  """FlashMLA-style scheduler metadata, on the device (jit-friendly: static shapes).
+
+  Args:
+    seq_lens: int32 [B] (0 allowed: an idle row gets no pages).
+    block_table: int32 [B, max_pages].
+    num_ctas: CTAs to share the pages (static).
+    min_pages_per_cta: a run is at least this long (each CTA pays a Q load and a partial write).
+
+  Returns:
+    `BalancedSchedule`. Pieces: CTA c's run meets sequence b in at most one contiguous piece,
+    written to slot c + b; sequence b's pieces are slots [piece_start[b], piece_start[b] +
+    num_pieces[b]), in key order.
+  """
+  B, max_pages = block_table.shape
+  n = B * max_pages
+  pages = (seq_lens.astype(jnp.int32) + PAGE_SIZE - 1) // PAGE_SIZE              # [B]
+  ends = jnp.cumsum(pages)                                                        # [B] exclusive ends
+  starts = ends - pages
+  total = ends[-1]
+  ppc = jnp.maximum((total + num_ctas - 1) // num_ctas, min_pages_per_cta)
+  # seq[g] = number of sequences that end at or before g (empty ones end where they start).
+  marks = jnp.zeros((n + 1,), jnp.int32).at[ends].add(1)
+  seq = jnp.minimum(jnp.cumsum(marks)[:n], B - 1)
+  g = jnp.arange(n, dtype=jnp.int32)
+  pos = g - starts[seq]
+  page = jnp.where(g < total, block_table[seq, jnp.clip(pos, 0, max_pages - 1)], 0)
+  first_cta = starts // ppc
+  last_cta = (ends - 1) // ppc
+  num_pieces = jnp.where(pages > 0, last_cta - first_cta + 1, 0)
+  piece_start = first_cta + jnp.arange(B, dtype=jnp.int32)
+  return BalancedSchedule(jnp.stack([ppc, total]).astype(jnp.int32), page.astype(jnp.int32),
+                          seq, pos, piece_start.astype(jnp.int32), num_pieces.astype(jnp.int32))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -300,16 +378,32 @@ def _partials_out_type(B, S, Rp, dtype):
 
 
 def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, causal, scale,
-                     plan_: _Plan, config: MlaDecodeConfig, interpret):
+                     plan_: _Plan, config: MlaDecodeConfig, interpret, schedule=None):
   """Main kernel. With one split it returns the final (out [B, Rp, 512] bf16, lse [B, Rp] f32 ln);
-  with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in log2) for `_combine`."""
+  with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in log2) for `_combine`.
+  With ``schedule`` (a `BalancedSchedule`, plan_.schedule == "balanced"): fp32 partials per piece
+  slot (o [NS, Rp, 512], lse [NS, Rp] in log2, NS = `num_piece_slots`); slots no piece takes are
+  never written."""
   B, Rp, _ = q_rows.shape
   G, S, pps = plan_.row_blocks, plan_.num_splits, plan_.pages_per_split
-  final = S == 1
+  balanced = plan_.schedule == "balanced"
+  final = S == 1 and not balanced
   scale_log2 = scale * _LOG2E
-  out_type = _partials_out_type(B, S, Rp, q_rows.dtype)
+  if balanced:
+    C = plan_.num_ctas
+    NS = num_piece_slots(B, C)
+    out_type = (jax.ShapeDtypeStruct((NS, Rp, LATENT_DIM), jnp.float32),
+                jax.ShapeDtypeStruct((NS, Rp), jnp.float32))
+    grid, grid_names = (G, C), ("g", "c")
+  else:
+    out_type = _partials_out_type(B, S, Rp, q_rows.dtype)
+    grid, grid_names = (G, S, B), ("g", "s", "b")
   scratch = dict(q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
                  q_bar=plgpu.Barrier())
+  if balanced:
+    # Both compute warpgroups are done reading Q (their Q·Kᵀ of a piece's last page) before
+    # warpgroup 0 reloads it for the next sequence.
+    scratch["q_free_bar"] = plgpu.Barrier(num_arrivals=2)
   if plan_.split_qk:
     # P (64 rows x 64 tokens, bf16, untiled so each warpgroup can store its 32-token half and
     # both can load all of it into registers), row maxima and row sums of each warpgroup, and
@@ -324,58 +418,125 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
   half = LATENT_DIM // 2
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)
+  init_carry = lambda: (
+      plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), wgmma_layout),
+      plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout),
+      plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
+
+  def normalise(acc, m, l):
+    # l == 0 only for rows that saw no key (empty split or piece): o = 0 and lse = -inf.
+    l_safe = jnp.where(l == 0.0, 1.0, l)
+    return acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), m + jnp.log2(l)
 
   # Grid x (fastest) = row block, so the CTAs reading the same pages for different heads run
   # side by side and the second read hits L2; then the split, then the batch.
   @functools.partial(
-      plgpu.kernel, out_type=out_type, grid=(G, S, B), grid_names=("g", "s", "b"),
+      plgpu.kernel, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=3, thread_name="wg", scratch_types=scratch,
       # The split-QK buffers fill SMEM to the last KB, so give back the cross-warp reduction
       # scratch (2 KB by default); its reductions are all along rows, inside a warp.
       compiler_params=plgpu.CompilerParams(
           approx_math=True, **({"reduction_scratch_bytes": 0} if plan_.split_qk else {})),
       interpret=interpret)
-  def mla_decode_partials(q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref, q_smem, q_bar,
-                          p_smem=None, p_full_smem=None, stat_smem=None, max_bar=None, p_bar=None):
-    g, s, b = lax.axis_index("g"), lax.axis_index("s"), lax.axis_index("b")
+  def mla_decode_partials(*refs, q_smem, q_bar, q_free_bar=None, p_smem=None, p_full_smem=None,
+                          stat_smem=None, max_bar=None, p_bar=None):
+    if balanced:
+      q_ref, kv_ref, lens_ref, sc_ref, page_ref, seq_ref, pos_ref, o_ref, lse_ref = refs
+    else:
+      q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref = refs
+    g = lax.axis_index("g")
     wg = lax.axis_index("wg")
-    seq_len = lens_ref[b]
-    first_page = s * pps
-    n_pages = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
     rows = pl.ds(g * ROWS, ROWS)
     cols = pl.ds(wg * half, half)   # this compute warpgroup's share of the 512 output columns
 
-    def compute_context(pipeline):
-      @pl.when(wg == 0)
-      def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
-      plgpu.barrier_wait(q_bar)     # one completion releases both compute warpgroups
-      acc, m, l = pipeline((
-          plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), wgmma_layout),
-          plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout),
-          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)))
-      # l == 0 only for rows that saw no key (empty split): write o = 0 and lse = -inf.
-      l_safe = jnp.where(l == 0.0, 1.0, l)
-      o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      lse2 = m + jnp.log2(l)
-      if final:
-        o_ref[b, rows, cols] = o.astype(o_ref.dtype)
-      else:
-        o_ref[b, s, rows, cols] = o
+    if balanced:
+      c = lax.axis_index("c")
+      ppc, total = sc_ref[0], sc_ref[1]
+      run_start = jnp.minimum(c * ppc, total)
+      n_steps = jnp.minimum(run_start + ppc, total) - run_start
+      page_of = lambda i: page_ref[run_start + i]
 
-      @pl.when(wg == 0)
-      def _():
+      def step_info(i):
+        """(sequence, first key of the page, seq_len, whether the page ends the CTA's piece of
+        the sequence) for pipeline step i; waits for the sequence's Q on the piece's first page."""
+        gp = run_start + i
+        b, pos = seq_ref[gp], pos_ref[gp]
+        seq_len = lens_ref[b]
+
+        @pl.when((i == 0) | (pos == 0))
+        def _():
+          plgpu.barrier_wait(q_bar)
+        last = (i == n_steps - 1) | ((pos + 1) * PAGE_SIZE >= seq_len)
+        return b, pos * PAGE_SIZE, seq_len, last
+
+      def after_qk(i, last):
+        """Past this step's Q·Kᵀ: at a piece's end, load the next sequence's Q (overlapping this
+        page's softmax and P·V)."""
+        @pl.when(last & (i + 1 < n_steps))
+        def _():
+          plgpu.barrier_arrive(q_free_bar)
+          plgpu.barrier_wait(q_free_bar)
+
+          @pl.when(wg == 0)
+          def _():
+            plgpu.copy_gmem_to_smem(q_ref.at[seq_ref[run_start + i + 1], rows], q_smem, q_bar)
+
+      def end_step(carry, b, last):
+        """At a piece's end, write its partial to slot c + b and restart the softmax state."""
+        acc, m, l = carry
+
+        @pl.when(last)
+        def _():
+          o, lse2 = normalise(acc, m, l)
+          o_ref[c + b, rows, cols] = o
+
+          @pl.when(wg == 0)
+          def _():
+            lse_ref[c + b, rows] = lse2
+        # (A scalar predicate does not broadcast implicitly under warpgroup semantics.)
+        restart = lambda x0, x: jnp.where(jnp.broadcast_to(last, x.shape), x0, x)
+        return tuple(map(restart, init_carry(), carry))
+
+      def compute_context(pipeline):
+        @pl.when((wg == 0) & (n_steps > 0))
+        def _():
+          plgpu.copy_gmem_to_smem(q_ref.at[seq_ref[run_start], rows], q_smem, q_bar)
+        pipeline(init_carry())   # every piece is written by the body
+    else:
+      s, b = lax.axis_index("s"), lax.axis_index("b")
+      seq_len = lens_ref[b]
+      first_page = s * pps
+      n_steps = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
+      table = bt_ref.at[b]
+      page_of = lambda i: table[first_page + i]
+      step_info = lambda i: (b, (first_page + i) * PAGE_SIZE, seq_len, None)
+      after_qk = lambda i, last: None
+      end_step = lambda carry, b, last: carry
+
+      def compute_context(pipeline):
+        @pl.when(wg == 0)
+        def _():
+          plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)     # one completion releases both compute warpgroups
+        o, lse2 = normalise(*pipeline(init_carry()))
         if final:
-          lse_ref[b, rows] = lse2 * _LN2
+          o_ref[b, rows, cols] = o.astype(o_ref.dtype)
         else:
-          lse_ref[b, s, rows] = lse2
+          o_ref[b, s, rows, cols] = o
+
+        @pl.when(wg == 0)
+        def _():
+          if final:
+            lse_ref[b, rows] = lse2 * _LN2
+          else:
+            lse_ref[b, s, rows] = lse2
 
     def zero_v_tail(kv, valid):
       @pl.when(valid < PAGE_SIZE)
       def _():
         # Zero this warpgroup's V columns past the sequence end (the page tail is unwritten cache).
-        for c in range(half // 64):
-          chunk = kv.at[:, pl.ds(wg * half + c * 64, 64)]
+        for k in range(half // 64):
+          chunk = kv.at[:, pl.ds(wg * half + k * 64, 64)]
           x = plgpu.load(chunk, layout=wgmma_layout)
           tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 64), 0, layout=wgmma_layout)
           chunk[...] = jnp.where(tok < valid, x, jnp.zeros_like(x))
@@ -390,7 +551,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
       # loads of P and sums for the previous page).
       (i,) = idx
       acc, m, l = carry
-      page_start = (first_page + i) * PAGE_SIZE
+      b, page_start, seq_len, last = step_info(i)
       zero_v_tail(kv, seq_len - page_start)
       tokens = pl.ds(wg * (PAGE_SIZE // 2), PAGE_SIZE // 2)
 
@@ -398,6 +559,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
         plgpu.wgmma(acc_ref, q_smem, kv.at[tokens].transpose((1, 0)))
         return acc_ref[...]
       sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE // 2), jnp.float32)) * scale_log2
+      after_qk(i, last)
       key = (page_start + wg * (PAGE_SIZE // 2)
              + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE // 2), 1, layout=wgmma_layout))
       limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal,
@@ -418,7 +580,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
            + plgpu.load(stat_smem.at[1, 1], layout=row_layout))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p16 = plgpu.load(p_full_smem, layout=wgmma_layout)
-      return pv_update(acc, p16, kv.at[:, cols]), m_new, l
+      return end_step((pv_update(acc, p16, kv.at[:, cols]), m_new, l), b, last)
 
     def pv_update(acc, p16, v):
       """acc + P·V for this warpgroup's columns; P (64 x 64 bf16) in registers."""
@@ -440,13 +602,14 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
     def body(idx, kv, carry):
       (i,) = idx
       acc, m, l = carry
-      page_start = (first_page + i) * PAGE_SIZE
+      b, page_start, seq_len, last = step_info(i)
       zero_v_tail(kv, seq_len - page_start)
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, kv.transpose((1, 0)))
         return acc_ref[...]
       sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32)) * scale_log2
+      after_qk(i, last)
       key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1,
                                                 layout=wgmma_layout)
       limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
@@ -456,19 +619,21 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
       p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return pv_update(acc, p.astype(jnp.bfloat16), kv.at[:, cols]), m_new, l
+      return end_step((pv_update(acc, p.astype(jnp.bfloat16), kv.at[:, cols]), m_new, l), b, last)
 
-    table = bt_ref.at[b]
     plgpu.emit_pipeline_warp_specialized(
-        body_split_qk if plan_.split_qk else body, grid=(n_pages,),
+        body_split_qk if plan_.split_qk else body, grid=(n_steps,),
         memory_registers=config.memory_registers, num_compute_wgs=2, wg_axis="wg",
         max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context,
         in_specs=[plgpu.BlockSpec((None, PAGE_SIZE, KEY_DIM),
-                                  lambda i: (table[first_page + i], 0, 0),
+                                  lambda i: (page_of(i), 0, 0),
                                   transforms=_BF16_TRANSFORMS)],
     )(kv_ref)
 
+  if balanced:
+    return mla_decode_partials(q_rows, kv_pages, seq_lens, schedule.scalars, schedule.page,
+                               schedule.seq, schedule.pos)
   return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens)
 
 
@@ -648,14 +813,22 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
   return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens)
 
 
-def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret):
+def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret, pieces=None):
   """Split combine: o [B, S, Rp, 512] f32 and lse [B, S, Rp] (log2) -> out [B, Rp, 512], lse (ln).
+
+  With ``pieces`` = (piece_start [B], num_pieces [B]) int32 (the balanced schedule): o [NS, Rp,
+  512] and lse [NS, Rp] by piece slot, sequence b's pieces in slots [piece_start[b],
+  piece_start[b] + num_pieces[b]) (none for an empty sequence: out = 0, lse = -inf).
 
   One CTA per (64 rows, combine_block_cols columns, sequence) streams the S partial tiles through
   SMEM and keeps an online log-sum-exp, so no split count limits it. Empty splits carry
   lse = -inf and o = 0, so they weigh exp2(-inf) = 0.
   """
-  B, S, Rp, _ = o_part.shape
+  if pieces is None:
+    B, S, Rp, _ = o_part.shape
+  else:
+    B = pieces[0].shape[0]
+    Rp = o_part.shape[1]
   G = Rp // ROWS
   cb = config.combine_block_cols
   C = LATENT_DIM // cb
@@ -668,8 +841,19 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret)
                 jax.ShapeDtypeStruct((B, Rp), jnp.float32)),
       grid=(C, G, B), grid_names=("c", "g", "b"), interpret=interpret,
       compiler_params=plgpu.CompilerParams(approx_math=True))
-  def mla_decode_combine(o_ref, lse_ref, out_ref, lse_out_ref):
+  def mla_decode_combine(*refs):
     c, g, b = lax.axis_index("c"), lax.axis_index("g"), lax.axis_index("b")
+    if pieces is None:
+      o_ref, lse_ref, out_ref, lse_out_ref = refs
+      steps = (S,)
+      o_spec = plgpu.BlockSpec((None, None, ROWS, cb), lambda s: (b, s, g, c))
+      lse_spec = plgpu.BlockSpec((None, None, ROWS), lambda s: (b, s, g))
+    else:
+      o_ref, lse_ref, start_ref, count_ref, out_ref, lse_out_ref = refs
+      first = start_ref[b]
+      steps = (count_ref[b],)
+      o_spec = plgpu.BlockSpec((None, ROWS, cb), lambda s: (first + s, g, c))
+      lse_spec = plgpu.BlockSpec((None, ROWS), lambda s: (first + s, g))
 
     def body(idx, o_smem, lse_smem, carry):
       del idx
@@ -684,9 +868,7 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret)
       return acc, m_new, l * alpha + w
 
     acc, m, l = plgpu.emit_pipeline(
-        body, grid=(S,), max_concurrent_steps=2,
-        in_specs=[plgpu.BlockSpec((None, None, ROWS, cb), lambda s: (b, s, g, c)),
-                  plgpu.BlockSpec((None, None, ROWS), lambda s: (b, s, g))],
+        body, grid=steps, max_concurrent_steps=2, in_specs=[o_spec, lse_spec],
         init_carry=(plgpu.layout_cast(jnp.zeros((ROWS, cb), jnp.float32), wgmma_layout),
                     plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout),
                     plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)),
@@ -699,7 +881,9 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret)
     def _():
       lse_out_ref[b, pl.ds(g * ROWS, ROWS)] = (m + jnp.log2(l)) * _LN2
 
-  return mla_decode_combine(o_part, lse_part)
+  if pieces is None:
+    return mla_decode_combine(o_part, lse_part)
+  return mla_decode_combine(o_part, lse_part, *pieces)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "config", "interpret"))
@@ -718,6 +902,20 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
   if pad:
     block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
   interpret_params = plgpu.InterpretGPUParams() if interpret else None
+  if plan_.schedule == "balanced":
+    if is_fp8_pages(kv_pages):
+      raise ValueError("schedule='balanced' reads bf16 pages only, got fp8 pages")
+    sched = balanced_schedule(seq_lens, block_table, num_ctas=plan_.num_ctas,
+                              min_pages_per_cta=config.min_pages_per_split)
+    o_part, lse_part = _decode_partials(
+        q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H, causal=causal,
+        scale=float(softmax_scale), plan_=plan_, config=config, interpret=interpret_params,
+        schedule=sched)
+    out, lse = _combine(o_part, lse_part, out_dtype=q.dtype, config=config,
+                        interpret=interpret_params, pieces=(sched.piece_start, sched.num_pieces))
+    if Rp != R:
+      out, lse = out[:, :R], lse[:, :R]
+    return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
   partials = _decode_partials_fp8 if is_fp8_pages(kv_pages) else _decode_partials
   out, lse = partials(q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H,
                       causal=causal, scale=float(softmax_scale), plan_=plan_,
