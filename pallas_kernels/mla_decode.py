@@ -304,6 +304,7 @@ class BalancedSchedule(NamedTuple):
   page: jax.Array          # [N]: physical page id of global page g (0 past total)
   seq: jax.Array           # [N]: its sequence b
   pos: jax.Array           # [N]: its page index inside sequence b
+  length: jax.Array        # [N]: seq_lens[b] (so the kernel's per-page loads do not chain)
   piece_start: jax.Array   # [B]: piece slot of sequence b's first piece (= its first CTA + b)
   num_pieces: jax.Array    # [B]: pieces (CTAs) sequence b's pages fall into; 0 for an empty one
 
@@ -346,7 +347,8 @@ def balanced_schedule(seq_lens, block_table, *, num_ctas: int, min_pages_per_cta
   num_pieces = jnp.where(pages > 0, last_cta - first_cta + 1, 0)
   piece_start = first_cta + jnp.arange(B, dtype=jnp.int32)
   return BalancedSchedule(jnp.stack([ppc, total]).astype(jnp.int32), page.astype(jnp.int32),
-                          seq, pos, piece_start.astype(jnp.int32), num_pieces.astype(jnp.int32))
+                          seq, pos, seq_lens.astype(jnp.int32)[seq],
+                          piece_start.astype(jnp.int32), num_pieces.astype(jnp.int32))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -441,7 +443,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
   def mla_decode_partials(*refs, q_smem, q_bar, q_free_bar=None, p_smem=None, p_full_smem=None,
                           stat_smem=None, max_bar=None, p_bar=None):
     if balanced:
-      q_ref, kv_ref, lens_ref, sc_ref, page_ref, seq_ref, pos_ref, o_ref, lse_ref = refs
+      q_ref, kv_ref, sc_ref, page_ref, seq_ref, pos_ref, len_ref, o_ref, lse_ref = refs
     else:
       q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref = refs
     g = lax.axis_index("g")
@@ -460,8 +462,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
         """(sequence, first key of the page, seq_len, whether the page ends the CTA's piece of
         the sequence) for pipeline step i; waits for the sequence's Q on the piece's first page."""
         gp = run_start + i
-        b, pos = seq_ref[gp], pos_ref[gp]
-        seq_len = lens_ref[b]
+        b, pos, seq_len = seq_ref[gp], pos_ref[gp], len_ref[gp]
 
         @pl.when((i == 0) | (pos == 0))
         def _():
@@ -632,8 +633,8 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
     )(kv_ref)
 
   if balanced:
-    return mla_decode_partials(q_rows, kv_pages, seq_lens, schedule.scalars, schedule.page,
-                               schedule.seq, schedule.pos)
+    return mla_decode_partials(q_rows, kv_pages, schedule.scalars, schedule.page, schedule.seq,
+                               schedule.pos, schedule.length)
   return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens)
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from pallas_kernels import MlaDecodeConfig, mla_decode, mla_decode_reference
 from pallas_kernels import _platform
-from pallas_kernels.mla_decode import plan
+from pallas_kernels.mla_decode import balanced_schedule, num_piece_slots, plan
 
 SCALE = 192 ** -0.5
 # The two kernel bodies: plain (both warpgroups score the whole page), split-QK.
@@ -51,13 +51,21 @@ def make_inputs(batch, s_q, heads, seq_lens, max_pages, *, seed=0, spare_pages=3
           jnp.asarray(np.asarray(seq_lens, np.int32)))
 
 
-def assert_matches_reference(args, *, causal, config=None, impl):
+def assert_matches_reference(args, *, causal, config=None, impl, keyless_rows=False):
+  """``keyless_rows``: the inputs have rows with no visible key (seq_len 0, or causal with
+  seq_len < s_q), whose documented lse is -inf: then lse must be -inf exactly there."""
   out, lse = mla_decode(*args, softmax_scale=SCALE, causal=causal, config=config, impl=impl)
   ref_out, ref_lse = mla_decode_reference(*args, softmax_scale=SCALE, causal=causal)
   assert out.shape == ref_out.shape and out.dtype == jnp.bfloat16
   assert lse.shape == ref_lse.shape and lse.dtype == jnp.float32
   out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
-  assert np.isfinite(out).all() and np.isfinite(np.asarray(lse)).all()
+  assert np.isfinite(out).all()
+  if keyless_rows:
+    empty = np.isneginf(np.asarray(ref_lse))
+    assert empty.any() and (np.isneginf(np.asarray(lse)) == empty).all()
+    assert np.isfinite(np.asarray(lse)[~empty]).all()
+  else:
+    assert np.isfinite(np.asarray(lse)).all()
   rel = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
   assert rel < 1e-2, f"relative error {rel}"
   chex.assert_trees_all_close(np.asarray(lse), np.asarray(ref_lse), atol=2e-2, rtol=1e-3)
@@ -161,6 +169,99 @@ def test_interpret_handles_unpadded_block_table_width():
   args = make_inputs(1, 1, 16, [300], 5, seed=7)
   assert_matches_reference(args, causal=False, config=MlaDecodeConfig(num_splits=2),
                            impl="interpret")
+
+
+# ------------------------------------------------------------------------------------------------
+# The token-balanced schedule (MlaDecodeConfig(schedule="balanced"))
+# ------------------------------------------------------------------------------------------------
+
+
+def numpy_balanced_split(seq_lens, block_table, num_ctas, min_pages):
+  """The balanced split by walking the batch's pages one by one: per global page (page id,
+  sequence, page index, length), pages per CTA, and per sequence the CTAs its pages fall into."""
+  pages = [-(-int(n) // 64) for n in seq_lens]
+  total = sum(pages)
+  ppc = max(-(-total // num_ctas), min_pages)
+  walk, ctas_of = [], [[] for _ in seq_lens]
+  for b, n in enumerate(pages):
+    for p in range(n):
+      cta = len(walk) // ppc
+      if cta not in ctas_of[b]:
+        ctas_of[b].append(cta)
+      walk.append((int(block_table[b][p]), b, p, int(seq_lens[b])))
+  return ppc, total, walk, ctas_of
+
+
+@pytest.mark.parametrize("seq_lens,num_ctas,min_pages", [
+    ([1, 64, 65, 700, 3], 5, 1),        # a run ends exactly where a sequence starts; 3 pieces
+    ([1, 0, 130, 65, 3], 3, 1),         # an empty sequence inside a run
+    ([0, 0, 200, 0], 4, 1),             # empty at both ends; more CTAs than a short batch needs
+    ([640, 1, 1], 3, 4),                # the min_pages floor decides the run length
+    ([0, 0], 4, 1),                     # no pages at all
+])
+def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
+  """Catches: a run boundary off by one page; an empty sequence given a page or a piece; two
+  pieces sharing a partial slot (one sequence's partial overwriting another's); a piece range
+  that misses or double-counts one of the sequence's CTAs."""
+  max_pages = max(1, max(-(-n // 64) for n in seq_lens))
+  rng = np.random.default_rng(len(seq_lens) * 7 + num_ctas)
+  table = rng.permutation(len(seq_lens) * max_pages).reshape(len(seq_lens), max_pages).astype(np.int32)
+  sched = jax.jit(balanced_schedule, static_argnames=("num_ctas", "min_pages_per_cta"))(
+      jnp.asarray(seq_lens, jnp.int32), jnp.asarray(table), num_ctas=num_ctas,
+      min_pages_per_cta=min_pages)
+  ppc, total, walk, ctas_of = numpy_balanced_split(seq_lens, table, num_ctas, min_pages)
+  assert [int(x) for x in sched.scalars] == [ppc, total]
+  got = np.stack([np.asarray(a)[:total] for a in (sched.page, sched.seq, sched.pos, sched.length)], 1)
+  np.testing.assert_array_equal(got, np.asarray(walk, np.int32).reshape(total, 4))
+  slots = []
+  for b, ctas in enumerate(ctas_of):
+    assert int(sched.num_pieces[b]) == len(ctas)
+    if ctas:   # the kernel writes CTA c's piece of b to slot c + b: the range must list exactly those
+      want = [c + b for c in ctas]
+      start = int(sched.piece_start[b])
+      assert list(range(start, start + len(ctas))) == want
+      slots += want
+  assert len(set(slots)) == len(slots)
+  assert all(0 <= x < num_piece_slots(len(seq_lens), num_ctas) for x in slots)
+  assert all(c < num_ctas for ctas in ctas_of for c in ctas)
+
+
+# (heads, s_q, causal, seq_lens, max_pages, target_ctas, split_qk): pages [1, 1, 2, 11, 1] in runs
+# of 4 (seq 3 in three pieces, one run ending where seq 3 starts); pages [1, 0, 3, 2, 1] in runs of
+# 3, with an empty sequence and, causal, a sequence shorter than s_q (a query with no key).
+BALANCED_CASES = [
+    (16, 1, False, [1, 64, 65, 700, 3], 11, 5, False),
+    (64, 2, True, [1, 0, 130, 65, 3], 3, 3, True),
+]
+
+
+@pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,target_ctas,split_qk", BALANCED_CASES)
+def test_interpret_balanced_matches_reference(heads, s_q, causal, seq_lens, max_pages, target_ctas,
+                                              split_qk):
+  """Catches, with runs that cross sequence boundaries: Q not reloaded (or reloaded too early)
+  for the next sequence; softmax state carried from one sequence into the next; a partial flushed
+  to the wrong slot or not at all; the combine reading another sequence's pieces; a page past a
+  sequence end or an unused slot reaching P·V (NaN-poisoned); seq_len 0 not giving out 0, lse -inf."""
+  args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 2)
+  config = MlaDecodeConfig(schedule="balanced", target_ctas=target_ctas, min_pages_per_split=1,
+                           split_qk=split_qk)
+  assert_matches_reference(args, causal=causal, config=config, impl="interpret",
+                           keyless_rows=0 in seq_lens)
+
+
+@pytest.mark.parametrize("heads,s_q,variant", [(16, 1, "plain"), (64, 1, "split_qk"),
+                                               (128, 1, "split_qk"), (128, 2, "plain")])
+def test_balanced_cross_lowers_for_sm90(heads, s_q, variant):
+  """Catches a balanced-body construct Mosaic GPU cannot lower for sm_90 (a scalar-predicate
+  select, a conditional Q reload, a dynamic-grid combine), which interpret mode accepts."""
+  config = MlaDecodeConfig(schedule="balanced", split_qk=variant == "split_qk")
+  lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=config)
+  assert _mosaic_calls(lowered) == 2     # the main kernel and the piece combine
+
+
+def test_bad_schedule_raises():
+  with pytest.raises(ValueError, match="schedule must be one of .* got 'even'"):
+    MlaDecodeConfig(schedule="even")
 
 
 # ------------------------------------------------------------------------------------------------
