@@ -96,8 +96,8 @@ class MlaDecodeConfig:
       sequence (``num_splits`` per sequence, the same for all). "balanced": the batch's pages are
       cut into ``target_ctas // row_blocks`` equal runs (at least ``min_pages_per_split`` pages
       each) that may span sequences, so the longest sequence no longer sets the time for ragged
-      lengths; always followed by the combine. bf16 pages only. ``num_splits`` and
-      ``max_splits`` do not apply.
+      lengths; always followed by the combine. ``num_splits`` and ``max_splits`` do not
+      apply.
   """
 
   num_splits: int | None = None
@@ -379,27 +379,147 @@ def _partials_out_type(B, S, Rp, dtype):
           jax.ShapeDtypeStruct((B, S, Rp), jnp.float32))
 
 
+def _main_out_geometry(B, Rp, plan_: _Plan, dtype):
+  """(out_type, grid, grid_names) of a main kernel. per_sequence: `_partials_out_type` over the grid
+  (row block g, split s, batch b). balanced: fp32 partials by piece slot (o [NS, Rp, 512], lse
+  [NS, Rp] in log2, NS = `num_piece_slots`; slots no piece takes are never written) over the grid
+  (row block g, CTA c)."""
+  if plan_.schedule == "balanced":
+    NS = num_piece_slots(B, plan_.num_ctas)
+    return ((jax.ShapeDtypeStruct((NS, Rp, LATENT_DIM), jnp.float32),
+             jax.ShapeDtypeStruct((NS, Rp), jnp.float32)), (plan_.row_blocks, plan_.num_ctas),
+            ("g", "c"))
+  return (_partials_out_type(B, plan_.num_splits, Rp, dtype),
+          (plan_.row_blocks, plan_.num_splits, B), ("g", "s", "b"))
+
+
+def _init_carry():
+  """Online-softmax state of one compute warpgroup: (acc [64, 256], m [64], l [64]) f32."""
+  return (plgpu.layout_cast(jnp.zeros((ROWS, LATENT_DIM // 2), jnp.float32), plgpu.Layout.WGMMA),
+          plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+
+
+def _normalise(acc, m, l):
+  """(o = acc / l, lse in log2). l == 0 only for rows that saw no key (an empty split or piece,
+  or a query before every key): o = 0 and lse = -inf."""
+  l_safe = jnp.where(l == 0.0, 1.0, l)
+  return acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), m + jnp.log2(l)
+
+
+class _Steps(NamedTuple):
+  """What a main kernel's page pipeline takes from its schedule (`_schedule_steps`)."""
+  n_steps: jax.Array      # pages this CTA reads (its pipeline's dynamic grid)
+  page_of: object         # step i -> physical page id (the TMA's index map)
+  step_info: object       # step i -> (b, first key of the page, seq_len, piece ends here | None)
+  after_qk: object        # (i, last): called once both warpgroups' Q·Kᵀ of step i is done
+  end_step: object        # (carry, b, last) -> next carry
+  compute_context: object  # the pipeline's compute context
+
+
+def _schedule_steps(plan_: _Plan, *, q_ref, o_ref, lse_ref, q_smem, q_bar, q_free_bar, rows, cols,
+                    final, bt_ref=None, lens_ref=None, sched_refs=None) -> _Steps:
+  """The schedule's side of a main kernel (either body, either page format).
+
+  per_sequence (``bt_ref``, ``lens_ref``): CTA (g, s, b) reads split s of sequence b; Q is loaded
+  once; the context writes the result (final or the split's partial) after the pipeline.
+  balanced (``sched_refs`` = a `BalancedSchedule`'s scalars, page, seq, pos, length): CTA (g, c)
+  reads run c of the batch's pages. On the last page of each sequence piece the body writes the
+  piece's partial to slot c + b and restarts the softmax state; after that page's Q·Kᵀ (both
+  warpgroups done with Q) warpgroup 0 starts loading the next sequence's Q, which the first page
+  of the next piece waits for.
+  """
+  wg = lax.axis_index("wg")
+  if plan_.schedule == "balanced":
+    sc_ref, page_ref, seq_ref, pos_ref, len_ref = sched_refs
+    c = lax.axis_index("c")
+    ppc, total = sc_ref[0], sc_ref[1]
+    run_start = jnp.minimum(c * ppc, total)
+    n_steps = jnp.minimum(run_start + ppc, total) - run_start
+
+    def step_info(i):
+      gp = run_start + i
+      b, pos, seq_len = seq_ref[gp], pos_ref[gp], len_ref[gp]
+
+      @pl.when((i == 0) | (pos == 0))
+      def _():
+        plgpu.barrier_wait(q_bar)
+      return b, pos * PAGE_SIZE, seq_len, (i == n_steps - 1) | ((pos + 1) * PAGE_SIZE >= seq_len)
+
+    def after_qk(i, last):
+      @pl.when(last & (i + 1 < n_steps))
+      def _():
+        plgpu.barrier_arrive(q_free_bar)
+        plgpu.barrier_wait(q_free_bar)
+
+        @pl.when(wg == 0)
+        def _():
+          plgpu.copy_gmem_to_smem(q_ref.at[seq_ref[run_start + i + 1], rows], q_smem, q_bar)
+
+    def end_step(carry, b, last):
+      @pl.when(last)
+      def _():
+        o, lse2 = _normalise(*carry)
+        o_ref[c + b, rows, cols] = o
+
+        @pl.when(wg == 0)
+        def _():
+          lse_ref[c + b, rows] = lse2
+      # (A scalar predicate does not broadcast implicitly under warpgroup semantics.)
+      restart = lambda x0, x: jnp.where(jnp.broadcast_to(last, x.shape), x0, x)
+      return tuple(map(restart, _init_carry(), carry))
+
+    def compute_context(pipeline):
+      @pl.when((wg == 0) & (n_steps > 0))
+      def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[seq_ref[run_start], rows], q_smem, q_bar)
+      pipeline(_init_carry())   # every piece is written by the body
+
+    return _Steps(n_steps, lambda i: page_ref[run_start + i], step_info, after_qk, end_step,
+                  compute_context)
+
+  pps = plan_.pages_per_split
+  s, b = lax.axis_index("s"), lax.axis_index("b")
+  seq_len = lens_ref[b]
+  first_page = s * pps
+  table = bt_ref.at[b]
+
+  def compute_context(pipeline):
+    @pl.when(wg == 0)
+    def _():
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+    plgpu.barrier_wait(q_bar)     # one completion releases both compute warpgroups
+    o, lse2 = _normalise(*pipeline(_init_carry()))
+    if final:
+      o_ref[b, rows, cols] = o.astype(o_ref.dtype)
+    else:
+      o_ref[b, s, rows, cols] = o
+
+    @pl.when(wg == 0)
+    def _():
+      if final:
+        lse_ref[b, rows] = lse2 * _LN2
+      else:
+        lse_ref[b, s, rows] = lse2
+
+  return _Steps(jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps),
+                lambda i: table[first_page + i],
+                lambda i: (b, (first_page + i) * PAGE_SIZE, seq_len, None),
+                lambda i, last: None, lambda carry, b, last: carry, compute_context)
+
+
 def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, causal, scale,
                      plan_: _Plan, config: MlaDecodeConfig, interpret, schedule=None):
   """Main kernel. With one split it returns the final (out [B, Rp, 512] bf16, lse [B, Rp] f32 ln);
   with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in log2) for `_combine`.
-  With ``schedule`` (a `BalancedSchedule`, plan_.schedule == "balanced"): fp32 partials per piece
-  slot (o [NS, Rp, 512], lse [NS, Rp] in log2, NS = `num_piece_slots`); slots no piece takes are
-  never written."""
+  With ``schedule`` (plan_.schedule == "balanced": a `BalancedSchedule`'s scalars, page, seq, pos,
+  length): fp32 partials per piece slot (o [NS, Rp, 512], lse [NS, Rp] in log2, NS =
+  `num_piece_slots`); slots no piece takes are never written."""
   B, Rp, _ = q_rows.shape
-  G, S, pps = plan_.row_blocks, plan_.num_splits, plan_.pages_per_split
   balanced = plan_.schedule == "balanced"
-  final = S == 1 and not balanced
+  final = plan_.num_splits == 1 and not balanced
   scale_log2 = scale * _LOG2E
-  if balanced:
-    C = plan_.num_ctas
-    NS = num_piece_slots(B, C)
-    out_type = (jax.ShapeDtypeStruct((NS, Rp, LATENT_DIM), jnp.float32),
-                jax.ShapeDtypeStruct((NS, Rp), jnp.float32))
-    grid, grid_names = (G, C), ("g", "c")
-  else:
-    out_type = _partials_out_type(B, S, Rp, q_rows.dtype)
-    grid, grid_names = (G, S, B), ("g", "s", "b")
+  out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
   scratch = dict(q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
                  q_bar=plgpu.Barrier())
   if balanced:
@@ -420,15 +540,6 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
   half = LATENT_DIM // 2
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)
-  init_carry = lambda: (
-      plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), wgmma_layout),
-      plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout),
-      plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
-
-  def normalise(acc, m, l):
-    # l == 0 only for rows that saw no key (empty split or piece): o = 0 and lse = -inf.
-    l_safe = jnp.where(l == 0.0, 1.0, l)
-    return acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), m + jnp.log2(l)
 
   # Grid x (fastest) = row block, so the CTAs reading the same pages for different heads run
   # side by side and the second read hits L2; then the split, then the batch.
@@ -443,94 +554,19 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
   def mla_decode_partials(*refs, q_smem, q_bar, q_free_bar=None, p_smem=None, p_full_smem=None,
                           stat_smem=None, max_bar=None, p_bar=None):
     if balanced:
-      q_ref, kv_ref, sc_ref, page_ref, seq_ref, pos_ref, len_ref, o_ref, lse_ref = refs
+      q_ref, kv_ref, *sched_refs, o_ref, lse_ref = refs
+      bt_ref = lens_ref = None
     else:
       q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref = refs
+      sched_refs = None
     g = lax.axis_index("g")
     wg = lax.axis_index("wg")
     rows = pl.ds(g * ROWS, ROWS)
     cols = pl.ds(wg * half, half)   # this compute warpgroup's share of the 512 output columns
-
-    if balanced:
-      c = lax.axis_index("c")
-      ppc, total = sc_ref[0], sc_ref[1]
-      run_start = jnp.minimum(c * ppc, total)
-      n_steps = jnp.minimum(run_start + ppc, total) - run_start
-      page_of = lambda i: page_ref[run_start + i]
-
-      def step_info(i):
-        """(sequence, first key of the page, seq_len, whether the page ends the CTA's piece of
-        the sequence) for pipeline step i; waits for the sequence's Q on the piece's first page."""
-        gp = run_start + i
-        b, pos, seq_len = seq_ref[gp], pos_ref[gp], len_ref[gp]
-
-        @pl.when((i == 0) | (pos == 0))
-        def _():
-          plgpu.barrier_wait(q_bar)
-        last = (i == n_steps - 1) | ((pos + 1) * PAGE_SIZE >= seq_len)
-        return b, pos * PAGE_SIZE, seq_len, last
-
-      def after_qk(i, last):
-        """Past this step's Q·Kᵀ: at a piece's end, load the next sequence's Q (overlapping this
-        page's softmax and P·V)."""
-        @pl.when(last & (i + 1 < n_steps))
-        def _():
-          plgpu.barrier_arrive(q_free_bar)
-          plgpu.barrier_wait(q_free_bar)
-
-          @pl.when(wg == 0)
-          def _():
-            plgpu.copy_gmem_to_smem(q_ref.at[seq_ref[run_start + i + 1], rows], q_smem, q_bar)
-
-      def end_step(carry, b, last):
-        """At a piece's end, write its partial to slot c + b and restart the softmax state."""
-        acc, m, l = carry
-
-        @pl.when(last)
-        def _():
-          o, lse2 = normalise(acc, m, l)
-          o_ref[c + b, rows, cols] = o
-
-          @pl.when(wg == 0)
-          def _():
-            lse_ref[c + b, rows] = lse2
-        # (A scalar predicate does not broadcast implicitly under warpgroup semantics.)
-        restart = lambda x0, x: jnp.where(jnp.broadcast_to(last, x.shape), x0, x)
-        return tuple(map(restart, init_carry(), carry))
-
-      def compute_context(pipeline):
-        @pl.when((wg == 0) & (n_steps > 0))
-        def _():
-          plgpu.copy_gmem_to_smem(q_ref.at[seq_ref[run_start], rows], q_smem, q_bar)
-        pipeline(init_carry())   # every piece is written by the body
-    else:
-      s, b = lax.axis_index("s"), lax.axis_index("b")
-      seq_len = lens_ref[b]
-      first_page = s * pps
-      n_steps = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
-      table = bt_ref.at[b]
-      page_of = lambda i: table[first_page + i]
-      step_info = lambda i: (b, (first_page + i) * PAGE_SIZE, seq_len, None)
-      after_qk = lambda i, last: None
-      end_step = lambda carry, b, last: carry
-
-      def compute_context(pipeline):
-        @pl.when(wg == 0)
-        def _():
-          plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
-        plgpu.barrier_wait(q_bar)     # one completion releases both compute warpgroups
-        o, lse2 = normalise(*pipeline(init_carry()))
-        if final:
-          o_ref[b, rows, cols] = o.astype(o_ref.dtype)
-        else:
-          o_ref[b, s, rows, cols] = o
-
-        @pl.when(wg == 0)
-        def _():
-          if final:
-            lse_ref[b, rows] = lse2 * _LN2
-          else:
-            lse_ref[b, s, rows] = lse2
+    steps = _schedule_steps(plan_, q_ref=q_ref, o_ref=o_ref, lse_ref=lse_ref, q_smem=q_smem,
+                            q_bar=q_bar, q_free_bar=q_free_bar, rows=rows, cols=cols, final=final,
+                            bt_ref=bt_ref, lens_ref=lens_ref, sched_refs=sched_refs)
+    step_info, after_qk, end_step = steps.step_info, steps.after_qk, steps.end_step
 
     def zero_v_tail(kv, valid):
       @pl.when(valid < PAGE_SIZE)
@@ -623,18 +659,17 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
       return end_step((pv_update(acc, p.astype(jnp.bfloat16), kv.at[:, cols]), m_new, l), b, last)
 
     plgpu.emit_pipeline_warp_specialized(
-        body_split_qk if plan_.split_qk else body, grid=(n_steps,),
+        body_split_qk if plan_.split_qk else body, grid=(steps.n_steps,),
         memory_registers=config.memory_registers, num_compute_wgs=2, wg_axis="wg",
         max_concurrent_steps=config.max_concurrent_steps,
-        compute_context=compute_context,
+        compute_context=steps.compute_context,
         in_specs=[plgpu.BlockSpec((None, PAGE_SIZE, KEY_DIM),
-                                  lambda i: (page_of(i), 0, 0),
+                                  lambda i: (steps.page_of(i), 0, 0),
                                   transforms=_BF16_TRANSFORMS)],
     )(kv_ref)
 
   if balanced:
-    return mla_decode_partials(q_rows, kv_pages, schedule.scalars, schedule.page, schedule.seq,
-                               schedule.pos, schedule.length)
+    return mla_decode_partials(q_rows, kv_pages, *schedule)
   return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens)
 
 
@@ -658,7 +693,7 @@ def _fp8_views(kv_u8):
 
 
 def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, causal, scale,
-                         plan_: _Plan, config: MlaDecodeConfig, interpret):
+                         plan_: _Plan, config: MlaDecodeConfig, interpret, schedule=None):
   """`_decode_partials` over fp8 pages. Per page the two compute warpgroups first dequantise
   (e4m3 -> f16 -> f32, times the token's block scale, -> bf16; rows past the sequence end zeroed)
   their 256 latent columns into one shared bf16 [64, 576] key buffer in wgmma tiles (warpgroup 0
@@ -667,17 +702,20 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
   the buffer until both have finished P·V. The TMA stages hold the page's bytes as they are in
   HBM (untiled boxes through free bitcast views: latent bytes, fp32 scales, bf16 rope), read
   under Lane semantics (no swizzled layout fits those strided views). SMEM: Q 72 KB + two 41 KB
-  stages  + the 72 KB buffer = 226 KB of the 227."""
+  stages  + the 72 KB buffer = 226 KB of the 227. Outputs and ``schedule`` as for
+  `_decode_partials`."""
   B, Rp, _ = q_rows.shape
-  G, S, pps = plan_.row_blocks, plan_.num_splits, plan_.pages_per_split
-  final = S == 1
+  balanced = plan_.schedule == "balanced"
+  final = plan_.num_splits == 1 and not balanced
   scale_log2 = scale * _LOG2E
-  out_type = _partials_out_type(B, S, Rp, q_rows.dtype)
+  out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
   scratch = dict(q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
                  q_bar=plgpu.Barrier(),
                  lat_smem=plgpu.SMEM((PAGE_SIZE, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
                  deq_bar=plgpu.Barrier(num_arrivals=2),
                  free_bar=plgpu.Barrier(num_arrivals=2))
+  if balanced:   # see `_decode_partials`
+    scratch["q_free_bar"] = plgpu.Barrier(num_arrivals=2)
   if config.interpretable:
     scratch["p_smem"] = plgpu.SMEM((2, ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS)
   half = LATENT_DIM // 2
@@ -686,7 +724,7 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
   lat_view, scale_view, rope_view = _fp8_views(kv_u8)
 
   @functools.partial(
-      plgpu.kernel, out_type=out_type, grid=(G, S, B), grid_names=("g", "s", "b"),
+      plgpu.kernel, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=3, thread_name="wg", scratch_types=scratch,
       # SMEM is full to the last KB: no cross-warp reduction scratch (every reduction is along
       # rows, inside a warp).
@@ -695,39 +733,21 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                            lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=interpret)
-  def mla_decode_partials_fp8(q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, o_ref, lse_ref,
-                              q_smem, q_bar, lat_smem, deq_bar, free_bar, p_smem=None):
-    g, s, b = lax.axis_index("g"), lax.axis_index("s"), lax.axis_index("b")
+  def mla_decode_partials_fp8(*refs, q_smem, q_bar, lat_smem, deq_bar, free_bar, q_free_bar=None,
+                              p_smem=None):
+    if balanced:
+      q_ref, lat_ref, scale_ref, rope_ref, *sched_refs, o_ref, lse_ref = refs
+      bt_ref = lens_ref = None
+    else:
+      q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, o_ref, lse_ref = refs
+      sched_refs = None
+    g = lax.axis_index("g")
     wg = lax.axis_index("wg")
-    seq_len = lens_ref[b]
-    first_page = s * pps
-    n_pages = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
     rows = pl.ds(g * ROWS, ROWS)
     cols = pl.ds(wg * half, half)
-
-    def compute_context(pipeline):
-      @pl.when(wg == 0)
-      def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
-      plgpu.barrier_wait(q_bar)
-      acc, m, l = pipeline((
-          plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), wgmma_layout),
-          plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout),
-          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)))
-      l_safe = jnp.where(l == 0.0, 1.0, l)
-      o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      lse2 = m + jnp.log2(l)
-      if final:
-        o_ref[b, rows, cols] = o.astype(o_ref.dtype)
-      else:
-        o_ref[b, s, rows, cols] = o
-
-      @pl.when(wg == 0)
-      def _():
-        if final:
-          lse_ref[b, rows] = lse2 * _LN2
-        else:
-          lse_ref[b, s, rows] = lse2
+    steps = _schedule_steps(plan_, q_ref=q_ref, o_ref=o_ref, lse_ref=lse_ref, q_smem=q_smem,
+                            q_bar=q_bar, q_free_bar=q_free_bar, rows=rows, cols=cols, final=final,
+                            bt_ref=bt_ref, lens_ref=lens_ref, sched_refs=sched_refs)
 
     def dequantize(lat_lo, lat_hi, scales, rope, valid):
       """This warpgroup's 256 latent columns of the page, e4m3 x scale -> bf16, into lat_smem;
@@ -769,7 +789,7 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
     def body(idx, lat_lo, lat_hi, scales, rope, carry):
       (i,) = idx
       acc, m, l = carry
-      page_start = (first_page + i) * PAGE_SIZE
+      b, page_start, seq_len, last = steps.step_info(i)
       # Both warpgroups are done with the previous page's buffer (their P·V) before it is rewritten.
       plgpu.barrier_arrive(free_bar)
       plgpu.barrier_wait(free_bar)
@@ -781,6 +801,7 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
         plgpu.wgmma(acc_ref, q_smem, lat_smem.transpose((1, 0)))
         return acc_ref[...]
       sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32)) * scale_log2
+      steps.after_qk(i, last)
       key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=wgmma_layout)
       limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
       sc = jnp.where(key < limit, sc, -jnp.inf)
@@ -789,19 +810,18 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
       p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return pv_update(acc, p.astype(jnp.bfloat16)), m_new, l
+      return steps.end_step((pv_update(acc, p.astype(jnp.bfloat16)), m_new, l), b, last)
 
-    table = bt_ref.at[b]
-    page_of = lambda i: table[first_page + i]
+    page_of = steps.page_of
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
     # The page's three parts land as they are in HBM, in untiled TMA boxes of 256 latent bytes
     # (two per row), 4 fp32 scales and 64 bf16 rope values a token (the views' offsets: byte 512
     # = fp32 word 128, byte 528 = bf16 element 264), as in `paged_gather`'s fp8 body.
     plgpu.emit_pipeline_warp_specialized(
-        body, grid=(n_pages,),
+        body, grid=(steps.n_steps,),
         memory_registers=config.memory_registers, num_compute_wgs=2, wg_axis="wg",
         max_concurrent_steps=config.max_concurrent_steps,
-        compute_context=compute_context,
+        compute_context=steps.compute_context,
         in_specs=[
             plgpu.BlockSpec((None, PAGE_SIZE, half), lambda i: (page_of(i), 0, 0), oob_fill_mode=in_bounds),
             plgpu.BlockSpec((None, PAGE_SIZE, half), lambda i: (page_of(i), 0, 1), oob_fill_mode=in_bounds),
@@ -811,6 +831,8 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
                             lambda i: (page_of(i), 0, _FP8_ROPE_COL), oob_fill_mode=in_bounds)],
     )(lat_ref, lat_ref, scale_ref, rope_ref)
 
+  if balanced:
+    return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, *schedule)
   return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens)
 
 
@@ -903,15 +925,14 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
   if pad:
     block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
   interpret_params = plgpu.InterpretGPUParams() if interpret else None
+  partials = _decode_partials_fp8 if is_fp8_pages(kv_pages) else _decode_partials
   if plan_.schedule == "balanced":
-    if is_fp8_pages(kv_pages):
-      raise ValueError("schedule='balanced' reads bf16 pages only, got fp8 pages")
     sched = balanced_schedule(seq_lens, block_table, num_ctas=plan_.num_ctas,
                               min_pages_per_cta=config.min_pages_per_split)
-    o_part, lse_part = _decode_partials(
+    o_part, lse_part = partials(
         q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H, causal=causal,
         scale=float(softmax_scale), plan_=plan_, config=config, interpret=interpret_params,
-        schedule=sched)
+        schedule=sched[:5])
     out, lse = _combine(o_part, lse_part, out_dtype=q.dtype, config=config,
                         interpret=interpret_params, pieces=(sched.piece_start, sched.num_pieces))
     if Rp != R:

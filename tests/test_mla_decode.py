@@ -193,11 +193,9 @@ def numpy_balanced_split(seq_lens, block_table, num_ctas, min_pages):
 
 
 @pytest.mark.parametrize("seq_lens,num_ctas,min_pages", [
-    ([1, 64, 65, 700, 3], 5, 1),        # a run ends exactly where a sequence starts; 3 pieces
-    ([1, 0, 130, 65, 3], 3, 1),         # an empty sequence inside a run
-    ([0, 0, 200, 0], 4, 1),             # empty at both ends; more CTAs than a short batch needs
-    ([640, 1, 1], 3, 4),                # the min_pages floor decides the run length
-    ([0, 0], 4, 1),                     # no pages at all
+    ([1, 64, 65, 700, 3], 5, 1),     # a run ends exactly where a sequence starts; 3 pieces
+    ([0, 640, 1, 0, 1], 5, 4),       # empty sequences at both ends and inside; the min_pages floor
+    ([0, 0], 4, 1),                  # no pages at all
 ])
 def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
   """Catches: a run boundary off by one page; an empty sequence given a page or a piece; two
@@ -226,12 +224,13 @@ def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
   assert all(c < num_ctas for ctas in ctas_of for c in ctas)
 
 
-# (heads, s_q, causal, seq_lens, max_pages, target_ctas, split_qk): pages [1, 1, 2, 11, 1] in runs
-# of 4 (seq 3 in three pieces, one run ending where seq 3 starts); pages [1, 0, 3, 2, 1] in runs of
-# 3, with an empty sequence and, causal, a sequence shorter than s_q (a query with no key).
+# (heads, s_q, causal, seq_lens, max_pages, target_ctas, split_qk). Pages [1, 1, 2, 3, 1] in runs of
+# 2: runs that end exactly where a sequence starts, seq 3 in two pieces (the first ends, the second
+# starts, mid-sequence), and, causal with s_q = 2, a length-1 sequence whose first query sees no
+# key. Pages [1, 0, 2, 1] in runs of 2: both runs cross a sequence boundary, one an empty sequence.
 BALANCED_CASES = [
-    (16, 1, False, [1, 64, 65, 700, 3], 11, 5, False),
-    (64, 2, True, [1, 0, 130, 65, 3], 3, 3, True),
+    (16, 2, True, [1, 64, 65, 190, 3], 3, 4, False),
+    (64, 1, False, [1, 0, 65, 3], 2, 2, True),
 ]
 
 
@@ -246,11 +245,11 @@ def test_interpret_balanced_matches_reference(heads, s_q, causal, seq_lens, max_
   config = MlaDecodeConfig(schedule="balanced", target_ctas=target_ctas, min_pages_per_split=1,
                            split_qk=split_qk)
   assert_matches_reference(args, causal=causal, config=config, impl="interpret",
-                           keyless_rows=0 in seq_lens)
+                           keyless_rows=min(seq_lens) < (s_q if causal else 1))
 
 
 @pytest.mark.parametrize("heads,s_q,variant", [(16, 1, "plain"), (64, 1, "split_qk"),
-                                               (128, 1, "split_qk"), (128, 2, "plain")])
+                                               (128, 2, "plain")])
 def test_balanced_cross_lowers_for_sm90(heads, s_q, variant):
   """Catches a balanced-body construct Mosaic GPU cannot lower for sm_90 (a scalar-predicate
   select, a conditional Q reload, a dynamic-grid combine), which interpret mode accepts."""
@@ -489,3 +488,22 @@ def test_gpu_large_batch(heads, s_q, causal):
   config = MlaDecodeConfig()
   assert plan(batch, s_q, heads, args[2].shape[1], config).num_splits == 1
   assert_matches_reference(args, causal=causal, impl="kernel", config=config)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("heads,s_q,causal", [(16, 1, False), (64, 1, False), (64, 2, True),
+                                              (128, 1, False), (128, 4, True)])
+def test_gpu_balanced_matches_reference(heads, s_q, causal, variant):
+  """The balanced schedule on the GPU, ragged lengths (an empty sequence, a length-1 one, one
+  that fills the table) over the default 132 CTAs. Catches what the interpreter cannot: the next
+  sequence's Q landing while the other warpgroup's Q·Kᵀ still reads the old one, a flush of a
+  piece racing the pipeline, a page read past the schedule's runs."""
+  rng = np.random.default_rng(heads + 10 * s_q)
+  batch = 40
+  lengths = _ragged_lengths(rng, batch, 700, s_q)
+  lengths[0], lengths[1], lengths[-1] = 0, 1, 1400
+  args = make_inputs(batch, s_q, heads, lengths, -(-1400 // 64), seed=int(rng.integers(1 << 30)))
+  assert_matches_reference(args, causal=causal, impl="kernel", keyless_rows=True,
+                           config=MlaDecodeConfig(schedule="balanced", **variant))
