@@ -21,7 +21,8 @@ flash-decoding loop over pages:
   sequence boundaries: the CTA reloads Q when the sequence changes and writes one fp32 partial per
   sequence piece, into piece slot ``cta + b`` (unique: slots grow along the runs). The combine
   reduces each sequence's pieces (``piece_start[b]``, ``num_pieces[b]``). `balanced_schedule`
-  computes the metadata on the device from ``seq_lens``.
+  computes the (B-sized) metadata on the device from ``seq_lens``; a page's sequence is a binary
+  search of the page prefix sums (`sequence_of_page`).
 * Warp specialisation: warpgroup 2 streams pages through the block table with TMA
   (two 73.7 KB stages; with Q resident that is 221 KB of the 227 KB of SMEM); warpgroups 0 and 1
   each own 256 of the 512 output columns (a 64x512 fp32 accumulator in one warpgroup spills).
@@ -295,16 +296,14 @@ def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConf
 
 
 class BalancedSchedule(NamedTuple):
-  """Token-balanced work split (`balanced_schedule`); every field int32, N = B * max_pages.
+  """Token-balanced work split (`balanced_schedule`); every field int32.
 
   The batch's pages in order (sequence 0's, then 1's, ...) are "global pages" g in [0, total);
-  CTA c takes the run [min(c * ppc, total), min((c + 1) * ppc, total)).
+  CTA c takes the run [min(c * ppc, total), min((c + 1) * ppc, total)). Global page g belongs to
+  sequence `sequence_of_page(g, ends, B)`, as its page g - (ends[b] - cdiv(seq_lens[b], 64)).
   """
   scalars: jax.Array       # [2]: (ppc = pages per CTA, total pages)
-  page: jax.Array          # [N]: physical page id of global page g (0 past total)
-  seq: jax.Array           # [N]: its sequence b
-  pos: jax.Array           # [N]: its page index inside sequence b
-  length: jax.Array        # [N]: seq_lens[b] (so the kernel's per-page loads do not chain)
+  ends: jax.Array          # [B]: pages of sequences 0..b (inclusive prefix sum of cdiv(len, 64))
   piece_start: jax.Array   # [B]: piece slot of sequence b's first piece (= its first CTA + b)
   num_pieces: jax.Array    # [B]: pieces (CTAs) sequence b's pages fall into; 0 for an empty one
 
@@ -315,12 +314,11 @@ def num_piece_slots(batch: int, num_ctas: int) -> int:
   return num_ctas + batch - 1
 
 
-def balanced_schedule(seq_lens, block_table, *, num_ctas: int, min_pages_per_cta: int = 1):
-  """FlashMLA-style scheduler metadata, on the device (jit-friendly: static shapes).
+def balanced_schedule(seq_lens, *, num_ctas: int, min_pages_per_cta: int = 1) -> BalancedSchedule:
+  """FlashMLA-style scheduler metadata, on the device (jit-friendly: static shapes, B-sized).
 
   Args:
     seq_lens: int32 [B] (0 allowed: an idle row gets no pages).
-    block_table: int32 [B, max_pages].
     num_ctas: CTAs to share the pages (static).
     min_pages_per_cta: a run is at least this long (each CTA pays a Q load and a partial write).
 
@@ -329,26 +327,27 @@ def balanced_schedule(seq_lens, block_table, *, num_ctas: int, min_pages_per_cta
     written to slot c + b; sequence b's pieces are slots [piece_start[b], piece_start[b] +
     num_pieces[b]), in key order.
   """
-  B, max_pages = block_table.shape
-  n = B * max_pages
+  B = seq_lens.shape[0]
   pages = (seq_lens.astype(jnp.int32) + PAGE_SIZE - 1) // PAGE_SIZE              # [B]
-  ends = jnp.cumsum(pages)                                                        # [B] exclusive ends
-  starts = ends - pages
+  ends = jnp.cumsum(pages).astype(jnp.int32)
   total = ends[-1]
   ppc = jnp.maximum((total + num_ctas - 1) // num_ctas, min_pages_per_cta)
-  # seq[g] = number of sequences that end at or before g (empty ones end where they start).
-  marks = jnp.zeros((n + 1,), jnp.int32).at[ends].add(1)
-  seq = jnp.minimum(jnp.cumsum(marks)[:n], B - 1)
-  g = jnp.arange(n, dtype=jnp.int32)
-  pos = g - starts[seq]
-  page = jnp.where(g < total, block_table[seq, jnp.clip(pos, 0, max_pages - 1)], 0)
-  first_cta = starts // ppc
-  last_cta = (ends - 1) // ppc
-  num_pieces = jnp.where(pages > 0, last_cta - first_cta + 1, 0)
+  first_cta = (ends - pages) // ppc
+  num_pieces = jnp.where(pages > 0, (ends - 1) // ppc - first_cta + 1, 0)
   piece_start = first_cta + jnp.arange(B, dtype=jnp.int32)
-  return BalancedSchedule(jnp.stack([ppc, total]).astype(jnp.int32), page.astype(jnp.int32),
-                          seq, pos, seq_lens.astype(jnp.int32)[seq],
+  return BalancedSchedule(jnp.stack([ppc, total]).astype(jnp.int32), ends,
                           piece_start.astype(jnp.int32), num_pieces.astype(jnp.int32))
+
+
+def sequence_of_page(g, ends, batch: int):
+  """The sequence holding global page g < total: the first b with ends[b] > g, by a binary search
+  of ceil(log2(batch)) steps (``ends`` is read as ``ends[k]``: a kernel ref or an array)."""
+  lo, hi = jnp.int32(0), jnp.int32(batch - 1)
+  for _ in range((batch - 1).bit_length()):
+    mid = lax.shift_right_logical(lo + hi, 1)
+    left = ends[mid] > g
+    lo, hi = jnp.where(left, lo, mid + 1), jnp.where(left, mid, hi)
+  return lo
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,76 +406,99 @@ def _normalise(acc, m, l):
   return acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), m + jnp.log2(l)
 
 
+class _At(NamedTuple):
+  """Where a pipeline step is: sequence b, first key of the page, seq_len; balanced only: whether
+  the page ends the CTA's piece of b, and the sequence of the run's next page."""
+  b: jax.Array
+  page_start: jax.Array
+  seq_len: jax.Array
+  last: jax.Array | None = None
+  next_b: jax.Array | None = None
+
+
 class _Steps(NamedTuple):
   """What a main kernel's page pipeline takes from its schedule (`_schedule_steps`)."""
   n_steps: jax.Array      # pages this CTA reads (its pipeline's dynamic grid)
   page_of: object         # step i -> physical page id (the TMA's index map)
-  step_info: object       # step i -> (b, first key of the page, seq_len, piece ends here | None)
-  after_qk: object        # (i, last): called once both warpgroups' Q·Kᵀ of step i is done
-  end_step: object        # (carry, b, last) -> next carry
+  begin: object           # (i, carry) -> ((acc, m, l), _At): the body's first call
+  after_qk: object        # (i, at): called once both warpgroups' Q·Kᵀ of step i is done
+  end_step: object        # ((acc, m, l), at) -> the next carry
   compute_context: object  # the pipeline's compute context
 
 
-def _schedule_steps(plan_: _Plan, *, q_ref, o_ref, lse_ref, q_smem, q_bar, q_free_bar, rows, cols,
-                    final, bt_ref=None, lens_ref=None, sched_refs=None) -> _Steps:
+def _schedule_steps(plan_: _Plan, *, q_ref, o_ref, lse_ref, bt_ref, lens_ref, q_smem, q_bar,
+                    q_free_bar, rows, cols, final, sched_refs=None) -> _Steps:
   """The schedule's side of a main kernel (either body, either page format).
 
-  per_sequence (``bt_ref``, ``lens_ref``): CTA (g, s, b) reads split s of sequence b; Q is loaded
-  once; the context writes the result (final or the split's partial) after the pipeline.
-  balanced (``sched_refs`` = a `BalancedSchedule`'s scalars, page, seq, pos, length): CTA (g, c)
-  reads run c of the batch's pages. On the last page of each sequence piece the body writes the
-  piece's partial to slot c + b and restarts the softmax state; after that page's Q·Kᵀ (both
-  warpgroups done with Q) warpgroup 0 starts loading the next sequence's Q, which the first page
-  of the next piece waits for.
+  per_sequence: CTA (g, s, b) reads split s of sequence b; Q is loaded once; the context writes
+  the result (final or the split's partial) after the pipeline.
+  balanced (``sched_refs`` = a `BalancedSchedule`'s scalars and ends): CTA (g, c) reads run c of
+  the batch's pages, carrying the current sequence b next to (acc, m, l). The TMA warpgroup finds
+  each page's sequence by `sequence_of_page`; the compute warpgroups only at a piece's end. On
+  the last page of each piece the body writes the piece's partial to slot c + b and restarts the
+  softmax state; after that page's Q·Kᵀ (both warpgroups done with Q) warpgroup 0 starts loading
+  the next sequence's Q, which the first page of the next piece waits for.
   """
   wg = lax.axis_index("wg")
   if plan_.schedule == "balanced":
-    sc_ref, page_ref, seq_ref, pos_ref, len_ref = sched_refs
+    sc_ref, ends_ref = sched_refs
+    B = ends_ref.shape[0]
     c = lax.axis_index("c")
     ppc, total = sc_ref[0], sc_ref[1]
     run_start = jnp.minimum(c * ppc, total)
     n_steps = jnp.minimum(run_start + ppc, total) - run_start
+    seq_start = lambda b, seq_len: ends_ref[b] - pl.cdiv(seq_len, PAGE_SIZE)
 
-    def step_info(i):
+    def page_of(i):
       gp = run_start + i
-      b, pos, seq_len = seq_ref[gp], pos_ref[gp], len_ref[gp]
+      b = sequence_of_page(gp, ends_ref, B)
+      return bt_ref[b, gp - seq_start(b, lens_ref[b])]
+
+    def begin(i, carry):
+      *core, b = carry
+      gp = run_start + i
+      seq_len = lens_ref[b]
+      pos = gp - seq_start(b, seq_len)
 
       @pl.when((i == 0) | (pos == 0))
       def _():
         plgpu.barrier_wait(q_bar)
-      return b, pos * PAGE_SIZE, seq_len, (i == n_steps - 1) | ((pos + 1) * PAGE_SIZE >= seq_len)
+      last = (i == n_steps - 1) | (gp + 1 >= ends_ref[b])
+      next_b = lax.cond(last, lambda: sequence_of_page(gp + 1, ends_ref, B), lambda: b)
+      return tuple(core), _At(b, pos * PAGE_SIZE, seq_len, last, next_b)
 
-    def after_qk(i, last):
-      @pl.when(last & (i + 1 < n_steps))
+    def after_qk(i, at):
+      @pl.when(at.last & (i + 1 < n_steps))
       def _():
         plgpu.barrier_arrive(q_free_bar)
         plgpu.barrier_wait(q_free_bar)
 
         @pl.when(wg == 0)
         def _():
-          plgpu.copy_gmem_to_smem(q_ref.at[seq_ref[run_start + i + 1], rows], q_smem, q_bar)
+          plgpu.copy_gmem_to_smem(q_ref.at[at.next_b, rows], q_smem, q_bar)
 
-    def end_step(carry, b, last):
-      @pl.when(last)
+    def end_step(core, at):
+      @pl.when(at.last)
       def _():
-        o, lse2 = _normalise(*carry)
-        o_ref[c + b, rows, cols] = o
+        o, lse2 = _normalise(*core)
+        o_ref[c + at.b, rows, cols] = o
 
         @pl.when(wg == 0)
         def _():
-          lse_ref[c + b, rows] = lse2
+          lse_ref[c + at.b, rows] = lse2
       # (A scalar predicate does not broadcast implicitly under warpgroup semantics.)
-      restart = lambda x0, x: jnp.where(jnp.broadcast_to(last, x.shape), x0, x)
-      return tuple(map(restart, _init_carry(), carry))
+      restart = lambda x0, x: jnp.where(jnp.broadcast_to(at.last, x.shape), x0, x)
+      return (*map(restart, _init_carry(), core), at.next_b)
 
     def compute_context(pipeline):
+      b0 = sequence_of_page(run_start, ends_ref, B)
+
       @pl.when((wg == 0) & (n_steps > 0))
       def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[seq_ref[run_start], rows], q_smem, q_bar)
-      pipeline(_init_carry())   # every piece is written by the body
+        plgpu.copy_gmem_to_smem(q_ref.at[b0, rows], q_smem, q_bar)
+      pipeline((*_init_carry(), b0))   # every piece is written by the body
 
-    return _Steps(n_steps, lambda i: page_ref[run_start + i], step_info, after_qk, end_step,
-                  compute_context)
+    return _Steps(n_steps, page_of, begin, after_qk, end_step, compute_context)
 
   pps = plan_.pages_per_split
   s, b = lax.axis_index("s"), lax.axis_index("b")
@@ -504,16 +526,15 @@ def _schedule_steps(plan_: _Plan, *, q_ref, o_ref, lse_ref, q_smem, q_bar, q_fre
 
   return _Steps(jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps),
                 lambda i: table[first_page + i],
-                lambda i: (b, (first_page + i) * PAGE_SIZE, seq_len, None),
-                lambda i, last: None, lambda carry, b, last: carry, compute_context)
+                lambda i, carry: (carry, _At(b, (first_page + i) * PAGE_SIZE, seq_len)),
+                lambda i, at: None, lambda core, at: core, compute_context)
 
 
 def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, causal, scale,
                      plan_: _Plan, config: MlaDecodeConfig, interpret, schedule=None):
   """Main kernel. With one split it returns the final (out [B, Rp, 512] bf16, lse [B, Rp] f32 ln);
   with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in log2) for `_combine`.
-  With ``schedule`` (plan_.schedule == "balanced": a `BalancedSchedule`'s scalars, page, seq, pos,
-  length): fp32 partials per piece slot (o [NS, Rp, 512], lse [NS, Rp] in log2, NS =
+  With ``schedule`` (plan_.schedule == "balanced": a `BalancedSchedule`'s scalars and ends): fp32 partials per piece slot (o [NS, Rp, 512], lse [NS, Rp] in log2, NS =
   `num_piece_slots`); slots no piece takes are never written."""
   B, Rp, _ = q_rows.shape
   balanced = plan_.schedule == "balanced"
@@ -554,8 +575,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
   def mla_decode_partials(*refs, q_smem, q_bar, q_free_bar=None, p_smem=None, p_full_smem=None,
                           stat_smem=None, max_bar=None, p_bar=None):
     if balanced:
-      q_ref, kv_ref, *sched_refs, o_ref, lse_ref = refs
-      bt_ref = lens_ref = None
+      q_ref, kv_ref, bt_ref, lens_ref, *sched_refs, o_ref, lse_ref = refs
     else:
       q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref = refs
       sched_refs = None
@@ -566,7 +586,6 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
     steps = _schedule_steps(plan_, q_ref=q_ref, o_ref=o_ref, lse_ref=lse_ref, q_smem=q_smem,
                             q_bar=q_bar, q_free_bar=q_free_bar, rows=rows, cols=cols, final=final,
                             bt_ref=bt_ref, lens_ref=lens_ref, sched_refs=sched_refs)
-    step_info, after_qk, end_step = steps.step_info, steps.after_qk, steps.end_step
 
     def zero_v_tail(kv, valid):
       @pl.when(valid < PAGE_SIZE)
@@ -587,8 +606,8 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
       # sums only after the other's max_bar arrival of this page (which follows the other's
       # loads of P and sums for the previous page).
       (i,) = idx
-      acc, m, l = carry
-      b, page_start, seq_len, last = step_info(i)
+      (acc, m, l), at = steps.begin(i, carry)
+      page_start, seq_len = at.page_start, at.seq_len
       zero_v_tail(kv, seq_len - page_start)
       tokens = pl.ds(wg * (PAGE_SIZE // 2), PAGE_SIZE // 2)
 
@@ -596,7 +615,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
         plgpu.wgmma(acc_ref, q_smem, kv.at[tokens].transpose((1, 0)))
         return acc_ref[...]
       sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE // 2), jnp.float32)) * scale_log2
-      after_qk(i, last)
+      steps.after_qk(i, at)
       key = (page_start + wg * (PAGE_SIZE // 2)
              + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE // 2), 1, layout=wgmma_layout))
       limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal,
@@ -617,7 +636,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
            + plgpu.load(stat_smem.at[1, 1], layout=row_layout))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p16 = plgpu.load(p_full_smem, layout=wgmma_layout)
-      return end_step((pv_update(acc, p16, kv.at[:, cols]), m_new, l), b, last)
+      return steps.end_step((pv_update(acc, p16, kv.at[:, cols]), m_new, l), at)
 
     def pv_update(acc, p16, v):
       """acc + P·V for this warpgroup's columns; P (64 x 64 bf16) in registers."""
@@ -638,15 +657,15 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
 
     def body(idx, kv, carry):
       (i,) = idx
-      acc, m, l = carry
-      b, page_start, seq_len, last = step_info(i)
+      (acc, m, l), at = steps.begin(i, carry)
+      page_start, seq_len = at.page_start, at.seq_len
       zero_v_tail(kv, seq_len - page_start)
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, kv.transpose((1, 0)))
         return acc_ref[...]
       sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32)) * scale_log2
-      after_qk(i, last)
+      steps.after_qk(i, at)
       key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1,
                                                 layout=wgmma_layout)
       limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
@@ -656,7 +675,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
       p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return end_step((pv_update(acc, p.astype(jnp.bfloat16), kv.at[:, cols]), m_new, l), b, last)
+      return steps.end_step((pv_update(acc, p.astype(jnp.bfloat16), kv.at[:, cols]), m_new, l), at)
 
     plgpu.emit_pipeline_warp_specialized(
         body_split_qk if plan_.split_qk else body, grid=(steps.n_steps,),
@@ -669,7 +688,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
     )(kv_ref)
 
   if balanced:
-    return mla_decode_partials(q_rows, kv_pages, *schedule)
+    return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens, *schedule)
   return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens)
 
 
@@ -736,8 +755,7 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
   def mla_decode_partials_fp8(*refs, q_smem, q_bar, lat_smem, deq_bar, free_bar, q_free_bar=None,
                               p_smem=None):
     if balanced:
-      q_ref, lat_ref, scale_ref, rope_ref, *sched_refs, o_ref, lse_ref = refs
-      bt_ref = lens_ref = None
+      q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, *sched_refs, o_ref, lse_ref = refs
     else:
       q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, o_ref, lse_ref = refs
       sched_refs = None
@@ -788,8 +806,8 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
 
     def body(idx, lat_lo, lat_hi, scales, rope, carry):
       (i,) = idx
-      acc, m, l = carry
-      b, page_start, seq_len, last = steps.step_info(i)
+      (acc, m, l), at = steps.begin(i, carry)
+      page_start, seq_len = at.page_start, at.seq_len
       # Both warpgroups are done with the previous page's buffer (their P·V) before it is rewritten.
       plgpu.barrier_arrive(free_bar)
       plgpu.barrier_wait(free_bar)
@@ -801,7 +819,7 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
         plgpu.wgmma(acc_ref, q_smem, lat_smem.transpose((1, 0)))
         return acc_ref[...]
       sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32)) * scale_log2
-      steps.after_qk(i, last)
+      steps.after_qk(i, at)
       key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=wgmma_layout)
       limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
       sc = jnp.where(key < limit, sc, -jnp.inf)
@@ -810,7 +828,7 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
       p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return steps.end_step((pv_update(acc, p.astype(jnp.bfloat16)), m_new, l), b, last)
+      return steps.end_step((pv_update(acc, p.astype(jnp.bfloat16)), m_new, l), at)
 
     page_of = steps.page_of
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
@@ -832,7 +850,8 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
     )(lat_ref, lat_ref, scale_ref, rope_ref)
 
   if balanced:
-    return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, *schedule)
+    return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens,
+                                   *schedule)
   return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens)
 
 
@@ -927,12 +946,12 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
   interpret_params = plgpu.InterpretGPUParams() if interpret else None
   partials = _decode_partials_fp8 if is_fp8_pages(kv_pages) else _decode_partials
   if plan_.schedule == "balanced":
-    sched = balanced_schedule(seq_lens, block_table, num_ctas=plan_.num_ctas,
+    sched = balanced_schedule(seq_lens, num_ctas=plan_.num_ctas,
                               min_pages_per_cta=config.min_pages_per_split)
     o_part, lse_part = partials(
         q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H, causal=causal,
         scale=float(softmax_scale), plan_=plan_, config=config, interpret=interpret_params,
-        schedule=sched[:5])
+        schedule=sched[:2])
     out, lse = _combine(o_part, lse_part, out_dtype=q.dtype, config=config,
                         interpret=interpret_params, pieces=(sched.piece_start, sched.num_pieces))
     if Rp != R:

@@ -22,7 +22,7 @@ import pytest
 
 from pallas_kernels import MlaDecodeConfig, mla_decode, mla_decode_reference
 from pallas_kernels import _platform
-from pallas_kernels.mla_decode import balanced_schedule, num_piece_slots, plan
+from pallas_kernels.mla_decode import balanced_schedule, num_piece_slots, plan, sequence_of_page
 
 SCALE = 192 ** -0.5
 # The two kernel bodies: plain (both warpgroups score the whole page), split-QK.
@@ -176,9 +176,9 @@ def test_interpret_handles_unpadded_block_table_width():
 # ------------------------------------------------------------------------------------------------
 
 
-def numpy_balanced_split(seq_lens, block_table, num_ctas, min_pages):
-  """The balanced split by walking the batch's pages one by one: per global page (page id,
-  sequence, page index, length), pages per CTA, and per sequence the CTAs its pages fall into."""
+def numpy_balanced_split(seq_lens, num_ctas, min_pages):
+  """The balanced split by walking the batch's pages one by one: pages per CTA, total, per
+  global page its (sequence, page index), and per sequence the CTAs its pages fall into."""
   pages = [-(-int(n) // 64) for n in seq_lens]
   total = sum(pages)
   ppc = max(-(-total // num_ctas), min_pages)
@@ -188,7 +188,7 @@ def numpy_balanced_split(seq_lens, block_table, num_ctas, min_pages):
       cta = len(walk) // ppc
       if cta not in ctas_of[b]:
         ctas_of[b].append(cta)
-      walk.append((int(block_table[b][p]), b, p, int(seq_lens[b])))
+      walk.append((b, p))
   return ppc, total, walk, ctas_of
 
 
@@ -196,21 +196,23 @@ def numpy_balanced_split(seq_lens, block_table, num_ctas, min_pages):
     ([1, 64, 65, 700, 3], 5, 1),     # a run ends exactly where a sequence starts; 3 pieces
     ([0, 640, 1, 0, 1], 5, 4),       # empty sequences at both ends and inside; the min_pages floor
     ([0, 0], 4, 1),                  # no pages at all
+    ([130], 3, 1),                   # one sequence (the search has no step)
 ])
 def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
-  """Catches: a run boundary off by one page; an empty sequence given a page or a piece; two
+  """Catches: a run boundary off by one page; a global page mapped to the wrong sequence or page
+  (the kernel's own search, over every page); an empty sequence given a page or a piece; two
   pieces sharing a partial slot (one sequence's partial overwriting another's); a piece range
   that misses or double-counts one of the sequence's CTAs."""
-  max_pages = max(1, max(-(-n // 64) for n in seq_lens))
-  rng = np.random.default_rng(len(seq_lens) * 7 + num_ctas)
-  table = rng.permutation(len(seq_lens) * max_pages).reshape(len(seq_lens), max_pages).astype(np.int32)
+  lens = jnp.asarray(seq_lens, jnp.int32)
   sched = jax.jit(balanced_schedule, static_argnames=("num_ctas", "min_pages_per_cta"))(
-      jnp.asarray(seq_lens, jnp.int32), jnp.asarray(table), num_ctas=num_ctas,
-      min_pages_per_cta=min_pages)
-  ppc, total, walk, ctas_of = numpy_balanced_split(seq_lens, table, num_ctas, min_pages)
+      lens, num_ctas=num_ctas, min_pages_per_cta=min_pages)
+  ppc, total, walk, ctas_of = numpy_balanced_split(seq_lens, num_ctas, min_pages)
   assert [int(x) for x in sched.scalars] == [ppc, total]
-  got = np.stack([np.asarray(a)[:total] for a in (sched.page, sched.seq, sched.pos, sched.length)], 1)
-  np.testing.assert_array_equal(got, np.asarray(walk, np.int32).reshape(total, 4))
+  B = len(seq_lens)
+  g = jnp.arange(total, dtype=jnp.int32)
+  seq = jax.vmap(lambda x: sequence_of_page(x, sched.ends, B))(g)
+  pos = g - (sched.ends[seq] - (lens[seq] + 63) // 64)
+  np.testing.assert_array_equal(np.stack([seq, pos], 1), np.asarray(walk, np.int32).reshape(total, 2))
   slots = []
   for b, ctas in enumerate(ctas_of):
     assert int(sched.num_pieces[b]) == len(ctas)
@@ -220,7 +222,7 @@ def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
       assert list(range(start, start + len(ctas))) == want
       slots += want
   assert len(set(slots)) == len(slots)
-  assert all(0 <= x < num_piece_slots(len(seq_lens), num_ctas) for x in slots)
+  assert all(0 <= x < num_piece_slots(B, num_ctas) for x in slots)
   assert all(c < num_ctas for ctas in ctas_of for c in ctas)
 
 

@@ -111,13 +111,13 @@ def main():
         row["lse_err"] = float(np.abs(np.asarray(lse) - ref_lse).max())
         row["ok"] = row["finite"] and row["rel_err"] < 1e-2 and row["lse_err"] < 2e-2
         if cfg.schedule == "balanced":
-          sched_fn = jax.jit(lambda l, t, c=p.num_ctas, m=cfg.min_pages_per_split:
-                             balanced_schedule(l, t, num_ctas=c, min_pages_per_cta=m))
-          sched = sched_fn(lens, table)
+          sched_fn = jax.jit(lambda l, c=p.num_ctas, m=cfg.min_pages_per_split:
+                             balanced_schedule(l, num_ctas=c, min_pages_per_cta=m))
+          sched = sched_fn(lens)
           row["pages_per_cta"] = int(sched.scalars[0])
           row["max_pieces"] = int(sched.num_pieces.max())
           row["pieces"] = int(sched.num_pieces.sum())
-          row["sched_us"] = bm.cupti_median_us(sched_fn, lens, table, iterations=args.iters)
+          row["sched_us"] = bm.cupti_median_us(sched_fn, lens, iterations=args.iters)
         whole, parts = bm.cupti_median_us(fn, q, kv, table, lens, iterations=args.iters,
                                           per_kernel=True)
         mosaic = {k: v for k, v in parts.items() if "mla_decode" in k or "mosaic" in k.lower()}
