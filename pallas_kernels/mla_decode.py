@@ -300,10 +300,12 @@ class BalancedSchedule(NamedTuple):
 
   The batch's pages in order (sequence 0's, then 1's, ...) are "global pages" g in [0, total);
   CTA c takes the run [min(c * ppc, total), min((c + 1) * ppc, total)). Global page g belongs to
-  sequence `sequence_of_page(g, ends, B)`, as its page g - (ends[b] - cdiv(seq_lens[b], 64)).
+  sequence `sequence_of_page(g, ends, 0, B - 1)`, as its page g - (ends[b] - cdiv(seq_lens[b], 64)).
   """
   scalars: jax.Array       # [2]: (ppc = pages per CTA, total pages)
   ends: jax.Array          # [B]: pages of sequences 0..b (inclusive prefix sum of cdiv(len, 64))
+  cta_seqs: jax.Array      # [C, 2]: sequences of run c's first and last page (clipped to
+                           # [0, B-1]; a run without pages gets the last sequence twice)
   piece_start: jax.Array   # [B]: piece slot of sequence b's first piece (= its first CTA + b)
   num_pieces: jax.Array    # [B]: pieces (CTAs) sequence b's pages fall into; 0 for an empty one
 
@@ -335,18 +337,26 @@ def balanced_schedule(seq_lens, *, num_ctas: int, min_pages_per_cta: int = 1) ->
   first_cta = (ends - pages) // ppc
   num_pieces = jnp.where(pages > 0, (ends - 1) // ppc - first_cta + 1, 0)
   piece_start = first_cta + jnp.arange(B, dtype=jnp.int32)
-  return BalancedSchedule(jnp.stack([ppc, total]).astype(jnp.int32), ends,
+  # Per CTA, the sequences of its run's first and last page: the first b with ends[b] > g.
+  run_start = jnp.minimum(jnp.arange(num_ctas, dtype=jnp.int32) * ppc, total)
+  run_last = jnp.maximum(jnp.minimum(run_start + ppc, total) - 1, run_start)
+  seq_of = lambda g: jnp.minimum((ends[None, :] <= g[:, None]).sum(1, dtype=jnp.int32), B - 1)
+  cta_seqs = jnp.stack([seq_of(run_start), seq_of(run_last)], 1)
+  return BalancedSchedule(jnp.stack([ppc, total]).astype(jnp.int32), ends, cta_seqs,
                           piece_start.astype(jnp.int32), num_pieces.astype(jnp.int32))
 
 
-def sequence_of_page(g, ends, batch: int):
-  """The sequence holding global page g < total: the first b with ends[b] > g, by a binary search
-  of ceil(log2(batch)) steps (``ends`` is read as ``ends[k]``: a kernel ref or an array)."""
-  lo, hi = jnp.int32(0), jnp.int32(batch - 1)
-  for _ in range((batch - 1).bit_length()):
+def sequence_of_page(g, ends, lo, hi):
+  """The sequence holding global page g < total, known to be in [lo, hi]: the first b with
+  ends[b] > g, by binary search (a while loop: no step when lo == hi). ``ends`` is read as
+  ``ends[k]``: a kernel ref or an array."""
+  def step(bounds):
+    lo, hi = bounds
     mid = lax.shift_right_logical(lo + hi, 1)
     left = ends[mid] > g
-    lo, hi = jnp.where(left, lo, mid + 1), jnp.where(left, mid, hi)
+    return jnp.where(left, lo, mid + 1), jnp.where(left, mid, hi)
+  lo, _ = lax.while_loop(lambda bounds: bounds[0] < bounds[1], step,
+                         (jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)))
   return lo
 
 
@@ -432,26 +442,29 @@ def _schedule_steps(plan_: _Plan, *, q_ref, o_ref, lse_ref, bt_ref, lens_ref, q_
 
   per_sequence: CTA (g, s, b) reads split s of sequence b; Q is loaded once; the context writes
   the result (final or the split's partial) after the pipeline.
-  balanced (``sched_refs`` = a `BalancedSchedule`'s scalars and ends): CTA (g, c) reads run c of
-  the batch's pages, carrying the current sequence b next to (acc, m, l). The TMA warpgroup finds
-  each page's sequence by `sequence_of_page`; the compute warpgroups only at a piece's end. On
-  the last page of each piece the body writes the piece's partial to slot c + b and restarts the
-  softmax state; after that page's Q·Kᵀ (both warpgroups done with Q) warpgroup 0 starts loading
-  the next sequence's Q, which the first page of the next piece waits for.
+  balanced (``sched_refs`` = a `BalancedSchedule`'s scalars, ends, cta_seqs): CTA (g, c) reads
+  run c of the batch's pages, carrying the current sequence b next to (acc, m, l). The TMA
+  warpgroup finds each page's sequence by `sequence_of_page` among the run's sequences, the
+  compute warpgroups only at a piece's end. On the last page of each piece the body writes the
+  piece's partial to slot c + b and restarts the softmax state; after that page's Q·Kᵀ (both
+  warpgroups done with Q) warpgroup 0 starts loading the next sequence's Q, which the first page
+  of the next piece waits for.
   """
   wg = lax.axis_index("wg")
   if plan_.schedule == "balanced":
-    sc_ref, ends_ref = sched_refs
-    B = ends_ref.shape[0]
+    sc_ref, ends_ref, cta_ref = sched_refs
     c = lax.axis_index("c")
     ppc, total = sc_ref[0], sc_ref[1]
     run_start = jnp.minimum(c * ppc, total)
     n_steps = jnp.minimum(run_start + ppc, total) - run_start
+    # The run's first and last sequences: every search is between them, so it takes no step
+    # while the run stays in one sequence.
+    b_first, b_last = cta_ref[c, 0], cta_ref[c, 1]
     seq_start = lambda b, seq_len: ends_ref[b] - pl.cdiv(seq_len, PAGE_SIZE)
 
     def page_of(i):
       gp = run_start + i
-      b = sequence_of_page(gp, ends_ref, B)
+      b = sequence_of_page(gp, ends_ref, b_first, b_last)
       return bt_ref[b, gp - seq_start(b, lens_ref[b])]
 
     def begin(i, carry):
@@ -464,7 +477,7 @@ def _schedule_steps(plan_: _Plan, *, q_ref, o_ref, lse_ref, bt_ref, lens_ref, q_
       def _():
         plgpu.barrier_wait(q_bar)
       last = (i == n_steps - 1) | (gp + 1 >= ends_ref[b])
-      next_b = lax.cond(last, lambda: sequence_of_page(gp + 1, ends_ref, B), lambda: b)
+      next_b = lax.cond(last, lambda: sequence_of_page(gp + 1, ends_ref, b, b_last), lambda: b)
       return tuple(core), _At(b, pos * PAGE_SIZE, seq_len, last, next_b)
 
     def after_qk(i, at):
@@ -491,12 +504,10 @@ def _schedule_steps(plan_: _Plan, *, q_ref, o_ref, lse_ref, bt_ref, lens_ref, q_
       return (*map(restart, _init_carry(), core), at.next_b)
 
     def compute_context(pipeline):
-      b0 = sequence_of_page(run_start, ends_ref, B)
-
       @pl.when((wg == 0) & (n_steps > 0))
       def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[b0, rows], q_smem, q_bar)
-      pipeline((*_init_carry(), b0))   # every piece is written by the body
+        plgpu.copy_gmem_to_smem(q_ref.at[b_first, rows], q_smem, q_bar)
+      pipeline((*_init_carry(), b_first))   # every piece is written by the body
 
     return _Steps(n_steps, page_of, begin, after_qk, end_step, compute_context)
 
@@ -534,7 +545,8 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
                      plan_: _Plan, config: MlaDecodeConfig, interpret, schedule=None):
   """Main kernel. With one split it returns the final (out [B, Rp, 512] bf16, lse [B, Rp] f32 ln);
   with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in log2) for `_combine`.
-  With ``schedule`` (plan_.schedule == "balanced": a `BalancedSchedule`'s scalars and ends): fp32 partials per piece slot (o [NS, Rp, 512], lse [NS, Rp] in log2, NS =
+  With ``schedule`` (plan_.schedule == "balanced": a `BalancedSchedule`'s scalars, ends and
+  cta_seqs): fp32 partials per piece slot (o [NS, Rp, 512], lse [NS, Rp] in log2, NS =
   `num_piece_slots`); slots no piece takes are never written."""
   B, Rp, _ = q_rows.shape
   balanced = plan_.schedule == "balanced"
@@ -951,7 +963,7 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
     o_part, lse_part = partials(
         q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H, causal=causal,
         scale=float(softmax_scale), plan_=plan_, config=config, interpret=interpret_params,
-        schedule=sched[:2])
+        schedule=sched[:3])
     out, lse = _combine(o_part, lse_part, out_dtype=q.dtype, config=config,
                         interpret=interpret_params, pieces=(sched.piece_start, sched.num_pieces))
     if Rp != R:

@@ -196,11 +196,11 @@ def numpy_balanced_split(seq_lens, num_ctas, min_pages):
     ([1, 64, 65, 700, 3], 5, 1),     # a run ends exactly where a sequence starts; 3 pieces
     ([0, 640, 1, 0, 1], 5, 4),       # empty sequences at both ends and inside; the min_pages floor
     ([0, 0], 4, 1),                  # no pages at all
-    ([130], 3, 1),                   # one sequence (the search has no step)
+    ([130], 3, 1),                   # one sequence (the search takes no step)
 ])
 def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
-  """Catches: a run boundary off by one page; a global page mapped to the wrong sequence or page
-  (the kernel's own search, over every page); an empty sequence given a page or a piece; two
+  """Catches: a run boundary off by one page; a run's first or last sequence wrong; a global page
+  mapped to the wrong sequence or page (the kernel's own search, over every page); an empty sequence given a page or a piece; two
   pieces sharing a partial slot (one sequence's partial overwriting another's); a piece range
   that misses or double-counts one of the sequence's CTAs."""
   lens = jnp.asarray(seq_lens, jnp.int32)
@@ -210,9 +210,13 @@ def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
   assert [int(x) for x in sched.scalars] == [ppc, total]
   B = len(seq_lens)
   g = jnp.arange(total, dtype=jnp.int32)
-  seq = jax.vmap(lambda x: sequence_of_page(x, sched.ends, B))(g)
+  seq = jax.vmap(lambda x: sequence_of_page(x, sched.ends, 0, B - 1))(g)
   pos = g - (sched.ends[seq] - (lens[seq] + 63) // 64)
   np.testing.assert_array_equal(np.stack([seq, pos], 1), np.asarray(walk, np.int32).reshape(total, 2))
+  for c in range(num_ctas):   # each run's first and last sequence (where the kernel's searches start)
+    if c * ppc < total:
+      run_end = min((c + 1) * ppc, total)
+      assert [int(x) for x in sched.cta_seqs[c]] == [walk[c * ppc][0], walk[run_end - 1][0]]
   slots = []
   for b, ctas in enumerate(ctas_of):
     assert int(sched.num_pieces[b]) == len(ctas)
