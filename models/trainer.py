@@ -27,6 +27,9 @@ settings, another corpus or another model config, and a checkpoint whose files d
 exactly as they were saved (truncated, edited, renamed, half written): each is one `TrainerError`
 naming the checkpoint directory.
 
+Precision: fp32 parameters (the master copy), compute in `TrainSettings.dtype` (bf16 casts each weight
+at use), fp32 gradients and fp32 AdamW moments (they follow the parameters); see `models.training`.
+
 Memory: before anything is allocated, `check_memory` compares what the parameters, their gradients
 and the AdamW state need (from shapes alone) with the memory there is, and refuses a model that
 cannot fit, with both figures.
