@@ -98,7 +98,9 @@ def chunked_cross_entropy(head, h_BTD: jax.Array, targets_BT: jax.Array, mask_BT
     reads. The B·T tokens are cut into blocks of `chunk` (the last padded with weight 0) and a
     `jax.lax.scan` over the blocks adds up each block's weighted NLL under `jax.checkpoint`: the
     forward keeps no logits and the backward recomputes one block's at a time. fp32 like
-    `masked_cross_entropy`; equal to it up to the order of the fp32 sum.
+    `masked_cross_entropy`; equal to it up to the order of the fp32 sum. The head weight's gradient is
+    summed over the blocks in the weight's dtype (with bf16 parameters: bf16 sums of k block gradients
+    where the unchunked matmul accumulates in fp32 once).
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 token, got {chunk}")
