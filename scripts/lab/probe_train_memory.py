@@ -225,6 +225,7 @@ def main():
       cell["error"] = "skipped: time budget"
       log(f"{name}: skipped (time budget)")
       results.append(cell)
+      rows.append(_row(cell))
       continue
     flops = bt.train_flops(cfg, B, T)
     cell["train_tflop"] = flops / 1e12
@@ -274,13 +275,17 @@ def main():
       log(f"{name}: FAILED {cell['error']}")
     gc.collect()
     results.append(cell)
-    rows.append({k: cell.get(k, "") for k in ("B", "T", "tokens", "remat", "ce_chunk", "train_tflop", "lower_s",
-                                             "compile_s", "peak_gb", "argument_gb", "output_gb", "temp_gb",
-                                             "alias_gb", "step_ms", "tok_s", "mfu", "error")})
+    rows.append(_row(cell))
     _write(a.out, results, rows, dump_lines)
   _write(a.out, results, rows, dump_lines)
   log(f"done in {time.perf_counter() - T0:.0f} s")
   _write(a.out, results, rows, dump_lines)
+
+
+def _row(cell: dict) -> dict:
+  return {k: cell.get(k, "") for k in ("B", "T", "tokens", "remat", "ce_chunk", "train_tflop", "lower_s", "compile_s",
+                                       "peak_gb", "argument_gb", "output_gb", "temp_gb", "alias_gb", "step_ms", "tok_s",
+                                       "mfu", "error")}
 
 
 def _write(out, results, rows, dump_lines):
