@@ -119,7 +119,8 @@ def memory_columns(compiled) -> dict:
   g = lambda n: n / 1e9  # noqa: E731
   arg, out, tmp, alias = (m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
                           m.alias_size_in_bytes)
-  return dict(argument_gb=g(arg), output_gb=g(out), temp_gb=g(tmp), alias_gb=g(alias), peak_gb=g(arg + out + tmp - alias))
+  return dict(argument_gb=g(arg), output_gb=g(out), temp_gb=g(tmp), alias_gb=g(alias),
+              peak_gb=g(arg + out + tmp - alias))
 
 
 def make_step(tc_kwargs: dict):
@@ -258,7 +259,8 @@ def parser() -> argparse.ArgumentParser:
                  help="main layers, >= 2 (1 dense + at least 1 MoE; v2-lite default 4: 1 dense + 3 MoE); cuts "
                       "builtin/tiny too")
   p.add_argument("--batch", type=_int_at_least(1), default=1, help="sequences a step")
-  p.add_argument("--seq", type=_int_at_least(3), default=4096, help="tokens a sequence (>= 3: the MTP loss predicts two tokens ahead)")
+  p.add_argument("--seq", type=_int_at_least(3), default=4096,
+                 help="tokens a sequence (>= 3: the MTP loss predicts two tokens ahead)")
   p.add_argument("--remat", choices=REMAT_POLICIES, default="none", help="rematerialisation of each scanned layer")
   p.add_argument("--ce-chunk", type=_int_at_least(0), default=0,
                  help="tokens per LM-head cross-entropy chunk (0: the whole logits at once)")

@@ -255,8 +255,9 @@ def make_train_step(tx: optax.GradientTransformation, tc: TrainConfig = TrainCon
     """A jitted `train_step(graphdef, state, opt_state, batch) -> (state, opt_state, metrics)`.
 
     `state` and `opt_state` are donated: the step writes the new ones into their buffers, so the arrays
-    passed in are deleted by the call (keep only what it returns). One optax update of the Params on `loss_fn`'s gradient, then the router-bias rule with the
-    step's expert loads (outside the gradient). metrics: `loss_fn`'s plus `grad_norm`.
+    passed in are deleted by the call (keep only what it returns). One optax update of the Params on
+    `loss_fn`'s gradient, then the router-bias rule with the step's expert loads (outside the gradient).
+    metrics: `loss_fn`'s plus `grad_norm`.
     """
 
     def train_step(graphdef, state, opt_state, batch):

@@ -2,8 +2,6 @@
 
 import math
 
-import pytest
-
 from benchmarks import bench_train as bt
 from micro_configs import MICRO_V3
 from mla_jax import ModelConfig

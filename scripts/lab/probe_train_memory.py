@@ -186,7 +186,6 @@ def main():
   os.makedirs(a.out, exist_ok=True)
 
   import jax
-  from flax import nnx
 
   from benchmarks import bench_train as bt
 
