@@ -90,17 +90,17 @@ def masked_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: 
     return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def chunked_cross_entropy(head, h_BTD: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array,
-                          chunk: int) -> jax.Array:
-    """`masked_cross_entropy(head(h), targets, mask)` without the whole [B·T, V] logits.
+def chunked_cross_entropy(head, h_BTD: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, chunk: int,
+                          weights=()) -> jax.Array:
+    """`masked_cross_entropy(head(weights, h), targets, mask)` without the whole [B·T, V] logits.
 
-    head: [C, D] -> [C, V] (the LM head, e.g. `model.logits_from_hidden`); h [B,T,D] the hidden it
-    reads. The B·T tokens are cut into blocks of `chunk` (the last padded with weight 0) and a
-    `jax.lax.scan` over the blocks adds up each block's weighted NLL under `jax.checkpoint`: the
-    forward keeps no logits and the backward recomputes one block's at a time. fp32 like
-    `masked_cross_entropy`; equal to it up to the order of the fp32 sum. The head weight's gradient is
-    summed over the blocks in the weight's dtype (with bf16 parameters: bf16 sums of k block gradients
-    where the unchunked matmul accumulates in fp32 once).
+    head(weights, h_CD) -> logits [C, V] (the LM head with its weights passed in, see `lm_head_fn`);
+    h [B,T,D] the hidden it reads; `weights` any pytree. The B·T tokens are cut into blocks of `chunk`
+    (the last padded with weight 0) and a `jax.lax.scan` over the blocks adds up each block's weighted
+    NLL under `jax.checkpoint`: the forward keeps no logits and the backward recomputes one block's at
+    a time. fp32 like `masked_cross_entropy`; equal to it up to the order of the fp32 sum. The weights'
+    gradient is summed over the blocks in their own dtype: pass fp32 copies (as `lm_head_fn` does) to
+    sum it in fp32 and round once, as the unchunked matmul does.
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 token, got {chunk}")
@@ -116,15 +116,28 @@ def chunked_cross_entropy(head, h_BTD: jax.Array, targets_BT: jax.Array, mask_BT
     k = (n + pad) // c
 
     @jax.checkpoint
-    def block_nll(h_CD, t_C, m_C):
-        nll = optax.softmax_cross_entropy_with_integer_labels(head(h_CD).astype(_F32), t_C)
+    def block_nll(w, h_CD, t_C, m_C):
+        nll = optax.softmax_cross_entropy_with_integer_labels(head(w, h_CD).astype(_F32), t_C)
         return jnp.sum(nll * m_C)
 
     def body(total, xs):
-        return total + block_nll(*xs), None
+        return total + block_nll(weights, *xs), None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), _F32), (h_ND.reshape(k, c, D), t_N.reshape(k, c), m_N.reshape(k, c)))
     return total / jnp.maximum(jnp.sum(m_N), 1.0)
+
+
+def lm_head_fn(model: DeepSeekModel):
+    """(head, weights) for `chunked_cross_entropy`: `head(weights, h)` is `model.logits_from_hidden(h)` with
+    the LM head's variables (lm_head, or the embedding when tied) taken from `weights`, fp32 copies of
+    them; each is cast back to its own dtype at use, so the logits are the model's, bit for bit."""
+    name = "embed_tokens" if model.lm_head is None else "lm_head"
+    graphdef, w, rest = nnx.split(model, nnx.PathContains(name), ...)
+
+    def head(w32, h):
+        return nnx.merge(graphdef, jax.tree.map(lambda a, ref: a.astype(ref.dtype), w32, w), rest).logits_from_hidden(h)
+
+    return head, jax.tree.map(lambda a: a.astype(_F32), w)
 
 
 def _router_masks(out: ModelOutput, mask_BT: jax.Array, n_main_moe: int) -> list[jax.Array]:
@@ -207,13 +220,15 @@ def loss_fn(model: DeepSeekModel, batch: dict[str, jax.Array], tc: TrainConfig =
     use_mtp = tc.mtp_weight > 0 and len(model.mtp) > 0
     chunked = tc.ce_chunk > 0
     out = model.forward(ids, positions, absorbed=tc.absorbed, with_mtp=use_mtp, head=not chunked, remat=tc.remat)
+    if chunked:
+        head, head_weights = lm_head_fn(model)
 
     def ce_of(x_BTX, targets, valid):
         """CE on the first targets.shape[1] positions of `x`: the head's input [B,T,D] when chunked, else its
         logits [B,T,V]."""
         x_BTX = x_BTX[:, :targets.shape[1]]
         if chunked:
-            return chunked_cross_entropy(model.logits_from_hidden, x_BTX, targets, valid, tc.ce_chunk)
+            return chunked_cross_entropy(head, x_BTX, targets, valid, tc.ce_chunk, head_weights)
         return masked_cross_entropy(x_BTX, targets, valid)
 
     T = ids.shape[1]

@@ -26,9 +26,10 @@ GAMMA = 1e-3
 TC = TrainConfig(mtp_weight=0.3, balance_alpha=1e-2, bias_update_rate=GAMMA)
 
 
-def init_model(cfg, seed=0):
-    """Random weights without paying for a compiled init: norms 1, bias 0, matrices N(0, 1/fan_in)."""
-    abstract = nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0)))
+def init_model(cfg, seed=0, **model_kw):
+    """Random weights without paying for a compiled init: norms 1, bias 0, matrices N(0, 1/fan_in).
+    `model_kw` go to DeepSeekModel (dtype, param_dtype)."""
+    abstract = nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0), **model_kw))
     graphdef, state = nnx.split(abstract)
     rng = np.random.default_rng(seed)
 
@@ -234,12 +235,44 @@ def test_chunked_cross_entropy_matches_numpy_and_its_gradient():
     g_logits = (p - np.eye(V)[t]) * m[..., None] / m.sum()
     want_gh, want_gw = g_logits @ w.T, np.einsum("btd,btv->dv", h, g_logits)
     for chunk in (1, 3, 4, 5, 16):
-        f = jax.jit(lambda hh, ww, c=chunk: chunked_cross_entropy(lambda x: x @ ww, hh, jnp.asarray(t),
-                                                                  jnp.asarray(m), c))
+        f = jax.jit(lambda hh, ww, c=chunk: chunked_cross_entropy(lambda w_, x: x @ w_, hh, jnp.asarray(t),
+                                                                  jnp.asarray(m), c, ww))
         got, (gh, gw) = jax.value_and_grad(f, argnums=(0, 1))(jnp.asarray(h), jnp.asarray(w))
         np.testing.assert_allclose(float(got), want, rtol=1e-5, err_msg=f"chunk={chunk}")
         np.testing.assert_allclose(np.asarray(gh), want_gh, rtol=1e-4, atol=1e-6, err_msg=f"chunk={chunk}")
         np.testing.assert_allclose(np.asarray(gw), want_gw, rtol=1e-4, atol=1e-6, err_msg=f"chunk={chunk}")
+
+
+def test_chunked_cross_entropy_sums_a_bf16_head_gradient_in_fp32():
+    """bf16 parameters, 256 one-token blocks: the LM head's gradient through `lm_head_fn`'s fp32 copies is
+    within bf16 rounding of the exact one (float64 from the same bf16 values), several times closer than
+    the same blocks summed in bf16 (the weights handed to the scan as they are), which the test also
+    measures so that it shows the difference it guards. Catches `lm_head_fn` passing the bf16 weights."""
+    from models.training import lm_head_fn
+
+    bf16 = jnp.bfloat16
+    model = init_model(CFG.replace(num_mtp_layers=0), seed=3, dtype=bf16, param_dtype=bf16)
+    n = 256
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.standard_normal((1, n, CFG.hidden_size)), bf16)
+    t = jnp.asarray(rng.integers(0, CFG.vocab_size, (1, n)), jnp.int32)
+    m = jnp.ones((1, n), jnp.float32)
+    head, w32 = lm_head_fn(model)
+    w = nnx.state(model.lm_head).kernel[...]
+    assert w.dtype == bf16 and jax.tree.leaves(w32)[0].dtype == jnp.float32
+    hf, wf = np.asarray(h[0], np.float64), np.asarray(w, np.float64)
+    logits = hf @ wf
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = hf.T @ (p - np.eye(wf.shape[1])[np.asarray(t[0])]) / n  # d(mean NLL)/dW
+
+    def rel_err(weights):
+        g = jax.grad(lambda w_: chunked_cross_entropy(head, h, t, m, 1, w_))(weights)
+        g = np.asarray(jax.tree.leaves(g)[0].astype(bf16), np.float64)
+        return np.linalg.norm(g - want) / np.linalg.norm(want)
+
+    fp32_sum, bf16_sum = rel_err(w32), rel_err(jax.tree.map(lambda a: a.astype(bf16), w32))
+    assert fp32_sum < 6e-3 and bf16_sum > 2 * fp32_sum, (fp32_sum, bf16_sum)
 
 
 def _checkpoints(jaxpr: str) -> int:
