@@ -10,7 +10,7 @@ The first cell (1 x 4096, no remat, no chunking; `--dump-cell` to choose another
 XLA's dump (`--xla_dump_to`, this cell's module only): its buffer assignment, memory-usage report and
 optimized HLO go to `dump.tar.gz`, and `largest_buffers.txt` lists its biggest allocations by name.
 
-    PYTHONPATH=. python3 scripts/lab/probe_train_memory.py --out $OUT/train [--budget 420]
+    PYTHONPATH=. python3 scripts/lab/probe_train_memory.py --out $OUT/train [--budget 400]
 
 Writes under --out (at most 5 files): results.json (every cell: memory, buffers, times, errors),
 results.csv (one row a cell, `mla-bench train`'s columns), largest_buffers.txt, dump.tar.gz, log.txt.
@@ -176,7 +176,7 @@ def main():
   p.add_argument("--out", required=True)
   p.add_argument("--model", default="v2-lite", help="a `mla-bench train` model (tiny: a CPU smoke run)")
   p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--budget", type=float, default=420, help="seconds after which no new cell starts")
+  p.add_argument("--budget", type=float, default=400, help="seconds after which no new cell starts")
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--moe-impl", default="auto")
   p.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp32"))
