@@ -16,9 +16,10 @@ Routing (DEEPSEEK_SEMANTICS.md §2), always in fp32:
 Routed experts are stored stacked (`gate_proj`/`up_proj` [E, D, I], `down_proj` [E, I, D]) and run
 over the assignments sorted by expert with no token dropping. `impl` picks the grouped GEMM:
 "ragged_dot" (`jax.lax.ragged_dot`, portable, differentiable), "mgpu" (the Pallas Mosaic GPU
-kernel `ragged_dot_mgpu`, tiled for prefill; forward only, so its gradient is taken through
-`lax.ragged_dot`), "decode" (`pallas_kernels.moe_decode`: few rows per expert, each chosen
-expert's weights read once; forward only likewise; its `ragged_dot` reference off a Hopper GPU), "dense" (`moe_dense_reference`: every expert
+kernel `ragged_dot_mgpu`, tiled for prefill and training: its gradient runs through Mosaic GPU
+grouped GEMMs too, the weights' through jax's `transposed_ragged_dot`), "decode"
+(`pallas_kernels.moe_decode`: few rows per expert, each chosen expert's weights read once; forward
+only, its gradient `lax.ragged_dot`'s; its `ragged_dot` reference off a Hopper GPU), "dense" (`moe_dense_reference`: every expert
 on every token, the oracle), or "auto": on a Hopper GPU with bf16 compute, "decode" when a call
 has at most `DECODE_ROWS_PER_EXPERT` assignment rows per expert on average (decode steps) and
 "mgpu" otherwise; elsewhere "ragged_dot".
@@ -165,11 +166,14 @@ class MgpuTuning:
     grid_block_n: int = 4
 
 
-def _mgpu_forward(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, tuning: MgpuTuning) -> jax.Array:
+def _mgpu_forward(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, tuning: MgpuTuning,
+                  transpose_rhs: bool = False) -> jax.Array:
+    """lhs [M, K] @ rhs[g] per row group -> [M, N]; with ``transpose_rhs`` rhs is [G, N, K] and read
+    transposed (the gradient with respect to lhs)."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     M, Kd = lhs_MK.shape
-    N = rhs_GKN.shape[-1]
+    N = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[-1]
     dt = lhs_MK.dtype
     rhs_GKN = rhs_GKN.astype(dt)  # the kernel needs lhs.dtype == rhs.dtype
     # Pad the contraction to a multiple of block_k (zeros add nothing), N to block_n, M to block_m.
@@ -177,14 +181,38 @@ def _mgpu_forward(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Arra
     pn = -N % tuning.block_n
     pm = -M % tuning.block_m
     lhs = jnp.pad(lhs_MK, ((0, pm), (0, pk)))
-    rhs = jnp.pad(rhs_GKN, ((0, 0), (0, pk), (0, pn)))
+    rhs = jnp.pad(rhs_GKN, ((0, 0), (0, pn), (0, pk)) if transpose_rhs else ((0, 0), (0, pk), (0, pn)))
     out = ragged_dot_mgpu.ragged_dot(
         lhs, rhs, group_sizes=group_sizes_G.astype(jnp.int32), block_m=tuning.block_m, block_n=tuning.block_n,
-        block_k=tuning.block_k, max_concurrent_steps=tuning.max_concurrent_steps, grid_block_n=tuning.grid_block_n)
+        block_k=tuning.block_k, max_concurrent_steps=tuning.max_concurrent_steps, grid_block_n=tuning.grid_block_n,
+        transpose_rhs=transpose_rhs)
     # Rows past sum(group_sizes) are never written by the kernel (garbage): mask them.
     rows = jnp.arange(out.shape[0])[:, None]
     out = jnp.where(rows < jnp.sum(group_sizes_G), out, jnp.zeros((), out.dtype))
     return out[:M, :N]
+
+
+def _mgpu_weight_gradient(lhs_MK: jax.Array, g_MN: jax.Array, group_sizes_G: jax.Array,
+                          tuning: MgpuTuning) -> jax.Array:
+    """[G, K, N]: lhs[rows of g]ᵀ · g[rows of g] for each row group g (the gradient of `ragged_dot`
+    with respect to its stacked weights), through jax's Mosaic GPU `transposed_ragged_dot`. Groups
+    with no rows give zeros (the kernel skips them and leaves their output unwritten)."""
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    M, Kd = lhs_MK.shape
+    N = g_MN.shape[1]
+    # The row (contraction) axis is cut in block_k blocks at the groups' edges, masked inside the
+    # kernel; K and N pad to its output tiles.
+    pr = -M % tuning.block_k
+    pk = -Kd % tuning.block_m
+    pn = -N % tuning.block_n
+    lhs = jnp.pad(lhs_MK, ((0, pr), (0, pk)))
+    g = jnp.pad(g_MN.astype(lhs_MK.dtype), ((0, pr), (0, pn)))
+    out = transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        lhs, g, group_sizes=group_sizes_G.astype(jnp.int32), block_m=tuning.block_m, block_n=tuning.block_n,
+        block_k=tuning.block_k, max_concurrent_steps=tuning.max_concurrent_steps, grid_block_n=tuning.grid_block_n)
+    out = jnp.where((group_sizes_G > 0)[:, None, None], out, jnp.zeros((), out.dtype))
+    return out[:, :Kd, :N]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -192,8 +220,12 @@ def ragged_dot_mgpu(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Ar
                     tuning: MgpuTuning = MgpuTuning()) -> jax.Array:
     """`lax.ragged_dot` semantics through the Mosaic GPU kernel: lhs [M, K], rhs [G, K, N] -> [M, N] in lhs's dtype.
 
-    The kernel is forward only; the gradient is `lax.ragged_dot`'s (so training stays correct).
-    Rows at or past sum(group_sizes) come back as zeros.
+    Rows at or past sum(group_sizes) come back as zeros. The gradient runs through Mosaic GPU
+    kernels too: d lhs = g · rhs[group]ᵀ (`ragged_dot` with the weights read transposed) and
+    d rhs = jax's `transposed_ragged_dot` (lhsᵀ · g per group), both in lhs's dtype with fp32
+    accumulation. (`lax.ragged_dot`'s own gradient lowers on XLA:GPU to a dense masked
+    [G, rows, K] operand: 64x the weight gradient's work, and the 96 GiB buffer that kept 16 x 4096
+    tokens of V2-Lite from fitting an H200.)
     """
     return _mgpu_forward(lhs_MK, rhs_GKN, group_sizes_G, tuning)
 
@@ -204,8 +236,9 @@ def _mgpu_fwd(lhs, rhs, gs, tuning):
 
 def _mgpu_bwd(tuning, res, g):
     lhs, rhs, gs = res
-    _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b.astype(a.dtype), gs), lhs, rhs)
-    d_lhs, d_rhs = vjp(g.astype(lhs.dtype))
+    g = g.astype(lhs.dtype)
+    d_lhs = _mgpu_forward(g, rhs, gs, tuning, transpose_rhs=True)
+    d_rhs = _mgpu_weight_gradient(lhs, g, gs, tuning)
     return d_lhs, d_rhs.astype(rhs.dtype), None
 
 
