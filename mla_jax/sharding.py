@@ -97,6 +97,27 @@ def make_mesh(data: int = 1, expert: int = 1, tensor: int = 1, *, devices=None) 
                          devices=devices[:n])
 
 
+def parse_mesh(spec: str) -> dict[str, int]:
+    """'data=2,tensor=2' -> {'data': 2, 'tensor': 2} (the command lines' `--mesh`; axes left out are 1).
+    ValueError (one line, naming the spec and the bad part) for an unknown or repeated axis, a part
+    without '=', or a size that is not an integer >= 1."""
+    sizes: dict[str, int] = {}
+    for part in spec.split(","):
+        name, eq, value = part.strip().partition("=")
+        name, value = name.strip(), value.strip()
+        if not eq or not name:
+            raise ValueError(f"mesh spec {spec!r}: {part.strip()!r} is not axis=size (axes: {', '.join(MESH_AXES)}; "
+                             f"e.g. data=2,tensor=2)")
+        if name not in MESH_AXES:
+            raise ValueError(f"mesh spec {spec!r}: unknown axis {name!r} (axes: {', '.join(MESH_AXES)})")
+        if name in sizes:
+            raise ValueError(f"mesh spec {spec!r}: axis {name!r} is given twice")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"mesh spec {spec!r}: {name}={value!r} must be an integer >= 1")
+        sizes[name] = int(value)
+    return sizes
+
+
 def path_name(path: tuple) -> str:
     """('moe_layers', 'mlp', 'experts', 'gate_proj') -> 'moe_layers.mlp.experts.gate_proj'."""
     return ".".join(str(p) for p in path)

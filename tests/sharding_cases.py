@@ -33,6 +33,8 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mla_jax.sharding import make_mesh, shard_batch, shard_model  # noqa: E402
 from models import DeepSeekModel  # noqa: E402
+from models.engine import Engine  # noqa: E402
+from models.sampling import SamplingParams  # noqa: E402
 from models.training import TrainConfig, init_train_state, make_train_step  # noqa: E402
 from tests.micro_configs import MICRO_V3  # noqa: E402
 
@@ -50,6 +52,8 @@ MESHES = {  # name: (data, expert, tensor)
 # `python tests/sharding_cases.py --train-all` runs it on every mesh.
 TRAIN_MESHES = ("mixed",)
 PROMPT_LEN = 3  # greedy decoding fills positions PROMPT_LEN..T-1
+ENGINE_MESHES = ("mixed",)  # the paged-cache engine, greedy with MTP speculation (~6 s of CPU a mesh)
+ENGINE_PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 # The parameters whose placement the tests read: path in nnx.state(model) -> a short name.
 WATCHED = {
     "wq_b": ("moe_layers", "self_attn", "wq_b", "kernel"),
@@ -109,6 +113,13 @@ def _greedy(graphdef, state, ids, place):
     return ids[:, PROMPT_LEN:].tolist()
 
 
+def _engine(model, mesh):
+    """(greedy tokens with MTP speculation, the page pools' sharding after the run) of the engine."""
+    e = Engine(model, page_size=8, num_pages=16, max_batch=2, kv_dtype=jnp.float32, min_table_tokens=16, mesh=mesh)
+    r = e.generate(ENGINE_PROMPTS, max_new_tokens=6, sampling=SamplingParams(temperature=0.0), use_mtp=True)
+    return r.tokens, e.cache.pages.sharding
+
+
 def _train(model, batch):
     graphdef, state, opt_state = init_train_state(model, TX)
     state_out, _, metrics = STEP(graphdef, state, opt_state, batch)
@@ -134,6 +145,7 @@ def main(names, train=TRAIN_MESHES):
     ref_logits, ref_mtp = FORWARD(graphdef, state, ids)
     ref_tokens = _greedy(graphdef, state, ids, lambda x: x)
     _, ref_state, ref_metrics = _train(model, dict(input_ids=ids, attention_mask=mask))
+    ref_engine, _ = _engine(model, None)
     print(json.dumps(dict(case="devices", count=jax.device_count(), cpu_s=time.process_time())), flush=True)
     for name in names:
         t0 = time.process_time()
@@ -156,6 +168,10 @@ def main(names, train=TRAIN_MESHES):
                 out["odd_batch_error"] = None
             except ValueError as e:
                 out["odd_batch_error"] = str(e)
+        if name in ENGINE_MESHES:
+            tokens, pages = _engine(sharded, mesh)
+            out["engine"] = dict(tokens=tokens, ref_tokens=ref_engine, pages_replicated=pages.is_fully_replicated,
+                                 pages_devices=len(pages.device_set))
         if name in train:
             batch = shard_batch(dict(input_ids=ids, attention_mask=mask), mesh)
             s_in, s_out, metrics = _train(sharded, batch)

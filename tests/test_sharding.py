@@ -158,8 +158,20 @@ def test_placements_read_from_addressable_shards(cases, mesh):
     assert c["ids_placement"] == dict(shard_shape=[4 // dp, 8], devices=n, distinct=dp)
 
 
+def test_engine_on_a_mesh(cases):
+    """Engine(model, mesh=...) on data=2, expert=2, tensor=2: greedy generation with MTP speculation
+    through the paged latent cache gives the single-device engine's tokens (catches a cached step
+    that GSPMD partitions wrongly: the absorbed path slices W_UK / W_UV out of the head-sharded
+    wkv_b, the verify step runs the MTP block), and the page pools are on all 8 devices whole after
+    the run (the latent has no head axis: the layout the planner prices for tensor parallelism)."""
+    e = cases["mixed"]["engine"]
+    assert e["tokens"] == e["ref_tokens"] and all(len(t) == 6 for t in e["tokens"])
+    assert e["pages_replicated"] and e["pages_devices"] == 8
+
+
 def test_batch_not_divisible_by_data(cases):
-    """3 rows over data=2: jax.device_put's own error names neither the batch nor the axis."""
+    """3 rows over data=2: one line naming the batch and the mesh axis (jax.device_put's own error is
+    a paragraph about a NamedSharding's global shape)."""
     assert cases["dp2"]["odd_batch_error"] == "sharding: batch of 3 is not divisible by mesh axis data=2"
 
 
