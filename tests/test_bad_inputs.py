@@ -626,6 +626,26 @@ def test_generate_cli_bad_checkpoint(tmp_path, capsys, corrupt, match):
   assert _snapshot(d) == before
 
 
+@pytest.mark.parametrize("spec,match", [
+    pytest.param("data2", r"--mesh: mesh spec 'data2': 'data2' is not axis=size \(axes: data, expert, tensor; "
+                 r"e\.g\. data=2,tensor=2\)", id="no-equals-sign"),
+    pytest.param("model=2", r"--mesh: mesh spec 'model=2': unknown axis 'model' \(axes: data, expert, tensor\)",
+                 id="unknown-axis"),
+    pytest.param("data=2,data=4", r"--mesh: mesh spec 'data=2,data=4': axis 'data' is given twice", id="axis-twice"),
+    pytest.param("tensor=two", r"--mesh: mesh spec 'tensor=two': tensor='two' must be an integer >= 1",
+                 id="size-not-a-number"),
+    pytest.param("tensor=0", r"--mesh: mesh spec 'tensor=0': tensor='0' must be an integer >= 1", id="size-0"),
+    pytest.param("tensor=2", r"--mesh tensor=2: make_mesh: data=1 x expert=1 x tensor=2 = 2 devices does not "
+                 r"divide the 1 devices available", id="more-devices-than-there-are"),
+])
+def test_generate_cli_mesh_spec(spec, match, capsys):
+  """`mla-generate --mesh SPEC`: a spec that names no mesh this process can build is one line, before the
+  model loads."""
+  from models.generate_cli import main
+  line = _one_line_exit_2(main, ["--mesh", spec, "--max-new-tokens", "1", "--no-warmup"], capsys, "mla-generate")
+  assert re.search("^mla-generate: error: " + match + "$", line), line
+
+
 def test_generate_cli_tiny_temperature_is_greedy(capsys):
   """`mla-generate --temperature 1e-10` printed NUL bytes (NaN probabilities) and exited 0."""
   from models.generate_cli import main
