@@ -1,6 +1,6 @@
-"""Sharding as data: every parameter of a DeepSeek model placed on a device mesh by one table.
+"""Sharding as data: every parameter of a DeepSeek model placed on a device mesh by two small tables.
 
-Two tables, read in order:
+Read in order:
 - `PARAM_AXES` names the logical axes of each parameter (by the end of its path in the model:
   `("wq_b", "kernel") -> ("q_lora", "heads")`); a parameter of a scanned stack (`dense_layers`,
   `moe_layers`) gets the logical axis "layers" in front.
@@ -20,6 +20,10 @@ The default layout (mesh axes `data`, `expert`, `tensor`, see `make_mesh`):
     mesh = make_mesh(data=1, expert=2, tensor=2)
     model = shard_model(model, mesh)              # a new model; the argument is left as it was
     ids = shard_batch(ids, mesh)
+    engine = Engine(model, mesh=mesh, ...)        # models.engine: the page pools replicated on the mesh
+
+Under `jax.jit` GSPMD partitions the rest (the forward, the training step, the engine's steps); no
+module adds a sharding constraint of its own.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mla_jax.capacity import plan_kv_cache  # noqa: E402
 from mla_jax.sharding import make_mesh, shard_batch, shard_model  # noqa: E402
 from models import DeepSeekModel  # noqa: E402
 from models.engine import Engine  # noqa: E402
@@ -114,10 +115,11 @@ def _greedy(graphdef, state, ids, place):
 
 
 def _engine(model, mesh):
-    """(greedy tokens with MTP speculation, the page pools' sharding after the run) of the engine."""
-    e = Engine(model, page_size=8, num_pages=16, max_batch=2, kv_dtype=jnp.float32, min_table_tokens=16, mesh=mesh)
+    """(greedy tokens with MTP speculation, the page pools after the run) of an engine whose pool is
+    the default one (what the planner predicts) for 2 sequences of 16 tokens."""
+    e = Engine(model, page_size=8, max_batch=2, max_context=16, kv_dtype=jnp.float32, min_table_tokens=16, mesh=mesh)
     r = e.generate(ENGINE_PROMPTS, max_new_tokens=6, sampling=SamplingParams(temperature=0.0), use_mtp=True)
-    return r.tokens, e.cache.pages.sharding
+    return r.tokens, e.cache.pages
 
 
 def _train(model, batch):
@@ -170,8 +172,12 @@ def main(names, train=TRAIN_MESHES):
                 out["odd_batch_error"] = str(e)
         if name in ENGINE_MESHES:
             tokens, pages = _engine(sharded, mesh)
-            out["engine"] = dict(tokens=tokens, ref_tokens=ref_engine, pages_replicated=pages.is_fully_replicated,
-                                 pages_devices=len(pages.device_set))
+            plan = plan_kv_cache(CFG, context_len=16, num_sequences=2, page_size=8, kv_dtype="fp32", tp=tensor,
+                                 include_mtp=True, draft_tokens=3)
+            out["engine"] = dict(tokens=tokens, ref_tokens=ref_engine, pages_replicated=pages.sharding.is_fully_replicated,
+                                 pages_devices=len(pages.sharding.device_set),
+                                 shard_bytes=sorted({s.data.nbytes for s in pages.addressable_shards}),
+                                 planned_per_device_bytes=plan.mla.per_device_bytes)
         if name in train:
             batch = shard_batch(dict(input_ids=ids, attention_mask=mask), mesh)
             s_in, s_out, metrics = _train(sharded, batch)

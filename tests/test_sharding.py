@@ -169,6 +169,15 @@ def test_engine_on_a_mesh(cases):
     assert e["pages_replicated"] and e["pages_devices"] == 8
 
 
+def test_planner_per_device_bytes_are_what_each_device_holds(cases):
+    """mla_jax.capacity's per-device MLA figure under tensor parallelism (the latent replicated, every
+    device all of it) equals the bytes of each device's shard of the engine's page pools, read from
+    addressable_shards: a planner that divided the latent by tp (as for MHA heads), or an engine
+    pool of another size than planned, would differ."""
+    e = cases["mixed"]["engine"]
+    assert e["shard_bytes"] == [e["planned_per_device_bytes"]]
+
+
 def test_batch_not_divisible_by_data(cases):
     """3 rows over data=2: one line naming the batch and the mesh axis (jax.device_put's own error is
     a paragraph about a NamedSharding's global shape)."""
