@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -103,6 +104,16 @@ TX = optax.sgd(0.5)
 STEP = make_train_step(TX, TrainConfig(bias_update_rate=1e-2))
 
 
+COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def _collectives(graphdef, state, ids) -> list[list[str]]:
+    """[[op, result type], ...] of every collective in the compiled forward (a cache hit, no new
+    compile); a tuple result (several arrays reduced at once) is one entry per array."""
+    hlo = FORWARD.lower(graphdef, state, ids).compile().as_text()
+    return [[m.group(2), t] for m in COLLECTIVE.finditer(hlo) for t in re.findall(r"[a-z]+\d*\[[\d,]*\]", m.group(1))]
+
+
 def _greedy(graphdef, state, ids, place):
     """Greedy tokens for positions PROMPT_LEN..T-1 by recomputing the whole (causal) forward each step,
     the batch placed by `place`: the same [B, T] program as the forward, so no new compile (this is
@@ -163,6 +174,7 @@ def main(names, train=TRAIN_MESHES):
                    ids_placement=_placement(s_ids), tokens=_greedy(g, s_state, ids, lambda x: shard_batch(x, mesh)),
                    ref_tokens=ref_tokens,
                    placements={k: _placement(_leaf(s_state, p)) for k, p in WATCHED.items()},
+                   collectives=_collectives(g, s_state, s_ids),
                    untouched=all(len(a.sharding.device_set) == 1 for a in jax.tree.leaves(nnx.state(model))))
         if data > 1:
             try:

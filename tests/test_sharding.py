@@ -125,6 +125,23 @@ def test_forward_equals_one_device(cases, mesh):
     assert c["untouched"], "shard_model moved the model it was given"
 
 
+@pytest.mark.parametrize("mesh", ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8"))
+def test_only_activations_move(cases, mesh):
+    """Under tensor or expert parallelism alone the compiled forward moves only activations: all-reduces
+    of float arrays shaped like tokens ([B, T, D] after wo / down_proj, [T·K, ...] assignment rows of
+    the routed experts) and all-gathers of integers (the experts' group sizes). A placement GSPMD
+    cannot use where it is makes it gather in every step: with wo split by its output instead of its
+    head rows (tried), the attention outputs are all-gathered and resharded by all-to-alls; the
+    logits stay equal, the bandwidth TP was for is gone. Not asserted: under `data` the router's
+    scores and choices are all-gathered over the batch (the grouped GEMM sorts all tokens at once)."""
+    for op, t in cases[mesh]["collectives"]:
+        dims = [int(d) for d in t[t.index("[") + 1:-1].split(",") if d]
+        if op == "all-gather":
+            assert t.startswith("s32"), (op, t)
+        else:
+            assert op == "all-reduce" and dims[0] in (4, 4 * 8, 4 * 7, 4 * 8 * 2, 4 * 7 * 2), (op, t)
+
+
 @pytest.mark.parametrize("mesh", MESHES)
 def test_greedy_tokens_equal_one_device(cases, mesh):
     """Greedy decoding (recomputing the causal forward each step) gives the single-device tokens."""
