@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from mla_jax.config import ModelConfig
 from models.mlp import MLP
@@ -321,6 +323,13 @@ class MoE(nnx.Module):
     n_shared·I, or None when n_shared_experts == 0). `impl` selects the expert computation
     (see the module docstring); `return_router=True` also returns the RouterOutput over the
     flattened tokens (leading axes of x flattened into T).
+
+    `token_split` (None by default): (mesh, mesh axes of the batch), set by
+    `mla_jax.sharding.shard_model`. The routed experts then run under `jax.shard_map` over those
+    axes alone (the others stay GSPMD's): each data rank sorts and computes its own tokens'
+    experts. One sort over all tokens made every rank gather the whole batch's routing and compute
+    every token's experts. The result is the same either way (no token is dropped); a call whose
+    token count the axes do not divide runs unsplit.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
@@ -333,6 +342,7 @@ class MoE(nnx.Module):
         self.dtype = dtype
         self.impl = impl
         self.tuning = tuning
+        self.token_split = None
         self.gate = Router(cfg, rngs=rngs)
         self.experts = Experts(cfg, rngs=rngs, param_dtype=param_dtype)
         if cfg.n_shared_experts > 0:
@@ -361,13 +371,22 @@ class MoE(nnx.Module):
         if stack_index is not None:  # [L, E, ...] -> [L·E, ...]: a free reshape, no copy
             gate, up, down = (w.reshape((-1,) + w.shape[2:]) for w in (gate, up, down))
             off = stack_index * E
-        if impl == "dense":
-            if off is not None:
-                gate, up, down = (jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in (gate, up, down))
-            y_TD = moe_dense_reference(x_TD, r.weights, r.indices, gate, up, down)
-        else:
-            y_TD = moe_grouped(x_TD, r.weights, r.indices, gate, up, down, impl=impl, tuning=self.tuning,
-                               num_experts=E, expert_offset=off)
+
+        def routed(x_TD, w_TK, idx_TK, gate, up, down, off):
+            if impl == "dense":
+                if off is not None:
+                    gate, up, down = (jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in (gate, up, down))
+                return moe_dense_reference(x_TD, w_TK, idx_TK, gate, up, down)
+            return moe_grouped(x_TD, w_TK, idx_TK, gate, up, down, impl=impl, tuning=self.tuning, num_experts=E,
+                               expert_offset=off)
+
+        if self.token_split is not None:
+            mesh, axes = self.token_split
+            if x_TD.shape[0] % math.prod(mesh.shape[a] for a in axes) == 0:
+                rows, whole = PartitionSpec(axes), PartitionSpec()
+                routed = jax.shard_map(routed, mesh=mesh, in_specs=(rows, rows, rows, whole, whole, whole, whole),
+                                       out_specs=rows, axis_names=set(axes), check_vma=False)
+        y_TD = routed(x_TD, r.weights, r.indices, gate, up, down, off)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         y = y_TD.reshape(lead + (D,))

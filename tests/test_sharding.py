@@ -132,14 +132,26 @@ def test_only_activations_move(cases, mesh):
     the routed experts) and all-gathers of integers (the experts' group sizes). A placement GSPMD
     cannot use where it is makes it gather in every step: with wo split by its output instead of its
     head rows (tried), the attention outputs are all-gathered and resharded by all-to-alls; the
-    logits stay equal, the bandwidth TP was for is gone. Not asserted: under `data` the router's
-    scores and choices are all-gathered over the batch (the grouped GEMM sorts all tokens at once)."""
+    logits stay equal, the bandwidth TP was for is gone."""
     for op, t in cases[mesh]["collectives"]:
         dims = [int(d) for d in t[t.index("[") + 1:-1].split(",") if d]
         if op == "all-gather":
             assert t.startswith("s32"), (op, t)
         else:
             assert op == "all-reduce" and dims[0] in (4, 4 * 8, 4 * 7, 4 * 8 * 2, 4 * 7 * 2), (op, t)
+
+
+@pytest.mark.parametrize("mesh", ("dp2", "mixed"))
+def test_each_data_rank_routes_its_own_tokens(cases, mesh):
+    """With the batch split over `data`, the routed experts run per data rank (MoE.token_split, a
+    shard_map over `data`): nothing of the model width and no assignment list is all-gathered. One
+    sort over every token (before) all-gathered the T·K expert choices (s32[64]) and had every rank
+    compute every token's experts. (The router's top-k over [T, E] scores is still gathered.)"""
+    D, TK = 32, (4 * 8 * 2, 4 * 7 * 2)
+    for op, t in cases[mesh]["collectives"]:
+        if op == "all-gather":
+            dims = [int(d) for d in t[t.index("[") + 1:-1].split(",") if d]
+            assert dims[-1] != D and not (t.startswith("s32") and dims[0] in TK), (op, t)
 
 
 @pytest.mark.parametrize("mesh", MESHES)
