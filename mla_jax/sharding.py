@@ -204,17 +204,18 @@ def model_shardings(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Mapping =
 
 def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Mapping = DEFAULT_RULES) -> nnx.Module:
     """A copy of `model` with every variable placed on `mesh` by `rules` (`jax.device_put` with a
-    `NamedSharding`); `model` itself is left on its devices. Modules with a `token_split` attribute
-    (the MoE) get (mesh, the batch's mesh axes) there when the batch is split. ValueError (one line,
+    `NamedSharding`); `model` itself is left on its devices. Modules with a `parallel` attribute
+    (the MoE) get (mesh, the batch's mesh axes, the experts' mesh axes) there. ValueError (one line,
     naming the parameter, dim and mesh axis) when a sharded dim is not divisible, or the head count
     by the heads' axis."""
     shardings = model_shardings(model, mesh, rules)
     graphdef, state = nnx.split(model)
     sharded = nnx.merge(graphdef, jax.tree.map(_place, state, shardings))
-    # The routed experts sort each data shard's tokens on their own (models.moe.MoE.token_split).
-    axes = _mesh_axes("batch", rules, _mesh_shape(mesh))
-    split = (mesh, axes) if math.prod(_mesh_shape(mesh)[a] for a in axes) > 1 else None
-    sharded.set_attributes(token_split=split, raise_if_not_found=False)
+    # The routed experts run per data rank and per expert rank (models.moe.MoE.parallel).
+    shape = _mesh_shape(mesh)
+    batch, experts = _mesh_axes("batch", rules, shape), _mesh_axes("experts", rules, shape)
+    split = math.prod(shape[a] for a in batch + experts) > 1
+    sharded.set_attributes(parallel=(mesh, batch, experts) if split else None, raise_if_not_found=False)
     return sharded
 
 

@@ -143,7 +143,7 @@ def test_only_activations_move(cases, mesh):
 
 @pytest.mark.parametrize("mesh", ("dp2", "mixed"))
 def test_each_data_rank_routes_its_own_tokens(cases, mesh):
-    """With the batch split over `data`, the routed experts run per data rank (MoE.token_split, a
+    """With the batch split over `data`, the routed experts run per data rank (MoE.parallel, a
     shard_map over `data`): nothing of the model width and no assignment list is all-gathered. One
     sort over every token (before) all-gathered the T·K expert choices (s32[64]) and had every rank
     compute every token's experts. (The router's top-k over [T, E] scores is still gathered.)"""
@@ -152,6 +152,15 @@ def test_each_data_rank_routes_its_own_tokens(cases, mesh):
         if op == "all-gather":
             dims = [int(d) for d in t[t.index("[") + 1:-1].split(",") if d]
             assert dims[-1] != D and not (t.startswith("s32") and dims[0] in TK), (op, t)
+
+
+@pytest.mark.parametrize("mesh", ("ep2", "ep4", "ep8"))
+def test_expert_parallelism_sums_once(cases, mesh):
+    """Under `expert` alone each rank computes the assignments to its own experts (MoE.parallel, a
+    shard_map over `expert`) and the one collective of a MoE block is the all-reduce of its [B·T, D]
+    output: the scanned main MoE layers' body, then the MTP block's. GSPMD by itself (before)
+    all-gathered the group sizes and all-reduced [T·K, I] twice and [T·K, D] once a block."""
+    assert cases[mesh]["collectives"] == [["all-reduce", "f32[32,32]"], ["all-reduce", "f32[28,32]"]]
 
 
 @pytest.mark.parametrize("mesh", MESHES)
