@@ -1,4 +1,4 @@
-"""``python -m benchmarks {mla_decode,paged_gather,moe,e2e,compile_depth} [options]`` (``--help`` after the name)."""
+"""``python -m benchmarks {mla_decode,paged_gather,moe,e2e,compile_depth,train} [options]`` (``--help`` after the name)."""
 
 import sys
 
@@ -8,6 +8,7 @@ BENCHMARKS = {
     "moe": "benchmarks.bench_moe",
     "e2e": "benchmarks.bench_e2e",
     "compile_depth": "benchmarks.bench_compile_depth",
+    "train": "benchmarks.bench_train",
 }
 
 

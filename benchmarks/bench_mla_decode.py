@@ -55,6 +55,7 @@ def variants():
       "split_qk": MlaDecodeConfig(split_qk=True),
       "splits2": MlaDecodeConfig(num_splits=2),
       "splits4": MlaDecodeConfig(num_splits=4),
+      "balanced": MlaDecodeConfig(schedule="balanced"),
   }
 
 
@@ -348,7 +349,7 @@ def main(argv=None):
                  help="also time the split_qk variant everywhere and split counts at small batch")
   p.add_argument("--variants", default="",
                  help="comma-separated named configs to time beside the default "
-                      "(see variants(): plain, split_qk, splits2, splits4)")
+                      "(see variants(): plain, split_qk, splits2, splits4, balanced)")
   p.add_argument("--only-flashmla", action="store_true",
                  help="only the cells FlashMLA was measured at (plus two ragged ones)")
   p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive path")

@@ -33,6 +33,9 @@ def run(args):
 
   header, ceil = bm.begin_run("paged_gather", args.out, args.iters)
   configs = {"default": PagedGatherConfig()}
+  if fmt.quantized:  # the dequantised page stored from two staging buffers in turn (default) or one
+    configs["staging1"] = PagedGatherConfig(staging_buffers=1, max_concurrent_steps=3)
+    configs["ctas132"] = PagedGatherConfig(target_ctas=132)
   if args.sweep:
     for chunks in (2, 4, 8, 16):
       for steps in (2, 3):
@@ -55,7 +58,7 @@ def run(args):
       fn = jax.jit(lambda kv, bt, cfg=cfg: paged_gather(kv, bt, num_tokens=T, config=cfg, page_format=fmt,
                                                          impl="kernel"))
       row = dict(B=B, T=T, kv_dtype=fmt.name, config=name, chunks=plan_chunks(B, n_pages, cfg)[0],
-                 steps=cfg.max_concurrent_steps, gbytes=nbytes / 1e9, xla_us=xla_us,
+                 steps=cfg.for_format(fmt).max_concurrent_steps, gbytes=nbytes / 1e9, xla_us=xla_us,
                  xla_gbps=nbytes / xla_us / 1e3)
       try:
         got = fn(kv, table)

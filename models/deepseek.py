@@ -36,12 +36,17 @@ class ModelOutput(NamedTuple):
     hidden     [B, T, D] post-final-norm hidden
     routers    tuple of RouterOutput over tokens flattened to B·T: main MoE layers in order, then
                the MTP blocks' (when with_mtp)
+    mtp_hidden tuple over MTP depth k of [B, T-1-k, D]: what the LM head reads for depth k
+               (`shared_head_norm` of the block's output)
+    With `forward(..., head=False)` logits is None and mtp_logits empty: a loss that applies the LM
+    head itself, in chunks of tokens, reads `hidden` and `mtp_hidden` (`models.training`).
     """
 
-    logits: jax.Array
+    logits: jax.Array | None
     mtp_logits: tuple
     hidden: jax.Array
     routers: tuple
+    mtp_hidden: tuple = ()
 
 
 class DecoderLayer(nnx.Module):
@@ -104,7 +109,24 @@ def _stacked_layers(n: int, make, rngs: nnx.Rngs):
     return create(rngs)
 
 
-def _scan_layers(stack, h_BTD, positions_BT, cache, first_layer: int, absorbed: bool):
+# Rematerialisation of a scanned layer (training): what the backward pass keeps of each layer's forward.
+#   none            everything the autodiff saves (the fastest backward, the most memory)
+#   full            only the layer's input; the whole layer is recomputed in the backward
+#   dots_saveable   the outputs of every matmul (jax.checkpoint_policies.dots_saveable)
+#   dots_with_no_batch_dims_saveable   only matmuls without batch dimensions (the projections and
+#                   experts, not the attention's [B,H,T,S] scores and weighted values)
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+def remat_policy(name: str):
+    """The `jax.checkpoint` policy of a REMAT_POLICIES name (None: save nothing; "none" has no policy)."""
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {name!r}")
+    return {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable,
+            "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}.get(name)
+
+
+def _scan_layers(stack, h_BTD, positions_BT, cache, first_layer: int, absorbed: bool, remat: str = "none"):
     """Run a stacked layer over h with `jax.lax.scan` (one compiled body, whatever the depth).
 
     The cache (its stacked pools) is the scan's carry, updated in place; each layer is pointed at
@@ -117,7 +139,14 @@ def _scan_layers(stack, h_BTD, positions_BT, cache, first_layer: int, absorbed: 
     Training keeps them scanned (sliced): the gradient of a whole-stack constant would be
     accumulated at full size in every iteration; so do prefill-sized calls, whose grouped GEMM
     takes one layer's experts.
+
+    `remat` (REMAT_POLICIES, training only; a cached call must leave it "none") wraps the layer body in
+    `jax.checkpoint` with that policy, so the backward of the scan keeps per layer only what the policy
+    saves and recomputes the rest.
     """
+    policy = remat_policy(remat)
+    if remat != "none" and cache is not None:
+        raise ValueError(f"remat={remat!r} is for training; a cached (inference) call takes remat='none'")
     whole = (cache is not None and stack.is_moe
              and stack.mlp.resolved_impl(h_BTD.shape[0] * h_BTD.shape[1]) in ("decode", "decode_interpret"))
     if whole:
@@ -134,6 +163,9 @@ def _scan_layers(stack, h_BTD, positions_BT, cache, first_layer: int, absorbed: 
                                 absorbed=absorbed, stack_index=idx if whole else None)
         return (h, c), r
 
+    if remat != "none":
+        # prevent_cse=False: inside a scan the recomputation cannot be merged with the forward anyway
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     (h_BTD, cache), routers = jax.lax.scan(body, (h_BTD, cache), (state, jnp.arange(n, dtype=jnp.int32)))
     return h_BTD, routers, cache
 
@@ -225,14 +257,15 @@ class DeepSeekModel(nnx.Module):
         """Token embeddings [B,T,D] in the compute dtype."""
         return self.embed_tokens(ids_BT)
 
-    def _trunk(self, ids_BT, positions_BT, absorbed: bool, cache=None):
+    def _trunk(self, ids_BT, positions_BT, absorbed: bool, cache=None, remat: str = "none"):
         """-> (pre-final-norm hidden [B,T,D], RouterOutputs of the main MoE layers (a list), cache)."""
         h = self.embed(ids_BT)
         routers = []
         if self.dense_layers is not None:
-            h, _, cache = _scan_layers(self.dense_layers, h, positions_BT, cache, 0, absorbed)
+            h, _, cache = _scan_layers(self.dense_layers, h, positions_BT, cache, 0, absorbed, remat)
         if self.moe_layers is not None:
-            h, rs, cache = _scan_layers(self.moe_layers, h, positions_BT, cache, self.num_dense_layers, absorbed)
+            h, rs, cache = _scan_layers(self.moe_layers, h, positions_BT, cache, self.num_dense_layers, absorbed,
+                                        remat)
             routers = _unstack(rs, self.cfg.num_moe_layers)
         return h, routers, cache
 
@@ -277,13 +310,16 @@ class DeepSeekModel(nnx.Module):
         return self.mtp_head(self.mtp_block(h_BTD, next_ids_BT, positions_BT, absorbed=absorbed))
 
     def forward(self, ids_BT: jax.Array, positions_BT: jax.Array | None = None, *, absorbed: bool = False,
-                with_mtp: bool = True) -> ModelOutput:
-        """The full pass with what training needs (router decisions included); see `ModelOutput`."""
+                with_mtp: bool = True, head: bool = True, remat: str = "none") -> ModelOutput:
+        """The full pass with what training needs (router decisions included); see `ModelOutput`.
+
+        head=False skips the LM head (logits None, mtp_logits empty; the hiddens it would read are in
+        `hidden` and `mtp_hidden`). remat: the scanned layers' rematerialisation (REMAT_POLICIES)."""
         positions_BT = self._check_ids(ids_BT, positions_BT)
-        h_pre, routers, _ = self._trunk(ids_BT, positions_BT, absorbed)
+        h_pre, routers, _ = self._trunk(ids_BT, positions_BT, absorbed, remat=remat)
         h_post = self.norm(h_pre)
-        logits = self.logits_from_hidden(h_post)
-        mtp_out = []
+        logits = self.logits_from_hidden(h_post) if head else None
+        mtp_out, mtp_hidden = [], []
         if with_mtp and len(self.mtp):
             T = ids_BT.shape[1]
             if T < 2:
@@ -297,9 +333,11 @@ class DeepSeekModel(nnx.Module):
                            return_router=True)
                 if r is not None:
                     routers.append(r)
-                mtp_out.append(self.logits_from_hidden(mod.head_hidden(o)))
+                mtp_hidden.append(mod.head_hidden(o))
+                if head:
+                    mtp_out.append(self.logits_from_hidden(mtp_hidden[-1]))
                 h = o
-        return ModelOutput(logits, tuple(mtp_out), h_post, tuple(routers))
+        return ModelOutput(logits, tuple(mtp_out), h_post, tuple(routers), tuple(mtp_hidden))
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None, *, with_mtp: bool = False,
                  absorbed: bool = False, cache=None):

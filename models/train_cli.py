@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
       "steps needs a larger one to balance the experts in time)")
     a("--moe-impl", default=d.moe_impl, choices=MOE_IMPLS,
       help="expert computation; auto = dense on CPU (faster for a few small experts), else models.moe's auto")
+    a("--remat", default=d.remat, help="rematerialisation of each scanned layer: none, full, dots_saveable, "
+      "dots_with_no_batch_dims_saveable (less memory, more compute; the same gradients)")
+    a("--ce-chunk", type=int, default=d.ce_chunk,
+      help="tokens per LM-head cross-entropy chunk: the fp32 [tokens, vocab] logits never exist whole (0 = off)")
     a("--eval-every", type=int, default=d.eval_every, help="held-out evaluation period in steps (0 = only at the end)")
     a("--eval-windows", type=int, default=d.eval_windows,
       help="held-out windows per evaluation (at most what the split holds)")

@@ -27,6 +27,9 @@ settings, another corpus or another model config, and a checkpoint whose files d
 exactly as they were saved (truncated, edited, renamed, half written): each is one `TrainerError`
 naming the checkpoint directory.
 
+Precision: fp32 parameters (the master copy), compute in `TrainSettings.dtype` (bf16 casts each weight
+at use), fp32 gradients and fp32 AdamW moments (they follow the parameters); see `models.training`.
+
 Memory: before anything is allocated, `check_memory` compares what the parameters, their gradients
 and the AdamW state need (from shapes alone) with the memory there is, and refuses a model that
 cannot fit, with both figures.
@@ -99,6 +102,8 @@ class TrainSettings:
     bias_update_rate: float = 1e-2  # γ of the aux-loss-free router-bias update
     moe_impl: str = "auto"          # expert computation (MOE_IMPLS); auto = dense on CPU, else models.moe's auto
     # Not part of the trajectory: a resumed run may change them.
+    remat: str = "none"             # rematerialisation of each scanned layer (models.deepseek.REMAT_POLICIES)
+    ce_chunk: int = 0               # tokens per LM-head cross-entropy chunk (0 = the whole logits at once)
     corpus: str = DEFAULT_CORPUS    # UTF-8 text, paragraphs separated by blank lines
     eval_every: int = 100           # held-out evaluation period in steps (0 = only at the end)
     eval_windows: int = 64          # held-out windows per evaluation (at most what the split holds)
@@ -133,6 +138,13 @@ class TrainSettings:
             raise SettingError("{0} must be one of {c}, got {v!r}", "dtype", c=DTYPES, v=self.dtype)
         if self.moe_impl not in MOE_IMPLS:
             raise SettingError("{0} must be one of {c}, got {v!r}", "moe_impl", c=MOE_IMPLS, v=self.moe_impl)
+        if self.remat != "none":
+            from models.deepseek import REMAT_POLICIES  # jax, only when asked for
+
+            if self.remat not in REMAT_POLICIES:
+                raise SettingError("{0} must be one of {c}, got {v!r}", "remat", c=REMAT_POLICIES, v=self.remat)
+        if self.ce_chunk < 0:
+            raise SettingError("{0} must be >= 0 (0 = unchunked), got {v}", "ce_chunk", v=self.ce_chunk)
 
     def trajectory(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.TRAJECTORY}
@@ -260,7 +272,8 @@ def _optimizer(lr, min_lr_ratio, warmup, steps, weight_decay, clip):
 def train_config(s: TrainSettings):
     from models.training import TrainConfig
 
-    return TrainConfig(mtp_weight=s.mtp_weight, balance_alpha=s.balance_alpha, bias_update_rate=s.bias_update_rate)
+    return TrainConfig(mtp_weight=s.mtp_weight, balance_alpha=s.balance_alpha, bias_update_rate=s.bias_update_rate,
+                       remat=s.remat, ce_chunk=s.ce_chunk)
 
 
 @functools.lru_cache(maxsize=8)

@@ -17,6 +17,21 @@ State layout (flax 0.12, functional): `graphdef, state = nnx.split(model)`; `sta
 variable (Params and RouterBias). The step splits it into Params (differentiated, updated by
 optax) and the rest (RouterBias, updated by the rule above), so the optimizer cannot touch the
 bias by construction. `opt_state = tx.init(params)` (see `init_train_state`).
+
+Memory (TrainConfig): `ce_chunk` computes the LM-head cross-entropy (main head and MTP heads)
+`ce_chunk` tokens at a time under `jax.checkpoint`, so the fp32 [B·T, V] logits never exist whole:
+forward and backward hold one [ce_chunk, V] block (the backward recomputes each block's logits).
+`remat` is the scanned layers' rematerialisation policy (`models.deepseek.REMAT_POLICIES`). The
+jitted step donates the state and the optimizer state: their buffers become the updated ones (a
+caller must not read the arrays it passed in after the call).
+
+Mixed precision: this module keeps whatever dtypes the model and the optimizer were built with; it
+casts nothing. What `models.trainer` (mla-train) builds: fp32 parameters (the master copy the
+optimizer updates), compute in `TrainSettings.dtype` (bf16: each layer casts its fp32 weights to
+bf16 at use; RMSNorm, RoPE, softmax statistics, the router and the loss stay fp32), gradients in fp32
+(the parameters' dtype), AdamW moments in fp32 (optax keeps them in the parameters' dtype). A model
+built with bf16 parameters (`mla-bench train --param-dtype bf16`, as the V2-Lite measurements of
+the training-at-scale issue) has bf16 gradients and bf16 AdamW moments.
 """
 
 from __future__ import annotations
@@ -29,7 +44,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models.deepseek import DeepSeekModel, ModelOutput
+from models.deepseek import REMAT_POLICIES, DeepSeekModel, ModelOutput
 from models.moe import RouterOutput
 
 _F32 = jnp.float32
@@ -43,11 +58,17 @@ class TrainConfig:
     balance_alpha: float = 1e-4  # α of the sequence-wise balance loss
     bias_update_rate: float = 1e-3  # γ (0 for V3's last 500B tokens)
     absorbed: bool = False  # MLA path used in training (the naive one is the compute-friendly one)
+    remat: str = "none"  # rematerialisation of each scanned layer (models.deepseek.REMAT_POLICIES)
+    ce_chunk: int = 0  # tokens per LM-head cross-entropy chunk (0: the whole [B·T, V] logits at once)
 
     def __post_init__(self):
         for f in ("mtp_weight", "balance_alpha", "bias_update_rate"):
             if getattr(self, f) < 0:
                 raise ValueError(f"TrainConfig.{f}={getattr(self, f)!r}: must be >= 0")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"TrainConfig.remat={self.remat!r}: must be one of {REMAT_POLICIES}")
+        if not isinstance(self.ce_chunk, int) or self.ce_chunk < 0:
+            raise ValueError(f"TrainConfig.ce_chunk={self.ce_chunk!r}: must be an integer >= 0 (0 = unchunked)")
 
 
 # ------------------------------------------------------------------------------------------
@@ -67,6 +88,56 @@ def masked_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: 
     nll = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(_F32), targets_BT)
     m = mask_BT.astype(_F32)
     return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def chunked_cross_entropy(head, h_BTD: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, chunk: int,
+                          weights=()) -> jax.Array:
+    """`masked_cross_entropy(head(weights, h), targets, mask)` without the whole [B·T, V] logits.
+
+    head(weights, h_CD) -> logits [C, V] (the LM head with its weights passed in, see `lm_head_fn`);
+    h [B,T,D] the hidden it reads; `weights` any pytree. The B·T tokens are cut into blocks of `chunk`
+    (the last padded with weight 0) and a `jax.lax.scan` over the blocks adds up each block's weighted
+    NLL under `jax.checkpoint`: the forward keeps no logits and the backward recomputes one block's at
+    a time. fp32 like `masked_cross_entropy`; equal to it up to the order of the fp32 sum. The weights'
+    gradient is summed over the blocks in their own dtype: pass fp32 copies (as `lm_head_fn` does) to
+    sum it in fp32 and round once, as the unchunked matmul does.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1 token, got {chunk}")
+    D = h_BTD.shape[-1]
+    h_ND = h_BTD.reshape(-1, D)
+    t_N = targets_BT.reshape(-1)
+    m_N = mask_BT.reshape(-1).astype(_F32)
+    n = h_ND.shape[0]
+    c = min(chunk, n)
+    pad = -n % c
+    if pad:  # padded tokens: hidden 0 (finite logits), target 0, weight 0
+        h_ND, t_N, m_N = jnp.pad(h_ND, ((0, pad), (0, 0))), jnp.pad(t_N, (0, pad)), jnp.pad(m_N, (0, pad))
+    k = (n + pad) // c
+
+    @jax.checkpoint
+    def block_nll(w, h_CD, t_C, m_C):
+        nll = optax.softmax_cross_entropy_with_integer_labels(head(w, h_CD).astype(_F32), t_C)
+        return jnp.sum(nll * m_C)
+
+    def body(total, xs):
+        return total + block_nll(weights, *xs), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), _F32), (h_ND.reshape(k, c, D), t_N.reshape(k, c), m_N.reshape(k, c)))
+    return total / jnp.maximum(jnp.sum(m_N), 1.0)
+
+
+def lm_head_fn(model: DeepSeekModel):
+    """(head, weights) for `chunked_cross_entropy`: `head(weights, h)` is `model.logits_from_hidden(h)` with
+    the LM head's variables (lm_head, or the embedding when tied) taken from `weights`, fp32 copies of
+    them; each is cast back to its own dtype at use, so the logits are the model's, bit for bit."""
+    name = "embed_tokens" if model.lm_head is None else "lm_head"
+    graphdef, w, rest = nnx.split(model, nnx.PathContains(name), ...)
+
+    def head(w32, h):
+        return nnx.merge(graphdef, jax.tree.map(lambda a, ref: a.astype(ref.dtype), w32, w), rest).logits_from_hidden(h)
+
+    return head, jax.tree.map(lambda a: a.astype(_F32), w)
 
 
 def _router_masks(out: ModelOutput, mask_BT: jax.Array, n_main_moe: int) -> list[jax.Array]:
@@ -147,16 +218,28 @@ def loss_fn(model: DeepSeekModel, batch: dict[str, jax.Array], tc: TrainConfig =
     target = mask if target is None else target.astype(_F32) * mask
     cfg = model.cfg
     use_mtp = tc.mtp_weight > 0 and len(model.mtp) > 0
-    out = model.forward(ids, positions, absorbed=tc.absorbed, with_mtp=use_mtp)
+    chunked = tc.ce_chunk > 0
+    out = model.forward(ids, positions, absorbed=tc.absorbed, with_mtp=use_mtp, head=not chunked, remat=tc.remat)
+    if chunked:
+        head, head_weights = lm_head_fn(model)
+
+    def ce_of(x_BTX, targets, valid):
+        """CE on the first targets.shape[1] positions of `x`: the head's input [B,T,D] when chunked, else its
+        logits [B,T,V]."""
+        x_BTX = x_BTX[:, :targets.shape[1]]
+        if chunked:
+            return chunked_cross_entropy(head, x_BTX, targets, valid, tc.ce_chunk, head_weights)
+        return masked_cross_entropy(x_BTX, targets, valid)
+
     T = ids.shape[1]
-    ce = masked_cross_entropy(out.logits[:, :-1], ids[:, 1:], mask[:, :-1] * target[:, 1:])
+    ce = ce_of(out.hidden if chunked else out.logits, ids[:, 1:], mask[:, :-1] * target[:, 1:])
     mtp = jnp.zeros((), _F32)
-    for k, lg in enumerate(out.mtp_logits):
+    for k, x in enumerate(out.mtp_hidden if chunked else out.mtp_logits):
         n = T - 2 - k  # positions whose target token i+2+k exists
         if n < 1:
             continue
         valid = mask[:, :n] * mask[:, 1 + k:T - 1] * target[:, 2 + k:]
-        mtp = mtp + masked_cross_entropy(lg[:, :n], ids[:, 2 + k:], valid)
+        mtp = mtp + ce_of(x, ids[:, 2 + k:], valid)
     mtp = tc.mtp_weight * mtp / max(len(model.mtp), 1)
     n_main = cfg.num_moe_layers
     masks = _router_masks(out, mask, n_main)
@@ -186,8 +269,10 @@ def init_train_state(model: DeepSeekModel, tx: optax.GradientTransformation):
 def make_train_step(tx: optax.GradientTransformation, tc: TrainConfig = TrainConfig()):
     """A jitted `train_step(graphdef, state, opt_state, batch) -> (state, opt_state, metrics)`.
 
-    One optax update of the Params on `loss_fn`'s gradient, then the router-bias rule with the
-    step's expert loads (outside the gradient). metrics: `loss_fn`'s plus `grad_norm`.
+    `state` and `opt_state` are donated: the step writes the new ones into their buffers, so the arrays
+    passed in are deleted by the call (keep only what it returns). One optax update of the Params on
+    `loss_fn`'s gradient, then the router-bias rule with the step's expert loads (outside the gradient).
+    metrics: `loss_fn`'s plus `grad_norm`.
     """
 
     def train_step(graphdef, state, opt_state, batch):
@@ -205,7 +290,7 @@ def make_train_step(tx: optax.GradientTransformation, tc: TrainConfig = TrainCon
         metrics["grad_norm"] = optax.tree.norm(grads)
         return nnx.state(model), opt_state, metrics
 
-    return jax.jit(train_step, static_argnums=(0,))
+    return jax.jit(train_step, static_argnums=(0,), donate_argnums=(1, 2))
 
 
 def grads_of(model: DeepSeekModel, batch: dict[str, Any], tc: TrainConfig = TrainConfig()):

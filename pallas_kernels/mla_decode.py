@@ -15,6 +15,14 @@ flash-decoding loop over pages:
   B·row_blocks·num_splits fills about one wave of the GPU's SMs. With one split, the kernel
   writes the final bf16 output and natural-log LSE itself. With more, it writes fp32 partials and a
   second, small Mosaic GPU kernel combines them (still a single jitted call; no XLA math).
+* Token-balanced schedule (`MlaDecodeConfig.schedule="balanced"`, FlashMLA's tile scheduler):
+  instead of cutting each sequence on its own, the batch's pages (Σ cdiv(seq_len, 64)) are laid
+  end to end and cut into equal contiguous runs, one per CTA (and row block). A run may cross
+  sequence boundaries: the CTA reloads Q when the sequence changes and writes one fp32 partial per
+  sequence piece, into piece slot ``cta + b`` (unique: slots grow along the runs). The combine
+  reduces each sequence's pieces (``piece_start[b]``, ``num_pieces[b]``). `balanced_schedule`
+  computes the (B-sized) metadata on the device from ``seq_lens``; a page's sequence is a binary
+  search of the page prefix sums (`sequence_of_page`).
 * Warp specialisation: warpgroup 2 streams pages through the block table with TMA
   (two 73.7 KB stages; with Q resident that is 221 KB of the 227 KB of SMEM); warpgroups 0 and 1
   each own 256 of the 512 output columns (a 64x512 fp32 accumulator in one warpgroup spills).
@@ -32,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -57,6 +66,7 @@ _M_INIT = -1e30
 # bf16 tiles as wgmma wants them: 8x64 tiles, 128-byte swizzle. Also splits the 576-wide rows
 # into <=256-element TMA boxes.
 _BF16_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+SCHEDULES = ("per_sequence", "balanced")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +93,12 @@ class MlaDecodeConfig:
       kernel is purely bandwidth-bound.
     interpretable: use constructs the Pallas interpreter can run (P staged through SMEM, P·V
       accumulated with ``run_scoped`` instead of ``run_state``); slower, for interpret mode only.
+    schedule: how pages are dealt to CTAs. "per_sequence": each CTA takes one split of one
+      sequence (``num_splits`` per sequence, the same for all). "balanced": the batch's pages are
+      cut into ``target_ctas // row_blocks`` equal runs (at least ``min_pages_per_split`` pages
+      each) that may span sequences, so the longest sequence no longer sets the time for ragged
+      lengths; always followed by the combine. ``num_splits`` and ``max_splits`` do not
+      apply.
   """
 
   num_splits: int | None = None
@@ -94,8 +110,11 @@ class MlaDecodeConfig:
   combine_block_cols: int = 128
   split_qk: bool | None = None
   interpretable: bool = False
+  schedule: str = "per_sequence"
 
   def __post_init__(self):
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
     if self.num_splits is not None and not 1 <= self.num_splits <= 1024:
       raise ValueError(f"num_splits must be None or in [1, 1024], got {self.num_splits}")
     if self.target_ctas < 1:
@@ -255,6 +274,8 @@ class _Plan:
   num_splits: int        # KV splits per sequence (after dropping splits that are always empty)
   pages_per_split: int
   split_qk: bool         # the Q·Kᵀ-split body (see MlaDecodeConfig.split_qk)
+  schedule: str = "per_sequence"
+  num_ctas: int = 0      # balanced: CTAs (page runs) per row block; 0 for per_sequence
 
 
 def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConfig) -> _Plan:
@@ -268,7 +289,75 @@ def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConf
   splits = max(1, min(splits, max_pages))
   pages_per_split = pl.cdiv(max_pages, splits)
   split_qk = config.split_qk if config.split_qk is not None else s_q * heads >= ROWS
+  if config.schedule == "balanced":
+    return _Plan(row_blocks, 1, pages_per_split, split_qk, "balanced",
+                 max(1, config.target_ctas // row_blocks))
   return _Plan(row_blocks, pl.cdiv(max_pages, pages_per_split), pages_per_split, split_qk)
+
+
+class BalancedSchedule(NamedTuple):
+  """Token-balanced work split (`balanced_schedule`); every field int32.
+
+  The batch's pages in order (sequence 0's, then 1's, ...) are "global pages" g in [0, total);
+  CTA c takes the run [min(c * ppc, total), min((c + 1) * ppc, total)). Global page g belongs to
+  sequence `sequence_of_page(g, ends, 0, B - 1)`, as its page g - (ends[b] - cdiv(seq_lens[b], 64)).
+  """
+  scalars: jax.Array       # [2]: (ppc = pages per CTA, total pages)
+  ends: jax.Array          # [B]: pages of sequences 0..b (inclusive prefix sum of cdiv(len, 64))
+  cta_seqs: jax.Array      # [C, 2]: sequences of run c's first and last page (clipped to
+                           # [0, B-1]; a run without pages gets the last sequence twice)
+  piece_start: jax.Array   # [B]: piece slot of sequence b's first piece (= its first CTA + b)
+  num_pieces: jax.Array    # [B]: pieces (CTAs) sequence b's pages fall into; 0 for an empty one
+
+
+def num_piece_slots(batch: int, num_ctas: int) -> int:
+  """Piece slots of the partials buffer: slot = cta + b grows strictly along the runs, and both
+  are below their counts."""
+  return num_ctas + batch - 1
+
+
+def balanced_schedule(seq_lens, *, num_ctas: int, min_pages_per_cta: int = 1) -> BalancedSchedule:
+  """FlashMLA-style scheduler metadata, on the device (jit-friendly: static shapes, B-sized).
+
+  Args:
+    seq_lens: int32 [B] (0 allowed: an idle row gets no pages).
+    num_ctas: CTAs to share the pages (static).
+    min_pages_per_cta: a run is at least this long (each CTA pays a Q load and a partial write).
+
+  Returns:
+    `BalancedSchedule`. Pieces: CTA c's run meets sequence b in at most one contiguous piece,
+    written to slot c + b; sequence b's pieces are slots [piece_start[b], piece_start[b] +
+    num_pieces[b]), in key order.
+  """
+  B = seq_lens.shape[0]
+  pages = (seq_lens.astype(jnp.int32) + PAGE_SIZE - 1) // PAGE_SIZE              # [B]
+  ends = jnp.cumsum(pages).astype(jnp.int32)
+  total = ends[-1]
+  ppc = jnp.maximum((total + num_ctas - 1) // num_ctas, min_pages_per_cta)
+  first_cta = (ends - pages) // ppc
+  num_pieces = jnp.where(pages > 0, (ends - 1) // ppc - first_cta + 1, 0)
+  piece_start = first_cta + jnp.arange(B, dtype=jnp.int32)
+  # Per CTA, the sequences of its run's first and last page: the first b with ends[b] > g.
+  run_start = jnp.minimum(jnp.arange(num_ctas, dtype=jnp.int32) * ppc, total)
+  run_last = jnp.maximum(jnp.minimum(run_start + ppc, total) - 1, run_start)
+  seq_of = lambda g: jnp.minimum((ends[None, :] <= g[:, None]).sum(1, dtype=jnp.int32), B - 1)
+  cta_seqs = jnp.stack([seq_of(run_start), seq_of(run_last)], 1)
+  return BalancedSchedule(jnp.stack([ppc, total]).astype(jnp.int32), ends, cta_seqs,
+                          piece_start.astype(jnp.int32), num_pieces.astype(jnp.int32))
+
+
+def sequence_of_page(g, ends, lo, hi):
+  """The sequence holding global page g < total, known to be in [lo, hi]: the first b with
+  ends[b] > g, by binary search (a while loop: no step when lo == hi). ``ends`` is read as
+  ``ends[k]``: a kernel ref or an array."""
+  def step(bounds):
+    lo, hi = bounds
+    mid = lax.shift_right_logical(lo + hi, 1)
+    left = ends[mid] > g
+    return jnp.where(left, lo, mid + 1), jnp.where(left, mid, hi)
+  lo, _ = lax.while_loop(lambda bounds: bounds[0] < bounds[1], step,
+                         (jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)))
+  return lo
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,17 +388,177 @@ def _partials_out_type(B, S, Rp, dtype):
           jax.ShapeDtypeStruct((B, S, Rp), jnp.float32))
 
 
+def _main_out_geometry(B, Rp, plan_: _Plan, dtype):
+  """(out_type, grid, grid_names) of a main kernel. per_sequence: `_partials_out_type` over the grid
+  (row block g, split s, batch b). balanced: fp32 partials by piece slot (o [NS, Rp, 512], lse
+  [NS, Rp] in log2, NS = `num_piece_slots`; slots no piece takes are never written) over the grid
+  (row block g, CTA c)."""
+  if plan_.schedule == "balanced":
+    NS = num_piece_slots(B, plan_.num_ctas)
+    return ((jax.ShapeDtypeStruct((NS, Rp, LATENT_DIM), jnp.float32),
+             jax.ShapeDtypeStruct((NS, Rp), jnp.float32)), (plan_.row_blocks, plan_.num_ctas),
+            ("g", "c"))
+  return (_partials_out_type(B, plan_.num_splits, Rp, dtype),
+          (plan_.row_blocks, plan_.num_splits, B), ("g", "s", "b"))
+
+
+def _init_carry():
+  """Online-softmax state of one compute warpgroup: (acc [64, 256], m [64], l [64]) f32."""
+  return (plgpu.layout_cast(jnp.zeros((ROWS, LATENT_DIM // 2), jnp.float32), plgpu.Layout.WGMMA),
+          plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+
+
+def _normalise(acc, m, l):
+  """(o = acc / l, lse in log2). l == 0 only for rows that saw no key (an empty split or piece,
+  or a query before every key): o = 0 and lse = -inf."""
+  l_safe = jnp.where(l == 0.0, 1.0, l)
+  return acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), m + jnp.log2(l)
+
+
+class _At(NamedTuple):
+  """Where a pipeline step is: sequence b, first key of the page, seq_len; balanced only: whether
+  the page ends the CTA's piece of b, and the sequence of the run's next page."""
+  b: jax.Array
+  page_start: jax.Array
+  seq_len: jax.Array
+  last: jax.Array | None = None
+  next_b: jax.Array | None = None
+
+
+class _Steps(NamedTuple):
+  """What a main kernel's page pipeline takes from its schedule (`_schedule_steps`)."""
+  n_steps: jax.Array      # pages this CTA reads (its pipeline's dynamic grid)
+  page_of: object         # step i -> physical page id (the TMA's index map)
+  begin: object           # (i, carry) -> ((acc, m, l), _At): the body's first call
+  after_qk: object        # (i, at): called once both warpgroups' Q·Kᵀ of step i is done
+  end_step: object        # ((acc, m, l), at) -> the next carry
+  compute_context: object  # the pipeline's compute context
+
+
+def _schedule_steps(plan_: _Plan, *, q_ref, o_ref, lse_ref, bt_ref, lens_ref, q_smem, q_bar,
+                    q_free_bar, rows, cols, final, sched_refs=None) -> _Steps:
+  """The schedule's side of a main kernel (either body, either page format).
+
+  per_sequence: CTA (g, s, b) reads split s of sequence b; Q is loaded once; the context writes
+  the result (final or the split's partial) after the pipeline.
+  balanced (``sched_refs`` = a `BalancedSchedule`'s scalars, ends, cta_seqs): CTA (g, c) reads
+  run c of the batch's pages, carrying the current sequence b next to (acc, m, l). The TMA
+  warpgroup finds each page's sequence by `sequence_of_page` among the run's sequences, the
+  compute warpgroups only at a piece's end. On the last page of each piece the body writes the
+  piece's partial to slot c + b and restarts the softmax state; after that page's Q·Kᵀ (both
+  warpgroups done with Q) warpgroup 0 starts loading the next sequence's Q, which the first page
+  of the next piece waits for.
+  """
+  wg = lax.axis_index("wg")
+  if plan_.schedule == "balanced":
+    sc_ref, ends_ref, cta_ref = sched_refs
+    c = lax.axis_index("c")
+    ppc, total = sc_ref[0], sc_ref[1]
+    run_start = jnp.minimum(c * ppc, total)
+    n_steps = jnp.minimum(run_start + ppc, total) - run_start
+    # The run's first and last sequences: every search is between them, so it takes no step
+    # while the run stays in one sequence.
+    b_first, b_last = cta_ref[c, 0], cta_ref[c, 1]
+    seq_start = lambda b, seq_len: ends_ref[b] - pl.cdiv(seq_len, PAGE_SIZE)
+
+    def page_of(i):
+      gp = run_start + i
+      b = sequence_of_page(gp, ends_ref, b_first, b_last)
+      return bt_ref[b, gp - seq_start(b, lens_ref[b])]
+
+    def begin(i, carry):
+      *core, b = carry
+      gp = run_start + i
+      seq_len = lens_ref[b]
+      pos = gp - seq_start(b, seq_len)
+
+      @pl.when((i == 0) | (pos == 0))
+      def _():
+        plgpu.barrier_wait(q_bar)
+      last = (i == n_steps - 1) | (gp + 1 >= ends_ref[b])
+      next_b = lax.cond(last, lambda: sequence_of_page(gp + 1, ends_ref, b, b_last), lambda: b)
+      return tuple(core), _At(b, pos * PAGE_SIZE, seq_len, last, next_b)
+
+    def after_qk(i, at):
+      @pl.when(at.last & (i + 1 < n_steps))
+      def _():
+        plgpu.barrier_arrive(q_free_bar)
+        plgpu.barrier_wait(q_free_bar)
+
+        @pl.when(wg == 0)
+        def _():
+          plgpu.copy_gmem_to_smem(q_ref.at[at.next_b, rows], q_smem, q_bar)
+
+    def end_step(core, at):
+      @pl.when(at.last)
+      def _():
+        o, lse2 = _normalise(*core)
+        o_ref[c + at.b, rows, cols] = o
+
+        @pl.when(wg == 0)
+        def _():
+          lse_ref[c + at.b, rows] = lse2
+      # (A scalar predicate does not broadcast implicitly under warpgroup semantics.)
+      restart = lambda x0, x: jnp.where(jnp.broadcast_to(at.last, x.shape), x0, x)
+      return (*map(restart, _init_carry(), core), at.next_b)
+
+    def compute_context(pipeline):
+      @pl.when((wg == 0) & (n_steps > 0))
+      def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[b_first, rows], q_smem, q_bar)
+      pipeline((*_init_carry(), b_first))   # every piece is written by the body
+
+    return _Steps(n_steps, page_of, begin, after_qk, end_step, compute_context)
+
+  pps = plan_.pages_per_split
+  s, b = lax.axis_index("s"), lax.axis_index("b")
+  seq_len = lens_ref[b]
+  first_page = s * pps
+  table = bt_ref.at[b]
+
+  def compute_context(pipeline):
+    @pl.when(wg == 0)
+    def _():
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+    plgpu.barrier_wait(q_bar)     # one completion releases both compute warpgroups
+    o, lse2 = _normalise(*pipeline(_init_carry()))
+    if final:
+      o_ref[b, rows, cols] = o.astype(o_ref.dtype)
+    else:
+      o_ref[b, s, rows, cols] = o
+
+    @pl.when(wg == 0)
+    def _():
+      if final:
+        lse_ref[b, rows] = lse2 * _LN2
+      else:
+        lse_ref[b, s, rows] = lse2
+
+  return _Steps(jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps),
+                lambda i: table[first_page + i],
+                lambda i, carry: (carry, _At(b, (first_page + i) * PAGE_SIZE, seq_len)),
+                lambda i, at: None, lambda core, at: core, compute_context)
+
+
 def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, causal, scale,
-                     plan_: _Plan, config: MlaDecodeConfig, interpret):
+                     plan_: _Plan, config: MlaDecodeConfig, interpret, schedule=None):
   """Main kernel. With one split it returns the final (out [B, Rp, 512] bf16, lse [B, Rp] f32 ln);
-  with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in log2) for `_combine`."""
+  with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in log2) for `_combine`.
+  With ``schedule`` (plan_.schedule == "balanced": a `BalancedSchedule`'s scalars, ends and
+  cta_seqs): fp32 partials per piece slot (o [NS, Rp, 512], lse [NS, Rp] in log2, NS =
+  `num_piece_slots`); slots no piece takes are never written."""
   B, Rp, _ = q_rows.shape
-  G, S, pps = plan_.row_blocks, plan_.num_splits, plan_.pages_per_split
-  final = S == 1
+  balanced = plan_.schedule == "balanced"
+  final = plan_.num_splits == 1 and not balanced
   scale_log2 = scale * _LOG2E
-  out_type = _partials_out_type(B, S, Rp, q_rows.dtype)
+  out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
   scratch = dict(q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
                  q_bar=plgpu.Barrier())
+  if balanced:
+    # Both compute warpgroups are done reading Q (their Q·Kᵀ of a piece's last page) before
+    # warpgroup 0 reloads it for the next sequence.
+    scratch["q_free_bar"] = plgpu.Barrier(num_arrivals=2)
   if plan_.split_qk:
     # P (64 rows x 64 tokens, bf16, untiled so each warpgroup can store its 32-token half and
     # both can load all of it into registers), row maxima and row sums of each warpgroup, and
@@ -328,54 +577,34 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
   # Grid x (fastest) = row block, so the CTAs reading the same pages for different heads run
   # side by side and the second read hits L2; then the split, then the batch.
   @functools.partial(
-      plgpu.kernel, out_type=out_type, grid=(G, S, B), grid_names=("g", "s", "b"),
+      plgpu.kernel, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=3, thread_name="wg", scratch_types=scratch,
       # The split-QK buffers fill SMEM to the last KB, so give back the cross-warp reduction
       # scratch (2 KB by default); its reductions are all along rows, inside a warp.
       compiler_params=plgpu.CompilerParams(
           approx_math=True, **({"reduction_scratch_bytes": 0} if plan_.split_qk else {})),
       interpret=interpret)
-  def mla_decode_partials(q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref, q_smem, q_bar,
-                          p_smem=None, p_full_smem=None, stat_smem=None, max_bar=None, p_bar=None):
-    g, s, b = lax.axis_index("g"), lax.axis_index("s"), lax.axis_index("b")
+  def mla_decode_partials(*refs, q_smem, q_bar, q_free_bar=None, p_smem=None, p_full_smem=None,
+                          stat_smem=None, max_bar=None, p_bar=None):
+    if balanced:
+      q_ref, kv_ref, bt_ref, lens_ref, *sched_refs, o_ref, lse_ref = refs
+    else:
+      q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref = refs
+      sched_refs = None
+    g = lax.axis_index("g")
     wg = lax.axis_index("wg")
-    seq_len = lens_ref[b]
-    first_page = s * pps
-    n_pages = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
     rows = pl.ds(g * ROWS, ROWS)
     cols = pl.ds(wg * half, half)   # this compute warpgroup's share of the 512 output columns
-
-    def compute_context(pipeline):
-      @pl.when(wg == 0)
-      def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
-      plgpu.barrier_wait(q_bar)     # one completion releases both compute warpgroups
-      acc, m, l = pipeline((
-          plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), wgmma_layout),
-          plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout),
-          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)))
-      # l == 0 only for rows that saw no key (empty split): write o = 0 and lse = -inf.
-      l_safe = jnp.where(l == 0.0, 1.0, l)
-      o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      lse2 = m + jnp.log2(l)
-      if final:
-        o_ref[b, rows, cols] = o.astype(o_ref.dtype)
-      else:
-        o_ref[b, s, rows, cols] = o
-
-      @pl.when(wg == 0)
-      def _():
-        if final:
-          lse_ref[b, rows] = lse2 * _LN2
-        else:
-          lse_ref[b, s, rows] = lse2
+    steps = _schedule_steps(plan_, q_ref=q_ref, o_ref=o_ref, lse_ref=lse_ref, q_smem=q_smem,
+                            q_bar=q_bar, q_free_bar=q_free_bar, rows=rows, cols=cols, final=final,
+                            bt_ref=bt_ref, lens_ref=lens_ref, sched_refs=sched_refs)
 
     def zero_v_tail(kv, valid):
       @pl.when(valid < PAGE_SIZE)
       def _():
         # Zero this warpgroup's V columns past the sequence end (the page tail is unwritten cache).
-        for c in range(half // 64):
-          chunk = kv.at[:, pl.ds(wg * half + c * 64, 64)]
+        for k in range(half // 64):
+          chunk = kv.at[:, pl.ds(wg * half + k * 64, 64)]
           x = plgpu.load(chunk, layout=wgmma_layout)
           tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 64), 0, layout=wgmma_layout)
           chunk[...] = jnp.where(tok < valid, x, jnp.zeros_like(x))
@@ -389,8 +618,8 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
       # sums only after the other's max_bar arrival of this page (which follows the other's
       # loads of P and sums for the previous page).
       (i,) = idx
-      acc, m, l = carry
-      page_start = (first_page + i) * PAGE_SIZE
+      (acc, m, l), at = steps.begin(i, carry)
+      page_start, seq_len = at.page_start, at.seq_len
       zero_v_tail(kv, seq_len - page_start)
       tokens = pl.ds(wg * (PAGE_SIZE // 2), PAGE_SIZE // 2)
 
@@ -398,6 +627,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
         plgpu.wgmma(acc_ref, q_smem, kv.at[tokens].transpose((1, 0)))
         return acc_ref[...]
       sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE // 2), jnp.float32)) * scale_log2
+      steps.after_qk(i, at)
       key = (page_start + wg * (PAGE_SIZE // 2)
              + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE // 2), 1, layout=wgmma_layout))
       limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal,
@@ -418,7 +648,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
            + plgpu.load(stat_smem.at[1, 1], layout=row_layout))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p16 = plgpu.load(p_full_smem, layout=wgmma_layout)
-      return pv_update(acc, p16, kv.at[:, cols]), m_new, l
+      return steps.end_step((pv_update(acc, p16, kv.at[:, cols]), m_new, l), at)
 
     def pv_update(acc, p16, v):
       """acc + P·V for this warpgroup's columns; P (64 x 64 bf16) in registers."""
@@ -439,14 +669,15 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
 
     def body(idx, kv, carry):
       (i,) = idx
-      acc, m, l = carry
-      page_start = (first_page + i) * PAGE_SIZE
+      (acc, m, l), at = steps.begin(i, carry)
+      page_start, seq_len = at.page_start, at.seq_len
       zero_v_tail(kv, seq_len - page_start)
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, kv.transpose((1, 0)))
         return acc_ref[...]
       sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32)) * scale_log2
+      steps.after_qk(i, at)
       key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1,
                                                 layout=wgmma_layout)
       limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
@@ -456,19 +687,20 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
       p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return pv_update(acc, p.astype(jnp.bfloat16), kv.at[:, cols]), m_new, l
+      return steps.end_step((pv_update(acc, p.astype(jnp.bfloat16), kv.at[:, cols]), m_new, l), at)
 
-    table = bt_ref.at[b]
     plgpu.emit_pipeline_warp_specialized(
-        body_split_qk if plan_.split_qk else body, grid=(n_pages,),
+        body_split_qk if plan_.split_qk else body, grid=(steps.n_steps,),
         memory_registers=config.memory_registers, num_compute_wgs=2, wg_axis="wg",
         max_concurrent_steps=config.max_concurrent_steps,
-        compute_context=compute_context,
+        compute_context=steps.compute_context,
         in_specs=[plgpu.BlockSpec((None, PAGE_SIZE, KEY_DIM),
-                                  lambda i: (table[first_page + i], 0, 0),
+                                  lambda i: (steps.page_of(i), 0, 0),
                                   transforms=_BF16_TRANSFORMS)],
     )(kv_ref)
 
+  if balanced:
+    return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens, *schedule)
   return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens)
 
 
@@ -492,7 +724,7 @@ def _fp8_views(kv_u8):
 
 
 def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, causal, scale,
-                         plan_: _Plan, config: MlaDecodeConfig, interpret):
+                         plan_: _Plan, config: MlaDecodeConfig, interpret, schedule=None):
   """`_decode_partials` over fp8 pages. Per page the two compute warpgroups first dequantise
   (e4m3 -> f16 -> f32, times the token's block scale, -> bf16; rows past the sequence end zeroed)
   their 256 latent columns into one shared bf16 [64, 576] key buffer in wgmma tiles (warpgroup 0
@@ -501,17 +733,20 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
   the buffer until both have finished P·V. The TMA stages hold the page's bytes as they are in
   HBM (untiled boxes through free bitcast views: latent bytes, fp32 scales, bf16 rope), read
   under Lane semantics (no swizzled layout fits those strided views). SMEM: Q 72 KB + two 41 KB
-  stages  + the 72 KB buffer = 226 KB of the 227."""
+  stages  + the 72 KB buffer = 226 KB of the 227. Outputs and ``schedule`` as for
+  `_decode_partials`."""
   B, Rp, _ = q_rows.shape
-  G, S, pps = plan_.row_blocks, plan_.num_splits, plan_.pages_per_split
-  final = S == 1
+  balanced = plan_.schedule == "balanced"
+  final = plan_.num_splits == 1 and not balanced
   scale_log2 = scale * _LOG2E
-  out_type = _partials_out_type(B, S, Rp, q_rows.dtype)
+  out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
   scratch = dict(q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
                  q_bar=plgpu.Barrier(),
                  lat_smem=plgpu.SMEM((PAGE_SIZE, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
                  deq_bar=plgpu.Barrier(num_arrivals=2),
                  free_bar=plgpu.Barrier(num_arrivals=2))
+  if balanced:   # see `_decode_partials`
+    scratch["q_free_bar"] = plgpu.Barrier(num_arrivals=2)
   if config.interpretable:
     scratch["p_smem"] = plgpu.SMEM((2, ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS)
   half = LATENT_DIM // 2
@@ -520,7 +755,7 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
   lat_view, scale_view, rope_view = _fp8_views(kv_u8)
 
   @functools.partial(
-      plgpu.kernel, out_type=out_type, grid=(G, S, B), grid_names=("g", "s", "b"),
+      plgpu.kernel, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=3, thread_name="wg", scratch_types=scratch,
       # SMEM is full to the last KB: no cross-warp reduction scratch (every reduction is along
       # rows, inside a warp).
@@ -529,39 +764,20 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                            lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=interpret)
-  def mla_decode_partials_fp8(q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, o_ref, lse_ref,
-                              q_smem, q_bar, lat_smem, deq_bar, free_bar, p_smem=None):
-    g, s, b = lax.axis_index("g"), lax.axis_index("s"), lax.axis_index("b")
+  def mla_decode_partials_fp8(*refs, q_smem, q_bar, lat_smem, deq_bar, free_bar, q_free_bar=None,
+                              p_smem=None):
+    if balanced:
+      q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, *sched_refs, o_ref, lse_ref = refs
+    else:
+      q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, o_ref, lse_ref = refs
+      sched_refs = None
+    g = lax.axis_index("g")
     wg = lax.axis_index("wg")
-    seq_len = lens_ref[b]
-    first_page = s * pps
-    n_pages = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
     rows = pl.ds(g * ROWS, ROWS)
     cols = pl.ds(wg * half, half)
-
-    def compute_context(pipeline):
-      @pl.when(wg == 0)
-      def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
-      plgpu.barrier_wait(q_bar)
-      acc, m, l = pipeline((
-          plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), wgmma_layout),
-          plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout),
-          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)))
-      l_safe = jnp.where(l == 0.0, 1.0, l)
-      o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      lse2 = m + jnp.log2(l)
-      if final:
-        o_ref[b, rows, cols] = o.astype(o_ref.dtype)
-      else:
-        o_ref[b, s, rows, cols] = o
-
-      @pl.when(wg == 0)
-      def _():
-        if final:
-          lse_ref[b, rows] = lse2 * _LN2
-        else:
-          lse_ref[b, s, rows] = lse2
+    steps = _schedule_steps(plan_, q_ref=q_ref, o_ref=o_ref, lse_ref=lse_ref, q_smem=q_smem,
+                            q_bar=q_bar, q_free_bar=q_free_bar, rows=rows, cols=cols, final=final,
+                            bt_ref=bt_ref, lens_ref=lens_ref, sched_refs=sched_refs)
 
     def dequantize(lat_lo, lat_hi, scales, rope, valid):
       """This warpgroup's 256 latent columns of the page, e4m3 x scale -> bf16, into lat_smem;
@@ -602,8 +818,8 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
 
     def body(idx, lat_lo, lat_hi, scales, rope, carry):
       (i,) = idx
-      acc, m, l = carry
-      page_start = (first_page + i) * PAGE_SIZE
+      (acc, m, l), at = steps.begin(i, carry)
+      page_start, seq_len = at.page_start, at.seq_len
       # Both warpgroups are done with the previous page's buffer (their P·V) before it is rewritten.
       plgpu.barrier_arrive(free_bar)
       plgpu.barrier_wait(free_bar)
@@ -615,6 +831,7 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
         plgpu.wgmma(acc_ref, q_smem, lat_smem.transpose((1, 0)))
         return acc_ref[...]
       sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32)) * scale_log2
+      steps.after_qk(i, at)
       key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=wgmma_layout)
       limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
       sc = jnp.where(key < limit, sc, -jnp.inf)
@@ -623,19 +840,18 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
       p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return pv_update(acc, p.astype(jnp.bfloat16)), m_new, l
+      return steps.end_step((pv_update(acc, p.astype(jnp.bfloat16)), m_new, l), at)
 
-    table = bt_ref.at[b]
-    page_of = lambda i: table[first_page + i]
+    page_of = steps.page_of
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
     # The page's three parts land as they are in HBM, in untiled TMA boxes of 256 latent bytes
     # (two per row), 4 fp32 scales and 64 bf16 rope values a token (the views' offsets: byte 512
     # = fp32 word 128, byte 528 = bf16 element 264), as in `paged_gather`'s fp8 body.
     plgpu.emit_pipeline_warp_specialized(
-        body, grid=(n_pages,),
+        body, grid=(steps.n_steps,),
         memory_registers=config.memory_registers, num_compute_wgs=2, wg_axis="wg",
         max_concurrent_steps=config.max_concurrent_steps,
-        compute_context=compute_context,
+        compute_context=steps.compute_context,
         in_specs=[
             plgpu.BlockSpec((None, PAGE_SIZE, half), lambda i: (page_of(i), 0, 0), oob_fill_mode=in_bounds),
             plgpu.BlockSpec((None, PAGE_SIZE, half), lambda i: (page_of(i), 0, 1), oob_fill_mode=in_bounds),
@@ -645,17 +861,28 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
                             lambda i: (page_of(i), 0, _FP8_ROPE_COL), oob_fill_mode=in_bounds)],
     )(lat_ref, lat_ref, scale_ref, rope_ref)
 
+  if balanced:
+    return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens,
+                                   *schedule)
   return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens)
 
 
-def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret):
+def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret, pieces=None):
   """Split combine: o [B, S, Rp, 512] f32 and lse [B, S, Rp] (log2) -> out [B, Rp, 512], lse (ln).
+
+  With ``pieces`` = (piece_start [B], num_pieces [B]) int32 (the balanced schedule): o [NS, Rp,
+  512] and lse [NS, Rp] by piece slot, sequence b's pieces in slots [piece_start[b],
+  piece_start[b] + num_pieces[b]) (none for an empty sequence: out = 0, lse = -inf).
 
   One CTA per (64 rows, combine_block_cols columns, sequence) streams the S partial tiles through
   SMEM and keeps an online log-sum-exp, so no split count limits it. Empty splits carry
   lse = -inf and o = 0, so they weigh exp2(-inf) = 0.
   """
-  B, S, Rp, _ = o_part.shape
+  if pieces is None:
+    B, S, Rp, _ = o_part.shape
+  else:
+    B = pieces[0].shape[0]
+    Rp = o_part.shape[1]
   G = Rp // ROWS
   cb = config.combine_block_cols
   C = LATENT_DIM // cb
@@ -668,8 +895,19 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret)
                 jax.ShapeDtypeStruct((B, Rp), jnp.float32)),
       grid=(C, G, B), grid_names=("c", "g", "b"), interpret=interpret,
       compiler_params=plgpu.CompilerParams(approx_math=True))
-  def mla_decode_combine(o_ref, lse_ref, out_ref, lse_out_ref):
+  def mla_decode_combine(*refs):
     c, g, b = lax.axis_index("c"), lax.axis_index("g"), lax.axis_index("b")
+    if pieces is None:
+      o_ref, lse_ref, out_ref, lse_out_ref = refs
+      steps = (S,)
+      o_spec = plgpu.BlockSpec((None, None, ROWS, cb), lambda s: (b, s, g, c))
+      lse_spec = plgpu.BlockSpec((None, None, ROWS), lambda s: (b, s, g))
+    else:
+      o_ref, lse_ref, start_ref, count_ref, out_ref, lse_out_ref = refs
+      first = start_ref[b]
+      steps = (count_ref[b],)
+      o_spec = plgpu.BlockSpec((None, ROWS, cb), lambda s: (first + s, g, c))
+      lse_spec = plgpu.BlockSpec((None, ROWS), lambda s: (first + s, g))
 
     def body(idx, o_smem, lse_smem, carry):
       del idx
@@ -684,9 +922,7 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret)
       return acc, m_new, l * alpha + w
 
     acc, m, l = plgpu.emit_pipeline(
-        body, grid=(S,), max_concurrent_steps=2,
-        in_specs=[plgpu.BlockSpec((None, None, ROWS, cb), lambda s: (b, s, g, c)),
-                  plgpu.BlockSpec((None, None, ROWS), lambda s: (b, s, g))],
+        body, grid=steps, max_concurrent_steps=2, in_specs=[o_spec, lse_spec],
         init_carry=(plgpu.layout_cast(jnp.zeros((ROWS, cb), jnp.float32), wgmma_layout),
                     plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout),
                     plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)),
@@ -699,7 +935,9 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret)
     def _():
       lse_out_ref[b, pl.ds(g * ROWS, ROWS)] = (m + jnp.log2(l)) * _LN2
 
-  return mla_decode_combine(o_part, lse_part)
+  if pieces is None:
+    return mla_decode_combine(o_part, lse_part)
+  return mla_decode_combine(o_part, lse_part, *pieces)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "config", "interpret"))
@@ -718,6 +956,19 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
   if pad:
     block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
   interpret_params = plgpu.InterpretGPUParams() if interpret else None
+  partials = _decode_partials_fp8 if is_fp8_pages(kv_pages) else _decode_partials
+  if plan_.schedule == "balanced":
+    sched = balanced_schedule(seq_lens, num_ctas=plan_.num_ctas,
+                              min_pages_per_cta=config.min_pages_per_split)
+    o_part, lse_part = partials(
+        q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H, causal=causal,
+        scale=float(softmax_scale), plan_=plan_, config=config, interpret=interpret_params,
+        schedule=sched[:3])
+    out, lse = _combine(o_part, lse_part, out_dtype=q.dtype, config=config,
+                        interpret=interpret_params, pieces=(sched.piece_start, sched.num_pieces))
+    if Rp != R:
+      out, lse = out[:, :R], lse[:, :R]
+    return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
   partials = _decode_partials_fp8 if is_fp8_pages(kv_pages) else _decode_partials
   out, lse = partials(q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H,
                       causal=causal, scale=float(softmax_scale), plan_=plan_,

@@ -55,21 +55,43 @@ class PagedGatherConfig:
     chunks: CTAs per sequence (each copies a contiguous run of pages); None = enough for
       ``target_ctas`` CTAs in total.
     target_ctas: CTAs the heuristic aims for (2 per SM of a 132-SM H100/H200).
-    max_concurrent_steps: pages in flight per CTA (73.7 KB of SMEM each; at most 3 fit).
+    max_concurrent_steps: pages in flight per CTA (bf16: 73.7 KB of SMEM each, at most 3 fit;
+      fp8: 41 KB each). None = 3, or 2 for fp8 pages with two staging buffers.
+    staging_buffers: fp8 pages only: bf16 staging buffers (72 KB each) the dequantised pages are
+      stored from. With 2, a page is dequantised into one while the previous page's store still
+      reads the other; they and the 41 KB input stages must fit the 227 KB of SMEM, so 2 buffers
+      take at most 2 steps in flight. None = 2 (on an H200, 2026-12-01: 1-3 % faster than one
+      buffer with 3 steps in every cell of `mla-bench paged_gather --kv-dtype fp8`).
   """
 
   chunks: int | None = None
   target_ctas: int = 264
-  max_concurrent_steps: int = 3
+  max_concurrent_steps: int | None = None
+  staging_buffers: int | None = None
 
   def __post_init__(self):
     if self.chunks is not None and self.chunks < 1:
       raise ValueError(f"chunks must be None or >= 1, got {self.chunks}")
     if self.target_ctas < 1:
       raise ValueError(f"target_ctas must be >= 1, got {self.target_ctas}")
-    if not 2 <= self.max_concurrent_steps <= 3:
+    if self.max_concurrent_steps is not None and not 2 <= self.max_concurrent_steps <= 3:
       raise ValueError(
-          f"max_concurrent_steps must be 2 or 3 (73.7 KB of SMEM per page), got {self.max_concurrent_steps}")
+          f"max_concurrent_steps must be None, 2 or 3 (73.7 KB of SMEM per page), got {self.max_concurrent_steps}")
+    if self.staging_buffers not in (None, 1, 2):
+      raise ValueError(f"staging_buffers must be None, 1 or 2, got {self.staging_buffers}")
+    if self.staging_buffers == 2 and (self.max_concurrent_steps or 2) > 2:
+      raise ValueError("staging_buffers=2 (2 x 72 KB of SMEM) leaves room for max_concurrent_steps <= 2 "
+                       f"fp8 stages of 41 KB, got {self.max_concurrent_steps}")
+
+  def for_format(self, page_format: PageFormat) -> "PagedGatherConfig":
+    """This config with the defaults of ``page_format`` filled in (every field concrete)."""
+    if not page_format.quantized:
+      return dataclasses.replace(self, max_concurrent_steps=self.max_concurrent_steps or 3,
+                                 staging_buffers=self.staging_buffers or 1)
+    buffers = self.staging_buffers or (1 if self.max_concurrent_steps == 3 else 2)
+    return dataclasses.replace(self, staging_buffers=buffers,
+                               max_concurrent_steps=self.max_concurrent_steps or (3 if buffers == 1 else 2))
+
 
 
 def _validate(kv_pages, block_table, num_tokens, page_format, checked=False):
@@ -200,12 +222,12 @@ def _paged_gather_fp8_kernel(kv_pages, block_table, *, num_tokens, config, inter
   @functools.partial(
       plgpu.kernel, out_type=jax.ShapeDtypeStruct((B, num_tokens, KEY_DIM), jnp.bfloat16),
       grid=(chunks, B), grid_names=("c", "b"),
-      scratch_types=dict(out_smem=plgpu.SMEM((PAGE_SIZE, KEY_DIM), jnp.bfloat16)),
+      scratch_types=dict(staging=plgpu.SMEM((config.staging_buffers, PAGE_SIZE, KEY_DIM), jnp.bfloat16)),
       # Lane semantics: the strided SMEM views below (a 128-column block of a 256-byte row, a
       # scale column) have no swizzled layout for the warpgroup layout inference to pick.
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
-  def kernel(lat_ref, scale_ref, rope_ref, bt_ref, out_ref, out_smem):
+  def kernel(lat_ref, scale_ref, rope_ref, bt_ref, out_ref, staging):
     c, b = lax.axis_index("c"), lax.axis_index("b")
     base = c * per_chunk
     count = jnp.clip(n_pages - base, 0, per_chunk)
@@ -214,9 +236,12 @@ def _paged_gather_fp8_kernel(kv_pages, block_table, *, num_tokens, config, inter
     def body(idx, lat_lo, lat_hi, scales, rope):
       (i,) = idx
       page = base + i
-      # The staging buffer still feeds the previous page's store until that store has read it
+      # This page's staging buffer fed the store of page i - staging_buffers; stores complete in
+      # order, so with at most staging_buffers - 1 of them still reading SMEM that one is done
       # (the wait ends with a warpgroup barrier, so no thread writes before).
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      nbuf = config.staging_buffers
+      out_smem = staging.at[lax.rem(i, nbuf) if nbuf > 1 else 0]
+      plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)
       for k in range(_FP8_LATENT // _FP8_BLOCK):
         src = (lat_lo if k * _FP8_BLOCK < half else lat_hi).at[:, pl.ds(k * _FP8_BLOCK % half, _FP8_BLOCK)]
         q = plgpu.load(src, layout=_BLOCK_LAYOUT, optimized=False)              # uint8 [64, 128]
@@ -297,5 +322,5 @@ def paged_gather(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, c
     return paged_gather_reference(kv_pages, block_table, num_tokens=num_tokens,
                                   page_format=page_format, checked=checked)
   kernel = _paged_gather_fp8_kernel if page_format.quantized else _paged_gather_kernel
-  return kernel(kv_pages, block_table, num_tokens=num_tokens, config=config,
+  return kernel(kv_pages, block_table, num_tokens=num_tokens, config=config.for_format(page_format),
                 interpret=impl == "interpret")

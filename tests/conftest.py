@@ -1,5 +1,6 @@
-"""The command-line tools turn on jax's persistent compilation cache by default; tests keep it off
-(set it per test where a test is about it), so they never read or write a user's cache.
+"""The command-line tools turn on jax's persistent compilation cache by default; tests turn theirs off
+(MLA_JAX_COMPILE_CACHE=off; set it per test where a test is about it), so they never read or write
+a user's cache: a run compiles into a cache of its own (below).
 
 Under `-n N` (pytest-xdist's default "load" distribution) the tests go to the workers one by one,
 except those of the modules in WHOLE_MODULES, each of which runs whole on one worker (the largest
@@ -9,10 +10,40 @@ their tests. (xdist's own `--dist loadgroup` does not group under pytest 9: it r
 ids through an attribute pytest no longer reads.)"""
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("MLA_JAX_COMPILE_CACHE", "off")
+
+# One run's own compilation cache: a fresh directory per `pytest` run, shared by its xdist workers
+# and by the tools the tests start (they inherit the environment), removed at the end. Most of the
+# suite's time is XLA compiling, and many tests compile the same programs through fresh jitted
+# closures (a new Engine's steps, a CLI run in a subprocess, the other worker): they hit here.
+# Never a user's cache, and never one from an earlier run.
+_RUN_CACHE_ENV = "MLA_JAX_TEST_RUN_CACHE"
+_OWN_RUN_CACHE = _RUN_CACHE_ENV not in os.environ   # true in the process that starts the run
+if _OWN_RUN_CACHE:
+    os.environ[_RUN_CACHE_ENV] = tempfile.mkdtemp(prefix="mla-jax-test-xla-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_RUN_CACHE_ENV]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+# What is left of the compiling is mostly LLVM optimising CPU code that a test runs once or twice:
+# compile at -O0 (about a fifth less CPU time in the compile-bound modules; the few tests that run
+# long generations or training steps lose a little of it back). Tests check values, not CPU speed.
+# A flag the caller set is kept, and so is a GPU machine's compiler (its kernels should be the ones
+# users get).
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_backend_optimization_level" not in _flags and not os.path.exists("/dev/nvidiactl"):
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_backend_optimization_level=0").strip()
+
+
+def pytest_unconfigure(config):
+    if _OWN_RUN_CACHE:
+        shutil.rmtree(os.environ[_RUN_CACHE_ENV], ignore_errors=True)
+
 
 WHOLE_MODULES = frozenset({
     "test_engine.py",        # the model / spec_model / engine fixtures; steps shared by equal shapes

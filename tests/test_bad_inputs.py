@@ -213,6 +213,27 @@ def test_bench_kv_dtype(bench, known, capsys):
   assert line.endswith(f"argument --kv-dtype: invalid choice: 'fp4' (choose from {known}) (see --help)"), line
 
 
+@pytest.mark.parametrize("argv,tail", [
+    pytest.param(["--remat", "dots"], "argument --remat: invalid choice: 'dots' (choose from 'none', 'full', "
+                 "'dots_saveable', 'dots_with_no_batch_dims_saveable')", id="remat-unknown-policy"),
+    pytest.param(["--ce-chunk", "-8"], "argument --ce-chunk: must be an integer >= 0, got -8", id="ce-chunk-negative"),
+    pytest.param(["--ce-chunk", "4k"], "argument --ce-chunk: must be an integer >= 0, got '4k'", id="ce-chunk-text"),
+    pytest.param(["--batch", "0"], "argument --batch: must be an integer >= 1, got 0", id="batch-0"),
+    pytest.param(["--seq", "2"], "argument --seq: must be an integer >= 3, got 2", id="seq-too-short-for-mtp"),
+    pytest.param(["--layers", "1"], "argument --layers: must be an integer >= 2, got 1", id="layers-no-moe-layer"),
+    pytest.param(["--moe-impl", "fast"], "argument --moe-impl: invalid choice: 'fast' (choose from 'auto', "
+                 "'ragged_dot', 'mgpu', 'dense')", id="moe-impl-unknown"),
+    pytest.param(["--peak-tflops", "0"], "argument --peak-tflops: must be a positive number, got 0.0",
+                 id="peak-tflops-zero-divides"),
+])
+def test_bench_train_flags(argv, tail, capsys):
+  """`mla-bench train` with a bad flag value: one line naming the flag and the value, status 2, before any
+  model is built (each id names the value that would otherwise reach the model or the MFU division)."""
+  from benchmarks import bench_train
+  line = _one_line_exit_2(bench_train.main, argv, capsys, "python -m benchmarks train")
+  assert line.endswith(tail + " (see --help)"), line
+
+
 # ------------------------------------------------------------------------------------------------
 # Sampling: tiny temperatures and non-finite logits (models.sampling)
 # ------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import pytest
 
 from pallas_kernels import MlaDecodeConfig, mla_decode, mla_decode_reference
 from pallas_kernels import _platform
-from pallas_kernels.mla_decode import plan
+from pallas_kernels.mla_decode import balanced_schedule, num_piece_slots, plan, sequence_of_page
 
 SCALE = 192 ** -0.5
 # The two kernel bodies: plain (both warpgroups score the whole page), split-QK.
@@ -51,13 +51,21 @@ def make_inputs(batch, s_q, heads, seq_lens, max_pages, *, seed=0, spare_pages=3
           jnp.asarray(np.asarray(seq_lens, np.int32)))
 
 
-def assert_matches_reference(args, *, causal, config=None, impl):
+def assert_matches_reference(args, *, causal, config=None, impl, keyless_rows=False):
+  """``keyless_rows``: the inputs have rows with no visible key (seq_len 0, or causal with
+  seq_len < s_q), whose documented lse is -inf: then lse must be -inf exactly there."""
   out, lse = mla_decode(*args, softmax_scale=SCALE, causal=causal, config=config, impl=impl)
   ref_out, ref_lse = mla_decode_reference(*args, softmax_scale=SCALE, causal=causal)
   assert out.shape == ref_out.shape and out.dtype == jnp.bfloat16
   assert lse.shape == ref_lse.shape and lse.dtype == jnp.float32
   out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
-  assert np.isfinite(out).all() and np.isfinite(np.asarray(lse)).all()
+  assert np.isfinite(out).all()
+  if keyless_rows:
+    empty = np.isneginf(np.asarray(ref_lse))
+    assert empty.any() and (np.isneginf(np.asarray(lse)) == empty).all()
+    assert np.isfinite(np.asarray(lse)[~empty]).all()
+  else:
+    assert np.isfinite(np.asarray(lse)).all()
   rel = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
   assert rel < 1e-2, f"relative error {rel}"
   chex.assert_trees_all_close(np.asarray(lse), np.asarray(ref_lse), atol=2e-2, rtol=1e-3)
@@ -164,6 +172,104 @@ def test_interpret_handles_unpadded_block_table_width():
 
 
 # ------------------------------------------------------------------------------------------------
+# The token-balanced schedule (MlaDecodeConfig(schedule="balanced"))
+# ------------------------------------------------------------------------------------------------
+
+
+def numpy_balanced_split(seq_lens, num_ctas, min_pages):
+  """The balanced split by walking the batch's pages one by one: pages per CTA, total, per
+  global page its (sequence, page index), and per sequence the CTAs its pages fall into."""
+  pages = [-(-int(n) // 64) for n in seq_lens]
+  total = sum(pages)
+  ppc = max(-(-total // num_ctas), min_pages)
+  walk, ctas_of = [], [[] for _ in seq_lens]
+  for b, n in enumerate(pages):
+    for p in range(n):
+      cta = len(walk) // ppc
+      if cta not in ctas_of[b]:
+        ctas_of[b].append(cta)
+      walk.append((b, p))
+  return ppc, total, walk, ctas_of
+
+
+@pytest.mark.parametrize("seq_lens,num_ctas,min_pages", [
+    ([1, 64, 65, 700, 3], 5, 1),     # a run ends exactly where a sequence starts; 3 pieces
+    ([0, 640, 1, 0, 1], 5, 4),       # empty sequences at both ends and inside; the min_pages floor
+    ([0, 0], 4, 1),                  # no pages at all
+    ([130], 3, 1),                   # one sequence (the search takes no step)
+])
+def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
+  """Catches: a run boundary off by one page; a run's first or last sequence wrong; a global page
+  mapped to the wrong sequence or page (the kernel's own search, over every page); an empty sequence given a page or a piece; two
+  pieces sharing a partial slot (one sequence's partial overwriting another's); a piece range
+  that misses or double-counts one of the sequence's CTAs."""
+  lens = jnp.asarray(seq_lens, jnp.int32)
+  sched = jax.jit(balanced_schedule, static_argnames=("num_ctas", "min_pages_per_cta"))(
+      lens, num_ctas=num_ctas, min_pages_per_cta=min_pages)
+  ppc, total, walk, ctas_of = numpy_balanced_split(seq_lens, num_ctas, min_pages)
+  assert [int(x) for x in sched.scalars] == [ppc, total]
+  B = len(seq_lens)
+  g = jnp.arange(total, dtype=jnp.int32)
+  seq = jax.vmap(lambda x: sequence_of_page(x, sched.ends, 0, B - 1))(g)
+  pos = g - (sched.ends[seq] - (lens[seq] + 63) // 64)
+  np.testing.assert_array_equal(np.stack([seq, pos], 1), np.asarray(walk, np.int32).reshape(total, 2))
+  for c in range(num_ctas):   # each run's first and last sequence (where the kernel's searches start)
+    if c * ppc < total:
+      run_end = min((c + 1) * ppc, total)
+      assert [int(x) for x in sched.cta_seqs[c]] == [walk[c * ppc][0], walk[run_end - 1][0]]
+  slots = []
+  for b, ctas in enumerate(ctas_of):
+    assert int(sched.num_pieces[b]) == len(ctas)
+    if ctas:   # the kernel writes CTA c's piece of b to slot c + b: the range must list exactly those
+      want = [c + b for c in ctas]
+      start = int(sched.piece_start[b])
+      assert list(range(start, start + len(ctas))) == want
+      slots += want
+  assert len(set(slots)) == len(slots)
+  assert all(0 <= x < num_piece_slots(B, num_ctas) for x in slots)
+  assert all(c < num_ctas for ctas in ctas_of for c in ctas)
+
+
+# (heads, s_q, causal, seq_lens, max_pages, target_ctas, split_qk). Pages [1, 1, 2, 3, 1] in runs of
+# 2: runs that end exactly where a sequence starts, seq 3 in two pieces (the first ends, the second
+# starts, mid-sequence), and, causal with s_q = 2, a length-1 sequence whose first query sees no
+# key. Pages [1, 0, 2, 1] in runs of 2: both runs cross a sequence boundary, one an empty sequence.
+BALANCED_CASES = [
+    (16, 2, True, [1, 64, 65, 190, 3], 3, 4, False),
+    (64, 1, False, [1, 0, 65, 3], 2, 2, True),
+]
+
+
+@pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,target_ctas,split_qk", BALANCED_CASES)
+def test_interpret_balanced_matches_reference(heads, s_q, causal, seq_lens, max_pages, target_ctas,
+                                              split_qk):
+  """Catches, with runs that cross sequence boundaries: Q not reloaded (or reloaded too early)
+  for the next sequence; softmax state carried from one sequence into the next; a partial flushed
+  to the wrong slot or not at all; the combine reading another sequence's pieces; a page past a
+  sequence end or an unused slot reaching P·V (NaN-poisoned); seq_len 0 not giving out 0, lse -inf."""
+  args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 2)
+  config = MlaDecodeConfig(schedule="balanced", target_ctas=target_ctas, min_pages_per_split=1,
+                           split_qk=split_qk)
+  assert_matches_reference(args, causal=causal, config=config, impl="interpret",
+                           keyless_rows=min(seq_lens) < (s_q if causal else 1))
+
+
+@pytest.mark.parametrize("heads,s_q,variant", [(16, 1, "plain"), (64, 1, "split_qk"),
+                                               (128, 2, "plain")])
+def test_balanced_cross_lowers_for_sm90(heads, s_q, variant):
+  """Catches a balanced-body construct Mosaic GPU cannot lower for sm_90 (a scalar-predicate
+  select, a conditional Q reload, a dynamic-grid combine), which interpret mode accepts."""
+  config = MlaDecodeConfig(schedule="balanced", split_qk=variant == "split_qk")
+  lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=config)
+  assert _mosaic_calls(lowered) == 2     # the main kernel and the piece combine
+
+
+def test_bad_schedule_raises():
+  with pytest.raises(ValueError, match="schedule must be one of .* got 'even'"):
+    MlaDecodeConfig(schedule="even")
+
+
+# ------------------------------------------------------------------------------------------------
 # Cross-lowering (CPU): every production configuration through the full Mosaic GPU lowering.
 # ------------------------------------------------------------------------------------------------
 
@@ -181,10 +287,29 @@ def _mosaic_calls(lowered) -> int:
   return len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text()))
 
 
-@pytest.mark.parametrize("heads", [16, 32, 64, 128])
-@pytest.mark.parametrize("s_q", [1, 2, 3, 4])
-@pytest.mark.parametrize("batch,max_pages", [(1, 1024), (8, 130), (256, 512)])
-@pytest.mark.parametrize("causal", [False, True])
+# Every (H, s_q, causal) the kernel supports, each at one of three launch shapes: B=1 with 1024
+# pages (many KV splits, the combine kernel), B=8 with 130 pages (a few splits, a partial last
+# split) and B=256 (no split: the main kernel writes the output; the largest grid). The shape
+# rotates so that every H and every s_q meets all three (the body depends on H, s_q and causal;
+# the launch shape decides the split plan and the grid). 32 lowerings instead of the 96 of the
+# full product, which cost a minute of CI for nothing the rotation misses.
+_LAUNCH_SHAPES = [(1, 1024), (8, 130), (256, 512)]
+CROSS_LOWERING_CASES = [
+    (heads, s_q, *_LAUNCH_SHAPES[(h_i + s_q + 2 * causal) % 3], causal)
+    for h_i, heads in enumerate((16, 32, 64, 128)) for s_q in (1, 2, 3, 4) for causal in (False, True)]
+
+
+def test_cross_lowering_cases_cover_every_shape_pairing():
+  """Guards the rotation above: dropping a launch shape for some H or s_q (a bad modulus) would
+  leave, e.g., H=128 never lowered with the combine kernel."""
+  for i, name in ((0, "heads"), (1, "s_q")):
+    for value in {c[i] for c in CROSS_LOWERING_CASES}:
+      shapes = {(c[2], c[3]) for c in CROSS_LOWERING_CASES if c[i] == value}
+      assert shapes == set(_LAUNCH_SHAPES), (name, value, shapes)
+  assert len({(c[0], c[1], c[4]) for c in CROSS_LOWERING_CASES}) == 32
+
+
+@pytest.mark.parametrize("heads,s_q,batch,max_pages,causal", CROSS_LOWERING_CASES)
 def test_cross_lowers_for_sm90(heads, s_q, batch, max_pages, causal):
   lowered = lower_for_sm90(batch, s_q, heads, max_pages, causal=causal)
   # one Mosaic GPU call for the main kernel, and one more for the combine when KV is split
@@ -369,3 +494,22 @@ def test_gpu_large_batch(heads, s_q, causal):
   config = MlaDecodeConfig()
   assert plan(batch, s_q, heads, args[2].shape[1], config).num_splits == 1
   assert_matches_reference(args, causal=causal, impl="kernel", config=config)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("heads,s_q,causal", [(16, 1, False), (64, 1, False), (64, 2, True),
+                                              (128, 1, False), (128, 4, True)])
+def test_gpu_balanced_matches_reference(heads, s_q, causal, variant):
+  """The balanced schedule on the GPU, ragged lengths (an empty sequence, a length-1 one, one
+  that fills the table) over the default 132 CTAs. Catches what the interpreter cannot: the next
+  sequence's Q landing while the other warpgroup's Q·Kᵀ still reads the old one, a flush of a
+  piece racing the pipeline, a page read past the schedule's runs."""
+  rng = np.random.default_rng(heads + 10 * s_q)
+  batch = 40
+  lengths = _ragged_lengths(rng, batch, 700, s_q)
+  lengths[0], lengths[1], lengths[-1] = 0, 1, 1400
+  args = make_inputs(batch, s_q, heads, lengths, -(-1400 // 64), seed=int(rng.integers(1 << 30)))
+  assert_matches_reference(args, causal=causal, impl="kernel", keyless_rows=True,
+                           config=MlaDecodeConfig(schedule="balanced", **variant))

@@ -89,12 +89,23 @@ def test_interpret_matches_reference(heads, s_q, causal, seq_lens, max_pages, nu
   assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
-def _lower(batch, s_q, heads, max_pages, *, causal):
+def test_interpret_balanced_matches_reference():
+  """Guards the balanced schedule's fp8 body: pages [2, 2, 1] in runs of 3 (seq 1 in two pieces,
+  both runs crossing a sequence boundary), so a Q not reloaded for the next sequence, softmax
+  state carried across sequences, a piece written to the wrong slot, or a 0xFF byte of another
+  sequence's page shows."""
+  lens = [65, 70, 3]
+  args = make_fp8_inputs(len(lens), 1, 16, lens, 2, seed=9)
+  config = MlaDecodeConfig(schedule="balanced", target_ctas=2, min_pages_per_split=1)
+  assert_matches_reference(args, causal=False, config=config, impl="interpret")
+
+
+def _lower(batch, s_q, heads, max_pages, *, causal, config=None):
   shapes = (jax.ShapeDtypeStruct((batch, s_q, heads, 576), jnp.bfloat16),
             jax.ShapeDtypeStruct((batch * max_pages, 64, 656), jnp.uint8),
             jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
             jax.ShapeDtypeStruct((batch,), jnp.int32))
-  fn = lambda *a: mla_decode(*a, softmax_scale=SCALE, causal=causal, impl="kernel")
+  fn = lambda *a: mla_decode(*a, softmax_scale=SCALE, causal=causal, config=config, impl="kernel")
   return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
 
 
@@ -106,6 +117,14 @@ def test_cross_lowers_for_sm90(heads, s_q, batch, max_pages):
   lowered = _lower(batch, s_q, heads, max_pages, causal=s_q > 1)
   kernels = 1 if plan(batch, s_q, heads, max_pages, MlaDecodeConfig()).num_splits == 1 else 2
   assert len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text())) == kernels
+
+
+@pytest.mark.parametrize("heads,s_q", [(128, 2)])
+def test_balanced_cross_lowers_for_sm90(heads, s_q):
+  """Guards: the balanced fp8 body over 227 KB of SMEM (its extra barrier next to the full
+  buffers) or using a construct Lane semantics cannot lower."""
+  lowered = _lower(8, s_q, heads, 130, causal=s_q > 1, config=MlaDecodeConfig(schedule="balanced"))
+  assert len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text())) == 2
 
 
 requires_hopper = pytest.mark.skipif(not _platform.default_backend_is_hopper(),
@@ -124,3 +143,17 @@ def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_s
   args = make_fp8_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64), seed=int(rng.integers(1 << 30)))
   assert_matches_reference(args, causal=causal, config=MlaDecodeConfig(num_splits=num_splits),
                            impl="kernel")
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("heads,s_q,causal", [(64, 1, False), (128, 2, True)])
+def test_gpu_balanced_matches_reference(heads, s_q, causal):
+  """The balanced schedule's fp8 body on the GPU over ragged lengths and the default 132 CTAs
+  (runs crossing sequence boundaries; races the interpreter cannot show)."""
+  rng = np.random.default_rng(heads + s_q)
+  lengths = np.clip(rng.normal(700, 350, 40), s_q, 1400).astype(int).tolist()
+  lengths[0], lengths[-1] = max(s_q, 1), 1400
+  args = make_fp8_inputs(40, s_q, heads, lengths, -(-1400 // 64), seed=int(rng.integers(1 << 30)))
+  assert_matches_reference(args, causal=causal, impl="kernel",
+                           config=MlaDecodeConfig(schedule="balanced"))

@@ -88,34 +88,50 @@ def test_fp8_reference_matches_numpy():
   np.testing.assert_array_equal(np.asarray(got), fp8_values(numpy_gather(kv, table, 150), dtype=ml_dtypes.bfloat16))
 
 
-@pytest.mark.parametrize("batch,max_pages,num_tokens,chunks,steps", [
-    (2, 3, 150, None, 3),   # cut inside the 3rd page, 3 pages in flight
-    (3, 2, 128, 2, 2),      # whole pages, one page a CTA
-    (1, 2, 1, None, 2),     # a single token
+@pytest.mark.parametrize("batch,max_pages,num_tokens,chunks,steps,staging", [
+    (2, 3, 150, None, 3, 1),   # cut inside the 3rd page, 3 pages in flight
+    (3, 2, 128, 2, 2, 1),      # whole pages, one page a CTA
+    (1, 2, 1, None, 2, 1),     # a single token
+    (2, 5, 300, 1, 2, 2),      # two staging buffers taken in turn over 5 pages, the last one cut
 ])
-def test_fp8_interpret_is_bit_exact(batch, max_pages, num_tokens, chunks, steps):
+def test_fp8_interpret_is_bit_exact(batch, max_pages, num_tokens, chunks, steps, staging):
   """The fp8 body against the numpy decode, bit for bit (NaN where NaN). Guards: a scale applied
   to the wrong 128-block or token, the rope read from the wrong bytes (elements 264.. of the bf16
   view), the two latent halves swapped, a last page stored whole past num_tokens, a table entry
-  past num_tokens followed (they are -1 here), a page no sequence owns read (it is all NaN)."""
+  past num_tokens followed (they are -1 here), a page no sequence owns read (it is all NaN), and
+  with two staging buffers a page stored from the other page's buffer."""
   kv, table = make_fp8_inputs(batch, max_pages, seed=num_tokens)
   used = -(-num_tokens // 64)
   table = table.at[:, used:].set(-1)
   got = paged_gather(kv, table, num_tokens=num_tokens, page_format=FP8_PAGES, impl="interpret",
-                     config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps))
+                     config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps, staging_buffers=staging))
   assert got.shape == (batch, num_tokens, 576) and got.dtype == jnp.bfloat16
   want = fp8_values(numpy_gather(kv, table[:, :used], num_tokens), dtype=ml_dtypes.bfloat16)
   assert not np.isnan(want.astype(np.float32)).any()
   np.testing.assert_array_equal(np.asarray(got), want)
 
 
-@pytest.mark.parametrize("batch,max_pages,num_tokens", [(1, 512, 32768), (128, 64, 4096), (3, 7, 100)])
-def test_fp8_cross_lowers_for_sm90(batch, max_pages, num_tokens):
+@pytest.mark.parametrize("batch,max_pages,num_tokens,staging", [(1, 512, 32768, 1), (128, 64, 4096, 1),
+                                                                (3, 7, 100, 1), (128, 64, 4096, 2)])
+def test_fp8_cross_lowers_for_sm90(batch, max_pages, num_tokens, staging):
+  """Guards the SMEM budget too: two staging buffers with three 41 KB stages would not fit."""
   shapes = (jax.ShapeDtypeStruct((batch * max_pages, 64, 656), jnp.uint8),
             jax.ShapeDtypeStruct((batch, max_pages), jnp.int32))
-  fn = lambda kv, bt: paged_gather(kv, bt, num_tokens=num_tokens, page_format=FP8_PAGES, impl="kernel")
+  config = PagedGatherConfig(staging_buffers=staging, max_concurrent_steps=3 if staging == 1 else 2)
+  fn = lambda kv, bt: paged_gather(kv, bt, num_tokens=num_tokens, page_format=FP8_PAGES, impl="kernel",
+                                   config=config)
   text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 1 and "ui8" in text
+
+
+def test_config_defaults_per_page_format():
+  """fp8 pages default to two staging buffers and 2 steps (3 steps would not fit beside them);
+  bf16 pages to 3 steps. Guards a default that overflows SMEM or drops the faster fp8 schedule."""
+  assert (PagedGatherConfig().for_format(FP8_PAGES).staging_buffers,
+          PagedGatherConfig().for_format(FP8_PAGES).max_concurrent_steps) == (2, 2)
+  assert PagedGatherConfig().for_format(BF16_PAGES).max_concurrent_steps == 3
+  assert PagedGatherConfig(max_concurrent_steps=3).for_format(FP8_PAGES).staging_buffers == 1
+  assert PagedGatherConfig(staging_buffers=1).for_format(FP8_PAGES).max_concurrent_steps == 3
 
 
 def test_plan_chunks():
@@ -137,8 +153,12 @@ def test_invalid_inputs_raise():
     paged_gather(kv.astype(jnp.float32), table, num_tokens=10, impl="interpret")
   with pytest.raises(ValueError, match="block_table must be int32"):
     paged_gather(kv, table.astype(jnp.int16), num_tokens=10, impl="interpret")
-  with pytest.raises(ValueError, match="max_concurrent_steps must be 2 or 3 .* got 4"):
+  with pytest.raises(ValueError, match="max_concurrent_steps must be None, 2 or 3 .* got 4"):
     PagedGatherConfig(max_concurrent_steps=4)
+  with pytest.raises(ValueError, match="staging_buffers must be None, 1 or 2, got 3"):
+    PagedGatherConfig(staging_buffers=3)
+  with pytest.raises(ValueError, match="leaves room for max_concurrent_steps <= 2 fp8 stages of 41 KB, got 3"):
+    PagedGatherConfig(staging_buffers=2, max_concurrent_steps=3)
 
 
 def test_page_format_hook():
@@ -179,10 +199,10 @@ def test_gpu_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps):
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("batch,max_pages,num_tokens", [(32, 64, 4096), (5, 40, 2500), (1, 300, 1)])
-@pytest.mark.parametrize("chunks,steps", [(None, 3), (7, 2)])
-def test_gpu_fp8_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps):
+@pytest.mark.parametrize("chunks,steps,staging", [(None, 3, 1), (7, 2, 1), (None, 2, 2), (7, 2, 2)])
+def test_gpu_fp8_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps, staging):
   kv, table = make_fp8_inputs(batch, max_pages, seed=batch)
   got = paged_gather(kv, table, num_tokens=num_tokens, page_format=FP8_PAGES, impl="kernel",
-                     config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps))
+                     config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps, staging_buffers=staging))
   want = fp8_values(numpy_gather(kv, table, num_tokens), dtype=ml_dtypes.bfloat16)
   np.testing.assert_array_equal(np.asarray(got), want)

@@ -105,6 +105,9 @@ def test_resume_refuses_other_arguments_and_clobbering(tmp_path, capsys):
     (["--warmup", "900"], "--warmup (900) must be smaller than --steps"),
     (["--bogus"], "unrecognized arguments"),
     (["--seq-len", "2"], "--seq-len must be >= 3"),
+    (["--remat", "dots"],
+     "--remat must be one of ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'), got 'dots'"),
+    (["--ce-chunk", "-1"], "--ce-chunk must be >= 0 (0 = unchunked), got -1"),
 ])
 def test_bad_arguments_one_line_exit_2(tmp_path, capsys, argv, needle):
     assert main(["--out", str(tmp_path / "o"), *argv]) == 2
