@@ -134,8 +134,10 @@ def _engine(model, mesh):
 
 
 def _train(model, batch):
+    """(state before, state after, metrics) of one step. The step donates the state it is given (its
+    buffers are the model's own), so it gets a copy: `model` stays usable for the next mesh."""
     graphdef, state, opt_state = init_train_state(model, TX)
-    state_out, _, metrics = STEP(graphdef, state, opt_state, batch)
+    state_out, _, metrics = STEP(graphdef, jax.tree.map(lambda a: a.copy(), state), opt_state, batch)
     return state, state_out, metrics
 
 
