@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mla_jax.kv_cache import KVCache, CacheFullError, PagedLatentCache, decode_kernel_reads, next_pow2
 from models.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
@@ -209,6 +210,12 @@ class Engine:
       min_table_tokens: the smallest block-table width, in tokens (rounded up to whole pages);
         widths are powers of two of pages. Larger minimums mean fewer compilations and a little
         padded work on short sequences.
+      mesh: a `jax.sharding.Mesh` (`mla_jax.sharding.make_mesh`): the weights are placed by
+        `mla_jax.sharding.shard_model` (nothing moves for a model already sharded on it) and the page
+        pools replicated on every device of the mesh (the latent has no head axis); the steps are
+        partitioned by GSPMD. Not yet: the batch split over `data` (a pool per data rank), and the
+        Pallas kernels under `shard_map` (GSPMD does not partition a kernel; on CPU the engine's
+        jnp path and `lax.ragged_dot` are what runs, checked on 8 CPU devices; no GPU mesh has run).
 
     `compile_log`: one dict per step that compiled, {"step", "bucket", "seconds"} (wall time of that
     call, compilation included).
@@ -217,7 +224,7 @@ class Engine:
     def __init__(self, model, page_size: int = 64, num_pages: int | None = None, max_batch: int = 8,
                  prefill_chunk: int = 512, naive_threshold: int = 256, attention_impl: str = "auto",
                  max_context: int | None = None, kv_dtype=jnp.bfloat16, cache_fill: float = 0.0,
-                 min_chunk_bucket: int = 16, min_table_tokens: int = 256):
+                 min_chunk_bucket: int = 16, min_table_tokens: int = 256, mesh=None):
         cfg = model.cfg
         for name, v, lo in (("page_size", page_size, 1), ("max_batch", max_batch, 1),
                             ("prefill_chunk", prefill_chunk, 1), ("naive_threshold", naive_threshold, 1),
@@ -252,6 +259,11 @@ class Engine:
         self.max_context = max_context
         self.min_chunk_bucket = min_chunk_bucket
         self.min_table_pages = -(-min_table_tokens // page_size)
+        if mesh is not None:
+            from mla_jax.sharding import shard_model
+
+            model = shard_model(model, mesh)  # a no-op for a model already placed on this mesh
+        self.mesh = mesh
         graphdef, self.state = nnx.split(model)
         self.steps = compiled_steps(graphdef)
         self.cache = PagedLatentCache(
@@ -259,6 +271,10 @@ class Engine:
             page_size=page_size, latent_dim=cfg.latent_dim, max_seqs=max_batch,
             max_pages_per_seq=next_pow2(pages_per_seq), dtype=kv_dtype, fill_value=cache_fill,
             rope_dim=cfg.qk_rope_head_dim)
+        if mesh is not None:
+            # The latent has no head axis to split: every device of the mesh holds every page (a pool
+            # per data-parallel rank is the DP-attention layout, not built yet).
+            self.cache.pages = jax.device_put(self.cache.pages, NamedSharding(mesh, PartitionSpec()))
         self.attention_impl = attention_impl
         self.kernel_impl = self._resolve_kernel(attention_impl)
         self.compile_log: list[dict] = []

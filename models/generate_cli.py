@@ -60,6 +60,10 @@ def _build_parser() -> _Parser:
                    help="skip the silent warm-up run that compiles the steps before the timed one")
     p.add_argument("--attention-impl", choices=("auto", "reference", "kernel", "interpret"), default="auto",
                    help="decode attention: Pallas kernel on Hopper (auto) or the jnp reference")
+    p.add_argument("--mesh", metavar="SPEC",
+                   help="a device mesh, e.g. data=2,tensor=2 (axes data, expert, tensor; left out = 1): weights "
+                        "placed by mla_jax.sharding's table (heads and MLP width over tensor, routed experts "
+                        "over expert), the cache replicated on every device (default: one device)")
     from models import compile_cache
     compile_cache.add_argument(p)
     return p
@@ -191,7 +195,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:  # name the flag the user typed
             msg = str(e).replace("SamplingParams.", "--").replace("top_", "top-").replace("min_p", "min-p")
             raise _UsageError(msg) from None
+        mesh = None
+        if args.mesh is not None:
+            from mla_jax.sharding import make_mesh, parse_mesh
+            try:
+                sizes = parse_mesh(args.mesh)
+            except ValueError as e:  # the message quotes the spec
+                raise _UsageError(f"--mesh: {e}") from None
+            try:
+                mesh = make_mesh(**sizes)
+            except ValueError as e:
+                raise _UsageError(f"--mesh {args.mesh}: {e}") from None
         model, tok, default_prompt, warning = _load(args)
+        if mesh is not None:
+            from mla_jax.sharding import shard_model
+            try:
+                model = shard_model(model, mesh)
+            except ValueError as e:  # a head count or width the mesh does not divide
+                raise _UsageError(f"--mesh {args.mesh}: {e}") from None
         if warning:
             print(warning, file=err)
         if args.mtp and len(model.mtp) == 0:
@@ -211,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The engine sizes its own pool for one sequence of max_context tokens (and the MTP draft room).
         try:
             engine = Engine(model, page_size=64, max_batch=1, max_context=max_context,
-                            attention_impl=args.attention_impl, kv_dtype=cache_dtype(args.kv_dtype))
+                            attention_impl=args.attention_impl, kv_dtype=cache_dtype(args.kv_dtype), mesh=mesh)
         except ValueError as e:  # a format this model's latent cannot be stored in, a kernel limit
             raise _UsageError(f"--kv-dtype {args.kv_dtype}: {e}" if args.kv_dtype == "fp8" else str(e)) from None
         stops = () if tok.eos_id is None else (tok.eos_id,)

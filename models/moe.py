@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from mla_jax.config import ModelConfig
 from models.mlp import MLP
@@ -302,6 +304,9 @@ def moe_grouped(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, g
     The weights may hold several layers' experts, flattened ([L·E, D, I]): then `num_experts` = E
     and this call uses experts [expert_offset, expert_offset + E) (a traced layer · E). The decode
     kernel reads them in place; the other impls take that slice first.
+
+    An assignment to an expert id >= E contributes nothing (its rows sort last, past every group):
+    an expert-parallel rank passes E = its own experts and the others' ids as E.
     """
     T, D = x_TD.shape
     K = indices_TK.shape[1]
@@ -316,13 +321,16 @@ def moe_grouped(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, g
     token_M = order_M // K
     group_sizes_E = jnp.bincount(flat_M, length=E).astype(jnp.int32)
     x_MD = x_TD[token_M]
+    # rows of experts >= E (none unless a caller passes them) sort last, past every group: masked below
+    valid_M = (flat_M[order_M] < E)[:, None]
     w_M = weights_TK.reshape(-1)[order_M].astype(_F32)
     inv_M = jnp.argsort(order_M)
     if impl in ("decode", "decode_interpret"):
         # "decode": the kernel on a Hopper GPU, its reference elsewhere (pallas_kernels' rule)
         y_MD = _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, jnp.asarray(off, jnp.int32),
                                None if impl == "decode" else "interpret")
-        return (y_MD * w_M[:, None])[inv_M].reshape(T, K, D).sum(axis=1).astype(dt)
+        y_MD = jnp.where(valid_M, y_MD * w_M[:, None], 0.0)
+        return y_MD[inv_M].reshape(T, K, D).sum(axis=1).astype(dt)
     if impl == "mgpu":
         gdot = functools.partial(ragged_dot_mgpu, group_sizes_G=group_sizes_E, tuning=tuning)
     elif impl == "ragged_dot":
@@ -331,7 +339,7 @@ def moe_grouped(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, g
         raise ValueError(f"moe_grouped impl must be 'ragged_dot', 'mgpu' or 'decode', got {impl!r}")
     h_MI = jax.nn.silu(gdot(x_MD, gate_EDI)) * gdot(x_MD, up_EDI)
     y_MD = gdot(h_MI, down_EID)
-    y_MD = y_MD.astype(_F32) * w_M[:, None]
+    y_MD = jnp.where(valid_M, y_MD.astype(_F32) * w_M[:, None], 0.0)  # rows past the groups may hold anything
     # Un-sort (a gather, deterministic, unlike a scatter-add) and sum each token's K rows.
     return y_MD[inv_M].reshape(T, K, D).sum(axis=1).astype(dt)
 
@@ -354,6 +362,16 @@ class MoE(nnx.Module):
     n_shared·I, or None when n_shared_experts == 0). `impl` selects the expert computation
     (see the module docstring); `return_router=True` also returns the RouterOutput over the
     flattened tokens (leading axes of x flattened into T).
+
+    `parallel` (None by default): (mesh, mesh axes of the batch, mesh axes of the experts), set by
+    `mla_jax.sharding.shard_model`. The routed experts then run under `jax.shard_map`, manual over
+    those axes alone (the others, e.g. `tensor` on the experts' width, stay GSPMD's): each data rank
+    sorts its own tokens, each expert rank computes only the assignments to its own experts, and
+    GSPMD sums the expert ranks' partial outputs (one all-reduce of [T, D]). Under GSPMD alone one sort over
+    every token made each rank gather the whole batch's routing and compute every token's experts,
+    and the expert split cost three all-reduces of [T·K, ·] a layer. The result is the same either
+    way (no token is dropped). Not used for the whole-stack decode path (`stack_index`); a batch
+    split the token count does not allow is skipped.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
@@ -366,6 +384,7 @@ class MoE(nnx.Module):
         self.dtype = dtype
         self.impl = impl
         self.tuning = tuning
+        self.parallel = None
         self.gate = Router(cfg, rngs=rngs)
         self.experts = Experts(cfg, rngs=rngs, param_dtype=param_dtype)
         if cfg.n_shared_experts > 0:
@@ -373,6 +392,38 @@ class MoE(nnx.Module):
                                       dtype=dtype, param_dtype=param_dtype, init_std=cfg.initializer_range)
         else:
             self.shared_experts = None
+
+    def _parallel(self, routed, num_tokens: int):
+        """`routed` under shard_map over the batch's and the experts' mesh axes (see `parallel`)."""
+        mesh, batch_axes, expert_axes = self.parallel
+        size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+        batch_axes = batch_axes if size(batch_axes) > 1 and num_tokens % size(batch_axes) == 0 else ()
+        expert_axes = expert_axes if size(expert_axes) > 1 else ()
+        if not batch_axes and not expert_axes:
+            return routed
+
+        def local(x_TD, w_TK, idx_TK, gate, up, down):
+            if not expert_axes:
+                return routed(x_TD, w_TK, idx_TK, gate, up, down, None)
+            E_local = gate.shape[0]
+            first = jax.lax.axis_index(expert_axes) * E_local
+            mine = (idx_TK >= first) & (idx_TK < first + E_local)
+            # the other ranks' experts get id E_local: moe_grouped drops them
+            y_TD = routed(x_TD, w_TK, jnp.where(mine, idx_TK - first, E_local), gate, up, down, None)
+            return y_TD[None]  # [1, T, D]: this rank's part, summed outside
+
+        rows, experts = PartitionSpec(batch_axes or None), PartitionSpec(expert_axes or None)
+        # The expert ranks' parts come out stacked ([ranks, T, D], split over the expert axes) and
+        # GSPMD sums them (one all-reduce of [T, D]); no collective inside, so check_vma can be off.
+        # With it on (jax 0.11) the gradient through the sort and gathers below came out wrong
+        # (x's cotangent off by about its own size; caught by the sharded training step of
+        # tests/test_sharding.py).
+        out = PartitionSpec(expert_axes or None, batch_axes or None) if expert_axes else rows
+        mapped = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, experts, experts, experts),
+                               out_specs=out, axis_names=set(batch_axes) | set(expert_axes), check_vma=False)
+        if not expert_axes:
+            return lambda x_TD, w_TK, idx_TK, gate, up, down, off: mapped(x_TD, w_TK, idx_TK, gate, up, down)
+        return lambda x_TD, w_TK, idx_TK, gate, up, down, off: mapped(x_TD, w_TK, idx_TK, gate, up, down).sum(0)
 
     def resolved_impl(self, num_tokens: int) -> str:
         """The expert implementation a call over `num_tokens` tokens runs (`impl` with "auto" resolved)."""
@@ -394,13 +445,18 @@ class MoE(nnx.Module):
         if stack_index is not None:  # [L, E, ...] -> [L·E, ...]: a free reshape, no copy
             gate, up, down = (w.reshape((-1,) + w.shape[2:]) for w in (gate, up, down))
             off = stack_index * E
-        if impl == "dense":
-            if off is not None:
-                gate, up, down = (jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in (gate, up, down))
-            y_TD = moe_dense_reference(x_TD, r.weights, r.indices, gate, up, down)
-        else:
-            y_TD = moe_grouped(x_TD, r.weights, r.indices, gate, up, down, impl=impl, tuning=self.tuning,
-                               num_experts=E, expert_offset=off)
+
+        def routed(x_TD, w_TK, idx_TK, gate, up, down, off):
+            if impl == "dense":
+                if off is not None:
+                    gate, up, down = (jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in (gate, up, down))
+                return moe_dense_reference(x_TD, w_TK, idx_TK, gate, up, down)
+            return moe_grouped(x_TD, w_TK, idx_TK, gate, up, down, impl=impl, tuning=self.tuning,
+                               num_experts=E if off is not None else gate.shape[0], expert_offset=off)
+
+        if self.parallel is not None and off is None:
+            routed = self._parallel(routed, x_TD.shape[0])
+        y_TD = routed(x_TD, r.weights, r.indices, gate, up, down, off)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         y = y_TD.reshape(lead + (D,))

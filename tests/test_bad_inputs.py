@@ -305,6 +305,50 @@ def test_capacity_cli_tp(capsys):
 
 
 # ------------------------------------------------------------------------------------------------
+# Device mesh and sharding (mla_jax.sharding: make_mesh, shard_model)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sizes,match", [
+    pytest.param(dict(tensor=0), r"^make_mesh: tensor=0 must be an integer >= 1$", id="size-0-IndexError-from-jax"),
+    pytest.param(dict(expert=2.0), r"^make_mesh: expert=2\.0 must be an integer >= 1$", id="float-size-accepted-as-2"),
+    pytest.param(dict(data=3), r"^make_mesh: data=3 x expert=1 x tensor=1 = 3 devices does not divide the 1 "
+                 r"devices available$", id="more-devices-than-there-are-without-the-axes"),
+])
+def test_make_mesh_sizes(sizes, match):
+  from mla_jax.sharding import make_mesh
+  with pytest.raises(ValueError, match=match):
+    make_mesh(**sizes)
+
+
+def _abstract_micro(**overrides):
+  from flax import nnx
+  from micro_configs import MICRO_V3
+  from models import DeepSeekModel
+  return nnx.eval_shape(lambda: DeepSeekModel(MICRO_V3.replace(**overrides), rngs=nnx.Rngs(0)))
+
+
+# (config overrides, mesh (data, expert, tensor), rules overrides, message); checked before anything moves,
+# so an AbstractMesh of any size stands in for the devices.
+BAD_SHARDINGS = [
+    pytest.param({}, (1, 8, 1), {}, r"^sharding: parameter moe_layers\.mlp\.experts\.down_proj dim 1 \(experts, size 4\) "
+                 r"is not divisible by mesh axis expert=8$", id="8-way-ep-of-4-experts"),
+    pytest.param({}, (1, 1, 4), {}, r"^sharding: num_attention_heads=2 is not divisible by mesh axis tensor=4: tensor "
+                 r"parallelism gives every device whole heads$", id="tp4-of-2-heads-split-head-columns"),
+    pytest.param(dict(vocab_size=41), (1, 1, 2), {}, r"^sharding: parameter embed_tokens\.embedding dim 0 \(vocab, "
+                 r"size 41\) is not divisible by mesh axis tensor=2$", id="odd-vocab-over-tp2"),
+    pytest.param({}, (1, 1, 2), dict(heads="model"), r"^sharding: rule 'heads' -> 'model': the mesh has no axis "
+                 r"'model' \(axes: data, expert, tensor\)$", id="rule-to-a-missing-mesh-axis"),
+]
+
+
+@pytest.mark.parametrize("overrides,mesh,rules,match", BAD_SHARDINGS)
+def test_shard_model_divisibility(overrides, mesh, rules, match):
+  from jax.sharding import AbstractMesh
+  from mla_jax.sharding import DEFAULT_RULES, MESH_AXES, shard_model
+  with pytest.raises(ValueError, match=match):
+    shard_model(_abstract_micro(**overrides), AbstractMesh(mesh, MESH_AXES), dict(DEFAULT_RULES, **rules))
+
+
+# ------------------------------------------------------------------------------------------------
 # config.json (ModelConfig.from_hf)
 # ------------------------------------------------------------------------------------------------
 def _without(*keys):
@@ -601,6 +645,26 @@ def test_generate_cli_bad_checkpoint(tmp_path, capsys, corrupt, match):
   assert line.startswith(f"mla-generate: error: --checkpoint {d}: ")
   assert re.search(match, line), (match, line)
   assert _snapshot(d) == before
+
+
+@pytest.mark.parametrize("spec,match", [
+    pytest.param("data2", r"--mesh: mesh spec 'data2': 'data2' is not axis=size \(axes: data, expert, tensor; "
+                 r"e\.g\. data=2,tensor=2\)", id="no-equals-sign"),
+    pytest.param("model=2", r"--mesh: mesh spec 'model=2': unknown axis 'model' \(axes: data, expert, tensor\)",
+                 id="unknown-axis"),
+    pytest.param("data=2,data=4", r"--mesh: mesh spec 'data=2,data=4': axis 'data' is given twice", id="axis-twice"),
+    pytest.param("tensor=two", r"--mesh: mesh spec 'tensor=two': tensor='two' must be an integer >= 1",
+                 id="size-not-a-number"),
+    pytest.param("tensor=0", r"--mesh: mesh spec 'tensor=0': tensor='0' must be an integer >= 1", id="size-0"),
+    pytest.param("tensor=2", r"--mesh tensor=2: make_mesh: data=1 x expert=1 x tensor=2 = 2 devices does not "
+                 r"divide the 1 devices available", id="more-devices-than-there-are"),
+])
+def test_generate_cli_mesh_spec(spec, match, capsys):
+  """`mla-generate --mesh SPEC`: a spec that names no mesh this process can build is one line, before the
+  model loads."""
+  from models.generate_cli import main
+  line = _one_line_exit_2(main, ["--mesh", spec, "--max-new-tokens", "1", "--no-warmup"], capsys, "mla-generate")
+  assert re.search("^mla-generate: error: " + match + "$", line), line
 
 
 def test_generate_cli_tiny_temperature_is_greedy(capsys):

@@ -1,0 +1,211 @@
+"""The multi-device half of tests/test_sharding.py, run there in ONE subprocess with 8 CPU devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=8`, which this script sets before jax starts; the
+rest of the suite keeps its one device).
+
+For each mesh in MESHES it shards a micro model (`mla_jax.sharding.shard_model`) and an input batch
+(`shard_batch`), runs the same jitted forward (logits and MTP logits) and, for the meshes in
+TRAIN_MESHES, one training step (`models.training.make_train_step`, AdamW), and prints one JSON line
+a mesh: the largest differences from the single-device run and the shard shapes of a few
+parameters as `addressable_shards` hold them. The tests assert on those lines.
+
+    python tests/sharding_cases.py [mesh ...]      # default: every mesh of MESHES
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+# Before jax starts: 8 CPU devices, and XLA's CPU backend without LLVM's expensive passes (each
+# mesh compiles its own forward and step; these tiny programs compile in half the time).
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+                                    "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"])
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mla_jax.capacity import plan_kv_cache  # noqa: E402
+from mla_jax.sharding import make_mesh, shard_batch, shard_model  # noqa: E402
+from models import DeepSeekModel  # noqa: E402
+from models.engine import Engine  # noqa: E402
+from models.sampling import SamplingParams  # noqa: E402
+from models.training import TrainConfig, init_train_state, make_train_step  # noqa: E402
+from tests.micro_configs import MICRO_V3  # noqa: E402
+
+# Eight heads and eight experts, so that tensor=8 and expert=8 still give every device whole heads and
+# whole experts; 1 dense layer then 2 MoE layers (a scan of more than one), and the MTP module.
+CFG = MICRO_V3.replace(num_hidden_layers=3, num_attention_heads=8, n_routed_experts=8)
+B, T = 4, 8
+MESHES = {  # name: (data, expert, tensor)
+    "tp2": (1, 1, 2), "tp4": (1, 1, 4), "tp8": (1, 1, 8),
+    "ep2": (1, 2, 1), "ep4": (1, 4, 1), "ep8": (1, 8, 1),
+    "dp2": (2, 1, 1), "mixed": (2, 2, 2),
+}
+# A step compiles in ~12 s of CPU, a forward in ~3: the test runs the step on the mixed mesh alone
+# (every axis at once: tensor- and expert-sharded gradients, the all-reduce over data);
+# `python tests/sharding_cases.py --train-all` runs it on every mesh.
+TRAIN_MESHES = ("mixed",)
+PROMPT_LEN = 3  # greedy decoding fills positions PROMPT_LEN..T-1
+ENGINE_MESHES = ("mixed",)  # the paged-cache engine, greedy with MTP speculation (~6 s of CPU a mesh)
+ENGINE_PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
+# The parameters whose placement the tests read: path in nnx.state(model) -> a short name.
+WATCHED = {
+    "wq_b": ("moe_layers", "self_attn", "wq_b", "kernel"),
+    "wkv_b": ("moe_layers", "self_attn", "wkv_b", "kernel"),
+    "wo": ("moe_layers", "self_attn", "wo", "kernel"),
+    "wkv_a": ("moe_layers", "self_attn", "wkv_a", "kernel"),
+    "experts_gate": ("moe_layers", "mlp", "experts", "gate_proj"),
+    "experts_down": ("moe_layers", "mlp", "experts", "down_proj"),
+    "mtp_experts_gate": ("mtp", 0, "block", "mlp", "experts", "gate_proj"),
+    "dense_up": ("dense_layers", "mlp", "up_proj", "kernel"),
+    "router": ("moe_layers", "mlp", "gate", "kernel"),
+    "embed": ("embed_tokens", "embedding"),
+    "lm_head": ("lm_head", "kernel"),
+}
+
+
+def _leaf(state, path):
+    for p in path:
+        state = state[p]
+    return state[...]
+
+
+def _placement(x: jax.Array) -> dict:
+    """The shard shape every device holds and on how many devices (all shards must agree in shape)."""
+    shapes = {tuple(s.data.shape) for s in x.addressable_shards}
+    return dict(shard_shape=sorted(shapes)[0] if len(shapes) == 1 else sorted(shapes),
+                devices=len({s.device for s in x.addressable_shards}),
+                distinct=len({s.index for s in x.addressable_shards}))
+
+
+def _max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _forward(graphdef, state, ids):
+    logits, mtp = nnx.merge(graphdef, state)(ids, with_mtp=True)
+    return logits, mtp
+
+
+FORWARD = jax.jit(_forward, static_argnums=(0,))
+# Plain SGD: the updated parameters are then the gradients' image, so a gradient that lost its
+# all-reduce shows at full size (Adam's m / sqrt(v) turns rounding noise in near-zero gradients into
+# steps of size lr).
+TX = optax.sgd(0.5)
+STEP = make_train_step(TX, TrainConfig(bias_update_rate=1e-2))
+
+
+COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def _collectives(graphdef, state, ids) -> list[list[str]]:
+    """[[op, result type], ...] of every collective in the compiled forward (a cache hit, no new
+    compile); a tuple result (several arrays reduced at once) is one entry per array."""
+    hlo = FORWARD.lower(graphdef, state, ids).compile().as_text()
+    return [[m.group(2), t] for m in COLLECTIVE.finditer(hlo) for t in re.findall(r"[a-z]+\d*\[[\d,]*\]", m.group(1))]
+
+
+def _greedy(graphdef, state, ids, place):
+    """Greedy tokens for positions PROMPT_LEN..T-1 by recomputing the whole (causal) forward each step,
+    the batch placed by `place`: the same [B, T] program as the forward, so no new compile (this is
+    greedy decoding by the model, not through the paged-cache engine)."""
+    ids = np.array(ids)
+    for t in range(PROMPT_LEN, T):
+        logits, _ = FORWARD(graphdef, state, place(jnp.asarray(ids)))
+        ids[:, t] = np.argmax(np.asarray(logits[:, t - 1]), axis=-1)
+    return ids[:, PROMPT_LEN:].tolist()
+
+
+def _engine(model, mesh):
+    """(greedy tokens with MTP speculation, the page pools after the run) of an engine whose pool is
+    the default one (what the planner predicts) for 2 sequences of 16 tokens."""
+    e = Engine(model, page_size=8, max_batch=2, max_context=16, kv_dtype=jnp.float32, min_table_tokens=16, mesh=mesh)
+    r = e.generate(ENGINE_PROMPTS, max_new_tokens=6, sampling=SamplingParams(temperature=0.0), use_mtp=True)
+    return r.tokens, e.cache.pages
+
+
+def _train(model, batch):
+    """(state before, state after, metrics) of one step. The step donates the state it is given (its
+    buffers are the model's own), so it gets a copy: `model` stays usable for the next mesh."""
+    graphdef, state, opt_state = init_train_state(model, TX)
+    state_out, _, metrics = STEP(graphdef, jax.tree.map(lambda a: a.copy(), state), opt_state, batch)
+    return state, state_out, metrics
+
+
+def micro_model() -> DeepSeekModel:
+    """CFG with random weights drawn by numpy (eager or jitted nnx init costs seconds of CPU); norms
+    around 1, the rest N(0, 0.1), the router bias nonzero, so no two heads or experts are alike."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepSeekModel(CFG, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+    flat = [(path, v.replace(jnp.asarray((rng.normal(0, 0.1, v.shape) + (path[-1] == "weight"))
+                                          .astype(v.dtype))))
+            for path, v in nnx.to_flat_state(state)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def main(names, train=TRAIN_MESHES):
+    model = micro_model()
+    ids = jax.random.randint(jax.random.key(1), (B, T), 0, CFG.vocab_size, dtype=jnp.int32)
+    mask = jnp.ones((B, T), jnp.int32).at[1, :3].set(0)  # one left-padded row
+    graphdef, state = nnx.split(model)
+    ref_logits, ref_mtp = FORWARD(graphdef, state, ids)
+    ref_tokens = _greedy(graphdef, state, ids, lambda x: x)
+    _, ref_state, ref_metrics = _train(model, dict(input_ids=ids, attention_mask=mask))
+    ref_engine, _ = _engine(model, None)
+    print(json.dumps(dict(case="devices", count=jax.device_count(), cpu_s=time.process_time())), flush=True)
+    for name in names:
+        t0 = time.process_time()
+        data, expert, tensor = MESHES[name]
+        mesh = make_mesh(data=data, expert=expert, tensor=tensor)
+        sharded = shard_model(model, mesh)
+        s_ids = shard_batch(ids, mesh)
+        g, s_state = nnx.split(sharded)
+        logits, mtp = FORWARD(g, s_state, s_ids)
+        out = dict(case=name, mesh=dict(data=data, expert=expert, tensor=tensor),
+                   logits_diff=_max_diff(logits, ref_logits), mtp_diff=_max_diff(mtp, ref_mtp),
+                   logits_scale=float(jnp.max(jnp.abs(ref_logits))),
+                   ids_placement=_placement(s_ids), tokens=_greedy(g, s_state, ids, lambda x: shard_batch(x, mesh)),
+                   ref_tokens=ref_tokens,
+                   placements={k: _placement(_leaf(s_state, p)) for k, p in WATCHED.items()},
+                   collectives=_collectives(g, s_state, s_ids),
+                   untouched=all(len(a.sharding.device_set) == 1 for a in jax.tree.leaves(nnx.state(model))))
+        if data > 1:
+            try:
+                shard_batch(ids[:data + 1], mesh)
+                out["odd_batch_error"] = None
+            except ValueError as e:
+                out["odd_batch_error"] = str(e)
+        if name in ENGINE_MESHES:
+            tokens, pages = _engine(sharded, mesh)
+            plan = plan_kv_cache(CFG, context_len=16, num_sequences=2, page_size=8, kv_dtype="fp32", tp=tensor,
+                                 include_mtp=True, draft_tokens=3)
+            out["engine"] = dict(tokens=tokens, ref_tokens=ref_engine, pages_replicated=pages.sharding.is_fully_replicated,
+                                 pages_devices=len(pages.sharding.device_set),
+                                 shard_bytes=sorted({s.data.nbytes for s in pages.addressable_shards}),
+                                 planned_per_device_bytes=plan.mla.per_device_bytes)
+        if name in train:
+            batch = shard_batch(dict(input_ids=ids, attention_mask=mask), mesh)
+            s_in, s_out, metrics = _train(sharded, batch)
+            kept = all(a.sharding.is_equivalent_to(b.sharding, a.ndim)
+                       for a, b in zip(jax.tree.leaves(s_in), jax.tree.leaves(s_out)))
+            out["train"] = dict(loss_diff=abs(float(metrics["loss"]) - float(ref_metrics["loss"])),
+                                loss=float(metrics["loss"]), params_diff=_max_diff(s_out, ref_state),
+                                params_moved=_max_diff(s_out, s_in), shardings_kept=kept,
+                                wq_b_after=_placement(_leaf(s_out, WATCHED["wq_b"])),
+                                experts_after=_placement(_leaf(s_out, WATCHED["experts_gate"])))
+        out["cpu_s"] = time.process_time() - t0
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if a != "--train-all"]
+    main(args or list(MESHES), train=list(MESHES) if "--train-all" in sys.argv else TRAIN_MESHES)

@@ -1,0 +1,236 @@
+"""Sharding as data (`mla_jax.sharding`): the tables, and the model on a mesh of 8 CPU devices.
+
+The multi-device cases run in ONE subprocess (`tests/sharding_cases.py`, which sets
+`--xla_force_host_platform_device_count=8` before jax starts), so the rest of the suite keeps its one
+device; the tests here assert on the lines it prints. The single-device tests read the tables over
+abstract models (`nnx.eval_shape`) and `AbstractMesh`es: no weights, no devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from micro_configs import MICRO_V3, narrow_v2_lite
+from mla_jax.sharding import DEFAULT_RULES, MESH_AXES, make_mesh, model_specs
+from models import DeepSeekModel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESHES = ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8", "dp2", "mixed")
+TRAIN_MESHES = ("mixed",)   # sharding_cases.TRAIN_MESHES
+ATOL = 1e-5
+
+
+def _abstract(cfg):
+    return nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0)))
+
+
+def _mesh(data=1, expert=1, tensor=1):
+    return AbstractMesh((data, expert, tensor), MESH_AXES)
+
+
+def _flat_specs(model, mesh, rules=DEFAULT_RULES):
+    return {".".join(map(str, p)): s for p, s in nnx.to_flat_state(model_specs(model, mesh, rules))}
+
+
+@pytest.fixture(scope="module")
+def cases():
+    """{mesh name: the JSON line sharding_cases.py printed for it}; one subprocess for the module."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharding_cases.py")], capture_output=True,
+                       text=True, env=env, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    return {d["case"]: d for d in lines}
+
+
+# ------------------------------------------------------------------------------------------------
+# The tables, on one device
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg", [MICRO_V3, narrow_v2_lite(3)], ids=["v3-q-lora-mtp", "v2-lite-no-q-lora"])
+def test_every_parameter_has_a_placement(cfg):
+    """A parameter that matches no row of PARAM_AXES (a new module, a renamed one) raised nothing and
+    stayed replicated on every device; here every variable gets a spec of its own rank, and the
+    stacked layers' leading axis is replicated."""
+    specs = _flat_specs(_abstract(cfg), _mesh(expert=2, tensor=2))
+    state = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(_abstract(cfg)))}
+    assert specs.keys() == state.keys()
+    for name, spec in specs.items():
+        assert len(spec) == len(state[name].shape), name
+        if name.startswith(("dense_layers.", "moe_layers.")):
+            assert spec[0] is None, name
+
+
+def test_default_layout():
+    """Each row of the default layout as the issue states it; a row swapped (wo sharded on its output,
+    wq_b on the LoRA rank, the experts on their width) changes no number, only this."""
+    s = _flat_specs(_abstract(MICRO_V3), _mesh(data=2, expert=2, tensor=2))
+    assert s["moe_layers.self_attn.wq_b.kernel"] == P(None, None, "tensor")
+    assert s["moe_layers.self_attn.wkv_b.kernel"] == P(None, None, "tensor")
+    assert s["moe_layers.self_attn.wo.kernel"] == P(None, "tensor", None)
+    assert s["moe_layers.self_attn.wkv_a.kernel"] == P(None, None, None)   # the latent: no head axis
+    assert s["moe_layers.mlp.experts.gate_proj"] == P(None, "expert", None, "tensor")
+    assert s["moe_layers.mlp.experts.down_proj"] == P(None, "expert", "tensor", None)
+    assert s["mtp.0.block.mlp.experts.up_proj"] == P("expert", None, "tensor")   # MTP block: no layer axis
+    assert s["dense_layers.mlp.down_proj.kernel"] == P(None, "tensor", None)
+    assert s["moe_layers.mlp.gate.kernel"] == P(None, None, None)
+    assert s["embed_tokens.embedding"] == P("tensor", None)
+    assert s["lm_head.kernel"] == P(None, "tensor")
+    assert s["norm.weight"] == P(None)
+
+
+def test_the_layout_is_the_table():
+    """Changing a rule changes the placement and nothing else has to change (a module that named a
+    mesh axis itself would not follow): heads off `tensor`, experts over (`expert`, `data`)."""
+    rules = dict(DEFAULT_RULES, heads=None, experts=("expert", "data"))
+    s = _flat_specs(_abstract(MICRO_V3), _mesh(data=2, expert=2, tensor=2), rules)
+    assert s["moe_layers.self_attn.wq_b.kernel"] == P(None, None, None)
+    assert s["moe_layers.mlp.experts.gate_proj"] == P(None, ("expert", "data"), None, "tensor")
+
+
+def test_make_mesh_on_one_device():
+    """The mesh has the three named axes in the documented order, of size 1 on one device (a mesh
+    built over jax.devices() with the wrong product failed inside jax with a reshape error)."""
+    mesh = make_mesh()
+    assert mesh.axis_names == MESH_AXES and mesh.devices.shape == (1, 1, 1)
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)   # GSPMD partitions the rest
+
+
+# ------------------------------------------------------------------------------------------------
+# 8 CPU devices (one subprocess)
+# ------------------------------------------------------------------------------------------------
+def test_the_subprocess_has_eight_devices(cases):
+    """The flag was set too late (after jax started): every 'mesh' would hold one device and every
+    case below would compare the single-device model with itself."""
+    assert cases["devices"]["count"] == 8
+    assert set(MESHES) <= cases.keys()
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_forward_equals_one_device(cases, mesh):
+    """Logits and MTP logits of the sharded model, inputs split over `data`, equal the single-device
+    model (fp32): catches a partitioning that sums partial heads twice or not at all (a missing or
+    doubled all-reduce after wo / down_proj), experts gathered from the wrong shard, a vocab shard
+    of the embedding read as the whole table."""
+    c = cases[mesh]
+    assert c["logits_diff"] <= ATOL and c["mtp_diff"] <= ATOL, c
+    assert c["logits_scale"] > 100 * ATOL   # logits of all zeros would agree trivially
+    assert c["untouched"], "shard_model moved the model it was given"
+
+
+@pytest.mark.parametrize("mesh", ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8"))
+def test_only_activations_move(cases, mesh):
+    """Under tensor or expert parallelism alone the compiled forward moves only activations: all-reduces
+    of float arrays shaped like tokens ([B, T, D] after wo / down_proj, [T·K, ...] assignment rows of
+    the routed experts) and all-gathers of integers (the experts' group sizes). A placement GSPMD
+    cannot use where it is makes it gather in every step: with wo split by its output instead of its
+    head rows (tried), the attention outputs are all-gathered and resharded by all-to-alls; the
+    logits stay equal, the bandwidth TP was for is gone."""
+    for op, t in cases[mesh]["collectives"]:
+        dims = [int(d) for d in t[t.index("[") + 1:-1].split(",") if d]
+        if op == "all-gather":
+            assert t.startswith("s32"), (op, t)
+        else:
+            assert op == "all-reduce" and dims[0] in (4, 4 * 8, 4 * 7, 4 * 8 * 2, 4 * 7 * 2), (op, t)
+
+
+@pytest.mark.parametrize("mesh", ("dp2", "mixed"))
+def test_each_data_rank_routes_its_own_tokens(cases, mesh):
+    """With the batch split over `data`, the routed experts run per data rank (MoE.parallel, a
+    shard_map over `data`): nothing of the model width and no assignment list is all-gathered. One
+    sort over every token (before) all-gathered the T·K expert choices (s32[64]) and had every rank
+    compute every token's experts. (The router's top-k over [T, E] scores is still gathered.)"""
+    D, TK = 32, (4 * 8 * 2, 4 * 7 * 2)
+    for op, t in cases[mesh]["collectives"]:
+        if op == "all-gather":
+            dims = [int(d) for d in t[t.index("[") + 1:-1].split(",") if d]
+            assert dims[-1] != D and not (t.startswith("s32") and dims[0] in TK), (op, t)
+
+
+@pytest.mark.parametrize("mesh", ("ep2", "ep4", "ep8"))
+def test_expert_parallelism_sums_once(cases, mesh):
+    """Under `expert` alone each rank computes the assignments to its own experts (MoE.parallel, a
+    shard_map over `expert`) and the one collective of a MoE block is the all-reduce of its [B·T, D]
+    output: the scanned main MoE layers' body, then the MTP block's. GSPMD by itself (before)
+    all-gathered the group sizes and all-reduced [T·K, I] twice and [T·K, D] once a block."""
+    assert cases[mesh]["collectives"] == [["all-reduce", "f32[32,32]"], ["all-reduce", "f32[28,32]"]]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_greedy_tokens_equal_one_device(cases, mesh):
+    """Greedy decoding (recomputing the causal forward each step) gives the single-device tokens."""
+    c = cases[mesh]
+    assert c["tokens"] == c["ref_tokens"]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_placements_read_from_addressable_shards(cases, mesh):
+    """Each device holds 1/tensor of wq_b's and wkv_b's head columns and of wo's head rows,
+    1/expert of the routed experts (1/tensor of their width), its vocab slice of the embedding and
+    LM head, all of the latent projection wkv_a and of the router; the batch is split over `data`.
+    A parameter left replicated (or sharded on the wrong axis) gives the same numbers above and is
+    caught only here."""
+    c = cases[mesh]
+    m, pl = c["mesh"], c["placements"]
+    dp, ep, tp = m["data"], m["expert"], m["tensor"]
+    n = dp * ep * tp
+    L, Q, HK, HV, D, E, I, V = 2, 24, 8 * 16, 8 * 8, 32, 8, 16, 40   # sharding_cases.CFG
+    assert pl["wq_b"] == dict(shard_shape=[L, Q, HK // tp], devices=n, distinct=tp)
+    assert pl["wkv_b"] == dict(shard_shape=[L, 16, 8 * 16 // tp], devices=n, distinct=tp)
+    assert pl["wo"] == dict(shard_shape=[L, HV // tp, D], devices=n, distinct=tp)
+    assert pl["wkv_a"] == dict(shard_shape=[L, D, 16 + 8], devices=n, distinct=1)
+    assert pl["experts_gate"] == dict(shard_shape=[L, E // ep, D, I // tp], devices=n, distinct=ep * tp)
+    assert pl["experts_down"] == dict(shard_shape=[L, E // ep, I // tp, D], devices=n, distinct=ep * tp)
+    assert pl["mtp_experts_gate"] == dict(shard_shape=[E // ep, D, I // tp], devices=n, distinct=ep * tp)
+    assert pl["dense_up"] == dict(shard_shape=[1, D, 48 // tp], devices=n, distinct=tp)
+    assert pl["router"] == dict(shard_shape=[L, D, E], devices=n, distinct=1)
+    assert pl["embed"] == dict(shard_shape=[V // tp, D], devices=n, distinct=tp)
+    assert pl["lm_head"] == dict(shard_shape=[D, V // tp], devices=n, distinct=tp)
+    assert c["ids_placement"] == dict(shard_shape=[4 // dp, 8], devices=n, distinct=dp)
+
+
+def test_engine_on_a_mesh(cases):
+    """Engine(model, mesh=...) on data=2, expert=2, tensor=2: greedy generation with MTP speculation
+    through the paged latent cache gives the single-device engine's tokens (catches a cached step
+    that GSPMD partitions wrongly: the absorbed path slices W_UK / W_UV out of the head-sharded
+    wkv_b, the verify step runs the MTP block), and the page pools are on all 8 devices whole after
+    the run (the latent has no head axis: the layout the planner prices for tensor parallelism)."""
+    e = cases["mixed"]["engine"]
+    assert e["tokens"] == e["ref_tokens"] and all(len(t) == 6 for t in e["tokens"])
+    assert e["pages_replicated"] and e["pages_devices"] == 8
+
+
+def test_planner_per_device_bytes_are_what_each_device_holds(cases):
+    """mla_jax.capacity's per-device MLA figure under tensor parallelism (the latent replicated, every
+    device all of it) equals the bytes of each device's shard of the engine's page pools, read from
+    addressable_shards: a planner that divided the latent by tp (as for MHA heads), or an engine
+    pool of another size than planned, would differ."""
+    e = cases["mixed"]["engine"]
+    assert e["shard_bytes"] == [e["planned_per_device_bytes"]]
+
+
+def test_batch_not_divisible_by_data(cases):
+    """3 rows over data=2: one line naming the batch and the mesh axis (jax.device_put's own error is
+    a paragraph about a NamedSharding's global shape)."""
+    assert cases["dp2"]["odd_batch_error"] == "sharding: batch of 3 is not divisible by mesh axis data=2"
+
+
+@pytest.mark.parametrize("mesh", TRAIN_MESHES)
+def test_train_step_equals_one_device(cases, mesh):
+    """One SGD step (models.training's step: loss, MTP loss, balance loss, router-bias rule) on the
+    sharded state and batch gives the single-device loss and updated variables: catches a gradient
+    that misses its all-reduce over `data` (each half-batch's gradient would be applied), or a
+    sharded parameter's gradient taken from one shard; and the step keeps every variable's sharding
+    (an update that came back replicated would silently undo the layout after one step)."""
+    t = cases[mesh]["train"]
+    assert t["loss_diff"] <= ATOL and t["params_diff"] <= ATOL, t
+    assert t["params_moved"] > 100 * ATOL   # the step did change the parameters
+    assert t["shardings_kept"]
+    assert t["experts_after"]["distinct"] == cases[mesh]["mesh"]["expert"] * cases[mesh]["mesh"]["tensor"]
