@@ -42,9 +42,9 @@ import benchmarks as bm
 MODELS = ("v2-lite", "builtin", "tiny")
 H200_BF16_TFLOPS = 790.0
 CSV_NAME, JSONL_NAME = "train.csv", "train.jsonl"
-COLUMNS = ["model", "layers", "B", "T", "tokens", "remat", "ce_chunk", "moe_impl", "dtype", "param_dtype",
-           "params", "active_params", "train_tflop", "lower_s", "compile_s", "step_ms", "step_ms_min", "tok_s",
-           "tflops", "mfu", "peak_gb", "argument_gb", "output_gb", "temp_gb", "alias_gb", "loss_first",
+COLUMNS = ["model", "layers", "B", "T", "tokens", "remat", "ce_chunk", "attn_q_block", "moe_impl", "dtype",
+           "param_dtype", "params", "active_params", "train_tflop", "lower_s", "compile_s", "step_ms", "step_ms_min",
+           "tok_s", "tflops", "mfu", "peak_gb", "argument_gb", "output_gb", "temp_gb", "alias_gb", "loss_first",
            "loss_last", "device", "jax", "error"]
 
 
@@ -177,9 +177,9 @@ def run_cell(args) -> dict:
   import jax
   cfg = model_config(args.model, args.layers)
   row = dict(model=args.model, layers=cfg.num_hidden_layers, B=args.batch, T=args.seq, tokens=args.batch * args.seq,
-             remat=args.remat, ce_chunk=args.ce_chunk, moe_impl=args.moe_impl, dtype=args.dtype,
+             remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block, moe_impl=args.moe_impl, dtype=args.dtype,
              param_dtype=args.param_dtype, device=jax.devices()[0].device_kind, jax=jax.__version__)
-  step, tx = make_step(dict(remat=args.remat, ce_chunk=args.ce_chunk))
+  step, tx = make_step(dict(remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block))
   graphdef, state, opt_state = build_state(cfg, tx, dtype=args.dtype, param_dtype=args.param_dtype,
                                            moe_impl=args.moe_impl)
   from flax import nnx
@@ -264,6 +264,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--remat", choices=REMAT_POLICIES, default="none", help="rematerialisation of each scanned layer")
   p.add_argument("--ce-chunk", type=_int_at_least(0), default=0,
                  help="tokens per LM-head cross-entropy chunk (0: the whole logits at once)")
+  p.add_argument("--attn-q-block", type=_int_at_least(0), default=0,
+                 help="queries per block of the decompressed attention (0: all at once)")
   p.add_argument("--moe-impl", choices=MOE_IMPLS, default="auto", help="expert computation (auto = dense on a CPU)")
   p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute dtype")
   p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
@@ -282,7 +284,7 @@ def main(argv=None):
   except Exception as e:  # noqa: BLE001 - a cell that fails (out of memory) is a row, not a traceback
     cfg = model_config(args.model, args.layers)
     row = dict(model=args.model, layers=cfg.num_hidden_layers, B=args.batch, T=args.seq, tokens=args.batch * args.seq,
-               remat=args.remat, ce_chunk=args.ce_chunk, moe_impl=args.moe_impl, dtype=args.dtype,
+               remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block, moe_impl=args.moe_impl, dtype=args.dtype,
                param_dtype=args.param_dtype, error=one_line(e))
   append_row(args.out, row)
   print(summary(row))

@@ -55,13 +55,18 @@ def _masked_softmax(scores_BHTS: jax.Array, mask_BTS: jax.Array) -> tuple[jax.Ar
 
 def mla_naive_attention(
     q_nope: jax.Array, q_pe: jax.Array, kv_latent: jax.Array, wkv_b_LHK: jax.Array,
-    q_positions: jax.Array, kv_positions: jax.Array, *, softmax_scale: float,
+    q_positions: jax.Array, kv_positions: jax.Array, *, softmax_scale: float, q_block: int | None = None,
 ) -> jax.Array:
     """Decompressed MLA attention.
 
     q_nope [B,T,H,N], q_pe [B,T,H,R] (roped), kv_latent [B,S,L+R] ([normed c_kv ; roped k_pe]),
     wkv_b_LHK [L, H, N+V], positions int32 [B,T] / [B,S] (negative key positions are padding).
     Returns o [B,T,H,V] in q_nope's dtype. Scores and softmax in fp32.
+
+    q_block (training): attend `q_block` queries at a time (T must be a multiple), each block under
+    `jax.checkpoint`, so that neither pass holds more than a [B, H, q_block, S] slice of the fp32
+    scores: the backward recomputes each block's scores instead of keeping all of them (at 16 x 4096
+    tokens of V2-Lite, 16 GiB a copy). The same values as one block, in another summation order.
     """
     n = q_nope.shape[-1]
     L = wkv_b_LHK.shape[0]
@@ -74,10 +79,21 @@ def mla_naive_attention(
     q_BTHD = jnp.concatenate([q_nope, q_pe], axis=-1)
     k_pe_BSHR = jnp.broadcast_to(k_pe_BSR[:, :, None, :], (*k_nope_BSHN.shape[:3], k_pe_BSR.shape[-1]))
     k_BSHD = jnp.concatenate([k_nope_BSHN, k_pe_BSHR], axis=-1)
-    scores = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD, preferred_element_type=_F32)
-    p, _ = _masked_softmax(scores * softmax_scale, attention_mask(q_positions, kv_positions))
-    o = jnp.einsum("bhts,bshv->bthv", p.astype(v_BSHV.dtype), v_BSHV, preferred_element_type=_F32)
-    return o.astype(q_nope.dtype)
+
+    def attend(q_BTHD, q_pos_BT):
+        scores = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD, preferred_element_type=_F32)
+        p, _ = _masked_softmax(scores * softmax_scale, attention_mask(q_pos_BT, kv_positions))
+        return jnp.einsum("bhts,bshv->bthv", p.astype(v_BSHV.dtype), v_BSHV, preferred_element_type=_F32)
+
+    B, T = q_BTHD.shape[:2]
+    if q_block is None or q_block >= T:
+        return attend(q_BTHD, q_positions).astype(q_nope.dtype)
+    if q_block < 1 or T % q_block:
+        raise ValueError(f"q_block={q_block} must be >= 1 and divide the {T} queries")
+    nb = T // q_block
+    blocks = lambda x: x.reshape(B, nb, q_block, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
+    o = jax.lax.map(jax.checkpoint(lambda a: attend(*a)), (blocks(q_BTHD), blocks(q_positions)))
+    return o.swapaxes(0, 1).reshape(B, T, *o.shape[3:]).astype(q_nope.dtype)
 
 
 def mla_absorbed_attention(
@@ -177,7 +193,7 @@ class MLA(nnx.Module):
 
     # --- attention ----------------------------------------------------------------------
     def attend(self, q_nope: jax.Array, q_pe: jax.Array, kv_latent: jax.Array, q_positions: jax.Array,
-               kv_positions: jax.Array, *, absorbed: bool) -> jax.Array:
+               kv_positions: jax.Array, *, absorbed: bool, q_block: int | None = None) -> jax.Array:
         """Attend queries over a latent context (this chunk and/or a cached prefix) -> [B,T,D]."""
         cfg = self.cfg
         if absorbed:
@@ -186,7 +202,7 @@ class MLA(nnx.Module):
                                               kv_lora_rank=cfg.kv_lora_rank)
             return self.output_from_latent(o_lat)
         o_BTHV = mla_naive_attention(q_nope, q_pe, kv_latent, self.wkv_b_LHK(), q_positions, kv_positions,
-                                     softmax_scale=cfg.softmax_scale)
+                                     softmax_scale=cfg.softmax_scale, q_block=q_block)
         return self.wo(o_BTHV.reshape(o_BTHV.shape[:2] + (-1,)))
 
     def cached_attention(self, x_BTD: jax.Array, positions_BT: jax.Array, cache):
@@ -217,7 +233,8 @@ class MLA(nnx.Module):
         out = self.attend(q_nope, q_pe, ctx_BSC, positions_BT, kv_pos_BS, absorbed=T < cache.naive_threshold)
         return out, cache
 
-    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, *, absorbed: bool = False, cache=None):
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, *, absorbed: bool = False, cache=None,
+                 q_block: int | None = None):
         if x_BTD.ndim != 3 or x_BTD.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"MLA expects x [B, T, {self.cfg.hidden_size}], got {x_BTD.shape}")
         if positions_BT.shape != x_BTD.shape[:2]:
@@ -226,4 +243,4 @@ class MLA(nnx.Module):
             return self.cached_attention(x_BTD, positions_BT, cache)
         q_nope, q_pe = self.project_q(x_BTD, positions_BT)
         kv_latent = self.project_kv(x_BTD, positions_BT)
-        return self.attend(q_nope, q_pe, kv_latent, positions_BT, positions_BT, absorbed=absorbed)
+        return self.attend(q_nope, q_pe, kv_latent, positions_BT, positions_BT, absorbed=absorbed, q_block=q_block)

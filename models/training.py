@@ -60,6 +60,7 @@ class TrainConfig:
     absorbed: bool = False  # MLA path used in training (the naive one is the compute-friendly one)
     remat: str = "none"  # rematerialisation of each scanned layer (models.deepseek.REMAT_POLICIES)
     ce_chunk: int = 0  # tokens per LM-head cross-entropy chunk (0: the whole [B·T, V] logits at once)
+    attn_q_block: int = 0  # queries per block of the decompressed attention (0: all T at once)
 
     def __post_init__(self):
         for f in ("mtp_weight", "balance_alpha", "bias_update_rate"):
@@ -69,6 +70,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.remat={self.remat!r}: must be one of {REMAT_POLICIES}")
         if not isinstance(self.ce_chunk, int) or self.ce_chunk < 0:
             raise ValueError(f"TrainConfig.ce_chunk={self.ce_chunk!r}: must be an integer >= 0 (0 = unchunked)")
+        if not isinstance(self.attn_q_block, int) or self.attn_q_block < 0:
+            raise ValueError(f"TrainConfig.attn_q_block={self.attn_q_block!r}: must be an integer >= 0 (0 = whole)")
 
 
 # ------------------------------------------------------------------------------------------
@@ -219,7 +222,8 @@ def loss_fn(model: DeepSeekModel, batch: dict[str, jax.Array], tc: TrainConfig =
     cfg = model.cfg
     use_mtp = tc.mtp_weight > 0 and len(model.mtp) > 0
     chunked = tc.ce_chunk > 0
-    out = model.forward(ids, positions, absorbed=tc.absorbed, with_mtp=use_mtp, head=not chunked, remat=tc.remat)
+    out = model.forward(ids, positions, absorbed=tc.absorbed, with_mtp=use_mtp, head=not chunked, remat=tc.remat,
+                        q_block=tc.attn_q_block or None)
     if chunked:
         head, head_weights = lm_head_fn(model)
 

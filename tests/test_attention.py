@@ -97,6 +97,29 @@ def test_naive_matches_per_head_numpy():
     np.testing.assert_allclose(np.asarray(got), out, rtol=1e-5, atol=1e-5)
 
 
+def test_query_blocks_equal_one_block_and_their_gradients():
+    """`q_block` (training's memory-bounded attention) against the whole block: outputs and the
+    gradients of every input, with padding (negative positions) and a ragged start in the batch.
+    Guards: a block masked with another block's positions (the causal mask shifts), blocks put back in
+    the wrong order, and q_block not dividing T silently truncating (it raises)."""
+    rng = np.random.default_rng(3)
+    B, T, H, N, R, V, L = 2, 12, 2, 8, 4, 8, 16
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    args = [f32(rng.standard_normal(s)) for s in ((B, T, H, N), (B, T, H, R), (B, T, L + R))]
+    w = f32(rng.standard_normal((L, H, N + V)) * 0.3)
+    pos = jnp.asarray(np.stack([np.arange(T), np.r_[[-1, -1, -1], np.arange(T - 3)]]), jnp.int32)
+
+    def loss(q_block, qn, qp, lat, w):
+        o = mla_naive_attention(qn, qp, lat, w, pos, pos, softmax_scale=0.3, q_block=q_block)
+        return jnp.sum(jnp.sin(o) * jnp.arange(o.size, dtype=o.dtype).reshape(o.shape) / o.size), o
+
+    (l1, o1), g1 = jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True)(None, *args, w)
+    (l4, o4), g4 = jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True)(4, *args, w)
+    chex.assert_trees_all_close((o4, g4), (o1, g1), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="q_block=5 must be >= 1 and divide the 12 queries"):
+        mla_naive_attention(*args, w, pos, pos, softmax_scale=0.3, q_block=5)
+
+
 def _cosine(a, b):
     a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
     return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))

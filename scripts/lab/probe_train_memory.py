@@ -181,6 +181,7 @@ def main():
   p.add_argument("--moe-impl", default="auto")
   p.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp32"))
   p.add_argument("--dump-cell", default="1x4096:none:0", help="BxT:remat:ce_chunk of the cell XLA dumps")
+  p.add_argument("--attn-q-block", type=int, default=0, help="TrainConfig.attn_q_block of every cell")
   p.add_argument("--cells", default="", help="BxT:remat:ce_chunk,... instead of the built-in list")
   a = p.parse_args()
   os.makedirs(a.out, exist_ok=True)
@@ -229,7 +230,7 @@ def main():
     flops = bt.train_flops(cfg, B, T)
     cell["train_tflop"] = flops / 1e12
     try:
-      step, tx = bt.make_step(dict(remat=remat, ce_chunk=chunk))
+      step, tx = bt.make_step(dict(remat=remat, ce_chunk=chunk, attn_q_block=a.attn_q_block))
       if (B, T, remat, chunk) == dump_cell:
         inner = step.__wrapped__
         fn = lambda *args: inner(*args)  # noqa: E731
