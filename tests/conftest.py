@@ -30,15 +30,6 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_RUN_CACHE_ENV]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
-# What is left of the compiling is mostly LLVM optimising CPU code that a test runs once or twice:
-# compile at -O0 (about a fifth less CPU time in the compile-bound modules; the few tests that run
-# long generations or training steps lose a little of it back). Tests check values, not CPU speed.
-# A flag the caller set is kept, and so is a GPU machine's compiler (its kernels should be the ones
-# users get).
-_flags = os.environ.get("XLA_FLAGS", "")
-if "--xla_backend_optimization_level" not in _flags and not os.path.exists("/dev/nvidiactl"):
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_backend_optimization_level=0").strip()
-
 
 def pytest_unconfigure(config):
     if _OWN_RUN_CACHE:

@@ -218,6 +218,8 @@ def test_bench_kv_dtype(bench, known, capsys):
                  "'dots_saveable', 'dots_with_no_batch_dims_saveable')", id="remat-unknown-policy"),
     pytest.param(["--ce-chunk", "-8"], "argument --ce-chunk: must be an integer >= 0, got -8", id="ce-chunk-negative"),
     pytest.param(["--ce-chunk", "4k"], "argument --ce-chunk: must be an integer >= 0, got '4k'", id="ce-chunk-text"),
+    pytest.param(["--attn-q-block", "-1"], "argument --attn-q-block: must be an integer >= 0, got -1",
+                 id="attn-q-block-negative"),
     pytest.param(["--batch", "0"], "argument --batch: must be an integer >= 1, got 0", id="batch-0"),
     pytest.param(["--seq", "2"], "argument --seq: must be an integer >= 3, got 2", id="seq-too-short-for-mtp"),
     pytest.param(["--layers", "1"], "argument --layers: must be an integer >= 2, got 1", id="layers-no-moe-layer"),
