@@ -131,6 +131,15 @@ def make_step(tc_kwargs: dict):
   return make_train_step(tx, TrainConfig(**tc_kwargs)), tx
 
 
+def lower_and_compile(step, *args):
+  """(the compiled step, seconds lowering, seconds compiling) for these (real or abstract) arguments."""
+  t0 = time.perf_counter()
+  lowered = step.lower(*args)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  return compiled, t1 - t0, time.perf_counter() - t1
+
+
 def build_state(cfg, tx, *, dtype: str, param_dtype: str, moe_impl: str, abstract: bool = False):
   """(graphdef, state, opt_state) of a fresh model; `abstract`: shapes only (jax.ShapeDtypeStruct leaves)."""
   import jax
@@ -177,8 +186,8 @@ def run_cell(args) -> dict:
   import jax
   cfg = model_config(args.model, args.layers)
   row = dict(model=args.model, layers=cfg.num_hidden_layers, B=args.batch, T=args.seq, tokens=args.batch * args.seq,
-             remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block, moe_impl=args.moe_impl, dtype=args.dtype,
-             param_dtype=args.param_dtype, device=jax.devices()[0].device_kind, jax=jax.__version__)
+             remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block, moe_impl=args.moe_impl,
+             dtype=args.dtype, param_dtype=args.param_dtype, device=jax.devices()[0].device_kind, jax=jax.__version__)
   step, tx = make_step(dict(remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block))
   graphdef, state, opt_state = build_state(cfg, tx, dtype=args.dtype, param_dtype=args.param_dtype,
                                            moe_impl=args.moe_impl)
@@ -188,12 +197,7 @@ def run_cell(args) -> dict:
   row["active_params"] = active_params(cfg)["total"]
   row["train_tflop"] = flops / 1e12
   batch = random_batch(cfg, args.batch, args.seq)
-  t0 = time.perf_counter()
-  lowered = step.lower(graphdef, state, opt_state, batch)
-  row["lower_s"] = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  compiled = lowered.compile()
-  row["compile_s"] = time.perf_counter() - t0
+  compiled, row["lower_s"], row["compile_s"] = lower_and_compile(step, graphdef, state, opt_state, batch)
   row.update(memory_columns(compiled))
   times, row["loss_first"], row["loss_last"], *_ = time_steps(compiled, state, opt_state, batch, args.warmup,
                                                               args.steps)
@@ -284,8 +288,8 @@ def main(argv=None):
   except Exception as e:  # noqa: BLE001 - a cell that fails (out of memory) is a row, not a traceback
     cfg = model_config(args.model, args.layers)
     row = dict(model=args.model, layers=cfg.num_hidden_layers, B=args.batch, T=args.seq, tokens=args.batch * args.seq,
-               remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block, moe_impl=args.moe_impl, dtype=args.dtype,
-               param_dtype=args.param_dtype, error=one_line(e))
+               remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block, moe_impl=args.moe_impl,
+               dtype=args.dtype, param_dtype=args.param_dtype, error=one_line(e))
   append_row(args.out, row)
   print(summary(row))
   return row

@@ -19,10 +19,10 @@ over the assignments sorted by expert with no token dropping. `impl` picks the g
 kernel `ragged_dot_mgpu`, tiled for prefill and training: its gradient runs through Mosaic GPU
 grouped GEMMs too, the weights' through jax's `transposed_ragged_dot`), "decode"
 (`pallas_kernels.moe_decode`: few rows per expert, each chosen expert's weights read once; forward
-only, its gradient `lax.ragged_dot`'s; its `ragged_dot` reference off a Hopper GPU), "dense" (`moe_dense_reference`: every expert
-on every token, the oracle), or "auto": on a Hopper GPU with bf16 compute, "decode" when a call
-has at most `DECODE_ROWS_PER_EXPERT` assignment rows per expert on average (decode steps) and
-"mgpu" otherwise; elsewhere "ragged_dot".
+only, its gradient `lax.ragged_dot`'s; its `ragged_dot` reference off a Hopper GPU), "dense"
+(`moe_dense_reference`: every expert on every token, the oracle), or "auto": on a Hopper GPU with
+bf16 compute, "decode" when a call has at most `DECODE_ROWS_PER_EXPERT` assignment rows per expert
+on average (decode steps) and "mgpu" otherwise; elsewhere "ragged_dot".
 """
 
 from __future__ import annotations

@@ -239,12 +239,8 @@ def main():
       graphdef, abs_state, abs_opt = bt.build_state(cfg, tx, dtype="bf16", param_dtype=a.param_dtype,
                                                     moe_impl=a.moe_impl, abstract=True)
       batch_abs = bt.random_batch(cfg, B, T, abstract=True)
-      t = time.perf_counter()
-      lowered = step.lower(graphdef, abs_state, abs_opt, batch_abs)
-      cell["lower_s"] = time.perf_counter() - t
-      t = time.perf_counter()
-      compiled = lowered.compile()
-      cell["compile_s"] = time.perf_counter() - t
+      compiled, cell["lower_s"], cell["compile_s"] = bt.lower_and_compile(step, graphdef, abs_state, abs_opt,
+                                                                         batch_abs)
       cell.update(bt.memory_columns(compiled))
       log(f"{name}: compiled in {cell['compile_s']:.1f} s; memory_analysis {compiled.memory_analysis()}")
       cell["largest"] = largest_instructions(compiled.as_text())
@@ -268,7 +264,7 @@ def main():
                     peak_in_use_gb=(dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9)
         log(f"{name}: steps {[round(x * 1e3, 1) for x in times]} ms -> {med * 1e3:.1f} ms, "
             f"{B * T / med:.0f} tok/s, MFU {cell['mfu']:.1%}")
-      del compiled, lowered
+      del compiled
     except Exception as e:  # noqa: BLE001 - an out-of-memory cell is recorded, the next one runs
       cell["error"] = one_line(e)
       cell["traceback"] = traceback.format_exc()[-3000:]
