@@ -377,6 +377,24 @@ def _row_limits(seq_len, g, *, heads: int, s_q: int, causal: bool, shape=(ROWS, 
   return jnp.minimum(seq_len - s_q + 1 + j, seq_len)
 
 
+def _pv_accumulate(acc, p16, v, p_ref=None):
+  """acc + P·V on the tensor cores: P (64 x 64 bf16) in registers, V an SMEM ref [64, cols], acc fp32
+  [64, cols] in registers. With `p_ref` (an SMEM [64, 64] bf16 tile: `MlaDecodeConfig.interpretable`)
+  P is staged there first, since the interpreter cannot take the wgmma A operand from registers."""
+  if p_ref is not None:
+    p_ref[...] = p16
+    plgpu.commit_smem()
+
+    def pv_scoped(acc_ref):
+      plgpu.wgmma(acc_ref, p_ref, v)
+      return acc_ref[...]
+    return acc + pl.run_scoped(pv_scoped, plgpu.ACC(acc.shape, jnp.float32))
+
+  def pv(acc_ref):
+    plgpu.wgmma(acc_ref, p16, v)
+  return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+
 def _partials_out_type(B, S, Rp, dtype):
   """Outputs of a main kernel: with one split the final (out [B, Rp, 512] in q's dtype, lse
   [B, Rp] f32, natural log); with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in
@@ -652,20 +670,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
 
     def pv_update(acc, p16, v):
       """acc + P·V for this warpgroup's columns; P (64 x 64 bf16) in registers."""
-      if config.interpretable:
-        # The interpreter cannot take the wgmma A operand from registers: stage P in SMEM.
-        p_ref = p_smem.at[wg]
-        p_ref[...] = p16
-        plgpu.commit_smem()
-
-        def pv_scoped(acc_ref):
-          plgpu.wgmma(acc_ref, p_ref, v)
-          return acc_ref[...]
-        return acc + pl.run_scoped(pv_scoped, plgpu.ACC((ROWS, half), jnp.float32))
-
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v)
-      return pl.run_state(pv)(plgpu.ACC.init(acc))
+      return _pv_accumulate(acc, p16, v, p_smem.at[wg] if config.interpretable else None)
 
     def body(idx, kv, carry):
       (i,) = idx
@@ -801,20 +806,7 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
       plgpu.commit_smem()
 
     def pv_update(acc, p16):
-      v = lat_smem.at[:, cols]
-      if config.interpretable:
-        p_ref = p_smem.at[wg]
-        p_ref[...] = p16
-        plgpu.commit_smem()
-
-        def pv_scoped(acc_ref):
-          plgpu.wgmma(acc_ref, p_ref, v)
-          return acc_ref[...]
-        return acc + pl.run_scoped(pv_scoped, plgpu.ACC((ROWS, half), jnp.float32))
-
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v)
-      return pl.run_state(pv)(plgpu.ACC.init(acc))
+      return _pv_accumulate(acc, p16, lat_smem.at[:, cols], p_smem.at[wg] if config.interpretable else None)
 
     def body(idx, lat_lo, lat_hi, scales, rope, carry):
       (i,) = idx
