@@ -377,6 +377,20 @@ def _row_limits(seq_len, g, *, heads: int, s_q: int, causal: bool, shape=(ROWS, 
   return jnp.minimum(seq_len - s_q + 1 + j, seq_len)
 
 
+def _online_softmax(sc, acc, m, l, page_start, limit):
+  """One page of the online softmax (exp2 domain), for a body whose warpgroup scored all 64 keys:
+  scores sc [64 rows, 64 keys] (already times scale·log2 e) masked to keys < `limit` (per row, from
+  `_row_limits`), then (P in bf16, acc rescaled, new running max, new running sum)."""
+  key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA)
+  sc = jnp.where(key < limit, sc, -jnp.inf)
+  m_new = jnp.maximum(m, sc.max(axis=1))
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+  l = l * alpha + p.sum(axis=1)
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  return p.astype(jnp.bfloat16), acc, m_new, l
+
+
 def _pv_accumulate(acc, p16, v, p_ref=None):
   """acc + P·V on the tensor cores: P (64 x 64 bf16) in registers, V an SMEM ref [64, cols], acc fp32
   [64, cols] in registers. With `p_ref` (an SMEM [64, 64] bf16 tile: `MlaDecodeConfig.interpretable`)
@@ -683,16 +697,9 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
         return acc_ref[...]
       sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32)) * scale_log2
       steps.after_qk(i, at)
-      key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1,
-                                                layout=wgmma_layout)
-      limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
-      sc = jnp.where(key < limit, sc, -jnp.inf)
-      m_new = jnp.maximum(m, sc.max(axis=1))
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
-      l = l * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return steps.end_step((pv_update(acc, p.astype(jnp.bfloat16), kv.at[:, cols]), m_new, l), at)
+      p16, acc, m_new, l = _online_softmax(sc, acc, m, l, page_start, _row_limits(
+          seq_len, g, heads=heads, s_q=s_q, causal=causal))
+      return steps.end_step((pv_update(acc, p16, kv.at[:, cols]), m_new, l), at)
 
     plgpu.emit_pipeline_warp_specialized(
         body_split_qk if plan_.split_qk else body, grid=(steps.n_steps,),
@@ -824,15 +831,9 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
         return acc_ref[...]
       sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32)) * scale_log2
       steps.after_qk(i, at)
-      key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=wgmma_layout)
-      limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
-      sc = jnp.where(key < limit, sc, -jnp.inf)
-      m_new = jnp.maximum(m, sc.max(axis=1))
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
-      l = l * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return steps.end_step((pv_update(acc, p.astype(jnp.bfloat16)), m_new, l), at)
+      p16, acc, m_new, l = _online_softmax(sc, acc, m, l, page_start, _row_limits(
+          seq_len, g, heads=heads, s_q=s_q, causal=causal))
+      return steps.end_step((pv_update(acc, p16), m_new, l), at)
 
     page_of = steps.page_of
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS

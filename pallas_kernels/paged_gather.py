@@ -134,6 +134,23 @@ def plan_chunks(batch: int, n_pages: int, config: PagedGatherConfig) -> tuple[in
   return pl.cdiv(n_pages, per_chunk), per_chunk
 
 
+def _store_page(page_smem, out_seq_ref, page, n_pages: int, tail: int):
+  """Bulk-stores one gathered page (SMEM [64, 576]) as tokens [64·page, 64·page + 64) of a sequence's
+  output. The last page is cut at num_tokens: a store of exactly `tail` rows, so nothing is written
+  past the output (the untiled bulk store does not clip)."""
+  if tail == PAGE_SIZE:
+    plgpu.copy_smem_to_gmem(page_smem, out_seq_ref.at[pl.ds(page * PAGE_SIZE, PAGE_SIZE)])
+    return
+
+  @pl.when(page != n_pages - 1)
+  def _():
+    plgpu.copy_smem_to_gmem(page_smem, out_seq_ref.at[pl.ds(page * PAGE_SIZE, PAGE_SIZE)])
+
+  @pl.when(page == n_pages - 1)
+  def _():
+    plgpu.copy_smem_to_gmem(page_smem.at[pl.ds(0, tail)], out_seq_ref.at[pl.ds(page * PAGE_SIZE, tail)])
+
+
 @functools.partial(jax.jit, static_argnames=("num_tokens", "config", "interpret"))
 def _paged_gather_kernel(kv_pages, block_table, *, num_tokens, config, interpret):
   B = block_table.shape[0]
@@ -158,19 +175,7 @@ def _paged_gather_kernel(kv_pages, block_table, *, num_tokens, config, interpret
     def body(idx, page_smem):
       (i,) = idx
       page = base + i
-      if tail == PAGE_SIZE:
-        plgpu.copy_smem_to_gmem(page_smem, out_ref.at[b, pl.ds(page * PAGE_SIZE, PAGE_SIZE)])
-      else:
-        # The last page is cut at num_tokens: a store of exactly `tail` rows, so nothing is
-        # written past the output (the untiled bulk store does not clip).
-        @pl.when(page != n_pages - 1)
-        def _():
-          plgpu.copy_smem_to_gmem(page_smem, out_ref.at[b, pl.ds(page * PAGE_SIZE, PAGE_SIZE)])
-
-        @pl.when(page == n_pages - 1)
-        def _():
-          plgpu.copy_smem_to_gmem(page_smem.at[pl.ds(0, tail)],
-                                  out_ref.at[b, pl.ds(page * PAGE_SIZE, tail)])
+      _store_page(page_smem, out_ref.at[b], page, n_pages, tail)
       # With delay_release=1 the pipeline refills the slot of the previous step after this
       # body: that store must have finished reading SMEM, this one may stay in flight.
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -253,17 +258,7 @@ def _paged_gather_fp8_kernel(kv_pages, block_table, *, num_tokens, config, inter
       out_smem[:, pl.ds(_FP8_LATENT, KEY_DIM - _FP8_LATENT)] = plgpu.load(rope, layout=_ROPE_LAYOUT,
                                                                            optimized=False)
       plgpu.commit_smem()
-      if tail == PAGE_SIZE:
-        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, pl.ds(page * PAGE_SIZE, PAGE_SIZE)])
-      else:
-        @pl.when(page != n_pages - 1)
-        def _():
-          plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, pl.ds(page * PAGE_SIZE, PAGE_SIZE)])
-
-        @pl.when(page == n_pages - 1)
-        def _():
-          plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, tail)],
-                                  out_ref.at[b, pl.ds(page * PAGE_SIZE, tail)])
+      _store_page(out_smem, out_ref.at[b], page, n_pages, tail)
 
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
     page_of = lambda i: table[base + i]
