@@ -42,7 +42,8 @@ import benchmarks as bm
 MODELS = ("v2-lite", "builtin", "tiny")
 H200_BF16_TFLOPS = 790.0
 CSV_NAME, JSONL_NAME = "train.csv", "train.jsonl"
-COLUMNS = ["model", "layers", "B", "T", "tokens", "remat", "ce_chunk", "attn_q_block", "moe_impl", "dtype",
+COLUMNS = ["model", "layers", "B", "T", "tokens", "remat", "ce_chunk", "attn_q_block", "attn_impl", "moe_impl",
+           "dtype",
            "param_dtype", "params", "active_params", "train_tflop", "lower_s", "compile_s", "step_ms", "step_ms_min",
            "tok_s", "tflops", "mfu", "peak_gb", "argument_gb", "output_gb", "temp_gb", "alias_gb", "loss_first",
            "loss_last", "device", "jax", "error"]
@@ -186,9 +187,11 @@ def run_cell(args) -> dict:
   import jax
   cfg = model_config(args.model, args.layers)
   row = dict(model=args.model, layers=cfg.num_hidden_layers, B=args.batch, T=args.seq, tokens=args.batch * args.seq,
-             remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block, moe_impl=args.moe_impl,
+             remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block, attn_impl=args.attn_impl,
+             moe_impl=args.moe_impl,
              dtype=args.dtype, param_dtype=args.param_dtype, device=jax.devices()[0].device_kind, jax=jax.__version__)
-  step, tx = make_step(dict(remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block))
+  step, tx = make_step(dict(remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block,
+                            attn_impl=args.attn_impl))
   graphdef, state, opt_state = build_state(cfg, tx, dtype=args.dtype, param_dtype=args.param_dtype,
                                            moe_impl=args.moe_impl)
   from flax import nnx
@@ -226,6 +229,7 @@ def summary(row: dict) -> str:
   if row.get("error"):
     return f"{row['model']} L{row['layers']} {row['B']}x{row['T']} remat={row['remat']}: {row['error']}"
   return (f"{row['model']} L{row['layers']} {row['B']}x{row['T']} remat={row['remat']} ce_chunk={row['ce_chunk']} "
+          f"attn={row['attn_impl']}{'/' + str(row['attn_q_block']) if row['attn_q_block'] else ''} "
           f"moe={row['moe_impl']}: step {row['step_ms']:.1f} ms, {row['tok_s']:.0f} tok/s, MFU {row['mfu']:.1%}, "
           f"peak {row.get('peak_gb', float('nan')):.2f} GB, compile {row['compile_s']:.1f} s")
 
@@ -254,6 +258,7 @@ def _positive_float(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
+  from mla_jax.attention import NAIVE_ATTENTION_IMPLS
   from models.deepseek import REMAT_POLICIES
   from models.trainer import MOE_IMPLS
   p = bm.OneLineParser(prog="python -m benchmarks train", description=__doc__,
@@ -270,6 +275,8 @@ def parser() -> argparse.ArgumentParser:
                  help="tokens per LM-head cross-entropy chunk (0: the whole logits at once)")
   p.add_argument("--attn-q-block", type=_int_at_least(0), default=0,
                  help="queries per block of the decompressed attention (0: all at once)")
+  p.add_argument("--attn-impl", choices=NAIVE_ATTENTION_IMPLS, default="xla",
+                 help="the decompressed attention: xla (jnp) or cudnn (cuDNN flash attention, GPU only)")
   p.add_argument("--moe-impl", choices=MOE_IMPLS, default="auto", help="expert computation (auto = dense on a CPU)")
   p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute dtype")
   p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
@@ -288,7 +295,8 @@ def main(argv=None):
   except Exception as e:  # noqa: BLE001 - a cell that fails (out of memory) is a row, not a traceback
     cfg = model_config(args.model, args.layers)
     row = dict(model=args.model, layers=cfg.num_hidden_layers, B=args.batch, T=args.seq, tokens=args.batch * args.seq,
-               remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block, moe_impl=args.moe_impl,
+               remat=args.remat, ce_chunk=args.ce_chunk, attn_q_block=args.attn_q_block, attn_impl=args.attn_impl,
+             moe_impl=args.moe_impl,
                dtype=args.dtype, param_dtype=args.param_dtype, error=one_line(e))
   append_row(args.out, row)
   print(summary(row))

@@ -56,6 +56,7 @@ def _masked_softmax(scores_BHTS: jax.Array, mask_BTS: jax.Array) -> tuple[jax.Ar
 def mla_naive_attention(
     q_nope: jax.Array, q_pe: jax.Array, kv_latent: jax.Array, wkv_b_LHK: jax.Array,
     q_positions: jax.Array, kv_positions: jax.Array, *, softmax_scale: float, q_block: int | None = None,
+    impl: str = "xla",
 ) -> jax.Array:
     """Decompressed MLA attention.
 
@@ -67,7 +68,14 @@ def mla_naive_attention(
     `jax.checkpoint`, so that neither pass holds more than a [B, H, q_block, S] slice of the fp32
     scores: the backward recomputes each block's scores instead of keeping all of them (at 16 x 4096
     tokens of V2-Lite, 16 GiB a copy). The same values as one block, in another summation order.
+
+    impl: "xla" (the jnp above) or "cudnn" (training on a GPU): cuDNN's fused flash attention, forward and
+    backward, which keeps the scores on chip (`q_block` is then moot). It is causal by token index, so it
+    serves self-attention over right-padded rows only (positions 0..n-1, then -1; `positions_from_mask` of a
+    right-padded mask): any other positions make the output NaN rather than silently wrong.
     """
+    if impl not in NAIVE_ATTENTION_IMPLS:
+        raise ValueError(f"impl={impl!r}: must be one of {NAIVE_ATTENTION_IMPLS}")
     n = q_nope.shape[-1]
     L = wkv_b_LHK.shape[0]
     c_BSL, k_pe_BSR = kv_latent[..., :L], kv_latent[..., L:]
@@ -79,6 +87,9 @@ def mla_naive_attention(
     q_BTHD = jnp.concatenate([q_nope, q_pe], axis=-1)
     k_pe_BSHR = jnp.broadcast_to(k_pe_BSR[:, :, None, :], (*k_nope_BSHN.shape[:3], k_pe_BSR.shape[-1]))
     k_BSHD = jnp.concatenate([k_nope_BSHN, k_pe_BSHR], axis=-1)
+
+    if impl == "cudnn":
+        return _cudnn_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale)
 
     def attend(q_BTHD, q_pos_BT):
         scores = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD, preferred_element_type=_F32)
@@ -94,6 +105,36 @@ def mla_naive_attention(
     blocks = lambda x: x.reshape(B, nb, q_block, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
     o = jax.lax.map(jax.checkpoint(lambda a: attend(*a)), (blocks(q_BTHD), blocks(q_positions)))
     return o.swapaxes(0, 1).reshape(B, T, *o.shape[3:]).astype(q_nope.dtype)
+
+
+NAIVE_ATTENTION_IMPLS = ("xla", "cudnn")
+
+
+def _cudnn_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale):
+    """cuDNN's flash attention (qk width D, v width V; jax's MLA form of it) over right-padded self-attention.
+
+    Rows must be positions 0..n-1 then -1 on both sides (n = the row's valid tokens): cuDNN masks by index
+    (causal, and the padding past n), which equals `attention_mask` on exactly those rows. Other positions
+    (left padding, a cached prefix, packed documents) give NaN outputs instead of a wrong attention. Padding
+    queries come out as 0, as in the jnp form.
+    """
+    # jax.nn.dot_product_attention wants equal qk and v widths; its cuDNN backend takes MLA's 192 / 128 (jax 0.11)
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"impl='cudnn' needs a CUDA GPU (cuDNN's flash attention); the backend is "
+                         f"{jax.default_backend()}: use impl='xla'")
+    B, T = q_positions.shape
+    if kv_positions.shape != (B, T):
+        raise ValueError(f"impl='cudnn' is self-attention: kv positions {kv_positions.shape} != queries' {(B, T)}")
+    n_B = jnp.sum(q_positions >= 0, axis=1).astype(jnp.int32)
+    idx = jnp.arange(T, dtype=jnp.int32)[None]
+    expected = jnp.where(idx < n_B[:, None], idx, -1)
+    ok = jnp.all(q_positions == expected) & jnp.all(kv_positions == expected)
+    o = cudnn_attention(q_BTHD, k_BSHD, v_BSHV, None, None, n_B, n_B, scale=float(softmax_scale),
+                        mask_type=MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+    return jnp.where(ok, o, jnp.nan).astype(q_BTHD.dtype)
 
 
 def mla_absorbed_attention(
@@ -193,7 +234,8 @@ class MLA(nnx.Module):
 
     # --- attention ----------------------------------------------------------------------
     def attend(self, q_nope: jax.Array, q_pe: jax.Array, kv_latent: jax.Array, q_positions: jax.Array,
-               kv_positions: jax.Array, *, absorbed: bool, q_block: int | None = None) -> jax.Array:
+               kv_positions: jax.Array, *, absorbed: bool, q_block: int | None = None,
+               attn_impl: str = "xla") -> jax.Array:
         """Attend queries over a latent context (this chunk and/or a cached prefix) -> [B,T,D]."""
         cfg = self.cfg
         if absorbed:
@@ -202,7 +244,7 @@ class MLA(nnx.Module):
                                               kv_lora_rank=cfg.kv_lora_rank)
             return self.output_from_latent(o_lat)
         o_BTHV = mla_naive_attention(q_nope, q_pe, kv_latent, self.wkv_b_LHK(), q_positions, kv_positions,
-                                     softmax_scale=cfg.softmax_scale, q_block=q_block)
+                                     softmax_scale=cfg.softmax_scale, q_block=q_block, impl=attn_impl)
         return self.wo(o_BTHV.reshape(o_BTHV.shape[:2] + (-1,)))
 
     def cached_attention(self, x_BTD: jax.Array, positions_BT: jax.Array, cache):
@@ -234,7 +276,7 @@ class MLA(nnx.Module):
         return out, cache
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, *, absorbed: bool = False, cache=None,
-                 q_block: int | None = None):
+                 q_block: int | None = None, attn_impl: str = "xla"):
         if x_BTD.ndim != 3 or x_BTD.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"MLA expects x [B, T, {self.cfg.hidden_size}], got {x_BTD.shape}")
         if positions_BT.shape != x_BTD.shape[:2]:
@@ -243,4 +285,5 @@ class MLA(nnx.Module):
             return self.cached_attention(x_BTD, positions_BT, cache)
         q_nope, q_pe = self.project_q(x_BTD, positions_BT)
         kv_latent = self.project_kv(x_BTD, positions_BT)
-        return self.attend(q_nope, q_pe, kv_latent, positions_BT, positions_BT, absorbed=absorbed, q_block=q_block)
+        return self.attend(q_nope, q_pe, kv_latent, positions_BT, positions_BT, absorbed=absorbed, q_block=q_block,
+                           attn_impl=attn_impl)

@@ -72,11 +72,11 @@ class DecoderLayer(nnx.Module):
                            init_std=cfg.initializer_range)
 
     def forward(self, x_BTD: jax.Array, positions_BT: jax.Array, cache=None, *, absorbed: bool = False,
-                stack_index=None, q_block: int | None = None):
+                stack_index=None, q_block: int | None = None, attn_impl: str = "xla"):
         """-> (out [B,T,D], RouterOutput or None for a dense layer, cache or None). `stack_index`: the
         routed experts' variables are the whole stack's and this is its layer `stack_index`."""
         a = self.self_attn(self.input_layernorm(x_BTD), positions_BT, absorbed=absorbed, cache=cache,
-                           q_block=q_block)
+                           q_block=q_block, attn_impl=attn_impl)
         if cache is not None:
             a, cache = a
         h = x_BTD + a.astype(x_BTD.dtype)
@@ -128,7 +128,7 @@ def remat_policy(name: str):
 
 
 def _scan_layers(stack, h_BTD, positions_BT, cache, first_layer: int, absorbed: bool, remat: str = "none",
-                 q_block: int | None = None):
+                 q_block: int | None = None, attn_impl: str = "xla"):
     """Run a stacked layer over h with `jax.lax.scan` (one compiled body, whatever the depth).
 
     The cache (its stacked pools) is the scan's carry, updated in place; each layer is pointed at
@@ -144,8 +144,8 @@ def _scan_layers(stack, h_BTD, positions_BT, cache, first_layer: int, absorbed: 
 
     `remat` (REMAT_POLICIES, training only; a cached call must leave it "none") wraps the layer body in
     `jax.checkpoint` with that policy, so the backward of the scan keeps per layer only what the policy
-    saves and recomputes the rest. `q_block` (training): the decompressed attention's query block
-    (`mla_naive_attention`).
+    saves and recomputes the rest. `q_block` and `attn_impl` (training): the decompressed attention's query
+    block and implementation (`mla_naive_attention`).
     """
     policy = remat_policy(remat)
     if remat != "none" and cache is not None:
@@ -163,7 +163,8 @@ def _scan_layers(stack, h_BTD, positions_BT, cache, first_layer: int, absorbed: 
         layer_state, idx = xs
         layer = nnx.merge(graphdef, experts, layer_state) if whole else nnx.merge(graphdef, layer_state)
         h, r, c = layer.forward(h, positions_BT, None if c is None else c.at_layer(first_layer + idx),
-                                absorbed=absorbed, stack_index=idx if whole else None, q_block=q_block)
+                                absorbed=absorbed, stack_index=idx if whole else None, q_block=q_block,
+                                attn_impl=attn_impl)
         return (h, c), r
 
     if remat != "none":
@@ -261,15 +262,16 @@ class DeepSeekModel(nnx.Module):
         return self.embed_tokens(ids_BT)
 
     def _trunk(self, ids_BT, positions_BT, absorbed: bool, cache=None, remat: str = "none",
-               q_block: int | None = None):
+               q_block: int | None = None, attn_impl: str = "xla"):
         """-> (pre-final-norm hidden [B,T,D], RouterOutputs of the main MoE layers (a list), cache)."""
         h = self.embed(ids_BT)
         routers = []
         if self.dense_layers is not None:
-            h, _, cache = _scan_layers(self.dense_layers, h, positions_BT, cache, 0, absorbed, remat, q_block)
+            h, _, cache = _scan_layers(self.dense_layers, h, positions_BT, cache, 0, absorbed, remat, q_block,
+                                       attn_impl)
         if self.moe_layers is not None:
             h, rs, cache = _scan_layers(self.moe_layers, h, positions_BT, cache, self.num_dense_layers, absorbed,
-                                        remat, q_block)
+                                        remat, q_block, attn_impl)
             routers = _unstack(rs, self.cfg.num_moe_layers)
         return h, routers, cache
 
@@ -315,15 +317,17 @@ class DeepSeekModel(nnx.Module):
 
     def forward(self, ids_BT: jax.Array, positions_BT: jax.Array | None = None, *, absorbed: bool = False,
                 with_mtp: bool = True, head: bool = True, remat: str = "none",
-                q_block: int | None = None) -> ModelOutput:
+                q_block: int | None = None, attn_impl: str = "xla") -> ModelOutput:
         """The full pass with what training needs (router decisions included); see `ModelOutput`.
 
         head=False skips the LM head (logits None, mtp_logits empty; the hiddens it would read are in
         `hidden` and `mtp_hidden`). remat: the scanned layers' rematerialisation (REMAT_POLICIES).
         q_block: the main layers' decompressed attention in blocks of that many queries
-        (`mla_naive_attention`; the MTP modules attend whole)."""
+        (`mla_naive_attention`; the MTP modules attend whole). attn_impl: the main layers' decompressed
+        attention, "xla" (jnp) or "cudnn" (`mla_naive_attention`'s flash path; right-padded masks only)."""
         positions_BT = self._check_ids(ids_BT, positions_BT)
-        h_pre, routers, _ = self._trunk(ids_BT, positions_BT, absorbed, remat=remat, q_block=q_block)
+        h_pre, routers, _ = self._trunk(ids_BT, positions_BT, absorbed, remat=remat, q_block=q_block,
+                                        attn_impl=attn_impl)
         h_post = self.norm(h_pre)
         logits = self.logits_from_hidden(h_post) if head else None
         mtp_out, mtp_hidden = [], []

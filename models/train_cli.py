@@ -17,7 +17,7 @@ import dataclasses
 import os
 import sys
 
-from models.trainer import DTYPES, MOE_IMPLS, PRESETS, SettingError, TrainerError, TrainSettings, train
+from models.trainer import ATTN_IMPLS, DTYPES, MOE_IMPLS, PRESETS, SettingError, TrainerError, TrainSettings, train
 
 
 class UsageError(TrainerError):
@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
       "dots_with_no_batch_dims_saveable (less memory, more compute; the same gradients)")
     a("--ce-chunk", type=int, default=d.ce_chunk,
       help="tokens per LM-head cross-entropy chunk: the fp32 [tokens, vocab] logits never exist whole (0 = off)")
+    a("--attn-q-block", type=int, default=d.attn_q_block,
+      help="queries per block of the decompressed attention: no pass holds the whole fp32 scores (0 = off)")
+    a("--attn-impl", default=d.attn_impl, choices=ATTN_IMPLS,
+      help="the decompressed attention: xla (jnp) or cudnn (cuDNN flash attention, forward and backward; a GPU "
+      "only; the trainer's windows are unpadded, as it needs)")
     a("--eval-every", type=int, default=d.eval_every, help="held-out evaluation period in steps (0 = only at the end)")
     a("--eval-windows", type=int, default=d.eval_windows,
       help="held-out windows per evaluation (at most what the split holds)")

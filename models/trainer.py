@@ -59,6 +59,7 @@ DEFAULT_CORPUS = CORPUS_PATH  # inside the package (models/data), so an installe
 PRESETS = ("tiny", "builtin", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
 DTYPES = ("fp32", "bf16")
 MOE_IMPLS = ("auto", "ragged_dot", "mgpu", "dense")
+ATTN_IMPLS = ("xla", "cudnn")  # mla_jax.attention.NAIVE_ATTENTION_IMPLS (a test keeps them equal; no jax import here)
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -104,6 +105,8 @@ class TrainSettings:
     # Not part of the trajectory: a resumed run may change them.
     remat: str = "none"             # rematerialisation of each scanned layer (models.deepseek.REMAT_POLICIES)
     ce_chunk: int = 0               # tokens per LM-head cross-entropy chunk (0 = the whole logits at once)
+    attn_q_block: int = 0           # queries per block of the decompressed attention (0 = all at once)
+    attn_impl: str = "xla"          # the decompressed attention: xla (jnp) or cudnn (flash; a GPU)
     corpus: str = DEFAULT_CORPUS    # UTF-8 text, paragraphs separated by blank lines
     eval_every: int = 100           # held-out evaluation period in steps (0 = only at the end)
     eval_windows: int = 64          # held-out windows per evaluation (at most what the split holds)
@@ -145,6 +148,11 @@ class TrainSettings:
                 raise SettingError("{0} must be one of {c}, got {v!r}", "remat", c=REMAT_POLICIES, v=self.remat)
         if self.ce_chunk < 0:
             raise SettingError("{0} must be >= 0 (0 = unchunked), got {v}", "ce_chunk", v=self.ce_chunk)
+        if self.attn_q_block < 0:
+            raise SettingError("{0} must be >= 0 (0 = all queries at once), got {v}", "attn_q_block",
+                               v=self.attn_q_block)
+        if self.attn_impl not in ATTN_IMPLS:
+            raise SettingError("{0} must be one of {c}, got {v!r}", "attn_impl", c=ATTN_IMPLS, v=self.attn_impl)
 
     def trajectory(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.TRAJECTORY}
@@ -273,7 +281,7 @@ def train_config(s: TrainSettings):
     from models.training import TrainConfig
 
     return TrainConfig(mtp_weight=s.mtp_weight, balance_alpha=s.balance_alpha, bias_update_rate=s.bias_update_rate,
-                       remat=s.remat, ce_chunk=s.ce_chunk)
+                       remat=s.remat, ce_chunk=s.ce_chunk, attn_q_block=s.attn_q_block, attn_impl=s.attn_impl)
 
 
 @functools.lru_cache(maxsize=8)
@@ -704,6 +712,9 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
 
     if stop_at is not None and stop_at < 1:
         raise SettingError("{0} must be >= 1, got {v}", "stop_at", v=stop_at)
+    if settings.attn_impl == "cudnn" and jax.default_backend() != "gpu":
+        raise SettingError("{0} cudnn needs a CUDA GPU (cuDNN's flash attention); this machine's backend is {b}",
+                           "attn_impl", b=jax.default_backend())
     trainer = Trainer(settings, cfg)  # config, memory and corpus are checked before anything is written
     os.makedirs(out, exist_ok=True)
     mgr = checkpoint_manager(out)

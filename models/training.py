@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from mla_jax.attention import NAIVE_ATTENTION_IMPLS
 from models.deepseek import REMAT_POLICIES, DeepSeekModel, ModelOutput
 from models.moe import RouterOutput
 
@@ -61,6 +62,7 @@ class TrainConfig:
     remat: str = "none"  # rematerialisation of each scanned layer (models.deepseek.REMAT_POLICIES)
     ce_chunk: int = 0  # tokens per LM-head cross-entropy chunk (0: the whole [B·T, V] logits at once)
     attn_q_block: int = 0  # queries per block of the decompressed attention (0: all T at once)
+    attn_impl: str = "xla"  # the decompressed attention: "xla" (jnp) or "cudnn" (flash; GPU, right padding only)
 
     def __post_init__(self):
         for f in ("mtp_weight", "balance_alpha", "bias_update_rate"):
@@ -72,6 +74,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.ce_chunk={self.ce_chunk!r}: must be an integer >= 0 (0 = unchunked)")
         if not isinstance(self.attn_q_block, int) or self.attn_q_block < 0:
             raise ValueError(f"TrainConfig.attn_q_block={self.attn_q_block!r}: must be an integer >= 0 (0 = whole)")
+        if self.attn_impl not in NAIVE_ATTENTION_IMPLS:
+            raise ValueError(f"TrainConfig.attn_impl={self.attn_impl!r}: must be one of {NAIVE_ATTENTION_IMPLS}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -223,7 +227,7 @@ def loss_fn(model: DeepSeekModel, batch: dict[str, jax.Array], tc: TrainConfig =
     use_mtp = tc.mtp_weight > 0 and len(model.mtp) > 0
     chunked = tc.ce_chunk > 0
     out = model.forward(ids, positions, absorbed=tc.absorbed, with_mtp=use_mtp, head=not chunked, remat=tc.remat,
-                        q_block=tc.attn_q_block or None)
+                        q_block=tc.attn_q_block or None, attn_impl=tc.attn_impl)
     if chunked:
         head, head_weights = lm_head_fn(model)
 
@@ -270,11 +274,12 @@ def init_train_state(model: DeepSeekModel, tx: optax.GradientTransformation):
     return graphdef, state, tx.init(params)
 
 
-def make_train_step(tx: optax.GradientTransformation, tc: TrainConfig = TrainConfig()):
+def make_train_step(tx: optax.GradientTransformation, tc: TrainConfig = TrainConfig(), *, donate: bool = True):
     """A jitted `train_step(graphdef, state, opt_state, batch) -> (state, opt_state, metrics)`.
 
-    `state` and `opt_state` are donated: the step writes the new ones into their buffers, so the arrays
-    passed in are deleted by the call (keep only what it returns). One optax update of the Params on
+    `state` and `opt_state` are donated (unless `donate=False`, for profilers that call it again on the same
+    arrays): the step writes the new ones into their buffers, so the arrays passed in are deleted by the call
+    (keep only what it returns). One optax update of the Params on
     `loss_fn`'s gradient, then the router-bias rule with the step's expert loads (outside the gradient).
     metrics: `loss_fn`'s plus `grad_norm`.
     """
@@ -294,7 +299,7 @@ def make_train_step(tx: optax.GradientTransformation, tc: TrainConfig = TrainCon
         metrics["grad_norm"] = optax.tree.norm(grads)
         return nnx.state(model), opt_state, metrics
 
-    return jax.jit(train_step, static_argnums=(0,), donate_argnums=(1, 2))
+    return jax.jit(train_step, static_argnums=(0,), donate_argnums=(1, 2) if donate else ())
 
 
 def grads_of(model: DeepSeekModel, batch: dict[str, Any], tc: TrainConfig = TrainConfig()):

@@ -178,3 +178,61 @@ def test_bf16_params_run():
     assert a.dtype == jnp.bfloat16
     rel = float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(a.astype(jnp.float32)))
     assert rel < 3e-2
+
+
+def test_unknown_attention_impl_is_refused():
+    """A misspelt implementation raises instead of silently taking the jnp path."""
+    z = jnp.zeros((1, 2, 1, 4))
+    with pytest.raises(ValueError, match="impl='flash': must be one of"):
+        mla_naive_attention(z, z, jnp.zeros((1, 2, 8)), jnp.zeros((4, 1, 8)), _positions(1, 2), _positions(1, 2),
+                            softmax_scale=1.0, impl="flash")
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_equals_the_jnp_form_with_gradients():
+    """impl="cudnn" (cuDNN's flash attention, training's fast path) against the jnp form at MLA's widths
+    (qk 192, v 128), bf16, rows right-padded to different lengths: outputs of the valid queries and the
+    gradients of every input. Guards: a wrong scale, the causal mask off or shifted, padding keys visible,
+    the v/k halves of wkv_b swapped. Left padding (which cuDNN's index mask cannot express) gives NaN,
+    not a different attention."""
+    rng = np.random.default_rng(5)
+    B, T, H, N, R, V, L = 2, 384, 4, 128, 64, 128, 512
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    args = [bf(rng.standard_normal(s)) for s in ((B, T, H, N), (B, T, H, R), (B, T, L + R))]
+    w = bf(rng.standard_normal((L, H, N + V)) * 0.05)
+    n = np.array([T, T - 77])
+    pos = jnp.asarray(np.where(np.arange(T)[None] < n[:, None], np.arange(T)[None], -1), jnp.int32)
+    valid = (pos >= 0)[:, :, None, None].astype(jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.float32) * valid
+
+    def loss(impl, qn, qp, lat, w, pos=pos):
+        o = mla_naive_attention(qn, qp, lat, w, pos, pos, softmax_scale=N ** -0.5, impl=impl).astype(jnp.float32)
+        return jnp.sum(o * weights), o * valid
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True), static_argnums=0)
+    (_, o_ref), g_ref = grad("xla", *args, w)
+    (_, o_got), g_got = grad("cudnn", *args, w)
+    f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)  # noqa: E731
+    chex.assert_trees_all_close(f32(o_got), f32(o_ref), rtol=2e-2, atol=2e-2)
+    for got, ref in zip(f32(g_got), f32(g_ref)):
+        assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 2e-2
+    left = jnp.asarray(np.stack([np.arange(T), np.r_[[-1] * 5, np.arange(T - 5)]]), jnp.int32)
+    o_left = mla_naive_attention(*args, w, left, left, softmax_scale=N ** -0.5, impl="cudnn")
+    assert bool(jnp.all(jnp.isnan(o_left.astype(jnp.float32))))
+
+
+def test_cudnn_path_outside_a_gpu_is_one_line_error():
+    """impl="cudnn" on a CPU says what it needs instead of cuDNN's 'not detected' traceback from inside jit."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("this checks the refusal off a GPU")
+    z = jnp.zeros((1, 2, 1, 4))
+    with pytest.raises(ValueError, match="impl='cudnn' needs a CUDA GPU .*the backend is cpu: use impl='xla'"):
+        mla_naive_attention(z, z, jnp.zeros((1, 2, 8)), jnp.zeros((4, 1, 8)), _positions(1, 2), _positions(1, 2),
+                            softmax_scale=1.0, impl="cudnn")
+
+
+def test_trainer_and_attention_name_the_same_implementations():
+    """mla-train's --attn-impl choices (kept free of a jax import) are the attention's own."""
+    from mla_jax.attention import NAIVE_ATTENTION_IMPLS
+    from models.trainer import ATTN_IMPLS
+    assert ATTN_IMPLS == NAIVE_ATTENTION_IMPLS

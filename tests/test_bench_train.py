@@ -54,7 +54,8 @@ def test_micro_cell_end_to_end(tmp_path, monkeypatch):
     assert not row["error"], row["error"]
     for col in ("tok_s", "mfu", "peak_gb", "temp_gb", "argument_gb", "output_gb", "compile_s", "step_ms"):
         assert isinstance(row[col], float) and row[col] > 0, (col, row[col])
-    assert (row["B"], row["T"], row["tokens"], row["ce_chunk"], row["remat"]) == (2, 8, 16, 0, "none")
+    assert (row["B"], row["T"], row["tokens"], row["ce_chunk"], row["remat"], row["attn_impl"]) == (
+        2, 8, 16, 0, "none", "xla")
     # hand count: attention wq_a 32*24 + wq_b 24*2*16 + wkv_a 32*24 + wkv_b 16*2*16 + wo 2*8*32 = 3328;
     # dense layer + 3*32*48; MoE layer + shared 3*32*16 + router 32*4 + 2 of 4 experts 2*3*32*16; head 64*32
     active = (3328 + 4608) + (3328 + 1536 + 128 + 3072) + 2048

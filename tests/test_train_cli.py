@@ -108,6 +108,10 @@ def test_resume_refuses_other_arguments_and_clobbering(tmp_path, capsys):
     (["--remat", "dots"],
      "--remat must be one of ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'), got 'dots'"),
     (["--ce-chunk", "-1"], "--ce-chunk must be >= 0 (0 = unchunked), got -1"),
+    (["--attn-q-block", "-1"], "--attn-q-block must be >= 0 (0 = all queries at once), got -1"),
+    (["--attn-impl", "flash"], "argument --attn-impl: invalid choice: 'flash' (choose from 'xla', 'cudnn')"),
+    (["--attn-impl", "cudnn"], "--attn-impl cudnn needs a CUDA GPU (cuDNN's flash attention); this machine's "
+     "backend is cpu"),
 ])
 def test_bad_arguments_one_line_exit_2(tmp_path, capsys, argv, needle):
     assert main(["--out", str(tmp_path / "o"), *argv]) == 2
