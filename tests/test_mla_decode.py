@@ -317,11 +317,23 @@ def test_cross_lowers_for_sm90(heads, s_q, batch, max_pages, causal):
   assert _mosaic_calls(lowered) == kernels_expected
 
 
-@pytest.mark.parametrize("heads", [16, 32, 64, 128])
-@pytest.mark.parametrize("s_q", [1, 2, 3, 4])
-@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
-def test_cross_lowers_every_kernel_variant_for_sm90(heads, s_q, variant):
-  # Every variant at every shape, whichever the default picks there (the benchmarks time them).
+# Every variant at every head count and every s_q, whichever the default picks there (the benchmarks time
+# them); s_q rotates against H (each variant sees each H once and each s_q once; H x s_q pairs of the
+# default body are CROSS_LOWERING_CASES'), and the two variants get opposite rotations.
+VARIANT_CASES = [(v, heads, 1 + (h_i + 2 * v_i) % 4) for v_i, v in enumerate(VARIANTS)
+                 for h_i, heads in enumerate((16, 32, 64, 128))]
+
+
+def test_variant_cases_cover_every_head_count_and_query_length():
+  """Guards the rotation above: a bad modulus that left a variant never lowered at some H or s_q."""
+  for v in VARIANTS:
+    assert sorted(c[1] for c in VARIANT_CASES if c[0] == v) == [16, 32, 64, 128]
+    assert sorted(c[2] for c in VARIANT_CASES if c[0] == v) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("variant,heads,s_q", VARIANT_CASES,
+                         ids=[f"{VARIANT_IDS[VARIANTS.index(v)]}-{h}-{q}" for v, h, q in VARIANT_CASES])
+def test_cross_lowers_every_kernel_variant_for_sm90(variant, heads, s_q):
   config = MlaDecodeConfig(**variant)
   lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=config)
   assert _mosaic_calls(lowered) == (1 if plan(8, s_q, heads, 130, config).num_splits == 1 else 2)
