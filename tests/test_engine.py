@@ -659,10 +659,11 @@ def _cached_logits_through(model, impl: str, ids, table) -> list[np.ndarray]:
     L = model.cfg.num_hidden_layers + len(model.mtp)
     pages = jnp.full((L, 8, 64, model.cfg.latent_dim), jnp.nan, jnp.bfloat16)  # unwritten rows are NaN
     out, start = [], 0
+    step = nnx.jit(lambda m, ids, pos, cache: m(ids, pos, cache=cache))  # one compile a shape, not one an op
     for T in (64, 1, 3):
         pos = jnp.arange(start, start + T, dtype=jnp.int32)[None]
         cache = KVCache.create(pages, table, np.array([start + T], np.int32), impl=impl, naive_threshold=64)
-        logits, cache = model(jnp.asarray(ids[None, start:start + T]), pos, cache=cache)
+        logits, cache = step(model, jnp.asarray(ids[None, start:start + T]), pos, cache)
         pages, start = cache.pages, start + T
         out.append(np.asarray(logits[0], np.float32))
     return out
