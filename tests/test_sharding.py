@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from micro_configs import MICRO_V3, narrow_v2_lite
-from mla_jax.sharding import DEFAULT_RULES, MESH_AXES, make_mesh, model_specs
+from mla_jax.sharding import DEFAULT_RULES, MESH_AXES, make_mesh, model_specs, spec_for
 from models import DeepSeekModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,8 +36,8 @@ def _mesh(data=1, expert=1, tensor=1):
     return AbstractMesh((data, expert, tensor), MESH_AXES)
 
 
-def _flat_specs(model, mesh, rules=DEFAULT_RULES):
-    return {".".join(map(str, p)): s for p, s in nnx.to_flat_state(model_specs(model, mesh, rules))}
+def _flat_specs(model, mesh, rules=DEFAULT_RULES, fsdp=False):
+    return {".".join(map(str, p)): s for p, s in nnx.to_flat_state(model_specs(model, mesh, rules, fsdp=fsdp))}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,36 @@ def test_the_layout_is_the_table():
     s = _flat_specs(_abstract(MICRO_V3), _mesh(data=2, expert=2, tensor=2), rules)
     assert s["moe_layers.self_attn.wq_b.kernel"] == P(None, None, None)
     assert s["moe_layers.mlp.experts.gate_proj"] == P(None, ("expert", "data"), None, "tensor")
+
+
+def test_fsdp_layout():
+    """`fsdp=True` adds `data` on each variable's largest dim the rules leave unsharded and `data` divides,
+    and changes nothing else: catches FSDP on the smallest dim, on the last of equal dims, on a dim
+    `data` does not divide (jax would refuse it at device_put), on the scanned stack's layer axis (each
+    scan step would gather the whole stack), over an axis the rules already use, or with the batch
+    rule off (no data parallelism: nothing to shard over)."""
+    m = _mesh(data=2, expert=2, tensor=2)
+    rules, fsdp = _flat_specs(_abstract(MICRO_V3), m), _flat_specs(_abstract(MICRO_V3), m, fsdp=True)
+    assert fsdp["moe_layers.self_attn.wq_b.kernel"] == P(None, "data", "tensor")         # [1, Q=24, H·K=32]
+    assert fsdp["moe_layers.self_attn.wkv_a.kernel"] == P(None, "data", None)            # [1, D=32, 24]
+    assert fsdp["moe_layers.mlp.experts.gate_proj"] == P(None, "expert", "data", "tensor")
+    assert fsdp["moe_layers.mlp.gate.kernel"] == P(None, "data", None)                   # [1, D=32, E=4]
+    assert fsdp["embed_tokens.embedding"] == P("tensor", "data")
+    assert fsdp["lm_head.kernel"] == P("data", "tensor")
+    assert fsdp["norm.weight"] == P("data")
+    for name, spec in fsdp.items():  # one dim more, from replicated to data; the rest as the rules say
+        changed = [d for d, (a, b) in enumerate(zip(rules[name], spec)) if a != b]
+        assert len(changed) <= 1 and all(rules[name][d] is None and spec[d] == "data" for d in changed), name
+    shape = dict(data=2, expert=1, tensor=1)
+    stacked_norm = ("moe_layers", "input_layernorm", "weight")
+    assert spec_for(stacked_norm, (8, 3), shape, fsdp=True) == P(None, None)   # 8 layers: not the layer axis
+    assert spec_for(stacked_norm, (8, 6), shape, fsdp=True) == P(None, "data")
+    assert spec_for(("embed_tokens", "embedding"), (6, 6), shape, fsdp=True) == P("data", None)  # the first
+    assert spec_for(("embed_tokens", "embedding"), (7, 6), shape, fsdp=True) == P(None, "data")  # 7 odd
+    assert _flat_specs(_abstract(MICRO_V3), m, dict(DEFAULT_RULES, batch=None), fsdp=True) == \
+        _flat_specs(_abstract(MICRO_V3), m, dict(DEFAULT_RULES, batch=None))
+    assert _flat_specs(_abstract(MICRO_V3), _mesh(expert=2, tensor=2), fsdp=True) == \
+        _flat_specs(_abstract(MICRO_V3), _mesh(expert=2, tensor=2))
 
 
 def test_make_mesh_on_one_device():
