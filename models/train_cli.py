@@ -4,6 +4,7 @@
                                                      # recipe: models/builtin/training.json)
     mla-train --out runs/tiny --resume               # continue an interrupted run, bit for bit
     mla-train --out runs/small --steps 200 --seq-len 128 --dtype bf16 --export runs/small-hf
+    mla-train --out runs/fsdp --mesh data=2,tensor=2     # four devices: FSDP over data, heads over tensor
 
 The command line over `models.trainer` (the data, the loop, evaluation, checkpoints, resume and export
 are there; the flags are `TrainSettings`' fields). Errors in arguments, inputs or checkpoints: one line
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attn-impl", default=d.attn_impl, choices=ATTN_IMPLS,
       help="the decompressed attention: xla (jnp) or cudnn (cuDNN flash attention, forward and backward; a GPU "
       "only; the trainer's windows are unpadded, as it needs)")
+    a("--mesh", metavar="SPEC", default=None,
+      help="train on a device mesh, e.g. data=2,tensor=2 (axes data, expert, tensor; left out = 1): fully sharded "
+      "data parallelism (weights, gradients and AdamW moments split over data, each batch split over data) on "
+      "top of mla_jax.sharding's tensor and expert layout; --batch-size must divide by data (default: one device)")
     a("--eval-every", type=int, default=d.eval_every, help="held-out evaluation period in steps (0 = only at the end)")
     a("--eval-windows", type=int, default=d.eval_windows,
       help="held-out windows per evaluation (at most what the split holds)")

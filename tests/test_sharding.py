@@ -25,6 +25,7 @@ from models import DeepSeekModel
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8", "dp2", "mixed")
 TRAIN_MESHES = ("mixed",)   # sharding_cases.TRAIN_MESHES
+FSDP_MESH = "mixed"         # sharding_cases.FSDP_MESH
 ATOL = 1e-5
 
 
@@ -254,13 +255,44 @@ def test_batch_not_divisible_by_data(cases):
 
 @pytest.mark.parametrize("mesh", TRAIN_MESHES)
 def test_train_step_equals_one_device(cases, mesh):
-    """One SGD step (models.training's step: loss, MTP loss, balance loss, router-bias rule) on the
-    sharded state and batch gives the single-device loss and updated variables: catches a gradient
-    that misses its all-reduce over `data` (each half-batch's gradient would be applied), or a
-    sharded parameter's gradient taken from one shard; and the step keeps every variable's sharding
-    (an update that came back replicated would silently undo the layout after one step)."""
+    """One AdamW step (eps = 1: near SGD, see sharding_cases.TX; models.training's step: loss, MTP loss,
+    balance loss, router-bias rule) on the sharded state and batch gives the single-device loss and
+    updated variables: catches a gradient that misses its all-reduce over `data` (each half-batch's
+    gradient would be applied), or a sharded parameter's gradient taken from one shard; and the step
+    keeps every variable's sharding (an update that came back replicated would silently undo the
+    layout after one step)."""
     t = cases[mesh]["train"]
     assert t["loss_diff"] <= ATOL and t["params_diff"] <= ATOL, t
     assert t["params_moved"] > 100 * ATOL   # the step did change the parameters
     assert t["shardings_kept"]
     assert t["experts_after"]["distinct"] == cases[mesh]["mesh"]["expert"] * cases[mesh]["mesh"]["tensor"]
+
+
+def test_fsdp_train_step_equals_one_device_and_shards_everything_over_data(cases):
+    """FSDP (`shard_model(..., fsdp=True)`, `init_train_state`, `make_train_step(shardings=...)`) on
+    data=2, expert=2, tensor=2: one AdamW step gives the single-device loss and updated variables (a
+    gradient taken from one data shard of a weight, or summed twice over data, would differ); every
+    variable and both AdamW moments of every parameter hold 1/data of what the rules alone give them
+    (an optimizer state created replicated, as `tx.init` left the step counts, or moments that kept
+    the rules' layout, would be caught here, not by any number), and hold it after the step (a step
+    that let GSPMD choose its outputs could hand back another layout, and the next step's donation
+    would miss). The stepped arrays go through mla-train's checkpoint functions and come back exactly,
+    onto their own shardings or onto one device."""
+    f = cases[FSDP_MESH]["fsdp"]
+    assert f["loss_diff"] <= ATOL and f["params_diff"] <= ATOL, f
+    assert f["params_moved"] > 100 * ATOL
+    L, Q, HK, D, E, I, V = 2, 24, 8 * 16, 32, 8, 16, 40   # sharding_cases.CFG; data = expert = tensor = 2
+    expected = {  # the rules' shard with its largest free dim halved over data
+        "wq_b": dict(shard_shape=[L, Q // 2, HK // 2], devices=8, distinct=4),             # q_lora over data
+        "experts_gate": dict(shard_shape=[L, E // 2, D // 2, I // 2], devices=8, distinct=8),  # embed
+        "router": dict(shard_shape=[L, D // 2, E], devices=8, distinct=2),                  # embed (not E)
+        "embed": dict(shard_shape=[V // 2, D // 2], devices=8, distinct=4),                 # embed
+    }
+    for when in ("before", "after"):
+        p = f[when]
+        assert p["params"] == expected and p["mu"] == expected and p["nu"] == expected, (when, p)
+        assert p["norm"] == dict(shard_shape=[D // 2], devices=8, distinct=2), (when, p["norm"])
+        assert p["not_over_data"] == [], (when, p["not_over_data"])   # every variable and moment
+    assert f["shardings_kept"]
+    assert f["restored_on_mesh"] == dict(diff=0.0, devices=[8], shardings_kept=True)
+    assert f["restored_on_one_device"]["diff"] == 0.0 and f["restored_on_one_device"]["devices"] == [1]

@@ -112,6 +112,15 @@ def test_resume_refuses_other_arguments_and_clobbering(tmp_path, capsys):
     (["--attn-impl", "flash"], "argument --attn-impl: invalid choice: 'flash' (choose from 'xla', 'cudnn')"),
     (["--attn-impl", "cudnn"], "--attn-impl cudnn needs a CUDA GPU (cuDNN's flash attention); this machine's "
      "backend is cpu"),
+    # --mesh: the spec as mla-generate reads it, a mesh larger than the devices, a batch it cannot split
+    (["--mesh", "data2"], "--mesh: mesh spec 'data2': 'data2' is not axis=size (axes: data, expert, tensor; "
+     "e.g. data=2,tensor=2)"),
+    (["--mesh", "model=2"], "--mesh: mesh spec 'model=2': unknown axis 'model' (axes: data, expert, tensor)"),
+    (["--mesh", "tensor=0"], "--mesh: mesh spec 'tensor=0': tensor='0' must be an integer >= 1"),
+    (["--mesh", "data=2"], "--mesh data=2: make_mesh: data=2 x expert=1 x tensor=1 = 2 devices does not divide "
+     "the 1 devices available"),
+    (["--mesh", "data=3", "--batch-size", "4"], "--batch-size 4 is not divisible by data=3 of --mesh data=3: "
+     "each data rank takes whole sequences"),
 ])
 def test_bad_arguments_one_line_exit_2(tmp_path, capsys, argv, needle):
     assert main(["--out", str(tmp_path / "o"), *argv]) == 2
@@ -312,3 +321,26 @@ def test_memory_estimate_counts_weights_gradients_and_adamw(monkeypatch):
     monkeypatch.setattr(trainer, "available_memory", lambda: (need["total"] - 1, "of test memory"))
     with pytest.raises(TrainerError, match=r"needs at least 0.02 GB .* more than the 0.02 GB of test memory"):
         trainer.check_memory(cfg, trainer.TrainSettings())
+
+
+def test_memory_check_on_a_mesh_is_per_device(monkeypatch):
+    """On a mesh of accelerators one device holds its shards alone: the check compares those with one
+    device's free memory. Guards: an FSDP run refused by the whole model's figure (the model that
+    needs the mesh is the one it would refuse), and a per-device figure that misses the FSDP split. On
+    data=2 every variable of the tiny model has an even free dim: each figure is exactly half."""
+    from models import trainer
+
+    cfg = load_config("tiny")
+    s = trainer.TrainSettings(mesh="data=2")
+    need = trainer.training_memory(cfg, s)
+    dev = need["per_device"]
+    assert 2 * dev["variables"] == need["variables"] and 2 * dev["gradients"] == need["gradients"]
+    assert dev["optimizer"] == need["optimizer"] * dev["gradients"] // need["gradients"]
+    assert trainer.training_memory(cfg, trainer.TrainSettings(mesh="data=2,tensor=2"))["per_device"]["total"] < \
+        dev["total"]
+    monkeypatch.setattr(trainer, "_on_accelerator", lambda: True)
+    monkeypatch.setattr(trainer, "available_memory", lambda: (dev["total"], "free on the test GPU"))
+    trainer.check_memory(cfg, s)  # one device's shards fit, the whole would not
+    monkeypatch.setattr(trainer, "available_memory", lambda: (dev["total"] - 1, "free on the test GPU"))
+    with pytest.raises(TrainerError, match=r"needs at least 0.01 GB per device on the mesh data=2 "):
+        trainer.check_memory(cfg, s)
