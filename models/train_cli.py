@@ -7,7 +7,8 @@
     mla-train --out runs/fsdp --mesh data=2,tensor=2     # four devices: FSDP over data, heads over tensor
 
 The command line over `models.trainer` (the data, the loop, evaluation, checkpoints, resume and export
-are there; the flags are `TrainSettings`' fields). Errors in arguments, inputs or checkpoints: one line
+are there; the flags are `TrainSettings`' fields; `--coordinator/--num-processes/--process-id` join
+several processes first, `models.distributed`). Errors in arguments, inputs or checkpoints: one line
 on stderr, exit status 2; a diverged run: one line, exit status 1.
 """
 
@@ -87,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--export", default=None, help="write an HF-layout checkpoint (config.json, model.safetensors, tokenizer "
       "marker) here at the end (by default <out>/export)")
     a("--no-progress", action="store_true", help="no progress bar (log lines at each evaluation instead)")
-    from models import compile_cache
+    from models import compile_cache, distributed
     compile_cache.add_argument(p)
+    distributed.add_arguments(p)
     return p
 
 
@@ -107,7 +109,11 @@ def _flag(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        from models import compile_cache
+        from models import compile_cache, distributed
+        try:
+            distributed.initialize(args)  # before anything else touches jax
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         compile_cache.enable(args.compile_cache)
         train(settings(args), args.out, resume=args.resume, stop_at=args.stop_at, export_dir=args.export,
               progress=not args.no_progress)
@@ -120,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as e:  # a diverged run: say so in one line, not a traceback
         print(f"mla-train: error: {e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:  # jax.distributed could not join the other processes (models.distributed)
+        if "jax.distributed.initialize failed" not in str(e):
+            raise
+        print(f"mla-train: error: {e}", file=sys.stderr)
+        return 2
     except OSError as e:  # e.g. a compile-cache or output directory that cannot be created
         print(f"mla-train: error: {e}", file=sys.stderr)
         return 2

@@ -39,6 +39,9 @@ on top of the tensor / expert rules (`mla_jax.sharding`, `fsdp=True`): every var
 moments sharded over `data` as well, the batch split over `data`, the donated state returned with the
 shardings it came with (`models.training.make_train_step(shardings=...)`). Checkpoints hold the global
 arrays, so a run may resume on another mesh, or on one device (restored onto the run's own placement).
+Several processes (`jax.distributed`, `models.distributed`): every process runs the same loop on the
+same batches (the data order is a function of the step) and holds its devices' shards; process 0 alone
+writes the metrics, the plot and the export, and orbax writes the checkpoints of all of them.
 
 Errors are `TrainerError` (a bad input, setting or checkpoint; one line); `SettingError`, its
 subclass, names the settings at fault so the command line can print them as flags.
@@ -528,18 +531,22 @@ class MetricsLog:
     """`metrics.jsonl`: one JSON row per training step ({"step", "loss", "ce", ...}) or evaluation
     ({"step", "eval_ce", ...}); `rows` holds what the file holds."""
 
-    def __init__(self, path: str, upto_step: int | None = None):
-        """Keep the rows of an existing file up to `upto_step` (what a resumed run continues; None = none)."""
-        self.path = path
+    def __init__(self, path: str, upto_step: int | None = None, write: bool = True):
+        """Keep the rows of an existing file up to `upto_step` (what a resumed run continues; None = none).
+        `write=False`: rows in memory only (the processes of a run other than the first)."""
+        self.path, self.write = path, write
         self.rows: list[dict] = []
         if upto_step is not None and os.path.isfile(path):
             with open(path) as f:
                 self.rows = [r for r in map(json.loads, filter(str.strip, f)) if r["step"] <= upto_step]
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.rows)
+        if write:
+            with open(path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.rows)
 
     def append(self, row: dict) -> None:
         self.rows.append(row)
+        if not self.write:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -592,10 +599,22 @@ def tree_sha256(tree) -> str:
 
     h = hashlib.sha256()
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        a = np.ascontiguousarray(np.asarray(x))
+        a = np.ascontiguousarray(host_array(x))
         h.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}|".encode())
         h.update(a.tobytes())
     return h.hexdigest()
+
+
+def host_array(x) -> np.ndarray:
+    """The whole of a (global) array in this process's memory: sharded over other processes' devices, it
+    is gathered from them (a collective: every process must call it, in the same order)."""
+    import jax
+
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def save_checkpoint(mgr, step: int, state, opt_state, meta: dict) -> None:
@@ -683,12 +702,17 @@ def _config_record(cfg) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 def export(graphdef, state, directory: str, summary: dict | None = None) -> None:
     """HF layout (config.json + model.safetensors) plus the byte-tokenizer marker, loadable by
-    `load_hf_checkpoint` / `load_tokenizer` / `mla-generate --checkpoint`; `summary` -> training.json."""
+    `load_hf_checkpoint` / `load_tokenizer` / `mla-generate --checkpoint`; `summary` -> training.json.
+    Of several processes every one calls it (the arrays are gathered from all) and process 0 writes."""
+    import jax
     from flax import nnx
 
     from models.checkpoint import save_hf_checkpoint
     from models.tokenizer import save_byte_tokenizer
 
+    state = jax.tree.map(host_array, state)  # from every process's devices (a collective)
+    if jax.process_index() != 0:
+        return
     save_hf_checkpoint(nnx.merge(graphdef, state), directory)
     save_byte_tokenizer(directory)
     if summary is not None:
@@ -858,7 +882,9 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
                                "resume", out=out)
         else:
             ts = trainer.init()
-        log = MetricsLog(os.path.join(out, "metrics.jsonl"), upto_step=ts.step if resume else None)
+        primary = jax.process_index() == 0  # of several processes, one writes the log, the plot and the export
+        say = functools.partial(print, file=sys.stderr) if primary else lambda *a: None
+        log = MetricsLog(os.path.join(out, "metrics.jsonl"), upto_step=ts.step if resume else None, write=primary)
         s = settings
         start = ts.step
         stop = s.steps if stop_at is None else min(stop_at, s.steps)
@@ -867,15 +893,16 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
         def run_eval(ts: TrainState) -> dict[str, float]:
             ev = trainer.evaluate(ts)
             log.append({"step": ts.step, **ev})
-            plot_losses(log.rows, os.path.join(out, "loss.png"))
+            if primary:
+                plot_losses(log.rows, os.path.join(out, "loss.png"))
             return ev
 
-        bar = tqdm(total=stop, initial=start, disable=not progress, desc="mla-train", dynamic_ncols=True,
-                   file=sys.stderr)
+        bar = tqdm(total=stop, initial=start, disable=not (progress and primary), desc="mla-train",
+                   dynamic_ncols=True, file=sys.stderr)
         if not progress:
             on = "" if trainer.mesh is None else f" on the mesh {s.mesh} ({trainer.mesh.size} devices)"
-            print(f"mla-train: {n_params / 1e6:.2f}M parameters{on}, {len(trainer.data.train_ids)} train / "
-                  f"{len(trainer.data.heldout_ids)} held-out tokens, steps {start}->{stop}", file=sys.stderr)
+            say(f"mla-train: {n_params / 1e6:.2f}M parameters{on}, {len(trainer.data.train_ids)} train / "
+                f"{len(trainer.data.heldout_ids)} held-out tokens, steps {start}->{stop}")
         train_ce = None
         t_start = time.perf_counter()
         try:
@@ -893,10 +920,10 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
                 if s.eval_every and ts.step % s.eval_every == 0 and ts.step != stop:
                     ev = run_eval(ts)
                     msg = f"step {ts.step}: train CE {train_ce:.4f}, held-out CE {ev['eval_ce']:.4f} nats/token"
-                    if progress:
+                    if progress and primary:
                         bar.write(msg, file=sys.stderr)
-                    else:
-                        print("mla-train: " + msg, file=sys.stderr)
+                    elif not progress:
+                        say("mla-train: " + msg)
                 if s.save_every and ts.step % s.save_every == 0 and ts.step != stop:
                     trainer.save(mgr, ts)
         finally:
@@ -905,9 +932,9 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
             trainer.save(mgr, ts)
         ev = run_eval(ts)
         last_ce = float("nan") if train_ce is None else train_ce
-        print(f"mla-train: step {ts.step}/{s.steps}: train CE {last_ce:.4f}, "
-              f"held-out CE {ev['eval_ce']:.4f} nats/token ({ev['eval_ce'] / math.log(2):.3f} bits), "
-              f"held-out MTP CE {ev['eval_mtp_ce']:.4f}", file=sys.stderr)
+        say(f"mla-train: step {ts.step}/{s.steps}: train CE {last_ce:.4f}, "
+            f"held-out CE {ev['eval_ce']:.4f} nats/token ({ev['eval_ce'] / math.log(2):.3f} bits), "
+            f"held-out MTP CE {ev['eval_mtp_ce']:.4f}")
         done_dir = None
         if ts.step >= s.steps:  # an interrupted run (stop_at) is not a finished model
             done_dir = export_dir or os.path.join(out, "export")
@@ -919,7 +946,7 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
                        "corpus_sha256": trainer.data.fingerprint,
                        "args": {k: _portable(v) for k, v in run_args.items()}}
             export(ts.graphdef, ts.state, done_dir, summary)
-            print(f"mla-train: exported to {done_dir}", file=sys.stderr)
+            say(f"mla-train: exported to {done_dir}")
         return RunResult(ts.step, train_ce, ev, out, done_dir)
     finally:
         mgr.close()
