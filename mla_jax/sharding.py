@@ -17,8 +17,17 @@ The default layout (mesh axes `data`, `expert`, `tensor`, see `make_mesh`):
 - replicated: the stacked layer axis, the LoRA ranks (q_lora, kv_lora: the 576-wide latent has no
   head axis), the model width, the router and every norm.
 
+Fully sharded data parallelism (FSDP, ZeRO-3; `fsdp=True` of `spec_for`, `model_specs`, `model_shardings`,
+`shard_model`, what `mla-train --mesh` trains with): on top of the rules, each variable's largest dim that
+the rules leave unsharded and that the batch's mesh axes (`rules["batch"]`: `data`) divide is sharded over
+them (ties: the first such dim; never the stacked layer axis, which the scan slices one layer at a time;
+a variable with no such dim stays as the rules place it). The optimizer state follows the parameters
+(`models.training.init_train_state`), so a weight, its gradient and its AdamW moments each take 1/data of
+the memory the rules alone give them; under `jax.jit` GSPMD gathers each weight where it is used.
+
     mesh = make_mesh(data=1, expert=2, tensor=2)
     model = shard_model(model, mesh)              # a new model; the argument is left as it was
+    model = shard_model(model, mesh, fsdp=True)   # for training: and each variable over `data` (FSDP)
     ids = shard_batch(ids, mesh)
     engine = Engine(model, mesh=mesh, ...)        # models.engine: the page pools replicated on the mesh
 
@@ -151,9 +160,10 @@ def _mesh_axes(logical: str, rules: Mapping, mesh_shape: Mapping[str, int]) -> t
 
 
 def spec_for(path: tuple, shape: tuple[int, ...], mesh_shape: Mapping[str, int],
-             rules: Mapping = DEFAULT_RULES) -> PartitionSpec:
-    """The PartitionSpec of the variable at `path` with `shape`; ValueError when its rank does not match
-    its row or a sharded dim is not divisible by its mesh axes."""
+             rules: Mapping = DEFAULT_RULES, *, fsdp: bool = False) -> PartitionSpec:
+    """The PartitionSpec of the variable at `path` with `shape` (with `fsdp`, one more dim over the batch's
+    mesh axes: see the module docstring); ValueError when its rank does not match its row or a sharded
+    dim is not divisible by its mesh axes."""
     logical = logical_axes(path)
     if len(logical) != len(shape):
         raise ValueError(f"sharding: parameter {path_name(path)} has shape {tuple(shape)}, but its logical axes "
@@ -167,7 +177,25 @@ def spec_for(path: tuple, shape: tuple[int, ...], mesh_shape: Mapping[str, int],
             raise ValueError(f"sharding: parameter {path_name(path)} dim {dim} ({name}, size {size}) is not "
                              f"divisible by mesh axis {over}")
         spec.append(None if not axes or n == 1 else axes[0] if len(axes) == 1 else axes)
+    if fsdp:
+        _fsdp_dim(spec, logical, shape, mesh_shape, rules)
     return PartitionSpec(*spec)
+
+
+def _fsdp_dim(spec: list, logical: tuple[str, ...], shape: tuple[int, ...], mesh_shape: Mapping[str, int],
+              rules: Mapping) -> None:
+    """In place: the largest dim of `spec` left unsharded (not the layer axis) that the batch's mesh axes
+    divide, over those axes (the ones the spec does not use already)."""
+    used = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+    axes = tuple(a for a in _mesh_axes("batch", rules, mesh_shape) if a not in used)
+    n = math.prod(mesh_shape[a] for a in axes)
+    if n == 1:
+        return
+    free = [d for d, (name, size) in enumerate(zip(logical, shape))
+            if spec[d] is None and name != "layers" and size % n == 0]
+    if free:
+        d = max(free, key=lambda d: shape[d])  # the first of the largest
+        spec[d] = axes[0] if len(axes) == 1 else axes
 
 
 def _mesh_shape(mesh) -> dict[str, int]:
@@ -186,29 +214,32 @@ def _check_heads(model, mesh_shape: Mapping[str, int], rules: Mapping) -> None:
                          f"{over}: tensor parallelism gives every device whole heads")
 
 
-def model_specs(model: nnx.Module, mesh, rules: Mapping = DEFAULT_RULES) -> nnx.State:
+def model_specs(model: nnx.Module, mesh, rules: Mapping = DEFAULT_RULES, *, fsdp: bool = False) -> nnx.State:
     """The PartitionSpec of every variable of `model`: an nnx.State of `nnx.state(model)`'s structure whose
     leaves are PartitionSpecs (so `jax.tree.map(f, state, specs)` pairs them). Checks every sharded dim
-    (and the head count) against `mesh` (a Mesh or an AbstractMesh)."""
+    (and the head count) against `mesh` (a Mesh or an AbstractMesh). `fsdp`: see the module docstring."""
     shape = _mesh_shape(mesh)
     _check_heads(model, shape, rules)
-    flat = [(path, v.replace(spec_for(path, v.shape, shape, rules)))
+    flat = [(path, v.replace(spec_for(path, v.shape, shape, rules, fsdp=fsdp)))
             for path, v in nnx.to_flat_state(nnx.state(model))]
     return nnx.from_flat_state(flat)
 
 
-def model_shardings(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Mapping = DEFAULT_RULES) -> nnx.State:
+def model_shardings(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Mapping = DEFAULT_RULES, *,
+                    fsdp: bool = False) -> nnx.State:
     """`model_specs` as NamedShardings on `mesh` (for `jax.jit`'s in_shardings / out_shardings)."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), model_specs(model, mesh, rules))
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), model_specs(model, mesh, rules, fsdp=fsdp))
 
 
-def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Mapping = DEFAULT_RULES) -> nnx.Module:
+def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Mapping = DEFAULT_RULES, *,
+                fsdp: bool = False) -> nnx.Module:
     """A copy of `model` with every variable placed on `mesh` by `rules` (`jax.device_put` with a
-    `NamedSharding`); `model` itself is left on its devices. Modules with a `parallel` attribute
+    `NamedSharding`; with `fsdp`, one more dim of each over the batch's mesh axes, see the module
+    docstring); `model` itself is left on its devices. Modules with a `parallel` attribute
     (the MoE) get (mesh, the batch's mesh axes, the experts' mesh axes) there. ValueError (one line,
     naming the parameter, dim and mesh axis) when a sharded dim is not divisible, or the head count
     by the heads' axis."""
-    shardings = model_shardings(model, mesh, rules)
+    shardings = model_shardings(model, mesh, rules, fsdp=fsdp)
     graphdef, state = nnx.split(model)
     sharded = nnx.merge(graphdef, jax.tree.map(_place, state, shardings))
     # The routed experts run per data rank and per expert rank (models.moe.MoE.parallel).

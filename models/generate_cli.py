@@ -8,8 +8,9 @@
 The text is printed as it is generated, then one stats line (prefill and decode tokens/s, MTP
 acceptance, cache pages used). Steps that compiled are left out of the tokens/s figures and
 reported as compile time. Compiled steps are kept in jax's persistent compilation cache
-(`--compile-cache`, see `models.compile_cache`), so a second run starts warm. Errors in arguments
-or inputs: one line on stderr, exit status 2.
+(`--compile-cache`, see `models.compile_cache`), so a second run starts warm. `--mesh` places the
+weights on a device mesh; `--coordinator/--num-processes/--process-id` join several processes first
+(`models.distributed`). Errors in arguments or inputs: one line on stderr, exit status 2.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def _build_parser() -> _Parser:
                    help="a device mesh, e.g. data=2,tensor=2 (axes data, expert, tensor; left out = 1): weights "
                         "placed by mla_jax.sharding's table (heads and MLP width over tensor, routed experts "
                         "over expert), the cache replicated on every device (default: one device)")
-    from models import compile_cache
+    from models import compile_cache, distributed
     compile_cache.add_argument(p)
+    distributed.add_arguments(p)
     return p
 
 
@@ -177,6 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out, err = sys.stdout, sys.stderr
     try:
         args = _build_parser().parse_args(argv)
+        from models import distributed
+        try:
+            distributed.initialize(args)  # before anything else touches jax
+        except (ValueError, RuntimeError) as e:
+            raise _UsageError(str(e)) from None
         if args.max_new_tokens < 1:
             raise _UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         if not 1 <= args.mtp_draft_tokens <= 3:

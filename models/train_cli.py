@@ -4,9 +4,11 @@
                                                      # recipe: models/builtin/training.json)
     mla-train --out runs/tiny --resume               # continue an interrupted run, bit for bit
     mla-train --out runs/small --steps 200 --seq-len 128 --dtype bf16 --export runs/small-hf
+    mla-train --out runs/fsdp --mesh data=2,tensor=2     # four devices: FSDP over data, heads over tensor
 
 The command line over `models.trainer` (the data, the loop, evaluation, checkpoints, resume and export
-are there; the flags are `TrainSettings`' fields). Errors in arguments, inputs or checkpoints: one line
+are there; the flags are `TrainSettings`' fields; `--coordinator/--num-processes/--process-id` join
+several processes first, `models.distributed`). Errors in arguments, inputs or checkpoints: one line
 on stderr, exit status 2; a diverged run: one line, exit status 1.
 """
 
@@ -72,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attn-impl", default=d.attn_impl, choices=ATTN_IMPLS,
       help="the decompressed attention: xla (jnp) or cudnn (cuDNN flash attention, forward and backward; a GPU "
       "only; the trainer's windows are unpadded, as it needs)")
+    a("--mesh", metavar="SPEC", default=None,
+      help="train on a device mesh, e.g. data=2,tensor=2 (axes data, expert, tensor; left out = 1): fully sharded "
+      "data parallelism (weights, gradients and AdamW moments split over data, each batch split over data) on "
+      "top of mla_jax.sharding's tensor and expert layout; --batch-size must divide by data (default: one device)")
     a("--eval-every", type=int, default=d.eval_every, help="held-out evaluation period in steps (0 = only at the end)")
     a("--eval-windows", type=int, default=d.eval_windows,
       help="held-out windows per evaluation (at most what the split holds)")
@@ -82,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--export", default=None, help="write an HF-layout checkpoint (config.json, model.safetensors, tokenizer "
       "marker) here at the end (by default <out>/export)")
     a("--no-progress", action="store_true", help="no progress bar (log lines at each evaluation instead)")
-    from models import compile_cache
+    from models import compile_cache, distributed
     compile_cache.add_argument(p)
+    distributed.add_arguments(p)
     return p
 
 
@@ -102,7 +109,11 @@ def _flag(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        from models import compile_cache
+        from models import compile_cache, distributed
+        try:
+            distributed.initialize(args)  # before anything else touches jax
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         compile_cache.enable(args.compile_cache)
         train(settings(args), args.out, resume=args.resume, stop_at=args.stop_at, export_dir=args.export,
               progress=not args.no_progress)
@@ -115,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as e:  # a diverged run: say so in one line, not a traceback
         print(f"mla-train: error: {e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:  # jax.distributed could not join the other processes (models.distributed)
+        if "jax.distributed.initialize failed" not in str(e):
+            raise
+        print(f"mla-train: error: {e}", file=sys.stderr)
+        return 2
     except OSError as e:  # e.g. a compile-cache or output directory that cannot be created
         print(f"mla-train: error: {e}", file=sys.stderr)
         return 2

@@ -34,6 +34,15 @@ Memory: before anything is allocated, `check_memory` compares what the parameter
 and the AdamW state need (from shapes alone) with the memory there is, and refuses a model that
 cannot fit, with both figures.
 
+A device mesh (`TrainSettings.mesh`, `mla-train --mesh data=2,tensor=2`): fully sharded data parallelism
+on top of the tensor / expert rules (`mla_jax.sharding`, `fsdp=True`): every variable and its AdamW
+moments sharded over `data` as well, the batch split over `data`, the donated state returned with the
+shardings it came with (`models.training.make_train_step(shardings=...)`). Checkpoints hold the global
+arrays, so a run may resume on another mesh, or on one device (restored onto the run's own placement).
+Several processes (`jax.distributed`, `models.distributed`): every process runs the same loop on the
+same batches (the data order is a function of the step) and holds its devices' shards; process 0 alone
+writes the metrics, the plot and the export, and orbax writes the checkpoints of all of them.
+
 Errors are `TrainerError` (a bad input, setting or checkpoint; one line); `SettingError`, its
 subclass, names the settings at fault so the command line can print them as flags.
 """
@@ -107,6 +116,7 @@ class TrainSettings:
     ce_chunk: int = 0               # tokens per LM-head cross-entropy chunk (0 = the whole logits at once)
     attn_q_block: int = 0           # queries per block of the decompressed attention (0 = all at once)
     attn_impl: str = "xla"          # the decompressed attention: xla (jnp) or cudnn (flash; a GPU)
+    mesh: str | None = None         # a device mesh, "data=2,tensor=2" (mla_jax.sharding.parse_mesh; FSDP over data)
     corpus: str = DEFAULT_CORPUS    # UTF-8 text, paragraphs separated by blank lines
     eval_every: int = 100           # held-out evaluation period in steps (0 = only at the end)
     eval_windows: int = 64          # held-out windows per evaluation (at most what the split holds)
@@ -153,6 +163,22 @@ class TrainSettings:
                                v=self.attn_q_block)
         if self.attn_impl not in ATTN_IMPLS:
             raise SettingError("{0} must be one of {c}, got {v!r}", "attn_impl", c=ATTN_IMPLS, v=self.attn_impl)
+        if self.mesh is not None:
+            data = self.mesh_sizes().get("data", 1)
+            if self.batch_size % data:
+                raise SettingError("{0} {b} is not divisible by data={d} of {1} {spec}: each data rank takes whole "
+                                   "sequences", "batch_size", "mesh", b=self.batch_size, d=data, spec=self.mesh)
+
+    def mesh_sizes(self) -> dict[str, int]:
+        """{axis: size} of `mesh` ({} without one); SettingError on a spec `parse_mesh` refuses."""
+        if self.mesh is None:
+            return {}
+        from mla_jax.sharding import parse_mesh  # jax, only when asked for
+
+        try:
+            return parse_mesh(self.mesh)
+        except ValueError as e:  # the message quotes the spec
+            raise SettingError("{0}: {e}", "mesh", e=e) from None
 
     def trajectory(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.TRAJECTORY}
@@ -293,8 +319,23 @@ def _steps(tx, tc):
     return make_train_step(tx, tc), make_eval_step(tc)
 
 
-def make_eval_step(tc):
-    """A jitted `eval_step(graphdef, state, ids [W,T]) -> metrics` (loss_fn without the update)."""
+def _mesh_steps(tx, tc, state_shardings, params_like):
+    """(train_step, eval_step) on a mesh: the step returns the state and the AdamW state placed as
+    `state_shardings` and `models.training.optimizer_shardings` say (not cached: a new Trainer compiles)."""
+    import jax
+    from flax import nnx
+
+    from models.training import make_train_step, optimizer_shardings
+
+    params_sh = nnx.split_state(state_shardings, nnx.Param, ...)[0]
+    opt_sh = optimizer_shardings(tx, params_like, params_sh)
+    return make_train_step(tx, tc, shardings=(state_shardings, opt_sh)), make_eval_step(
+        tc, jax.tree.leaves(state_shardings)[0].mesh)
+
+
+def make_eval_step(tc, mesh=None):
+    """A jitted `eval_step(graphdef, state, ids [W,T]) -> metrics` (loss_fn without the update); on `mesh`
+    the metrics come back replicated (readable on every host)."""
     import jax
     from flax import nnx
 
@@ -304,7 +345,11 @@ def make_eval_step(tc):
         _, metrics = loss_fn(nnx.merge(graphdef, state), {"input_ids": ids}, tc)
         return metrics
 
-    return jax.jit(eval_step, static_argnums=(0,))
+    if mesh is None:
+        return jax.jit(eval_step, static_argnums=(0,))
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.jit(eval_step, static_argnums=(0,), out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def resolve_moe_impl(name: str) -> str:
@@ -327,20 +372,44 @@ def build_model(cfg, s: TrainSettings):
                          moe_impl=resolve_moe_impl(s.moe_impl))
 
 
-def initial_state(s: TrainSettings, cfg=None):
-    """(graphdef, state, opt_state) of a fresh run: the model initialised from the seed, AdamW's zero state.
-    Also the template a checkpoint is restored into."""
+def initial_state(s: TrainSettings, cfg=None, mesh=None):
+    """(graphdef, state, opt_state) of a fresh run: the model initialised from the seed, AdamW's zero state;
+    with `mesh` (`make_train_mesh`), placed on it (FSDP). Also the template a checkpoint is restored into."""
     from models.training import init_train_state
 
     cfg = load_config(s.config) if cfg is None else cfg
     tx, _ = make_optimizer(s)
-    return init_train_state(build_model(cfg, s), tx)
+    model = build_model(cfg, s)
+    if mesh is not None:
+        from mla_jax.sharding import shard_model
+
+        model = shard_model(model, mesh, fsdp=True)
+    return init_train_state(model, tx)
+
+
+def make_train_mesh(s: TrainSettings, cfg):
+    """(the Mesh of `s.mesh`, the NamedShardings of the model's variables on it: the rules + FSDP), checked
+    against the devices there are and the model's shapes: SettingError on `mesh` (a mesh larger than the
+    devices, a head count or width it does not divide). None without a mesh."""
+    if s.mesh is None:
+        return None
+    from flax import nnx
+
+    from mla_jax.sharding import make_mesh, model_shardings
+
+    sizes = s.mesh_sizes()
+    try:
+        mesh = make_mesh(**sizes)
+        return mesh, model_shardings(nnx.eval_shape(lambda: build_model(cfg, s)), mesh, fsdp=True)
+    except ValueError as e:
+        raise SettingError("{0} {spec}: {e}", "mesh", spec=s.mesh, e=e) from None
 
 
 def training_memory(cfg, s: TrainSettings) -> dict[str, int]:
     """Bytes a training step holds at least, from shapes alone (nothing is allocated): the model's
     variables, a gradient per parameter and the optimizer state; activations come on top.
-    -> {"parameters": count, "variables", "gradients", "optimizer", "total": bytes}."""
+    -> {"parameters": count, "variables", "gradients", "optimizer", "total": bytes}; with `s.mesh`, also
+    "per_device": the same four figures for the largest shard one device holds (the FSDP layout)."""
     import jax
     from flax import nnx
 
@@ -356,7 +425,32 @@ def training_memory(cfg, s: TrainSettings) -> dict[str, int]:
     out = {"parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
            "variables": nbytes(variables), "gradients": nbytes(params), "optimizer": nbytes(opt)}
     out["total"] = out["variables"] + out["gradients"] + out["optimizer"]
+    if s.mesh is not None:
+        from jax.sharding import AbstractMesh
+
+        from mla_jax.sharding import MESH_AXES, model_specs
+
+        sizes = s.mesh_sizes()
+        specs = model_specs(abstract, AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES), fsdp=True)
+
+        def shard_bytes(tree, spec_tree):
+            return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                       // math.prod(sizes.get(a, 1) for e in spec if e for a in ((e,) if isinstance(e, str) else e))
+                       for x, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(spec_tree, is_leaf=_is_spec)))
+
+        grads = shard_bytes(params, nnx.split_state(specs, nnx.Param, ...)[0])
+        dev = {"variables": shard_bytes(variables, specs), "gradients": grads,
+               # the moments follow their parameters; the step counts are a few bytes
+               "optimizer": out["optimizer"] * grads // max(out["gradients"], 1)}
+        dev["total"] = dev["variables"] + dev["gradients"] + dev["optimizer"]
+        out["per_device"] = dev
     return out
+
+
+def _is_spec(x) -> bool:
+    from jax.sharding import PartitionSpec
+
+    return isinstance(x, PartitionSpec)
 
 
 def available_memory() -> tuple[int, str]:
@@ -377,35 +471,48 @@ def available_memory() -> tuple[int, str]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "of host memory"
 
 
+def _on_accelerator() -> bool:
+    import jax
+
+    return jax.local_devices()[0].platform != "cpu"
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e12:.1f} TB" if n >= 1e12 else f"{n / 1e9:.2f} GB"
 
 
 def check_memory(cfg, s: TrainSettings) -> None:
     """SettingError (on `config`) when the parameters, gradients and AdamW state alone exceed the memory
-    there is: a model that cannot fit is refused in one line instead of being killed mid-allocation."""
+    there is: a model that cannot fit is refused in one line instead of being killed mid-allocation.
+    On a mesh of accelerators, one device's shards against one device's free memory (the CPU's devices
+    share the host's memory: there, the whole)."""
     need = training_memory(cfg, s)
     have, where = available_memory()
+    each = ""
+    if "per_device" in need and _on_accelerator():
+        need, each = dict(need["per_device"], parameters=need["parameters"]), f" per device on the mesh {s.mesh}"
     if need["total"] > have:
         raise SettingError(
-            "{0} {spec!r}: training needs at least {total} ({n:.2f}B parameters: {v} of weights + {g} of gradients "
-            "+ {o} of AdamW state, before activations), more than the {have} {where}", "config", spec=s.config,
-            total=_gb(need["total"]), n=need["parameters"] / 1e9, v=_gb(need["variables"]),
+            "{0} {spec!r}: training needs at least {total}{each} ({n:.2f}B parameters: {v} of weights + {g} of "
+            "gradients + {o} of AdamW state, before activations), more than the {have} {where}", "config",
+            spec=s.config, total=_gb(need["total"]), each=each, n=need["parameters"] / 1e9, v=_gb(need["variables"]),
             g=_gb(need["gradients"]), o=_gb(need["optimizer"]), have=_gb(have), where=where)
 
 
 # ------------------------------------------------------------------------------------------
 # Evaluation and metrics
 # ------------------------------------------------------------------------------------------
-def evaluate(eval_step, graphdef, state, windows: np.ndarray, batch_size: int) -> dict[str, float]:
-    """Token-weighted mean CE and MTP loss over the held-out windows (every window has T tokens)."""
+def evaluate(eval_step, graphdef, state, windows: np.ndarray, batch_size: int, place=None) -> dict[str, float]:
+    """Token-weighted mean CE and MTP loss over the held-out windows (every window has T tokens);
+    `place(ids)` puts each chunk where the step wants it (default: `jnp.asarray`)."""
     import jax.numpy as jnp
 
+    place = jnp.asarray if place is None else place
     ce = mtp = 0.0
     n = 0
     for i in range(0, len(windows), batch_size):
         chunk = windows[i:i + batch_size]
-        m = eval_step(graphdef, state, jnp.asarray(chunk))
+        m = eval_step(graphdef, state, place(chunk))
         ce += float(m["ce"]) * len(chunk)
         mtp += float(m["mtp_loss"]) * len(chunk)
         n += len(chunk)
@@ -424,18 +531,22 @@ class MetricsLog:
     """`metrics.jsonl`: one JSON row per training step ({"step", "loss", "ce", ...}) or evaluation
     ({"step", "eval_ce", ...}); `rows` holds what the file holds."""
 
-    def __init__(self, path: str, upto_step: int | None = None):
-        """Keep the rows of an existing file up to `upto_step` (what a resumed run continues; None = none)."""
-        self.path = path
+    def __init__(self, path: str, upto_step: int | None = None, write: bool = True):
+        """Keep the rows of an existing file up to `upto_step` (what a resumed run continues; None = none).
+        `write=False`: rows in memory only (the processes of a run other than the first)."""
+        self.path, self.write = path, write
         self.rows: list[dict] = []
         if upto_step is not None and os.path.isfile(path):
             with open(path) as f:
                 self.rows = [r for r in map(json.loads, filter(str.strip, f)) if r["step"] <= upto_step]
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.rows)
+        if write:
+            with open(path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.rows)
 
     def append(self, row: dict) -> None:
         self.rows.append(row)
+        if not self.write:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -488,10 +599,22 @@ def tree_sha256(tree) -> str:
 
     h = hashlib.sha256()
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        a = np.ascontiguousarray(np.asarray(x))
+        a = np.ascontiguousarray(host_array(x))
         h.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}|".encode())
         h.update(a.tobytes())
     return h.hexdigest()
+
+
+def host_array(x) -> np.ndarray:
+    """The whole of a (global) array in this process's memory: sharded over other processes' devices, it
+    is gathered from them (a collective: every process must call it, in the same order)."""
+    import jax
+
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def save_checkpoint(mgr, step: int, state, opt_state, meta: dict) -> None:
@@ -544,17 +667,22 @@ def restore_checkpoint(mgr, state_template, opt_template, step: int | None = Non
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
 
     step, where, meta = checkpoint_record(mgr, step)
     abstract = lambda t: jax.tree.map(ocp.utils.to_shape_dtype_struct, t)  # noqa: E731
     # orbax hands back arrays committed to a device; fresh ones are uncommitted, and jit keys its cache
-    # on that, so a resumed run would compile the step again. A host round-trip is exact.
-    fresh = lambda t: jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), t)  # noqa: E731
+    # on that, so a resumed run would compile the step again. A host round-trip is exact. A template on a
+    # mesh (committed, sharded) is what orbax restored onto: kept as it comes.
+    def fresh(tree, template):
+        return jax.tree.map(lambda x, ref: x if isinstance(ref.sharding, NamedSharding)
+                            else jnp.asarray(np.asarray(x)), tree, template)
+
     restored = []
     for item, template in zip(_ITEMS, (state_template, opt_template)):
         try:
             tree = mgr.restore(step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(abstract(template))}))
-            tree = fresh(tree[item])
+            tree = fresh(tree[item], template)
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds; all mean "unreadable"
             raise TrainerError(f"checkpoint {where}/{item} cannot be read: {_reason(e)}") from e
         saved = meta.get("sha256", {}).get(item)
@@ -574,12 +702,17 @@ def _config_record(cfg) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 def export(graphdef, state, directory: str, summary: dict | None = None) -> None:
     """HF layout (config.json + model.safetensors) plus the byte-tokenizer marker, loadable by
-    `load_hf_checkpoint` / `load_tokenizer` / `mla-generate --checkpoint`; `summary` -> training.json."""
+    `load_hf_checkpoint` / `load_tokenizer` / `mla-generate --checkpoint`; `summary` -> training.json.
+    Of several processes every one calls it (the arrays are gathered from all) and process 0 writes."""
+    import jax
     from flax import nnx
 
     from models.checkpoint import save_hf_checkpoint
     from models.tokenizer import save_byte_tokenizer
 
+    state = jax.tree.map(host_array, state)  # from every process's devices (a collective)
+    if jax.process_index() != 0:
+        return
     save_hf_checkpoint(nnx.merge(graphdef, state), directory)
     save_byte_tokenizer(directory)
     if summary is not None:
@@ -632,13 +765,37 @@ class Trainer:
     def __init__(self, settings: TrainSettings, cfg=None):
         self.settings = settings
         self.cfg = load_config(settings.config) if cfg is None else cfg
+        layout = make_train_mesh(settings, self.cfg)  # before the memory check: it reads the mesh's shapes
+        self.mesh = None if layout is None else layout[0]
         check_memory(self.cfg, settings)
         self.data = load_corpus(settings.corpus, settings.seq_len, settings.eval_windows)
         self.tx, self.schedule = make_optimizer(settings)
-        self.train_step, self.eval_step = _steps(self.tx, train_config(settings))
+        if layout is None:
+            self.train_step, self.eval_step = _steps(self.tx, train_config(settings))
+        else:
+            from flax import nnx
+
+            params = nnx.state(nnx.eval_shape(lambda: build_model(self.cfg, settings)), nnx.Param)
+            self.train_step, self.eval_step = _mesh_steps(self.tx, train_config(settings), layout[1], params)
 
     def init(self) -> TrainState:
-        return TrainState(*initial_state(self.settings, self.cfg), step=0)
+        return TrainState(*initial_state(self.settings, self.cfg, self.mesh), step=0)
+
+    def place(self, ids: np.ndarray):
+        """int32 [B, T] ids where the steps want them: on the mesh split over `data` (replicated when
+        B does not divide, e.g. the last held-out chunk), else as a plain array."""
+        import jax
+        import jax.numpy as jnp
+
+        if self.mesh is None:
+            return jnp.asarray(ids)
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from mla_jax.sharding import shard_batch
+
+        if len(ids) % self.mesh.shape["data"] == 0:
+            return shard_batch(ids, self.mesh)
+        return jax.device_put(ids, NamedSharding(self.mesh, PartitionSpec()))
 
     def record(self, step: int) -> dict[str, Any]:
         """The JSON record saved with a checkpoint of `step` (what `restore` checks)."""
@@ -672,10 +829,9 @@ class Trainer:
         """One optimizer step on batch `ts.step` -> (the next state, its metrics row). FloatingPointError when
         the loss is not finite."""
         import jax
-        import jax.numpy as jnp
 
         s = self.settings
-        batch = {"input_ids": jnp.asarray(train_batch(self.data.train_ids, ts.step, s.seed, s.batch_size, s.seq_len))}
+        batch = {"input_ids": self.place(train_batch(self.data.train_ids, ts.step, s.seed, s.batch_size, s.seq_len))}
         t0 = time.perf_counter()
         state, opt_state, m = self.train_step(ts.graphdef, ts.state, ts.opt_state, batch)
         m = jax.device_get(m)
@@ -691,7 +847,7 @@ class Trainer:
 
     def evaluate(self, ts: TrainState) -> dict[str, float]:
         """Held-out CE and MTP loss, and the MTP head's plain CE (the step's "mtp_loss" carries λ)."""
-        ev = evaluate(self.eval_step, ts.graphdef, ts.state, self.data.windows, self.settings.batch_size)
+        ev = evaluate(self.eval_step, ts.graphdef, ts.state, self.data.windows, self.settings.batch_size, self.place)
         w = self.settings.mtp_weight
         ev["eval_mtp_ce"] = ev["eval_mtp_loss"] / w if w > 0 else float("nan")
         return ev
@@ -726,7 +882,9 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
                                "resume", out=out)
         else:
             ts = trainer.init()
-        log = MetricsLog(os.path.join(out, "metrics.jsonl"), upto_step=ts.step if resume else None)
+        primary = jax.process_index() == 0  # of several processes, one writes the log, the plot and the export
+        say = functools.partial(print, file=sys.stderr) if primary else lambda *a: None
+        log = MetricsLog(os.path.join(out, "metrics.jsonl"), upto_step=ts.step if resume else None, write=primary)
         s = settings
         start = ts.step
         stop = s.steps if stop_at is None else min(stop_at, s.steps)
@@ -735,14 +893,16 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
         def run_eval(ts: TrainState) -> dict[str, float]:
             ev = trainer.evaluate(ts)
             log.append({"step": ts.step, **ev})
-            plot_losses(log.rows, os.path.join(out, "loss.png"))
+            if primary:
+                plot_losses(log.rows, os.path.join(out, "loss.png"))
             return ev
 
-        bar = tqdm(total=stop, initial=start, disable=not progress, desc="mla-train", dynamic_ncols=True,
-                   file=sys.stderr)
+        bar = tqdm(total=stop, initial=start, disable=not (progress and primary), desc="mla-train",
+                   dynamic_ncols=True, file=sys.stderr)
         if not progress:
-            print(f"mla-train: {n_params / 1e6:.2f}M parameters, {len(trainer.data.train_ids)} train / "
-                  f"{len(trainer.data.heldout_ids)} held-out tokens, steps {start}->{stop}", file=sys.stderr)
+            on = "" if trainer.mesh is None else f" on the mesh {s.mesh} ({trainer.mesh.size} devices)"
+            say(f"mla-train: {n_params / 1e6:.2f}M parameters{on}, {len(trainer.data.train_ids)} train / "
+                f"{len(trainer.data.heldout_ids)} held-out tokens, steps {start}->{stop}")
         train_ce = None
         t_start = time.perf_counter()
         try:
@@ -760,10 +920,10 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
                 if s.eval_every and ts.step % s.eval_every == 0 and ts.step != stop:
                     ev = run_eval(ts)
                     msg = f"step {ts.step}: train CE {train_ce:.4f}, held-out CE {ev['eval_ce']:.4f} nats/token"
-                    if progress:
+                    if progress and primary:
                         bar.write(msg, file=sys.stderr)
-                    else:
-                        print("mla-train: " + msg, file=sys.stderr)
+                    elif not progress:
+                        say("mla-train: " + msg)
                 if s.save_every and ts.step % s.save_every == 0 and ts.step != stop:
                     trainer.save(mgr, ts)
         finally:
@@ -772,9 +932,9 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
             trainer.save(mgr, ts)
         ev = run_eval(ts)
         last_ce = float("nan") if train_ce is None else train_ce
-        print(f"mla-train: step {ts.step}/{s.steps}: train CE {last_ce:.4f}, "
-              f"held-out CE {ev['eval_ce']:.4f} nats/token ({ev['eval_ce'] / math.log(2):.3f} bits), "
-              f"held-out MTP CE {ev['eval_mtp_ce']:.4f}", file=sys.stderr)
+        say(f"mla-train: step {ts.step}/{s.steps}: train CE {last_ce:.4f}, "
+            f"held-out CE {ev['eval_ce']:.4f} nats/token ({ev['eval_ce'] / math.log(2):.3f} bits), "
+            f"held-out MTP CE {ev['eval_mtp_ce']:.4f}")
         done_dir = None
         if ts.step >= s.steps:  # an interrupted run (stop_at) is not a finished model
             done_dir = export_dir or os.path.join(out, "export")
@@ -786,7 +946,7 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
                        "corpus_sha256": trainer.data.fingerprint,
                        "args": {k: _portable(v) for k, v in run_args.items()}}
             export(ts.graphdef, ts.state, done_dir, summary)
-            print(f"mla-train: exported to {done_dir}", file=sys.stderr)
+            say(f"mla-train: exported to {done_dir}")
         return RunResult(ts.step, train_ce, ev, out, done_dir)
     finally:
         mgr.close()

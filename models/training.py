@@ -25,6 +25,10 @@ forward and backward hold one [ce_chunk, V] block (the backward recomputes each 
 jitted step donates the state and the optimizer state: their buffers become the updated ones (a
 caller must not read the arrays it passed in after the call).
 
+On a mesh: a model placed by `mla_jax.sharding.shard_model` (`fsdp=True` for FSDP) and a batch by
+`shard_batch`; `init_train_state` puts the optimizer state beside the parameters it tracks, and
+`make_train_step(..., shardings=...)` returns both as they came. GSPMD partitions the rest.
+
 Mixed precision: this module keeps whatever dtypes the model and the optimizer were built with; it
 casts nothing. What `models.trainer` (mla-train) builds: fp32 parameters (the master copy the
 optimizer updates), compute in `TrainSettings.dtype` (bf16: each layer casts its fp32 weights to
@@ -43,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mla_jax.attention import NAIVE_ATTENTION_IMPLS
 from models.deepseek import REMAT_POLICIES, DeepSeekModel, ModelOutput
@@ -267,14 +272,32 @@ def loss_fn(model: DeepSeekModel, batch: dict[str, jax.Array], tc: TrainConfig =
 # ------------------------------------------------------------------------------------------
 # The step
 # ------------------------------------------------------------------------------------------
+def optimizer_shardings(tx: optax.GradientTransformation, params, param_shardings):
+    """The shardings of `tx.init(params)` for Params placed by `param_shardings` (an nnx.State of
+    NamedShardings of the Params' structure; `params` may be abstract): each moment as its parameter,
+    everything else (the step counts) replicated on the same mesh."""
+    mesh = jax.tree.leaves(param_shardings)[0].mesh
+    return optax.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params), param_shardings,
+                                 transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()))
+
+
 def init_train_state(model: DeepSeekModel, tx: optax.GradientTransformation):
-    """-> (graphdef, state, opt_state): the functional form of `model` and the optimizer state over its Params."""
+    """-> (graphdef, state, opt_state): the functional form of `model` and the optimizer state over its Params.
+
+    For a model placed on a mesh (`mla_jax.sharding.shard_model`) the optimizer state is created there,
+    each moment sharded as its parameter (`optimizer_shardings`): under `fsdp=True` the AdamW moments are
+    sharded over `data` with the weights."""
     graphdef, state = nnx.split(model)
     params = nnx.split_state(state, nnx.Param, ...)[0]
+    leaves = jax.tree.leaves(params)
+    if leaves and isinstance(leaves[0].sharding, NamedSharding):
+        shardings = optimizer_shardings(tx, params, jax.tree.map(lambda x: x.sharding, params))
+        return graphdef, state, jax.jit(tx.init, out_shardings=shardings)(params)
     return graphdef, state, tx.init(params)
 
 
-def make_train_step(tx: optax.GradientTransformation, tc: TrainConfig = TrainConfig(), *, donate: bool = True):
+def make_train_step(tx: optax.GradientTransformation, tc: TrainConfig = TrainConfig(), *, donate: bool = True,
+                    shardings=None):
     """A jitted `train_step(graphdef, state, opt_state, batch) -> (state, opt_state, metrics)`.
 
     `state` and `opt_state` are donated (unless `donate=False`, for profilers that call it again on the same
@@ -282,6 +305,11 @@ def make_train_step(tx: optax.GradientTransformation, tc: TrainConfig = TrainCon
     (keep only what it returns). One optax update of the Params on
     `loss_fn`'s gradient, then the router-bias rule with the step's expert loads (outside the gradient).
     metrics: `loss_fn`'s plus `grad_norm`.
+
+    `shardings` (on a mesh): (the state's, the optimizer state's) NamedShardings, e.g.
+    `jax.tree.map(lambda x: x.sharding, (state, opt_state))` of `init_train_state`'s: the step returns
+    both placed so, whatever GSPMD would choose (the layout holds across steps, and every donated
+    buffer is reused), and the metrics replicated on the mesh (readable on every host).
     """
 
     def train_step(graphdef, state, opt_state, batch):
@@ -299,7 +327,11 @@ def make_train_step(tx: optax.GradientTransformation, tc: TrainConfig = TrainCon
         metrics["grad_norm"] = optax.tree.norm(grads)
         return nnx.state(model), opt_state, metrics
 
-    return jax.jit(train_step, static_argnums=(0,), donate_argnums=(1, 2) if donate else ())
+    placed = {}
+    if shardings is not None:
+        state_sh, opt_sh = shardings
+        placed["out_shardings"] = (state_sh, opt_sh, NamedSharding(jax.tree.leaves(state_sh)[0].mesh, PartitionSpec()))
+    return jax.jit(train_step, static_argnums=(0,), donate_argnums=(1, 2) if donate else (), **placed)
 
 
 def grads_of(model: DeepSeekModel, batch: dict[str, Any], tc: TrainConfig = TrainConfig()):

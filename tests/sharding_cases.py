@@ -6,7 +6,9 @@ For each mesh in MESHES it shards a micro model (`mla_jax.sharding.shard_model`)
 (`shard_batch`), runs the same jitted forward (logits and MTP logits) and, for the meshes in
 TRAIN_MESHES, one training step (`models.training.make_train_step`, AdamW), and prints one JSON line
 a mesh: the largest differences from the single-device run and the shard shapes of a few
-parameters as `addressable_shards` hold them. The tests assert on those lines.
+parameters as `addressable_shards` hold them. On FSDP_MESH it also runs the step of fully sharded
+data parallelism (`shard_model(..., fsdp=True)`, the state's shardings pinned). The tests assert on
+those lines.
 
     python tests/sharding_cases.py [mesh ...]      # default: every mesh of MESHES
 """
@@ -17,6 +19,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 
 # Before jax starts: 8 CPU devices, and XLA's CPU backend without LLVM's expensive passes (each
@@ -37,6 +40,7 @@ from mla_jax.sharding import make_mesh, shard_batch, shard_model  # noqa: E402
 from models import DeepSeekModel  # noqa: E402
 from models.engine import Engine  # noqa: E402
 from models.sampling import SamplingParams  # noqa: E402
+from models.trainer import checkpoint_manager, restore_checkpoint, save_checkpoint  # noqa: E402
 from models.training import TrainConfig, init_train_state, make_train_step  # noqa: E402
 from tests.micro_configs import MICRO_V3  # noqa: E402
 
@@ -53,6 +57,7 @@ MESHES = {  # name: (data, expert, tensor)
 # (every axis at once: tensor- and expert-sharded gradients, the all-reduce over data);
 # `python tests/sharding_cases.py --train-all` runs it on every mesh.
 TRAIN_MESHES = ("mixed",)
+FSDP_MESH = "mixed"  # the same step under FSDP: every variable and AdamW moment also split over data
 PROMPT_LEN = 3  # greedy decoding fills positions PROMPT_LEN..T-1
 ENGINE_MESHES = ("mixed",)  # the paged-cache engine, greedy with MTP speculation (~6 s of CPU a mesh)
 ENGINE_PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
@@ -97,11 +102,13 @@ def _forward(graphdef, state, ids):
 
 
 FORWARD = jax.jit(_forward, static_argnums=(0,))
-# Plain SGD: the updated parameters are then the gradients' image, so a gradient that lost its
-# all-reduce shows at full size (Adam's m / sqrt(v) turns rounding noise in near-zero gradients into
-# steps of size lr).
-TX = optax.sgd(0.5)
-STEP = make_train_step(TX, TrainConfig(bias_update_rate=1e-2))
+# AdamW with eps = 1: its first update is lr·g/(|g| + 1), about SGD's for these small gradients, so the
+# updated parameters are the gradients' image and a gradient that lost its all-reduce shows at full
+# size (with the usual eps, m / sqrt(v) = sign(g) turns rounding noise in near-zero gradients into steps
+# of size lr); and it has moments, which FSDP must shard with the weights.
+TX = optax.adamw(0.5, eps=1.0)
+TC = TrainConfig(bias_update_rate=1e-2)
+STEP = make_train_step(TX, TC)
 
 
 COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
@@ -139,6 +146,56 @@ def _train(model, batch):
     graphdef, state, opt_state = init_train_state(model, TX)
     state_out, _, metrics = STEP(graphdef, jax.tree.map(lambda a: a.copy(), state), opt_state, batch)
     return state, state_out, metrics
+
+
+def _kept(a, b) -> bool:
+    return all(x.sharding.is_equivalent_to(y.sharding, x.ndim) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _fsdp_train(model, mesh, batch) -> dict:
+    """One step under FSDP (the state's shardings pinned, as mla-train --mesh runs it): (state before,
+    state after, metrics, what the tests read): the placements of a few parameters and of their AdamW
+    moments before and after the step, and the stepped state through mla-train's checkpoint functions,
+    restored onto its own placement and onto one device (a resumed run may change its mesh)."""
+    graphdef, state, opt_state = init_train_state(shard_model(model, mesh, fsdp=True), TX)
+    step = make_train_step(TX, TC, shardings=jax.tree.map(lambda x: x.sharding, (state, opt_state)))
+    before = _fsdp_placements(state, opt_state)
+    state_out, opt_out, metrics = step(graphdef, *jax.tree.map(lambda a: a.copy(), (state, opt_state)), batch)
+    out = dict(before=before, after=_fsdp_placements(state_out, opt_out),
+               shardings_kept=_kept((state, opt_state), (state_out, opt_out)))
+    # Two arrays of each tree (a weight split over data and tensor, its moment): orbax's time grows with
+    # the shards it writes (the whole state: 12 s of CPU), the path through restore_checkpoint does not.
+    pick = lambda st, mu: ({"wq_b": _leaf(st, WATCHED["wq_b"]), "embed": _leaf(st, WATCHED["embed"])},  # noqa: E731
+                           {"wq_b": _leaf(mu, WATCHED["wq_b"])})
+    saved = pick(state_out, opt_out[0].mu)
+    with tempfile.TemporaryDirectory() as d:
+        mgr = checkpoint_manager(d)
+        save_checkpoint(mgr, 1, *saved, {"trajectory": {}, "corpus_sha256": ""})
+        on_mesh = restore_checkpoint(mgr, *pick(state, opt_state[0].mu))
+        one_device = restore_checkpoint(mgr, *jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), saved))
+        mgr.close()
+    for name, (s, o, _) in (("restored_on_mesh", on_mesh), ("restored_on_one_device", one_device)):
+        out[name] = dict(diff=_max_diff((s, o), saved), devices=sorted({len(x.sharding.device_set)
+                                                                        for x in jax.tree.leaves((s, o))}),
+                         shardings_kept=_kept((s, o), saved))
+    return state, state_out, metrics, out
+
+
+def _fsdp_placements(state, opt_state) -> dict:
+    """Shard shapes of a few parameters and of their AdamW moments, and the variables (moments) not split
+    over `data`: each as its path."""
+    adam = opt_state[0]  # optax.adamw: chain(scale_by_adam, add_decayed_weights, scale_by_lr)
+    watched = ("wq_b", "experts_gate", "router", "embed")
+
+    def not_data(tree):
+        return [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+                if x.ndim and "data" not in jax.tree.leaves(tuple(x.sharding.spec))]
+
+    return dict(params={k: _placement(_leaf(state, WATCHED[k])) for k in watched},
+                mu={k: _placement(_leaf(adam.mu, WATCHED[k])) for k in watched},
+                nu={k: _placement(_leaf(adam.nu, WATCHED[k])) for k in watched},
+                norm=_placement(state["norm"]["weight"][...]),
+                not_over_data=not_data(state) + not_data(adam.mu) + not_data(adam.nu))
 
 
 def micro_model() -> DeepSeekModel:
@@ -202,6 +259,13 @@ def main(names, train=TRAIN_MESHES):
                                 params_moved=_max_diff(s_out, s_in), shardings_kept=kept,
                                 wq_b_after=_placement(_leaf(s_out, WATCHED["wq_b"])),
                                 experts_after=_placement(_leaf(s_out, WATCHED["experts_gate"])))
+        if name == FSDP_MESH:
+            t1 = time.process_time()
+            batch = shard_batch(dict(input_ids=ids, attention_mask=mask), mesh)
+            f_in, f_out, f_metrics, placed = _fsdp_train(model, mesh, batch)
+            out["fsdp"] = dict(loss_diff=abs(float(f_metrics["loss"]) - float(ref_metrics["loss"])),
+                               params_diff=_max_diff(f_out, ref_state), params_moved=_max_diff(f_out, f_in),
+                               cpu_s=time.process_time() - t1, **placed)
         out["cpu_s"] = time.process_time() - t0
         print(json.dumps(out), flush=True)
 

@@ -67,8 +67,15 @@ def test_hf_checkpoint_with_tokenizer_json(tmp_path, capsys):
     (["--mtp", "--mtp-draft-tokens", "5"], "--mtp-draft-tokens must be in [1, 3]"),
     (["--dtype", "int8"], "invalid choice"),
     (["--bogus"], "unrecognized arguments"),
+    (["--num-processes", "2", "--process-id", "0"], "--num-processes 2 and --process-id 0: several processes need "
+     "--coordinator HOST:PORT (or $MLA_JAX_COORDINATOR)"),
+    (["--coordinator", "h:1", "--num-processes", "two", "--process-id", "0"], "--num-processes two: must be an "
+     "integer >= 1"),
+    (["--coordinator", "h:port"], "--coordinator h:port: not HOST:PORT"),
 ])
-def test_errors_are_one_line_exit_2(argv, match, capsys):
+def test_errors_are_one_line_exit_2(argv, match, capsys, monkeypatch):
+    for var in ("MLA_JAX_COORDINATOR", "MLA_JAX_NUM_PROCESSES", "MLA_JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
@@ -92,3 +99,25 @@ def test_kv_dtype_fp8_generates(capsys):
     assert main(["--kv-dtype", "fp8", "--max-new-tokens", "4", "--no-warmup"]) == 0
     out, _ = capsys.readouterr()
     assert "[stats] prefill " in out
+
+
+def test_distributed_flags_and_environment(capsys, monkeypatch):
+    """`mla-generate --coordinator/--num-processes/--process-id` (else $MLA_JAX_*) call
+    `jax.distributed.initialize` with them before anything else is checked, and a bad environment is
+    named as such (guards: the flags ignored, the variables ignored, an error that names a flag the
+    user never typed)."""
+    calls = []
+    monkeypatch.setattr("jax.distributed.initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setenv("MLA_JAX_COORDINATOR", "127.0.0.1:5555")
+    monkeypatch.setenv("MLA_JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("MLA_JAX_PROCESS_ID", "1")
+    with pytest.raises(SystemExit):
+        main(["--max-new-tokens", "0"])   # fails after the call, before anything else
+    assert calls == [dict(coordinator_address="127.0.0.1:5555", num_processes=2, process_id=1)]
+    monkeypatch.setenv("MLA_JAX_PROCESS_ID", "5")
+    with pytest.raises(SystemExit):
+        main(["--max-new-tokens", "0"])
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == ("mla-generate: error: MLA_JAX_PROCESS_ID=5: must be an integer in "
+                                            "[0, 2) (MLA_JAX_NUM_PROCESSES=2)"), err
+    assert len(calls) == 1

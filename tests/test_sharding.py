@@ -19,12 +19,13 @@ from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from micro_configs import MICRO_V3, narrow_v2_lite
-from mla_jax.sharding import DEFAULT_RULES, MESH_AXES, make_mesh, model_specs
+from mla_jax.sharding import DEFAULT_RULES, MESH_AXES, make_mesh, model_specs, spec_for
 from models import DeepSeekModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8", "dp2", "mixed")
 TRAIN_MESHES = ("mixed",)   # sharding_cases.TRAIN_MESHES
+FSDP_MESH = "mixed"         # sharding_cases.FSDP_MESH
 ATOL = 1e-5
 
 
@@ -36,8 +37,8 @@ def _mesh(data=1, expert=1, tensor=1):
     return AbstractMesh((data, expert, tensor), MESH_AXES)
 
 
-def _flat_specs(model, mesh, rules=DEFAULT_RULES):
-    return {".".join(map(str, p)): s for p, s in nnx.to_flat_state(model_specs(model, mesh, rules))}
+def _flat_specs(model, mesh, rules=DEFAULT_RULES, fsdp=False):
+    return {".".join(map(str, p)): s for p, s in nnx.to_flat_state(model_specs(model, mesh, rules, fsdp=fsdp))}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,36 @@ def test_the_layout_is_the_table():
     s = _flat_specs(_abstract(MICRO_V3), _mesh(data=2, expert=2, tensor=2), rules)
     assert s["moe_layers.self_attn.wq_b.kernel"] == P(None, None, None)
     assert s["moe_layers.mlp.experts.gate_proj"] == P(None, ("expert", "data"), None, "tensor")
+
+
+def test_fsdp_layout():
+    """`fsdp=True` adds `data` on each variable's largest dim the rules leave unsharded and `data` divides,
+    and changes nothing else: catches FSDP on the smallest dim, on the last of equal dims, on a dim
+    `data` does not divide (jax would refuse it at device_put), on the scanned stack's layer axis (each
+    scan step would gather the whole stack), over an axis the rules already use, or with the batch
+    rule off (no data parallelism: nothing to shard over)."""
+    m = _mesh(data=2, expert=2, tensor=2)
+    rules, fsdp = _flat_specs(_abstract(MICRO_V3), m), _flat_specs(_abstract(MICRO_V3), m, fsdp=True)
+    assert fsdp["moe_layers.self_attn.wq_b.kernel"] == P(None, "data", "tensor")         # [1, Q=24, H·K=32]
+    assert fsdp["moe_layers.self_attn.wkv_a.kernel"] == P(None, "data", None)            # [1, D=32, 24]
+    assert fsdp["moe_layers.mlp.experts.gate_proj"] == P(None, "expert", "data", "tensor")
+    assert fsdp["moe_layers.mlp.gate.kernel"] == P(None, "data", None)                   # [1, D=32, E=4]
+    assert fsdp["embed_tokens.embedding"] == P("tensor", "data")
+    assert fsdp["lm_head.kernel"] == P("data", "tensor")
+    assert fsdp["norm.weight"] == P("data")
+    for name, spec in fsdp.items():  # one dim more, from replicated to data; the rest as the rules say
+        changed = [d for d, (a, b) in enumerate(zip(rules[name], spec)) if a != b]
+        assert len(changed) <= 1 and all(rules[name][d] is None and spec[d] == "data" for d in changed), name
+    shape = dict(data=2, expert=1, tensor=1)
+    stacked_norm = ("moe_layers", "input_layernorm", "weight")
+    assert spec_for(stacked_norm, (8, 3), shape, fsdp=True) == P(None, None)   # 8 layers: not the layer axis
+    assert spec_for(stacked_norm, (8, 6), shape, fsdp=True) == P(None, "data")
+    assert spec_for(("embed_tokens", "embedding"), (6, 6), shape, fsdp=True) == P("data", None)  # the first
+    assert spec_for(("embed_tokens", "embedding"), (7, 6), shape, fsdp=True) == P(None, "data")  # 7 odd
+    assert _flat_specs(_abstract(MICRO_V3), m, dict(DEFAULT_RULES, batch=None), fsdp=True) == \
+        _flat_specs(_abstract(MICRO_V3), m, dict(DEFAULT_RULES, batch=None))
+    assert _flat_specs(_abstract(MICRO_V3), _mesh(expert=2, tensor=2), fsdp=True) == \
+        _flat_specs(_abstract(MICRO_V3), _mesh(expert=2, tensor=2))
 
 
 def test_make_mesh_on_one_device():
@@ -224,13 +255,44 @@ def test_batch_not_divisible_by_data(cases):
 
 @pytest.mark.parametrize("mesh", TRAIN_MESHES)
 def test_train_step_equals_one_device(cases, mesh):
-    """One SGD step (models.training's step: loss, MTP loss, balance loss, router-bias rule) on the
-    sharded state and batch gives the single-device loss and updated variables: catches a gradient
-    that misses its all-reduce over `data` (each half-batch's gradient would be applied), or a
-    sharded parameter's gradient taken from one shard; and the step keeps every variable's sharding
-    (an update that came back replicated would silently undo the layout after one step)."""
+    """One AdamW step (eps = 1: near SGD, see sharding_cases.TX; models.training's step: loss, MTP loss,
+    balance loss, router-bias rule) on the sharded state and batch gives the single-device loss and
+    updated variables: catches a gradient that misses its all-reduce over `data` (each half-batch's
+    gradient would be applied), or a sharded parameter's gradient taken from one shard; and the step
+    keeps every variable's sharding (an update that came back replicated would silently undo the
+    layout after one step)."""
     t = cases[mesh]["train"]
     assert t["loss_diff"] <= ATOL and t["params_diff"] <= ATOL, t
     assert t["params_moved"] > 100 * ATOL   # the step did change the parameters
     assert t["shardings_kept"]
     assert t["experts_after"]["distinct"] == cases[mesh]["mesh"]["expert"] * cases[mesh]["mesh"]["tensor"]
+
+
+def test_fsdp_train_step_equals_one_device_and_shards_everything_over_data(cases):
+    """FSDP (`shard_model(..., fsdp=True)`, `init_train_state`, `make_train_step(shardings=...)`) on
+    data=2, expert=2, tensor=2: one AdamW step gives the single-device loss and updated variables (a
+    gradient taken from one data shard of a weight, or summed twice over data, would differ); every
+    variable and both AdamW moments of every parameter hold 1/data of what the rules alone give them
+    (an optimizer state created replicated, as `tx.init` left the step counts, or moments that kept
+    the rules' layout, would be caught here, not by any number), and hold it after the step (a step
+    that let GSPMD choose its outputs could hand back another layout, and the next step's donation
+    would miss). The stepped arrays go through mla-train's checkpoint functions and come back exactly,
+    onto their own shardings or onto one device."""
+    f = cases[FSDP_MESH]["fsdp"]
+    assert f["loss_diff"] <= ATOL and f["params_diff"] <= ATOL, f
+    assert f["params_moved"] > 100 * ATOL
+    L, Q, HK, D, E, I, V = 2, 24, 8 * 16, 32, 8, 16, 40   # sharding_cases.CFG; data = expert = tensor = 2
+    expected = {  # the rules' shard with its largest free dim halved over data
+        "wq_b": dict(shard_shape=[L, Q // 2, HK // 2], devices=8, distinct=4),             # q_lora over data
+        "experts_gate": dict(shard_shape=[L, E // 2, D // 2, I // 2], devices=8, distinct=8),  # embed
+        "router": dict(shard_shape=[L, D // 2, E], devices=8, distinct=2),                  # embed (not E)
+        "embed": dict(shard_shape=[V // 2, D // 2], devices=8, distinct=4),                 # embed
+    }
+    for when in ("before", "after"):
+        p = f[when]
+        assert p["params"] == expected and p["mu"] == expected and p["nu"] == expected, (when, p)
+        assert p["norm"] == dict(shard_shape=[D // 2], devices=8, distinct=2), (when, p["norm"])
+        assert p["not_over_data"] == [], (when, p["not_over_data"])   # every variable and moment
+    assert f["shardings_kept"]
+    assert f["restored_on_mesh"] == dict(diff=0.0, devices=[8], shardings_kept=True)
+    assert f["restored_on_one_device"]["diff"] == 0.0 and f["restored_on_one_device"]["devices"] == [1]

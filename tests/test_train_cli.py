@@ -112,13 +112,67 @@ def test_resume_refuses_other_arguments_and_clobbering(tmp_path, capsys):
     (["--attn-impl", "flash"], "argument --attn-impl: invalid choice: 'flash' (choose from 'xla', 'cudnn')"),
     (["--attn-impl", "cudnn"], "--attn-impl cudnn needs a CUDA GPU (cuDNN's flash attention); this machine's "
      "backend is cpu"),
+    # --mesh: the spec as mla-generate reads it, a mesh larger than the devices, a batch it cannot split
+    (["--mesh", "data2"], "--mesh: mesh spec 'data2': 'data2' is not axis=size (axes: data, expert, tensor; "
+     "e.g. data=2,tensor=2)"),
+    (["--mesh", "model=2"], "--mesh: mesh spec 'model=2': unknown axis 'model' (axes: data, expert, tensor)"),
+    (["--mesh", "tensor=0"], "--mesh: mesh spec 'tensor=0': tensor='0' must be an integer >= 1"),
+    (["--mesh", "data=2"], "--mesh data=2: make_mesh: data=2 x expert=1 x tensor=1 = 2 devices does not divide "
+     "the 1 devices available"),
+    (["--mesh", "data=3", "--batch-size", "4"], "--batch-size 4 is not divisible by data=3 of --mesh data=3: "
+     "each data rank takes whole sequences"),
+    # several processes (models.distributed): an incomplete or inconsistent set, before jax starts
+    (["--process-id", "1"], "--process-id 1: several processes need --coordinator HOST:PORT (or "
+     "$MLA_JAX_COORDINATOR)"),
+    (["--coordinator", "localhost"], "--coordinator localhost: not HOST:PORT"),
+    (["--coordinator", "10.0.0.1:1234", "--num-processes", "2"], "--coordinator 10.0.0.1:1234 needs --process-id "
+     "(or $MLA_JAX_PROCESS_ID)"),
+    (["--coordinator", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id 2: must be an integer in [0, 2) (--num-processes 2)"),
 ])
-def test_bad_arguments_one_line_exit_2(tmp_path, capsys, argv, needle):
+def test_bad_arguments_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, needle):
+    for var in ("MLA_JAX_COORDINATOR", "MLA_JAX_NUM_PROCESSES", "MLA_JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
     assert main(["--out", str(tmp_path / "o"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mla-train: error: ") and err.count("\n") == 1, err
     assert needle in err, err
     assert not os.path.exists(tmp_path / "o" / "checkpoints")  # nothing was started
+
+
+def test_distributed_initialize_first_with_flags_or_environment(tmp_path, capsys, monkeypatch):
+    """--coordinator/--num-processes/--process-id (else $MLA_JAX_*) reach `jax.distributed.initialize`,
+    before the compile cache configures jax (jax refuses to initialise after its backends start), and
+    nothing is called without them; a failure to join is one line, exit 2. Guards: flags parsed and
+    never passed, the environment ignored or overriding a flag, the call made too late, a traceback."""
+    from models import compile_cache
+
+    events = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: events.append(kw))
+    monkeypatch.setattr(compile_cache, "enable", lambda flag=None: events.append("cache"))
+    for var in ("MLA_JAX_COORDINATOR", "MLA_JAX_NUM_PROCESSES", "MLA_JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    stop = ["--out", str(tmp_path / "o"), "--steps", "0"]  # fails right after both calls, before training
+    assert main(stop) == 2 and events == ["cache"]
+    events.clear()
+    assert main([*stop, "--coordinator", "127.0.0.1:4321", "--num-processes", "3", "--process-id", "2"]) == 2
+    assert events == [dict(coordinator_address="127.0.0.1:4321", num_processes=3, process_id=2), "cache"]
+    events.clear()
+    monkeypatch.setenv("MLA_JAX_COORDINATOR", "10.0.0.7:99")
+    monkeypatch.setenv("MLA_JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("MLA_JAX_PROCESS_ID", "3")
+    assert main([*stop, "--process-id", "1"]) == 2   # a flag wins over its variable
+    assert events == [dict(coordinator_address="10.0.0.7:99", num_processes=4, process_id=1), "cache"]
+    assert "--steps must be >= 1" in capsys.readouterr().err
+
+    def unreachable(**kw):
+        raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out\nmore detail")
+
+    monkeypatch.setattr(jax.distributed, "initialize", unreachable)
+    assert main(stop) == 2
+    err = capsys.readouterr().err
+    assert err == ("mla-train: error: --coordinator 10.0.0.7:99: jax.distributed.initialize failed (process 3 of 4): "
+                   "DEADLINE_EXCEEDED: Barrier timed out\n"), err
 
 
 def test_corpus_split_and_batches_are_deterministic():
@@ -312,3 +366,26 @@ def test_memory_estimate_counts_weights_gradients_and_adamw(monkeypatch):
     monkeypatch.setattr(trainer, "available_memory", lambda: (need["total"] - 1, "of test memory"))
     with pytest.raises(TrainerError, match=r"needs at least 0.02 GB .* more than the 0.02 GB of test memory"):
         trainer.check_memory(cfg, trainer.TrainSettings())
+
+
+def test_memory_check_on_a_mesh_is_per_device(monkeypatch):
+    """On a mesh of accelerators one device holds its shards alone: the check compares those with one
+    device's free memory. Guards: an FSDP run refused by the whole model's figure (the model that
+    needs the mesh is the one it would refuse), and a per-device figure that misses the FSDP split. On
+    data=2 every variable of the tiny model has an even free dim: each figure is exactly half."""
+    from models import trainer
+
+    cfg = load_config("tiny")
+    s = trainer.TrainSettings(mesh="data=2")
+    need = trainer.training_memory(cfg, s)
+    dev = need["per_device"]
+    assert 2 * dev["variables"] == need["variables"] and 2 * dev["gradients"] == need["gradients"]
+    assert dev["optimizer"] == need["optimizer"] * dev["gradients"] // need["gradients"]
+    assert trainer.training_memory(cfg, trainer.TrainSettings(mesh="data=2,tensor=2"))["per_device"]["total"] < \
+        dev["total"]
+    monkeypatch.setattr(trainer, "_on_accelerator", lambda: True)
+    monkeypatch.setattr(trainer, "available_memory", lambda: (dev["total"], "free on the test GPU"))
+    trainer.check_memory(cfg, s)  # one device's shards fit, the whole would not
+    monkeypatch.setattr(trainer, "available_memory", lambda: (dev["total"] - 1, "free on the test GPU"))
+    with pytest.raises(TrainerError, match=r"needs at least 0.01 GB per device on the mesh data=2 "):
+        trainer.check_memory(cfg, s)
