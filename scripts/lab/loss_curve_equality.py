@@ -2,8 +2,9 @@
 
 The 4-layer DeepSeek-V2-Lite cut (random init, seed 0), fp32 parameters and AdamW moments, bf16 compute, the
 step `mla-train` uses (`models.training.make_train_step`, `models.trainer.make_optimizer` with `mla-bench
-train`'s lr 3e-4 and 10 warmup steps, cosine, clip 1.0), trained for `--steps` steps on the same batches: windows of the shipped corpus as
-byte ids (so the loss falls from ln(102400) ~ 11.5 towards a byte model's, a curve with shape). Paths:
+train`'s lr 3e-4 and 10 warmup steps, cosine, clip 1.0), trained for `--steps` steps on the same batches:
+windows of the shipped corpus as byte ids (so the loss falls from ln(102400) ~ 11.5 towards a byte model's,
+a curve with shape). Paths:
 
 * reference: the jnp attention (`attn_impl="xla"`, in query blocks of 512) and the dense one-hot MoE oracle
   (`moe_impl="dense"`, every expert on every token);
@@ -14,8 +15,9 @@ byte ids (so the loss falls from ln(102400) ~ 11.5 towards a byte model's, a cur
 
     PYTHONPATH=. python3 scripts/lab/loss_curve_equality.py --out $OUT/curve [--steps 50] [--batch 2 --seq 2048]
 
-Writes under --out: loss_curves.csv (step, each path's loss and grad norm), loss_curves_summary.json (the largest absolute
-and relative loss difference of each path from the reference), loss_curves.png when matplotlib is there.
+Writes under --out: loss_curves.csv (step, each path's loss and grad norm), loss_curves_summary.json (the
+largest absolute and relative loss difference of each path from the reference), loss_curves.png when
+matplotlib is there.
 """
 
 from __future__ import annotations
