@@ -189,14 +189,15 @@ def test_unknown_attention_impl_is_refused():
 
 
 @pytest.mark.gpu
-def test_cudnn_attention_equals_the_jnp_form_with_gradients():
+@pytest.mark.parametrize("N,R,V", [(128, 64, 128), (16, 64, 16)], ids=["v2-v3-widths", "builtin-widths"])
+def test_cudnn_attention_equals_the_jnp_form_with_gradients(N, R, V):
     """impl="cudnn" (cuDNN's flash attention, training's fast path) against the jnp form at MLA's widths
-    (qk 192, v 128), bf16, rows right-padded to different lengths: outputs of the valid queries and the
-    gradients of every input. Guards: a wrong scale, the causal mask off or shifted, padding keys visible,
-    the v/k halves of wkv_b swapped. Left padding (which cuDNN's index mask cannot express) gives NaN,
-    not a different attention."""
+    (qk 192, v 128; and the built-in model's qk 80, v 16), bf16, rows right-padded to different lengths:
+    outputs of the valid queries and the gradients of every input. Guards: a wrong scale, the causal mask
+    off or shifted, padding keys visible, the v/k halves of wkv_b swapped. Left padding (which cuDNN's
+    index mask cannot express) gives NaN, not a different attention."""
     rng = np.random.default_rng(5)
-    B, T, H, N, R, V, L = 2, 384, 4, 128, 64, 128, 512
+    B, T, H, L = 2, 384, 4, 512
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     args = [bf(rng.standard_normal(s)) for s in ((B, T, H, N), (B, T, H, R), (B, T, L + R))]
     w = bf(rng.standard_normal((L, H, N + V)) * 0.05)
