@@ -537,12 +537,15 @@ def test_fp8_decode_routes_through_mla_decode_only_when_it_reads_fp8(monkeypatch
                          dtype="fp8")
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 41, KERNEL_CFG.hidden_size))
     kv = KVCache.create(c.pages, [[1, 0]], [40], page_format=c.page_format)
-    _, kv = mla(x[:, :40], jnp.arange(40)[None], cache=kv)    # 40 tokens: gather + jnp, no decode call
+    # jitted, one compile a call instead of one an op; a fresh wrapper each time, so that each call is traced
+    # again (the route is chosen, and the fakes record, at trace time)
+    run = lambda: nnx.jit(lambda m, x, p, c: m(x, p, cache=c))  # noqa: E731
+    _, kv = run()(mla, x[:, :40], jnp.arange(40)[None], kv)    # 40 tokens: gather + jnp, no decode call
     outs = {}
     for flag in (False, True):
         monkeypatch.setattr(module, "FP8_KERNEL", flag, raising=False)
         step = dataclasses.replace(kv.with_lengths([41]), impl="interpret")
-        outs[flag], _ = mla(x[:, 40:], jnp.asarray([[40]]), cache=step)
+        outs[flag], _ = run()(mla, x[:, 40:], jnp.asarray([[40]]), step)
         assert calls == ([jnp.uint8] if flag else []), (flag, calls)
     a, b = (np.asarray(outs[f], np.float32) for f in (False, True))
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 1e-2   # bf16 queries in the kernel route
