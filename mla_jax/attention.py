@@ -115,8 +115,8 @@ def _cudnn_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, s
 
     Rows must be positions 0..n-1 then -1 on both sides (n = the row's valid tokens): cuDNN masks by index
     (causal, and the padding past n), which equals `attention_mask` on exactly those rows. Other positions
-    (left padding, a cached prefix, packed documents) give NaN outputs instead of a wrong attention. Padding
-    queries come out as 0, as in the jnp form.
+    (left padding, a cached prefix, packed documents) give NaN outputs instead of a wrong attention. The
+    padding queries' outputs are cuDNN's (the jnp form gives 0 there; the loss masks them either way).
     """
     # jax.nn.dot_product_attention wants equal qk and v widths; its cuDNN backend takes MLA's 192 / 128 (jax 0.11)
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
