@@ -26,6 +26,10 @@ def _positions(B, T):
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
 
+# The layer jitted: one compile a shape (shared by layers of one structure) instead of one an op.
+_call = nnx.jit(lambda m, x, pos, absorbed=False: m(x, pos, absorbed=absorbed), static_argnames="absorbed")
+
+
 CFGS = {
     "tiny": ModelConfig.tiny(),
     "no_q_lora": ModelConfig.tiny().replace(q_lora_rank=None, rope_interleave=True, model_type="deepseek_v2"),
@@ -41,8 +45,8 @@ def test_naive_equals_absorbed(name, seed, T):
     mla = _randomize(MLA(cfg, rngs=nnx.Rngs(seed)), seed)
     x = jax.random.normal(jax.random.key(100 + seed), (2, T, cfg.hidden_size))
     pos = _positions(2, T) + seed * 7  # any start offset
-    naive = mla(x, pos, absorbed=False)
-    absorbed = mla(x, pos, absorbed=True)
+    naive = _call(mla, x, pos, absorbed=False)
+    absorbed = _call(mla, x, pos, absorbed=True)
     assert naive.shape == (2, T, cfg.hidden_size)
     chex.assert_trees_all_close(absorbed, naive, rtol=2e-5, atol=2e-5)
     assert float(jnp.abs(naive).max()) > 1e-3  # a real signal, not zeros
@@ -55,10 +59,10 @@ def test_ragged_batch_with_padding_positions():
     lens = [9, 4]
     x = jax.random.normal(jax.random.key(4), (2, 9, cfg.hidden_size))
     pos = jnp.array([list(range(9)), list(range(4)) + [-1] * 5], jnp.int32)
-    full = {ab: mla(x, pos, absorbed=ab) for ab in (False, True)}
+    full = {ab: _call(mla, x, pos, absorbed=ab) for ab in (False, True)}
     chex.assert_trees_all_close(full[True], full[False], rtol=2e-5, atol=2e-5)
     for b, n in enumerate(lens):  # each row equals running that sequence alone
-        alone = mla(x[b:b + 1, :n], pos[b:b + 1, :n])
+        alone = _call(mla, x[b:b + 1, :n], pos[b:b + 1, :n])
         chex.assert_trees_all_close(full[False][b:b + 1, :n], alone, rtol=2e-5, atol=2e-5)
 
 
@@ -66,8 +70,8 @@ def test_causal():
     cfg = CFGS["tiny"]
     mla = _randomize(MLA(cfg, rngs=nnx.Rngs(5)), 5)
     x = jax.random.normal(jax.random.key(6), (1, 8, cfg.hidden_size))
-    y = mla(x, _positions(1, 8))
-    y2 = mla(x.at[:, 5:].set(7.0), _positions(1, 8))
+    y = _call(mla, x, _positions(1, 8))
+    y2 = _call(mla, x.at[:, 5:].set(7.0), _positions(1, 8))
     chex.assert_trees_all_close(y[:, :5], y2[:, :5], rtol=1e-6, atol=1e-6)
     assert not np.allclose(np.asarray(y[:, 5:]), np.asarray(y2[:, 5:]))
 
