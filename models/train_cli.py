@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         from models import compile_cache, distributed
         try:
             distributed.initialize(args)  # before anything else touches jax
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:  # a bad flag set, or jax could not join the other processes
             raise UsageError(str(e)) from None
         compile_cache.enable(args.compile_cache)
         train(settings(args), args.out, resume=args.resume, stop_at=args.stop_at, export_dir=args.export,
@@ -126,11 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as e:  # a diverged run: say so in one line, not a traceback
         print(f"mla-train: error: {e}", file=sys.stderr)
         return 1
-    except RuntimeError as e:  # jax.distributed could not join the other processes (models.distributed)
-        if "jax.distributed.initialize failed" not in str(e):
-            raise
-        print(f"mla-train: error: {e}", file=sys.stderr)
-        return 2
     except OSError as e:  # e.g. a compile-cache or output directory that cannot be created
         print(f"mla-train: error: {e}", file=sys.stderr)
         return 2
