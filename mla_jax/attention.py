@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mla_jax import initializers
 from mla_jax.config import ModelConfig
 from mla_jax.norm import RMSNorm
 from mla_jax.rope import apply_rope, rope_cos_sin
@@ -182,7 +183,7 @@ class MLA(nnx.Module):
         self.cfg = cfg
         H, D = cfg.num_attention_heads, cfg.hidden_size
         lin = partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                      kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+                      kernel_init=initializers.normal(cfg.initializer_range), rngs=rngs)
         if cfg.q_lora_rank is None:
             self.wq = lin(D, H * cfg.qk_head_dim)
         else:

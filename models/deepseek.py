@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mla_jax import initializers
 from mla_jax.attention import MLA
 from mla_jax.config import ModelConfig
 from mla_jax.norm import RMSNorm
@@ -207,7 +208,7 @@ class DeepSeekModel(nnx.Module):
                  moe_impl: str = "auto", mtp_hidden_source: str = "post_norm"):
         self.cfg = cfg
         self.dtype = dtype
-        init = nnx.initializers.normal(cfg.initializer_range)
+        init = initializers.normal(cfg.initializer_range)
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                       embedding_init=init, rngs=rngs)
         n_moe = cfg.num_moe_layers

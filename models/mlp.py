@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mla_jax import initializers
+
 
 class MLP(nnx.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)): [..., D] -> [..., D] in `dtype`.
@@ -21,7 +23,7 @@ class MLP(nnx.Module):
     def __init__(self, dim: int, inter_dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
                  init_std: float = 0.02):
         lin = partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                      kernel_init=nnx.initializers.normal(init_std), rngs=rngs)
+                      kernel_init=initializers.normal(init_std), rngs=rngs)
         self.gate_proj = lin(dim, inter_dim)
         self.up_proj = lin(dim, inter_dim)
         self.down_proj = lin(inter_dim, dim)

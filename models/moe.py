@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from mla_jax import initializers
 from mla_jax.config import ModelConfig
 from models.mlp import MLP
 
@@ -125,7 +126,7 @@ class Router(nnx.Module):
         self.cfg = cfg
         E, D = cfg.n_routed_experts, cfg.hidden_size
         # HF keeps gate.weight and the bias in fp32 whatever the model dtype (_keep_in_fp32_modules_strict).
-        self.kernel = nnx.Param(nnx.initializers.normal(cfg.initializer_range)(rngs.params(), (D, E), _F32))
+        self.kernel = nnx.Param(initializers.normal(cfg.initializer_range)(rngs.params(), (D, E), _F32))
         if cfg.topk_method == "noaux_tc":
             self.e_score_correction_bias = RouterBias(jnp.zeros((E,), _F32))
         else:
@@ -349,7 +350,7 @@ class Experts(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        init = nnx.initializers.normal(cfg.initializer_range)
+        init = initializers.normal(cfg.initializer_range)
         self.gate_proj = nnx.Param(init(rngs.params(), (E, D, I), param_dtype))
         self.up_proj = nnx.Param(init(rngs.params(), (E, D, I), param_dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (E, I, D), param_dtype))

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mla_jax import initializers
 from mla_jax.config import ModelConfig
 from mla_jax.norm import RMSNorm
 
@@ -50,7 +51,7 @@ class MTP(nnx.Module):
         self.enorm = norm()
         self.hnorm = norm()
         self.eh_proj = nnx.Linear(2 * D, D, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                                  kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+                                  kernel_init=initializers.normal(cfg.initializer_range), rngs=rngs)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers + depth, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                                   moe=cfg.n_routed_experts > 0, moe_impl=moe_impl)
         self.shared_head_norm = norm()
