@@ -375,7 +375,8 @@ PEER_TIMING = {
                        "(host launch gaps included)",
     "ours_over_<peer>": "us / <peer>_us (< 1: ours faster)",
     "fmla": "FlashMLA, scheduler metadata built by the (checked) first call, outside timing",
-    "triton": "vLLM Triton decode_attention_fwd, fastest correct num_kv_splits of --triton-splits (<peer>_variant)",
+    "triton": "vLLM Triton decode_attention_fwd, the num_kv_splits of --triton-splits with the least kernel "
+              "time among the correct ones (<peer>_variant; all of them in <peer>_note)",
 }
 PEER_XLA_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 

@@ -13,7 +13,8 @@ DIR is a peer bundle kept outside the repository (never committed; on the GPU ma
 * ``DIR/vllm_triton_mla.py`` — vLLM's Triton MLA decode, ``decode_attention_fwd(q, k_buffer,
   v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_kv_splits, sm_scale, page_size=)``.
   s_q > 1 runs as B*s_q one-token requests (causal: each token its own length); ``num_kv_splits``
-  is tried over ``--triton-splits`` and the fastest split whose output is right is kept. Its kernel
+  is tried over ``--triton-splits`` and the split with the least kernel time among those whose
+  output is right is kept (every split's time in ``triton_note``). Its kernel
   computes cache offsets in int32, so the benchmark (with ``--peers``) permutes each batch group's
   pages within a range of fewer than 2^31 cache elements (`page_groups`) and the peer gets one
   call per group on that slice of the cache: one group unless the cache exceeds 4 GiB.
@@ -323,9 +324,15 @@ class TritonMLA(Peer):
       self.why = f"vLLM Triton unavailable: no {self.path} in the peer bundle"
       return
     try:
-      spec = importlib.util.spec_from_file_location("mla_bench_peer_vllm_triton_mla", self.path)
+      name = "mla_bench_peer_vllm_triton_mla"
+      spec = importlib.util.spec_from_file_location(name, self.path)
       mod = importlib.util.module_from_spec(spec)
-      spec.loader.exec_module(mod)
+      sys.modules[name] = mod                # as an import would (Triton's JIT reads its functions' source)
+      try:
+        spec.loader.exec_module(mod)
+      except BaseException:
+        del sys.modules[name]
+        raise
       if not hasattr(mod, "decode_attention_fwd"):
         raise ImportError("no decode_attention_fwd")
       self.module = mod
@@ -453,31 +460,38 @@ class Bundle:
       cands = p.candidates(x, br)
     except Exception as e:  # noqa: BLE001
       return self._failed(p, f"setup failed: {_short(e)}", e)
-    tried, wrong = [], []
+    timed, wrong = [], []
     for variant, fn in cands:
       try:
-        got = br.to_numpy(fn())
+        got = br.to_numpy(fn())              # the check, before any timing (and any compile)
         br.sync()
         err = rel_err(np.asarray(got, np.float32).reshape(ref.shape), ref)
+        del got
         if not err < self.tol:
           wrong.append((variant, err))
           continue
-        tried.append((br.event_us(fn, k), variant, fn, err))
+        us, method = br.kernel_sum_us(fn, self.iterations, k)
+        timed.append((us, method, variant, fn, err))
       except Exception as e:  # noqa: BLE001
         return self._failed(p, f"{variant}: run failed: {_short(e)}", e)
-    if not tried:
+    if not timed:
       worst = ", ".join(f"{v} rel_err {e:.3g}" for v, e in wrong)
       return {f"{k}_status": "disagrees", f"{k}_rel_err": min(e for _, e in wrong),
               f"{k}_note": f"output disagrees with the reference ({worst}; tol {self.tol:g}): not timed"}
-    event_us, variant, fn, err = min(tried, key=lambda t: t[0])
+    us, method, variant, fn, err = min(timed, key=lambda t: t[0])     # fastest correct variant
     try:
-      us, method = br.kernel_sum_us(fn, self.iterations, k)
+      event_us = br.event_us(fn, k)
     except Exception as e:  # noqa: BLE001
       return self._failed(p, f"{variant}: timing failed: {_short(e)}", e)
     cols = {f"{k}_us": us, f"{k}_method": method, f"{k}_event_us": event_us, f"{k}_rel_err": err,
             f"{k}_variant": variant, f"{k}_status": "ok"}
+    notes = []
+    if len(timed) > 1:
+      notes.append("variants (µs): " + " ".join(f"{v}={t:.1f}" for t, _, v, _, _ in timed))
     if wrong:
-      cols[f"{k}_note"] = "disagree, not timed: " + ", ".join(f"{v} ({e:.3g})" for v, e in wrong)
+      notes.append("disagree, not timed: " + ", ".join(f"{v} (rel_err {e:.3g})" for v, e in wrong))
+    if notes:
+      cols[f"{k}_note"] = "; ".join(notes)
     return cols
 
   def _failed(self, p, msg, e):
