@@ -386,6 +386,7 @@ def attach_peers(row, cols, bundle):
   ``ours_over_<key>`` = row["us"] / <key>_us."""
   for k in [k for k in row if any(k.startswith(f"{p.key}_") or k == f"ours_over_{p.key}" for p in bundle.peers)]:
     del row[k]
+  row["us_method"] = f"cupti_kernel_sum (median of {bundle.iterations} calls)"
   row.update(cols)
   for p in bundle.peers:
     theirs = cols.get(f"{p.key}_us")
