@@ -548,7 +548,8 @@ def main(argv=None):
                       "(DIR/vllm_triton_mla.py) on every cell's arrays, in this process (needs torch): "
                       "columns fmla_*, triton_*, ours_over_* (see benchmarks/peers.py)")
   p.add_argument("--triton-splits", default="4,8,16,32",
-                 help="with --peers: num_kv_splits tried for vLLM's Triton kernel (the fastest correct one is kept)")
+                 help="with --peers: num_kv_splits tried for vLLM's Triton kernel (the correct one with the least "
+                      "kernel time is kept)")
   p.add_argument("--peer-build-timeout", type=float, default=480.0,
                  help="with --peers: seconds to wait for FlashMLA's in-place build (default 480)")
   p.add_argument("--from-csv", help="no GPU: re-report a CSV from an earlier run (table + plot)")
@@ -570,8 +571,9 @@ def main(argv=None):
       p.error("--peers: the peers read bf16 pages only (leave --kv-dtype at bf16)")
     try:
       args.triton_split_list = tuple(int(x) for x in args.triton_splits.split(",") if x.strip())
-      assert args.triton_split_list and min(args.triton_split_list) >= 1
-    except (ValueError, AssertionError):
+    except ValueError:
+      args.triton_split_list = ()
+    if not args.triton_split_list or min(args.triton_split_list) < 1:
       p.error(f"--triton-splits {args.triton_splits!r}: want positive integers, comma-separated")
     why = peers.check_bundle_dir(args.peers)
     if why:
@@ -599,6 +601,8 @@ def main(argv=None):
     print(f"# note: --iters {args.iters} < 30")
   args.bundle = None
   if args.peers:
+    # torch is imported only now, after JAX's backend is up: JAX loads its own CUDA libraries first,
+    # and a peer whose stack does not load on top of them is reported, not the other way round.
     print("# peers: " + ", ".join(f"{k}={os.environ.get(k)}" for k in PEER_XLA_ENV), flush=True)
     args.bundle = peers.open_bundle(args.peers, args.out, splits=args.triton_split_list,
                                     build_timeout_s=args.peer_build_timeout, iterations=args.iters)
