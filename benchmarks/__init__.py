@@ -89,6 +89,34 @@ def cupti_median_us(fn, *args, iterations=30, per_kernel=False):
           {name: statistics.median(ts) * 1e3 for name, ts in parts.items()})
 
 
+def cupti_call_us(call, *, sync, iterations=30, warmup=2):
+  """(median µs, kernels a call): CUPTI kernel-time sum of one call of a callable that is not a JAX
+  function (a torch peer in ``mla_decode --peers``), median over ``iterations`` calls.
+
+  The same recording `cupti_median_us` gets from ``profiler.measure``: the Mosaic GPU extension's
+  CUPTI kernel-activity hooks (they see every kernel of the process, whichever library launched
+  it), the same arguments every call, L2 not flushed. ``sync`` waits for the callable's device
+  work (e.g. ``torch.cuda.synchronize``). Every call must launch the same number of kernels.
+  """
+  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+  ext = mosaic_gpu_lib._mosaic_gpu_ext
+  for _ in range(warmup):
+    call()
+  sync()
+  ext._cupti_init()
+  try:
+    for _ in range(iterations):
+      call()
+    sync()
+  finally:
+    timings = ext._cupti_get_timings(True)
+  if not timings or len(timings) % iterations:
+    raise RuntimeError(f"{len(timings or [])} kernels in {iterations} calls: not the same number each call")
+  per = len(timings) // iterations
+  sums = [sum(t for _, t in timings[i * per:(i + 1) * per]) for i in range(iterations)]
+  return statistics.median(sums) * 1e3, per
+
+
 def measure_ceilings(iterations=30) -> dict:
   """Bandwidth and matrix-rate ceilings measured now, on this GPU.
 

@@ -1,6 +1,7 @@
 """Benchmark of the absorbed MLA decode kernel against XLA and the naive decompressing path.
 
-Usage: ``python -m benchmarks mla_decode [--quick] [--out DIR] [--iters N] [--sweep] [--kv-dtype fp8]``
+Usage: ``python -m benchmarks mla_decode [--quick] [--out DIR] [--iters N] [--sweep] [--kv-dtype fp8]
+[--cell-list CELLS] [--schedule balanced] [--peers DIR]``
 
 For every cell (B, s_q, seq, H, fixed or ragged lengths):
 * kernel: `pallas_kernels.mla_decode` (whole call: main kernel + split combine + any pad/slice),
@@ -16,6 +17,12 @@ formulas (shared/BENCHMARKING.md); ceilings are measured in the same run.
 656 bytes a token, so the cache bytes are sum(seq_lens) * 656); the XLA and naive paths read the same
 pages and dequantise them first. The decode kernel is timed on fp8 pages once
 `pallas_kernels.mla_decode.FP8_KERNEL` is set; until then its rows say so.
+
+``--peers DIR`` (a peer bundle outside the repository, `benchmarks.peers`): in the same process, on
+each cell's own arrays, also FlashMLA and vLLM's Triton MLA decode, each checked against the XLA
+path before it is timed; columns ``fmla_*``, ``triton_*`` and ``ours_over_fmla`` /
+``ours_over_triton`` = our µs / theirs, CUPTI kernel sum to CUPTI kernel sum. ``--cell-list`` picks
+exact cells (uniform ragged lengths ``lo-hi``), ``--schedule`` the default config's schedule.
 """
 
 from __future__ import annotations
@@ -72,6 +79,33 @@ def grid(quick: bool):
   return cells
 
 
+def parse_cell_list(spec: str):
+  """Cells from ``"B,s_q,seq,H;..."``; seq ``lo-hi`` = lengths uniform in [lo, hi], ``seq~`` = the
+  grid's normal ragged lengths around seq. Raises ValueError naming the bad part."""
+  cells = []
+  for part in spec.split(";"):
+    if not part.strip():
+      continue
+    try:
+      B, s_q, seq, H = (x.strip() for x in part.split(","))
+      if "-" in seq:
+        lo, hi = (int(v) for v in seq.split("-"))
+        if not 1 <= lo <= hi:
+          raise ValueError
+        cells.append((int(B), int(s_q), hi, int(H), (lo, hi)))
+      else:
+        cells.append((int(B), int(s_q), int(seq.rstrip("~")), int(H), seq.endswith("~")))
+    except ValueError:
+      raise ValueError(f"bad cell {part.strip()!r}: want B,s_q,seq,H with seq N, N~ or lo-hi") from None
+  if not cells:
+    raise ValueError("no cells")
+  return cells
+
+
+def lengths_name(ragged) -> str:
+  return f"uniform {ragged[0]}-{ragged[1]}" if isinstance(ragged, tuple) else ("ragged" if ragged else "fixed")
+
+
 def fp8_decode_kernel() -> bool:
   """Whether `mla_decode`'s kernel reads fp8 pages (its module sets FP8_KERNEL)."""
   import importlib
@@ -91,21 +125,37 @@ def dense_pages(kv_pages):
   return FP8_PAGES.dequantize_reference(kv_pages) if is_fp8_pages(kv_pages) else kv_pages
 
 
-def make_cell(B, s_q, seq, H, ragged, seed=0, kv_dtype="bf16"):
+def make_cell(B, s_q, seq, H, ragged, seed=0, kv_dtype="bf16", group_pages=False):
   """Random device inputs: lengths, a permuted block table over B*max_pages pages, q, kv (bf16 pages,
-  or with kv_dtype "fp8" the same random latents quantised to fp8 pages)."""
+  or with kv_dtype "fp8" the same random latents quantised to fp8 pages).
+
+  ``ragged``: False (every length ``seq``), True (normal around ``seq``, sd seq/2, clipped) or
+  (lo, hi) (uniform in [lo, hi]). ``group_pages`` (``--peers``): the permutation stays within
+  batch groups whose pages span < 2^31 cache elements (`peers.page_groups`; vLLM's Triton kernel
+  computes offsets in int32); the same table as without it unless the cache exceeds 4 GiB.
+  """
   import jax
   import jax.numpy as jnp
   import numpy as np
   rng = np.random.default_rng(seed)
-  if ragged:
+  if isinstance(ragged, tuple):
+    lens = rng.integers(ragged[0], ragged[1] + 1, B).astype(np.int32)
+  elif ragged:
     lens = np.clip(rng.normal(seq, seq / 2, B), max(1, s_q), 2 * seq).astype(np.int32)
   else:
     lens = np.full(B, seq, np.int32)
   max_pages = -(-int(lens.max()) // PAGE)
   num_pages = B * max_pages
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  table = jax.random.permutation(k1, num_pages).astype(jnp.int32).reshape(B, max_pages)
+  groups = [(0, B, 0, num_pages)]
+  if group_pages:
+    from benchmarks.peers import page_groups
+    groups = page_groups(B, max_pages)
+  if len(groups) == 1:
+    table = jax.random.permutation(k1, num_pages).astype(jnp.int32).reshape(B, max_pages)
+  else:
+    table = jnp.concatenate([p0 + jax.random.permutation(jax.random.fold_in(k1, g), p1 - p0)
+                             for g, (_, _, p0, p1) in enumerate(groups)]).astype(jnp.int32).reshape(B, max_pages)
   kv = jax.random.normal(k2, (num_pages, PAGE, 576), jnp.bfloat16)
   if kv_dtype == "fp8":
     from pallas_kernels import quantize_latent_fp8
@@ -166,8 +216,12 @@ def run(args):
   from pallas_kernels import MlaDecodeConfig, mla_decode
   from pallas_kernels.mla_decode import plan
 
+  bundle = getattr(args, "bundle", None)
   header, ceil = bm.begin_run("mla_decode", args.out, args.iters)
-  configs = {"default": MlaDecodeConfig()}
+  if bundle is not None:
+    header["peers"] = dict(bundle.describe(), timing=PEER_TIMING,
+                           xla_mem=dict((k, os.environ.get(k)) for k in PEER_XLA_ENV))
+  configs = {"default": MlaDecodeConfig(schedule=args.schedule)}
   if args.sweep:
     configs["split_qk"] = MlaDecodeConfig(split_qk=True)
     for n in (4, 16, 64):
@@ -181,7 +235,7 @@ def run(args):
         raise SystemExit(f"unknown variant {name!r}; known: {', '.join(known)}")
       configs[name] = known[name]
   rows = []
-  cells = grid(args.quick)
+  cells = list(args.cell_specs) if args.cell_specs else grid(args.quick)
   if args.skip_quick:
     cells = [c for c in cells if c not in QUICK_CELLS]
   if args.only_flashmla:
@@ -192,6 +246,9 @@ def run(args):
   xla_jit = jax.jit(xla_absorbed, static_argnames="causal")
   naive_jit = jax.jit(naive_decompressed)
   baselines = {}
+  peer_cols = {}      # cell -> the peers' columns (measured once, attached to every row of the cell)
+  rows_of = {}        # cell -> its rows
+  pending = []        # cells whose FlashMLA waited for its build: measured once it is over
   # Pass 1 times the default config (and the baselines) over every cell; pass 2 the sweep
   # variants. A variant that fails or hangs then cannot cost the default's results.
   passes = [{"default": configs["default"]}]
@@ -204,11 +261,12 @@ def run(args):
   for pass_idx, cfgs, (B, s_q, seq, H, ragged) in bm.progress(work, desc="mla_decode cells"):
     causal = s_q > 1
     key = (B, s_q, seq, H, ragged)
-    q, kv, table, lens, total = make_cell(B, s_q, seq, H, ragged, kv_dtype=args.kv_dtype)
+    q, kv, table, lens, total = make_cell(B, s_q, seq, H, ragged, kv_dtype=args.kv_dtype,
+                                          group_pages=bundle is not None)
     nbytes = total * token_bytes(args.kv_dtype) + (B * s_q * H * 576 + B * s_q * H * 512) * 2
     flops = s_q * total * H * (576 + 512) * 2
     ref_out = ref_lse = None
-    base = dict(B=B, s_q=s_q, seq=seq, H=H, lengths="ragged" if ragged else "fixed",
+    base = dict(B=B, s_q=s_q, seq=seq, H=H, lengths=lengths_name(ragged),
                 causal=causal, gbytes=nbytes / 1e9, gflop=flops / 1e9)
     if args.kv_dtype != "bf16":
       base["kv_dtype"] = args.kv_dtype
@@ -239,6 +297,7 @@ def run(args):
         naive_note = f"OOM (K/V {naive_gb:.0f} GB)"
       baselines[key] = dict(xla_us=xla_us, naive_us=naive_us, naive_note=naive_note)
     bl = baselines[key]
+    cell_rows = []
     for cname, cfg in cfgs.items():
       p = plan(B, s_q, H, table.shape[1], cfg)
       if (cname.startswith("splits") and args.sweep
@@ -246,7 +305,7 @@ def run(args):
         continue    # the sweep's split counts only matter where the default leaves SMs idle
       fn = jax.jit(lambda *a, cfg=cfg: mla_decode(*a, softmax_scale=SCALE, causal=causal,
                                                    config=cfg, impl="kernel"))
-      row = dict(base, config=cname, splits=p.num_splits, row_blocks=p.row_blocks)
+      row = dict(base, config=cname, schedule=cfg.schedule, splits=p.num_splits, row_blocks=p.row_blocks)
       try:
         if args.kv_dtype == "fp8" and not fp8_decode_kernel():
           raise RuntimeError("not timed: the decode kernel has no fp8 body yet (mla_decode.FP8_KERNEL unset)")
@@ -278,12 +337,109 @@ def run(args):
         row["flashmla_us"] = fm
         row["vs_flashmla"] = fm / row["us"]     # > 1: faster than FlashMLA
       rows.append(row)
+      cell_rows.append(row)
       bm.log("  " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                               for k, v in row.items() if k not in ("gbytes", "gflop", "causal")))
       bm.write_csv(os.path.join(args.out, "mla_decode.csv"), rows)   # partial results survive a kill
+    if bundle is not None and cell_rows:
+      # After our own timing (a peer's CUDA error cannot cost our row), on the same arrays.
+      rows_of.setdefault(key, []).extend(cell_rows)
+      if key not in peer_cols:
+        ref_np = None if ref_out is None else np.asarray(ref_out, np.float32)
+        peer_cols[key] = bundle.measure(q, kv, table, lens, causal=causal, scale=SCALE, ref=ref_np, wait=False)
+        del ref_np
+        if any(v == "pending" for k, v in peer_cols[key].items() if k.endswith("_status")):
+          pending.append(key)
+      for row in cell_rows:
+        attach_peers(row, peer_cols[key], bundle)
+      bm.log("  peers: " + peer_summary(cell_rows[0], bundle))
+      bm.write_csv(os.path.join(args.out, "mla_decode.csv"), rows)
     del q, kv, table, lens, ref_out, ref_lse
+    if pending and bundle.ready():
+      late_peers(pending, peer_cols, rows_of, bundle, xla_jit)
+      bm.write_csv(os.path.join(args.out, "mla_decode.csv"), rows)
+  if pending:
+    bm.log(f"# peers: {len(pending)} cell(s) waited for the FlashMLA build; measuring them now")
+    late_peers(pending, peer_cols, rows_of, bundle, xla_jit)
   report(rows, ceil, header, args.out)
   return rows
+
+
+# What each timing column is (``--peers``): written into the meta JSON and under the table.
+PEER_TIMING = {
+    "us": "ours: CUPTI kernel-time sum of one jitted call, median of --iters calls (benchmarks.cupti_median_us)",
+    "<peer>_us": "the peer: the same CUPTI kernel-time sum of one call, median of --iters calls, same "
+                 "arguments every call, L2 not flushed (benchmarks.cupti_call_us); <peer>_method says so, "
+                 "or names the fallback (CUDA events) where CUPTI failed",
+    "<peer>_event_us": "the peer: CUDA events around back-to-back calls, per call, median of 5 loops "
+                       "(host launch gaps included)",
+    "ours_over_<peer>": "us / <peer>_us (< 1: ours faster)",
+    "fmla": "FlashMLA, scheduler metadata built by the (checked) first call, outside timing",
+    "triton": "vLLM Triton decode_attention_fwd, the num_kv_splits of --triton-splits with the least kernel "
+              "time among the correct ones (<peer>_variant; all of them in <peer>_note)",
+}
+PEER_XLA_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def attach_peers(row, cols, bundle):
+  """Copies one cell's peer columns into ``row`` (replacing any earlier ones) and adds
+  ``ours_over_<key>`` = row["us"] / <key>_us."""
+  for k in [k for k in row if any(k.startswith(f"{p.key}_") or k == f"ours_over_{p.key}" for p in bundle.peers)]:
+    del row[k]
+  row["us_method"] = f"cupti_kernel_sum (median of {bundle.iterations} calls)"
+  row.update(cols)
+  for p in bundle.peers:
+    theirs = cols.get(f"{p.key}_us")
+    if theirs and row.get("us"):
+      row[f"ours_over_{p.key}"] = row["us"] / theirs
+
+
+def late_peers(pending, peer_cols, rows_of, bundle, xla_jit):
+  """Measures the peers left "pending" (a build still running) of the cells in ``pending``, on the same
+  inputs regenerated (`make_cell` is deterministic), and attaches them to those cells' rows."""
+  import numpy as np
+  while pending:
+    key = pending.pop(0)
+    B, s_q, seq, H, ragged = key
+    late = [p.key for p in bundle.peers if peer_cols[key].get(f"{p.key}_status") == "pending"]
+    for k in [k for k in peer_cols[key] if any(k.startswith(f"{p}_") for p in late)]:
+      del peer_cols[key][k]
+    q, kv, table, lens, _ = make_cell(B, s_q, seq, H, ragged, group_pages=True)
+    try:
+      ref = np.asarray(xla_jit(q, kv, table, lens, causal=s_q > 1)[0], np.float32)
+    except Exception as e:  # noqa: BLE001
+      bm.log(f"  xla failed at {key}: {type(e).__name__}")
+      ref = None
+    peer_cols[key].update(bundle.measure(q, kv, table, lens, causal=s_q > 1, scale=SCALE, ref=ref, only=late))
+    for row in rows_of.get(key, []):
+      attach_peers(row, peer_cols[key], bundle)
+    bm.log(f"  peers (late) at B={B} s_q={s_q} seq={seq} H={H} {lengths_name(ragged)}: "
+           + peer_summary(rows_of[key][0], bundle))
+    del q, kv, table, lens, ref
+
+
+def peer_summary(row, bundle) -> str:
+  parts = []
+  for p in bundle.peers:
+    k = p.key
+    if row.get(f"{k}_us"):
+      parts.append(f"{p.label} {row[f'{k}_us']:.1f} µs ({row.get(f'{k}_variant', '')}, events "
+                   f"{row.get(f'{k}_event_us', float('nan')):.1f} µs)")
+    else:
+      parts.append(f"{p.label} {row.get(f'{k}_status', '?')}: {row.get(f'{k}_note', '')}")
+  return "; ".join(parts)
+
+
+def _peer_display(rows):
+  """Rows for printing: a peer that was not timed shows its status in its µs column."""
+  out = []
+  for r in rows:
+    d = dict(r)
+    for k in ("fmla", "triton"):
+      if d.get(f"{k}_us") in (None, "") and d.get(f"{k}_status") not in (None, ""):
+        d[f"{k}_us"] = {"disagrees": "WRONG", "unavailable": "n/a"}.get(d[f"{k}_status"], d[f"{k}_status"])
+    out.append(d)
+  return out
 
 
 def report(rows, ceil, header, out_dir):
@@ -297,8 +453,25 @@ def report(rows, ceil, header, out_dir):
              ("naive_us", "naive µs", "{:.0f}"), ("flashmla_us", "FlashMLA µs", "{}"),
              ("vs_flashmla", "FM/ours", "{:.2f}"), ("rel_err", "rel err", "{:.1e}"),
              ("note", "note", "{}")]
+  peers = any(r.get("fmla_status") or r.get("triton_status") for r in rows)
+  if peers:
+    at = [k for k, _, _ in columns].index("note")
+    columns[at:at] = [("schedule", "schedule", "{}"), ("fmla_us", "FlashMLA µs", "{:.1f}"),
+                      ("ours_over_fmla", "ours/FM", "{:.2f}"), ("triton_us", "Triton µs", "{:.1f}"),
+                      ("ours_over_triton", "ours/Tr", "{:.2f}")]
+    columns = [(k, {"flashmla_us": "FM pub. µs", "vs_flashmla": "FMpub/ours"}.get(k, h), f)
+               for k, h, f in columns]
   print()
-  bm.print_table(rows, columns)
+  bm.print_table(_peer_display(rows) if peers else rows, columns)
+  if peers:
+    print("# FlashMLA µs, Triton µs: measured now, in this process, on the same arrays; ours/FM and ours/Tr ="
+          " our µs / theirs (< 1: ours faster), CUPTI kernel sum to CUPTI kernel sum (the CSV's *_method"
+          " says where not); FM pub. µs: the published figure (FLASHMLA_US). WRONG = disagrees with the"
+          " reference, not timed; n/a = the peer did not load:")
+    for k in ("fmla", "triton"):
+      notes = sorted({str(r.get(f"{k}_note")) for r in rows if r.get(f"{k}_status") not in (None, "", "ok")})
+      for n in notes[:4]:
+        print(f"#   {k}: {n}")
   bm.write_csv(os.path.join(out_dir, "mla_decode.csv"), rows)
   bm.write_json(os.path.join(out_dir, "mla_decode_meta.json"), dict(header, ceilings=ceil))
   plot_roofline(rows, ceil, os.path.join(out_dir, "mla_decode_roofline.png"), header)
@@ -327,6 +500,12 @@ def plot_roofline(rows, ceil, path, header):
         if r.get("flashmla_us") and r.get("config") == "default"]
   if fm:
     ax.scatter(*zip(*fm), marker="*", s=90, label="FlashMLA (H200, published run)")
+  for key, label, marker in (("fmla_us", "FlashMLA (measured in this run)", "P"),
+                             ("triton_us", "vLLM Triton (measured in this run)", "v")):
+    pts = [(r["gflop"] / r["gbytes"], r["gflop"] / r[key] * 1e3) for r in rows
+           if isinstance(r.get(key), (int, float)) and r.get(key) and r.get("config") == "default"]
+    if pts:
+      ax.scatter(*zip(*pts), marker=marker, s=60, label=label, alpha=0.8)
   ax.set_xscale("log")
   ax.set_yscale("log")
   ax.set_xlabel("arithmetic intensity (FLOP / byte)")
@@ -359,11 +538,51 @@ def main(argv=None):
                  help="after the chosen cells, the rest of the full grid (default config only)")
   p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
                  help="page format of the cache: bf16 pages or fp8 ones (656 bytes a token) (default: bf16)")
+  p.add_argument("--cell-list", default="",
+                 help="exactly these cells: 'B,s_q,seq,H;...' (seq 'lo-hi': lengths uniform in [lo, hi]; "
+                      "'N~': normal around N, the grid's ragged lengths); replaces --quick and the grid")
+  p.add_argument("--schedule", choices=("per_sequence", "balanced"), default="per_sequence",
+                 help="MlaDecodeConfig.schedule of the default config (default: per_sequence)")
+  p.add_argument("--peers", metavar="DIR",
+                 help="also time FlashMLA (DIR/flashmla, built in place if needed) and vLLM's Triton MLA decode "
+                      "(DIR/vllm_triton_mla.py) on every cell's arrays, in this process (needs torch): "
+                      "columns fmla_*, triton_*, ours_over_* (see benchmarks/peers.py)")
+  p.add_argument("--triton-splits", default="4,8,16,32",
+                 help="with --peers: num_kv_splits tried for vLLM's Triton kernel (the correct one with the least "
+                      "kernel time is kept)")
+  p.add_argument("--peer-build-timeout", type=float, default=480.0,
+                 help="with --peers: seconds to wait for FlashMLA's in-place build (default 480)")
   p.add_argument("--from-csv", help="no GPU: re-report a CSV from an earlier run (table + plot)")
   p.add_argument("--bandwidth-gbps", type=float, help="with --from-csv: the measured copy ceiling")
   p.add_argument("--matmul-tflops", type=float, help="with --from-csv: the measured matmul ceiling")
   p.add_argument("--device", default="NVIDIA H200", help="with --from-csv: the GPU it ran on")
   args = p.parse_args(argv)
+  args.cell_specs = None
+  if args.cell_list:
+    try:
+      args.cell_specs = parse_cell_list(args.cell_list)
+    except ValueError as e:
+      p.error(f"--cell-list: {e}")
+  if args.peers:
+    from benchmarks import peers
+    if args.from_csv:
+      p.error("--peers times the peers now, on a GPU: not with --from-csv")
+    if args.kv_dtype != "bf16":
+      p.error("--peers: the peers read bf16 pages only (leave --kv-dtype at bf16)")
+    try:
+      args.triton_split_list = tuple(int(x) for x in args.triton_splits.split(",") if x.strip())
+    except ValueError:
+      args.triton_split_list = ()
+    if not args.triton_split_list or min(args.triton_split_list) < 1:
+      p.error(f"--triton-splits {args.triton_splits!r}: want positive integers, comma-separated")
+    why = peers.check_bundle_dir(args.peers)
+    if why:
+      p.error(why)
+    # JAX and torch share the GPU in this process: JAX allocates as it goes (no 75 % block at start),
+    # up to the fraction, and torch takes what it needs from the rest. Set before JAX starts its
+    # backend; a value already in the environment wins.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
   if args.from_csv:
     if not (args.bandwidth_gbps and args.matmul_tflops):
       p.error("--from-csv needs --bandwidth-gbps and --matmul-tflops")
@@ -380,7 +599,18 @@ def main(argv=None):
   bm.require_gpu("mla_decode")
   if args.iters < 30:
     print(f"# note: --iters {args.iters} < 30")
-  return run(args)
+  args.bundle = None
+  if args.peers:
+    # torch is imported only now, after JAX's backend is up: JAX loads its own CUDA libraries first,
+    # and a peer whose stack does not load on top of them is reported, not the other way round.
+    print("# peers: " + ", ".join(f"{k}={os.environ.get(k)}" for k in PEER_XLA_ENV), flush=True)
+    args.bundle = peers.open_bundle(args.peers, args.out, splits=args.triton_split_list,
+                                    build_timeout_s=args.peer_build_timeout, iterations=args.iters)
+  try:
+    return run(args)
+  finally:
+    if args.bundle is not None:
+      args.bundle.close()
 
 
 if __name__ == "__main__":
