@@ -64,6 +64,8 @@ _LN2 = math.log(2.0)
 # exp2(-inf - m) = 0 instead of exp2(-inf + inf) = NaN.
 _M_INIT = -1e30
 _BF16_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# What impl="interpret" runs the kernels with (tests swap in ``detect_races=True``).
+INTERPRET_PARAMS = plgpu.InterpretGPUParams()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +79,9 @@ class FlashAttentionConfig:
     block_kv_dq: keys per pipeline step of the dQ kernel (64 or 128).
     bwd_max_concurrent_steps: stages in flight in the dK/dV and dQ kernels (2 to 4).
     memory_registers: registers per thread left to the TMA warpgroup (setmaxnreg).
+    schedule_barrier: forward only: FA3's ping-pong of the two compute warpgroups (they meet at
+      a CTA barrier after issuing Q·Kᵀ and before P·V, one meeting apart), so one warpgroup's
+      softmax overlaps the other's matmuls.
     interpretable: stage P and dS through SMEM and accumulate with ``run_scoped`` (what the Pallas
       interpreter can run); slower, for interpret mode only (set automatically there).
   """
@@ -86,6 +91,7 @@ class FlashAttentionConfig:
   block_kv_dq: int = 64
   bwd_max_concurrent_steps: int = 2
   memory_registers: int = 40
+  schedule_barrier: bool = True
   interpretable: bool = False
 
   def __post_init__(self):
@@ -237,7 +243,8 @@ def _forward(q, k, v, *, scale, causal, config: FlashAttentionConfig, interpret)
   n_kv_total = T // bkv
   steps = min(config.max_concurrent_steps, n_kv_total)
   scratch = dict(q_smem=plgpu.SMEM((COMPUTE_WGS, ROWS, D), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
-                 q_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS))
+                 q_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS),
+                 sched_bar=plgpu.Barrier(num_arrivals=COMPUTE_WGS))
   if config.interpretable:
     scratch["p_smem"] = plgpu.SMEM((COMPUTE_WGS, ROWS, bkv), jnp.bfloat16,
                                    transforms=_BF16_TRANSFORMS)
@@ -249,41 +256,60 @@ def _forward(q, k, v, *, scale, causal, config: FlashAttentionConfig, interpret)
       grid=(H, T // CTA_ROWS, B), grid_names=("h", "qb", "b"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg", scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret)
-  def flash_attention_fwd(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, q_bar, p_smem=None):
+  def flash_attention_fwd(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, q_bar, sched_bar, p_smem=None):
     h, qb, b = lax.axis_index("h"), lax.axis_index("qb"), lax.axis_index("b")
     wg = lax.axis_index("wg")
     row0 = qb * CTA_ROWS + wg * ROWS
     n_kv = pl.cdiv((qb + 1) * CTA_ROWS, bkv) if causal else n_kv_total
 
+    def schedule_barrier():
+      # FA3's ping-pong: the two warpgroups meet here twice a step, warpgroup 1 one meeting behind,
+      # so one's softmax runs while the other's matmuls hold the tensor cores.
+      if config.schedule_barrier:
+        plgpu.barrier_arrive(sched_bar)
+        plgpu.barrier_wait(sched_bar)
+
     def compute_context(pipeline):
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS), h], q_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
+      pl.when(wg == 1)(schedule_barrier)
       acc, m, l = pipeline((_zeros((ROWS, V)), _rows(jnp.full((ROWS,), _M_INIT, jnp.float32)),
                             _rows(jnp.zeros((ROWS,), jnp.float32))))
+      pl.when(wg == 0)(schedule_barrier)
       # l >= 1: every row sees its own key (the row max contributes exp2(0) = 1).
       o_ref[b, pl.ds(row0, ROWS), h] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(o_ref.dtype)
       lse_ref[b, h, pl.ds(row0, ROWS)] = m + jnp.log2(l)
 
-    def body(idx, k_smem, v_smem, carry):
+    def body(idx, k_smem, v_smem, k_consumed, v_consumed, carry):
       (i,) = idx
       acc, m, l = carry
-      s = _mm(q_smem.at[wg], k_smem.transpose((1, 0)), (ROWS, bkv)) * scale_log2
-      if causal:
-        visible = i * bkv + _iota((ROWS, bkv), 1) <= row0 + _iota((ROWS, bkv), 0)
-        s = jnp.where(visible, s, -jnp.inf)
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.transpose((1, 0)))
+        schedule_barrier()
+        return acc_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((ROWS, bkv), jnp.float32)) * scale_log2
+      plgpu.barrier_arrive(k_consumed)   # K's stage may refill while P·V runs
+      if causal:   # only blocks on the diagonal have keys after some of the rows
+        def mask(s):
+          visible = i * bkv + _iota((ROWS, bkv), 1) <= row0 + _iota((ROWS, bkv), 0)
+          return jnp.where(visible, s, -jnp.inf)
+        s = lax.cond((i + 1) * bkv - 1 > row0, mask, lambda s: s, s)
       m_new = jnp.maximum(m, s.max(axis=1))
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      acc = _mm_acc(acc, p.astype(jnp.bfloat16), v_smem,
-                    p_smem.at[wg] if p_smem is not None else None)
+      p16 = p.astype(jnp.bfloat16)
+      schedule_barrier()
+      acc = _mm_acc(acc, p16, v_smem, p_smem.at[wg] if p_smem is not None else None)
+      plgpu.barrier_arrive(v_consumed)
       return acc, m_new, l
 
     plgpu.emit_pipeline_warp_specialized(
         body, grid=(n_kv,), memory_registers=config.memory_registers,
         num_compute_wgs=COMPUTE_WGS, wg_axis="wg", max_concurrent_steps=steps,
-        compute_context=compute_context,
+        compute_context=compute_context, manual_consumed_barriers=True,
         in_specs=[plgpu.BlockSpec((bkv, D), lambda i: (i, 0), transforms=_BF16_TRANSFORMS),
                   plgpu.BlockSpec((bkv, V), lambda i: (i, 0), transforms=_BF16_TRANSFORMS)],
     )(k_ref.at[b, :, h], v_ref.at[b, :, h])
@@ -341,9 +367,11 @@ def _backward_dkv(q, k, v, do, lse, delta, *, scale, causal, config, interpret):
       shape = (ROWS, ROWS)   # (keys, queries)
       s_t = _mm(k_smem.at[wg], q_s.transpose((1, 0)), shape) * scale_log2
       lse = plgpu.load(lse_s, layout=plgpu.Layout.WGMMA.reduce(0))
-      if causal:
-        visible = key0 + _iota(shape, 0) <= (first_q + i) * ROWS + _iota(shape, 1)
-        s_t = jnp.where(visible, s_t, -jnp.inf)
+      if causal:   # only blocks on the diagonal have keys after some of their queries
+        def mask(s_t):
+          visible = key0 + _iota(shape, 0) <= (first_q + i) * ROWS + _iota(shape, 1)
+          return jnp.where(visible, s_t, -jnp.inf)
+        s_t = lax.cond(key0 + ROWS - 1 > (first_q + i) * ROWS, mask, lambda s_t: s_t, s_t)
       p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, shape, [1]))
       dv = _mm_acc(dv, p_t.astype(jnp.bfloat16), do_s, stage.at[0] if stage is not None else None)
       dp_t = _mm(v_smem.at[wg], do_s.transpose((1, 0)), shape)
@@ -415,9 +443,11 @@ def _backward_dq(q, k, v, do, lse, delta, *, scale, causal, config, interpret):
       dq, lse, delta = carry
       shape = (ROWS, bkv)
       s = _mm(q_smem.at[wg], k_s.transpose((1, 0)), shape) * scale_log2
-      if causal:
-        visible = j * bkv + _iota(shape, 1) <= row0 + _iota(shape, 0)
-        s = jnp.where(visible, s, -jnp.inf)
+      if causal:   # only blocks on the diagonal have keys after some of the rows
+        def mask(s):
+          visible = j * bkv + _iota(shape, 1) <= row0 + _iota(shape, 0)
+          return jnp.where(visible, s, -jnp.inf)
+        s = lax.cond((j + 1) * bkv - 1 > row0, mask, lambda s: s, s)
       p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
       dp = _mm(do_smem.at[wg], v_s.transpose((1, 0)), shape)
       ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
@@ -494,5 +524,5 @@ def flash_attention(q_BTHD, k_BTHD, v_BTHV, *, softmax_scale, causal=True, impl=
   interpret = impl == "interpret"
   if interpret and not config.interpretable:
     config = dataclasses.replace(config, interpretable=True)
-  params = plgpu.InterpretGPUParams() if interpret else None
+  params = INTERPRET_PARAMS if interpret else None
   return _flash(q_BTHD, k_BTHD, v_BTHV, float(softmax_scale), causal, config, params)

@@ -12,6 +12,7 @@ import re
 
 import chex
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -81,16 +82,24 @@ def test_reference_matches_a_numpy_loop():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_interpret_forward_and_gradients_match_reference():
+def test_interpret_forward_and_gradients_match_reference(monkeypatch):
   """Forward and dq, dk, dv of the three kernels (interpretable variant) at T=256 = 2 CTAs of 128
   rows, 2 heads: catches a wrong causal loop bound (a CTA stopping before its diagonal, or a dK/dV
   CTA starting past it), a mask applied to the wrong rows of the second warpgroup, a missing
   softmax_scale on dq or dk, lse saved in the wrong log base, a missing rescale of the
   accumulator by alpha, a head or batch indexing mix-up, and NaN/inf leaking from fully masked
-  blocks (the second warpgroup's last block in the dQ kernel is entirely in the future)."""
+  blocks (the second warpgroup's last block in the dQ kernel is entirely in the future). Runs with
+  the interpreter's race detector: catches a K/V stage released (consumed barrier) before the
+  warpgroup's wgmma read it, or the schedule barrier / stage barriers out of balance (a hang)."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+  import importlib
+  fa = importlib.import_module("pallas_kernels.flash_attention")
+  monkeypatch.setattr(fa, "INTERPRET_PARAMS", plgpu.InterpretGPUParams(detect_races=True))
   q, k, v, do = make_inputs(1, 256, 2)
   fn = lambda impl: lambda q, k, v: flash_attention(q, k, v, softmax_scale=SCALE, impl=impl)  # noqa: E731
   o, grads = fwd_and_grads(fn("interpret"), q, k, v, do)
+  assert not interpret_pallas_call.get_races().races_found
   o_ref, grads_ref = fwd_and_grads(fn("reference"), q, k, v, do)
   assert_close(o, o_ref, "o")
   for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
@@ -207,7 +216,7 @@ def test_mla_naive_attention_mgpu_path_matches_the_jnp_form():
   non-right-padded positions (left padding) not turned into NaN."""
   from mla_jax.attention import _mgpu_causal_attention, mla_naive_attention
 
-  B, T, H, N, R, L = 2, 100, 2, 128, 64, 64
+  B, T, H, N, R, L = 2, 100, 1, 128, 64, 64
   rng = np.random.default_rng(5)
   bf = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.5, jnp.bfloat16)  # noqa: E731
   q_nope, q_pe, kv_latent, w = bf(B, T, H, N), bf(B, T, H, R), bf(B, T, L + R), bf(L, H, N + V)
