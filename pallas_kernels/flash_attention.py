@@ -225,6 +225,12 @@ def _rows(x):
   return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
 
 
+def _heavy_first(index, n, causal):
+  """The query block of a forward / dQ CTA: causal CTAs of late blocks loop over more keys, so the
+  grid's launch order (the "qb" axis) hands them out first (longest job first: a shorter tail)."""
+  return n - 1 - index if causal else index
+
+
 def _iota(shape, dim):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
@@ -257,7 +263,8 @@ def _forward(q, k, v, *, scale, causal, config: FlashAttentionConfig, interpret)
       num_threads=COMPUTE_WGS + 1, thread_name="wg", scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret)
   def flash_attention_fwd(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, q_bar, sched_bar, p_smem=None):
-    h, qb, b = lax.axis_index("h"), lax.axis_index("qb"), lax.axis_index("b")
+    h, b = lax.axis_index("h"), lax.axis_index("b")
+    qb = _heavy_first(lax.axis_index("qb"), T // CTA_ROWS, causal)
     wg = lax.axis_index("wg")
     row0 = qb * CTA_ROWS + wg * ROWS
     n_kv = pl.cdiv((qb + 1) * CTA_ROWS, bkv) if causal else n_kv_total
@@ -419,7 +426,8 @@ def _backward_dq(q, k, v, do, lse, delta, *, scale, causal, config, interpret):
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret)
   def flash_attention_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
                          q_smem, do_smem, lse_smem, delta_smem, q_bar, stage_smem=None):
-    h, qb, b = lax.axis_index("h"), lax.axis_index("qb"), lax.axis_index("b")
+    h, b = lax.axis_index("h"), lax.axis_index("b")
+    qb = _heavy_first(lax.axis_index("qb"), T // CTA_ROWS, causal)
     wg = lax.axis_index("wg")
     row0 = qb * CTA_ROWS + wg * ROWS
     n_kv = pl.cdiv((qb + 1) * CTA_ROWS, bkv) if causal else n_kv_total
