@@ -130,8 +130,9 @@ def _right_padded(q_positions, kv_positions, impl):
 def _mgpu_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale, *, kernel_impl=None):
     """`pallas_kernels.flash_attention` (causal by index, forward and backward kernels) over right-padded
     self-attention, with `_cudnn_causal_attention`'s contract: other positions give NaN. Padding queries
-    give 0 (as the jnp form). T is padded up to the kernel's block (128) with zero rows at the end, which
-    no real query sees (causal). ``kernel_impl``: None = the kernel (a Hopper GPU), or "interpret" (the
+    give 0 (as the jnp form). The kernel computes in bf16 (inputs are cast) and wants T a multiple of 128
+    and widths multiples of 64: T is padded with zero rows at the end (no real query sees them: causal),
+    the widths with zero columns. ``kernel_impl``: None = the kernel (a Hopper GPU), or "interpret" (the
     Pallas interpreter on a CPU; tests)."""
     from pallas_kernels.flash_attention import CTA_ROWS, flash_attention
 
@@ -141,13 +142,15 @@ def _mgpu_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, so
                              f"is {jax.default_backend()}: use impl='xla'")
         kernel_impl = "kernel"
     ok, _, valid_BT = _right_padded(q_positions, kv_positions, "mgpu")
-    T = q_BTHD.shape[1]
-    pad = -T % CTA_ROWS
-    if pad:
-        q_BTHD, k_BSHD, v_BSHV = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q_BTHD, k_BSHD, v_BSHV))
+    T, D, V = q_BTHD.shape[1], q_BTHD.shape[3], v_BSHV.shape[3]
     dtype = q_BTHD.dtype
-    o = flash_attention(q_BTHD.astype(jnp.bfloat16), k_BSHD.astype(jnp.bfloat16), v_BSHV.astype(jnp.bfloat16),
-                        softmax_scale=float(softmax_scale), causal=True, impl=kernel_impl)[:, :T]
+    # Zero rows at the end (T), zero q/k columns (D: no change to any score) and zero v columns (V: sliced
+    # off) bring the shapes to the kernel's multiples; a no-op at V2/V3's 4096 x 192 / 128.
+    pad = lambda x, t, c: jnp.pad(x, ((0, 0), (0, t), (0, 0), (0, c))) if t or c else x  # noqa: E731
+    t_pad, d_pad, v_pad = -T % CTA_ROWS, -D % 64, -V % 64
+    q, k = (pad(x, t_pad, d_pad).astype(jnp.bfloat16) for x in (q_BTHD, k_BSHD))
+    v = pad(v_BSHV, t_pad, v_pad).astype(jnp.bfloat16)
+    o = flash_attention(q, k, v, softmax_scale=float(softmax_scale), causal=True, impl=kernel_impl)[:, :T, :, :V]
     o = jnp.where(valid_BT[:, :, None, None], o, 0)
     return jnp.where(ok, o, jnp.nan).astype(dtype)
 

@@ -379,11 +379,13 @@ def _backward_dkv(q, k, v, do, lse, delta, *, scale, causal, config, interpret):
           visible = key0 + _iota(shape, 0) <= (first_q + i) * ROWS + _iota(shape, 1)
           return jnp.where(visible, s_t, -jnp.inf)
         s_t = lax.cond(key0 + ROWS - 1 > (first_q + i) * ROWS, mask, lambda s_t: s_t, s_t)
-      p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, shape, [1]))
-      dv = _mm_acc(dv, p_t.astype(jnp.bfloat16), do_s, stage.at[0] if stage is not None else None)
+      # Pᵀ is kept in bf16 only (what dV's wgmma takes anyway): with dK (96) and dV (64) fp32
+      # accumulators live, an fp32 Pᵀ (32 registers a thread) next to dPᵀ would pass the 232.
+      p_t16 = jnp.exp2(s_t - lax.broadcast_in_dim(lse, shape, [1])).astype(jnp.bfloat16)
+      dv = _mm_acc(dv, p_t16, do_s, stage.at[0] if stage is not None else None)
       dp_t = _mm(v_smem.at[wg], do_s.transpose((1, 0)), shape)
       delta = plgpu.load(delta_s, layout=plgpu.Layout.WGMMA.reduce(0))
-      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+      ds_t = p_t16.astype(jnp.float32) * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
       dk = _mm_acc(dk, ds_t.astype(jnp.bfloat16), q_s, stage.at[1] if stage is not None else None)
       return dk, dv
 

@@ -211,12 +211,13 @@ def test_bad_config_is_refused(kw, message):
 
 def test_mla_naive_attention_mgpu_path_matches_the_jnp_form():
   """`_mgpu_causal_attention` (the kernel in the interpreter) against mla_naive_attention's jnp form
-  on right-padded rows with T=100 (padded up to the 128 block inside): catches the wrong q/k/v
-  assembly being passed, the T padding leaking into real rows, padding queries not zeroed, and
-  non-right-padded positions (left padding) not turned into NaN."""
+  on right-padded rows with T=100 and widths qk 96 / v 40 (padded up to the kernel's 128 block and
+  multiples of 64 inside): catches the wrong q/k/v assembly being passed, the T or width padding
+  leaking into real values, padding queries not zeroed, and non-right-padded positions (left
+  padding) not turned into NaN."""
   from mla_jax.attention import _mgpu_causal_attention, mla_naive_attention
 
-  B, T, H, N, R, L = 2, 100, 1, 128, 64, 64
+  B, T, H, N, R, L, V = 2, 100, 1, 80, 16, 64, 40   # qk 96 and v 40: padded to 128 / 64 inside
   rng = np.random.default_rng(5)
   bf = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.5, jnp.bfloat16)  # noqa: E731
   q_nope, q_pe, kv_latent, w = bf(B, T, H, N), bf(B, T, H, R), bf(B, T, L + R), bf(L, H, N + V)
