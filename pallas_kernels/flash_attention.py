@@ -34,9 +34,16 @@ cross-lowering for sm_90 and on the GPU.
 SMEM (bytes, defaults): forward Q 2x64x192x2 = 48 Ki + 2 stages x (K 128x192x2 + V 128x128x2 =
 80 Ki) = 208 Ki; dK/dV: K, V 80 Ki resident + 2 stages x (Q 24 Ki + dO 16 Ki + lse, delta 0.5 Ki)
 = 161 Ki; dQ: Q, dO 80 Ki + 2 stages x (K 24 Ki + V 16 Ki) = 160 Ki. The limit is 227 Ki.
-Registers (fp32 accumulators per compute thread, 128 threads a warpgroup): forward S 64x128 -> 64,
-O 64x128 -> 64; dK/dV: dK 64x192 -> 96, dV 64x128 -> 64, Sᵀ/dPᵀ 64x64 -> 32 each; dQ: dQ 96,
-S/dP 32 each. The compute warpgroups get (512 - memory_registers) / 2 = 236 (setmaxnreg 232).
+Registers (32-bit registers per compute thread, 128 threads a warpgroup; a 64 x n fp32 tile is n/2):
+forward O 64 + S 64 + P (bf16) 32 = 160 at the peak; dK/dV: dK 96 + dV 64 + Pᵀ (kept in bf16 only)
+16 + dPᵀ 32 = 208 at the peak (dSᵀ replaces dPᵀ); dQ: dQ 96 + P 32 + dP 32 = 160. The compute
+warpgroups get setmaxnreg 232 (memory_registers=40 for the TMA warpgroup), so dK/dV is the tight
+one: check ``MOSAIC_GPU_DUMP_PTXAS=1`` for spills on the GPU.
+
+Schedule: forward and dQ CTAs of late query blocks (more keys under the causal mask) launch first;
+the forward's two warpgroups ping-pong on a CTA barrier (FA3: one's softmax under the other's
+wgmmas) and release each K stage right after Q·Kᵀ. The causal mask (iota compare + select) runs
+only on blocks that straddle the diagonal (``lax.cond``), and no block wholly after it is fetched.
 """
 
 from __future__ import annotations
