@@ -539,6 +539,11 @@ def flash_attention(q_BTHD, k_BTHD, v_BTHV, *, softmax_scale, causal=True, impl=
     return flash_attention_reference(q_BTHD, k_BTHD, v_BTHV, softmax_scale=softmax_scale,
                                      causal=causal)
   interpret = impl == "interpret"
+  if not interpret:   # (the interpreter has no SMEM limit, and its staging tiles add to it)
+    for kernel, size in smem_bytes(q_BTHD.shape[3], v_BTHV.shape[3], config).items():
+      if size > SMEM_BYTES:
+        raise ValueError(f"config {config} needs {size} bytes of SMEM in the {kernel} kernel "
+                         f"(D={q_BTHD.shape[3]}, V={v_BTHV.shape[3]}), over the {SMEM_BYTES} of sm_90")
   if interpret and not config.interpretable:
     config = dataclasses.replace(config, interpretable=True)
   params = INTERPRET_PARAMS if interpret else None
