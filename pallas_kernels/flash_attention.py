@@ -389,8 +389,16 @@ def _backward_dkv(q, k, v, do, lse, delta, *, scale, causal, config, interpret):
       # Pᵀ is kept in bf16 only (what dV's wgmma takes anyway): with dK (96) and dV (64) fp32
       # accumulators live, an fp32 Pᵀ (32 registers a thread) next to dPᵀ would pass the 232.
       p_t16 = jnp.exp2(s_t - lax.broadcast_in_dim(lse, shape, [1])).astype(jnp.bfloat16)
-      dv = _mm_acc(dv, p_t16, do_s, stage.at[0] if stage is not None else None)
-      dp_t = _mm(v_smem.at[wg], do_s.transpose((1, 0)), shape)
+      if stage is None:
+        # dV += Pᵀ·dO and dPᵀ = V·dOᵀ issued together, one wait for both (as attention_mgpu).
+        def dv_and_dp(refs):
+          dv_ref, dp_ref = refs
+          plgpu.wgmma(dv_ref, p_t16, do_s)
+          plgpu.wgmma(dp_ref, v_smem.at[wg], do_s.transpose((1, 0)))
+        dv, dp_t = pl.run_state(dv_and_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(_zeros(shape))))
+      else:
+        dv = _mm_acc(dv, p_t16, do_s, stage.at[0])
+        dp_t = _mm(v_smem.at[wg], do_s.transpose((1, 0)), shape)
       delta = plgpu.load(delta_s, layout=plgpu.Layout.WGMMA.reduce(0))
       ds_t = p_t16.astype(jnp.float32) * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
       dk = _mm_acc(dk, ds_t.astype(jnp.bfloat16), q_s, stage.at[1] if stage is not None else None)
@@ -459,14 +467,18 @@ def _backward_dq(q, k, v, do, lse, delta, *, scale, causal, config, interpret):
       (j,) = idx
       dq, lse, delta = carry
       shape = (ROWS, bkv)
-      s = _mm(q_smem.at[wg], k_s.transpose((1, 0)), shape) * scale_log2
+      def s_and_dp(s_ref, dp_ref):   # S = Q·Kᵀ and dP = dO·Vᵀ issued together, one wait
+        plgpu.wgmma(s_ref, q_smem.at[wg], k_s.transpose((1, 0)))
+        plgpu.wgmma(dp_ref, do_smem.at[wg], v_s.transpose((1, 0)))
+        return s_ref[...], dp_ref[...]
+      s, dp = pl.run_scoped(s_and_dp, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+      s = s * scale_log2
       if causal:   # only blocks on the diagonal have keys after some of the rows
         def mask(s):
           visible = j * bkv + _iota(shape, 1) <= row0 + _iota(shape, 0)
           return jnp.where(visible, s, -jnp.inf)
         s = lax.cond((j + 1) * bkv - 1 > row0, mask, lambda s: s, s)
       p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
-      dp = _mm(do_smem.at[wg], v_s.transpose((1, 0)), shape)
       ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
       dq = _mm_acc(dq, ds.astype(jnp.bfloat16), k_s, stage)
       return dq, lse, delta

@@ -11,6 +11,9 @@ dq, dk, dv of sum(o * do), on two batch rows: attention does not mix rows), then
     PYTHONPATH=. python scripts/lab/probe_flash_attention.py --out results/flash
     PYTHONPATH=. python scripts/lab/probe_flash_attention.py --out /tmp/fl --lower-only   # CPU too
 
+``--sweep``: also time the kernel under each `SWEEP` config that fits in SMEM (block sizes, stages,
+the schedule barrier), at the first cell only, rows ``mgpu[field=value,...]``.
+
 ``--lower-only``: trace and lower (for ``cuda``, sm_90) the kernel's forward and ``jax.grad`` at every
 cell, with the SMEM estimate of each kernel; runs nothing, so it works on a CPU host.
 """
@@ -37,6 +40,10 @@ from pallas_kernels.flash_attention import (FlashAttentionConfig, flash_attentio
 D, V = 192, 128
 SCALE = D ** -0.5
 DEFAULT_CELLS = "16x4096x16,4x2048x16"
+# Tuning candidates for --sweep (FlashAttentionConfig fields; those over the SMEM limit are skipped).
+SWEEP = [dict(block_kv=64), dict(block_kv=64, max_concurrent_steps=3), dict(block_kv=64, max_concurrent_steps=4),
+         dict(schedule_barrier=False), dict(bwd_max_concurrent_steps=3),
+         dict(memory_registers=24), dict(memory_registers=56)]
 COLUMNS = ["cell", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "err_o", "err_dq",
            "err_dk", "err_dv", "note"]
 
@@ -113,11 +120,11 @@ def errors(f, q, k, v, do, rows):
   return errs
 
 
-def lower_only(cells, config, out):
+def lower_only(cells, configs):
   rows = []
-  f = impls(config)["mgpu"]
-  g = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
-  for B, T, H in cells:
+  for (label, config), (B, T, H) in [(c, cell) for c in configs for cell in cells]:
+    f = impls(config)["mgpu"]
+    g = jax.grad(lambda q, k, v, f=f: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     shapes = (jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16),
               jax.ShapeDtypeStruct((B, T, H, V), jnp.bfloat16))
     note = []
@@ -130,8 +137,8 @@ def lower_only(cells, config, out):
         note.append(f"{name} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     smem = smem_bytes(D, V, config)
     note.append("smem " + " ".join(f"{k}={v}" for k, v in smem.items()))
-    rows.append(dict(cell=f"{B}x{T}x{H}", impl="mgpu", note="; ".join(note)))
-    print(f"{B}x{T}x{H}: " + "; ".join(note), flush=True)
+    rows.append(dict(cell=f"{B}x{T}x{H}", impl=label, note="; ".join(note)))
+    print(f"{B}x{T}x{H} {label}: " + "; ".join(note), flush=True)
   return rows
 
 
@@ -143,6 +150,7 @@ def main():
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--impls", default="mgpu,cudnn,jnp")
   ap.add_argument("--lower-only", action="store_true", help="lower the kernels for sm_90 (works on a CPU); run nothing")
+  ap.add_argument("--sweep", action="store_true", help="also time the SWEEP configs at the first cell")
   ap.add_argument("--config", default="", help="FlashAttentionConfig fields, e.g. block_kv=64,max_concurrent_steps=3")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
@@ -154,18 +162,27 @@ def main():
   cells = parse_cells(args.cells)
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, config {config}", flush=True)
   if args.lower_only:
-    rows = lower_only(cells, config, args.out)
+    configs = [("mgpu", config)]
+    if args.sweep:
+      configs += [("mgpu[" + ",".join(f"{k}={v}" for k, v in e.items()) + "]", FlashAttentionConfig(**{**kw, **e}))
+                  for e in SWEEP]
+    rows = lower_only(cells, configs)
   else:
     rows = []
     for B, T, H in cells:
       q, k, v, do = make(B, T, H)
       flops_f = 2 * B * H * T * T / 2 * (D + V)
       flops_b = 2 * B * H * T * T / 2 * (3 * D + 2 * V)
-      for name in args.impls.split(","):
-        f = impls(config)[name]
+      todo = [(name, impls(config)[name]) for name in args.impls.split(",")]
+      if args.sweep and (B, T, H) == cells[0]:
+        for extra in SWEEP:
+          cfg = FlashAttentionConfig(**{**kw, **extra})
+          if max(smem_bytes(D, V, cfg).values()) <= 232448:
+            todo.append(("mgpu[" + ",".join(f"{k}={v}" for k, v in extra.items()) + "]", impls(cfg)["mgpu"]))
+      for name, f in todo:
         row = dict(cell=f"{B}x{T}x{H}", impl=name, note="")
         try:
-          if name == "mgpu":
+          if name.startswith("mgpu"):
             row.update(zip(("err_o", "err_dq", "err_dk", "err_dv"), errors(f, q, k, v, do, sorted({0, B - 1}))))
           row["fwd_ms"] = timed(jax.jit(f), (q, k, v), args.warmup, args.iters)
           row["fwd_bwd_ms"] = timed(jax.jit(fwd_bwd(f)), (q, k, v, do), args.warmup, args.iters)
