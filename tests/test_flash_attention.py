@@ -250,6 +250,33 @@ def test_mla_naive_attention_mgpu_path_matches_the_jnp_form():
   assert bool(jnp.all(jnp.isnan(bad.astype(jnp.float32))))
 
 
+def test_train_step_with_mgpu_attention_cross_lowers(monkeypatch):
+  """The tiny model's training gradient with TrainConfig(attn_impl="mgpu", remat="full") lowers for
+  sm_90 with the flash kernels inside the scanned, rematerialised layers (forward, its recompute,
+  dK/dV, dQ): catches the custom_vjp breaking under scan/remat or the wrapper's padding to the
+  kernel's shapes (qk 48 / v 32 -> 64 / 64, T=128) going wrong at trace time."""
+  from flax import nnx
+
+  import mla_jax.attention as attention
+  from mla_jax.config import ModelConfig
+  from models.deepseek import DeepSeekModel
+  from models.training import TrainConfig, loss_fn
+
+  original = attention._mgpu_causal_attention
+  monkeypatch.setattr(attention, "_mgpu_causal_attention", lambda *a: original(*a, kernel_impl="kernel"))
+  model = nnx.eval_shape(lambda: DeepSeekModel(ModelConfig.tiny(), rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                               param_dtype=jnp.bfloat16))
+  graphdef, state = nnx.split(model)
+  tc = TrainConfig(attn_impl="mgpu", remat="full")
+
+  def grads(state, ids):
+    return jax.grad(lambda m: loss_fn(m, {"input_ids": ids}, tc)[0])(nnx.merge(graphdef, state))
+
+  lowered = jax.jit(grads).trace(state, jax.ShapeDtypeStruct((1, 128), jnp.int32)).lower(
+      lowering_platforms=("cuda",))
+  assert _mosaic_calls(lowered) >= 4
+
+
 def test_mgpu_path_outside_a_gpu_is_one_line_error():
   """impl="mgpu" on a CPU says what it needs instead of a Mosaic GPU error from inside jit."""
   if jax.default_backend() == "gpu":
