@@ -82,38 +82,40 @@ def test_reference_matches_a_numpy_loop():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_interpret_forward_and_gradients_match_reference(monkeypatch):
+def test_interpret_forward_and_gradients_match_reference():
   """Forward and dq, dk, dv of the three kernels (interpretable variant) at T=256 = 2 CTAs of 128
   rows, 2 heads: catches a wrong causal loop bound (a CTA stopping before its diagonal, or a dK/dV
   CTA starting past it), a mask applied to the wrong rows of the second warpgroup, a missing
   softmax_scale on dq or dk, lse saved in the wrong log base, a missing rescale of the
   accumulator by alpha, a head or batch indexing mix-up, and NaN/inf leaking from fully masked
-  blocks (the second warpgroup's last block in the dQ kernel is entirely in the future). Runs with
-  the interpreter's race detector: catches a K/V stage released (consumed barrier) before the
-  warpgroup's wgmma read it, or the schedule barrier / stage barriers out of balance (a hang)."""
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-  import importlib
-  fa = importlib.import_module("pallas_kernels.flash_attention")
-  monkeypatch.setattr(fa, "INTERPRET_PARAMS", plgpu.InterpretGPUParams(detect_races=True))
+  blocks (the second warpgroup's last block in the dQ kernel is entirely in the future)."""
   q, k, v, do = make_inputs(1, 256, 2)
   fn = lambda impl: lambda q, k, v: flash_attention(q, k, v, softmax_scale=SCALE, impl=impl)  # noqa: E731
   o, grads = fwd_and_grads(fn("interpret"), q, k, v, do)
-  assert not interpret_pallas_call.get_races().races_found
   o_ref, grads_ref = fwd_and_grads(fn("reference"), q, k, v, do)
   assert_close(o, o_ref, "o")
   for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
     assert_close(g, g_ref, name)
 
 
-def test_interpret_non_causal_other_widths_small_blocks():
-  """causal=False, D = V = 64, block_kv = 64, B=2: catches widths hard-coded to 192/128, a causal
-  mask or loop bound applied when causal is off, and a batch index taken from the wrong grid axis."""
-  q, k, v, do = make_inputs(2, 128, 1, 64, 64, seed=3)
+def test_interpret_non_causal_other_widths_small_blocks(monkeypatch):
+  """causal=False, D = V = 64, block_kv = 64, B=2, T=256: catches widths hard-coded to 192/128, a
+  causal mask or loop bound applied when causal is off, a batch index taken from the wrong grid
+  axis, and (4 forward steps over 2 stages) a K/V stage reused before both warpgroups released it
+  or refilled with the wrong block (the forward's K released before its Q·Kᵀ fails here, as wrong
+  values). Runs with the interpreter's race detector (every kernel reuses its stages here), for
+  unordered SMEM accesses; barriers out of balance show up as a hang."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+  import importlib
+  fa = importlib.import_module("pallas_kernels.flash_attention")
+  monkeypatch.setattr(fa, "INTERPRET_PARAMS", plgpu.InterpretGPUParams(detect_races=True))
+  q, k, v, do = make_inputs(2, 256, 1, 64, 64, seed=3)
   cfg = FlashAttentionConfig(block_kv=64)
   fn = lambda impl: lambda q, k, v: flash_attention(  # noqa: E731
       q, k, v, softmax_scale=0.125, causal=False, impl=impl, config=cfg)
   o, grads = fwd_and_grads(fn("interpret"), q, k, v, do)
+  assert not interpret_pallas_call.get_races().races_found
   o_ref, grads_ref = fwd_and_grads(fn("reference"), q, k, v, do)
   assert_close(o, o_ref, "o")
   for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
@@ -222,11 +224,11 @@ def test_mla_naive_attention_mgpu_path_matches_the_jnp_form():
   padding) not turned into NaN."""
   from mla_jax.attention import _mgpu_causal_attention, mla_naive_attention
 
-  B, T, H, N, R, L, V = 2, 100, 1, 80, 16, 64, 40   # qk 96 and v 40: padded to 128 / 64 inside
+  B, T, H, N, R, L, V = 1, 100, 1, 80, 16, 64, 40   # qk 96 and v 40: padded to 128 / 64 inside
   rng = np.random.default_rng(5)
   bf = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.5, jnp.bfloat16)  # noqa: E731
   q_nope, q_pe, kv_latent, w = bf(B, T, H, N), bf(B, T, H, R), bf(B, T, L + R), bf(L, H, N + V)
-  n = np.array([100, 70])
+  n = np.array([70])   # 30 padding queries, and T padded from 100 to 128 inside
   idx = np.arange(T)[None]
   pos = jnp.asarray(np.where(idx < n[:, None], idx, -1), jnp.int32)
   want = mla_naive_attention(q_nope, q_pe, kv_latent, w, pos, pos, softmax_scale=SCALE)
