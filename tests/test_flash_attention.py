@@ -241,11 +241,10 @@ def test_mla_naive_attention_mgpu_path_matches_the_jnp_form():
   original = attention._mgpu_causal_attention
   attention._mgpu_causal_attention = via_kernel
   try:
-    got = jax.jit(lambda *a: mla_naive_attention(*a, softmax_scale=SCALE, impl="mgpu"))(
-        q_nope, q_pe, kv_latent, w, pos, pos)
+    f = jax.jit(lambda *a: mla_naive_attention(*a, softmax_scale=SCALE, impl="mgpu"))  # one compile
+    got = f(q_nope, q_pe, kv_latent, w, pos, pos)
     left = jnp.asarray(np.where(idx >= T - n[:, None], idx - (T - n[:, None]), -1), jnp.int32)
-    bad = jax.jit(lambda *a: mla_naive_attention(*a, softmax_scale=SCALE, impl="mgpu"))(
-        q_nope, q_pe, kv_latent, w, left, left)
+    bad = f(q_nope, q_pe, kv_latent, w, left, left)
   finally:
     attention._mgpu_causal_attention = original
   assert_close(np.asarray(got, np.float32), np.asarray(want, np.float32), "o")
