@@ -115,8 +115,9 @@ NAIVE_ATTENTION_IMPLS = ("xla", "cudnn", "mgpu")
 
 
 def _right_padded(q_positions, kv_positions, impl):
-    """(ok: scalar bool, valid [B, T] bool): whether both position rows are 0..n-1 then -1 (right-padded
-    self-attention, what a by-index causal kernel computes), and which queries are real."""
+    """(ok: scalar bool, n [B] int32, valid [B, T] bool): whether both position rows are 0..n-1 then -1
+    (right-padded self-attention, what a by-index causal kernel computes), each row's n, and which queries
+    are real."""
     B, T = q_positions.shape
     if kv_positions.shape != (B, T):
         raise ValueError(f"impl={impl!r} is self-attention: kv positions {kv_positions.shape} != queries' {(B, T)}")
@@ -134,12 +135,16 @@ def _mgpu_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, so
     and widths multiples of 64: T is padded with zero rows at the end (no real query sees them: causal),
     the widths with zero columns. ``kernel_impl``: None = the kernel (a Hopper GPU), or "interpret" (the
     Pallas interpreter on a CPU; tests)."""
+    from pallas_kernels._platform import default_backend_is_hopper
     from pallas_kernels.flash_attention import CTA_ROWS, flash_attention
 
     if kernel_impl is None:
-        if jax.default_backend() != "gpu":
+        if not default_backend_is_hopper():
+            where = jax.default_backend()
+            if where == "gpu":
+                where += f" ({jax.devices()[0].device_kind})"
             raise ValueError(f"impl='mgpu' needs a Hopper GPU (the Mosaic GPU flash attention kernel); the backend "
-                             f"is {jax.default_backend()}: use impl='xla'")
+                             f"is {where}: use impl='xla'")
         kernel_impl = "kernel"
     ok, _, valid_BT = _right_padded(q_positions, kv_positions, "mgpu")
     T, D, V = q_BTHD.shape[1], q_BTHD.shape[3], v_BSHV.shape[3]
