@@ -33,7 +33,7 @@ cross-lowering for sm_90 and on the GPU.
 
 SMEM (bytes, defaults): forward Q 2x64x192x2 = 48 Ki + 2 stages x (K 128x192x2 + V 128x128x2 =
 80 Ki) = 208 Ki; dK/dV: K, V 80 Ki resident + 2 stages x (Q 24 Ki + dO 16 Ki + lse, delta 0.5 Ki)
-= 161 Ki; dQ: Q, dO 80 Ki + 2 stages x (K 24 Ki + V 16 Ki) = 160 Ki. The limit is 227 Ki.
+= 161 Ki; dQ: Q, dO, lse, delta 81 Ki + 2 stages x (K 24 Ki + V 16 Ki) = 161 Ki. The limit is 227 Ki.
 Registers (32-bit registers per compute thread, 128 threads a warpgroup; a 64 x n fp32 tile is n/2):
 forward O 64 + S 64 + P (bf16) 32 = 160 at the peak; dK/dV: dK 96 + dV 64 + Pᵀ (kept in bf16 only)
 16 + dPᵀ 32 = 208 at the peak (dSᵀ replaces dPᵀ); dQ: dQ 96 + P 32 + dP 32 = 160. The compute
@@ -66,7 +66,6 @@ CTA_ROWS = ROWS * COMPUTE_WGS   # query rows (forward, dQ) / keys (dK/dV) per CT
 MAX_WIDTH = 256           # wgmma N limit: the widest D or V one accumulator can hold
 SMEM_BYTES = 232448       # sm_90's SMEM per CTA (checked again by the lowering)
 _LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 # Running max starts finite: a row whose keys are all masked in a block then gives
 # exp2(-inf - m) = 0 instead of exp2(-inf + inf) = NaN.
 _M_INIT = -1e30
