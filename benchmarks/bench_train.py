@@ -276,7 +276,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--attn-q-block", type=_int_at_least(0), default=0,
                  help="queries per block of the decompressed attention (0: all at once)")
   p.add_argument("--attn-impl", choices=NAIVE_ATTENTION_IMPLS, default="xla",
-                 help="the decompressed attention: xla (jnp) or cudnn (cuDNN flash attention, GPU only)")
+                 help="the decompressed attention: xla (jnp), cudnn (cuDNN flash attention) or mgpu "
+                      "(pallas_kernels.flash_attention); the last two GPU only")
   p.add_argument("--moe-impl", choices=MOE_IMPLS, default="auto", help="expert computation (auto = dense on a CPU)")
   p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute dtype")
   p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",

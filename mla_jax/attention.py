@@ -73,7 +73,9 @@ def mla_naive_attention(
     impl: "xla" (the jnp above) or "cudnn" (training on a GPU): cuDNN's fused flash attention, forward and
     backward, which keeps the scores on chip (`q_block` is then moot). It is causal by token index, so it
     serves self-attention over right-padded rows only (positions 0..n-1, then -1; `positions_from_mask` of a
-    right-padded mask): any other positions make the output NaN rather than silently wrong.
+    right-padded mask): any other positions make the output NaN rather than silently wrong. "mgpu": the same
+    contract with this project's Mosaic GPU flash attention (`pallas_kernels.flash_attention`, forward and
+    backward kernels; a Hopper GPU); its padding queries give 0, as in the jnp form.
     """
     if impl not in NAIVE_ATTENTION_IMPLS:
         raise ValueError(f"impl={impl!r}: must be one of {NAIVE_ATTENTION_IMPLS}")
@@ -91,6 +93,8 @@ def mla_naive_attention(
 
     if impl == "cudnn":
         return _cudnn_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale)
+    if impl == "mgpu":
+        return _mgpu_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale)
 
     def attend(q_BTHD, q_pos_BT):
         scores = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD, preferred_element_type=_F32)
@@ -108,7 +112,53 @@ def mla_naive_attention(
     return o.swapaxes(0, 1).reshape(B, T, *o.shape[3:]).astype(q_nope.dtype)
 
 
-NAIVE_ATTENTION_IMPLS = ("xla", "cudnn")
+NAIVE_ATTENTION_IMPLS = ("xla", "cudnn", "mgpu")
+
+
+def _right_padded(q_positions, kv_positions, impl):
+    """(ok: scalar bool, n [B] int32, valid [B, T] bool): whether both position rows are 0..n-1 then -1
+    (right-padded self-attention, what a by-index causal kernel computes), each row's n, and which queries
+    are real."""
+    B, T = q_positions.shape
+    if kv_positions.shape != (B, T):
+        raise ValueError(f"impl={impl!r} is self-attention: kv positions {kv_positions.shape} != queries' {(B, T)}")
+    n_B = jnp.sum(q_positions >= 0, axis=1).astype(jnp.int32)
+    idx = jnp.arange(T, dtype=jnp.int32)[None]
+    expected = jnp.where(idx < n_B[:, None], idx, -1)
+    ok = jnp.all(q_positions == expected) & jnp.all(kv_positions == expected)
+    return ok, n_B, idx < n_B[:, None]
+
+
+def _mgpu_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale, *, kernel_impl=None):
+    """`pallas_kernels.flash_attention` (causal by index, forward and backward kernels) over right-padded
+    self-attention, with `_cudnn_causal_attention`'s contract: other positions give NaN. Padding queries
+    give 0 (as the jnp form). The kernel computes in bf16 (inputs are cast) and wants T a multiple of 128
+    and widths multiples of 64: T is padded with zero rows at the end (no real query sees them: causal),
+    the widths with zero columns. ``kernel_impl``: None = the kernel (a Hopper GPU), or "interpret" (the
+    Pallas interpreter on a CPU; tests)."""
+    from pallas_kernels._platform import default_backend_is_hopper
+    from pallas_kernels.flash_attention import CTA_ROWS, flash_attention
+
+    if kernel_impl is None:
+        if not default_backend_is_hopper():
+            where = jax.default_backend()
+            if where == "gpu":
+                where += f" ({jax.devices()[0].device_kind})"
+            raise ValueError(f"impl='mgpu' needs a Hopper GPU (the Mosaic GPU flash attention kernel); the backend "
+                             f"is {where}: use impl='xla'")
+        kernel_impl = "kernel"
+    ok, _, valid_BT = _right_padded(q_positions, kv_positions, "mgpu")
+    T, D, V = q_BTHD.shape[1], q_BTHD.shape[3], v_BSHV.shape[3]
+    dtype = q_BTHD.dtype
+    # Zero rows at the end (T), zero q/k columns (D: no change to any score) and zero v columns (V: sliced
+    # off) bring the shapes to the kernel's multiples; a no-op at V2/V3's 4096 x 192 / 128.
+    pad = lambda x, t, c: jnp.pad(x, ((0, 0), (0, t), (0, 0), (0, c))) if t or c else x  # noqa: E731
+    t_pad, d_pad, v_pad = -T % CTA_ROWS, -D % 64, -V % 64
+    q, k = (pad(x, t_pad, d_pad).astype(jnp.bfloat16) for x in (q_BTHD, k_BSHD))
+    v = pad(v_BSHV, t_pad, v_pad).astype(jnp.bfloat16)
+    o = flash_attention(q, k, v, softmax_scale=float(softmax_scale), causal=True, impl=kernel_impl)[:, :T, :, :V]
+    o = jnp.where(valid_BT[:, :, None, None], o, 0)
+    return jnp.where(ok, o, jnp.nan).astype(dtype)
 
 
 def _cudnn_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale):
@@ -126,13 +176,7 @@ def _cudnn_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, s
     if jax.default_backend() != "gpu":
         raise ValueError(f"impl='cudnn' needs a CUDA GPU (cuDNN's flash attention); the backend is "
                          f"{jax.default_backend()}: use impl='xla'")
-    B, T = q_positions.shape
-    if kv_positions.shape != (B, T):
-        raise ValueError(f"impl='cudnn' is self-attention: kv positions {kv_positions.shape} != queries' {(B, T)}")
-    n_B = jnp.sum(q_positions >= 0, axis=1).astype(jnp.int32)
-    idx = jnp.arange(T, dtype=jnp.int32)[None]
-    expected = jnp.where(idx < n_B[:, None], idx, -1)
-    ok = jnp.all(q_positions == expected) & jnp.all(kv_positions == expected)
+    ok, n_B, _ = _right_padded(q_positions, kv_positions, "cudnn")
     o = cudnn_attention(q_BTHD, k_BSHD, v_BSHV, None, None, n_B, n_B, scale=float(softmax_scale),
                         mask_type=MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
     return jnp.where(ok, o, jnp.nan).astype(q_BTHD.dtype)

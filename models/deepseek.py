@@ -325,7 +325,7 @@ class DeepSeekModel(nnx.Module):
         `hidden` and `mtp_hidden`). remat: the scanned layers' rematerialisation (REMAT_POLICIES).
         q_block: the main layers' decompressed attention in blocks of that many queries
         (`mla_naive_attention`; the MTP modules attend whole). attn_impl: the main layers' decompressed
-        attention, "xla" (jnp) or "cudnn" (`mla_naive_attention`'s flash path; right-padded masks only)."""
+        attention, "xla" (jnp), "cudnn" or "mgpu" (`mla_naive_attention`'s flash paths; right-padded masks only)."""
         positions_BT = self._check_ids(ids_BT, positions_BT)
         h_pre, routers, _ = self._trunk(ids_BT, positions_BT, absorbed, remat=remat, q_block=q_block,
                                         attn_impl=attn_impl)

@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attn-q-block", type=int, default=d.attn_q_block,
       help="queries per block of the decompressed attention: no pass holds the whole fp32 scores (0 = off)")
     a("--attn-impl", default=d.attn_impl, choices=ATTN_IMPLS,
-      help="the decompressed attention: xla (jnp) or cudnn (cuDNN flash attention, forward and backward; a GPU "
-      "only; the trainer's windows are unpadded, as it needs)")
+      help="the decompressed attention: xla (jnp), cudnn (cuDNN flash attention, forward and backward; a GPU "
+      "only; the trainer's windows are unpadded, as it needs) or mgpu (this project's Mosaic GPU flash attention "
+      "kernels; a Hopper GPU only, the same contract)")
     a("--mesh", metavar="SPEC", default=None,
       help="train on a device mesh, e.g. data=2,tensor=2 (axes data, expert, tensor; left out = 1): fully sharded "
       "data parallelism (weights, gradients and AdamW moments split over data, each batch split over data) on "

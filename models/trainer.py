@@ -68,7 +68,7 @@ DEFAULT_CORPUS = CORPUS_PATH  # inside the package (models/data), so an installe
 PRESETS = ("tiny", "builtin", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
 DTYPES = ("fp32", "bf16")
 MOE_IMPLS = ("auto", "ragged_dot", "mgpu", "dense")
-ATTN_IMPLS = ("xla", "cudnn")  # mla_jax.attention.NAIVE_ATTENTION_IMPLS (a test keeps them equal; no jax import here)
+ATTN_IMPLS = ("xla", "cudnn", "mgpu")  # mla_jax.attention.NAIVE_ATTENTION_IMPLS (a test keeps them equal; no jax import here)
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -115,7 +115,7 @@ class TrainSettings:
     remat: str = "none"             # rematerialisation of each scanned layer (models.deepseek.REMAT_POLICIES)
     ce_chunk: int = 0               # tokens per LM-head cross-entropy chunk (0 = the whole logits at once)
     attn_q_block: int = 0           # queries per block of the decompressed attention (0 = all at once)
-    attn_impl: str = "xla"          # the decompressed attention: xla (jnp) or cudnn (flash; a GPU)
+    attn_impl: str = "xla"          # the decompressed attention: xla (jnp), cudnn or mgpu (flash; a GPU)
     mesh: str | None = None         # a device mesh, "data=2,tensor=2" (mla_jax.sharding.parse_mesh; FSDP over data)
     corpus: str = DEFAULT_CORPUS    # UTF-8 text, paragraphs separated by blank lines
     eval_every: int = 100           # held-out evaluation period in steps (0 = only at the end)
@@ -871,6 +871,9 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
     if settings.attn_impl == "cudnn" and jax.default_backend() != "gpu":
         raise SettingError("{0} cudnn needs a CUDA GPU (cuDNN's flash attention); this machine's backend is {b}",
                            "attn_impl", b=jax.default_backend())
+    if settings.attn_impl == "mgpu" and jax.default_backend() != "gpu":
+        raise SettingError("{0} mgpu needs a Hopper GPU (the Mosaic GPU flash attention kernel); this machine's "
+                           "backend is {b}", "attn_impl", b=jax.default_backend())
     trainer = Trainer(settings, cfg)  # config, memory and corpus are checked before anything is written
     os.makedirs(out, exist_ok=True)
     mgr = checkpoint_manager(out)

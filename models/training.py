@@ -67,7 +67,7 @@ class TrainConfig:
     remat: str = "none"  # rematerialisation of each scanned layer (models.deepseek.REMAT_POLICIES)
     ce_chunk: int = 0  # tokens per LM-head cross-entropy chunk (0: the whole [B·T, V] logits at once)
     attn_q_block: int = 0  # queries per block of the decompressed attention (0: all T at once)
-    attn_impl: str = "xla"  # the decompressed attention: "xla" (jnp) or "cudnn" (flash; GPU, right padding only)
+    attn_impl: str = "xla"  # the decompressed attention: "xla" (jnp), "cudnn" or "mgpu" (flash; GPU, right padding only)
 
     def __post_init__(self):
         for f in ("mtp_weight", "balance_alpha", "bias_update_rate"):

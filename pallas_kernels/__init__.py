@@ -5,6 +5,8 @@ interpret / reference, with the one Hopper check).
 Imports nothing from the rest of the project.
 """
 
+from pallas_kernels.flash_attention import (FlashAttentionConfig, flash_attention,
+                                            flash_attention_reference)
 from pallas_kernels.mla_decode import (MlaDecodeConfig, mla_decode, mla_decode_problems,
                                        mla_decode_reference)
 from pallas_kernels.moe_decode import MoeDecodeConfig, moe_decode, moe_decode_problems, moe_decode_reference
@@ -15,10 +17,13 @@ from pallas_kernels.paged_gather import PagedGatherConfig, paged_gather, paged_g
 __all__ = [
     "BF16_PAGES",
     "FP8_PAGES",
+    "FlashAttentionConfig",
     "MlaDecodeConfig",
     "MoeDecodeConfig",
     "PageFormat",
     "dequantize_latent_fp8",
+    "flash_attention",
+    "flash_attention_reference",
     "page_format_of",
     "quantize_latent_fp8",
     "PagedGatherConfig",

@@ -109,9 +109,11 @@ def test_resume_refuses_other_arguments_and_clobbering(tmp_path, capsys):
      "--remat must be one of ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'), got 'dots'"),
     (["--ce-chunk", "-1"], "--ce-chunk must be >= 0 (0 = unchunked), got -1"),
     (["--attn-q-block", "-1"], "--attn-q-block must be >= 0 (0 = all queries at once), got -1"),
-    (["--attn-impl", "flash"], "argument --attn-impl: invalid choice: 'flash' (choose from 'xla', 'cudnn')"),
+    (["--attn-impl", "flash"], "argument --attn-impl: invalid choice: 'flash' (choose from 'xla', 'cudnn', 'mgpu')"),
     (["--attn-impl", "cudnn"], "--attn-impl cudnn needs a CUDA GPU (cuDNN's flash attention); this machine's "
      "backend is cpu"),
+    (["--attn-impl", "mgpu"], "--attn-impl mgpu needs a Hopper GPU (the Mosaic GPU flash attention kernel); this "
+     "machine's backend is cpu"),
     # --mesh: the spec as mla-generate reads it, a mesh larger than the devices, a batch it cannot split
     (["--mesh", "data2"], "--mesh: mesh spec 'data2': 'data2' is not axis=size (axes: data, expert, tensor; "
      "e.g. data=2,tensor=2)"),

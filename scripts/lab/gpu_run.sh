@@ -6,6 +6,8 @@
 #   scripts/lab/gpu_run.sh variants # kernel GPU tests (boundaries, B=256), ptxas report, then
 #                              #   the FlashMLA cells with the $VARIANTS configs (XLA autotuner off)
 #   scripts/lab/gpu_run.sh fairxla  # the FlashMLA cells, default config, XLA autotuner ON (fair baseline)
+#   scripts/lab/gpu_run.sh flash   # the flash attention GPU tests, its ptxas report, then
+#                              #   scripts/lab/probe_flash_attention.py (--sweep at 16x4096x16)
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -55,6 +57,18 @@ PY
   grep -E "###|registers|spill" "$R/ptxas.txt" | head -40 | tee -a "$LOG"
 }
 
+flash_ptxas_report() {
+  stage "ptxas registers/spills: flash attention (forward, dK/dV, dQ)"
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 120 $PY - <<'PY' > "$R/ptxas_flash.txt" 2>&1
+import jax, jax.numpy as jnp
+from pallas_kernels import flash_attention
+q = jnp.ones((1, 256, 2, 192), jnp.bfloat16); v = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
+f = lambda q, k, v: flash_attention(q, k, v, softmax_scale=0.1, impl="kernel").astype(jnp.float32).sum()
+jax.block_until_ready(jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, q, v))
+PY
+  grep -E "Compiling|registers|spill" "$R/ptxas_flash.txt" | head -40 | tee -a "$LOG"
+}
+
 gpu_tests() {  # $1: time limit (s), rest: test paths
   local limit=$1; shift
   stage "GPU tests $*"
@@ -70,6 +84,10 @@ case "$MODE" in
          ptxas_report ;;
   variants) gpu_tests 130 tests/test_mla_decode.py -k "page_boundaries or large_batch"
          ptxas_report ;;
+  flash) gpu_tests 200 tests/test_flash_attention.py
+         flash_ptxas_report
+         stage "probe_flash_attention --sweep"
+         timeout 500 $PY scripts/lab/probe_flash_attention.py --out "$R/flash" --sweep 2>&1 | tee -a "$LOG" ;;
 esac
 case "$MODE" in
   quick) bench mla_decode 330 --quick
