@@ -59,7 +59,7 @@ PY
 
 flash_ptxas_report() {
   stage "ptxas registers/spills: flash attention (forward, dK/dV, dQ)"
-  MOSAIC_GPU_DUMP_PTXAS=1 timeout 120 $PY - <<'PY' > "$R/ptxas_flash.txt" 2>&1
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 90 $PY - <<'PY' > "$R/ptxas_flash.txt" 2>&1
 import jax, jax.numpy as jnp
 from pallas_kernels import flash_attention
 q = jnp.ones((1, 256, 2, 192), jnp.bfloat16); v = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
@@ -84,10 +84,10 @@ case "$MODE" in
          ptxas_report ;;
   variants) gpu_tests 130 tests/test_mla_decode.py -k "page_boundaries or large_batch"
          ptxas_report ;;
-  flash) gpu_tests 200 tests/test_flash_attention.py
+  flash) gpu_tests 200 tests/test_flash_attention.py tests/test_attention.py
          flash_ptxas_report
          stage "probe_flash_attention --sweep"
-         timeout 500 $PY scripts/lab/probe_flash_attention.py --out "$R/flash" --sweep 2>&1 | tee -a "$LOG" ;;
+         timeout 280 $PY scripts/lab/probe_flash_attention.py --out "$R/flash" --sweep 2>&1 | tee -a "$LOG" ;;
 esac
 case "$MODE" in
   quick) bench mla_decode 330 --quick
