@@ -9,7 +9,7 @@ dq, dk, dv of sum(o * do), on two batch rows: attention does not mix rows), then
 ``flash_attention.csv`` and ``flash_attention.json`` to --out.
 
     PYTHONPATH=. python scripts/lab/probe_flash_attention.py --out results/flash
-    PYTHONPATH=. python scripts/lab/probe_flash_attention.py --out /tmp/fl --lower-only   # CPU too
+    PYTHONPATH=. python scripts/lab/probe_flash_attention.py --out runs/fl --lower-only   # CPU too
 
 ``--sweep``: also time the kernel under each `SWEEP` config that fits in SMEM (block sizes, stages,
 the schedule barrier), at the first cell only, rows ``mgpu[field=value,...]``.
