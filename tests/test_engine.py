@@ -150,7 +150,9 @@ def test_max_context_ends_a_sequence(model):
 
 
 # --- MTP speculative decoding ----------------------------------------------------------------------
-@pytest.mark.parametrize("k", [1, 2, 3])
+# k = 1 (one draft) and k = 3 (a chain: the middle draft is both drafted from a draft and drafts the next);
+# k = 2 runs the same code with a shorter chain; dropped for the suite's time (24 + 9 s of CPU).
+@pytest.mark.parametrize("k", [1, 3])
 def test_mtp_greedy_equals_plain_greedy(spec_model, k):
     """k drafts a step (k > 1 chains the MTP module), verified with s_q = k + 1."""
     e = Engine(spec_model, **STD)
@@ -281,7 +283,7 @@ def plain_draws(wide_engine):
     return wide_engine.generate([DIST_PROMPT] * DIST_N, max_new_tokens=3, sampling=DIST_SAMPLING).tokens
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 3])   # k = 2: the same chain code as k = 3, shorter (see above)
 def test_mtp_sampling_keeps_the_output_distribution(wide_engine, plain_draws, k):
     """With temperature > 0, accepting drafts by rejection sampling (k > 1: a prefix of the MTP
     module's chain on its own drafts) must keep plain sampling's distribution: the joint
