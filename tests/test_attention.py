@@ -193,13 +193,21 @@ def test_unknown_attention_impl_is_refused():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cudnn", "mgpu"])
 @pytest.mark.parametrize("N,R,V", [(128, 64, 128), (16, 64, 16)], ids=["v2-v3-widths", "builtin-widths"])
-def test_cudnn_attention_equals_the_jnp_form_with_gradients(N, R, V):
-    """impl="cudnn" (cuDNN's flash attention, training's fast path) against the jnp form at MLA's widths
-    (qk 192, v 128; and the built-in model's qk 80, v 16), bf16, rows right-padded to different lengths:
-    outputs of the valid queries and the gradients of every input. Guards: a wrong scale, the causal mask
-    off or shifted, padding keys visible, the v/k halves of wkv_b swapped. Left padding (which cuDNN's
-    index mask cannot express) gives NaN, not a different attention."""
+def test_flash_attention_impls_equal_the_jnp_form_with_gradients(N, R, V, impl):
+    """impl="cudnn" (cuDNN's flash attention, training's fast path) and impl="mgpu" (this project's Mosaic
+    GPU flash attention, `pallas_kernels.flash_attention`; the built-in widths padded to 128 / 64 inside)
+    against the jnp form at MLA's widths (qk 192, v 128; and the built-in model's qk 80, v 16), bf16, rows
+    right-padded to different lengths: outputs of the valid queries and the gradients of every input.
+    Guards: a wrong scale, the causal mask off or shifted, padding keys visible, the v/k halves of wkv_b
+    swapped, the mgpu wrapper's padding feeding real values wrong. Left padding (which a by-index mask
+    cannot express) gives NaN, not a different attention."""
+    from pallas_kernels._platform import default_backend_is_hopper
+    if impl == "mgpu" and not default_backend_is_hopper():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
+    if jax.default_backend() != "gpu":
+        pytest.skip("cuDNN needs a CUDA GPU")
     rng = np.random.default_rng(5)
     B, T, H, L = 2, 384, 4, 512
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
@@ -216,13 +224,13 @@ def test_cudnn_attention_equals_the_jnp_form_with_gradients(N, R, V):
 
     grad = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True), static_argnums=0)
     (_, o_ref), g_ref = grad("xla", *args, w)
-    (_, o_got), g_got = grad("cudnn", *args, w)
+    (_, o_got), g_got = grad(impl, *args, w)
     f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)  # noqa: E731
     chex.assert_trees_all_close(f32(o_got), f32(o_ref), rtol=2e-2, atol=2e-2)
     for got, ref in zip(f32(g_got), f32(g_ref)):
         assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 2e-2
     left = jnp.asarray(np.stack([np.arange(T), np.r_[[-1] * 5, np.arange(T - 5)]]), jnp.int32)
-    o_left = mla_naive_attention(*args, w, left, left, softmax_scale=N ** -0.5, impl="cudnn")
+    o_left = mla_naive_attention(*args, w, left, left, softmax_scale=N ** -0.5, impl=impl)
     assert bool(jnp.all(jnp.isnan(o_left.astype(jnp.float32))))
 
 
