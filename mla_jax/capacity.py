@@ -216,7 +216,9 @@ def plan_kv_cache(
     Per device, with `tp` devices:
       MLA, plain tensor parallelism: the latent has no head axis, so every device holds all of it.
       MLA, `dp_attention=True`: sequences are split over the tp devices; the most loaded one
-        holds ceil(num_sequences / tp) sequences' pages.
+        holds ceil(num_sequences / tp) sequences' pages. (`models.Engine` on a mesh with data = D > 1
+        splits them over `data` alone, a pool per data rank: its per-device figure is this one with
+        tp = D.)
       MHA / GQA: heads are split by tensor parallelism: ceil(H / tp) heads, ceil(G / tp) groups
         on a device (a KV group is replicated when tp > G), all sequences.
 

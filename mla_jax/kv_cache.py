@@ -34,11 +34,13 @@ gather decodes them to the dtype the attention computes in. The 4-bit format of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from pallas_kernels.page_format import BF16_PAGES, FP8_PAGES, NAMES as _FORMAT_NAMES, PageFormat
 
@@ -107,15 +109,28 @@ class PagedLatentCache:
                   (a valid page id, so a gather never goes out of bounds; masked by the length).
     lengths:      host int32 [max_seqs]: tokens each slot's pages are reserved for (`reserve` /
                   `truncate` set it; an engine may reserve ahead of what it has written).
+    ranks:        data ranks (1 = one pool). With D > 1 the slots and the pages are split in D equal
+                  parts: slot s belongs to rank s // (max_seqs / D), which owns pages
+                  [r * N/D, (r + 1) * N/D) of the stacked array and allocates them from a free list of
+                  its own; block tables hold ids LOCAL to the rank (0 .. N/D - 1), what each rank's
+                  shard of the pool is indexed by (`KVCache.data_parallel`). A rank out of pages fails
+                  its own reservation only.
     """
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, latent_dim: int, max_seqs: int,
-                 max_pages_per_seq: int, dtype=jnp.bfloat16, fill_value: float = 0.0, rope_dim: int = 64):
+                 max_pages_per_seq: int, dtype=jnp.bfloat16, fill_value: float = 0.0, rope_dim: int = 64,
+                 ranks: int = 1):
         for name, v in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
                         ("latent_dim", latent_dim), ("max_seqs", max_seqs),
-                        ("max_pages_per_seq", max_pages_per_seq)):
+                        ("max_pages_per_seq", max_pages_per_seq), ("ranks", ranks)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if max_seqs % ranks:
+            raise ValueError(f"max_seqs={max_seqs} is not divisible by ranks={ranks} (each data rank gets "
+                             "max_seqs / ranks slots)")
+        if num_pages % ranks:
+            raise ValueError(f"num_pages={num_pages} is not divisible by ranks={ranks} (each data rank gets "
+                             "num_pages / ranks pages)")
         self._page_format = page_format_for(dtype, latent_dim, rope_dim)
         self.kv_dtype = self._page_format.name
         self.rope_dim = self._page_format.rope_dim
@@ -138,8 +153,11 @@ class PagedLatentCache:
         self.block_tables = np.zeros((max_seqs, max_pages_per_seq), np.int32)
         self.lengths = np.zeros((max_seqs,), np.int32)
         self._owned: list[list[int]] = [[] for _ in range(max_seqs)]
-        # Pop from the end: pages are handed out in increasing id order from a fresh pool.
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self.ranks = ranks
+        self.pages_per_rank = num_pages // ranks
+        # One free list a rank, of its LOCAL page ids. Pop from the end: pages are handed out in
+        # increasing id order from a fresh pool.
+        self._free_lists: list[list[int]] = [list(range(self.pages_per_rank - 1, -1, -1)) for _ in range(ranks)]
         self.peak_pages_used = 0
 
     # --- properties -----------------------------------------------------------------------
@@ -159,15 +177,30 @@ class PagedLatentCache:
         return int(self.pages.size) * self.pages.dtype.itemsize
 
     @property
+    def _free(self) -> list[int]:
+        """Every rank's free list (local ids), concatenated: a copy."""
+        return [p for free in self._free_lists for p in free]
+
+    @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Free pages over every rank (a slot can use only its own rank's: `free_pages_for`)."""
+        return sum(len(free) for free in self._free_lists)
 
     @property
     def pages_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free_pages
+
+    def rank_of(self, slot: int) -> int:
+        """The data rank slot `slot` belongs to: slot // (max_seqs / ranks)."""
+        return slot // (self.max_seqs // self.ranks)
+
+    def free_pages_for(self, slot: int) -> int:
+        """Free pages of the pool slot `slot` allocates from (its rank's)."""
+        return len(self._free_lists[self.rank_of(slot)])
 
     def pages_of(self, slot: int) -> list[int]:
-        """The page ids slot `slot` holds, in token order (a copy)."""
+        """The page ids slot `slot` holds, in token order (a copy): ids local to its rank's pool
+        (rank r's page i is page r * pages_per_rank + i of the stacked array)."""
         return list(self._owned[slot])
 
     def pages_for(self, tokens: int) -> int:
@@ -194,15 +227,17 @@ class PagedLatentCache:
             raise ValueError(f"length {length} is outside [0, {limit}] "
                              f"(max_pages_per_seq={self.max_pages_per_seq} x page_size={self.page_size})")
         owned = self._owned[slot]
+        free = self._free_lists[self.rank_of(slot)]
         need = self.pages_for(length) - len(owned)
-        if need > len(self._free):
+        if need > len(free):
+            pool = (f"only {len(free)} of {self.num_pages} are free" if self.ranks == 1 else
+                    f"only {len(free)} of data rank {self.rank_of(slot)}'s {self.pages_per_rank} are free")
             raise CacheFullError(
                 f"KV cache full: slot {slot} needs {need} more page(s) for {length} tokens "
-                f"but only {len(self._free)} of {self.num_pages} are free "
-                f"(page_size={self.page_size}); raise num_pages or lower max_batch",
-                pages_needed=need, pages_free=len(self._free), slot=slot)
+                f"but {pool} (page_size={self.page_size}); raise num_pages or lower max_batch",
+                pages_needed=need, pages_free=len(free), slot=slot)
         for _ in range(max(need, 0)):
-            page = self._free.pop()
+            page = free.pop()
             self.block_tables[slot, len(owned)] = page
             owned.append(page)
         self.lengths[slot] = length
@@ -216,7 +251,7 @@ class PagedLatentCache:
         owned = self._owned[slot]
         keep = self.pages_for(length)
         while len(owned) > keep:
-            self._free.append(owned.pop())
+            self._free_lists[self.rank_of(slot)].append(owned.pop())
             self.block_tables[slot, len(owned)] = 0
         self.lengths[slot] = length
 
@@ -316,6 +351,11 @@ class KVCache:
                     decompressed path; shorter ones (decode, MTP verify, short chunks) the absorbed one.
     page_format     static: the pools' `PageFormat` (None: plain values of the pages' dtype). `write`
                     encodes with it (fp8: quantises, in the step), `gather` decodes.
+    data_parallel   static: None, or (mesh, mesh axes of the batch): a pool per data rank. The pages'
+                    N axis and every [B, ...] array are split over those axes, the block table holds
+                    page ids LOCAL to the row's rank, and `write` / `gather` run under `jax.shard_map`,
+                    manual over those axes (each rank scatters into and gathers from its own N / D
+                    pages; the other mesh axes stay GSPMD's). jnp backend only ("reference").
 
     A query token at position p (negative = padding, never written, sees nothing) attends causally
     to the row's cached tokens at positions <= p, this step's own tokens included.
@@ -328,23 +368,30 @@ class KVCache:
     impl: str = "reference"
     naive_threshold: int = 256
     page_format: PageFormat | None = None
+    data_parallel: tuple | None = None
 
     def __post_init__(self):
         if self.impl not in BACKENDS:
             raise ValueError(f"KVCache impl must be one of {BACKENDS}, got {self.impl!r}")
         if self.page_format is not None and not isinstance(self.page_format, PageFormat):
             raise ValueError(f"KVCache page_format must be a PageFormat or None, got {self.page_format!r}")
+        if self.data_parallel is not None and self.impl != "reference":
+            raise ValueError(f"KVCache impl={self.impl!r} with a pool per data rank: the Pallas kernels do not run "
+                             "under shard_map yet; use impl='reference'")
 
     @classmethod
     def create(cls, pages, block_table, lengths, *, impl: str = "reference", naive_threshold: int = 256,
-               page_format: PageFormat | None = None):
+               page_format: PageFormat | None = None, data_parallel: tuple | None = None):
         """A cache at layer 0 over `pages` [num_layers, N, G, W] (int32 tables and lengths). `page_format`
-        None reads uint8 pages as fp8 (`pallas_kernels.page_format_of`, rope 64) and others as plain values."""
+        None reads uint8 pages as fp8 (`pallas_kernels.page_format_of`, rope 64) and others as plain values.
+        `data_parallel`: (mesh, the batch's mesh axes) for pools split per data rank (see the class)."""
         if page_format is None and jnp.dtype(pages.dtype) == jnp.uint8:
             from pallas_kernels.page_format import page_format_of
             page_format = page_format_of(pages)
-        return cls(pages, np.asarray(block_table, np.int32), np.asarray(lengths, np.int32), np.zeros((), np.int32),
-                   impl, naive_threshold, page_format)
+        # Arrays already on the devices (an engine's rows placed on their data ranks) stay there.
+        as_int32 = lambda x: x.astype(jnp.int32) if isinstance(x, jax.Array) else np.asarray(x, np.int32)  # noqa: E731
+        return cls(pages, as_int32(block_table), as_int32(lengths), np.zeros((), np.int32),
+                   impl, naive_threshold, page_format, data_parallel)
 
     def at_layer(self, layer) -> "KVCache":
         """The same cache pointed at pool `layer` (a Python int or a traced scalar)."""
@@ -367,8 +414,10 @@ class KVCache:
         A reshape of the stacked pools is free (no copy), so a kernel reads the layer's pages where
         they are, addressed by page id + layer * N.
         """
-        L, N = self.pages.shape[:2]
-        return self.pages.reshape((L * N,) + self.pages.shape[2:]), self.block_table + self.layer * N
+        if self.data_parallel is not None:
+            raise ValueError("KVCache.flat_pages: the pool is split per data rank and the block table holds local "
+                             "page ids; read it through write / gather (under shard_map)")
+        return _flat(self.pages, self.block_table, self.layer)
 
     @property
     def quantized(self) -> bool:
@@ -378,16 +427,44 @@ class KVCache:
     def write(self, latent_BTC: jax.Array, positions_BT: jax.Array) -> "KVCache":
         """Scatter this step's latents [B,T,C] into this layer's pages (padding, position < 0, dropped),
         encoded in the cache's page format (fp8: quantised here, inside the step)."""
-        flat, table = self.flat_pages()
         rows = self.page_format.encode(latent_BTC) if self.quantized else latent_BTC
-        flat = write_latents(flat, rows, positions_BT, table)
-        return dataclasses.replace(self, pages=flat.reshape(self.pages.shape))
+        write = self._per_rank(_write_pool, batch_args=3, pool_out=True)
+        return dataclasses.replace(self, pages=write(self.pages, rows, positions_BT, self.block_table, self.layer))
 
     def gather(self, *, dtype=None) -> tuple[jax.Array, jax.Array]:
         """This layer's cached tokens per row, dense and decoded: (latent [B, P*G, C] in `dtype`,
         positions int32 [B, P*G], -1 past the row's length); see `gather_latents`."""
-        flat, table = self.flat_pages()
-        return gather_latents(flat, table, self.lengths, impl=self.impl, page_format=self.page_format, dtype=dtype)
+        gather = functools.partial(_gather_pool, impl=self.impl, page_format=self.page_format, dtype=dtype)
+        return self._per_rank(gather, batch_args=2, pool_out=False)(self.pages, self.block_table, self.lengths,
+                                                                    self.layer)
+
+    def _per_rank(self, fn, *, batch_args: int, pool_out: bool):
+        """`fn(pages, *batch_args, layer)` as is, or under `jax.shard_map` over the data axes: the pool by
+        its N axis, the batch arguments by B, the layer replicated; the result is the pool (`pool_out`)
+        or a pair of [B, ...] arrays."""
+        if self.data_parallel is None:
+            return fn
+        mesh, axes = self.data_parallel
+        pool, rows = PartitionSpec(None, axes), PartitionSpec(axes)
+        # No collective inside (each rank touches its own pages only), so nothing for check_vma to check.
+        return jax.shard_map(fn, mesh=mesh, in_specs=(pool,) + (rows,) * batch_args + (PartitionSpec(),),
+                             out_specs=pool if pool_out else (rows, rows), axis_names=set(axes), check_vma=False)
+
+
+def _flat(pages, block_table, layer):
+    """(every pool as one [num_layers * N, G, C] array, the block table offset to pool `layer`)."""
+    L, N = pages.shape[:2]
+    return pages.reshape((L * N,) + pages.shape[2:]), block_table + layer * N
+
+
+def _write_pool(pages, rows_BTC, positions_BT, block_table_BP, layer):
+    flat, table = _flat(pages, block_table_BP, layer)
+    return write_latents(flat, rows_BTC, positions_BT, table).reshape(pages.shape)
+
+
+def _gather_pool(pages, block_table_BP, lengths_B, layer, *, impl, page_format, dtype):
+    flat, table = _flat(pages, block_table_BP, layer)
+    return gather_latents(flat, table, lengths_B, impl=impl, page_format=page_format, dtype=dtype)
 
 
 def decode_kernel_reads(page_format: PageFormat | None) -> bool:
@@ -404,4 +481,4 @@ def decode_kernel_reads(page_format: PageFormat | None) -> bool:
 
 
 jax.tree_util.register_dataclass(KVCache, data_fields=["pages", "block_table", "lengths", "layer"],
-                                 meta_fields=["impl", "naive_threshold", "page_format"])
+                                 meta_fields=["impl", "naive_threshold", "page_format", "data_parallel"])

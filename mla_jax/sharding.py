@@ -30,6 +30,7 @@ the memory the rules alone give them; under `jax.jit` GSPMD gathers each weight 
     model = shard_model(model, mesh, fsdp=True)   # for training: and each variable over `data` (FSDP)
     ids = shard_batch(ids, mesh)
     engine = Engine(model, mesh=mesh, ...)        # models.engine: the page pools replicated on the mesh
+                                                  # (with data > 1: a pool per data rank, split over data)
 
 Under `jax.jit` GSPMD partitions the rest (the forward, the training step, the engine's steps); no
 module adds a sharding constraint of its own.

@@ -6,7 +6,8 @@ Dimension letters: B slots (max_batch), T tokens a step, P block-table width (pa
 The engine never opens a layer: the forward pass (cache writes, attention path, MTP block) is the
 model's (`model(ids, positions, cache=cache)`), the steps are pure functions in `models.steps`.
 What lives here is scheduling, on the host:
-- admission: a waiting prompt takes a free slot when its whole prompt fits in the page pool;
+- admission: a waiting prompt takes a free slot when its whole prompt fits in the page pool (on a
+  mesh with data ranks: the pool of the slot's rank, see `Engine`'s `mesh`);
 - reservation: before each step every row holds pages for the rows the step may write
   (`rows_needed`, the one draft-room function); a row that cannot get them fails alone;
 - a step: the rows' inputs as bucketed arrays (B is always max_batch, idle rows padding; T and the
@@ -57,6 +58,19 @@ def rows_needed(cached: int, k: int, n_spec: int = 0) -> int:
     if k == 0:
         return cached + 1
     return max(cached + n_spec + k, cached + 1 + k)
+
+
+def _data_axes(mesh) -> tuple[tuple[str, ...], int]:
+    """(the batch's mesh axes, their size) of `mesh` by `mla_jax.sharding.DEFAULT_RULES`; ((), 1) when
+    there is no mesh or the batch is not split."""
+    if mesh is None:
+        return (), 1
+    from mla_jax.sharding import DEFAULT_RULES, _mesh_axes
+
+    shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    axes = _mesh_axes("batch", DEFAULT_RULES, shape)
+    n = int(np.prod([shape[a] for a in axes]))
+    return (axes, n) if n > 1 else ((), 1)
 
 
 def kernel_problems(cfg, page_size: int, kv_dtype: str) -> list[str]:
@@ -211,11 +225,25 @@ class Engine:
         widths are powers of two of pages. Larger minimums mean fewer compilations and a little
         padded work on short sequences.
       mesh: a `jax.sharding.Mesh` (`mla_jax.sharding.make_mesh`): the weights are placed by
-        `mla_jax.sharding.shard_model` (nothing moves for a model already sharded on it) and the page
-        pools replicated on every device of the mesh (the latent has no head axis); the steps are
-        partitioned by GSPMD. Not yet: the batch split over `data` (a pool per data rank), and the
-        Pallas kernels under `shard_map` (GSPMD does not partition a kernel; on CPU the engine's
-        jnp path and `lax.ragged_dot` are what runs, checked on 8 CPU devices; no GPU mesh has run).
+        `mla_jax.sharding.shard_model` (nothing moves for a model already sharded on it); the steps are
+        partitioned by GSPMD. With `data` = 1 the page pools are replicated on every device of the
+        mesh (the latent has no head axis). With `data` = D > 1 (the batch's mesh axes of
+        `mla_jax.sharding.DEFAULT_RULES`), data-parallel attention, a page pool per data rank:
+        - slot s belongs to rank s // (max_batch / D) and pages [r·N/D, (r+1)·N/D) of the stacked
+          pool to rank r: the pool's page axis N is split over `data`, so each device holds N / D
+          pages (the `expert` / `tensor` devices of a rank hold the same shard); max_batch and
+          num_pages must be multiples of D (ValueError otherwise);
+        - the host allocator keeps a free list a rank and block tables of LOCAL page ids (0 .. N/D-1);
+          a request is admitted to a rank with a free slot and room for its prompt (the one with the
+          most free pages first); a rank out of pages fails its own request only;
+        - each step's [B, ...] inputs are placed split over `data`, and the cache write and gather run
+          under `jax.shard_map`, manual over `data` alone (`KVCache.data_parallel`): each rank scatters
+          into and gathers from its own pages; the attention over the gathered rows, the MoE (its own
+          shard_map) and the rest of the layer stay as without data ranks;
+        - per device the pool is `plan_kv_cache(..., tp=D, dp_attention=True).mla.per_device_bytes`.
+        Not yet: the Pallas kernels under `shard_map` (GSPMD does not partition a kernel): with data
+        ranks "auto" is the jnp path and "kernel" / "interpret" are refused; on CPU the engine's jnp path
+        and `lax.ragged_dot` are what runs, checked on 8 CPU devices; no GPU mesh has run.
 
     `compile_log`: one dict per step that compiled, {"step", "bucket", "seconds"} (wall time of that
     call, compilation included).
@@ -239,8 +267,19 @@ class Engine:
                              f"{cfg.max_position_embeddings}], got {max_context!r}")
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"Engine attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
+        # Data-parallel attention: D > 1 data ranks (the batch's mesh axes) each own max_batch / D slots
+        # and num_pages / D pages.
+        self.data_axes, self.data_ranks = _data_axes(mesh)
+        D = self.data_ranks
+        if max_batch % D:
+            raise ValueError(f"Engine max_batch={max_batch} is not divisible by the mesh's data ranks ({D})")
+        if num_pages is not None and num_pages % D:
+            raise ValueError(f"Engine num_pages={num_pages} is not divisible by the mesh's data ranks ({D})")
+        if D > 1 and attention_impl in ("kernel", "interpret"):
+            raise ValueError(f"Engine attention_impl={attention_impl!r} with data ranks ({D}): the Pallas kernels do "
+                             "not run under shard_map yet; use 'auto' or 'reference'")
         if max_context is None:
-            cap = 2048 if num_pages is None else num_pages * page_size
+            cap = 2048 if num_pages is None else num_pages // D * page_size  # a sequence holds its rank's pages
             max_context = min(cfg.max_position_embeddings, cap)
         self.has_mtp = len(model.mtp) > 0
         # A model with an MTP head may address up to MAX_DRAFT_TOKENS rows past max_context
@@ -270,11 +309,12 @@ class Engine:
             num_layers=cfg.num_hidden_layers + (1 if self.has_mtp else 0), num_pages=num_pages,
             page_size=page_size, latent_dim=cfg.latent_dim, max_seqs=max_batch,
             max_pages_per_seq=next_pow2(pages_per_seq), dtype=kv_dtype, fill_value=cache_fill,
-            rope_dim=cfg.qk_rope_head_dim)
+            rope_dim=cfg.qk_rope_head_dim, ranks=D)
         if mesh is not None:
-            # The latent has no head axis to split: every device of the mesh holds every page (a pool
-            # per data-parallel rank is the DP-attention layout, not built yet).
-            self.cache.pages = jax.device_put(self.cache.pages, NamedSharding(mesh, PartitionSpec()))
+            # The latent has no head axis to split: every device of a data rank holds all of that rank's
+            # pages (the whole pool when data = 1); the pool's N axis is split over the data ranks.
+            pool = PartitionSpec(None, self.data_axes) if D > 1 else PartitionSpec()
+            self.cache.pages = jax.device_put(self.cache.pages, NamedSharding(mesh, pool))
         self.attention_impl = attention_impl
         self.kernel_impl = self._resolve_kernel(attention_impl)
         self.compile_log: list[dict] = []
@@ -289,6 +329,8 @@ class Engine:
         kv_dtype = "bf16" if fmt.quantized and not decode_kernel_reads(fmt) else self.cache.kv_dtype
         problems = kernel_problems(self.cfg, self.page_size, kv_dtype)
         if impl == "reference":
+            return None
+        if self.data_ranks > 1:  # "auto": the kernels do not run under the data ranks' shard_map yet
             return None
         if impl == "auto":
             return "kernel" if default_backend_is_hopper() and not problems else None
@@ -436,22 +478,33 @@ class _Generation:
         return [b for b, s in enumerate(self.slots) if s is not None]
 
     def admit(self) -> None:
-        """Waiting prompts into free slots while their whole prompt (and draft chain) fits the pool."""
-        for b in range(len(self.slots)):
-            if self.slots[b] is not None or not self.waiting:
-                continue
+        """Waiting prompts, in order, into free slots while their whole prompt (and draft chain) fits the
+        pool of the slot's data rank: the first free slot of each rank with a free slot, the ranks with
+        the most free pages first (one rank: the first free slot). A prompt that fits no rank waits for a
+        running request to free pages, or fails when none runs."""
+        while self.waiting:
+            first: dict[int, int] = {}
+            for b, seq in enumerate(self.slots):
+                if seq is None:
+                    first.setdefault(self.cache.rank_of(b), b)
+            if not first:
+                return
             r = self.waiting[0]
-            try:
-                self.cache.reserve(b, rows_needed(len(self.prompts[r]) - 1, self.k))
-            except CacheFullError as err:
-                if self.live():
-                    return  # wait for a running request to free pages
-                self.waiting.popleft()
-                self.slots[b] = _Seq(r, self.prompts[r], self.params[r], self.keys[r])
-                self.fail(b, err)
-                continue
+            placed, err = None, None
+            for b in sorted(first.values(), key=lambda b: -self.cache.free_pages_for(b)):
+                try:
+                    self.cache.reserve(b, rows_needed(len(self.prompts[r]) - 1, self.k))
+                    placed = b
+                    break
+                except CacheFullError as e:
+                    err = err or e
+            if placed is None and self.live():
+                return  # wait for a running request to free pages
+            b = placed if placed is not None else min(first.values())
             self.waiting.popleft()
             self.slots[b] = _Seq(r, self.prompts[r], self.params[r], self.keys[r])
+            if placed is None:
+                self.fail(b, err)
 
     def reserve_decode(self, live: list[int]) -> dict[int, int]:
         """Pages for every decoding row's next step -> {slot: drafts it verifies}. A row that cannot
@@ -467,7 +520,7 @@ class _Generation:
                 spec[b] = n_spec
             except CacheFullError as err:
                 fallback = rows_needed(seq.cached, self.k, 0)
-                if n_spec and self.cache.pages_for(fallback) - len(self.cache.pages_of(b)) <= self.cache.num_free_pages:
+                if n_spec and self.cache.pages_for(fallback) - len(self.cache.pages_of(b)) <= self.cache.free_pages_for(b):
                     self.cache.reserve(b, fallback)
                     spec[b] = 0
                 else:
@@ -550,8 +603,15 @@ class _Generation:
         outputs as numpy (the rest, the MTP draft state, stays on the device)."""
         traces0 = sum(trace_counts().values())
         t0 = time.perf_counter()
+        dp = None
+        if self.e.data_ranks > 1:  # the rows (and their local block tables) to their data ranks
+            from mla_jax.sharding import shard_batch
+
+            dp = (self.e.mesh, self.e.data_axes)
+            inp, args = shard_batch((inp, args), self.e.mesh)
         cache = KVCache.create(self.cache.pages, inp.block_table, inp.lengths, impl=self.e.backend,
-                               naive_threshold=self.e.naive_threshold, page_format=self.cache.page_format)
+                               naive_threshold=self.e.naive_threshold, page_format=self.cache.page_format,
+                               data_parallel=dp)
         cache, *outs = fn(self.e.state, cache, inp, *args, **static)
         self.cache.pages = cache.pages
         host = [np.asarray(o) if i < n_host else o for i, o in enumerate(outs)]

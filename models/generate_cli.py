@@ -236,9 +236,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"the prompt has {len(ids)} tokens; the model's context is "
                               f"{cfg.max_position_embeddings}")
         max_context = min(cfg.max_position_embeddings, len(ids) + args.max_new_tokens)
-        # The engine sizes its own pool for one sequence of max_context tokens (and the MTP draft room).
+        # The engine sizes its own pool for one sequence of max_context tokens (and the MTP draft room);
+        # with data ranks a slot a rank (a pool per data rank: the slots must split evenly), the prompt in one.
+        slots = dict(zip(mesh.axis_names, mesh.axis_sizes)).get("data", 1) if mesh is not None else 1
         try:
-            engine = Engine(model, page_size=64, max_batch=1, max_context=max_context,
+            engine = Engine(model, page_size=64, max_batch=slots, max_context=max_context,
                             attention_impl=args.attention_impl, kv_dtype=cache_dtype(args.kv_dtype), mesh=mesh)
         except ValueError as e:  # a format this model's latent cannot be stored in, a kernel limit
             raise _UsageError(f"--kv-dtype {args.kv_dtype}: {e}" if args.kv_dtype == "fp8" else str(e)) from None

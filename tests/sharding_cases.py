@@ -62,8 +62,13 @@ MESHES = {  # name: (data, expert, tensor)
 TRAIN_MESHES = ("mixed",)
 FSDP_MESH = "mixed"  # the same step under FSDP: every variable and AdamW moment also split over data
 PROMPT_LEN = 3  # greedy decoding fills positions PROMPT_LEN..T-1
-ENGINE_MESHES = ("mixed",)  # the paged-cache engine, greedy with MTP speculation (~6 s of CPU a mesh)
+# The paged-cache engine, greedy with MTP speculation (~6 s of CPU a mesh); on a data > 1 mesh a pool
+# per data rank. On DP_FULL_MESH also the case of one rank out of pages (DP_FULL_PROMPTS), on the same
+# compiled steps (the same B, pool, chunk and block-table shapes).
+ENGINE_MESHES = ("dp2", "mixed")
 ENGINE_PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
+DP_FULL_MESH = "dp2"
+DP_FULL_PROMPTS = [list(range(1, 17)), [7, 8, 9], [11, 12, 13]]
 # The parameters whose placement the tests read: path in nnx.state(model) -> a short name.
 WATCHED = {
     "wq_b": ("moe_layers", "self_attn", "wq_b", "kernel"),
@@ -137,10 +142,22 @@ def _greedy(graphdef, state, ids, place):
 
 def _engine(model, mesh):
     """(greedy tokens with MTP speculation, the page pools after the run) of an engine whose pool is
-    the default one (what the planner predicts) for 2 sequences of 16 tokens."""
-    e = Engine(model, page_size=8, max_batch=2, max_context=16, kv_dtype=jnp.float32, min_table_tokens=16, mesh=mesh)
+    the default one (what the planner predicts) for 2 sequences of 16 tokens: 6 pages of 8 tokens,
+    3 a data rank on a data=2 mesh. Block tables are 4 pages wide at every step (min_table_tokens)."""
+    e = Engine(model, page_size=8, max_batch=2, max_context=16, kv_dtype=jnp.float32, min_table_tokens=32, mesh=mesh)
     r = e.generate(ENGINE_PROMPTS, max_new_tokens=6, sampling=SamplingParams(temperature=0.0), use_mtp=True)
     return r.tokens, e.cache.pages
+
+
+def _engine_full(model, mesh):
+    """DP_FULL_PROMPTS (16, 3, 3 tokens) for 10 new tokens each, greedy with MTP, on _engine's shapes
+    (6 pages, 2 slots) with max_context 32: on one device the 6 pages hold the 16-token prompt's 4
+    pages and another's 2; on data=2 each rank holds 3, so the long request runs out on its rank.
+    -> dict(tokens, reasons, errors)."""
+    e = Engine(model, page_size=8, num_pages=6, max_batch=2, max_context=32, kv_dtype=jnp.float32,
+               min_table_tokens=32, mesh=mesh)
+    r = e.generate(DP_FULL_PROMPTS, max_new_tokens=10, sampling=SamplingParams(temperature=0.0), use_mtp=True)
+    return dict(tokens=r.tokens, reasons=r.finish_reasons, errors=r.errors, compiled=e.compile_log)
 
 
 def _train(model, batch):
@@ -221,6 +238,7 @@ def main(names, train=TRAIN_MESHES):
     ref_tokens = _greedy(graphdef, state, ids, lambda x: x)
     _, ref_state, ref_metrics = _train(model, dict(input_ids=ids, attention_mask=mask))
     ref_engine, _ = _engine(model, None)
+    ref_full = _engine_full(model, None) if DP_FULL_MESH in names else None
     print(json.dumps(dict(case="devices", count=jax.device_count(), cpu_s=time.process_time())), flush=True)
     for name in names:
         t0 = time.process_time()
@@ -245,13 +263,21 @@ def main(names, train=TRAIN_MESHES):
             except ValueError as e:
                 out["odd_batch_error"] = str(e)
         if name in ENGINE_MESHES:
+            t1 = time.process_time()
             tokens, pages = _engine(sharded, mesh)
-            plan = plan_kv_cache(CFG, context_len=16, num_sequences=2, page_size=8, kv_dtype="fp32", tp=tensor,
-                                 include_mtp=True, draft_tokens=3)
+            # The latent has no head axis: under tensor parallelism every device holds the whole pool; with
+            # data > 1 the sequences are split over data (the planner's dp_attention over `data` ranks).
+            plan = plan_kv_cache(CFG, context_len=16, num_sequences=2, page_size=8, kv_dtype="fp32",
+                                 tp=data if data > 1 else tensor, dp_attention=data > 1, include_mtp=True,
+                                 draft_tokens=3)
             out["engine"] = dict(tokens=tokens, ref_tokens=ref_engine, pages_replicated=pages.sharding.is_fully_replicated,
-                                 pages_devices=len(pages.sharding.device_set),
+                                 pages_shape=list(pages.shape), pages_placement=_placement(pages),
                                  shard_bytes=sorted({s.data.nbytes for s in pages.addressable_shards}),
                                  planned_per_device_bytes=plan.mla.per_device_bytes)
+            if name == DP_FULL_MESH:
+                out["engine"]["full"] = _engine_full(sharded, mesh)
+                out["engine"]["ref_full"] = ref_full
+            out["engine"]["cpu_s"] = time.process_time() - t1
         if name in train:
             batch = shard_batch(dict(input_ids=ids, attention_mask=mask), mesh)
             s_in, s_out, metrics = _train(sharded, batch)

@@ -376,6 +376,51 @@ def test_prompt_larger_than_the_pool_fails_alone(model):
     assert res.errors[1] is None and len(res.tokens[1]) == 2
 
 
+def test_admission_goes_to_a_data_rank_with_pages():
+    """The scheduler over a pool per data rank (2 ranks of 2 slots and 4 pages of 4 tokens; host only, no
+    step runs): a prompt goes to the rank with the most free pages that has a free slot, so the 8-token
+    prompts land on rank 1 next to rank 0's 12-token one (not on rank 0's last page, where the first
+    free slot is: a scheduler that tried only that slot would make them wait or fail); a 20-token
+    prompt that fits no rank waits while requests run, then fails alone, naming the rank."""
+    import types
+
+    from mla_jax.kv_cache import PagedLatentCache
+    from models.engine import _Generation
+
+    cache = PagedLatentCache(num_layers=1, num_pages=8, page_size=4, latent_dim=4, max_seqs=4, max_pages_per_seq=8,
+                             dtype=jnp.float32, ranks=2)
+    stub = types.SimpleNamespace(cache=cache, max_batch=4, num_pages=8, cfg=CFG, max_context=32)
+    prompts = [[1] * 12, [2] * 8, [3] * 8, [4] * 20]
+    g = _Generation(stub, prompts, [SamplingParams(temperature=0.0)] * 4, [np.zeros(2, np.uint32)] * 4, set(),
+                    4, 0, None, "fail_request")
+    g.admit()
+    assert [s and s.req for s in g.slots] == [0, None, 1, 2] and list(g.waiting) == [3]
+    assert (cache.pages_of(0), cache.pages_of(2), cache.pages_of(3)) == ([0, 1, 2], [0, 1], [2, 3])
+    for b in (0, 2, 3):
+        g.finish(b, "length")
+    g.admit()
+    assert g.reasons[3] == "error" and "only 4 of data rank 0's 4 are free" in g.errors[3]
+    assert g.errors[:3] == [None] * 3 and cache.pages_used == 0 and not g.waiting
+
+
+def test_data_rank_arguments():
+    """max_batch or num_pages not divisible by the mesh's data ranks, and the Pallas kernels (not under
+    shard_map yet) with data ranks: one line each naming the values (an AbstractMesh: no devices, no
+    weights), before anything is placed."""
+    from jax.sharding import AbstractMesh
+
+    from mla_jax.sharding import MESH_AXES
+
+    model = nnx.eval_shape(lambda: DeepSeekModel(CFG, rngs=nnx.Rngs(0)))
+    mesh = AbstractMesh((2, 1, 1), MESH_AXES)
+    with pytest.raises(ValueError, match=r"^Engine max_batch=3 is not divisible by the mesh's data ranks \(2\)$"):
+        Engine(model, max_batch=3, mesh=mesh)
+    with pytest.raises(ValueError, match=r"^Engine num_pages=7 is not divisible by the mesh's data ranks \(2\)$"):
+        Engine(model, max_batch=2, num_pages=7, mesh=mesh)
+    with pytest.raises(ValueError, match="attention_impl='interpret' with data ranks"):
+        Engine(model, max_batch=2, attention_impl="interpret", mesh=mesh)
+
+
 # --- bad input ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [
     (dict(prompts=[]), "non-empty list"),

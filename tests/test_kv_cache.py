@@ -60,6 +60,36 @@ def test_cache_full_changes_nothing():
     assert c.num_free_pages == 0
 
 
+def test_a_pool_per_data_rank():
+    """ranks=2: slots 0-1 allocate from rank 0's 4 pages, slots 2-3 from rank 1's, each by LOCAL ids
+    0..3 (what each rank's shard of the pool is indexed by); rank 0 out of pages raises for its slot
+    alone, naming the rank, and changes nothing of either rank; a freed page goes back to its own
+    rank. Catches block tables with global ids (rank 1's first page as 4: beyond its shard), one free
+    list for both ranks (slot 2 taking rank 0's pages), and a freed page handed to the other rank."""
+    c = _cache(max_seqs=4, ranks=2)
+    assert [c.rank_of(s) for s in range(4)] == [0, 0, 1, 1] and c.pages_per_rank == 4
+    c.reserve(0, 12)  # 3 pages of rank 0
+    c.reserve(2, 5)   # 2 pages of rank 1
+    assert c.pages_of(0) == [0, 1, 2] and c.pages_of(2) == [0, 1]
+    np.testing.assert_array_equal(c.block_tables[2, :2], [0, 1])
+    assert (c.free_pages_for(1), c.free_pages_for(3), c.num_free_pages, c.pages_used) == (1, 2, 3, 5)
+    before = (c.block_tables.copy(), c.lengths.copy(), [c.pages_of(s) for s in range(4)], c._free)
+    with pytest.raises(CacheFullError, match=r"slot 1 needs 2 more page\(s\) .*only 1 of data rank 0's 4 are free"):
+        c.reserve(1, 8)
+    assert (c.block_tables.tolist(), c.lengths.tolist(), [c.pages_of(s) for s in range(4)], c._free) == \
+        (before[0].tolist(), before[1].tolist(), before[2], before[3])
+    c.reserve(3, 8)   # rank 1 still has 2
+    assert c.pages_of(3) == [2, 3] and c.free_pages_for(2) == 0
+    c.release(0)
+    assert c.free_pages_for(1) == 4 and c.free_pages_for(3) == 0
+    c.reserve(1, 16)  # all of rank 0 again
+    assert sorted(c.pages_of(1)) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="max_seqs=3 is not divisible by ranks=2"):
+        _cache(ranks=2)
+    with pytest.raises(ValueError, match="num_pages=8 is not divisible by ranks=3"):
+        _cache(max_seqs=3, ranks=3)
+
+
 def test_dtype_is_a_property_of_the_cache():
     assert _cache().dtype == jnp.bfloat16 and _cache().kv_dtype == "bf16"
     c = _cache(dtype=jnp.float32)

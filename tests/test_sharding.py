@@ -227,24 +227,67 @@ def test_placements_read_from_addressable_shards(cases, mesh):
     assert c["ids_placement"] == dict(shard_shape=[4 // dp, 8], devices=n, distinct=dp)
 
 
-def test_engine_on_a_mesh(cases):
-    """Engine(model, mesh=...) on data=2, expert=2, tensor=2: greedy generation with MTP speculation
-    through the paged latent cache gives the single-device engine's tokens (catches a cached step
-    that GSPMD partitions wrongly: the absorbed path slices W_UK / W_UV out of the head-sharded
-    wkv_b, the verify step runs the MTP block), and the page pools are on all 8 devices whole after
-    the run (the latent has no head axis: the layout the planner prices for tensor parallelism)."""
-    e = cases["mixed"]["engine"]
+ENGINE_MESHES = ("dp2", "mixed")   # sharding_cases.ENGINE_MESHES
+
+
+@pytest.mark.parametrize("mesh", ENGINE_MESHES)
+def test_engine_on_a_mesh(cases, mesh):
+    """Engine(model, mesh=...) on data=2 alone and on data=2, expert=2, tensor=2: greedy generation
+    with MTP speculation through the paged latent cache gives the single-device engine's tokens.
+    Catches a cached step that GSPMD partitions wrongly (the absorbed path slices W_UK / W_UV out of
+    the head-sharded wkv_b, the verify step runs the MTP block) and, with a pool per data rank, a
+    block table holding global page ids on the sharded pool (rank 1's ids 3..5 fall outside its 3
+    local pages: its writes are dropped, its gathers clamped) or a write landing in the other rank's
+    pages (its tokens would be read back as this row's)."""
+    e = cases[mesh]["engine"]
     assert e["tokens"] == e["ref_tokens"] and all(len(t) == 6 for t in e["tokens"])
-    assert e["pages_replicated"] and e["pages_devices"] == 8
 
 
-def test_planner_per_device_bytes_are_what_each_device_holds(cases):
-    """mla_jax.capacity's per-device MLA figure under tensor parallelism (the latent replicated, every
-    device all of it) equals the bytes of each device's shard of the engine's page pools, read from
-    addressable_shards: a planner that divided the latent by tp (as for MHA heads), or an engine
-    pool of another size than planned, would differ."""
-    e = cases["mixed"]["engine"]
+@pytest.mark.parametrize("mesh", ENGINE_MESHES)
+def test_each_data_rank_holds_its_own_pages(cases, mesh):
+    """With data = 2 the pool's page axis is split over `data`: each device holds the 3 pages of its
+    rank, [layers, N / 2, page, width], and the expert / tensor devices of a rank hold the same shard
+    (the latent has no head axis). A pool left replicated (every device all 6 pages: twice the memory
+    DP attention is for) or split over another axis is caught here, not by any token."""
+    c = cases[mesh]
+    e, m = c["engine"], c["mesh"]
+    n = m["data"] * m["expert"] * m["tensor"]
+    L, N, G, C = 3 + 1, 6, 8, 16 + 8   # main layers + the MTP layer, 2 sequences x 3 pages, page, latent width
+    assert e["pages_shape"] == [L, N, G, C]
+    assert e["pages_placement"] == dict(shard_shape=[L, N // m["data"], G, C], devices=n, distinct=m["data"])
+    assert not e["pages_replicated"]
+
+
+@pytest.mark.parametrize("mesh", ENGINE_MESHES)
+def test_planner_per_device_bytes_are_what_each_device_holds(cases, mesh):
+    """mla_jax.capacity's per-device MLA figure equals the bytes of each device's shard of the engine's
+    page pools, read from addressable_shards: with data ranks the planner's dp_attention split over
+    `data` (half the sequences a device; the tensor devices of a rank hold the latent whole). A
+    planner that divided the latent by tp (as for MHA heads), or an engine pool of another size than
+    planned, would differ."""
+    e = cases[mesh]["engine"]
     assert e["shard_bytes"] == [e["planned_per_device_bytes"]]
+
+
+def test_one_data_rank_out_of_pages_fails_only_its_request(cases):
+    """data=2, 6 pages (3 a rank, 24 tokens), 2 slots (one a rank); prompts of 16, 3 and 3 tokens, 10
+    new tokens each. On one device the shared pool holds the long request's 4 pages next to another's
+    2 and all three finish; on the mesh the long one runs out on its rank after 8 tokens and fails
+    alone ("error", the message naming its rank and the rank's 3 pages), its tokens up to then the
+    single-device ones; the request on the other rank, and the third one (admitted to the failed
+    request's rank, onto its freed pages), give exactly the single-device tokens. Catches an
+    allocator that counts the pool as one (rank 0 taking rank 1's pages: a local id beyond its shard),
+    a failure that releases or rewinds another slot's pages, a freed page handed to the wrong rank,
+    and stale rows of the failed request read by the next one. No step compiles for it."""
+    e = cases["dp2"]["engine"]
+    full, ref = e["full"], e["ref_full"]
+    assert ref["reasons"] == ["length"] * 3 and ref["errors"] == [None] * 3
+    assert full["reasons"] == ["error", "length", "length"]
+    assert "data rank 0's 3 are free" in full["errors"][0] and full["errors"][1:] == [None, None]
+    a = full["tokens"][0]
+    assert 0 < len(a) < 10 and a == ref["tokens"][0][:len(a)]
+    assert full["tokens"][1:] == ref["tokens"][1:]
+    assert full["compiled"] == [] and ref["compiled"] == []
 
 
 def test_batch_not_divisible_by_data(cases):
