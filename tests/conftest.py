@@ -17,14 +17,27 @@ import pytest
 
 os.environ.setdefault("MLA_JAX_COMPILE_CACHE", "off")
 
-# XLA:CPU without LLVM's optimisation passes: most of the suite's time is XLA compiling small
-# programs that then run for milliseconds, and at -O0 they compile much faster (tests/test_training.py
-# 67 -> 37 s on the 2-core machine). Set before jax starts a backend; the tools the tests start
-# inherit it. Only on a machine without an NVIDIA driver (nvidia-smi): the GPU suite keeps XLA's
-# defaults, since the flag would reach the GPU backend's code generation too.
-CPU_OPT_FLAG = "--xla_backend_optimization_level=0"
-if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), CPU_OPT_FLAG]))
+# XLA without most of its optimisation work (jax's `jax_disable_most_optimizations`: LLVM at -O0, no
+# expensive passes): most of the suite's time is XLA compiling small programs that then run for
+# milliseconds, and those compile much faster (tests/test_training.py 67 -> 37 s on the 2-core machine).
+# Set before jax is imported, so the tools the tests start inherit it too. Only on a machine without an
+# NVIDIA driver (nvidia-smi): the GPU suite keeps XLA's defaults. Tests that run their programs for
+# long (thousands of sampled tokens, 2048-token forwards) take the `xla_optimized` marker: they compile
+# with the optimisations on (the `_xla_optimized` fixture below), where they run 2x faster.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _xla_optimized(request):
+    """For a test marked `xla_optimized`: XLA's optimisations on while it runs, off again after (module
+    fixtures are built before this one: one that compiles uses `tests.xla_opt.optimized` itself)."""
+    if request.node.get_closest_marker("xla_optimized") is None:
+        yield
+        return
+    from tests.xla_opt import optimized
+    with optimized():
+        yield
 
 # One run's own compilation cache: a fresh directory per `pytest` run, shared by its xdist workers
 # and by the tools the tests start (they inherit the environment), removed at the end. Most of the

@@ -21,6 +21,7 @@ from mla_jax.kv_cache import CacheFullError, KVCache, write_latents
 from models import DeepSeekModel
 from models.engine import Engine, GenerationResult, trace_counts
 from models.sampling import SamplingParams
+from tests.xla_opt import optimized
 
 CFG = ModelConfig.tiny().replace(num_hidden_layers=2)  # one dense layer, one MoE layer, one MTP module
 STD = dict(page_size=4, num_pages=64, max_batch=4, prefill_chunk=8, kv_dtype=jnp.float32)
@@ -182,6 +183,7 @@ def test_mtp_greedy_equals_plain_greedy(spec_model, k):
           f"decode steps {st['decode_steps']} vs {plain.stats['decode_steps']}")
 
 
+@pytest.mark.xla_optimized  # the wide engine's steps run many times: compiled optimised
 def test_mtp_rejection_sampling_path_with_one_hot_distributions(spec_model, wide_engine):
     """temperature 1 with top_k = 1 runs the sampling code (rejection sampling, residual and bonus
     draws, per-position keys) on one-hot p and q, where its result is known: the greedy tokens.
@@ -194,6 +196,7 @@ def test_mtp_rejection_sampling_path_with_one_hot_distributions(spec_model, wide
     assert 0 < res.stats["mtp_accepted"] < res.stats["mtp_drafted"]
 
 
+@pytest.mark.xla_optimized  # the wide engine's steps run many times: compiled optimised
 def test_sampled_generation_reproduces_and_ignores_batching(wide_engine):
     """temperature > 0 with MTP (rejection sampling): a seed reproduces, and a request's tokens do
     not depend on which other requests share its batch (the keys fold in positions, not slots)."""
@@ -280,9 +283,11 @@ DIST_SAMPLING = SamplingParams(temperature=1.0, top_k=3, seed=31)  # 3 outcomes 
 @pytest.fixture(scope="module")
 def plain_draws(wide_engine):
     """The first three new tokens of DIST_N requests sampled without MTP."""
-    return wide_engine.generate([DIST_PROMPT] * DIST_N, max_new_tokens=3, sampling=DIST_SAMPLING).tokens
+    with optimized():   # many steps (see the xla_optimized marker)
+        return wide_engine.generate([DIST_PROMPT] * DIST_N, max_new_tokens=3, sampling=DIST_SAMPLING).tokens
 
 
+@pytest.mark.xla_optimized  # 2000 requests a case
 @pytest.mark.parametrize("k", [1, 3])   # k = 2: the same chain code as k = 3, shorter (see above)
 def test_mtp_sampling_keeps_the_output_distribution(wide_engine, plain_draws, k):
     """With temperature > 0, accepting drafts by rejection sampling (k > 1: a prefix of the MTP
