@@ -65,7 +65,7 @@ PROMPT_LEN = 3  # greedy decoding fills positions PROMPT_LEN..T-1
 # The paged-cache engine, greedy with MTP speculation (~6 s of CPU a mesh); on a data > 1 mesh a pool
 # per data rank. On DP_FULL_MESH also the case of one rank out of pages (DP_FULL_PROMPTS), on the same
 # compiled steps (the same B, pool, chunk and block-table shapes).
-ENGINE_MESHES = ("dp2", "mixed")
+ENGINE_MESHES = ("tp2", "dp2", "mixed")   # tp2: the pool replicated (data = 1)
 ENGINE_PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 DP_FULL_MESH = "dp2"
 DP_FULL_PROMPTS = [list(range(1, 17)), [7, 8, 9], [11, 12, 13]]

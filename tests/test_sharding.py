@@ -227,12 +227,13 @@ def test_placements_read_from_addressable_shards(cases, mesh):
     assert c["ids_placement"] == dict(shard_shape=[4 // dp, 8], devices=n, distinct=dp)
 
 
-ENGINE_MESHES = ("dp2", "mixed")   # sharding_cases.ENGINE_MESHES
+ENGINE_MESHES = ("tp2", "dp2", "mixed")   # sharding_cases.ENGINE_MESHES
 
 
 @pytest.mark.parametrize("mesh", ENGINE_MESHES)
 def test_engine_on_a_mesh(cases, mesh):
-    """Engine(model, mesh=...) on data=2 alone and on data=2, expert=2, tensor=2: greedy generation
+    """Engine(model, mesh=...) on tensor=2 (one pool, replicated), data=2 alone and data=2, expert=2,
+    tensor=2: greedy generation
     with MTP speculation through the paged latent cache gives the single-device engine's tokens.
     Catches a cached step that GSPMD partitions wrongly (the absorbed path slices W_UK / W_UV out of
     the head-sharded wkv_b, the verify step runs the MTP block) and, with a pool per data rank, a
@@ -248,14 +249,16 @@ def test_each_data_rank_holds_its_own_pages(cases, mesh):
     """With data = 2 the pool's page axis is split over `data`: each device holds the 3 pages of its
     rank, [layers, N / 2, page, width], and the expert / tensor devices of a rank hold the same shard
     (the latent has no head axis). A pool left replicated (every device all 6 pages: twice the memory
-    DP attention is for) or split over another axis is caught here, not by any token."""
+    DP attention is for) or split over another axis is caught here, not by any token. With data = 1
+    (tp2) every device holds the whole pool: a pool split over `tensor` would give each device half the
+    pages a sequence reads."""
     c = cases[mesh]
     e, m = c["engine"], c["mesh"]
     n = m["data"] * m["expert"] * m["tensor"]
     L, N, G, C = 3 + 1, 6, 8, 16 + 8   # main layers + the MTP layer, 2 sequences x 3 pages, page, latent width
     assert e["pages_shape"] == [L, N, G, C]
     assert e["pages_placement"] == dict(shard_shape=[L, N // m["data"], G, C], devices=n, distinct=m["data"])
-    assert not e["pages_replicated"]
+    assert e["pages_replicated"] == (m["data"] == 1)
 
 
 @pytest.mark.parametrize("mesh", ENGINE_MESHES)
