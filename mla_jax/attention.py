@@ -310,11 +310,14 @@ class MLA(nnx.Module):
             # (decode, verify), so padding queries at the end are counted in: the valid ones land on
             # their positions and the padding ones' outputs are discarded.
             n_valid = jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
-            pages, table = cache.flat_pages()
             # bf16 queries: the pages' own dtype, or what fp8 pages dequantise to in the kernel
-            q_BTHC = self.absorb_query(q_nope, q_pe).astype(jnp.bfloat16 if cache.quantized else pages.dtype)
-            o_lat, _ = mla_decode(q_BTHC, pages, table, cache.lengths + T - n_valid,
-                                  softmax_scale=cfg.softmax_scale, causal=True, impl=cache.impl)
+            q_BTHC = self.absorb_query(q_nope, q_pe).astype(jnp.bfloat16 if cache.quantized else cache.pages.dtype)
+
+            def decode(pages, table, q, seq_lens):  # on the whole pool, or one data rank's (map_pages)
+                return mla_decode(q, pages, table, seq_lens, softmax_scale=cfg.softmax_scale, causal=True,
+                                  impl=cache.impl)[0]
+
+            o_lat = cache.map_pages(decode, q_BTHC, cache.lengths + T - n_valid)
             return self.output_from_latent(o_lat.astype(x_BTD.dtype)), cache
         ctx_BSC, kv_pos_BS = cache.gather(dtype=x_BTD.dtype)
         out = self.attend(q_nope, q_pe, ctx_BSC, positions_BT, kv_pos_BS, absorbed=T < cache.naive_threshold)

@@ -20,7 +20,7 @@ Three parts:
   stacked pools, the step's block table and lengths, the layer the next attention call uses, and
   the static choices (backend "kernel" | "interpret" | "reference", the decompressed-path
   threshold). `MLA` writes its latents through it and reads them back (`write`, `gather`, or the
-  decode kernel straight on the pages via `flat_pages`).
+  decode kernel straight on the pages via `map_pages`).
 - `write_latents` / `gather_latents` (pure, jit-able): one pool's scatter and gather.
 
 The page format is a property of the cache object, one `pallas_kernels.PageFormat`: bf16 by default,
@@ -47,6 +47,14 @@ from pallas_kernels.page_format import BF16_PAGES, FP8_PAGES, NAMES as _FORMAT_N
 # Names of the page formats this cache can allocate (as `mla_jax.capacity.KV_DTYPES` names them)
 # -> the element dtype of their pages.
 PAGE_FORMATS = {name: PageFormat(name).storage_dtype for name in _FORMAT_NAMES}
+
+
+# Why a pool per data rank is not read by the Pallas interpreter. jax 0.11.2's Mosaic GPU interpreter
+# checks at the end of every kernel that no barrier of ANY device is still allocated, before the
+# devices meet: two devices running a kernel at once fail that check whenever one finishes first
+# (seen on 2 CPU devices, 1 run in 8). The compiled kernels ("kernel") have no such check.
+INTERPRET_ON_DATA_RANKS = ("the Pallas interpreter cannot run a kernel on several devices at once (jax 0.11.2); "
+                           "use 'kernel' on GPUs or 'reference'")
 
 
 class CacheFullError(RuntimeError):
@@ -355,7 +363,9 @@ class KVCache:
                     N axis and every [B, ...] array are split over those axes, the block table holds
                     page ids LOCAL to the row's rank, and `write` / `gather` run under `jax.shard_map`,
                     manual over those axes (each rank scatters into and gathers from its own N / D
-                    pages; the other mesh axes stay GSPMD's). jnp backend only ("reference").
+                    pages; the other mesh axes stay GSPMD's). The kernels run there too, each on its
+                    rank's pages, rows and local page ids: `gather`'s `paged_gather` and, through
+                    `map_pages`, the layer's `mla_decode`.
 
     A query token at position p (negative = padding, never written, sees nothing) attends causally
     to the row's cached tokens at positions <= p, this step's own tokens included.
@@ -375,9 +385,8 @@ class KVCache:
             raise ValueError(f"KVCache impl must be one of {BACKENDS}, got {self.impl!r}")
         if self.page_format is not None and not isinstance(self.page_format, PageFormat):
             raise ValueError(f"KVCache page_format must be a PageFormat or None, got {self.page_format!r}")
-        if self.data_parallel is not None and self.impl != "reference":
-            raise ValueError(f"KVCache impl={self.impl!r} with a pool per data rank: the Pallas kernels do not run "
-                             "under shard_map yet; use impl='reference'")
+        if self.data_parallel is not None and self.impl == "interpret":
+            raise ValueError("KVCache impl='interpret' with a pool per data rank: " + INTERPRET_ON_DATA_RANKS)
 
     @classmethod
     def create(cls, pages, block_table, lengths, *, impl: str = "reference", naive_threshold: int = 256,
@@ -416,8 +425,26 @@ class KVCache:
         """
         if self.data_parallel is not None:
             raise ValueError("KVCache.flat_pages: the pool is split per data rank and the block table holds local "
-                             "page ids; read it through write / gather (under shard_map)")
+                             "page ids; read it through map_pages, write or gather (under shard_map)")
         return _flat(self.pages, self.block_table, self.layer)
+
+    def map_pages(self, fn, *row_args):
+        """`fn(pages, block_table, *row_args)` on this layer's pages, e.g. the decode kernel: `pages` is
+        every pool flat ([num_layers * N, G, W], as `flat_pages`), `block_table` [B, P] offset to this
+        layer in it, each row argument [B, ...]; `fn` returns an array [B, ...] or a tuple of them.
+
+        With a pool per data rank (`data_parallel`), `fn` runs once a device under `jax.shard_map`,
+        manual over every mesh axis: on its rank's own N / D pages, its rank's rows of the table (local
+        page ids) and of `row_args` (whole on the rank: gathered over `tensor`, e.g. a head-split
+        query), and its results are split over the data axes as the rows are, the same on every
+        device of a rank.
+        """
+        def on_pool(pages, table, *rest):
+            *args, layer = rest
+            return fn(*_flat(pages, table, layer), *args)
+
+        return self._per_rank(on_pool, batch_args=1 + len(row_args), pool_out=False, kernel=True)(
+            self.pages, self.block_table, *row_args, self.layer)
 
     @property
     def quantized(self) -> bool:
@@ -435,20 +462,27 @@ class KVCache:
         """This layer's cached tokens per row, dense and decoded: (latent [B, P*G, C] in `dtype`,
         positions int32 [B, P*G], -1 past the row's length); see `gather_latents`."""
         gather = functools.partial(_gather_pool, impl=self.impl, page_format=self.page_format, dtype=dtype)
-        return self._per_rank(gather, batch_args=2, pool_out=False)(self.pages, self.block_table, self.lengths,
+        return self._per_rank(gather, batch_args=2, pool_out=False, kernel=self.impl != "reference")(self.pages, self.block_table, self.lengths,
                                                                     self.layer)
 
-    def _per_rank(self, fn, *, batch_args: int, pool_out: bool):
+    def _per_rank(self, fn, *, batch_args: int, pool_out: bool, kernel: bool = False):
         """`fn(pages, *batch_args, layer)` as is, or under `jax.shard_map` over the data axes: the pool by
         its N axis, the batch arguments by B, the layer replicated; the result is the pool (`pool_out`)
-        or a pair of [B, ...] arrays."""
+        or [B, ...] arrays (one, or a tuple).
+
+        `kernel`: `fn` calls a Pallas kernel, so the map is manual over EVERY mesh axis (each device
+        runs the kernel on its rank's whole arrays; the arguments are gathered over the other axes, as
+        GSPMD would gather them for a kernel it cannot partition). A partly automatic map would leave
+        the kernel to GSPMD, and the interpreter's callbacks are refused there (jax 0.11: "callbacks
+        are only supported ... when all mesh axes are partitioned manually")."""
         if self.data_parallel is None:
             return fn
         mesh, axes = self.data_parallel
         pool, rows = PartitionSpec(None, axes), PartitionSpec(axes)
+        manual = set(mesh.axis_names) if kernel else set(axes)
         # No collective inside (each rank touches its own pages only), so nothing for check_vma to check.
         return jax.shard_map(fn, mesh=mesh, in_specs=(pool,) + (rows,) * batch_args + (PartitionSpec(),),
-                             out_specs=pool if pool_out else (rows, rows), axis_names=set(axes), check_vma=False)
+                             out_specs=pool if pool_out else rows, axis_names=manual, check_vma=False)
 
 
 def _flat(pages, block_table, layer):

@@ -31,7 +31,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mla_jax.kv_cache import KVCache, CacheFullError, PagedLatentCache, decode_kernel_reads, next_pow2
+from mla_jax.kv_cache import (INTERPRET_ON_DATA_RANKS, KVCache, CacheFullError, PagedLatentCache, decode_kernel_reads,
+                              next_pow2)
 from models.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
 from models.steps import (MAX_DRAFT_TOKENS, NON_FINITE, StepInputs, compiled_steps, decode_step, prefill_step,
                           trace_counts, verify_step)
@@ -238,12 +239,14 @@ class Engine:
           most free pages first); a rank out of pages fails its own request only;
         - each step's [B, ...] inputs are placed split over `data`, and the cache write and gather run
           under `jax.shard_map`, manual over `data` alone (`KVCache.data_parallel`): each rank scatters
-          into and gathers from its own pages; the attention over the gathered rows, the MoE (its own
-          shard_map) and the rest of the layer stay as without data ranks;
+          into and gathers from its own pages, and the decode kernel runs once a rank on its own pages
+          and rows (`KVCache.map_pages`); the attention over gathered rows, the MoE (its own
+          shard_map) and the rest of the layer stay as without data ranks (GSPMD's);
         - per device the pool is `plan_kv_cache(..., tp=D, dp_attention=True).mla.per_device_bytes`.
-        Not yet: the Pallas kernels under `shard_map` (GSPMD does not partition a kernel): with data
-        ranks "auto" is the jnp path and "kernel" / "interpret" are refused; on CPU the engine's jnp path
-        and `lax.ragged_dot` are what runs, checked on 8 CPU devices; no GPU mesh has run.
+        The kernels in a data rank's map see the rank's whole head axis (the query is gathered over
+        `tensor` for them). Checked on 8 CPU devices: the engine's jnp path, the maps with the jnp
+        kernels' references, the kernels cross-lowered for sm_90; "interpret" is refused with data
+        ranks (`mla_jax.kv_cache.INTERPRET_ON_DATA_RANKS`). No GPU mesh has run yet.
 
     `compile_log`: one dict per step that compiled, {"step", "bucket", "seconds"} (wall time of that
     call, compilation included).
@@ -275,9 +278,8 @@ class Engine:
             raise ValueError(f"Engine max_batch={max_batch} is not divisible by the mesh's data ranks ({D})")
         if num_pages is not None and num_pages % D:
             raise ValueError(f"Engine num_pages={num_pages} is not divisible by the mesh's data ranks ({D})")
-        if D > 1 and attention_impl in ("kernel", "interpret"):
-            raise ValueError(f"Engine attention_impl={attention_impl!r} with data ranks ({D}): the Pallas kernels do "
-                             "not run under shard_map yet; use 'auto' or 'reference'")
+        if D > 1 and attention_impl == "interpret":
+            raise ValueError(f"Engine attention_impl='interpret' with data ranks ({D}): " + INTERPRET_ON_DATA_RANKS)
         if max_context is None:
             cap = 2048 if num_pages is None else num_pages // D * page_size  # a sequence holds its rank's pages
             max_context = min(cfg.max_position_embeddings, cap)
@@ -329,8 +331,6 @@ class Engine:
         kv_dtype = "bf16" if fmt.quantized and not decode_kernel_reads(fmt) else self.cache.kv_dtype
         problems = kernel_problems(self.cfg, self.page_size, kv_dtype)
         if impl == "reference":
-            return None
-        if self.data_ranks > 1:  # "auto": the kernels do not run under the data ranks' shard_map yet
             return None
         if impl == "auto":
             return "kernel" if default_backend_is_hopper() and not problems else None

@@ -68,6 +68,7 @@ PROMPT_LEN = 3  # greedy decoding fills positions PROMPT_LEN..T-1
 ENGINE_MESHES = ("tp2", "dp2", "mixed")   # tp2: the pool replicated (data = 1)
 ENGINE_PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 DP_FULL_MESH = "dp2"
+KERNEL_MESH = "mixed"  # the data ranks' maps of the kernels' path (KVCache.map_pages, gather): _cache_kernels
 DP_FULL_PROMPTS = [list(range(1, 17)), [7, 8, 9], [11, 12, 13]]
 # The parameters whose placement the tests read: path in nnx.state(model) -> a short name.
 WATCHED = {
@@ -158,6 +159,51 @@ def _engine_full(model, mesh):
                min_table_tokens=32, mesh=mesh)
     r = e.generate(DP_FULL_PROMPTS, max_new_tokens=10, sampling=SamplingParams(temperature=0.0), use_mtp=True)
     return dict(tokens=r.tokens, reasons=r.finish_reasons, errors=r.errors, compiled=e.compile_log)
+
+
+def _cache_kernels(mesh) -> dict:
+    """The data ranks' maps of the kernels' path on `mesh` (data = 2): `KVCache.map_pages` (what the layer
+    runs `mla_decode` through) and `KVCache.gather`, on bf16 pages [2 layers, 6, 64, 576] split 3 a rank,
+    read at layer 1, rows 0 and 1 on ranks 0 and 1 with LOCAL page ids, every page no row reads NaN.
+    -> the largest differences from each rank's own pages read on one device (map_pages with
+    `mla_decode_reference` inside, the jnp gather), and, lowered for sm_90 with impl "kernel", the
+    Mosaic GPU calls in the program and the mesh axes its maps are manual over."""
+    from mla_jax.kv_cache import KVCache
+    from pallas_kernels import mla_decode
+    from pallas_kernels.mla_decode import mla_decode_reference
+
+    rng = np.random.default_rng(3)
+    pages = rng.standard_normal((2, 6, 64, 576)).astype(np.float32)
+    table, lens = np.array([[2, 0], [1, 2]], np.int32), np.array([100, 70], np.int32)
+    for r in range(2):
+        for i in set(range(3)) - set(table[r]):
+            pages[:, 3 * r + i] = np.nan
+    pages = jnp.asarray(pages, jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((2, 1, 16, 576)), jnp.bfloat16)
+
+    def run(impl, q, pages, table, lens):
+        c = KVCache.create(pages, table, lens, impl=impl, data_parallel=(mesh, ("data",))).at_layer(1)
+        dec = c.map_pages(lambda p, t, q, n: mla_decode(q, p, t, n, softmax_scale=0.1, causal=True, impl=impl)[0],
+                          q, c.lengths)
+        return dec, c.gather(dtype=jnp.float32)
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    args = (put(q, P("data", None, "tensor")), put(pages, P(None, "data")), put(table, P("data")), put(lens, P("data")))
+    f = jax.jit(run, static_argnums=0)
+    dec, (ctx, pos) = f("reference", *args)
+    want = jnp.concatenate([mla_decode_reference(q[r:r + 1], pages[1, 3 * r:3 * r + 3], table[r:r + 1], lens[r:r + 1],
+                                                 softmax_scale=0.1, causal=True)[0] for r in range(2)])
+    own = np.stack([np.asarray(pages[1, 3 * r + table[r]], np.float32).reshape(128, 576) for r in range(2)])
+    seen = np.asarray(pos)[..., None] >= 0
+    text = f.trace("kernel", *args).lower(lowering_platforms=("cuda",)).as_text()
+    # one sdy.manual_computation a map: the axes it is manual over, the pool's shape inside it
+    maps = [dict(axes=sorted(re.findall(r'"(\w+)"', axes)), pool=pool) for axes, pool in
+            re.findall(r'sdy\.manual_computation.*?manual_axes=\{([^}]*)\} \(%\w+: tensor<([^>]*)>', text)]
+    return dict(decode_diff=_max_diff(dec, want), decode_finite=bool(jnp.all(jnp.isfinite(dec.astype(jnp.float32)))),
+                gather_diff=float(np.max(np.abs(np.where(seen, np.asarray(ctx) - own, 0.0)))),
+                gather_positions=np.asarray(pos)[:, ::32].tolist(), out_spec=str(dec.sharding.spec),
+                mosaic_calls=len(re.findall(r'custom_call @mosaic_gpu', text)), maps=maps)
 
 
 def _train(model, batch):
@@ -278,6 +324,10 @@ def main(names, train=TRAIN_MESHES):
                 out["engine"]["full"] = _engine_full(sharded, mesh)
                 out["engine"]["ref_full"] = ref_full
             out["engine"]["cpu_s"] = time.process_time() - t1
+        if name == KERNEL_MESH:
+            t1 = time.process_time()
+            out["cache_kernels"] = _cache_kernels(mesh)
+            out["cache_kernels"]["cpu_s"] = time.process_time() - t1
         if name in train:
             batch = shard_batch(dict(input_ids=ids, attention_mask=mask), mesh)
             s_in, s_out, metrics = _train(sharded, batch)

@@ -409,9 +409,10 @@ def test_admission_goes_to_a_data_rank_with_pages():
 
 
 def test_data_rank_arguments():
-    """max_batch or num_pages not divisible by the mesh's data ranks, and the Pallas kernels (not under
-    shard_map yet) with data ranks: one line each naming the values (an AbstractMesh: no devices, no
-    weights), before anything is placed."""
+    """max_batch or num_pages not divisible by the mesh's data ranks, and the Pallas interpreter with data
+    ranks (jax 0.11.2's interpreter fails when two devices run a kernel at once, kv_cache's
+    INTERPRET_ON_DATA_RANKS): one line each naming the values (an AbstractMesh: no devices, no weights),
+    before anything is placed. The compiled kernels are allowed there now ("kernel")."""
     from jax.sharding import AbstractMesh
 
     from mla_jax.sharding import MESH_AXES
@@ -422,7 +423,8 @@ def test_data_rank_arguments():
         Engine(model, max_batch=3, mesh=mesh)
     with pytest.raises(ValueError, match=r"^Engine num_pages=7 is not divisible by the mesh's data ranks \(2\)$"):
         Engine(model, max_batch=2, num_pages=7, mesh=mesh)
-    with pytest.raises(ValueError, match="attention_impl='interpret' with data ranks"):
+    with pytest.raises(ValueError, match=r"^Engine attention_impl='interpret' with data ranks \(2\): the Pallas "
+                                         r"interpreter cannot run a kernel on several devices at once"):
         Engine(model, max_batch=2, attention_impl="interpret", mesh=mesh)
 
 

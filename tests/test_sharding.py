@@ -293,6 +293,23 @@ def test_one_data_rank_out_of_pages_fails_only_its_request(cases):
     assert full["compiled"] == [] and ref["compiled"] == []
 
 
+def test_data_ranks_read_their_own_pages_through_the_kernels_maps(cases):
+    """data=2, expert=2, tensor=2: `KVCache.map_pages` (the layer's `mla_decode` call) and `gather`, on a
+    pool split 3 pages a rank with LOCAL page ids, layer 1 of 2, every page no row reads NaN, give each
+    rank's own pages read on one device (exactly: the same jnp code per row), the outputs split over
+    `data`. Catches a map that hands every rank the whole pool (rank 1's local ids read rank 0's pages:
+    NaN; measured), one that ignores the layer (reads layer 0: off by ~4; measured), rows not split
+    with the pages. Lowered for sm_90 with the kernels: the Mosaic GPU calls sit in maps manual over
+    every mesh axis (the interpreter's callbacks and a kernel GSPMD cannot partition need that), each
+    on its rank's 3 pages of both layers."""
+    k = cases["mixed"]["cache_kernels"]
+    assert k["decode_finite"] and k["decode_diff"] == 0.0 and k["gather_diff"] == 0.0
+    assert k["gather_positions"] == [[0, 32, 64, 96], [0, 32, 64, -1]]   # rows of 100 and 70 tokens
+    assert k["out_spec"] == "P('data',)"
+    assert k["mosaic_calls"] >= 2 and len(k["maps"]) == 2
+    assert all(m == dict(axes=["data", "expert", "tensor"], pool="2x3x64x576xbf16") for m in k["maps"])
+
+
 def test_batch_not_divisible_by_data(cases):
     """3 rows over data=2: one line naming the batch and the mesh axis (jax.device_put's own error is
     a paragraph about a NamedSharding's global shape)."""
