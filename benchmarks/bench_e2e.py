@@ -42,6 +42,16 @@ prompt (logits of the last position only, as ours) timed as prefill, then N-1 ca
 decode. A cell that would not fit (estimated) or whose prefill is estimated above ``--hf-cell-limit`` seconds
 is "skipped (reason)"; the decode loop stops at that limit and reports the steps it ran.
 
+On a device mesh (``--mesh SPEC``, repeatable; ``1`` is one device): each mesh in turn builds the model
+straight into its shardings (`mla_jax.sharding.model_shardings`; the same random weights as one device) and
+runs the cells through ``Engine(..., mesh=...)``: tensor parallelism over heads, expert parallelism over the
+routed experts, ``data`` = D > 1 a page pool a data rank (data-parallel attention). Its rows are
+``impl`` = ``ours@SPEC`` with ``devices``; ``agree_one_device`` is the fraction of greedy tokens equal to
+the one-device run of the same cell (earlier in the same run), counted per request up to its first
+difference, and ``pool_devices`` the devices holding the engine's page pool (random models' logits are nearly flat, so a reduction order may flip one; a wrong layout
+flips them all). The floor columns stay one device's: on a mesh ``x_floor`` < 1 is possible, and
+``decode_ms_step`` beside the one-device row's is the comparison.
+
 Processes: the driver never touches the GPU. Our cells run in one fresh worker process per run of
 consecutive same-model cells (clean memory, cold compiles), then the HF peer in its own process, so JAX's
 preallocation and torch never share the GPU. Every finished cell is appended to ``e2e.csv`` at once (a
@@ -84,7 +94,8 @@ COLUMNS = ["model", "impl", "B", "prompt", "new_tokens", "mtp", "layers", "kv_dt
            "ttft_s", "ttft_stats_s", "prefill_s", "prefill_tok_s", "prefill_gflop", "prefill_tflops", "prefill_mfu",
            "decode_steps", "decode_ms_step", "decode_tok_s", "mtp_acceptance",
            "floor_gb", "floor_ms", "x_floor", "experts_touched",
-           "pages_used_peak", "peak_mem_gb", "build_s", "weights_gb", "same_tokens", "note", "error"]
+           "pages_used_peak", "peak_mem_gb", "build_s", "weights_gb", "same_tokens", "mesh", "devices",
+           "pool_devices", "agree_one_device", "note", "error"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -117,21 +128,54 @@ def model_config(name: str, *, config: str = "full", layers: int | None = None, 
   raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
-def build_model(cfg, dtype):
+def build_model(cfg, dtype, mesh=None):
   """`DeepSeekModel` with random weights, built on the default device (the GPU) -> (model, seconds).
 
   Eager construction: every initializer is one device op, compiled once per distinct shape, so the cost
   does not grow with depth (a jitted init compiles a program as deep as the model) and no weight passes
   through the host.
+
+  With a `mesh`, the model is built straight into its shardings (`mla_jax.sharding.model_shardings`: one
+  jitted init whose outputs are placed, so a model that fits the mesh but not one device can be built)
+  and then `shard_model` sets the MoE's parallel attributes. The values are the eager build's (the
+  same keys), so the mesh's tokens can be compared with one device's.
   """
   import jax
   from flax import nnx
+  from mla_jax.sharding import model_shardings, shard_model
   from models import DeepSeekModel
   t0 = time.perf_counter()
-  with jax.default_device(jax.devices()[0]):
-    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+  make = lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)  # noqa: E731
+  if mesh is None:
+    with jax.default_device(jax.devices()[0]):
+      model = make()
+  else:
+    abstract = nnx.eval_shape(make)
+    graphdef, _ = nnx.split(abstract)
+    state = jax.jit(lambda: nnx.state(make()), out_shardings=model_shardings(abstract, mesh))()
+    model = shard_model(nnx.merge(graphdef, state), mesh)   # placed already: sets MoE.parallel only
   jax.block_until_ready(nnx.state(model))
   return model, time.perf_counter() - t0
+
+
+def parse_meshes(specs) -> list:
+  """`--mesh` values -> [None (one device) | {axis: size}], in order; "1" is one device. ValueError (one
+  line, `mla_jax.sharding.parse_mesh`'s) for a bad spec or a spec given twice."""
+  from mla_jax.sharding import parse_mesh
+  out, seen = [], set()
+  for spec in specs or ["1"]:
+    sizes = None if spec.strip() == "1" else parse_mesh(spec)
+    key = mesh_label(sizes)
+    if key in seen:
+      raise ValueError(f"mesh {spec!r} is given twice")
+    seen.add(key)
+    out.append(sizes)
+  return out
+
+
+def mesh_label(sizes) -> str:
+  """The `impl` column of our rows: "ours" on one device, e.g. "ours@data=2,tensor=2" on a mesh."""
+  return "ours@" + ",".join(f"{a}={n}" for a, n in sizes.items()) if sizes else "ours"
 
 
 def weights_bytes(model) -> int:
@@ -498,16 +542,21 @@ def _compile_buckets(entries) -> str:
   return "; ".join(f"{e.get('step')}[{e.get('bucket')}] {float(e.get('seconds', 0)):.2f}s" for e in entries)
 
 
-def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp: bool) -> dict:
-  """One cell through the public engine API: a cold then a warm generate -> a row (see COLUMNS)."""
+def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp: bool, mesh=None,
+             sizes=None) -> dict:
+  """One cell through the public engine API: a cold then a warm generate -> a row (see COLUMNS); on
+  `mesh` (`sizes` its {axis: size}) when given. The row keeps the warm tokens under "tokens"."""
   from models import Engine, SamplingParams
   N = args.new_tokens
-  row = dict(model=name, impl="ours", B=batch, prompt=prompt, new_tokens=N, mtp="on" if mtp else "off",
-             layers=cfg.num_hidden_layers, kv_dtype=args.kv_dtype)
+  row = dict(model=name, impl=mesh_label(sizes), B=batch, prompt=prompt, new_tokens=N, mtp="on" if mtp else "off",
+             layers=cfg.num_hidden_layers, kv_dtype=args.kv_dtype,
+             mesh=mesh_label(sizes)[5:] or "one device",
+             devices=mesh.size if mesh is not None else 1)
   prompts = make_prompts(cfg.vocab_size, batch, prompt, args.seed)
+  # A pool per data rank splits the pages too: each rank gets num_pages / D (kv_pages counts whole sequences).
   engine = Engine(model, page_size=PAGE, num_pages=kv_pages(cfg, batch, prompt, N), max_batch=batch,
                   prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
-                  kv_dtype=kv_dtype_arg(args.kv_dtype))
+                  kv_dtype=kv_dtype_arg(args.kv_dtype), mesh=mesh)
   kw = dict(max_new_tokens=N, sampling=SamplingParams(temperature=0.0))
   if mtp:
     kw["use_mtp"] = True
@@ -561,6 +610,8 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
     row["mtp_acceptance"] = stat(st, "mtp_acceptance")
   row["pages_used_peak"] = stat(st, "pages_used_peak")
   row["peak_mem_gb"] = _peak_mem_gb()
+  row["tokens"] = warm.tokens
+  row["pool_devices"] = len(engine.cache.pages.sharding.device_set)
   del engine
   return derive(row, cfg, ceil, dtype_bytes=4 if args.dtype == "fp32" else 2, kv_dtype=args.kv_dtype, mtp=mtp)
 
@@ -592,36 +643,62 @@ def run_ours_worker(args) -> None:
       for _, b, t in group:
         append_row(args.out, dict(base, B=b, prompt=t, note="skipped (time budget)"))
       continue
-    bm.log(f"# {name}: building {total_params(cfg) / 1e9:.2f}B parameters ({args.dtype}) ...")
-    try:
-      model, build_s = build_model(cfg, dtype)
-    except Exception as e:  # noqa: BLE001 - an OOM while building must not end the run
-      for _, b, t in group:
-        append_row(args.out, dict(base, B=b, prompt=t, error=f"model build failed: {one_line(e)}"))
-      continue
-    wgb = weights_bytes(model) / 1e9
-    bm.log(f"# {name}: built in {build_s:.1f} s, {wgb:.1f} GB of weights")
-    for _, b, t in bm.progress(group, desc=f"e2e {name}"):
-      for mtp in variants:
-        if deadline and time.time() > deadline:
-          row = dict(base, B=b, prompt=t, mtp="on" if mtp else "off", note="skipped (time budget)")
-        else:
-          try:
-            row = run_cell(model, cfg, name, b, t, args, ceil, mtp=mtp)
-          except Exception as e:  # noqa: BLE001 - one cell's OOM must not cost the others
-            row = dict(base, B=b, prompt=t, mtp="on" if mtp else "off", error=one_line(e))
-          row.update(build_s=build_s, weights_gb=wgb)
-        append_row(args.out, row)
-        bm.log("  " + summary(row))
-        gc.collect()
-    del model
-    gc.collect()
-    jax.clear_caches()
+    one_device_tokens = {}   # (B, prompt, mtp) -> the one-device run's warm tokens, for agree_one_device
+    for sizes in parse_meshes(args.mesh):
+      mesh = None
+      if sizes:
+        from mla_jax.sharding import make_mesh
+        mesh = make_mesh(**sizes)
+      base = dict(base, impl=mesh_label(sizes))
+      where = f" on {mesh_label(sizes)[5:]}" if sizes else ""
+      bm.log(f"# {name}: building {total_params(cfg) / 1e9:.2f}B parameters ({args.dtype}){where} ...")
+      try:
+        model, build_s = build_model(cfg, dtype, mesh)
+      except Exception as e:  # noqa: BLE001 - an OOM while building must not end the run
+        for _, b, t in group:
+          append_row(args.out, dict(base, B=b, prompt=t, error=f"model build failed: {one_line(e)}"))
+        continue
+      wgb = weights_bytes(model) / 1e9
+      bm.log(f"# {name}: built in {build_s:.1f} s, {wgb:.1f} GB of weights{where}")
+      for _, b, t in bm.progress(group, desc=f"e2e {name}{where}"):
+        for mtp in variants:
+          if deadline and time.time() > deadline:
+            row = dict(base, B=b, prompt=t, mtp="on" if mtp else "off", note="skipped (time budget)")
+          else:
+            try:
+              row = run_cell(model, cfg, name, b, t, args, ceil, mtp=mtp, mesh=mesh, sizes=sizes)
+            except Exception as e:  # noqa: BLE001 - one cell's OOM must not cost the others
+              row = dict(base, B=b, prompt=t, mtp="on" if mtp else "off", error=one_line(e))
+            row.update(build_s=build_s, weights_gb=wgb)
+            tokens = row.pop("tokens", None)
+            if tokens is not None and not sizes:
+              one_device_tokens[b, t, mtp] = tokens
+            elif tokens is not None and (b, t, mtp) in one_device_tokens:
+              row["agree_one_device"] = token_agreement(tokens, one_device_tokens[b, t, mtp])
+          append_row(args.out, row)
+          bm.log("  " + summary(row))
+          gc.collect()
+      del model
+      gc.collect()
+      jax.clear_caches()
+
+
+def token_agreement(tokens, reference) -> float:
+  """The fraction of generated positions where `tokens` equal `reference` (per request, up to the first
+  difference: after it the two continue from different contexts, so later positions do not count as
+  agreeing)."""
+  same = total = 0
+  for a, b in zip(tokens, reference):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+      n += 1
+    same, total = same + n, total + max(len(a), len(b))
+  return same / total if total else 1.0
 
 
 def summary(row: dict) -> str:
   keys = ("model", "impl", "B", "prompt", "mtp", "cold_compile_s", "ttft_s", "prefill_tok_s", "prefill_mfu",
-          "decode_ms_step", "decode_tok_s", "floor_ms", "x_floor", "note", "error")
+          "decode_ms_step", "decode_tok_s", "floor_ms", "x_floor", "agree_one_device", "note", "error")
   return ", ".join(f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row[k]}"
                    for k in keys if row.get(k) not in (None, ""))
 
@@ -910,9 +987,10 @@ def drive(args, argv) -> list[dict]:
       raise SystemExit(EXIT_NO_GPU)
     have = _cells_with_rows(args.out)
     for m, b, t in seg:                                 # a worker that died leaves its cells without a row
-      if (m, "ours", b, t) not in have:
-        append_row(args.out, dict(model=m, impl="ours", B=b, prompt=t, new_tokens=args.new_tokens,
-                                  error=f"worker exited with code {rc} before this cell"))
+      for label in map(mesh_label, parse_meshes(args.mesh)):
+        if (m, label, b, t) not in have:
+          append_row(args.out, dict(model=m, impl=label, B=b, prompt=t, new_tokens=args.new_tokens,
+                                    error=f"worker exited with code {rc} before this cell"))
   for m in hf_models:
     rc = run_worker(args, argv, "hf", format_cells([c for c in cells if c[0] == m]), [], deadline)
     if rc != 0:
@@ -946,7 +1024,8 @@ TABLE = [("model", "model", "{}"), ("impl", "impl", "{}"), ("B", "B", "{}"), ("p
          ("mtp", "mtp", "{}"), ("cold_compile_s", "cold compile s", "{:.1f}"), ("ttft_s", "warm TTFT s", "{:.3f}"),
          ("prefill_tok_s", "prefill tok/s", "{:.0f}"), ("prefill_mfu", "prefill MFU", "{:.1%}"),
          ("decode_ms_step", "decode ms/step", "{:.2f}"), ("decode_tok_s", "decode tok/s", "{:.0f}"),
-         ("floor_ms", "floor ms", "{:.2f}"), ("x_floor", "x floor", "{:.2f}"), ("note", "note", "{}"),
+         ("floor_ms", "floor ms", "{:.2f}"), ("x_floor", "x floor", "{:.2f}"),
+         ("agree_one_device", "agree 1 dev", "{:.0%}"), ("note", "note", "{}"),
          ("error", "error", "{}")]
 
 
@@ -1042,6 +1121,12 @@ def parser() -> argparse.ArgumentParser:
                  help="speculative decoding with the MTP head, for models that have one")
   p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens a row prefills per step")
   p.add_argument("--attention-impl", default="auto", help="the engine's attention_impl")
+  p.add_argument("--mesh", action="append", metavar="SPEC",
+                 help="run our cells on this device mesh (mla_jax.sharding.parse_mesh: e.g. tensor=2, expert=2, "
+                      "data=2 (a page pool a data rank), data=2,tensor=2), or 1 for one device; repeat it to run "
+                      "several in order, each with the model built straight into its shardings. Rows: impl "
+                      "ours@SPEC, agree_one_device = the greedy tokens' agreement with a one-device run of the "
+                      "same cell given before it (default: one device only)")
   p.add_argument("--seed", type=int, default=0, help="of the random prompts")
   p.add_argument("--out", default="runs/bench_e2e", help="directory for e2e.csv / e2e.png / e2e_meta.json")
   p.add_argument("--ceiling-iters", type=int, default=30, help="CUPTI iterations of the ceiling measurements")
@@ -1072,6 +1157,10 @@ def main(argv=None):
   args = parser().parse_args(argv)
   if args.new_tokens < 2:
     raise SystemExit("e2e: error: --new-tokens must be >= 2 (one prefill token and at least one decode step)")
+  try:
+    parse_meshes(args.mesh)
+  except ValueError as e:
+    raise SystemExit(f"e2e: error: --mesh: {e}") from None
   if args.worker == "ours":
     return run_ours_worker(args)
   if args.worker == "hf":

@@ -68,6 +68,7 @@ PROMPT_LEN = 3  # greedy decoding fills positions PROMPT_LEN..T-1
 ENGINE_MESHES = ("tp2", "dp2", "mixed")   # tp2: the pool replicated (data = 1)
 ENGINE_PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 DP_FULL_MESH = "dp2"
+BENCH_MESH = "mixed"   # mla-bench e2e --mesh, in this process: _bench_e2e
 KERNEL_MESH = "mixed"  # the data ranks' maps of the kernels' path (KVCache.map_pages, gather): _cache_kernels
 DP_FULL_PROMPTS = [list(range(1, 17)), [7, 8, 9], [11, 12, 13]]
 # The parameters whose placement the tests read: path in nnx.state(model) -> a short name.
@@ -206,6 +207,20 @@ def _cache_kernels(mesh) -> dict:
                 mosaic_calls=len(re.findall(r'custom_call @mosaic_gpu', text)), maps=maps)
 
 
+def _bench_e2e() -> dict:
+    """`mla-bench e2e --mesh 1 --mesh data=2,tensor=2` on the tiny V2-Lite cut (fp32, one MoE layer, B=2),
+    in this process on 4 of its 8 devices -> {impl: the row's mesh columns and error}."""
+    from benchmarks import bench_e2e as e2e
+
+    out = tempfile.mkdtemp()
+    e2e.main(["--config", "tiny", "--layers", "1", "--model", "v2-lite", "--batch", "2", "--prompt", "8",
+              "--new-tokens", "2", "--no-hf", "--in-process", "--dtype", "fp32", "--mesh", "1",
+              "--mesh", "data=2,tensor=2", "--out", out])
+    rows = e2e.bm.read_csv(os.path.join(out, e2e.CSV_NAME))
+    keys = ("mesh", "devices", "pool_devices", "agree_one_device", "decode_steps", "error")
+    return {r["impl"]: {k: r.get(k) for k in keys} for r in rows}
+
+
 def _train(model, batch):
     """(state before, state after, metrics) of one step. The step donates the state it is given (its
     buffers are the model's own), so it gets a copy: `model` stays usable for the next mesh."""
@@ -324,6 +339,10 @@ def main(names, train=TRAIN_MESHES):
                 out["engine"]["full"] = _engine_full(sharded, mesh)
                 out["engine"]["ref_full"] = ref_full
             out["engine"]["cpu_s"] = time.process_time() - t1
+        if name == BENCH_MESH:
+            t1 = time.process_time()
+            out["bench_e2e"] = _bench_e2e()
+            out["bench_e2e_cpu_s"] = time.process_time() - t1
         if name == KERNEL_MESH:
             t1 = time.process_time()
             out["cache_kernels"] = _cache_kernels(mesh)

@@ -131,3 +131,19 @@ def test_a_tiny_fp8_cell_end_to_end_on_cpu(tmp_path, monkeypatch):
     assert r["floor_gb"] == pytest.approx(e2e.decode_floor_bytes(cfg, 1, 17, kv_dtype="fp8") / 1e9)
     assert (e2e.decode_floor_bytes(cfg, 1, 17) - e2e.decode_floor_bytes(cfg, 1, 17, kv_dtype="fp8")
             == 17 * 1 * ((128 + 16) * 2 - (128 + 4 + 32)))
+
+
+def test_mesh_flags_and_token_agreement():
+    """`--mesh` values: "1" is one device, specs parse in order, a repeat or a bad spec is one line (exit 2
+    with the flag named); agreement counts each request up to its first difference (a later match is not
+    agreement: the contexts differ from there). Catches a label collision between meshes (rows of two
+    layouts under one impl) and an agreement that counts positions after a divergence."""
+    assert e2e.parse_meshes(None) == [None]
+    assert e2e.parse_meshes(["1", "tensor=2", "data=2,expert=2"]) == [None, {"tensor": 2}, {"data": 2, "expert": 2}]
+    assert [e2e.mesh_label(m) for m in e2e.parse_meshes(["1", "data=2,expert=2"])] == ["ours", "ours@data=2,expert=2"]
+    with pytest.raises(ValueError, match="mesh 'tensor=2' is given twice"):
+        e2e.parse_meshes(["tensor=2", "tensor=2"])
+    with pytest.raises(SystemExit, match=r"^e2e: error: --mesh: mesh spec 'data2': 'data2' is not axis=size"):
+        e2e.main(["--mesh", "data2", "--config", "tiny"])
+    assert e2e.token_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]]) == 4 / 6
+    assert e2e.token_agreement([[1, 2]], [[1, 2, 3]]) == 2 / 3

@@ -310,6 +310,20 @@ def test_data_ranks_read_their_own_pages_through_the_kernels_maps(cases):
     assert all(m == dict(axes=["data", "expert", "tensor"], pool="2x3x64x576xbf16") for m in k["maps"])
 
 
+def test_bench_e2e_runs_its_cells_on_each_mesh(cases):
+    """`mla-bench e2e --mesh 1 --mesh data=2,tensor=2` (tiny V2-Lite cut, 8 CPU devices, in the sharding
+    subprocess): a row per mesh, the mesh one on 4 devices with the engine's pool on all 4 (a benchmark
+    that built the engine without its mesh would show 1), its greedy tokens the one-device row's (a
+    sharded build with other weights than the eager one, or a wrong layout, would not agree)."""
+    rows = cases["mixed"]["bench_e2e"]
+    assert set(rows) == {"ours", "ours@data=2,tensor=2"}
+    one, mesh = rows["ours"], rows["ours@data=2,tensor=2"]
+    assert one["error"] == "" and mesh["error"] == "", (one, mesh)
+    assert (one["mesh"], one["devices"], one["pool_devices"], one["agree_one_device"]) == ("one device", 1, 1, "")
+    assert (mesh["mesh"], mesh["devices"], mesh["pool_devices"]) == ("data=2,tensor=2", 4, 4)
+    assert mesh["agree_one_device"] == 1.0 and mesh["decode_steps"] == one["decode_steps"] > 0
+
+
 def test_batch_not_divisible_by_data(cases):
     """3 rows over data=2: one line naming the batch and the mesh axis (jax.device_put's own error is
     a paragraph about a NamedSharding's global shape)."""
