@@ -22,6 +22,14 @@ body for it (``kernel_supported``). Two bodies:
   one SMEM staging buffer, and one bulk store per page writes it out. SMEM: 41 KB a stage (up to
   3 in flight) + 72 KB of staging; the staging buffer is rewritten once the previous page's store
   has read it. On an H200: 3.5 TB/s of fp8 read + bf16 written at B=128, 1.8x XLA (NOTES.md).
+* fp4 pages (`FP4_PAGES`, uint8 [N, 64, 416]: 256 bytes of e2m1 pairs | 32 e4m3 scales | 64 bf16
+  rope a token): the same pipeline with three boxes (the packed codes 64 x 256 bytes at byte 0, the
+  scales 64 x 32 bytes at byte 256, the rope 64 x 64 bf16 at element 144 of the pages as bf16
+  [N, 64, 208]). Registers split each byte into its two nibbles (value j low, j + 256 high, so no
+  interleave), turn a code into its value with integer ops and one f16 multiply (sm_90 has no e2m1
+  conversion), multiply by the block's e4m3 scale (-> f32, broadcast along the row) and round to bf16
+  (exact: 2 x 4 significant bits). SMEM: 26 KB a stage + the staging buffers. Checked bit-exact in
+  interpret mode and lowered for sm_90 on CPU; not yet run on a GPU (NOTES.md).
 """
 
 from __future__ import annotations
@@ -56,8 +64,8 @@ class PagedGatherConfig:
       ``target_ctas`` CTAs in total.
     target_ctas: CTAs the heuristic aims for (2 per SM of a 132-SM H100/H200).
     max_concurrent_steps: pages in flight per CTA (bf16: 73.7 KB of SMEM each, at most 3 fit;
-      fp8: 41 KB each). None = 3, or 2 for fp8 pages with two staging buffers.
-    staging_buffers: fp8 pages only: bf16 staging buffers (72 KB each) the dequantised pages are
+      fp8: 41 KB each; fp4: 26 KB each). None = 3, or 2 for fp8 / fp4 pages with two staging buffers.
+    staging_buffers: fp8 / fp4 pages only: bf16 staging buffers (72 KB each) the dequantised pages are
       stored from. With 2, a page is dequantised into one while the previous page's store still
       reads the other; they and the 41 KB input stages must fit the 227 KB of SMEM, so 2 buffers
       take at most 2 steps in flight. None = 2 (on an H200, 2026-12-01: 1-3 % faster than one
@@ -362,8 +370,9 @@ def paged_gather(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, c
       never read.
     num_tokens: Python int in [1, 64 * max_pages]: tokens gathered per sequence. Tokens past a
       sequence's length are copied as they are in the page (the caller masks them).
-    page_format: a `PageFormat`: `BF16_PAGES`, or `FP8_PAGES` for uint8 [num_pages, 64, 656]
-      pages (dequantised, as `PageFormat.dequantize_reference` does, bit for bit).
+    page_format: a `PageFormat`: `BF16_PAGES`, `FP8_PAGES` for uint8 [num_pages, 64, 656] pages or
+      `FP4_PAGES` for uint8 [num_pages, 64, 416] pages (both dequantised, as
+      `PageFormat.dequantize_reference` does, bit for bit).
     config: `PagedGatherConfig` (static); None = defaults.
     impl: None (kernel on a Hopper GPU, else reference), "kernel", "interpret" or "reference".
     checked: also check a traced block table, with `jax.experimental.checkify` (the caller wraps
