@@ -181,7 +181,7 @@ def _gather_other_widths():
                  r"got 64$", id="fp8-latent-not-a-multiple-of-128"),
     pytest.param(lambda: _cache("fp8", rope_dim=-1), r"^rope_dim must be a non-negative integer, got -1$",
                  id="negative-rope"),
-    pytest.param(_fp8_write_float_rows, r"^uint8 \(fp8\) pages take encoded rows \(PageFormat.encode the "
+    pytest.param(_fp8_write_float_rows, r"^uint8 \(fp8 / fp4\) pages take encoded rows \(PageFormat.encode the "
                  r"latents first\), got float32 \(1, 3, 576\)$", id="float-rows-cast-to-bytes"),
     pytest.param(_gather_other_widths, r"^paged_gather reads tokens of 512 latent \+ 64 rope values, got 256 \+ 32 "
                  r"\(fp8 pages\)$", id="gather-other-widths-read-as-576"),
