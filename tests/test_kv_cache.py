@@ -319,5 +319,5 @@ def test_fp8_write_and_gather_match_numpy():
     assert np.isnan(dense[0, :6]).all()                       # never written, inside the length: NaN shows
     assert (dense[0, 9:] == 0).all() and (dense[1, 3:] == 0).all()   # past the length: zero, not NaN
     np.testing.assert_array_equal(np.asarray(kv_pos)[1], np.where(np.arange(12) < 3, np.arange(12), -1))
-    with pytest.raises(ValueError, match="uint8 .fp8. pages take encoded rows"):
+    with pytest.raises(ValueError, match="uint8 .fp8 / fp4. pages take encoded rows"):
         write_latents(kv.pages[0], jnp.asarray(lat), jnp.asarray(pos), jnp.asarray(table))

@@ -3,6 +3,7 @@ on a Hopper GPU (``-m gpu``). The gather is a copy, so results must be bit-exact
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -171,6 +172,8 @@ def test_fp4_interpret_is_bit_exact(batch, max_pages, num_tokens, chunks, steps,
   want = fp4_values(numpy_gather(kv, table[:, :used], num_tokens), dtype=ml_dtypes.bfloat16)
   assert not np.isnan(want.astype(np.float32)).any()
   np.testing.assert_array_equal(np.asarray(got), want)
+  # and the kernel against its own jnp reference (`op` vs `op_reference`), exactly
+  chex.assert_trees_all_equal(got, paged_gather_reference(kv, table, num_tokens=num_tokens, page_format=FP4_PAGES))
 
 
 @pytest.mark.parametrize("batch,max_pages,num_tokens,staging,steps", [(1, 512, 32768, None, None),
