@@ -489,11 +489,11 @@ def worker_ceilings(args, tiny: bool) -> tuple[dict, dict]:
 # ------------------------------------------------------------------------------------------
 # Our engine
 # ------------------------------------------------------------------------------------------
-KV_DTYPES = ("bf16", "fp16", "fp32", "fp8")   # what the engine's cache allocates (fp4 is a planner row only)
+KV_DTYPES = ("bf16", "fp16", "fp32", "fp8", "fp4")   # what the engine's cache allocates
 
 
 def kv_dtype_arg(name: str):
-  """--kv-dtype -> the Engine's kv_dtype (a jnp dtype for the plain formats; "fp8" passes through as the name)."""
+  """--kv-dtype -> the Engine's kv_dtype (a jnp dtype for the plain formats; "fp8" / "fp4" pass through as names)."""
   import jax.numpy as jnp
   return {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}.get(name, name)
 
@@ -1115,8 +1115,8 @@ def parser() -> argparse.ArgumentParser:
                  help="tiny: ModelConfig.tiny()-sized models, runs on a CPU in seconds (no GPU ceilings)")
   p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights and compute")
   p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
-                 help="the engine's page format; fp8: 656-byte tokens, and the decode floor reads the planner's "
-                      "fp8 bytes a token (default: bf16)")
+                 help="the engine's page format; fp8: 656-byte tokens, fp4: 416-byte tokens, and the decode floor "
+                      "reads the planner's bytes a token of that format (default: bf16)")
   p.add_argument("--mtp", choices=("off", "on", "both"), default="off",
                  help="speculative decoding with the MTP head, for models that have one")
   p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens a row prefills per step")

@@ -1,10 +1,10 @@
 """Benchmark of the paged gather kernel against XLA's ``kv_pages[block_table]``.
 
-Usage: ``python -m benchmarks paged_gather [--quick] [--out DIR] [--iters N] [--sweep] [--kv-dtype fp8]``
+Usage: ``python -m benchmarks paged_gather [--quick] [--out DIR] [--iters N] [--sweep] [--kv-dtype fp8|fp4]``
 
-Bytes = read + written = 2 * B * T * 576 * 2 (bf16 pages); with ``--kv-dtype fp8`` the pages are fp8
-(random latents quantised, 656 bytes a token) and the kernel dequantises them: B * T * (656 + 1152),
-against XLA's ``dequantize(kv[bt])``. The ceiling is a device-to-device copy measured in the same run.
+Bytes = read + written = 2 * B * T * 576 * 2 (bf16 pages); with ``--kv-dtype fp8`` (``fp4``) the pages
+are fp8 (fp4): random latents quantised, 656 (416) bytes a token, and the kernel dequantises them:
+B * T * (656 + 1152) (B * T * (416 + 1152)), against XLA's ``dequantize(kv[bt])``. The ceiling is a device-to-device copy measured in the same run.
 Every kernel result is compared bit-exactly with XLA's before it is timed.
 """
 
@@ -27,9 +27,9 @@ def grid(quick: bool):
 def run(args):
   import jax
   import numpy as np
-  from pallas_kernels import BF16_PAGES, FP8_PAGES, PagedGatherConfig, paged_gather, quantize_latent_fp8
+  from pallas_kernels import BF16_PAGES, FP4_PAGES, FP8_PAGES, PagedGatherConfig, paged_gather
   from pallas_kernels.paged_gather import plan_chunks
-  fmt = FP8_PAGES if args.kv_dtype == "fp8" else BF16_PAGES
+  fmt = {"fp8": FP8_PAGES, "fp4": FP4_PAGES}.get(args.kv_dtype, BF16_PAGES)
 
   header, ceil = bm.begin_run("paged_gather", args.out, args.iters)
   configs = {"default": PagedGatherConfig()}
@@ -49,7 +49,7 @@ def run(args):
     table = jax.random.permutation(k1, B * n_pages).astype(np.int32).reshape(B, n_pages)
     kv = jax.random.normal(k2, (B * n_pages, 64, 576), jax.numpy.bfloat16)
     if fmt.quantized:
-      kv = jax.jit(quantize_latent_fp8)(kv)
+      kv = jax.jit(fmt.encode)(kv)
     nbytes = B * T * (fmt.token_bytes + 576 * 2)
     xla_fn = jax.jit(lambda kv, bt: fmt.dequantize_reference(kv[bt]).reshape(B, -1, 576)[:, :T])
     want = xla_fn(kv, table)
@@ -90,8 +90,8 @@ def main(argv=None):
   p.add_argument("--out", default="runs/bench_paged_gather", help="directory for CSV/JSON")
   p.add_argument("--iters", type=int, default=30, help="CUPTI iterations per timing (median)")
   p.add_argument("--sweep", action="store_true", help="also time chunk/step configs")
-  p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
-                 help="page format: bf16 (a copy) or fp8 (dequantised to bf16) (default: bf16)")
+  p.add_argument("--kv-dtype", choices=("bf16", "fp8", "fp4"), default="bf16",
+                 help="page format: bf16 (a copy), fp8 or fp4 (dequantised to bf16) (default: bf16)")
   args = p.parse_args(argv)
   bm.require_gpu("paged_gather")
   return run(args)

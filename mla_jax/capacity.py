@@ -32,21 +32,24 @@ from mla_jax.config import ModelConfig
 # function of L and R, bytes of one cached K or V head vector of width w in the MHA/GQA
 # comparison rows, a one-line description).
 #
-# bf16 / fp16 / fp32 / fp8 are the formats the cache allocates: their latent bytes are
+# bf16 / fp16 / fp32 / fp8 / fp4 are the formats the cache allocates: their latent bytes are
 # `pallas_kernels.PageFormat.token_bytes`, the number the cache's pools are sized by, so a plan and
 # an allocation never disagree. fp8 is DeepSeek's (FlashMLA) page format: L e4m3 bytes, one fp32
 # scale per 128 latent values, the rope part kept in bf16 -> 512 + 4*4 + 64*2 = 656 B for V3 (a
 # latent width that is not a multiple of 128, which no cache stores, is priced with a whole last
-# scale). fp4 is a planner-only row (no cache allocates it): e2m1 pairs (two values per byte) with
-# one e4m3 scale byte per 16 values, rope again in bf16 -> 256 + 32 + 128 = 416 B.
+# scale). fp4: e2m1 pairs (two values per byte) with one e4m3 scale byte per 16 values, rope again
+# in bf16 -> 256 + 32 + 128 = 416 B (a latent width that is not a multiple of 32 is priced with
+# whole bytes and scales rounded up).
 # The comparison rows store K and V the way an MHA/GQA cache of that width usually does: fp8
 # with a per-tensor scale (1 B a value), fp4 as e2m1 pairs with an e4m3 scale per 16 values.
 def _page_format_bytes(name: str):
     def latent_bytes(L: int, R: int) -> int:
-        from pallas_kernels.page_format import FP8_BLOCK, PageFormat
+        from pallas_kernels.page_format import FP4_BLOCK, FP8_BLOCK, PageFormat
 
         if name == "fp8" and L % FP8_BLOCK:
             return L + _ceil_div(L, FP8_BLOCK) * 4 + R * 2
+        if name == "fp4" and L % (2 * FP4_BLOCK):
+            return _ceil_div(L, 2) + _ceil_div(L, FP4_BLOCK) + R * 2
         return PageFormat(name, latent_dim=L, rope_dim=R).token_bytes
     return latent_bytes
 
@@ -57,9 +60,9 @@ KV_DTYPES: dict[str, tuple] = {
     "fp32": (_page_format_bytes("fp32"), lambda w: 4 * w, "float32, 4 B a value"),
     "fp8": (_page_format_bytes("fp8"), lambda w: w, "e4m3 latent + fp32 scale per 128 + bf16 rope"),
     "fp4": (
-        lambda L, R: _ceil_div(L, 2) + _ceil_div(L, 16) + R * 2,
+        _page_format_bytes("fp4"),
         lambda w: _ceil_div(w, 2) + _ceil_div(w, 16),
-        "e2m1 pairs + e4m3 scale per 16 + bf16 rope; planner only, no cache allocates it",
+        "e2m1 pairs + e4m3 scale per 16 + bf16 rope",
     ),
 }
 
@@ -203,7 +206,7 @@ def plan_kv_cache(
       MLA latent: (L + R) * b  (bf16/fp16/fp32; fp8 and fp4 page formats in `KV_DTYPES`)
       MHA:        H * (qk_head_dim + v) * b   (a K of nope + rope and a V per head)
       GQA:        G * (qk_head_dim + v) * b   (G = gqa_groups KV heads, same per-head widths)
-    For "fp8" / "fp4" the latent uses DeepSeek's quantized page formats (656 B / 416 B for V3, with
+    For "fp8" / "fp4" the latent uses the cache's quantized page formats (656 B / 416 B for V3, with
     their scales and a bf16 rope part) and the MHA / GQA rows store each K and V head vector as
     1 B a value (fp8, per-tensor scale) or e2m1 pairs + an e4m3 scale per 16 values (fp4).
     Per sequence the cache allocates ceil((context_len + draft_tokens) / page_size) whole pages.

@@ -24,11 +24,11 @@ Three parts:
 - `write_latents` / `gather_latents` (pure, jit-able): one pool's scatter and gather.
 
 The page format is a property of the cache object, one `pallas_kernels.PageFormat`: bf16 by default,
-float32 for exact tests, or "fp8" (FlashMLA's 656-byte tokens: e4m3 latent, an fp32 scale per 128
-values, bf16 rope), whose pools are uint8 [num_layers, N, G, W] with W the stored width. A write
-encodes (quantises) this step's latents inside the same jitted step and scatters the stored rows; a
-gather decodes them to the dtype the attention computes in. The 4-bit format of
-`mla_jax.capacity.KV_DTYPES` is a planner row only: no cache allocates it.
+float32 for exact tests, "fp8" (FlashMLA's 656-byte tokens: e4m3 latent, an fp32 scale per 128
+values, bf16 rope) or "fp4" (416-byte tokens: e2m1 pairs, an e4m3 scale per 16 values, bf16 rope),
+whose pools are uint8 [num_layers, N, G, W] with W the stored width. A write encodes (quantises) this
+step's latents inside the same jitted step and scatters the stored rows; a gather decodes them to the
+dtype the attention computes in (`paged_gather`'s fp8 / fp4 bodies on a kernel backend).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from pallas_kernels.page_format import BF16_PAGES, FP8_PAGES, NAMES as _FORMAT_NAMES, PageFormat
+from pallas_kernels.page_format import (BF16_PAGES, FP4_PAGES, FP8_PAGES, NAMES as _FORMAT_NAMES, QUANTIZED,
+                                        PageFormat)
 
 # Names of the page formats this cache can allocate (as `mla_jax.capacity.KV_DTYPES` names them)
 # -> the element dtype of their pages.
@@ -69,7 +70,7 @@ class CacheFullError(RuntimeError):
 
 def _format_name(dtype) -> str:
     """The page format name of `dtype`: a name of `PAGE_FORMATS`, a `PageFormat`, or the element dtype
-    of a format's pages (uint8 -> "fp8")."""
+    of a format's pages (uint8 -> "fp8"; fp4 pages are named "fp4" or by their `PageFormat`)."""
     if isinstance(dtype, PageFormat):
         return dtype.name
     if isinstance(dtype, str) and dtype in PAGE_FORMATS:
@@ -82,8 +83,7 @@ def _format_name(dtype) -> str:
         if dt is not None and dt == jnp.dtype(storage):
             return name
     shown = dt.name if dt is not None else repr(dtype)
-    extra = " (fp4 is a capacity-planner row only)" if isinstance(dtype, str) and dtype == "fp4" else ""
-    raise ValueError(f"cache dtype {shown} is not a supported page format{extra}; known: {', '.join(PAGE_FORMATS)}")
+    raise ValueError(f"cache dtype {shown} is not a supported page format; known: {', '.join(PAGE_FORMATS)}")
 
 
 def page_format_for(dtype, latent_dim: int, rope_dim: int = 64) -> PageFormat:
@@ -91,18 +91,18 @@ def page_format_for(dtype, latent_dim: int, rope_dim: int = 64) -> PageFormat:
     `rope_dim` of them rope, stored as `dtype` (a format name, a `PageFormat`, or a page dtype).
 
     Raises ValueError for an unknown format or a shape the format cannot store (fp8 needs L a
-    positive multiple of 128). Plain formats store every value alike: for them the split only
+    positive multiple of 128, fp4 of 32). Plain formats store every value alike: for them the split only
     names the widths (a rope wider than the token is read as the whole token).
     """
     name = _format_name(dtype)
     if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 0:
         raise ValueError(f"rope_dim must be a non-negative integer, got {rope_dim!r}")
-    if name != "fp8":
+    if name not in QUANTIZED:
         rope_dim = min(rope_dim, latent_dim)
     elif rope_dim >= latent_dim:
-        raise ValueError(f"fp8 pages need a latent part: rope_dim={rope_dim} >= latent_dim={latent_dim}")
+        raise ValueError(f"{name} pages need a latent part: rope_dim={rope_dim} >= latent_dim={latent_dim}")
     lat = latent_dim - rope_dim
-    base = FP8_PAGES if name == "fp8" else (BF16_PAGES if name == "bf16" else PageFormat(name))
+    base = {"fp8": FP8_PAGES, "fp4": FP4_PAGES, "bf16": BF16_PAGES}.get(name) or PageFormat(name)
     # The kernels' bodies read DeepSeek's 512 + 64 tokens only.
     kernel = base.kernel_supported and (lat, rope_dim) == (base.latent_dim, base.rope_dim)
     return PageFormat(name, kernel_supported=kernel, latent_dim=lat, rope_dim=rope_dim)
@@ -171,7 +171,7 @@ class PagedLatentCache:
     # --- properties -----------------------------------------------------------------------
     @property
     def dtype(self):
-        """The element dtype of the pages: the format's storage dtype (bf16 by default; uint8 for fp8)."""
+        """The element dtype of the pages: the format's storage dtype (bf16 by default; uint8 for fp8 / fp4)."""
         return PAGE_FORMATS[self.kv_dtype]
 
     @property
@@ -278,11 +278,11 @@ def write_latents(pages_NGC: jax.Array, latent_BTC: jax.Array, positions_BT: jax
     positions_BT int32: the token's position in its sequence; negative = padding, not written
     (its update is sent out of bounds and dropped, so padding never touches a page).
     Positions beyond the block table are dropped as well. `latent_BTC` holds rows as the pool stores
-    them: values for a plain pool (cast to its dtype), encoded bytes for a uint8 (fp8) one
+    them: values for a plain pool (cast to its dtype), encoded bytes for a uint8 (fp8 / fp4) one
     (`PageFormat.encode`, as `KVCache.write` does).
     """
     if pages_NGC.dtype == jnp.uint8 and latent_BTC.dtype != jnp.uint8:
-        raise ValueError(f"uint8 (fp8) pages take encoded rows (PageFormat.encode the latents first), "
+        raise ValueError(f"uint8 (fp8 / fp4) pages take encoded rows (PageFormat.encode the latents first), "
                          f"got {latent_BTC.dtype} {latent_BTC.shape}")
     N, G, _ = pages_NGC.shape
     P = block_table_BP.shape[1]
@@ -358,7 +358,7 @@ class KVCache:
     naive_threshold static: chunks of at least this many query tokens gather the prefix and use the
                     decompressed path; shorter ones (decode, MTP verify, short chunks) the absorbed one.
     page_format     static: the pools' `PageFormat` (None: plain values of the pages' dtype). `write`
-                    encodes with it (fp8: quantises, in the step), `gather` decodes.
+                    encodes with it (fp8 / fp4: quantises, in the step), `gather` decodes.
     data_parallel   static: None, or (mesh, mesh axes of the batch): a pool per data rank. The pages'
                     N axis and every [B, ...] array are split over those axes, the block table holds
                     page ids LOCAL to the row's rank, and `write` / `gather` run under `jax.shard_map`,
@@ -392,7 +392,8 @@ class KVCache:
     def create(cls, pages, block_table, lengths, *, impl: str = "reference", naive_threshold: int = 256,
                page_format: PageFormat | None = None, data_parallel: tuple | None = None):
         """A cache at layer 0 over `pages` [num_layers, N, G, W] (int32 tables and lengths). `page_format`
-        None reads uint8 pages as fp8 (`pallas_kernels.page_format_of`, rope 64) and others as plain values.
+        None reads uint8 pages as fp8 or fp4 by their width (`pallas_kernels.page_format_of`, rope 64) and
+        others as plain values.
         `data_parallel`: (mesh, the batch's mesh axes) for pools split per data rank (see the class)."""
         if page_format is None and jnp.dtype(pages.dtype) == jnp.uint8:
             from pallas_kernels.page_format import page_format_of
@@ -453,7 +454,7 @@ class KVCache:
 
     def write(self, latent_BTC: jax.Array, positions_BT: jax.Array) -> "KVCache":
         """Scatter this step's latents [B,T,C] into this layer's pages (padding, position < 0, dropped),
-        encoded in the cache's page format (fp8: quantised here, inside the step)."""
+        encoded in the cache's page format (fp8 / fp4: quantised here, inside the step)."""
         rows = self.page_format.encode(latent_BTC) if self.quantized else latent_BTC
         write = self._per_rank(_write_pool, batch_args=3, pool_out=True)
         return dataclasses.replace(self, pages=write(self.pages, rows, positions_BT, self.block_table, self.layer))
@@ -505,9 +506,12 @@ def decode_kernel_reads(page_format: PageFormat | None) -> bool:
     """Whether `pallas_kernels.mla_decode`'s kernel reads pages of this format straight from the pool.
     Plain pages: yes (its own limits are `mla_decode_problems`'). fp8 pages: once the module sets
     `FP8_KERNEL = True` (its fp8 body); until then the cached attention gathers them through
-    `paged_gather` (which dequantises) and attends in jnp."""
+    `paged_gather` (which dequantises) and attends in jnp. fp4 pages: no (the decode kernel has no
+    fp4 body; they always take `paged_gather`'s fp4 body and the jnp absorbed attention)."""
     if page_format is None or not page_format.quantized:
         return True
+    if page_format.name != "fp8":
+        return False
     import importlib
 
     # `pallas_kernels.mla_decode` the attribute is the function; the module holds the flag.

@@ -214,12 +214,15 @@ class Engine:
         model / page shape is not one they support) — `pallas_kernels`' vocabulary.
       max_context: tokens a sequence may hold (prompt + generated); None = min(the model's
         max_position_embeddings, num_pages * page_size) (2048 when num_pages is None too).
-      kv_dtype: the page format: a name ("bf16", "fp16", "fp32", "fp8"), a jnp dtype (bf16 default;
-        float32 for exact comparisons) or a `pallas_kernels.PageFormat`. "fp8" stores FlashMLA's
+      kv_dtype: the page format: a name ("bf16", "fp16", "fp32", "fp8", "fp4"), a jnp dtype (bf16
+        default; float32 for exact comparisons) or a `pallas_kernels.PageFormat`. "fp8" stores FlashMLA's
         656-byte tokens (e4m3 latent + an fp32 scale per 128 values + bf16 rope; needs
         kv_lora_rank a multiple of 128): 1.76x the tokens of bf16 in the same bytes. Decode reads fp8
         pages through `pallas_kernels.mla_decode` once its fp8 body exists, else through
-        `paged_gather` (which dequantises) and absorbed attention in jnp.
+        `paged_gather` (which dequantises) and absorbed attention in jnp. "fp4" stores 416-byte tokens
+        (e2m1 pairs + an e4m3 scale per 16 values + bf16 rope; kv_lora_rank a multiple of 32): 2.77x
+        the tokens of bf16; decode always reads them through `paged_gather`'s fp4 body (or its jnp
+        reference) and absorbed attention in jnp.
       cache_fill: value of never-written cache rows (tests poison them with NaN).
       min_chunk_bucket: the smallest prefill chunk shape (tokens); chunk shapes are powers of two.
       min_table_tokens: the smallest block-table width, in tokens (rounded up to whole pages);
@@ -326,7 +329,7 @@ class Engine:
         from pallas_kernels._platform import default_backend_is_hopper
 
         fmt = self.cache.page_format
-        # fp8 pages the decode kernel cannot read go through paged_gather's fp8 body and jnp attention:
+        # fp8 / fp4 pages the decode kernel cannot read go through paged_gather's body and jnp attention:
         # the kernels' shape limits apply to them, not the decode kernel's page dtype.
         kv_dtype = "bf16" if fmt.quantized and not decode_kernel_reads(fmt) else self.cache.kv_dtype
         problems = kernel_problems(self.cfg, self.page_size, kv_dtype)

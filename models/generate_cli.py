@@ -22,7 +22,7 @@ import time
 from typing import NoReturn, Sequence
 
 DTYPES = ("auto", "float32", "bfloat16")
-KV_DTYPES = ("auto", "bf16", "fp32", "fp8")
+KV_DTYPES = ("auto", "bf16", "fp32", "fp8", "fp4")
 FALLBACK_PROMPT = "Once upon a time, there was a"
 
 
@@ -56,7 +56,8 @@ def _build_parser() -> _Parser:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
                    help="latent cache format; auto = bf16 on a GPU (what the Pallas kernels read), fp32 "
                         "elsewhere, where the jnp path keeps the latents exact; fp8 = 656-byte tokens (e4m3 "
-                        "latent + fp32 scale per 128 + bf16 rope), 1.76x the tokens of bf16 (default: auto)")
+                        "latent + fp32 scale per 128 + bf16 rope), 1.76x the tokens of bf16; fp4 = 416-byte "
+                        "tokens (e2m1 pairs + e4m3 scale per 16 + bf16 rope), 2.77x (default: auto)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the silent warm-up run that compiles the steps before the timed one")
     p.add_argument("--attention-impl", choices=("auto", "reference", "kernel", "interpret"), default="auto",
@@ -74,14 +75,14 @@ def _build_parser() -> _Parser:
 def cache_dtype(name: str):
     """The Engine's kv_dtype for `--kv-dtype` ("auto": bf16 on a GPU, where the kernels need it, fp32
     elsewhere: the small built-in model's greedy text drifts with bf16 latents on the jnp path;
-    "fp8": the format name, the cache's quantized pages)."""
+    "fp8" / "fp4": the format name, the cache's quantized pages)."""
     import jax
     import jax.numpy as jnp
 
     if name == "auto":
         return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    if name == "fp8":
-        return "fp8"
+    if name in ("fp8", "fp4"):
+        return name
     return jnp.bfloat16 if name == "bf16" else jnp.float32
 
 
@@ -243,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine = Engine(model, page_size=64, max_batch=slots, max_context=max_context,
                             attention_impl=args.attention_impl, kv_dtype=cache_dtype(args.kv_dtype), mesh=mesh)
         except ValueError as e:  # a format this model's latent cannot be stored in, a kernel limit
-            raise _UsageError(f"--kv-dtype {args.kv_dtype}: {e}" if args.kv_dtype == "fp8" else str(e)) from None
+            quantized = args.kv_dtype in ("fp8", "fp4")
+            raise _UsageError(f"--kv-dtype {args.kv_dtype}: {e}" if quantized else str(e)) from None
         stops = () if tok.eos_id is None else (tok.eos_id,)
         compile_s = 0.0
         try:

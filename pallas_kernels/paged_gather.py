@@ -22,6 +22,14 @@ body for it (``kernel_supported``). Two bodies:
   one SMEM staging buffer, and one bulk store per page writes it out. SMEM: 41 KB a stage (up to
   3 in flight) + 72 KB of staging; the staging buffer is rewritten once the previous page's store
   has read it. On an H200: 3.5 TB/s of fp8 read + bf16 written at B=128, 1.8x XLA (NOTES.md).
+* fp4 pages (`FP4_PAGES`, uint8 [N, 64, 416]: 256 bytes of e2m1 pairs | 32 e4m3 scales | 64 bf16
+  rope a token): the same pipeline with three boxes (the packed codes 64 x 256 bytes at byte 0, the
+  scales 64 x 32 bytes at byte 256, the rope 64 x 64 bf16 at element 144 of the pages as bf16
+  [N, 64, 208]). Registers split each byte into its two nibbles (value j low, j + 256 high, so no
+  interleave), turn a code into its value with integer ops and one f16 multiply (sm_90 has no e2m1
+  conversion), multiply by the block's e4m3 scale (-> f32, broadcast along the row) and round to bf16
+  (exact: 2 x 4 significant bits). SMEM: 26 KB a stage + the staging buffers. Checked bit-exact in
+  interpret mode and lowered for sm_90 on CPU; not yet run on a GPU (NOTES.md).
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _platform
 from pallas_kernels._page_table import check_page_table
-from pallas_kernels.page_format import BF16_PAGES, FP8_PAGES, PageFormat  # noqa: F401  (re-exported)
+from pallas_kernels.page_format import BF16_PAGES, FP4_PAGES, FP8_PAGES, PageFormat  # noqa: F401  (re-exported)
 
 PAGE_SIZE = 64
 KEY_DIM = 576
@@ -56,8 +64,8 @@ class PagedGatherConfig:
       ``target_ctas`` CTAs in total.
     target_ctas: CTAs the heuristic aims for (2 per SM of a 132-SM H100/H200).
     max_concurrent_steps: pages in flight per CTA (bf16: 73.7 KB of SMEM each, at most 3 fit;
-      fp8: 41 KB each). None = 3, or 2 for fp8 pages with two staging buffers.
-    staging_buffers: fp8 pages only: bf16 staging buffers (72 KB each) the dequantised pages are
+      fp8: 41 KB each; fp4: 26 KB each). None = 3, or 2 for fp8 / fp4 pages with two staging buffers.
+    staging_buffers: fp8 / fp4 pages only: bf16 staging buffers (72 KB each) the dequantised pages are
       stored from. With 2, a page is dequantised into one while the previous page's store still
       reads the other; they and the 41 KB input stages must fit the 227 KB of SMEM, so 2 buffers
       take at most 2 steps in flight. None = 2 (on an H200, 2026-12-01: 1-3 % faster than one
@@ -207,38 +215,36 @@ _ROPE_LAYOUT = plgpu.Layout.TILED(Tiling(((64, 64), (16, 64), (2, 64), (4,))),
                                   warp_dims=(-7,), lane_dims=(-3, -2), vector_dim=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("num_tokens", "config", "interpret"))
-def _paged_gather_fp8_kernel(kv_pages, block_table, *, num_tokens, config, interpret):
+def _dequant_gather(views, boxes, dequantize_page, block_table, *, num_tokens, config, interpret):
+  """The body shared by the quantized formats: per page, the TMA engine cuts the page's parts out of
+  ``views`` (free bitcast views of the uint8 pages [N, 64, W]) as the SMEM boxes ``boxes`` (one
+  (view index, block shape, block index of the page's part) each), ``dequantize_page(out_smem,
+  *part_smems)`` writes the bf16 page [64, 576] into a staging buffer, and one bulk store writes it
+  out. Grid (chunks, B) as the bf16 copy's."""
   B = block_table.shape[0]
-  N = kv_pages.shape[0]
   n_pages = pl.cdiv(num_tokens, PAGE_SIZE)
   chunks, per_chunk = plan_chunks(B, n_pages, config)
   tail = num_tokens - (n_pages - 1) * PAGE_SIZE
   pad = -block_table.shape[1] % 4
   if pad:
     block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
-  # The same bytes as fp32 words and as bf16 halves: bitcasts, no copy (656 = 4 * 164 = 2 * 328).
-  width = FP8_PAGES.width
-  scale_view = lax.bitcast_convert_type(kv_pages.reshape(N, PAGE_SIZE, width // 4, 4), jnp.float32)
-  rope_view = lax.bitcast_convert_type(kv_pages.reshape(N, PAGE_SIZE, width // 2, 2), jnp.bfloat16)
-  row_layout = _BLOCK_LAYOUT.reduce(1)
-  half = _FP8_LATENT // 2
 
   @functools.partial(
       plgpu.kernel, out_type=jax.ShapeDtypeStruct((B, num_tokens, KEY_DIM), jnp.bfloat16),
       grid=(chunks, B), grid_names=("c", "b"),
       scratch_types=dict(staging=plgpu.SMEM((config.staging_buffers, PAGE_SIZE, KEY_DIM), jnp.bfloat16)),
-      # Lane semantics: the strided SMEM views below (a 128-column block of a 256-byte row, a
-      # scale column) have no swizzled layout for the warpgroup layout inference to pick.
+      # Lane semantics: the strided SMEM views the bodies read (a column block of a row, a scale
+      # column) have no swizzled layout for the warpgroup layout inference to pick.
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
-  def kernel(lat_ref, scale_ref, rope_ref, bt_ref, out_ref, staging):
+  def kernel(*refs, staging):
+    *view_refs, bt_ref, out_ref = refs
     c, b = lax.axis_index("c"), lax.axis_index("b")
     base = c * per_chunk
     count = jnp.clip(n_pages - base, 0, per_chunk)
     table = bt_ref.at[b]
 
-    def body(idx, lat_lo, lat_hi, scales, rope):
+    def body(idx, *parts):
       (i,) = idx
       page = base + i
       # This page's staging buffer fed the store of page i - staging_buffers; stores complete in
@@ -247,36 +253,110 @@ def _paged_gather_fp8_kernel(kv_pages, block_table, *, num_tokens, config, inter
       nbuf = config.staging_buffers
       out_smem = staging.at[lax.rem(i, nbuf) if nbuf > 1 else 0]
       plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)
-      for k in range(_FP8_LATENT // _FP8_BLOCK):
-        src = (lat_lo if k * _FP8_BLOCK < half else lat_hi).at[:, pl.ds(k * _FP8_BLOCK % half, _FP8_BLOCK)]
-        q = plgpu.load(src, layout=_BLOCK_LAYOUT, optimized=False)              # uint8 [64, 128]
-        x = lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.float32)
-        s = plgpu.load(scales.at[:, k], layout=row_layout, optimized=False)    # f32 [64]
-        # (the broadcast's layout is named: it has more than one)
-        s_rows = plgpu.layout_cast(lax.broadcast_in_dim(s, x.shape, [0]), _BLOCK_LAYOUT)
-        out_smem[:, pl.ds(k * _FP8_BLOCK, _FP8_BLOCK)] = (x * s_rows).astype(jnp.bfloat16)
-      out_smem[:, pl.ds(_FP8_LATENT, KEY_DIM - _FP8_LATENT)] = plgpu.load(rope, layout=_ROPE_LAYOUT,
-                                                                           optimized=False)
+      dequantize_page(out_smem, *parts)
       plgpu.commit_smem()
       _store_page(out_smem, out_ref.at[b], page, n_pages, tail)
 
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
-    page_of = lambda i: table[base + i]
+    spec = lambda shape, index: plgpu.BlockSpec(           # noqa: E731
+        (None, PAGE_SIZE, shape), lambda i: (table[base + i], 0, index), oob_fill_mode=in_bounds)
     plgpu.emit_pipeline(
         body, grid=(count,), max_concurrent_steps=config.max_concurrent_steps,
-        in_specs=[
-            plgpu.BlockSpec((None, PAGE_SIZE, half), lambda i: (page_of(i), 0, 0), oob_fill_mode=in_bounds),
-            plgpu.BlockSpec((None, PAGE_SIZE, half), lambda i: (page_of(i), 0, 1), oob_fill_mode=in_bounds),
-            plgpu.BlockSpec((None, PAGE_SIZE, _FP8_LATENT // _FP8_BLOCK),
-                            lambda i: (page_of(i), 0, _FP8_SCALE_WORD // (_FP8_LATENT // _FP8_BLOCK)),
-                            oob_fill_mode=in_bounds),
-            plgpu.BlockSpec((None, PAGE_SIZE, pl.Element(KEY_DIM - _FP8_LATENT)),
-                            lambda i: (page_of(i), 0, _FP8_ROPE_HALF), oob_fill_mode=in_bounds),
-        ],
-    )(lat_ref, lat_ref, scale_ref, rope_ref)
+        in_specs=[spec(shape, index) for _, shape, index in boxes],
+    )(*(view_refs[v] for v, _, _ in boxes))
     plgpu.wait_smem_to_gmem(0)
 
-  return kernel(kv_pages, scale_view, rope_view, block_table)
+  return kernel(*views, block_table)
+
+
+def _byte_views(kv_pages, *dtypes):
+  """The uint8 pages [N, 64, W] as [N, 64, W / itemsize] arrays of each dtype: bitcasts, no copy."""
+  N, _, width = kv_pages.shape
+  views = [kv_pages]
+  for dt in dtypes:
+    k = jnp.dtype(dt).itemsize
+    views.append(lax.bitcast_convert_type(kv_pages.reshape(N, PAGE_SIZE, width // k, k), dt))
+  return views
+
+
+def _store_rope(out_smem, rope):
+  """The 64 bf16 rope values of every token, as they are, into columns 512.. of the staged page."""
+  out_smem[:, pl.ds(_FP8_LATENT, KEY_DIM - _FP8_LATENT)] = plgpu.load(rope, layout=_ROPE_LAYOUT, optimized=False)
+
+
+@functools.partial(jax.jit, static_argnames=("num_tokens", "config", "interpret"))
+def _paged_gather_fp8_kernel(kv_pages, block_table, *, num_tokens, config, interpret):
+  # The same bytes as fp32 words and as bf16 halves (656 = 4 * 164 = 2 * 328).
+  views = _byte_views(kv_pages, jnp.float32, jnp.bfloat16)
+  row_layout = _BLOCK_LAYOUT.reduce(1)
+  half = _FP8_LATENT // 2
+
+  def dequantize_page(out_smem, lat_lo, lat_hi, scales, rope):
+    for k in range(_FP8_LATENT // _FP8_BLOCK):
+      src = (lat_lo if k * _FP8_BLOCK < half else lat_hi).at[:, pl.ds(k * _FP8_BLOCK % half, _FP8_BLOCK)]
+      q = plgpu.load(src, layout=_BLOCK_LAYOUT, optimized=False)              # uint8 [64, 128]
+      x = lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.float32)
+      s = plgpu.load(scales.at[:, k], layout=row_layout, optimized=False)    # f32 [64]
+      # (the broadcast's layout is named: it has more than one)
+      s_rows = plgpu.layout_cast(lax.broadcast_in_dim(s, x.shape, [0]), _BLOCK_LAYOUT)
+      out_smem[:, pl.ds(k * _FP8_BLOCK, _FP8_BLOCK)] = (x * s_rows).astype(jnp.bfloat16)
+    _store_rope(out_smem, rope)
+
+  n_scales = _FP8_LATENT // _FP8_BLOCK
+  boxes = [(0, half, 0), (0, half, 1),                                   # the e4m3 latent, two 256-byte boxes
+           (1, n_scales, _FP8_SCALE_WORD // n_scales),                    # 4 fp32 scales (words 128..131)
+           (2, pl.Element(KEY_DIM - _FP8_LATENT), _FP8_ROPE_HALF)]        # 64 bf16 rope (halves 264..327)
+  return _dequant_gather(views, boxes, dequantize_page, block_table, num_tokens=num_tokens, config=config,
+                         interpret=interpret)
+
+
+# fp4 page geometry (FP4_PAGES: L=512, R=64): a token's 416 bytes are 256 packed e2m1 bytes (byte j:
+# value j low nibble, value j + 256 high nibble), 32 e4m3 scales (byte 256: one per 16 values), 64
+# bf16 rope values (byte 288 = bf16 element 144 of a 208-element row).
+_FP4_PACKED = 256
+_FP4_BLOCK = 16
+_FP4_SCALES = _FP8_LATENT // _FP4_BLOCK
+_FP4_ROPE_HALF = (_FP4_PACKED + _FP4_SCALES) // 2
+# A (64, 16) tile of bytes (16 values of one scale block, every token): a warp covers 16 rows x 2
+# lanes of 8 consecutive bytes. (Its 16 rows sit 256 bytes apart in SMEM, so the load conflicts
+# 16 ways on the banks: simple and correct; a wider tile needs the scales broadcast along 16
+# columns of a row, which the Lane-semantics broadcast does not express. NOTES.md.)
+_NIBBLE_LAYOUT = plgpu.Layout.TILED(Tiling(((64, _FP4_BLOCK), (16, _FP4_BLOCK), (8,))),
+                                    warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
+
+
+def _e2m1_to_f32(n):
+  """uint16 e2m1 codes (0..15) -> float32, with integer ops and one f16 multiply (sm_90 has no e2m1
+  conversion): sign to f16 bit 15, the 3 exponent/mantissa bits to bits 11..9; times 2^14 that f16 is
+  exactly the e2m1 value (normals and the 0.5 subnormal)."""
+  bits = ((n & 8) << 12) | ((n & 7) << 9)
+  return (lax.bitcast_convert_type(bits, jnp.float16) * jnp.float16(2.0 ** 14)).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("num_tokens", "config", "interpret"))
+def _paged_gather_fp4_kernel(kv_pages, block_table, *, num_tokens, config, interpret):
+  views = _byte_views(kv_pages, jnp.bfloat16)          # 416 = 2 * 208
+  row_layout = _NIBBLE_LAYOUT.reduce(1)
+
+  def dequantize_page(out_smem, packed, scales, rope):
+    for g in range(_FP4_PACKED // _FP4_BLOCK):
+      q = plgpu.load(packed.at[:, pl.ds(g * _FP4_BLOCK, _FP4_BLOCK)], layout=_NIBBLE_LAYOUT,
+                     optimized=False)                                           # uint8 [64, 16]
+      # low nibbles: values 16g.. (block g); high nibbles: values 256 + 16g.. (block 16 + g). Mosaic GPU
+      # shifts no 8-bit type: the nibbles are split in 16 bits.
+      n = q.astype(jnp.uint16)
+      for codes, k in ((n & 0xF, g), (n >> 4, g + _FP4_SCALES // 2)):
+        s = plgpu.load(scales.at[:, k], layout=row_layout, optimized=False)    # e4m3 bytes [64]
+        s = lax.bitcast_convert_type(s, jnp.float8_e4m3fn).astype(jnp.float32)
+        s_rows = plgpu.layout_cast(lax.broadcast_in_dim(s, q.shape, [0]), _NIBBLE_LAYOUT)
+        out_smem[:, pl.ds(k * _FP4_BLOCK, _FP4_BLOCK)] = (_e2m1_to_f32(codes) * s_rows).astype(jnp.bfloat16)
+    _store_rope(out_smem, rope)
+
+  boxes = [(0, _FP4_PACKED, 0),                                               # packed codes, bytes 0..255
+           (0, pl.Element(_FP4_SCALES), _FP4_PACKED),                        # 32 e4m3 scales, bytes 256..287
+           (1, pl.Element(KEY_DIM - _FP8_LATENT), _FP4_ROPE_HALF)]          # 64 bf16 rope (halves 144..207)
+  return _dequant_gather(views, boxes, dequantize_page, block_table, num_tokens=num_tokens, config=config,
+                         interpret=interpret)
 
 
 def paged_gather(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, config=None,
@@ -290,8 +370,9 @@ def paged_gather(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, c
       never read.
     num_tokens: Python int in [1, 64 * max_pages]: tokens gathered per sequence. Tokens past a
       sequence's length are copied as they are in the page (the caller masks them).
-    page_format: a `PageFormat`: `BF16_PAGES`, or `FP8_PAGES` for uint8 [num_pages, 64, 656]
-      pages (dequantised, as `PageFormat.dequantize_reference` does, bit for bit).
+    page_format: a `PageFormat`: `BF16_PAGES`, `FP8_PAGES` for uint8 [num_pages, 64, 656] pages or
+      `FP4_PAGES` for uint8 [num_pages, 64, 416] pages (both dequantised, as
+      `PageFormat.dequantize_reference` does, bit for bit).
     config: `PagedGatherConfig` (static); None = defaults.
     impl: None (kernel on a Hopper GPU, else reference), "kernel", "interpret" or "reference".
     checked: also check a traced block table, with `jax.experimental.checkify` (the caller wraps
@@ -316,6 +397,7 @@ def paged_gather(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, c
   if impl == "reference":
     return paged_gather_reference(kv_pages, block_table, num_tokens=num_tokens,
                                   page_format=page_format, checked=checked)
-  kernel = _paged_gather_fp8_kernel if page_format.quantized else _paged_gather_kernel
+  kernel = {"fp8": _paged_gather_fp8_kernel, "fp4": _paged_gather_fp4_kernel}.get(page_format.name,
+                                                                                  _paged_gather_kernel)
   return kernel(kv_pages, block_table, num_tokens=num_tokens, config=config.for_format(page_format),
                 interpret=impl == "interpret")

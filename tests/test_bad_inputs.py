@@ -170,15 +170,18 @@ def _gather_other_widths():
 
 
 @pytest.mark.parametrize("call,match", [
-    pytest.param(lambda: _cache("fp4"), r"^cache dtype 'fp4' is not a supported page format \(fp4 is a capacity-"
-                 r"planner row only\); known: bf16, fp16, fp32, fp8$", id="fp4-is-a-planner-row"),
+    pytest.param(lambda: _cache("fp6"), r"^cache dtype 'fp6' is not a supported page format; known: bf16, fp16, "
+                 r"fp32, fp8, fp4$", id="unknown-format-name"),
+    pytest.param(lambda: _cache("fp4", latent_dim=64, rope_dim=16),
+                 r"^fp4 pages need latent_dim a positive multiple of 32 \(two halves of 16-value blocks, paired in "
+                 r"bytes\), got 48$", id="fp4-latent"),
     pytest.param(lambda: _cache(jnp.int8), r"^cache dtype int8 is not a supported page format", id="int8-pages"),
     pytest.param(lambda: _cache("fp8", latent_dim=80, rope_dim=16),
                  r"^fp8 pages need latent_dim a positive multiple of 128 \(one fp32 scale per 128 values\), "
                  r"got 64$", id="fp8-latent-not-a-multiple-of-128"),
     pytest.param(lambda: _cache("fp8", rope_dim=-1), r"^rope_dim must be a non-negative integer, got -1$",
                  id="negative-rope"),
-    pytest.param(_fp8_write_float_rows, r"^uint8 \(fp8\) pages take encoded rows \(PageFormat.encode the "
+    pytest.param(_fp8_write_float_rows, r"^uint8 \(fp8 / fp4\) pages take encoded rows \(PageFormat.encode the "
                  r"latents first\), got float32 \(1, 3, 576\)$", id="float-rows-cast-to-bytes"),
     pytest.param(_gather_other_widths, r"^paged_gather reads tokens of 512 latent \+ 64 rope values, got 256 \+ 32 "
                  r"\(fp8 pages\)$", id="gather-other-widths-read-as-576"),
@@ -203,14 +206,16 @@ def test_generate_kv_dtype_fp8_on_a_narrow_latent(tmp_path, capsys):
                   "(one fp32 scale per 128 values), got 32")
 
 
-@pytest.mark.parametrize("bench,known", [("mla_decode", "'bf16', 'fp8'"), ("paged_gather", "'bf16', 'fp8'"),
-                                         ("e2e", "'bf16', 'fp16', 'fp32', 'fp8'")])
-def test_bench_kv_dtype(bench, known, capsys):
-  """`mla-bench mla_decode|paged_gather|e2e --kv-dtype fp4` (e2e passed any name through to the engine, which
-  failed in its worker; the others printed argparse's usage block)."""
+@pytest.mark.parametrize("bench,name,known", [("mla_decode", "fp4", "'bf16', 'fp8'"),
+                                              ("paged_gather", "fp6", "'bf16', 'fp8', 'fp4'"),
+                                              ("e2e", "fp6", "'bf16', 'fp16', 'fp32', 'fp8', 'fp4'")])
+def test_bench_kv_dtype(bench, name, known, capsys):
+  """`mla-bench mla_decode --kv-dtype fp4` (the decode kernel has no fp4 body), `paged_gather|e2e --kv-dtype
+  fp6` (e2e passed any name through to the engine, which failed in its worker; the others printed
+  argparse's usage block); paged_gather and e2e list fp4 among their formats."""
   mod = importlib.import_module(f"benchmarks.bench_{bench}")
-  line = _one_line_exit_2(mod.main, ["--kv-dtype", "fp4"], capsys, f"python -m benchmarks {bench}")
-  assert line.endswith(f"argument --kv-dtype: invalid choice: 'fp4' (choose from {known}) (see --help)"), line
+  line = _one_line_exit_2(mod.main, ["--kv-dtype", name], capsys, f"python -m benchmarks {bench}")
+  assert line.endswith(f"argument --kv-dtype: invalid choice: '{name}' (choose from {known}) (see --help)"), line
 
 
 @pytest.mark.parametrize("argv,tail", [

@@ -117,6 +117,18 @@ def test_decode_floor_reads_the_planners_fp8_bytes():
             == e2e.decode_floor_bytes(cfg, 1, 1) - 27 * 1152)
 
 
+def test_fp4_plumbs_through_the_e2e_bench():
+    """--kv-dtype fp4: the floor reads 416 B a token (256 packed e2m1 + 32 e4m3 scales + 64 bf16 rope, by
+    hand), the engine gets the format name, and the tiny model keeps its 64-wide latent (a multiple of
+    32). Guards fp4 turned into a jnp dtype or the fp8 bytes on the way to the engine / the floor. (One
+    tiny cell end to end on a CPU runs for fp8 only: the same path, 10 s.)"""
+    cfg = ModelConfig.deepseek_v2_lite()
+    assert (e2e.decode_floor_bytes(cfg, 1, 1, kv_dtype="fp4") - 27 * 416
+            == e2e.decode_floor_bytes(cfg, 1, 1) - 27 * 1152)
+    assert e2e.kv_dtype_arg("fp4") == "fp4"
+    assert e2e.model_config("v2-lite", config="tiny", layers=1, kv_dtype="fp4").kv_lora_rank == 64
+
+
 def test_a_tiny_fp8_cell_end_to_end_on_cpu(tmp_path, monkeypatch):
     """--kv-dtype fp8 builds the engine's cache in fp8 (the tiny model's latent widened to 128, a block)
     and the row's floor counts fp8 bytes (a bad --kv-dtype: tests/test_bad_inputs.py)."""

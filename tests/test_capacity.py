@@ -17,6 +17,7 @@ from mla_jax.capacity import (
     plan_kv_cache,
 )
 from mla_jax.config import ModelConfig
+from pallas_kernels import PageFormat
 
 GiB = 1024**3
 V3 = ModelConfig.deepseek_v3()
@@ -204,7 +205,7 @@ def test_quantized_page_formats_v3():
         return plan_kv_cache(V3, context_len=64, kv_dtype=dtype).mla.bytes_per_token_layer
 
     assert per_tl("fp8") == 512 + 4 * 4 + 64 * 2 == 656
-    assert per_tl("fp4") == 256 + 32 + 128 == 416
+    assert per_tl("fp4") == 256 + 32 + 128 == 416 == PageFormat("fp4").token_bytes   # what the cache allocates
     assert per_tl("fp32") == 576 * 4
     assert per_tl("bf16") == per_tl("fp16") == 1_152
     # A latent width that is not a multiple of 128 / 16 still pays for a whole last scale.

@@ -564,6 +564,45 @@ def test_fp8_pages_through_the_interpret_kernels_match_the_jnp_path():
     assert runs["interpret"] == runs["reference"]
 
 
+def test_fp4_decode_routes_through_paged_gather_never_mla_decode(monkeypatch):
+    """The cached decode step on fp4 pages with a kernel backend gathers them through `paged_gather`
+    (fp4 format, the kernel backend's impl) and attends in jnp; `mla_decode` is never called (it has no
+    fp4 body: `decode_kernel_reads` says no). Its output equals the jnp backend's, bit for bit (fp4
+    values are exact in bf16). paged_gather's fp4 body itself: tests/test_paged_gather.py. Guards: fp4
+    pages handed to mla_decode (its fp8 body would read 416-byte rows as 656-byte ones), the format or
+    the backend lost on the way to the gather."""
+    import pallas_kernels
+    from mla_jax.attention import MLA
+    from mla_jax.kv_cache import PagedLatentCache, decode_kernel_reads
+    from pallas_kernels import FP4_PAGES
+
+    assert not decode_kernel_reads(FP4_PAGES) and decode_kernel_reads(None)
+    calls = []
+
+    def fake_decode(*args, **kw):
+        calls.append("mla_decode")
+        raise AssertionError("mla_decode called on fp4 pages")
+
+    def fake_gather(kv_pages, block_table, *, num_tokens, impl=None, page_format=None, **kw):
+        calls.append((impl, page_format, kv_pages.shape[-1]))
+        return pallas_kernels.paged_gather_reference(kv_pages, block_table, num_tokens=num_tokens,
+                                                     page_format=page_format)
+
+    monkeypatch.setattr(pallas_kernels, "mla_decode", fake_decode)
+    monkeypatch.setattr(pallas_kernels, "paged_gather", fake_gather)
+    mla = MLA(KERNEL_CFG, rngs=nnx.Rngs(0))
+    c = PagedLatentCache(num_layers=1, num_pages=2, page_size=64, latent_dim=576, max_seqs=1, max_pages_per_seq=2,
+                         dtype="fp4")
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 41, KERNEL_CFG.hidden_size))
+    step = nnx.jit(lambda m, x, p, c: m(x, p, cache=c))
+    _, kv = step(mla, x[:, :40], jnp.arange(40)[None], KVCache.create(c.pages, [[1, 0]], [40]))
+    outs = {}
+    for impl in ("interpret", "reference"):
+        outs[impl], _ = step(mla, x[:, 40:], jnp.asarray([[40]]), dataclasses.replace(kv.with_lengths([41]), impl=impl))
+    assert calls == [("interpret", FP4_PAGES, 416)], calls
+    np.testing.assert_array_equal(np.asarray(outs["interpret"]), np.asarray(outs["reference"]))
+
+
 def test_fp8_decode_routes_through_mla_decode_only_when_it_reads_fp8(monkeypatch):
     """The cached decode step on fp8 pages calls `mla_decode` only when `pallas_kernels.mla_decode`
     sets FP8_KERNEL = True; without it, gather + jnp. Both routes give the same output (the decode
@@ -616,8 +655,10 @@ def test_engine_kv_dtype_names_and_errors(model):
     assert Engine(model, **{**STD, "kv_dtype": jnp.float16}).cache.kv_dtype == "fp16"
     with pytest.raises(ValueError, match="fp8 pages need latent_dim a positive multiple of 128.* got 64"):
         Engine(model, **{**STD, "kv_dtype": "fp8"})      # tiny: kv_lora_rank 64
-    with pytest.raises(ValueError, match="'fp4' is not a supported page format"):
-        Engine(model, **{**STD, "kv_dtype": "fp4"})
+    fp4 = Engine(model, **{**STD, "kv_dtype": "fp4"})      # tiny: kv_lora_rank 64, a multiple of 32
+    assert fp4.cache.kv_dtype == "fp4" and fp4.cache.pages.shape[-2:] == (4, 32 + 4 + 32)
+    with pytest.raises(ValueError, match="cache dtype 'fp6' is not a supported page format"):
+        Engine(model, **{**STD, "kv_dtype": "fp6"})
     from models.engine import kernel_problems
     from pallas_kernels.mla_decode import mla_decode_problems
     import importlib

@@ -197,9 +197,7 @@ def test_fp8_cache_format_shape_and_bytes():
         assert _cache(dtype=name).dtype == dt and _cache(dtype=name).kv_dtype == name
     with pytest.raises(ValueError, match="fp8 pages need latent_dim a positive multiple of 128.* got 64"):
         _cache(dtype="fp8", latent_dim=80, rope_dim=16)  # ModelConfig.tiny()'s latent
-    with pytest.raises(ValueError, match=r"cache dtype 'fp4' is not a supported page format \(fp4 is a "
-                                         r"capacity-planner row only\); known: bf16, fp16, fp32, fp8"):
-        _cache(dtype="fp4")
+
 
 
 def test_fp8_cache_holds_1_75x_the_tokens_of_bf16_in_the_same_bytes():
@@ -211,6 +209,63 @@ def test_fp8_cache_holds_1_75x_the_tokens_of_bf16_in_the_same_bytes():
     assert fp8.nbytes <= bf16.nbytes
     assert fp8.num_pages * fp8.page_size >= 1.75 * bf16.num_pages * bf16.page_size
     assert fp8.nbytes == 3 * 175 * 64 * 656 and bf16.nbytes == 3 * 100 * 64 * 1152
+
+
+# --- fp4 pages --------------------------------------------------------------------------------------
+def test_fp4_cache_format_shape_bytes_and_the_planner():
+    """A "fp4" cache allocates uint8 [layers, N, G, 416] pools (L=512, R=64), whose bytes are the capacity
+    planner's fp4 row; in the bytes of a bf16 pool it holds 1152 / 416 = 2.77x the tokens. Guards: the
+    format name refused (it was a planner-only row), pools of values instead of bytes, the planner and
+    the allocation counting fp4 tokens with two formulas, uint8 pages of 416 read as fp8."""
+    from mla_jax.kv_cache import KVCache
+    from pallas_kernels import FP4_PAGES
+
+    c = _cache(dtype="fp4", latent_dim=576, rope_dim=64)
+    assert c.kv_dtype == "fp4" and c.dtype == jnp.uint8 and c.page_format == FP4_PAGES
+    assert c.pages.shape == (2, 8, 4, 416) and c.nbytes == 2 * 8 * 4 * 416
+    assert _cache(dtype=FP4_PAGES, latent_dim=576).kv_dtype == "fp4"
+    assert KVCache.create(c.pages, np.zeros((1, 1)), [0]).page_format == FP4_PAGES   # told from fp8 by width
+    tiny = _cache(dtype="fp4", latent_dim=80, rope_dim=16)          # ModelConfig.tiny()'s latent: 64 + 16
+    assert tiny.pages.shape[-1] == 32 + 4 + 32 and not tiny.page_format.kernel_supported
+    kw = dict(num_layers=3, page_size=64, latent_dim=576, max_seqs=1, max_pages_per_seq=4)
+    bf16 = PagedLatentCache(num_pages=100, **kw)
+    fp4 = PagedLatentCache(num_pages=100 * 1152 // 416, dtype="fp4", **kw)
+    assert fp4.nbytes <= bf16.nbytes and fp4.num_pages == 276
+    assert fp4.num_pages * fp4.page_size >= 2.76 * bf16.num_pages * bf16.page_size
+    cfg = ModelConfig.tiny().replace(num_hidden_layers=3, num_mtp_layers=0, kv_lora_rank=512, qk_rope_head_dim=64)
+    plan = plan_kv_cache(cfg, context_len=4 * 64, num_sequences=1, page_size=64, kv_dtype="fp4")
+    assert plan.mla.bytes_per_token_layer == FP4_PAGES.token_bytes == 416
+    one = PagedLatentCache(num_pages=4, dtype="fp4", **kw)
+    assert one.nbytes == plan.mla.allocated_bytes == 3 * 4 * 64 * 416
+
+
+def test_fp4_write_and_gather_match_numpy():
+    """The cache's write quantises inside the jitted step and scatters the bytes where numpy says; its
+    gather decodes them and zeroes rows past each length; never-written rows are the encoded NaN token.
+    Expected bytes and values: tests/fp4_numpy.py. Guards: fp4 rows written as fp8 (or as values), the
+    gather decoding them with the fp8 layout, a NaN row read as zeros (the NaN rides on the scale)."""
+    from fp4_numpy import fp4_bytes, fp4_values
+    from mla_jax.kv_cache import KVCache
+
+    rng = np.random.default_rng(2)
+    c = PagedLatentCache(num_layers=1, num_pages=4, page_size=4, latent_dim=80, max_seqs=2, max_pages_per_seq=2,
+                         dtype="fp4", fill_value=float("nan"), rope_dim=16)
+    assert np.isnan(fp4_values(c.pages, rope_dim=16)).all()
+    table = np.array([[3, 1], [0, 2]], np.int32)
+    pos = np.array([[3, 4], [0, 1]], np.int32)
+    lat = (rng.standard_normal((2, 2, 80)) * 3).astype(np.float32)
+    step = jax.jit(lambda kv, x, p: kv.write(x, p).gather(dtype=jnp.float32) + (kv.write(x, p).pages,))
+    dense, _, pages = step(KVCache.create(c.pages, table, [5, 2], page_format=c.page_format), jnp.asarray(lat),
+                           jnp.asarray(pos))
+    want = np.asarray(c.pages).copy()
+    for b in range(2):
+        for t in range(2):
+            want[0, table[b, pos[b, t] // 4], pos[b, t] % 4] = fp4_bytes(lat[b, t], rope_dim=16)
+    np.testing.assert_array_equal(np.asarray(pages), want)
+    dense = np.asarray(dense)
+    np.testing.assert_array_equal(dense[0, 3:5], fp4_values(fp4_bytes(lat[0], rope_dim=16), rope_dim=16))
+    np.testing.assert_array_equal(dense[1, :2], fp4_values(fp4_bytes(lat[1], rope_dim=16), rope_dim=16))
+    assert np.isnan(dense[0, :3]).all() and (dense[0, 5:] == 0).all() and (dense[1, 2:] == 0).all()
 
 
 @pytest.mark.parametrize("mtp_layers", [1, 0])
@@ -264,5 +319,5 @@ def test_fp8_write_and_gather_match_numpy():
     assert np.isnan(dense[0, :6]).all()                       # never written, inside the length: NaN shows
     assert (dense[0, 9:] == 0).all() and (dense[1, 3:] == 0).all()   # past the length: zero, not NaN
     np.testing.assert_array_equal(np.asarray(kv_pos)[1], np.where(np.arange(12) < 3, np.arange(12), -1))
-    with pytest.raises(ValueError, match="uint8 .fp8. pages take encoded rows"):
+    with pytest.raises(ValueError, match="uint8 .fp8 / fp4. pages take encoded rows"):
         write_latents(kv.pages[0], jnp.asarray(lat), jnp.asarray(pos), jnp.asarray(table))

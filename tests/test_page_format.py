@@ -1,6 +1,7 @@
-"""Tests of pallas_kernels.page_format: the fp8 byte layout against a numpy / ml_dtypes construction
-from the documented layout (tests/fp8_numpy.py, never the code under test), the round-trip error
-bound, zero blocks, byte counts against the capacity planner, and one-line errors."""
+"""Tests of pallas_kernels.page_format: the fp8 and fp4 byte layouts against numpy / ml_dtypes
+constructions from the documented layouts (tests/fp8_numpy.py, tests/fp4_numpy.py, never the code
+under test), the round-trip error bounds, zero blocks, byte counts against the capacity planner, and
+one-line errors."""
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from fp4_numpy import fp4_bytes, fp4_values
 from fp8_numpy import fp8_bytes, fp8_values
-from pallas_kernels import (BF16_PAGES, FP8_PAGES, PageFormat, dequantize_latent_fp8, page_format_of,
-                            quantize_latent_fp8)
+from pallas_kernels import (BF16_PAGES, FP4_PAGES, FP8_PAGES, PageFormat, dequantize_latent_fp4,
+                            dequantize_latent_fp8, page_format_of, quantize_latent_fp4, quantize_latent_fp8)
 
 L, R = 512, 64
 
@@ -96,9 +98,81 @@ def test_a_nan_token_decodes_to_nan_everywhere():
   assert np.isnan(dec).all()
 
 
+# --- fp4 pages ----------------------------------------------------------------------------------
+def fp4_latents(shape=(3, 5), seed=0):
+  """Random tokens whose 16-blocks span 1e-2..1e4 (normal e4m3 scales), plus hand-made rows: e2m1
+  rounding ties at scale 1, signed zeros, an all-zero block, a block whose scale rounds to 0, one with a
+  subnormal scale, one that saturates (amax / 6 > 448), and first / second latent halves that differ."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape + (L + R,)).astype(np.float32)
+  x[..., :L] *= np.exp(rng.uniform(-3, 8, shape + (L // 16,))).repeat(16, axis=-1).astype(np.float32)
+  flat = x.reshape(-1, L + R)
+  # Row 0, block 0: amax 6, so the scale is exactly 1 and the codes are the values' own e2m1 roundings.
+  flat[0, :16] = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, -5.5, 0.3, -0.74, 4.0, 0.0, 1.5, -3.0]
+  flat[0, 16:32] = 0.0                                 # all-zero block: scale 0, codes 0
+  flat[0, 32:48] = -0.0
+  flat[1, 48:64] = 0.005 * np.linspace(-1, 1, 16)    # amax / 6 = 8.3e-4 < 2^-10: the scale rounds to 0
+  flat[1, 64:80] = 0.01 * np.linspace(-1, 1, 16)     # amax / 6 = 1.7e-3: the subnormal scale 2^-9
+  flat[1, 80:96] = 5000.0 * np.linspace(-1, 1, 16)   # amax / 6 = 833 > 448: the scale saturates
+  flat[2, 256:272] = 6.0 * 1.06                        # amax / 6 = 1.06 rounds down to 1: x / s = 6.36 clips
+  return x
+
+
+def test_fp4_bytes_match_the_numpy_construction():
+  """Guards: the two nibbles of a byte swapped, the pairing interleaved (value 2j, 2j + 1) instead of
+  (j, j + L/2), a scale per 32 or 8 values, the scale rounded up or truncated instead of to nearest,
+  e2m1 ties away from zero (0.25 -> 0.5, 2.5 -> 3, 5 -> 6), a missing clip to ±6, a scale that rounds
+  to 0 dividing by 0, a saturating scale turned NaN (e4m3 has no infinity), -0.0 losing its sign bit,
+  and scale / rope bytes misplaced."""
+  x = fp4_latents()
+  got = np.asarray(jax.jit(quantize_latent_fp4)(jnp.asarray(x)))
+  assert got.dtype == np.uint8 and got.shape == (3, 5, 416)
+  np.testing.assert_array_equal(got, fp4_bytes(x))
+  flat = got.reshape(-1, 416)
+  # by hand: row 0's block 0 sits in the low nibbles of bytes 0..15 (scale byte 256 = e4m3 1.0 = 0x38)
+  assert flat[0, 256] == 0x38
+  assert list(flat[0, :16] & 0xF) == [7, 0, 2, 2, 4, 4, 6, 6, 8, 0xF, 1, 9, 6, 0, 3, 0xD]
+  assert flat[0, 257] == 0 and (flat[0, 16:32] & 0xF == 0).all()          # zero blocks: scale 0, codes 0
+  assert flat[1, 259] == 0 and (flat[1, 48:64] & 0xF == 0).all()          # scale rounded to 0
+  assert flat[1, 260] == 0x01 and flat[1, 261] == 0x7E                    # subnormal 2^-9; saturated 448
+  assert flat[2, 256 + 16] == 0x38 and (flat[2, :16] >> 4 == 7).all()     # 6.36 / 1 clipped to code 7
+  np.testing.assert_array_equal(flat[:, 288:].view("<u2"), x.reshape(-1, L + R)[:, L:].astype(
+      ml_dtypes.bfloat16).view("<u2"))
+
+
+def test_fp4_round_trip_error_is_within_one_e2m1_step_of_the_scale():
+  """|decoded - x| <= amax_k / 6 * 17/16 for every block with a normal scale (half the e2m1 top step 2
+  times the scale, or a clip of at most 6/16 of it, with the scale 1/16 above amax / 6 at most), and the
+  decode equals the numpy table decode. Guards: one scale for a whole token (blocks here differ by up to
+  5e4), the scale not multiplied back, the nibbles read in the wrong order, the rope quantised."""
+  x = fp4_latents(seed=1)
+  stored = jax.jit(FP4_PAGES.encode)(jnp.asarray(x))
+  dec = np.asarray(jax.jit(dequantize_latent_fp4)(stored))
+  assert dec.dtype == np.float32 and dec.shape == x.shape
+  np.testing.assert_array_equal(dec, fp4_values(fp4_bytes(x)))
+  blocks = x[..., :L].reshape(x.shape[:-1] + (L // 16, 16))
+  amax = np.abs(blocks).max(-1, keepdims=True)
+  normal = ((amax / 6 >= 2.0 ** -6) & (amax / 6 <= 448))[..., 0]
+  err = np.abs(dec[..., :L].reshape(blocks.shape) - blocks)
+  bound = amax / 6 * (17 / 16)
+  assert (err[normal] <= bound[normal]).all()
+  assert (err.max(-1)[normal] / bound[..., 0][normal]).max() > 0.5   # the bound is the right size
+  np.testing.assert_array_equal(dec[..., L:], x[..., L:].astype(ml_dtypes.bfloat16).astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(jax.jit(FP4_PAGES.decode)(stored)), dec)
+  np.testing.assert_array_equal(np.asarray(jax.jit(FP4_PAGES.dequantize_reference)(stored)),
+                                dec.astype(ml_dtypes.bfloat16))
+
+
+def test_an_fp4_nan_token_decodes_to_nan_everywhere():
+  """The cache's NaN-poisoned rows: e2m1 has no NaN, so the NaN must ride on the e4m3 scale (0x7F).
+  Guards: a NaN amax taking the `scale > 0` guard and storing scale 0 (the row would read as zeros)."""
+  dec = np.asarray(jax.jit(lambda x: FP4_PAGES.decode(FP4_PAGES.encode(x)))(jnp.full((L + R,), jnp.nan)))
+  assert np.isnan(dec).all()
+
+
 @pytest.mark.parametrize("name, latent, rope, token_bytes", [
     ("fp8", 512, 64, 656), ("bf16", 512, 64, 1152), ("fp16", 512, 64, 1152), ("fp32", 512, 64, 2304),
-    ("fp8", 256, 32, 256 + 8 + 64), ("bf16", 64, 16, 160)])
+    ("fp8", 256, 32, 256 + 8 + 64), ("bf16", 64, 16, 160), ("fp4", 512, 64, 416), ("fp4", 32, 16, 16 + 2 + 32)])
 def test_token_bytes_are_the_planners(name, latent, rope, token_bytes):
   """Guards: planned and allocated bytes drifting apart (two formulas for one number), and the width
   of an fp8 token miscounted (scales forgotten, rope in one byte)."""
@@ -124,6 +198,8 @@ def test_page_format_of():
   assert page_format_of(jnp.zeros((2, 64, 656), jnp.uint8)).latent_dim == 512
   assert page_format_of(jnp.zeros((2, 4, 80), jnp.float32), rope_dim=16) == PageFormat("fp32", True, 64, 16)
   assert page_format_of(jnp.zeros((3, 576), jnp.bfloat16)).name == "bf16"
+  assert page_format_of(jnp.zeros((2, 64, 416), jnp.uint8)) == FP4_PAGES
+  assert page_format_of(jnp.zeros((2, 50), jnp.uint8), rope_dim=16) == PageFormat("fp4", False, 32, 16)
 
 
 @pytest.mark.parametrize("call, match", [
@@ -149,7 +225,20 @@ def test_page_format_of():
     pytest.param(lambda: FP8_PAGES.validate(jnp.zeros((2, 64, 656), jnp.int8)),
                  "fp8 kv_pages must be uint8, got int8", id="validate-dtype"),
     pytest.param(lambda: page_format_of(jnp.zeros((2, 600), jnp.uint8)),
-                 "uint8 pages of last dim 600 are not fp8 pages with rope_dim=64", id="format-of-width"),
+                 "uint8 pages of last dim 600 are not fp8 or fp4 pages with rope_dim=64", id="format-of-width"),
+    pytest.param(lambda: page_format_of(jnp.zeros((2, 524), jnp.uint8)),
+                 r"uint8 pages of last dim 524 fit both fp8 \(L=384\) and fp4 \(L=704\) pages with rope_dim=64; "
+                 "pass the PageFormat explicitly", id="format-of-ambiguous"),
+    pytest.param(lambda: PageFormat("fp4", latent_dim=48),
+                 r"fp4 pages need latent_dim a positive multiple of 32 .* got 48", id="fp4-format-latent"),
+    pytest.param(lambda: quantize_latent_fp4(jnp.zeros((2, 64 + 48))),
+                 "fp4 pages need a latent width that is a positive multiple of 32, got 48", id="fp4-quantize-width"),
+    pytest.param(lambda: dequantize_latent_fp4(jnp.zeros((2, 656), jnp.uint8)),
+                 "last dim 656 is not an fp4 page row", id="fp4-dequantize-width"),
+    pytest.param(lambda: dequantize_latent_fp4(jnp.zeros((2, 416), jnp.int8)),
+                 "fp4 pages are uint8, got int8", id="fp4-dequantize-dtype"),
+    pytest.param(lambda: FP4_PAGES.decode(jnp.zeros((2, 656), jnp.uint8)),
+                 "fp4 pages hold 416 elements a token, got last dim 656", id="fp4-decode-width"),
     pytest.param(lambda: page_format_of(jnp.zeros((2, 576), jnp.int8)),
                  "pages of dtype int8 are in no known page format", id="format-of-dtype"),
 ])

@@ -3,15 +3,17 @@ on a Hopper GPU (``-m gpu``). The gather is a copy, so results must be bit-exact
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
+from fp4_numpy import fp4_values
 from fp8_numpy import fp8_values
-from pallas_kernels import (BF16_PAGES, FP8_PAGES, PagedGatherConfig, PageFormat, paged_gather,
-                            paged_gather_reference, quantize_latent_fp8)
+from pallas_kernels import (BF16_PAGES, FP4_PAGES, FP8_PAGES, PagedGatherConfig, PageFormat, paged_gather,
+                            paged_gather_reference, quantize_latent_fp4, quantize_latent_fp8)
 from pallas_kernels import _platform
 from pallas_kernels.paged_gather import plan_chunks
 
@@ -41,6 +43,23 @@ def make_fp8_inputs(batch, max_pages, *, seed=0, spare_pages=2):
   lat[:, 3, 128:256] = 0.0
   lat[:, 5, 7] = -0.0
   pages = np.array(quantize_latent_fp8(jnp.asarray(lat)))
+  table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+  pages[np.setdiff1d(np.arange(num_pages), table)] = 0xFF
+  return jnp.asarray(pages), jnp.asarray(table)
+
+
+def make_fp4_inputs(batch, max_pages, *, seed=0, spare_pages=2):
+  """fp4 pages [num_pages, 64, 416] of random tokens (16-blocks over 1e-3..1e3, a zero block, -0.0, the
+  two latent halves of a token at different scales), 0xFF bytes (an e4m3 NaN scale for every block, NaN
+  rope) in pages no sequence owns, and a permuted block table."""
+  rng = np.random.default_rng(seed)
+  num_pages = batch * max_pages + spare_pages
+  lat = rng.standard_normal((num_pages, 64, 576)).astype(np.float32)
+  lat[..., :512] *= np.exp(rng.uniform(-7, 7, (num_pages, 64, 32))).repeat(16, -1).astype(np.float32)
+  lat[..., 256:512] *= 3.0
+  lat[:, 3, 32:48] = 0.0
+  lat[:, 5, 300] = -0.0
+  pages = np.array(jax.jit(quantize_latent_fp4)(jnp.asarray(lat)))
   table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
   pages[np.setdiff1d(np.arange(num_pages), table)] = 0xFF
   return jnp.asarray(pages), jnp.asarray(table)
@@ -119,6 +138,56 @@ def test_fp8_cross_lowers_for_sm90(batch, max_pages, num_tokens, staging):
             jax.ShapeDtypeStruct((batch, max_pages), jnp.int32))
   config = PagedGatherConfig(staging_buffers=staging, max_concurrent_steps=3 if staging == 1 else 2)
   fn = lambda kv, bt: paged_gather(kv, bt, num_tokens=num_tokens, page_format=FP8_PAGES, impl="kernel",
+                                   config=config)
+  text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 1 and "ui8" in text
+
+
+def test_fp4_reference_matches_numpy():
+  """Guards: the reference gathering the wrong pages or decoding another fp4 layout than the documented
+  one (nibbles swapped, pairs interleaved, a scale per 32), against the numpy table decode."""
+  kv, table = make_fp4_inputs(2, 3)
+  got = jax.jit(lambda kv, t: paged_gather_reference(kv, t, num_tokens=150, page_format=FP4_PAGES))(kv, table)
+  assert got.dtype == jnp.bfloat16 and got.shape == (2, 150, 576)
+  np.testing.assert_array_equal(np.asarray(got), fp4_values(numpy_gather(kv, table, 150), dtype=ml_dtypes.bfloat16))
+
+
+@pytest.mark.parametrize("batch,max_pages,num_tokens,chunks,steps,staging", [
+    (2, 3, 150, None, 3, 1),   # ragged: cut inside the 3rd page, 3 pages in flight, one page a CTA
+    (1, 3, 130, 1, 2, 2),      # one CTA over 3 pages: two staging buffers in turn, the last page 2 tokens
+])
+def test_fp4_interpret_is_bit_exact(batch, max_pages, num_tokens, chunks, steps, staging):
+  """The fp4 body against the numpy table decode, bit for bit, with no NaN. Guards: low and high nibbles
+  swapped or sent to the wrong half of the latent, a 16-block given the scale of its neighbour (or of the
+  other half's block), the e2m1 bit trick off for the 0.5 subnormal or the sign, the scales or the rope
+  read from the wrong bytes (bf16 element 144..), a last page stored whole past num_tokens, a table entry
+  past num_tokens followed (-1 here), a page no sequence owns read (all NaN), and a page stored from the
+  other staging buffer."""
+  kv, table = make_fp4_inputs(batch, max_pages, seed=num_tokens)
+  used = -(-num_tokens // 64)
+  table = table.at[:, used:].set(-1)
+  got = paged_gather(kv, table, num_tokens=num_tokens, page_format=FP4_PAGES, impl="interpret",
+                     config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps, staging_buffers=staging))
+  assert got.shape == (batch, num_tokens, 576) and got.dtype == jnp.bfloat16
+  want = fp4_values(numpy_gather(kv, table[:, :used], num_tokens), dtype=ml_dtypes.bfloat16)
+  assert not np.isnan(want.astype(np.float32)).any()
+  np.testing.assert_array_equal(np.asarray(got), want)
+  # and the kernel against its own jnp reference (`op` vs `op_reference`), exactly
+  chex.assert_trees_all_equal(got, paged_gather_reference(kv, table, num_tokens=num_tokens, page_format=FP4_PAGES))
+
+
+@pytest.mark.parametrize("batch,max_pages,num_tokens,staging,steps", [(1, 512, 32768, None, None),
+                                                                      (128, 64, 4096, None, None),
+                                                                      (3, 7, 100, 1, 3)])
+def test_fp4_cross_lowers_for_sm90(batch, max_pages, num_tokens, staging, steps):
+  """The fp4 body through the whole Mosaic GPU lowering for sm_90 (TMA boxes of the 416-byte rows, the
+  register layouts, the SMEM budget: 26 KB stages + 72 KB staging buffers) for the default config and
+  for one staging buffer with 3 steps. Guards a box or layout the lowering refuses, which interpret
+  mode does not check."""
+  shapes = (jax.ShapeDtypeStruct((batch * max_pages, 64, 416), jnp.uint8),
+            jax.ShapeDtypeStruct((batch, max_pages), jnp.int32))
+  config = PagedGatherConfig(staging_buffers=staging, max_concurrent_steps=steps)
+  fn = lambda kv, bt: paged_gather(kv, bt, num_tokens=num_tokens, page_format=FP4_PAGES, impl="kernel",
                                    config=config)
   text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 1 and "ui8" in text
@@ -205,4 +274,16 @@ def test_gpu_fp8_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps
   got = paged_gather(kv, table, num_tokens=num_tokens, page_format=FP8_PAGES, impl="kernel",
                      config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps, staging_buffers=staging))
   want = fp8_values(numpy_gather(kv, table, num_tokens), dtype=ml_dtypes.bfloat16)
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("batch,max_pages,num_tokens", [(32, 64, 4096), (5, 40, 2500), (1, 300, 1)])
+@pytest.mark.parametrize("chunks,steps,staging", [(None, 3, 1), (7, 2, 2)])
+def test_gpu_fp4_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps, staging):
+  kv, table = make_fp4_inputs(batch, max_pages, seed=batch)
+  got = paged_gather(kv, table, num_tokens=num_tokens, page_format=FP4_PAGES, impl="kernel",
+                     config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps, staging_buffers=staging))
+  want = fp4_values(numpy_gather(kv, table, num_tokens), dtype=ml_dtypes.bfloat16)
   np.testing.assert_array_equal(np.asarray(got), want)

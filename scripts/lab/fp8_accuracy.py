@@ -1,19 +1,20 @@
-"""FP8 latent pages against bf16 ones on the built-in model: decode-step logits and greedy tokens.
+"""FP8 and FP4 latent pages against bf16 ones on the built-in model: decode-step logits and greedy tokens.
 
 Two measurements, both through the model's cached forward (`model(ids, positions, cache=...)`,
-the jnp path: attention_impl "reference", so it runs on a CPU) with the two page formats:
+the jnp path: attention_impl "reference", so it runs on a CPU) with each page format:
 
 * teacher-forced decode logits: the prompt is prefilled, then the bf16 cache's greedy continuation
   is fed one token a step to both caches; at every decode step the logits of the two are compared
-  (max and mean |fp8 - bf16| over the vocabulary and the steps, the logits' own spread for scale,
+  (max and mean |fp8 - bf16| (and fp4) over the vocabulary and the steps, the logits' own spread for scale,
   and how often the two pick the same next token). The fp32-cache run is printed beside it: bf16
   pages already differ from exact latents, and this says by how much.
-* free-running greedy: `Engine.generate` with kv_dtype "bf16" and "fp8", N new tokens each; the
-  tokens up to the first difference, and the share of positions that agree.
+* free-running greedy: `Engine.generate` with kv_dtype "bf16", "fp8" and "fp4", N new tokens each;
+  the tokens up to the first difference, and the share of positions that agree.
 
-  PYTHONPATH=. python3 scripts/lab/fp8_accuracy.py [--new-tokens 256] [--prompt TEXT]
+  PYTHONPATH=. python3 scripts/lab/fp8_accuracy.py [--new-tokens 256] [--prompt TEXT] [--formats fp8 fp4]
 
-BENCHMARKS.md ("FP8 pages — accuracy") quotes its output; tests/test_engine.py bounds a short run.
+BENCHMARKS.md ("FP8 pages — accuracy", "FP4 pages — accuracy") quotes its output;
+tests/test_builtin_model.py bounds a short fp8 run (fp4's error is measured here, not asserted).
 """
 
 from __future__ import annotations
@@ -79,34 +80,39 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--prompt", default=BUILTIN_PROMPT)
+    p.add_argument("--formats", nargs="+", choices=("fp8", "fp4"), default=["fp8", "fp4"],
+                   help="the quantized page formats compared with bf16 and fp32 (default: fp8 fp4)")
     args = p.parse_args(argv)
+    quant = list(args.formats)
+    kinds = ["fp32", "bf16"] + quant
     model, tok = load_hf_checkpoint(BUILTIN_DIR), load_tokenizer(BUILTIN_DIR)
     prompt = tok.encode(args.prompt)
     n = args.new_tokens
-    print(f"# fp8 vs bf16 latent pages, built-in model, {datetime.date.today()}, {platform.machine()} CPU "
+    print(f"# {' / '.join(quant)} vs bf16 latent pages, built-in model, {datetime.date.today()}, {platform.machine()} CPU "
           f"({jax.default_backend()}), jax {jax.__version__}; prompt {len(prompt)} tokens, {n} new tokens")
 
-    runs = {kv: greedy(model, prompt, n, kv) for kv in ("fp32", "bf16", "fp8")}
-    bf16_tokens, fp8_tokens = runs["bf16"], runs["fp8"]
-    for x, y in (("fp8", "bf16"), ("bf16", "fp32"), ("fp8", "fp32")):
+    runs = {kv: greedy(model, prompt, n, kv) for kv in kinds}
+    bf16_tokens = runs["bf16"]
+    pairs = [(q, "bf16") for q in quant] + [("bf16", "fp32")] + [(q, "fp32") for q in quant]
+    for x, y in pairs:
         same = [a == b for a, b in zip(runs[x], runs[y])]
         first = same.index(False) if False in same else len(same)
         print(f"{x + ' vs ' + y:13s} greedy (free-running): the first {first} of {len(same)} tokens agree; "
               f"{100 * np.mean(same):.1f} % of positions agree")
 
     ids = prompt + bf16_tokens   # teacher forcing: both caches read the bf16 run's tokens
-    ref = {kv: decode_logits(model, ids, len(prompt), kv) for kv in ("fp32", "bf16", "fp8")}
+    ref = {kv: decode_logits(model, ids, len(prompt), kv) for kv in kinds}
     spread = float(ref["bf16"].std(-1).mean())
-    for name, (x, y) in {"fp8 vs bf16": ("fp8", "bf16"), "bf16 vs fp32": ("bf16", "fp32"),
-                         "fp8 vs fp32": ("fp8", "fp32")}.items():
+    for x, y in pairs:
+        name = f"{x} vs {y}"
         c = compare(ref[x], ref[y])
         print(f"{name:13s} decode logits over {len(ref[x])} steps (teacher-forced): max |d| {c['max']:.4f}, "
               f"mean |d| {c['mean']:.5f}, mean of per-step max {c['step_max_mean']:.4f}; same next token "
               f"{100 * c['top1']:.1f} %")
     print(f"(logit scale: per-step standard deviation over the vocabulary {spread:.3f}, "
           f"bf16 cache; {ref['bf16'].shape[1]} logits a step)")
-    print("bf16:", repr(tok.decode(bf16_tokens[:80])))
-    print("fp8: ", repr(tok.decode(fp8_tokens[:80])))
+    for kv in ["bf16"] + quant:
+        print(f"{kv + ':':5s}", repr(tok.decode(runs[kv][:80])))
 
 
 if __name__ == "__main__":
