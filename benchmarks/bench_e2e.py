@@ -662,8 +662,12 @@ def run_ours_worker(args) -> None:
       bm.log(f"# {name}: built in {build_s:.1f} s, {wgb:.1f} GB of weights{where}")
       for _, b, t in bm.progress(group, desc=f"e2e {name}{where}"):
         for mtp in variants:
+          data = (sizes or {}).get("data", 1)
           if deadline and time.time() > deadline:
             row = dict(base, B=b, prompt=t, mtp="on" if mtp else "off", note="skipped (time budget)")
+          elif b % data:
+            row = dict(base, B=b, prompt=t, mtp="on" if mtp else "off",
+                       note=f"skipped (B={b} is not divisible by data={data}: the slots are split over the data ranks)")
           else:
             try:
               row = run_cell(model, cfg, name, b, t, args, ceil, mtp=mtp, mesh=mesh, sizes=sizes)

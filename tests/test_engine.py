@@ -491,16 +491,17 @@ KERNEL_CFG = ModelConfig.tiny().replace(  # the kernels' shape: latent 512 + rop
     qk_nope_head_dim=16, v_head_dim=16, hidden_size=64, q_lora_rank=None)
 
 
-def _kernel_vs_reference(impl, prompts, max_new_tokens, max_batch, plain=True, k=1, kv_dtype=jnp.bfloat16):
+def _kernel_vs_reference(impl, prompts, max_new_tokens, max_batch, plain=True, k=1, kv_dtype=jnp.bfloat16,
+                         mesh=None):
     """Tokens of the kernel paths = tokens of the jnp paths, greedy, with MTP (k drafts) and, if
-    `plain`, without."""
+    `plain`, without; both on `mesh` when given."""
     m = DeepSeekModel(KERNEL_CFG, rngs=nnx.Rngs(0))
     runs = {}
     for name in ("reference", impl):
         # naive_threshold 32: a 64-token chunk takes the decompressed path (paged_gather kernel),
         # shorter ones the absorbed path; decode and MTP verify (s_q = 2) call mla_decode.
         e = Engine(m, page_size=64, num_pages=4 * max_batch, max_batch=max_batch, prefill_chunk=64,
-                   naive_threshold=32, attention_impl=name, kv_dtype=kv_dtype)
+                   naive_threshold=32, attention_impl=name, kv_dtype=kv_dtype, mesh=mesh)
         assert e.kernel_impl == (None if name == "reference" else impl)
         is_ref = name == "reference"
         runs[name] = (e.generate(prompts, max_new_tokens=max_new_tokens) if plain or is_ref else None,
@@ -543,6 +544,23 @@ def test_gpu_fp8_kernels_match_reference():
     prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
     _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, kv_dtype="fp8")
     _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, plain=False, k=3, kv_dtype="fp8")
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_on_data_ranks_match_reference():
+    """Two Hopper GPUs, data=2: a page pool a rank, the kernels on each rank's own pages and rows
+    (`KVCache.map_pages`, the gather's shard_map) give the jnp path's tokens on the same mesh, bf16 and
+    fp8 pages. Catches what the CPU maps cannot run: the compiled kernels inside a map manual over
+    every mesh axis, fed local page ids."""
+    from pallas_kernels._platform import default_backend_is_hopper
+    if not default_backend_is_hopper() or jax.device_count() < 2:
+        pytest.skip("needs two Hopper GPUs")
+    from mla_jax.sharding import make_mesh
+
+    prompts = _prompts(16, [5, 70, 130, 1])
+    for kv_dtype in (jnp.bfloat16, "fp8"):
+        _kernel_vs_reference("kernel", prompts, max_new_tokens=16, max_batch=4, plain=False, k=3, kv_dtype=kv_dtype,
+                             mesh=make_mesh(data=2))
 
 
 def test_fp8_pages_through_the_interpret_kernels_match_the_jnp_path():
