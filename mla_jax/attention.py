@@ -33,6 +33,24 @@ from mla_jax.rope import apply_rope, rope_cos_sin
 _F32 = jnp.float32
 
 
+def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`jnp.einsum(spec, a, b)` accumulated in float32 (`preferred_element_type`), as the tensor cores do
+    with bf16 operands.
+
+    XLA:CPU (jax 0.11.2) has no batched dot of bf16 operands into float32: a bf16 engine step with more
+    than one query row failed with `UNIMPLEMENTED: ... DotThunk::Execute: BF16 x BF16 = F32`. So when the
+    program is lowered for the CPU the operands are widened first: the same products (a product of two
+    bf16 values is exact in float32), summed in float32. Other platforms (the GPU, cross-lowering for
+    sm_90 included) keep the bf16 dot (`lax.platform_dependent` picks the branch per lowering platform).
+    """
+    def native(a, b):
+        return jnp.einsum(spec, a, b, preferred_element_type=_F32)
+
+    if a.dtype == _F32 and b.dtype == _F32:
+        return native(a, b)
+    return jax.lax.platform_dependent(a, b, cpu=lambda a, b: native(a.astype(_F32), b.astype(_F32)), default=native)
+
+
 # ------------------------------------------------------------------------------------------
 # Reference functions (plain jnp)
 # ------------------------------------------------------------------------------------------
@@ -97,9 +115,9 @@ def mla_naive_attention(
         return _mgpu_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale)
 
     def attend(q_BTHD, q_pos_BT):
-        scores = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD, preferred_element_type=_F32)
+        scores = einsum_f32("bthd,bshd->bhts", q_BTHD, k_BSHD)
         p, _ = _masked_softmax(scores * softmax_scale, attention_mask(q_pos_BT, kv_positions))
-        return jnp.einsum("bhts,bshv->bthv", p.astype(v_BSHV.dtype), v_BSHV, preferred_element_type=_F32)
+        return einsum_f32("bhts,bshv->bthv", p.astype(v_BSHV.dtype), v_BSHV)
 
     B, T = q_BTHD.shape[:2]
     if q_block is None or q_block >= T:
@@ -192,10 +210,10 @@ def mla_absorbed_attention(
     values its first L columns. Returns (o_lat [B,T,H,L] in q's dtype, lse [B,T,H] float32,
     natural log; -inf for a query that sees no key).
     """
-    scores = jnp.einsum("bthc,bsc->bhts", q_abs, kv_latent, preferred_element_type=_F32) * softmax_scale
+    scores = einsum_f32("bthc,bsc->bhts", q_abs, kv_latent) * softmax_scale
     p, lse = _masked_softmax(scores, attention_mask(q_positions, kv_positions))
     v_BSL = kv_latent[..., :kv_lora_rank]
-    o = jnp.einsum("bhts,bsl->bthl", p.astype(v_BSL.dtype), v_BSL, preferred_element_type=_F32)
+    o = einsum_f32("bhts,bsl->bthl", p.astype(v_BSL.dtype), v_BSL)
     return o.astype(q_abs.dtype), lse.transpose(0, 2, 1)
 
 
@@ -268,13 +286,13 @@ class MLA(nnx.Module):
     def absorb_query(self, q_nope: jax.Array, q_pe: jax.Array) -> jax.Array:
         """[q_nope · W_UK ; q_pe] -> [B,T,H,L+R]: the query the absorbed path / decode kernel takes."""
         w_uk_LHN = self.wkv_b_LHK()[..., : self.cfg.qk_nope_head_dim]
-        q_lat = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk_LHN.astype(q_nope.dtype), preferred_element_type=_F32)
+        q_lat = einsum_f32("bthn,lhn->bthl", q_nope, w_uk_LHN.astype(q_nope.dtype))
         return jnp.concatenate([q_lat.astype(q_pe.dtype), q_pe], axis=-1)
 
     def output_from_latent(self, o_lat_BTHL: jax.Array) -> jax.Array:
         """Un-absorb W_UV and apply the output projection: [B,T,H,L] -> [B,T,D]."""
         w_uv_LHV = self.wkv_b_LHK()[..., self.cfg.qk_nope_head_dim:]
-        o = jnp.einsum("bthl,lhv->bthv", o_lat_BTHL, w_uv_LHV.astype(o_lat_BTHL.dtype), preferred_element_type=_F32)
+        o = einsum_f32("bthl,lhv->bthv", o_lat_BTHL, w_uv_LHV.astype(o_lat_BTHL.dtype))
         return self.wo(o.astype(o_lat_BTHL.dtype).reshape(o.shape[:2] + (-1,)))
 
     # --- attention ----------------------------------------------------------------------

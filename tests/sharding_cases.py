@@ -208,17 +208,22 @@ def _cache_kernels(mesh) -> dict:
 
 
 def _bench_e2e() -> dict:
-    """`mla-bench e2e --mesh 1 --mesh data=2,tensor=2` on the tiny V2-Lite cut (fp32, one MoE layer, B=2),
-    in this process on 4 of its 8 devices -> {impl: the row's mesh columns and error}."""
+    """`mla-bench e2e --mesh 1 --mesh data=2,tensor=2`: the tiny V2-Lite cut (bf16, one MoE layer), B=2,
+    16-token prompts, 4 new tokens, in this process on 1 and then 4 of its 8 devices -> {"rows": {impl: the
+    row}, "png": the plot's first bytes, "meta": the run's e2e_meta.json}. The suite's one tiny e2e cell
+    end to end (tests/test_sharding.py asserts on the one-device row as on the mesh one)."""
     from benchmarks import bench_e2e as e2e
 
     out = tempfile.mkdtemp()
-    e2e.main(["--config", "tiny", "--layers", "1", "--model", "v2-lite", "--batch", "2", "--prompt", "8",
-              "--new-tokens", "2", "--no-hf", "--in-process", "--dtype", "fp32", "--mesh", "1",
-              "--mesh", "data=2,tensor=2", "--out", out])
+    e2e.main(["--config", "tiny", "--layers", "1", "--model", "v2-lite", "--batch", "2", "--prompt", "16",
+              "--new-tokens", "4", "--no-hf", "--in-process", "--mesh", "1", "--mesh", "data=2,tensor=2",
+              "--out", out])
     rows = e2e.bm.read_csv(os.path.join(out, e2e.CSV_NAME))
-    keys = ("mesh", "devices", "pool_devices", "agree_one_device", "decode_steps", "error")
-    return {r["impl"]: {k: r.get(k) for k in keys} for r in rows}
+    with open(os.path.join(out, "e2e.png"), "rb") as f:
+        png = list(f.read(8))
+    meta = e2e.read_meta(out)
+    return dict(rows={r["impl"]: r for r in rows}, png=png,
+                meta=dict(bandwidth_gbps=meta["ceilings"]["bandwidth_gbps"], command=meta["command"]))
 
 
 def _train(model, batch):

@@ -1,5 +1,7 @@
 """MLA: the decompressed and the absorbed forms agree; the absorption identity holds at DeepSeek-V3 sizes."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -249,3 +251,26 @@ def test_trainer_and_attention_name_the_same_implementations():
     from mla_jax.attention import NAIVE_ATTENTION_IMPLS
     from models.trainer import ATTN_IMPLS
     assert ATTN_IMPLS == NAIVE_ATTENTION_IMPLS
+
+
+def test_einsum_f32_widens_bf16_on_the_cpu_only():
+    """`einsum_f32` with bf16 operands: on the CPU the lowered dot takes f32 operands (XLA:CPU has no
+    batched bf16 x bf16 -> f32 dot; the bf16 engine with two rows failed, see the e2e cell in
+    tests/test_sharding.py), lowered for sm_90 it stays a bf16 dot into f32; the values equal the
+    float64 einsum of the same bf16 values to fp32 rounding. Catches the widening applied on every
+    platform (an f32 GEMM on the GPU's tensor cores: several times slower) or on none."""
+    from mla_jax.attention import einsum_f32
+
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((2, 3, 4, 64)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((64, 4, 32)), jnp.bfloat16)
+    f = jax.jit(lambda a, b: einsum_f32("bthl,lhv->bthv", a, b))
+    got = f(a, b)
+    want = np.einsum("bthl,lhv->bthv", np.asarray(a, np.float64), np.asarray(b, np.float64))
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    dots = lambda text: re.findall(r"stablehlo.dot_general[^\n]*", text)  # noqa: E731
+    cpu = dots(f.trace(a, b).lower().as_text())
+    cuda = dots(f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text())
+    assert cpu and all("bf16" not in d for d in cpu), cpu
+    assert cuda and all("bf16" in d for d in cuda), cuda

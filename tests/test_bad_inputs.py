@@ -764,6 +764,7 @@ def test_capacity_cli_closed_stdout():
   assert r.returncode == 1 and b"Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.xla_optimized
 def test_generate_cli_says_when_the_context_limit_ends_the_text(capsys):
   """A 2047-token prompt with 96 new tokens stopped after 2 tokens without a word."""
   from models.generate_cli import main

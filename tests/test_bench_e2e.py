@@ -1,6 +1,7 @@
-"""`mla-bench e2e` on a CPU: the counting functions against hand arithmetic, and one tiny cell end to end."""
+"""`mla-bench e2e` on a CPU: the counting functions against hand arithmetic, the fp8 cell in this process,
+the worker subprocess. The tiny bf16 cell end to end, on one device and on a mesh, runs in the 8-device
+sharding subprocess (`tests/test_sharding.py::test_bench_e2e_runs_a_tiny_cell_on_one_device_and_on_a_mesh`)."""
 
-import math
 import os
 import pathlib
 import subprocess
@@ -76,27 +77,6 @@ def test_cells_parse_and_group_into_worker_segments():
     assert e2e.parse_cells(e2e.format_cells(cells)) == cells
     assert e2e.kv_pages(ModelConfig.deepseek_v2_lite(), 8, 1024, 128) == 8 * 18     # ceil(1152 / 64)
     assert e2e.kv_pages(e2e.model_config("v3-cut"), 1, 1024, 128) == 19            # + 3 draft rows
-
-
-def test_a_tiny_cell_end_to_end_on_cpu(tmp_path, monkeypatch):
-    # In this process (the worker's subprocess plumbing is covered by the test below), one MoE layer.
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    out = tmp_path / "e2e"
-    e2e.main(["--config", "tiny", "--layers", "1", "--model", "v2-lite", "--batch", "1", "--prompt", "16",
-              "--new-tokens", "4", "--no-hf", "--in-process", "--out", str(out)])
-    rows = e2e.bm.read_csv(out / "e2e.csv")
-    assert len(rows) == 1, rows
-    r = rows[0]
-    assert (r["model"], r["impl"], r["B"], r["prompt"], r["new_tokens"]) == ("v2-lite", "ours", 1, 16, 4)
-    assert r["error"] == "", r["error"]
-    for k in ("cold_wall_s", "warm_wall_s", "compile_s", "ttft_s", "prefill_s", "prefill_tok_s", "prefill_mfu",
-              "decode_ms_step", "decode_tok_s", "floor_gb", "floor_ms", "x_floor", "build_s", "weights_gb"):
-        assert isinstance(r[k], float) and math.isfinite(r[k]) and r[k] > 0, (k, r[k])
-    assert r["decode_steps"] == 3 and r["same_tokens"] is True and r["compiles"] >= 2
-    assert r["prefill_tok_s"] == pytest.approx(16 / r["prefill_s"])
-    assert (out / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    meta = e2e.read_meta(str(out))
-    assert meta["ceilings"]["bandwidth_gbps"] > 0 and "--config tiny" in meta["command"]
 
 
 def test_full_models_on_a_cpu_are_a_one_line_error(tmp_path):

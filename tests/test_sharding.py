@@ -9,6 +9,7 @@ abstract models (`nnx.eval_shape`) and `AbstractMesh`es: no weights, no devices.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -310,18 +311,31 @@ def test_data_ranks_read_their_own_pages_through_the_kernels_maps(cases):
     assert all(m == dict(axes=["data", "expert", "tensor"], pool="2x3x64x576xbf16") for m in k["maps"])
 
 
-def test_bench_e2e_runs_its_cells_on_each_mesh(cases):
-    """`mla-bench e2e --mesh 1 --mesh data=2,tensor=2` (tiny V2-Lite cut, 8 CPU devices, in the sharding
-    subprocess): a row per mesh, the mesh one on 4 devices with the engine's pool on all 4 (a benchmark
-    that built the engine without its mesh would show 1), its greedy tokens the one-device row's (a
-    sharded build with other weights than the eager one, or a wrong layout, would not agree)."""
-    rows = cases["mixed"]["bench_e2e"]
+def test_bench_e2e_runs_a_tiny_cell_on_one_device_and_on_a_mesh(cases):
+    """`mla-bench e2e --mesh 1 --mesh data=2,tensor=2` (tiny V2-Lite cut in bf16, B=2, 4 new tokens; in the
+    sharding subprocess, the suite's one tiny e2e cell end to end): a row per mesh, every timing and ratio
+    column filled (positive, finite), 3 warm decode steps, the warm generate repeating the cold one, the
+    plot and the run's metadata written. On the mesh: 4 devices with the engine's pool on all 4 (a
+    benchmark that built the engine without its mesh would show 1) and the one-device row's greedy tokens
+    (a sharded build with other weights than the eager one, or a wrong layout, would not agree). Also the
+    regression test of bf16 on the CPU with two rows: XLA:CPU had no batched bf16 x bf16 -> f32 dot
+    (`mla_jax.attention.einsum_f32`), and the one-device cell failed with `DotThunk::Execute` before it."""
+    e = cases["mixed"]["bench_e2e"]
+    rows = e["rows"]
     assert set(rows) == {"ours", "ours@data=2,tensor=2"}
+    for r in rows.values():
+        assert r["error"] == "", r["error"]
+        assert (r["model"], r["B"], r["prompt"], r["new_tokens"]) == ("v2-lite", 2, 16, 4)
+        for k in ("cold_wall_s", "warm_wall_s", "compile_s", "ttft_s", "prefill_s", "prefill_tok_s", "prefill_mfu",
+                  "decode_ms_step", "decode_tok_s", "floor_gb", "floor_ms", "x_floor", "build_s", "weights_gb"):
+            assert isinstance(r[k], float) and math.isfinite(r[k]) and r[k] > 0, (k, r[k])
+        assert r["decode_steps"] == 3 and r["same_tokens"] is True and r["compiles"] >= 2
+        assert r["prefill_tok_s"] == pytest.approx(2 * 16 / r["prefill_s"])
     one, mesh = rows["ours"], rows["ours@data=2,tensor=2"]
-    assert one["error"] == "" and mesh["error"] == "", (one, mesh)
     assert (one["mesh"], one["devices"], one["pool_devices"], one["agree_one_device"]) == ("one device", 1, 1, "")
-    assert (mesh["mesh"], mesh["devices"], mesh["pool_devices"]) == ("data=2,tensor=2", 4, 4)
-    assert mesh["agree_one_device"] == 1.0 and mesh["decode_steps"] == one["decode_steps"] > 0
+    assert (mesh["mesh"], mesh["devices"], mesh["pool_devices"], mesh["agree_one_device"]) == ("data=2,tensor=2", 4, 4, 1.0)
+    assert bytes(e["png"]) == b"\x89PNG\r\n\x1a\n"
+    assert e["meta"]["bandwidth_gbps"] > 0 and "--config tiny" in e["meta"]["command"]
 
 
 def test_batch_not_divisible_by_data(cases):
