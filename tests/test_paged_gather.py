@@ -119,15 +119,23 @@ def test_fp8_interpret_is_bit_exact(batch, max_pages, num_tokens, chunks, steps,
   view), the two latent halves swapped, a last page stored whole past num_tokens, a table entry
   past num_tokens followed (they are -1 here), a page no sequence owns read (it is all NaN), and
   with two staging buffers a page stored from the other page's buffer."""
-  kv, table = make_fp8_inputs(batch, max_pages, seed=num_tokens)
+  _interpret_bit_exact(FP8_PAGES, make_fp8_inputs, fp8_values, batch, max_pages, num_tokens,
+                       PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps, staging_buffers=staging))
+
+
+def _interpret_bit_exact(fmt, make_inputs, numpy_values, batch, max_pages, num_tokens, config):
+  """The quantized body of `fmt` in the interpreter against the numpy decode (`numpy_values`), bit for
+  bit, with no NaN (table entries past num_tokens are -1; pages no sequence owns are NaN) -> (kv, table,
+  the kernel's output)."""
+  kv, table = make_inputs(batch, max_pages, seed=num_tokens)
   used = -(-num_tokens // 64)
   table = table.at[:, used:].set(-1)
-  got = paged_gather(kv, table, num_tokens=num_tokens, page_format=FP8_PAGES, impl="interpret",
-                     config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps, staging_buffers=staging))
+  got = paged_gather(kv, table, num_tokens=num_tokens, page_format=fmt, impl="interpret", config=config)
   assert got.shape == (batch, num_tokens, 576) and got.dtype == jnp.bfloat16
-  want = fp8_values(numpy_gather(kv, table[:, :used], num_tokens), dtype=ml_dtypes.bfloat16)
+  want = numpy_values(numpy_gather(kv, table[:, :used], num_tokens), dtype=ml_dtypes.bfloat16)
   assert not np.isnan(want.astype(np.float32)).any()
   np.testing.assert_array_equal(np.asarray(got), want)
+  return kv, table, got
 
 
 @pytest.mark.parametrize("batch,max_pages,num_tokens,staging", [(1, 512, 32768, 1), (128, 64, 4096, 1),
@@ -163,15 +171,9 @@ def test_fp4_interpret_is_bit_exact(batch, max_pages, num_tokens, chunks, steps,
   read from the wrong bytes (bf16 element 144..), a last page stored whole past num_tokens, a table entry
   past num_tokens followed (-1 here), a page no sequence owns read (all NaN), and a page stored from the
   other staging buffer."""
-  kv, table = make_fp4_inputs(batch, max_pages, seed=num_tokens)
-  used = -(-num_tokens // 64)
-  table = table.at[:, used:].set(-1)
-  got = paged_gather(kv, table, num_tokens=num_tokens, page_format=FP4_PAGES, impl="interpret",
-                     config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps, staging_buffers=staging))
-  assert got.shape == (batch, num_tokens, 576) and got.dtype == jnp.bfloat16
-  want = fp4_values(numpy_gather(kv, table[:, :used], num_tokens), dtype=ml_dtypes.bfloat16)
-  assert not np.isnan(want.astype(np.float32)).any()
-  np.testing.assert_array_equal(np.asarray(got), want)
+  kv, table, got = _interpret_bit_exact(
+      FP4_PAGES, make_fp4_inputs, fp4_values, batch, max_pages, num_tokens,
+      PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps, staging_buffers=staging))
   # and the kernel against its own jnp reference (`op` vs `op_reference`), exactly
   chex.assert_trees_all_equal(got, paged_gather_reference(kv, table, num_tokens=num_tokens, page_format=FP4_PAGES))
 
