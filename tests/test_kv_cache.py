@@ -321,3 +321,22 @@ def test_fp8_write_and_gather_match_numpy():
     np.testing.assert_array_equal(np.asarray(kv_pos)[1], np.where(np.arange(12) < 3, np.arange(12), -1))
     with pytest.raises(ValueError, match="uint8 .fp8 / fp4. pages take encoded rows"):
         write_latents(kv.pages[0], jnp.asarray(lat), jnp.asarray(pos), jnp.asarray(table))
+
+
+def test_the_interpreter_is_refused_on_a_pool_per_data_rank():
+    """KVCache(impl="interpret") with data ranks: one line, before any step runs (jax 0.11.2's Mosaic GPU
+    interpreter fails, 1 run in 8 on two CPU devices, when two devices run a kernel at once: NOTES.md);
+    "kernel" and "reference" are taken. Catches the refusal lost (a flaky CI) or applied to the compiled
+    kernels too (data-parallel attention back on the jnp path on GPUs)."""
+    from jax.sharding import AbstractMesh
+
+    from mla_jax.kv_cache import KVCache
+    from mla_jax.sharding import MESH_AXES
+
+    dp = (AbstractMesh((2, 1, 1), MESH_AXES), ("data",))
+    args = (jnp.zeros((1, 4, 64, 576), jnp.bfloat16), np.zeros((2, 2), np.int32), np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match=r"^KVCache impl='interpret' with a pool per data rank: the Pallas "
+                                         r"interpreter cannot run a kernel on several devices at once"):
+        KVCache.create(*args, impl="interpret", data_parallel=dp)
+    for impl in ("kernel", "reference"):
+        assert KVCache.create(*args, impl=impl, data_parallel=dp).data_parallel == dp
