@@ -1,6 +1,6 @@
-"""`mla-bench e2e` on a CPU: the counting functions against hand arithmetic, the fp8 cell in this process,
-the worker subprocess. The tiny bf16 cell end to end, on one device and on a mesh, runs in the 8-device
-sharding subprocess (`tests/test_sharding.py::test_bench_e2e_runs_a_tiny_cell_on_one_device_and_on_a_mesh`)."""
+"""`mla-bench e2e` on a CPU: the counting functions against hand arithmetic, the quantized formats' plumbing,
+the flags, the worker subprocess. The tiny cell end to end (bf16, on one device and on a mesh) runs in the
+8-device sharding subprocess (`tests/test_sharding.py::test_bench_e2e_runs_a_tiny_cell_on_one_device_and_on_a_mesh`)."""
 
 import os
 import pathlib
@@ -97,32 +97,23 @@ def test_decode_floor_reads_the_planners_fp8_bytes():
             == e2e.decode_floor_bytes(cfg, 1, 1) - 27 * 1152)
 
 
-def test_fp4_plumbs_through_the_e2e_bench():
-    """--kv-dtype fp4: the floor reads 416 B a token (256 packed e2m1 + 32 e4m3 scales + 64 bf16 rope, by
-    hand), the engine gets the format name, and the tiny model keeps its 64-wide latent (a multiple of
-    32). Guards fp4 turned into a jnp dtype or the fp8 bytes on the way to the engine / the floor. (One
-    tiny cell end to end on a CPU runs for fp8 only: the same path, 10 s.)"""
+@pytest.mark.parametrize("fmt, token_bytes, latent", [("fp8", 512 + 16 + 128, 128), ("fp4", 256 + 32 + 128, 64)])
+def test_quantized_formats_plumb_through_the_e2e_bench(fmt, token_bytes, latent):
+    """--kv-dtype fp8 / fp4: the floor reads the format's bytes a token (fp8: 512 e4m3 + 4 fp32 scales +
+    64 bf16 rope; fp4: 256 packed e2m1 + 32 e4m3 scales + 64 bf16 rope; by hand), the engine gets the
+    format's name (not a jnp dtype), and the tiny model's latent is one the format stores (fp8 widens
+    it to 128, a scale block; fp4 keeps 64, a multiple of 32). Guards the format turned into a jnp dtype
+    or another format's bytes on the way to the engine / the floor. The engine on those pages:
+    tests/test_engine.py, `mla-generate --kv-dtype fp8` (tests/test_generate_cli.py); the bench's tiny
+    cell end to end: tests/test_sharding.py (bf16)."""
     cfg = ModelConfig.deepseek_v2_lite()
-    assert (e2e.decode_floor_bytes(cfg, 1, 1, kv_dtype="fp4") - 27 * 416
+    assert (e2e.decode_floor_bytes(cfg, 1, 1, kv_dtype=fmt) - 27 * token_bytes
             == e2e.decode_floor_bytes(cfg, 1, 1) - 27 * 1152)
-    assert e2e.kv_dtype_arg("fp4") == "fp4"
-    assert e2e.model_config("v2-lite", config="tiny", layers=1, kv_dtype="fp4").kv_lora_rank == 64
-
-
-def test_a_tiny_fp8_cell_end_to_end_on_cpu(tmp_path, monkeypatch):
-    """--kv-dtype fp8 builds the engine's cache in fp8 (the tiny model's latent widened to 128, a block)
-    and the row's floor counts fp8 bytes (a bad --kv-dtype: tests/test_bad_inputs.py)."""
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    out = tmp_path / "e2e"
-    e2e.main(["--config", "tiny", "--layers", "1", "--model", "v2-lite", "--batch", "1", "--prompt", "16",
-              "--new-tokens", "2", "--no-hf", "--in-process", "--kv-dtype", "fp8", "--out", str(out)])
-    r = e2e.bm.read_csv(out / "e2e.csv")[0]
-    assert r["error"] == "" and r["kv_dtype"] == "fp8" and r["decode_steps"] == 1, r
-    cfg = e2e.model_config("v2-lite", config="tiny", layers=1, kv_dtype="fp8")
-    assert cfg.kv_lora_rank == 128
-    assert r["floor_gb"] == pytest.approx(e2e.decode_floor_bytes(cfg, 1, 17, kv_dtype="fp8") / 1e9)
-    assert (e2e.decode_floor_bytes(cfg, 1, 17) - e2e.decode_floor_bytes(cfg, 1, 17, kv_dtype="fp8")
-            == 17 * 1 * ((128 + 16) * 2 - (128 + 4 + 32)))
+    assert e2e.kv_dtype_arg(fmt) == fmt
+    tiny = e2e.model_config("v2-lite", config="tiny", layers=1, kv_dtype=fmt)
+    assert tiny.kv_lora_rank == latent
+    from mla_jax.kv_cache import page_format_for
+    assert page_format_for(e2e.kv_dtype_arg(fmt), tiny.latent_dim, tiny.qk_rope_head_dim).name == fmt
 
 
 def test_mesh_flags_and_token_agreement():
