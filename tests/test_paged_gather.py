@@ -269,23 +269,15 @@ def test_gpu_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps):
 
 @pytest.mark.gpu
 @requires_hopper
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("batch,max_pages,num_tokens", [(32, 64, 4096), (5, 40, 2500), (1, 300, 1)])
 @pytest.mark.parametrize("chunks,steps,staging", [(None, 3, 1), (7, 2, 1), (None, 2, 2), (7, 2, 2)])
-def test_gpu_fp8_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps, staging):
-  kv, table = make_fp8_inputs(batch, max_pages, seed=batch)
-  got = paged_gather(kv, table, num_tokens=num_tokens, page_format=FP8_PAGES, impl="kernel",
+def test_gpu_quantized_kernel_is_bit_exact(fmt, batch, max_pages, num_tokens, chunks, steps, staging):
+  """The fp8 and fp4 bodies on the GPU against the numpy decode, bit for bit."""
+  make, values, page_format = {"fp8": (make_fp8_inputs, fp8_values, FP8_PAGES),
+                               "fp4": (make_fp4_inputs, fp4_values, FP4_PAGES)}[fmt]
+  kv, table = make(batch, max_pages, seed=batch)
+  got = paged_gather(kv, table, num_tokens=num_tokens, page_format=page_format, impl="kernel",
                      config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps, staging_buffers=staging))
-  want = fp8_values(numpy_gather(kv, table, num_tokens), dtype=ml_dtypes.bfloat16)
-  np.testing.assert_array_equal(np.asarray(got), want)
-
-
-@pytest.mark.gpu
-@requires_hopper
-@pytest.mark.parametrize("batch,max_pages,num_tokens", [(32, 64, 4096), (5, 40, 2500), (1, 300, 1)])
-@pytest.mark.parametrize("chunks,steps,staging", [(None, 3, 1), (7, 2, 2)])
-def test_gpu_fp4_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps, staging):
-  kv, table = make_fp4_inputs(batch, max_pages, seed=batch)
-  got = paged_gather(kv, table, num_tokens=num_tokens, page_format=FP4_PAGES, impl="kernel",
-                     config=PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps, staging_buffers=staging))
-  want = fp4_values(numpy_gather(kv, table, num_tokens), dtype=ml_dtypes.bfloat16)
+  want = values(numpy_gather(kv, table, num_tokens), dtype=ml_dtypes.bfloat16)
   np.testing.assert_array_equal(np.asarray(got), want)
