@@ -46,11 +46,12 @@ On a device mesh (``--mesh SPEC``, repeatable; ``1`` is one device): each mesh i
 straight into its shardings (`mla_jax.sharding.model_shardings`; the same random weights as one device) and
 runs the cells through ``Engine(..., mesh=...)``: tensor parallelism over heads, expert parallelism over the
 routed experts, ``data`` = D > 1 a page pool a data rank (data-parallel attention). Its rows are
-``impl`` = ``ours@SPEC`` with ``devices``; ``agree_one_device`` is the fraction of greedy tokens equal to
-the one-device run of the same cell (earlier in the same run), counted per request up to its first
-difference, and ``pool_devices`` the devices holding the engine's page pool (random models' logits are nearly flat, so a reduction order may flip one; a wrong layout
-flips them all). The floor columns stay one device's: on a mesh ``x_floor`` < 1 is possible, and
-``decode_ms_step`` beside the one-device row's is the comparison.
+``impl`` = ``ours@SPEC`` with ``devices`` and ``pool_devices`` (the devices holding the engine's page
+pool); ``agree_one_device`` is the fraction of greedy tokens equal to the one-device run of the same cell
+(earlier in the same run), counted per request up to its first difference (random models' logits are
+nearly flat, so a reduction order may flip one; a wrong layout flips them all). The floor columns stay
+one device's: on a mesh ``x_floor`` < 1 is possible, and ``decode_ms_step`` beside the one-device row's is
+the comparison. A cell whose B the data ranks do not divide is a "skipped" row.
 
 Processes: the driver never touches the GPU. Our cells run in one fresh worker process per run of
 consecutive same-model cells (clean memory, cold compiles), then the HF peer in its own process, so JAX's

@@ -463,8 +463,8 @@ class KVCache:
         """This layer's cached tokens per row, dense and decoded: (latent [B, P*G, C] in `dtype`,
         positions int32 [B, P*G], -1 past the row's length); see `gather_latents`."""
         gather = functools.partial(_gather_pool, impl=self.impl, page_format=self.page_format, dtype=dtype)
-        return self._per_rank(gather, batch_args=2, pool_out=False, kernel=self.impl != "reference")(self.pages, self.block_table, self.lengths,
-                                                                    self.layer)
+        per_rank = self._per_rank(gather, batch_args=2, pool_out=False, kernel=self.impl != "reference")
+        return per_rank(self.pages, self.block_table, self.lengths, self.layer)
 
     def _per_rank(self, fn, *, batch_args: int, pool_out: bool, kernel: bool = False):
         """`fn(pages, *batch_args, layer)` as is, or under `jax.shard_map` over the data axes: the pool by
