@@ -8,6 +8,8 @@
 #   scripts/lab/gpu_run.sh fairxla  # the FlashMLA cells, default config, XLA autotuner ON (fair baseline)
 #   scripts/lab/gpu_run.sh flash   # the flash attention GPU tests, its ptxas report, then
 #                              #   scripts/lab/probe_flash_attention.py (--sweep at 16x4096x16)
+#   scripts/lab/gpu_run.sh pending # what CPU sessions built since the last GPU call: the gather's fp8/fp4
+#                              #   bodies, the flash attention (tests, ptxas), gather fp4/fp8 cells, flash probe
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -84,6 +86,8 @@ case "$MODE" in
          ptxas_report ;;
   variants) gpu_tests 130 tests/test_mla_decode.py -k "page_boundaries or large_batch"
          ptxas_report ;;
+  pending) gpu_tests 200 tests/test_paged_gather.py tests/test_flash_attention.py tests/test_attention.py
+         flash_ptxas_report ;;
   flash) gpu_tests 200 tests/test_flash_attention.py tests/test_attention.py
          flash_ptxas_report
          stage "probe_flash_attention --sweep"
@@ -93,6 +97,10 @@ case "$MODE" in
   quick) bench mla_decode 330 --quick
          bench paged_gather 60 ;;
   grid)  bench mla_decode 560 --no-naive ;;
+  pending) bench paged_gather 60 --quick --kv-dtype fp4
+         bench paged_gather 60 --quick --kv-dtype fp8
+         stage "probe_flash_attention --sweep"
+         timeout 200 $PY scripts/lab/probe_flash_attention.py --out "$R/flash" --sweep 2>&1 | tee -a "$LOG" ;;
   variants) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
          bench mla_decode 300 --only-flashmla --quick --no-naive \
            --variants "${VARIANTS:-plain,split_qk}" ;;
