@@ -10,6 +10,8 @@
 #                              #   scripts/lab/probe_flash_attention.py (--sweep at 16x4096x16)
 #   scripts/lab/gpu_run.sh pending # what CPU sessions built since the last GPU call: the gather's fp8/fp4
 #                              #   bodies, the flash attention (tests, ptxas), gather fp4/fp8 cells, flash probe
+#   scripts/lab/gpu_run.sh train   # engine/MoE/training GPU tests, then issue 16's 16 x 4096 step with our flash
+#                              #   attention beside cuDNN's, and the 50-step loss curves (scripts/lab/loss_curve_equality.py)
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -88,6 +90,7 @@ case "$MODE" in
          ptxas_report ;;
   pending) gpu_tests 200 tests/test_paged_gather.py tests/test_flash_attention.py tests/test_attention.py
          flash_ptxas_report ;;
+  train) gpu_tests 200 tests/test_engine.py tests/test_moe.py tests/test_moe_decode.py tests/test_training.py tests/test_scan.py ;;
   flash) gpu_tests 200 tests/test_flash_attention.py tests/test_attention.py
          flash_ptxas_report
          stage "probe_flash_attention --sweep"
@@ -97,6 +100,12 @@ case "$MODE" in
   quick) bench mla_decode 330 --quick
          bench paged_gather 60 ;;
   grid)  bench mla_decode 560 --no-naive ;;
+  train) for a in mgpu cudnn; do
+           bench train 120 --batch 16 --seq 4096 --ce-chunk 2048 --remat dots_with_no_batch_dims_saveable --attn-impl $a
+         done
+         stage "loss_curve_equality (50 steps)"
+         timeout 220 $PY scripts/lab/loss_curve_equality.py --out "$R/curve" --paths reference,xla_ragged,ours,fast \
+           2>&1 | tee -a "$LOG" ;;
   pending) bench paged_gather 60 --quick --kv-dtype fp4
          bench paged_gather 60 --quick --kv-dtype fp8
          stage "probe_flash_attention --sweep"

@@ -11,7 +11,8 @@ a curve with shape). Paths:
 * xla_ragged: the jnp attention and XLA's own `lax.ragged_dot` experts: a second plain implementation, whose
   distance from the reference is what bf16 rounding alone does to a 50-step trajectory (the tolerance);
 * mgpu: the jnp attention and the Mosaic GPU grouped GEMMs (forward and backward);
-* fast: cuDNN's flash attention (`attn_impl="cudnn"`) and the Mosaic GPU grouped GEMMs.
+* fast: cuDNN's flash attention (`attn_impl="cudnn"`) and the Mosaic GPU grouped GEMMs;
+* ours: our Mosaic GPU flash attention (`attn_impl="mgpu"`) and the Mosaic GPU grouped GEMMs.
 
     PYTHONPATH=. python3 scripts/lab/loss_curve_equality.py --out $OUT/curve [--steps 50] [--batch 2 --seq 2048]
 
@@ -36,7 +37,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 PATHS = {"reference": dict(attn_impl="xla", attn_q_block=512, moe_impl="dense"),
          "xla_ragged": dict(attn_impl="xla", attn_q_block=512, moe_impl="ragged_dot"),
          "mgpu": dict(attn_impl="xla", attn_q_block=512, moe_impl="mgpu"),
-         "fast": dict(attn_impl="cudnn", attn_q_block=0, moe_impl="mgpu")}
+         "fast": dict(attn_impl="cudnn", attn_q_block=0, moe_impl="mgpu"),
+         "ours": dict(attn_impl="mgpu", attn_q_block=0, moe_impl="mgpu")}
 
 
 def batches(steps: int, B: int, T: int, seed: int = 0) -> np.ndarray:
