@@ -12,6 +12,8 @@
 #                              #   bodies, the flash attention (tests, ptxas), gather fp4/fp8 cells, flash probe
 #   scripts/lab/gpu_run.sh train   # engine/MoE/training GPU tests, then issue 16's 16 x 4096 step with our flash
 #                              #   attention beside cuDNN's, and the 50-step loss curves (scripts/lab/loss_curve_equality.py)
+#   scripts/lab/gpu_run.sh peers   # the MoE/training/scan GPU tests while FlashMLA builds, then mla_decode beside
+#                              #   FlashMLA and vLLM's Triton kernel (.peers carried; BENCHMARKS.md), both schedules
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -77,8 +79,11 @@ gpu_tests() {  # $1: time limit (s), rest: test paths
   local limit=$1; shift
   stage "GPU tests $*"
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
-  timeout "$limit" $PY -m pytest -m gpu -q -rfs -p no:cacheprovider --timeout=120 --durations=8 \
-    "$@" 2>&1 | tail -40 | tee -a "$LOG"
+  # The whole output goes to a file first: a stage stopped by its limit still shows which tests ran.
+  local f="$R/gpu_tests_$(date -u +%H%M%S).txt"
+  timeout "$limit" $PY -m pytest -m gpu -v -rfs -p no:cacheprovider --timeout=120 --durations=8 \
+    "$@" > "$f" 2>&1
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|s call" "$f" | tail -40 | tee -a "$LOG"
 }
 
 case "$MODE" in
@@ -90,6 +95,11 @@ case "$MODE" in
          ptxas_report ;;
   pending) gpu_tests 200 tests/test_paged_gather.py tests/test_flash_attention.py tests/test_attention.py
          flash_ptxas_report ;;
+  peers) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
+             $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
+         BUILD=$!
+         gpu_tests 200 tests/test_moe.py tests/test_moe_decode.py tests/test_training.py tests/test_scan.py
+         stage "waiting for the FlashMLA build"; wait $BUILD; tail -3 "$R/flashmla_prebuild_log.txt" | tee -a "$LOG" ;;
   train) gpu_tests 200 tests/test_engine.py tests/test_moe.py tests/test_moe_decode.py tests/test_training.py tests/test_scan.py ;;
   flash) gpu_tests 200 tests/test_flash_attention.py tests/test_attention.py
          flash_ptxas_report
@@ -100,6 +110,9 @@ case "$MODE" in
   quick) bench mla_decode 330 --quick
          bench paged_gather 60 ;;
   grid)  bench mla_decode 560 --no-naive ;;
+  peers) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode 330 --peers .peers --no-naive \
+           --variants balanced --cell-list "${CELLS:-128,1,8192,16;128,1,8192,32;128,1,8192,64;128,1,32768,64;\
+128,1,4096,128;128,1,8192,128;128,2,8192,128;64,1,8192,128;32,2,4096,128;128,1,256-16384,64;1,1,4096,128;8,1,4096,128}" ;;
   train) for a in mgpu cudnn; do
            bench train 120 --batch 16 --seq 4096 --ce-chunk 2048 --remat dots_with_no_batch_dims_saveable --attn-impl $a
          done
