@@ -535,15 +535,17 @@ def test_gpu_kernels_match_reference():
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_kernels_match_reference():
-    """fp8 pages on the GPU: paged_gather's fp8 body (and mla_decode's, once it reads fp8) against the jnp
-    path over the same bytes."""
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp4"])
+def test_gpu_quantized_kernels_match_reference(kv_dtype):
+    """fp8 / fp4 pages on the GPU: paged_gather's quantized bodies (prefill prefixes; fp4 decode too) and
+    mla_decode's fp8 body against the jnp path over the same bytes. Catches a body that is bit-exact in
+    the interpreter but wrong compiled (the fp4 body's first GPU run was this test's)."""
     from pallas_kernels._platform import default_backend_is_hopper
     if not default_backend_is_hopper():
         pytest.skip("needs a Hopper GPU")
     prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
-    _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, kv_dtype="fp8")
-    _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, plain=False, k=3, kv_dtype="fp8")
+    _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, kv_dtype=kv_dtype)
+    _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, plain=False, k=3, kv_dtype=kv_dtype)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@
 #                              #   attention beside cuDNN's, and the 50-step loss curves (scripts/lab/loss_curve_equality.py)
 #   scripts/lab/gpu_run.sh peers   # the MoE/training/scan GPU tests while FlashMLA builds, then mla_decode beside
 #                              #   FlashMLA and vLLM's Triton kernel (.peers carried; BENCHMARKS.md), both schedules
+#   scripts/lab/gpu_run.sh gather  # the engine's quantized-pages GPU tests, then the fp8 gather's config sweep
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -100,6 +101,7 @@ case "$MODE" in
          BUILD=$!
          gpu_tests 200 tests/test_moe.py tests/test_moe_decode.py tests/test_training.py tests/test_scan.py
          stage "waiting for the FlashMLA build"; wait $BUILD; tail -3 "$R/flashmla_prebuild_log.txt" | tee -a "$LOG" ;;
+  gather) gpu_tests 130 tests/test_engine.py -k quantized ;;
   train) gpu_tests 200 tests/test_engine.py tests/test_moe.py tests/test_moe_decode.py tests/test_training.py tests/test_scan.py ;;
   flash) gpu_tests 200 tests/test_flash_attention.py tests/test_attention.py
          flash_ptxas_report
@@ -110,6 +112,7 @@ case "$MODE" in
   quick) bench mla_decode 330 --quick
          bench paged_gather 60 ;;
   grid)  bench mla_decode 560 --no-naive ;;
+  gather) bench paged_gather 170 --quick --sweep --kv-dtype fp8 ;;
   peers) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode 330 --peers .peers --no-naive \
            --variants balanced --cell-list "${CELLS:-128,1,8192,16;128,1,8192,32;128,1,8192,64;128,1,32768,64;\
 128,1,4096,128;128,1,8192,128;128,2,8192,128;64,1,8192,128;32,2,4096,128;128,1,256-16384,64;1,1,4096,128;8,1,4096,128}" ;;
