@@ -29,7 +29,8 @@ body for it (``kernel_supported``). Two bodies:
   interleave), turn a code into its value with integer ops and one f16 multiply (sm_90 has no e2m1
   conversion), multiply by the block's e4m3 scale (-> f32, broadcast along the row) and round to bf16
   (exact: 2 x 4 significant bits). SMEM: 26 KB a stage + the staging buffers. Checked bit-exact in
-  interpret mode and lowered for sm_90 on CPU; not yet run on a GPU (NOTES.md).
+  interpret mode, lowered for sm_90 on CPU, and bit-exact on an H200, where it runs at ~60 % of the
+  copy rate (fp8: ~83 %): its (64, 16) tiles conflict on the SMEM banks (NOTES.md).
 """
 
 from __future__ import annotations
