@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attn-impl", default=d.attn_impl, choices=ATTN_IMPLS,
       help="the decompressed attention: xla (jnp), cudnn (cuDNN flash attention, forward and backward; a GPU "
       "only; the trainer's windows are unpadded, as it needs) or mgpu (this project's Mosaic GPU flash attention "
-      "kernels; a Hopper GPU only, the same contract)")
+      "kernels; a Hopper GPU only, the same contract); auto (default) = mgpu with --dtype bf16 on one Hopper GPU "
+      "and no --mesh, else xla")
     a("--mesh", metavar="SPEC", default=None,
       help="train on a device mesh, e.g. data=2,tensor=2 (axes data, expert, tensor; left out = 1): fully sharded "
       "data parallelism (weights, gradients and AdamW moments split over data, each batch split over data) on "

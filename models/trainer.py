@@ -68,7 +68,8 @@ DEFAULT_CORPUS = CORPUS_PATH  # inside the package (models/data), so an installe
 PRESETS = ("tiny", "builtin", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
 DTYPES = ("fp32", "bf16")
 MOE_IMPLS = ("auto", "ragged_dot", "mgpu", "dense")
-ATTN_IMPLS = ("xla", "cudnn", "mgpu")  # mla_jax.attention.NAIVE_ATTENTION_IMPLS (a test keeps them equal; no jax import here)
+# "auto", then mla_jax.attention.NAIVE_ATTENTION_IMPLS (a test keeps them equal; no jax import here)
+ATTN_IMPLS = ("auto", "xla", "cudnn", "mgpu")
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -115,7 +116,8 @@ class TrainSettings:
     remat: str = "none"             # rematerialisation of each scanned layer (models.deepseek.REMAT_POLICIES)
     ce_chunk: int = 0               # tokens per LM-head cross-entropy chunk (0 = the whole logits at once)
     attn_q_block: int = 0           # queries per block of the decompressed attention (0 = all at once)
-    attn_impl: str = "xla"          # the decompressed attention: xla (jnp), cudnn or mgpu (flash; a GPU)
+    attn_impl: str = "auto"         # the decompressed attention: xla (jnp), cudnn or mgpu (flash; a GPU);
+    #                                 auto = mgpu for bf16 on one Hopper GPU without a mesh, else xla (resolve_attn_impl)
     mesh: str | None = None         # a device mesh, "data=2,tensor=2" (mla_jax.sharding.parse_mesh; FSDP over data)
     corpus: str = DEFAULT_CORPUS    # UTF-8 text, paragraphs separated by blank lines
     eval_every: int = 100           # held-out evaluation period in steps (0 = only at the end)
@@ -303,11 +305,27 @@ def _optimizer(lr, min_lr_ratio, warmup, steps, weight_decay, clip):
     return tx, schedule
 
 
+def resolve_attn_impl(s: TrainSettings) -> str:
+    """`s.attn_impl` with "auto" made concrete: "mgpu" (`pallas_kernels.flash_attention`, the flash attention
+    of the 64 K-token training step in BENCHMARKS.md) when the compute is bf16 on one Hopper GPU and no mesh
+    is asked for (the kernels are not partitioned over a mesh), else "xla" (the jnp attention: fp32 compute
+    keeps fp32 scores, which the bf16 kernel would not). The trainer's windows are unpadded, as the flash
+    attentions need."""
+    if s.attn_impl != "auto":
+        return s.attn_impl
+    if s.dtype != "bf16" or s.mesh is not None:
+        return "xla"
+    from pallas_kernels._platform import default_backend_is_hopper  # the one Hopper check
+
+    return "mgpu" if default_backend_is_hopper() else "xla"
+
+
 def train_config(s: TrainSettings):
     from models.training import TrainConfig
 
     return TrainConfig(mtp_weight=s.mtp_weight, balance_alpha=s.balance_alpha, bias_update_rate=s.bias_update_rate,
-                       remat=s.remat, ce_chunk=s.ce_chunk, attn_q_block=s.attn_q_block, attn_impl=s.attn_impl)
+                       remat=s.remat, ce_chunk=s.ce_chunk, attn_q_block=s.attn_q_block,
+                       attn_impl=resolve_attn_impl(s))
 
 
 @functools.lru_cache(maxsize=8)
@@ -905,7 +923,8 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
         if not progress:
             on = "" if trainer.mesh is None else f" on the mesh {s.mesh} ({trainer.mesh.size} devices)"
             say(f"mla-train: {n_params / 1e6:.2f}M parameters{on}, {len(trainer.data.train_ids)} train / "
-                f"{len(trainer.data.heldout_ids)} held-out tokens, steps {start}->{stop}")
+                f"{len(trainer.data.heldout_ids)} held-out tokens, steps {start}->{stop}, attention "
+                f"{resolve_attn_impl(s)}")
         train_ce = None
         t_start = time.perf_counter()
         try:
@@ -942,7 +961,7 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
         if ts.step >= s.steps:  # an interrupted run (stop_at) is not a finished model
             done_dir = export_dir or os.path.join(out, "export")
             run_args = {"out": out, **dataclasses.asdict(s), "stop_at": stop_at, "resume": resume,
-                        "export": export_dir}
+                        "export": export_dir, "attn_impl_used": resolve_attn_impl(s)}
             summary = {"step": ts.step, "train_ce_last_step": train_ce, **ev,
                        "train_seconds_this_session": round(time.perf_counter() - t_start, 1),
                        "heldout_tokens_evaluated": int(trainer.data.windows.size), "parameters": n_params,

@@ -247,10 +247,10 @@ def test_cudnn_path_outside_a_gpu_is_one_line_error():
 
 
 def test_trainer_and_attention_name_the_same_implementations():
-    """mla-train's --attn-impl choices (kept free of a jax import) are the attention's own."""
+    """mla-train's --attn-impl choices (kept free of a jax import) are the attention's own, after "auto"."""
     from mla_jax.attention import NAIVE_ATTENTION_IMPLS
     from models.trainer import ATTN_IMPLS
-    assert ATTN_IMPLS == NAIVE_ATTENTION_IMPLS
+    assert ATTN_IMPLS == ("auto", *NAIVE_ATTENTION_IMPLS)
 
 
 def test_einsum_f32_widens_bf16_on_the_cpu_only():

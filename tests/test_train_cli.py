@@ -110,7 +110,7 @@ def test_resume_refuses_other_arguments_and_clobbering(tmp_path, capsys):
      "--remat must be one of ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'), got 'dots'"),
     (["--ce-chunk", "-1"], "--ce-chunk must be >= 0 (0 = unchunked), got -1"),
     (["--attn-q-block", "-1"], "--attn-q-block must be >= 0 (0 = all queries at once), got -1"),
-    (["--attn-impl", "flash"], "argument --attn-impl: invalid choice: 'flash' (choose from 'xla', 'cudnn', 'mgpu')"),
+    (["--attn-impl", "flash"], "argument --attn-impl: invalid choice: 'flash' (choose from 'auto', 'xla', 'cudnn', 'mgpu')"),
     (["--attn-impl", "cudnn"], "--attn-impl cudnn needs a CUDA GPU (cuDNN's flash attention); this machine's "
      "backend is cpu"),
     (["--attn-impl", "mgpu"], "--attn-impl mgpu needs a Hopper GPU (the Mosaic GPU flash attention kernel); this "
@@ -392,3 +392,24 @@ def test_memory_check_on_a_mesh_is_per_device(monkeypatch):
     monkeypatch.setattr(trainer, "available_memory", lambda: (dev["total"] - 1, "free on the test GPU"))
     with pytest.raises(TrainerError, match=r"needs at least 0.01 GB per device on the mesh data=2 "):
         trainer.check_memory(cfg, s)
+
+
+@pytest.mark.parametrize("hopper,dtype,mesh,want", [
+    (True, "bf16", None, "mgpu"),       # the fast path of BENCHMARKS.md's 64 K-token step
+    (True, "fp32", None, "xla"),        # the kernel computes in bf16: fp32 runs keep fp32 scores
+    (True, "bf16", "data=1", "xla"),    # the kernels are not partitioned over a mesh
+    (False, "bf16", None, "xla"),       # a CPU (or another GPU): the kernel does not exist there
+])
+def test_auto_attention_picks_the_flash_kernel_only_for_bf16_on_one_hopper(monkeypatch, hopper, dtype, mesh, want):
+    """`--attn-impl auto` (the default): our Mosaic GPU flash attention for bf16 on one Hopper GPU without a
+    mesh, else the jnp attention; an explicit choice is kept. Catches auto choosing the kernel in fp32, on a
+    mesh or off Hopper (the trace would fail there), and the resolved choice not reaching the step's config."""
+    import pallas_kernels._platform as platform
+    from models.trainer import TrainSettings, resolve_attn_impl, train_config
+
+    monkeypatch.setattr(platform, "default_backend_is_hopper", lambda: hopper)
+    s = TrainSettings(dtype=dtype, mesh=mesh)
+    assert s.attn_impl == "auto"
+    assert resolve_attn_impl(s) == want
+    assert train_config(s).attn_impl == want
+    assert train_config(TrainSettings(dtype=dtype, mesh=mesh, attn_impl="cudnn")).attn_impl == "cudnn"
