@@ -275,9 +275,10 @@ def parser() -> argparse.ArgumentParser:
                  help="tokens per LM-head cross-entropy chunk (0: the whole logits at once)")
   p.add_argument("--attn-q-block", type=_int_at_least(0), default=0,
                  help="queries per block of the decompressed attention (0: all at once)")
-  p.add_argument("--attn-impl", choices=NAIVE_ATTENTION_IMPLS, default="xla",
+  p.add_argument("--attn-impl", choices=("auto", *NAIVE_ATTENTION_IMPLS), default="auto",
                  help="the decompressed attention: xla (jnp), cudnn (cuDNN flash attention) or mgpu "
-                      "(pallas_kernels.flash_attention); the last two GPU only")
+                      "(pallas_kernels.flash_attention); the last two GPU only; auto (default) = mgpu for "
+                      "--dtype bf16 on a Hopper GPU, else xla (mla-train's rule; the row names the one used)")
   p.add_argument("--moe-impl", choices=MOE_IMPLS, default="auto", help="expert computation (auto = dense on a CPU)")
   p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute dtype")
   p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
@@ -291,6 +292,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
   args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+  if args.attn_impl == "auto":
+    from models.trainer import auto_attn_impl
+    args.attn_impl = auto_attn_impl(args.dtype, on_mesh=False)
   try:
     row = run_cell(args)
   except Exception as e:  # noqa: BLE001 - a cell that fails (out of memory) is a row, not a traceback

@@ -305,19 +305,22 @@ def _optimizer(lr, min_lr_ratio, warmup, steps, weight_decay, clip):
     return tx, schedule
 
 
-def resolve_attn_impl(s: TrainSettings) -> str:
-    """`s.attn_impl` with "auto" made concrete: "mgpu" (`pallas_kernels.flash_attention`, the flash attention
-    of the 64 K-token training step in BENCHMARKS.md) when the compute is bf16 on one Hopper GPU and no mesh
-    is asked for (the kernels are not partitioned over a mesh), else "xla" (the jnp attention: fp32 compute
-    keeps fp32 scores, which the bf16 kernel would not). The trainer's windows are unpadded, as the flash
-    attentions need."""
-    if s.attn_impl != "auto":
-        return s.attn_impl
-    if s.dtype != "bf16" or s.mesh is not None:
+def auto_attn_impl(dtype: str, on_mesh: bool) -> str:
+    """What the training attention "auto" means: "mgpu" (`pallas_kernels.flash_attention`, the flash attention
+    of the 64 K-token training step in BENCHMARKS.md) when the compute `dtype` is "bf16" on one Hopper GPU and
+    no mesh is used (the kernels are not partitioned over a mesh), else "xla" (the jnp attention: fp32 compute
+    keeps fp32 scores, which the bf16 kernel would not). mla-train's windows and mla-bench train's batches are
+    unpadded, as the flash attentions need."""
+    if dtype != "bf16" or on_mesh:
         return "xla"
     from pallas_kernels._platform import default_backend_is_hopper  # the one Hopper check
 
     return "mgpu" if default_backend_is_hopper() else "xla"
+
+
+def resolve_attn_impl(s: TrainSettings) -> str:
+    """`s.attn_impl`, with "auto" made concrete by `auto_attn_impl`."""
+    return auto_attn_impl(s.dtype, s.mesh is not None) if s.attn_impl == "auto" else s.attn_impl
 
 
 def train_config(s: TrainSettings):
