@@ -117,7 +117,7 @@ class TrainSettings:
     ce_chunk: int = 0               # tokens per LM-head cross-entropy chunk (0 = the whole logits at once)
     attn_q_block: int = 0           # queries per block of the decompressed attention (0 = all at once)
     attn_impl: str = "auto"         # the decompressed attention: xla (jnp), cudnn or mgpu (flash; a GPU);
-    #                                 auto = mgpu for bf16 on one Hopper GPU without a mesh, else xla (resolve_attn_impl)
+    #                                 auto = mgpu for bf16 on one Hopper GPU, no mesh; else xla (auto_attn_impl)
     mesh: str | None = None         # a device mesh, "data=2,tensor=2" (mla_jax.sharding.parse_mesh; FSDP over data)
     corpus: str = DEFAULT_CORPUS    # UTF-8 text, paragraphs separated by blank lines
     eval_every: int = 100           # held-out evaluation period in steps (0 = only at the end)

@@ -294,6 +294,20 @@ def test_one_data_rank_out_of_pages_fails_only_its_request(cases):
     assert full["compiled"] == [] and ref["compiled"] == []
 
 
+def test_fp8_pages_and_sampling_on_data_ranks(cases):
+    """data=2 with fp8 pages (a 128-wide latent: 128 e4m3 bytes, 1 fp32 scale, 8 bf16 rope = 148 bytes a
+    token) and temperature 0.8: the same sampled tokens as one device. Catches the quantising write or the
+    dequantising gather inside the data ranks' maps reading or writing another rank's bytes (or the rows
+    of the wrong width), the fp8 pool replicated instead of split over data, and sampling keys that
+    depend on the slot or the rank rather than the request."""
+    e = cases["dp2"]["engine"]
+    got, ref = e["fp8_sampled"], e["ref_fp8_sampled"]
+    assert got["tokens"] == ref["tokens"] and all(len(t) == 6 for t in got["tokens"])
+    assert got["pages_dtype"] == ref["pages_dtype"] == "uint8"
+    assert got["pages_shape"] == ref["pages_shape"] == [4, 6, 8, 148]
+    assert got["pages_placement"] == dict(shard_shape=[4, 3, 8, 148], devices=2, distinct=2)
+
+
 def test_data_ranks_read_their_own_pages_through_the_kernels_maps(cases):
     """data=2, expert=2, tensor=2: `KVCache.map_pages` (the layer's `mla_decode` call) and `gather`, on a
     pool split 3 pages a rank with LOCAL page ids, layer 1 of 2, every page no row reads NaN, give each
