@@ -225,8 +225,8 @@ def test_bench_kv_dtype(bench, name, known, capsys):
     pytest.param(["--ce-chunk", "4k"], "argument --ce-chunk: must be an integer >= 0, got '4k'", id="ce-chunk-text"),
     pytest.param(["--attn-q-block", "-1"], "argument --attn-q-block: must be an integer >= 0, got -1",
                  id="attn-q-block-negative"),
-    pytest.param(["--attn-impl", "flash"], "argument --attn-impl: invalid choice: 'flash' (choose from 'xla', "
-                 "'cudnn', 'mgpu')", id="attn-impl-unknown"),
+    pytest.param(["--attn-impl", "flash"], "argument --attn-impl: invalid choice: 'flash' (choose from 'auto', "
+                 "'xla', 'cudnn', 'mgpu')", id="attn-impl-unknown"),
     pytest.param(["--batch", "0"], "argument --batch: must be an integer >= 1, got 0", id="batch-0"),
     pytest.param(["--seq", "2"], "argument --seq: must be an integer >= 3, got 2", id="seq-too-short-for-mtp"),
     pytest.param(["--layers", "1"], "argument --layers: must be an integer >= 2, got 1", id="layers-no-moe-layer"),
