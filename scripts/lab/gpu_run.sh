@@ -79,10 +79,9 @@ PY
 gpu_tests() {  # $1: time limit (s), rest: test paths
   local limit=$1; shift
   stage "GPU tests $*"
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   # The whole output goes to a file first: a stage stopped by its limit still shows which tests ran.
   local f="$R/gpu_tests_$(date -u +%H%M%S).txt"
-  timeout "$limit" $PY -m pytest -m gpu -v -rfs -p no:cacheprovider --timeout=120 --durations=8 \
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout "$limit" $PY -m pytest -m gpu -v -rfs -p no:cacheprovider --timeout=120 --durations=8 \
     "$@" > "$f" 2>&1
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|s call" "$f" | tail -40 | tee -a "$LOG"
 }
