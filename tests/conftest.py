@@ -17,6 +17,12 @@ import pytest
 
 os.environ.setdefault("MLA_JAX_COMPILE_CACHE", "off")
 
+# XLA:CPU sizes its client's thread pool by the cores (NPROC overrides it). The Pallas interpreter
+# runs each warpgroup of a kernel as its own XLA program whose callbacks block on the simulated
+# barriers; on the 2-core CI machine two blocked warpgroups took both pool threads and the third
+# never ran (an fp8 decode kernel hung in interpret mode whenever a CTA read two or more pages).
+os.environ.setdefault("NPROC", "8")
+
 # XLA without most of its optimisation work (jax's `jax_disable_most_optimizations`: LLVM at -O0, no
 # expensive passes): most of the suite's time is XLA compiling small programs that then run for
 # milliseconds, and those compile much faster (tests/test_training.py 67 -> 37 s on the 2-core machine).

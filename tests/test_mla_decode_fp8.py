@@ -70,9 +70,12 @@ def test_reference_reads_the_dequantised_pages():
   np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
-# (heads, s_q, causal, seq_lens, max_pages, num_splits): small enough for the interpreter.
+# (heads, s_q, causal, seq_lens, max_pages, num_splits): small enough for the interpreter. R = s_q * H
+# <= 32 query rows go through the transposed body, more through the padded shared-buffer body.
 INTERPRET_CASES = [
-    (16, 1, False, [1, 63], 1, None),     # length 1; a NaN tail inside the only page
+    (16, 1, False, [1, 63], 1, None),     # transposed; length 1; a NaN tail inside the only page
+    (16, 2, True, [65, 130], 3, 2),       # transposed; two pages a CTA, causal, split combine
+    (32, 1, False, [130, 64], 3, 1),      # transposed; three pages a CTA, one split (final output)
     (32, 2, True, [65, 130], 3, 2),       # two pages through one CTA, page boundaries, causal
     (64, 1, True, [3, 200], 4, 4),        # empty splits, ragged, split combine
     (128, 1, False, [100, 7], 2, 2),      # two row blocks per sequence
@@ -82,11 +85,25 @@ INTERPRET_CASES = [
 @pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,num_splits", INTERPRET_CASES)
 def test_interpret_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits):
   """Guards: a scale applied to the wrong 128-column block, the rope columns not copied into the
-  key buffer, page-tail rows not zeroed (NaN through P·V), and the buffer overwritten before the
-  other warpgroup's P·V (a wrong page's V)."""
+  key buffer (or, transposed, their scores not added), page-tail rows not zeroed (NaN through
+  P·V), the buffer overwritten before the other warpgroup's P·V (a wrong page's V); transposed:
+  warpgroup 1's partial scores not added, the softmax state not carried across pages, the query
+  rows of a causal token mapped to the wrong limit, and the transposed outputs not transposed back."""
   args = make_fp8_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q)
   config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1)
   assert_matches_reference(args, causal=causal, config=config, impl="interpret")
+
+
+def test_transposed_body_refuses_more_than_32_rows():
+  """Guards: fp8_transposed=True silently falling back (or computing garbage) where the transposed
+  body does not serve: more than 32 query rows, or the balanced schedule."""
+  args = make_fp8_inputs(1, 1, 64, [70], 2)
+  with pytest.raises(ValueError, match="s_q \\* H = 64"):
+    mla_decode(*args, softmax_scale=SCALE, config=MlaDecodeConfig(fp8_transposed=True), impl="interpret")
+  args = make_fp8_inputs(1, 1, 16, [70], 2)
+  with pytest.raises(ValueError, match="schedule 'balanced'"):
+    mla_decode(*args, softmax_scale=SCALE, impl="interpret",
+               config=MlaDecodeConfig(fp8_transposed=True, schedule="balanced"))
 
 
 def test_interpret_balanced_matches_reference():
@@ -134,7 +151,8 @@ requires_hopper = pytest.mark.skipif(not _platform.default_backend_is_hopper(),
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", [
-    (16, 1, False, 40, 300, None), (32, 2, True, 5, 2000, 7), (64, 1, False, 40, 300, None),
+    (16, 1, False, 40, 300, None), (32, 1, True, 40, 300, None), (16, 2, True, 5, 2000, 7),
+    (32, 2, True, 5, 2000, 7), (64, 1, False, 40, 300, None),
     (64, 4, False, 5, 2000, 7), (128, 3, True, 40, 300, None), (128, 1, False, 5, 2000, 7)])
 def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
   rng = np.random.default_rng(heads * 100 + s_q)

@@ -15,6 +15,10 @@
 #   scripts/lab/gpu_run.sh peers   # the MoE/training/scan GPU tests while FlashMLA builds, then mla_decode beside
 #                              #   FlashMLA and vLLM's Triton kernel (.peers carried; BENCHMARKS.md), both schedules
 #   scripts/lab/gpu_run.sh gather  # the engine's quantized-pages GPU tests, then the fp8 gather's config sweep
+#   scripts/lab/gpu_run.sh fp8     # the fp8 decode GPU tests, the fp8 bodies' ptxas report, the profile
+#                              #   (below), then scripts/lab/probe_fp8_decode.py (bf16 / fp8 transposed / shared)
+#   scripts/lab/gpu_run.sh profile8 # scripts/lab/profile_fp8_decode.py (Mosaic GPU profiler phases of the
+#                              #   fp8 decode body)
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -76,6 +80,20 @@ PY
   grep -E "Compiling|registers|spill" "$R/ptxas_flash.txt" | head -40 | tee -a "$LOG"
 }
 
+fp8_ptxas_report() {
+  stage "ptxas registers/spills: mla_decode on fp8 pages (transposed R=16, 32; shared R=64)"
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 90 $PY - <<'PY' > "$R/ptxas_fp8.txt" 2>&1
+import jax, jax.numpy as jnp
+from pallas_kernels import mla_decode, MlaDecodeConfig
+for H in (16, 32, 64):
+  print(f"### H={H}", flush=True)
+  a = (jnp.ones((4, 1, H, 576), jnp.bfloat16), jnp.zeros((32, 64, 656), jnp.uint8),
+       jnp.arange(32, dtype=jnp.int32).reshape(4, 8), jnp.full((4,), 500, jnp.int32))
+  jax.block_until_ready(mla_decode(*a, softmax_scale=0.1, config=MlaDecodeConfig(num_splits=1), impl="kernel"))
+PY
+  grep -E "###|registers|spill" "$R/ptxas_fp8.txt" | head -40 | tee -a "$LOG"
+}
+
 gpu_tests() {  # $1: time limit (s), rest: test paths
   local limit=$1; shift
   stage "GPU tests $*"
@@ -101,6 +119,10 @@ case "$MODE" in
          gpu_tests 200 tests/test_moe.py tests/test_moe_decode.py tests/test_training.py tests/test_scan.py
          stage "waiting for the FlashMLA build"; wait $BUILD; tail -3 "$R/flashmla_prebuild_log.txt" | tee -a "$LOG" ;;
   gather) gpu_tests 130 tests/test_engine.py -k quantized ;;
+  fp8) gpu_tests 150 tests/test_mla_decode_fp8.py
+       fp8_ptxas_report
+       stage "profile_fp8_decode"
+       timeout 120 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" 2>&1 | tee -a "$LOG" ;;
   train) gpu_tests 200 tests/test_engine.py tests/test_moe.py tests/test_moe_decode.py tests/test_training.py tests/test_scan.py ;;
   flash) gpu_tests 200 tests/test_flash_attention.py tests/test_attention.py
          flash_ptxas_report
@@ -112,6 +134,10 @@ case "$MODE" in
          bench paged_gather 60 ;;
   grid)  bench mla_decode 560 --no-naive ;;
   gather) bench paged_gather 170 --quick --sweep --kv-dtype fp8 ;;
+  profile8) stage "profile_fp8_decode"
+       timeout 300 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" ${CELLS:+--cells $CELLS} ${CONFIGS:+--configs $CONFIGS} 2>&1 | tee -a "$LOG" ;;
+  fp8) stage "probe_fp8_decode"
+       timeout 300 $PY scripts/lab/probe_fp8_decode.py --out "$R/fp8" 2>&1 | tee -a "$LOG" ;;
   peers) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode 330 --peers .peers --no-naive \
            --variants balanced --cell-list "${CELLS:-128,1,8192,16;128,1,8192,32;128,1,8192,64;128,1,32768,64;\
 128,1,4096,128;128,1,8192,128;128,2,8192,128;64,1,8192,128;32,2,4096,128;128,1,256-16384,64;1,1,4096,128;8,1,4096,128}" ;;

@@ -1,7 +1,9 @@
 """Lab probe (GPU): the decode kernel on fp8 pages against bf16 pages of the same latents, one run.
 
 For each cell: the fp8 kernel's error against its reference (dequantise, then the bf16 reference),
-then CUPTI whole-call times of the bf16 and the fp8 kernel, side by side, and their ratio.
+then CUPTI whole-call times of the bf16 and the fp8 kernel, side by side, and their ratio; where
+the transposed fp8 body serves the cell (s_q * H <= 32), also the padded shared-buffer body's time
+(``fp8_shared_us``, config fp8_transposed=False).
 
     python scripts/lab/probe_fp8_decode.py --out results/x
 """
@@ -22,12 +24,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import benchmarks as bm  # noqa: E402
-from pallas_kernels import mla_decode, mla_decode_reference, quantize_latent_fp8  # noqa: E402
+from pallas_kernels import MlaDecodeConfig, mla_decode, mla_decode_reference, quantize_latent_fp8  # noqa: E402
 
 CELLS = [  # B, s_q, seq, H, ragged
-    (128, 1, 8192, 16, False), (128, 1, 8192, 32, False), (128, 1, 8192, 64, False),
-    (128, 1, 8192, 128, False), (128, 1, 32768, 64, False), (64, 1, 16384, 16, False),
-    (128, 2, 8192, 128, True), (1, 1, 32768, 64, False), (8, 4, 4096, 32, True),
+    (128, 1, 8192, 16, False), (128, 1, 8192, 32, False), (128, 1, 32768, 16, False),
+    (128, 1, 32768, 32, False), (128, 1, 8192, 64, False), (128, 1, 8192, 128, False),
+    (128, 2, 8192, 16, False), (1, 1, 32768, 16, False), (8, 1, 4096, 32, True),
+    (128, 1, 32768, 64, False), (128, 2, 8192, 128, True), (8, 4, 4096, 32, True),
 ]
 
 
@@ -50,15 +53,19 @@ def main():
   ap.add_argument("--out", required=True)
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--cells", type=int, default=len(CELLS))
+  ap.add_argument("--only", type=str, default="", help="comma-separated CELLS indices")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   rows = []
-  for cell in CELLS[:args.cells]:
+  cells = [CELLS[int(i)] for i in args.only.split(",")] if args.only else CELLS[:args.cells]
+  for cell in cells:
     B, s_q, seq, H, ragged = cell
     t0 = time.time()
     q, kv16, kv8, table, lens = make(*cell)
     causal = s_q > 1
     f = jax.jit(lambda q, kv, t, l: mla_decode(q, kv, t, l, softmax_scale=0.07, causal=causal, impl="kernel"))
+    shared = jax.jit(lambda q, kv, t, l: mla_decode(q, kv, t, l, softmax_scale=0.07, causal=causal, impl="kernel",
+                                                    config=MlaDecodeConfig(fp8_transposed=False)))
     row = dict(B=B, s_q=s_q, seq=seq, H=H, ragged=ragged)
     try:
       o8, l8 = f(q, kv8, table, lens)
@@ -70,6 +77,8 @@ def main():
       row["bf16_us"] = bm.cupti_median_us(f, q, kv16, table, lens, iterations=args.iters)
       row["fp8_us"] = bm.cupti_median_us(f, q, kv8, table, lens, iterations=args.iters)
       row["ratio"] = row["fp8_us"] / row["bf16_us"]
+      if s_q * H <= 32:
+        row["fp8_shared_us"] = bm.cupti_median_us(shared, q, kv8, table, lens, iterations=args.iters)
       tot = int(lens.sum())
       row["fp8_TBps"] = tot * 656 / row["fp8_us"] / 1e6
       row["bf16_TBps"] = tot * 1152 / row["bf16_us"] / 1e6
