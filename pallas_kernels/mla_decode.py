@@ -898,11 +898,12 @@ def _fp8_in_specs(page_of):
 
 
 def _convert_fp8_half(wg, lat_lo, lat_hi, rope, valid, dst):
-  """Warpgroup ``wg``'s 256 latent columns of an fp8 page, e4m3 -> f16 (-> ``dst``'s dtype)
-  WITHOUT their scales (exact: every e4m3 value is an f16 and a bf16 value), into ``dst`` (SMEM
-  [64, 576] in wgmma tiles); warpgroup 0 also copies the rope (bf16 in the page). On a partial page (``valid`` < 64) this warpgroup's
-  rows past the end are then zeroed (V must be 0 there: 0 x NaN is NaN). Ends with
-  `plgpu.commit_smem`. The scales are applied to the scores and to P instead (`_decode_partials_fp8_t`)."""
+  """Warpgroup ``wg``'s 256 latent columns of an fp8 page, e4m3 -> f16 -> ``dst``'s dtype, WITHOUT
+  their scales (exact: every e4m3 value is an f16 and a bf16 value), into ``dst`` (SMEM [64, 576]
+  in wgmma tiles); warpgroup 0 also copies the rope (bf16 in the page). On a partial page
+  (``valid`` < 64) this warpgroup's rows past the end are then zeroed (V must be 0 there: 0 x NaN
+  is NaN). Ends with `plgpu.commit_smem`. The scales are applied to the scores and to P instead
+  (`_decode_partials_fp8_t`)."""
   half = LATENT_DIM // 2
   wgmma_layout = plgpu.Layout.WGMMA
   for w, lat in enumerate((lat_lo, lat_hi)):
@@ -959,7 +960,7 @@ def _decode_partials_fp8_t(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, 
   S, pps = plan_.num_splits, plan_.pages_per_split
   final = S == 1
   scale_log2 = scale * _LOG2E
-  mma = jnp.bfloat16   # the tensor cores' inputs (f16 measured 1-7 % faster at B=128, 3-5 % slower at B<=8)
+  mma = jnp.bfloat16   # tensor-core inputs (f16: 1-7 % faster at B=128, 3-5 % slower at B <= 8)
   blk = 128                       # latent columns per fp8 scale
   nblk = LATENT_DIM // blk        # 4; warpgroup w owns blocks 2w, 2w+1
   if final:

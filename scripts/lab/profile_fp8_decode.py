@@ -31,7 +31,7 @@ import benchmarks as bm  # noqa: E402
 from pallas_kernels import MlaDecodeConfig, mla_decode, quantize_latent_fp8  # noqa: E402
 
 
-def summarise(path, pages_per_cta, kernel_name):
+def summarise(path, pages_per_cta):
   """{(wg, phase): (mean µs per page, share of the wg's span)} over the CTAs of one trace."""
   events = json.load(open(path))["traceEvents"]
   per = collections.defaultdict(float)
@@ -83,11 +83,13 @@ def main():
       try:
         f = jax.jit(lambda q, kv, t, l: mla_decode(q, kv, t, l, softmax_scale=0.07, causal=s_q > 1,
                                                    impl="kernel", config=cfg))
-        row = dict(cell=cell, config=cfg_s, bf16_us=bm.cupti_median_us(f, q, kv16, table, lens, iterations=10),
+        row = dict(cell=cell, config=cfg_s,
+                   bf16_us=bm.cupti_median_us(f, q, kv16, table, lens, iterations=10),
                    fp8_us=bm.cupti_median_us(f, q, kv8, table, lens, iterations=10))
         d = os.path.join(args.out, f"trace_{cell.replace(',', '_')}_{len(os.listdir(args.out))}")
         os.makedirs(d, exist_ok=True)
-        plgpu.CompilerParams = lambda **k: orig(**{**k, "profile_space": 16 * P + 16, "profile_dir": d, "profile_bounds_check": True})
+        prof = dict(profile_space=16 * P + 16, profile_dir=d, profile_bounds_check=True)
+        plgpu.CompilerParams = lambda **k: orig(**{**k, **prof})
         jax.clear_caches()   # the profiled call must trace (and compile) again
         try:
           g = jax.jit(lambda q, kv, t, l: mla_decode(q, kv, t, l, softmax_scale=0.07, causal=s_q > 1,
@@ -99,7 +101,7 @@ def main():
         traces = sorted(glob.glob(os.path.join(d, "*.json")), key=os.path.getmtime)
         row["traces"] = [os.path.basename(t) for t in traces]
         if traces:
-          phases, mean_span = summarise(traces[-1], P, "")
+          phases, mean_span = summarise(traces[-1], P)
           row["cta_span_us"] = round(mean_span, 2)
           row["us_per_page"] = {f"wg{wg}:{name}": round(v[0], 3) for (wg, name), v in sorted(phases.items())}
           row["share"] = {f"wg{wg}:{name}": round(v[1], 3) for (wg, name), v in sorted(phases.items())}
