@@ -63,6 +63,9 @@ def variants():
       "splits2": MlaDecodeConfig(num_splits=2),
       "splits4": MlaDecodeConfig(num_splits=4),
       "balanced": MlaDecodeConfig(schedule="balanced"),
+      # fp8 pages (--kv-dtype fp8) only: the padded shared-buffer body where the transposed one
+      # would serve (s_q * H <= 32); the same as the default on bf16 pages.
+      "fp8_padded": MlaDecodeConfig(fp8_transposed=False),
   }
 
 
@@ -528,7 +531,7 @@ def main(argv=None):
                  help="also time the split_qk variant everywhere and split counts at small batch")
   p.add_argument("--variants", default="",
                  help="comma-separated named configs to time beside the default "
-                      "(see variants(): plain, split_qk, splits2, splits4, balanced)")
+                      "(see variants(): plain, split_qk, splits2, splits4, balanced, fp8_padded)")
   p.add_argument("--only-flashmla", action="store_true",
                  help="only the cells FlashMLA was measured at (plus two ragged ones)")
   p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive path")
