@@ -809,7 +809,7 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
       # Both warpgroups are done with the previous page's buffer (their P·V) before it is rewritten.
       plgpu.barrier_arrive(free_bar)
       plgpu.barrier_wait(free_bar)
-      _dequantize_fp8_half(wg, lat_lo, lat_hi, scales, rope, seq_len - page_start, lat_smem)
+      _fp8_half_to_smem(wg, lat_lo, lat_hi, rope, seq_len - page_start, lat_smem, scales=scales)
       plgpu.barrier_arrive(deq_bar)
       plgpu.barrier_wait(deq_bar)
 
@@ -854,33 +854,6 @@ def _use_transposed_fp8(plan_: _Plan, s_q: int, heads: int, config: MlaDecodeCon
   return config.fp8_transposed
 
 
-def _dequantize_fp8_half(wg, lat_lo, lat_hi, scales, rope, valid, dst):
-  """Warpgroup ``wg``'s 256 latent columns of an fp8 page (its stage views: latent bytes, fp32
-  scales, bf16 rope), e4m3 -> f16 -> f32 x the token's block scale -> bf16, into ``dst`` (SMEM
-  bf16 [64, 576] in wgmma tiles); rows past ``valid`` zeroed (they may hold anything, even NaN
-  bytes or scales, and V must be 0 there). Warpgroup 0 also copies the rope (bf16 already)
-  into columns 512..575. Ends with `plgpu.commit_smem`."""
-  half = LATENT_DIM // 2
-  wgmma_layout = plgpu.Layout.WGMMA
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 128), 0, layout=wgmma_layout)
-  for w, lat in enumerate((lat_lo, lat_hi)):
-    @pl.when(wg == w)
-    def _():
-      for k in range(half // 128):
-        x8 = plgpu.load(lat.at[:, pl.ds(k * 128, 128)], layout=plgpu.Layout.WGMMA_UPCAST_2X,
-                        optimized=False)
-        x = plgpu.layout_cast(
-            lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float16), wgmma_layout)
-        sc = plgpu.load(scales.at[:, w * (half // 128) + k], layout=row_layout, optimized=False)
-        x = x.astype(jnp.float32) * lax.broadcast_in_dim(sc, (PAGE_SIZE, 128), [0])
-        dst[:, pl.ds(w * half + k * 128, 128)] = jnp.where(tok < valid, x, 0.0).astype(jnp.bfloat16)
-      if w == 0:
-        dst[:, pl.ds(LATENT_DIM, KEY_DIM - LATENT_DIM)] = plgpu.load(
-            rope, layout=wgmma_layout, optimized=False)
-  plgpu.commit_smem()
-
-
 def _fp8_in_specs(page_of):
   """The pipeline's in_specs over `_fp8_views`: each page's three parts as they are in HBM, in
   untiled TMA boxes of 256 latent bytes (two per row), 4 fp32 scales and 64 bf16 rope values a
@@ -897,15 +870,21 @@ def _fp8_in_specs(page_of):
                       lambda i: (page_of(i), 0, _FP8_ROPE_COL), oob_fill_mode=in_bounds)]
 
 
-def _convert_fp8_half(wg, lat_lo, lat_hi, rope, valid, dst):
-  """Warpgroup ``wg``'s 256 latent columns of an fp8 page, e4m3 -> f16 -> ``dst``'s dtype, WITHOUT
-  their scales (exact: every e4m3 value is an f16 and a bf16 value), into ``dst`` (SMEM [64, 576]
-  in wgmma tiles); warpgroup 0 also copies the rope (bf16 in the page). On a partial page
-  (``valid`` < 64) this warpgroup's rows past the end are then zeroed (V must be 0 there: 0 x NaN
-  is NaN). Ends with `plgpu.commit_smem`. The scales are applied to the scores and to P instead
-  (`_decode_partials_fp8_t`)."""
+def _fp8_half_to_smem(wg, lat_lo, lat_hi, rope, valid, dst, scales=None):
+  """Warpgroup ``wg``'s 256 latent columns of an fp8 page (its stage views: latent bytes, fp32
+  scales, bf16 rope) into ``dst`` (SMEM [64, 576] in wgmma tiles, bf16); warpgroup 0 also copies
+  the rope (bf16 already) into columns 512..575. Rows past ``valid`` may hold anything, even NaN
+  bytes or scales, and V must be 0 there (0 x NaN is NaN). Ends with `plgpu.commit_smem`.
+
+  With ``scales`` (the padded body): e4m3 -> f16 -> f32 x the token's block scale -> bf16, rows
+  past ``valid`` zeroed as they are written. Without (the transposed body, which applies the
+  scales to the scores and to P): e4m3 -> f16 -> bf16, exact (every e4m3 value is a bf16 value);
+  on a partial page (``valid`` < 64) this warpgroup's rows past the end are zeroed afterwards."""
   half = LATENT_DIM // 2
   wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  if scales is not None:
+    tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 128), 0, layout=wgmma_layout)
   for w, lat in enumerate((lat_lo, lat_hi)):
     @pl.when(wg == w)
     def _():
@@ -914,19 +893,24 @@ def _convert_fp8_half(wg, lat_lo, lat_hi, rope, valid, dst):
                         optimized=False)
         x = plgpu.layout_cast(
             lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float16), wgmma_layout)
+        if scales is not None:
+          sc = plgpu.load(scales.at[:, w * (half // 128) + k], layout=row_layout, optimized=False)
+          x = x.astype(jnp.float32) * lax.broadcast_in_dim(sc, (PAGE_SIZE, 128), [0])
+          x = jnp.where(tok < valid, x, 0.0)
         dst[:, pl.ds(w * half + k * 128, 128)] = x.astype(dst.dtype)
       if w == 0:
         dst[:, pl.ds(LATENT_DIM, KEY_DIM - LATENT_DIM)] = plgpu.load(
             rope, layout=wgmma_layout, optimized=False).astype(dst.dtype)
 
-  @pl.when(valid < PAGE_SIZE)
-  def _():
-    plgpu.commit_smem()
-    tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 64), 0, layout=wgmma_layout)
-    for k in range(half // 64):
-      chunk = dst.at[:, pl.ds(wg * half + k * 64, 64)]
-      x = plgpu.load(chunk, layout=wgmma_layout)
-      chunk[...] = jnp.where(tok < valid, x, jnp.zeros_like(x))
+  if scales is None:
+    @pl.when(valid < PAGE_SIZE)
+    def _():
+      plgpu.commit_smem()
+      tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 64), 0, layout=wgmma_layout)
+      for k in range(half // 64):
+        chunk = dst.at[:, pl.ds(wg * half + k * 64, 64)]
+        x = plgpu.load(chunk, layout=wgmma_layout)
+        chunk[...] = jnp.where(tok < valid, x, jnp.zeros_like(x))
   plgpu.commit_smem()
 
 
@@ -1069,7 +1053,7 @@ def _decode_partials_fp8_t(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, 
       page_start = (first_page + i) * PAGE_SIZE
       # (The named scopes are what Mosaic GPU's profiler reports: scripts/lab/profile_fp8_decode.py.)
       with jax.named_scope("convert"):
-        _convert_fp8_half(wg, lat_lo, lat_hi, rope, seq_len - page_start, kv_smem)
+        _fp8_half_to_smem(wg, lat_lo, lat_hi, rope, seq_len - page_start, kv_smem)
       with jax.named_scope("qk"):
         part = scores(scales)
 
