@@ -1191,8 +1191,6 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
   plan_ = plan(B, s_q, H, block_table.shape[1], config)
   Rp = plan_.row_blocks * ROWS
   q_rows = q.reshape(B, R, KEY_DIM)                        # (B, R, K), row = t*H + h
-  if Rp != R:
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))
   # TMA needs 16-byte GMEM strides: pad the table to a multiple of 4 int32 columns. The kernel
   # never reads past cdiv(seq_len, 64) pages, so the padding value is irrelevant.
   pad = -block_table.shape[1] % 4
@@ -1202,7 +1200,7 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
   if is_fp8_pages(kv_pages) and _use_transposed_fp8(plan_, s_q, H, config):
     # Unpadded rows in; the outputs come out transposed ([..., 512, R]).
     out_t, lse = _decode_partials_fp8_t(
-        q.reshape(B, R, KEY_DIM), kv_pages, block_table, seq_lens, s_q=s_q, heads=H,
+        q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H,
         causal=causal, scale=float(softmax_scale), plan_=plan_, config=config,
         interpret=interpret_params)
     if plan_.num_splits == 1:
@@ -1214,6 +1212,8 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
                           interpret=interpret_params)
       out, lse = out[:, :R], lse[:, :R]
     return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
+  if Rp != R:   # the 64-row bodies take whole row blocks
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))
   partials = _decode_partials_fp8 if is_fp8_pages(kv_pages) else _decode_partials
   if plan_.schedule == "balanced":
     sched = balanced_schedule(seq_lens, num_ctas=plan_.num_ctas,
@@ -1227,7 +1227,6 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
     if Rp != R:
       out, lse = out[:, :R], lse[:, :R]
     return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
-  partials = _decode_partials_fp8 if is_fp8_pages(kv_pages) else _decode_partials
   out, lse = partials(q_rows, kv_pages, block_table, seq_lens, s_q=s_q, heads=H,
                       causal=causal, scale=float(softmax_scale), plan_=plan_,
                       config=config, interpret=interpret_params)
