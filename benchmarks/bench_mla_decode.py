@@ -58,8 +58,9 @@ def variants():
   """Named kernel configurations that ``--variants`` can time beside the default."""
   from pallas_kernels import MlaDecodeConfig
   return {
-      "plain": MlaDecodeConfig(split_qk=False),
-      "split_qk": MlaDecodeConfig(split_qk=True),
+      # The bodies before the scorer body (MlaDecodeConfig.scorer, the default on bf16 pages).
+      "plain": MlaDecodeConfig(scorer=False, split_qk=False),
+      "split_qk": MlaDecodeConfig(scorer=False, split_qk=True),
       "splits2": MlaDecodeConfig(num_splits=2),
       "splits4": MlaDecodeConfig(num_splits=4),
       "balanced": MlaDecodeConfig(schedule="balanced"),
@@ -226,11 +227,11 @@ def run(args):
                            xla_mem=dict((k, os.environ.get(k)) for k in PEER_XLA_ENV))
   configs = {"default": MlaDecodeConfig(schedule=args.schedule)}
   if args.sweep:
-    configs["split_qk"] = MlaDecodeConfig(split_qk=True)
+    configs["split_qk"] = MlaDecodeConfig(scorer=False, split_qk=True)
     for n in (4, 16, 64):
       for split_qk in (False, True):
-        configs[f"splits{n}{'_sqk' if split_qk else ''}"] = MlaDecodeConfig(num_splits=n,
-                                                                             split_qk=split_qk)
+        configs[f"splits{n}{'_sqk' if split_qk else ''}"] = MlaDecodeConfig(
+            num_splits=n, scorer=False if split_qk else None, split_qk=split_qk)
   if args.variants:
     known = variants()
     for name in args.variants.split(","):

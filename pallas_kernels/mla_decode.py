@@ -89,8 +89,8 @@ class MlaDecodeConfig:
       only 2 fit.
     memory_registers: registers per thread left to the TMA warpgroup (setmaxnreg).
     combine_block_cols: output columns per CTA of the split combine kernel (divides 512).
-    split_qk: each compute warpgroup computes Q·Kᵀ for its own 32 of the page's 64 tokens
-      (instead of both computing all 64); the two exchange row maxima, P halves (bf16) and row
+    split_qk: with ``scorer=False``, each compute warpgroup computes Q·Kᵀ for its own 32 of the
+      page's 64 tokens (instead of both computing all 64); the two exchange row maxima, P halves (bf16) and row
       sums through SMEM with two CTA barriers per page. Halves the Q·Kᵀ tensor work. None = on
       when the 64 query rows of a CTA are all real (s_q * H >= 64): on an H200 it was 2-16 %
       faster there, and 2-5 % slower for H=16/32 at s_q=1, where rows are padding and the
@@ -108,6 +108,11 @@ class MlaDecodeConfig:
       rows, and no barrier around a shared key buffer) instead of the padded 64-row body. It
       serves R <= 32 (H=16 and 32 at s_q=1, H=16 at s_q=2) on the per_sequence schedule. None =
       on wherever it serves.
+    scorer: for bf16 pages, the scorer body (`_decode_partials_scorer`, either schedule): one
+      warpgroup computes each page's Q·Kᵀ once, the softmax and P·V over 128 columns, two others
+      P·V over 192 columns each, beside the TMA warpgroup. None = on (an H200 measured it 10-15 %
+      faster than the plain and split-QK bodies in every cell: BENCHMARKS.md); False picks
+      between those two by ``split_qk``. fp8 pages have bodies of their own.
   """
 
   num_splits: int | None = None
@@ -121,6 +126,7 @@ class MlaDecodeConfig:
   interpretable: bool = False
   schedule: str = "per_sequence"
   fp8_transposed: bool | None = None
+  scorer: bool | None = None
 
   def __post_init__(self):
     if self.schedule not in SCHEDULES:
@@ -286,6 +292,11 @@ class _Plan:
   split_qk: bool         # the Q·Kᵀ-split body (see MlaDecodeConfig.split_qk)
   schedule: str = "per_sequence"
   num_ctas: int = 0      # balanced: CTAs (page runs) per row block; 0 for per_sequence
+  scorer: bool = False   # the scorer body (see MlaDecodeConfig.scorer; bf16 pages only)
+
+  @property
+  def balanced(self) -> bool:
+    return self.schedule == "balanced"
 
 
 def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConfig) -> _Plan:
@@ -299,10 +310,13 @@ def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConf
   splits = max(1, min(splits, max_pages))
   pages_per_split = pl.cdiv(max_pages, splits)
   split_qk = config.split_qk if config.split_qk is not None else s_q * heads >= ROWS
+  scorer = config.scorer is None or config.scorer
+  split_qk = split_qk and not scorer
   if config.schedule == "balanced":
     return _Plan(row_blocks, 1, pages_per_split, split_qk, "balanced",
-                 max(1, config.target_ctas // row_blocks))
-  return _Plan(row_blocks, pl.cdiv(max_pages, pages_per_split), pages_per_split, split_qk)
+                 max(1, config.target_ctas // row_blocks), scorer)
+  return _Plan(row_blocks, pl.cdiv(max_pages, pages_per_split), pages_per_split, split_qk,
+               scorer=scorer)
 
 
 class BalancedSchedule(NamedTuple):
@@ -724,6 +738,321 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
   if balanced:
     return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens, *schedule)
   return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens)
+
+
+# The scorer body (`MlaDecodeConfig.scorer`): one warpgroup scores each page once, two others
+# accumulate P·V, beside the TMA warpgroup; the tensor cores run the scorer's Q·Kᵀ of one page while
+# the accumulating warpgroups run P·V of the one before.
+_SCORER_COLS = 128                                   # P·V columns of the scoring warpgroup
+_ACC_COLS = (LATENT_DIM - _SCORER_COLS) // 2         # 192 for each of the two accumulating ones
+
+
+def _zero_v_tail(kv, valid, start, ncols):
+  """Zero rows >= ``valid`` of columns [start, start + ncols) of a page in SMEM (the tail of a
+  sequence's last page is unwritten cache, maybe NaN, and 0 x NaN = NaN in P·V). Only on a
+  partial page; ends with `plgpu.commit_smem` so the tensor cores see it."""
+  wgmma_layout = plgpu.Layout.WGMMA
+
+  @pl.when(valid < PAGE_SIZE)
+  def _():
+    tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 64), 0, layout=wgmma_layout)
+    for k in range(ncols // 64):
+      chunk = kv.at[:, pl.ds(start + k * 64, 64)]
+      x = plgpu.load(chunk, layout=wgmma_layout)
+      chunk[...] = jnp.where(tok < valid, x, jnp.zeros_like(x))
+    plgpu.commit_smem()
+
+
+def _pv_from_smem(acc, p_ref, v, interpretable):
+  """acc + P·V on the tensor cores with P (an SMEM [64, 64] bf16 wgmma tile) as the A operand;
+  waits for the product."""
+  if interpretable:   # the interpreter runs no `run_state` accumulator
+    def pv_scoped(acc_ref):
+      plgpu.wgmma(acc_ref, p_ref, v)
+      return acc_ref[...]
+    return acc + pl.run_scoped(pv_scoped, plgpu.ACC(acc.shape, jnp.float32))
+
+  def pv(acc_ref):
+    plgpu.wgmma(acc_ref, p_ref, v)
+  return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+
+class _Walk(NamedTuple):
+  """How the scorer body's warpgroups walk a CTA's pages (`_scorer_walk`): each carries ``state``
+  from page to page and asks ``at(i, state)`` where step i is."""
+  n_pages: jax.Array     # pages this CTA reads
+  init: tuple            # the walk's starting state (scalars)
+  at: object             # (i, state) -> (state, _Where)
+  balanced: bool
+
+
+class _Where(NamedTuple):
+  b: jax.Array           # sequence
+  pos: jax.Array         # page index in the sequence
+  seq_len: jax.Array
+  first: jax.Array       # first page of the CTA's piece of sequence b
+  last: jax.Array        # last page of it
+
+
+def _scorer_walk(plan_: _Plan, bt_ref, lens_ref, sched_refs) -> _Walk:
+  """per_sequence: CTA (g, s, b) reads pages [s * pps, ...) of sequence b, one piece. balanced
+  (``sched_refs`` = a `BalancedSchedule`'s scalars, ends, cta_seqs): CTA (g, c) reads global pages
+  [c * ppc, ...), which may cross sequences; the state (b, first global page of b, end of b,
+  seq_len of b) moves to the next sequence with pages when a page passes the end (a scalar loop
+  that takes no step inside a sequence)."""
+  del bt_ref
+  if not plan_.balanced:
+    pps = plan_.pages_per_split
+    s, b = lax.axis_index("s"), lax.axis_index("b")
+    seq_len = lens_ref[b]
+    first_page = s * pps
+    n = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
+    return _Walk(n, (), lambda i, st: (st, _Where(b, first_page + i, seq_len, i == 0, i == n - 1)),
+                 False)
+  sc_ref, ends_ref, cta_ref = sched_refs
+  c = lax.axis_index("c")
+  ppc, total = sc_ref[0], sc_ref[1]
+  run_start = jnp.minimum(c * ppc, total)
+  n = jnp.minimum(run_start + ppc, total) - run_start
+  b0 = cta_ref[c, 0]
+  len0 = lens_ref[b0]
+  end0 = ends_ref[b0]
+
+  def at(i, state):
+    gp = run_start + i
+
+    def advance(st):
+      b, _, end, _ = st
+      b = b + 1
+      return b, end, ends_ref[b], lens_ref[b]
+    state = lax.while_loop(lambda st: st[2] <= gp, advance, state)
+    b, start, end, seq_len = state
+    return state, _Where(b, gp - start, seq_len, (i == 0) | (gp == start),
+                         (i == n - 1) | (gp + 1 == end))
+  return _Walk(n, (b0, end0 - pl.cdiv(len0, PAGE_SIZE), end0, len0), at, True)
+
+
+def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, causal, scale,
+                            plan_: _Plan, config: MlaDecodeConfig, interpret, schedule=None):
+  """`_decode_partials` with a dedicated scoring warpgroup (bf16 pages, either schedule).
+
+  Four warpgroups a CTA, each with its own loop over the CTA's pages (`_scorer_walk`):
+  * warpgroup 3 (TMA) loads Q, then streams the pages through ``max_concurrent_steps`` slots
+    (``kv_ready[slot]``), refilling a slot once all three compute warpgroups have released it
+    (``kv_free[slot]``, 3 arrivals); on the balanced schedule it reloads Q for each new sequence
+    once the scorer is done with the old one (``q_free``);
+  * warpgroup 0 (the scorer) zeroes the V tail of a sequence's partial last page, computes
+    S = Q·Kᵀ of each page once (64 rows x 64 tokens over 576 columns) and the online softmax
+    (running max and sum in its registers; the mask only on pages that need one), writes P
+    (bf16, a wgmma tile) with the page's rescale alpha and running sum l to SMEM (``p_ready``),
+    then accumulates P·V over columns [0, 128) itself;
+  * warpgroups 1 and 2 accumulate P·V over columns [128, 320) and [320, 512): wait ``p_ready``,
+    rescale by alpha, P·V with the tensor cores reading P from SMEM, then release P (``p_free``,
+    2 arrivals), which the scorer waits for before writing the next page's P.
+  So each page's Q·Kᵀ is computed once (8.9 MFLOP a page and CTA, against 13.6 for the plain
+  body), and while the accumulating warpgroups run P·V of page i the scorer runs Q·Kᵀ of page
+  i + 1. Registers: ptxas compiles the whole kernel under the launch's cap, 128 a thread for four
+  warpgroups (setmaxnreg moves registers between warpgroups at run time but does not raise what
+  ptxas allocates: on an H200, 256-column accumulators failed to compile with "Insufficient
+  registers (128)"), hence the 128 / 192 / 192 split: 64 and 96 accumulator registers a thread.
+
+  Each warpgroup writes its part of a piece's result when it finishes the piece's last page
+  (per_sequence: the split's, after the loop; balanced: the piece slot c + b). SMEM: Q 72 KB + two
+  72 KB page slots + P 8 KB + 0.5 KB = 224.5 KB. Outputs and ``schedule`` as `_decode_partials`."""
+  B, Rp, _ = q_rows.shape
+  balanced = plan_.balanced
+  final = plan_.num_splits == 1 and not balanced
+  scale_log2 = scale * _LOG2E
+  nslots = config.max_concurrent_steps
+  c0, acc_cols = _SCORER_COLS, _ACC_COLS
+  out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
+  scratch = dict(
+      q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+      kv_smem=plgpu.SMEM((nslots, PAGE_SIZE, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+      p_smem=plgpu.SMEM((ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+      stat_smem=plgpu.SMEM((2, ROWS), jnp.float32),        # alpha, l of the page's P
+      q_bar=plgpu.Barrier(),
+      q_free=plgpu.Barrier(),
+      kv_ready=plgpu.Barrier(num_barriers=nslots),
+      kv_free=plgpu.Barrier(num_arrivals=3, num_barriers=nslots),
+      p_ready=plgpu.Barrier(),
+      p_free=plgpu.Barrier(num_arrivals=2))
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  # Keys every query row of the sequence sees: the first causal query row sees s_q - 1 fewer.
+  lag = s_q - 1 if causal else 0
+
+  @functools.partial(
+      plgpu.kernel, out_type=out_type, grid=grid, grid_names=grid_names,
+      num_threads=4, thread_name="wg", scratch_types=scratch,
+      # Every reduction is along rows, inside a warp: no cross-warp reduction scratch needed.
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      interpret=interpret)
+  def mla_decode_partials_scorer(*refs, q_smem, kv_smem, p_smem, stat_smem, q_bar, q_free,
+                                 kv_ready, kv_free, p_ready, p_free):
+    if balanced:
+      q_ref, kv_ref, bt_ref, lens_ref, *sched_refs, o_ref, lse_ref = refs
+    else:
+      q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref = refs
+      sched_refs = None
+    g = lax.axis_index("g")
+    wg = lax.axis_index("wg")
+    rows = pl.ds(g * ROWS, ROWS)
+    walk = _scorer_walk(plan_, bt_ref, lens_ref, sched_refs)
+    n_pages = walk.n_pages
+
+    def page(i, state):
+      """(walk state, where, slot) of step i, once its page has landed."""
+      state, at = walk.at(i, state)
+      slot = lax.rem(i, nslots)
+      plgpu.barrier_wait(kv_ready.at[slot])
+      return state, at, slot
+
+    def out_index(b):
+      if balanced:
+        return (lax.axis_index("c") + b, rows)
+      return (b, rows) if final else (b, lax.axis_index("s"), rows)
+
+    def write_out(b, cols, acc, l):
+      l_safe = jnp.where(l == 0.0, 1.0, l)
+      o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+      o_ref[(*out_index(b), cols)] = o.astype(o_ref.dtype)
+
+    def write_lse(b, m, l):
+      lse2 = m + jnp.log2(l)
+      lse_ref[out_index(b)] = lse2 * _LN2 if final else lse2
+
+
+    @pl.when(wg == 3)
+    def _memory():
+      def step(i, state):
+        state, at = walk.at(i, state)
+        slot = lax.rem(i, nslots)
+
+        @pl.when(at.first)
+        def _():
+          @pl.when(i > 0)
+          def _():   # the scorer is done with the previous sequence's Q
+            plgpu.barrier_wait(q_free)
+          plgpu.copy_gmem_to_smem(q_ref.at[at.b, rows], q_smem, q_bar)
+
+        @pl.when(i >= nslots)
+        def _():
+          plgpu.barrier_wait(kv_free.at[slot])
+        plgpu.copy_gmem_to_smem(kv_ref.at[bt_ref[at.b, at.pos]], kv_smem.at[slot],
+                                kv_ready.at[slot])
+        return state
+      lax.fori_loop(0, n_pages, step, walk.init)
+
+      # Observe the last releases too, so that every barrier ends with all its phases waited
+      # (the interpreter checks this when the barriers are freed).
+      @pl.loop(jnp.maximum(n_pages - nslots, 0), n_pages)
+      def _(i):
+        plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
+
+    def zeros(cols):
+      return plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), wgmma_layout)
+    m0 = plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout)
+    l0 = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
+
+    @pl.when(wg == 0)
+    def _scorer():
+
+      def step(i, carry):
+        state, acc, m, l = carry
+        state, at, slot = page(i, state)
+        kv = kv_smem.at[slot]
+        page_start = at.pos * PAGE_SIZE
+        _zero_v_tail(kv, at.seq_len - page_start, 0, LATENT_DIM)   # for every P·V warpgroup
+
+        @pl.when(at.first)
+        def _():
+          plgpu.barrier_wait(q_bar)
+
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, kv.transpose((1, 0)))
+          return acc_ref[...]
+        sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32))
+        if balanced:
+          @pl.when(at.last & (i + 1 < n_pages))
+          def _():   # the memory warpgroup may load the next sequence's Q now
+            plgpu.barrier_arrive(q_free)
+
+        def masked():
+          key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1,
+                                                    layout=wgmma_layout)
+          limit = _row_limits(at.seq_len, g, heads=heads, s_q=s_q, causal=causal)
+          return jnp.where(key < limit, sc, -jnp.inf)
+        # Only a page reaching past what the first query row sees needs the mask.
+        sc = lax.cond(page_start + PAGE_SIZE <= at.seq_len - lag, lambda: sc, masked)
+        # The scale is folded into exp2's argument (scale > 0 keeps the row maxima maxima).
+        m_new = jnp.maximum(m, sc.max(axis=1) * scale_log2)
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(sc * scale_log2 - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+
+        @pl.when(i > 0)
+        def _():   # both accumulating warpgroups are done with the previous page's P
+          plgpu.barrier_wait(p_free)
+        p_smem[...] = p.astype(jnp.bfloat16)
+        stat_smem[0] = alpha
+        stat_smem[1] = l
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_ready)
+        acc = _pv_from_smem(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem,
+                            kv.at[:, pl.ds(0, c0)], config.interpretable)
+        plgpu.barrier_arrive(kv_free.at[slot])
+
+        if not balanced:
+          return state, acc, m_new, l
+
+        @pl.when(at.last)
+        def _():   # the piece's result; then the softmax state restarts for the next piece
+          write_out(at.b, pl.ds(0, c0), acc, l)
+          write_lse(at.b, m_new, l)
+        m_new, l = lax.cond(at.last, lambda: (m0, l0), lambda: (m_new, l))
+        return state, acc, m_new, l
+
+      _, acc, m, l = lax.fori_loop(0, n_pages, step, (walk.init, zeros(c0), m0, l0))
+
+      @pl.when(n_pages > 0)
+      def _():   # the last page's P released (see the memory warpgroup's last loop)
+        plgpu.barrier_wait(p_free)
+      if not balanced:   # (an empty split too: out 0, lse -inf)
+        b = lax.axis_index("b")
+        write_out(b, pl.ds(0, c0), acc, l)
+        write_lse(b, m, l)
+
+    @pl.when((wg == 1) | (wg == 2))
+    def _accumulate():
+      cols = pl.ds(c0 + (wg - 1) * acc_cols, acc_cols)
+
+      def step(i, carry):
+        state, acc, _ = carry
+        state, at, slot = page(i, state)
+        plgpu.barrier_wait(p_ready)
+        alpha = plgpu.load(stat_smem.at[0], layout=row_layout)
+        l = plgpu.load(stat_smem.at[1], layout=row_layout)
+        acc = _pv_from_smem(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem,
+                            kv_smem.at[slot, :, cols], config.interpretable)
+        plgpu.barrier_arrive(p_free)
+        plgpu.barrier_arrive(kv_free.at[slot])
+        if balanced:
+          # No restart after a piece: on the next piece's first page the scorer's running max
+          # starts again, so alpha is exactly 0 for every row that sees a key (acc * 0), and a
+          # row that sees none gets l = 0, lse = -inf, which the combine weighs by 0.
+          @pl.when(at.last)
+          def _():
+            write_out(at.b, cols, acc, l)
+        return state, acc, l
+
+      _, acc, l = lax.fori_loop(0, n_pages, step, (walk.init, zeros(acc_cols), l0))
+      if not balanced:
+        write_out(lax.axis_index("b"), cols, acc, l)
+
+  if balanced:
+    return mla_decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *schedule)
+  return mla_decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens)
 
 
 # fp8 pages (`pallas_kernels.page_format`): per token 512 e4m3 bytes, 4 fp32 scales (one per 128
@@ -1214,7 +1543,12 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
     return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
   if Rp != R:   # the 64-row bodies take whole row blocks
     q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))
-  partials = _decode_partials_fp8 if is_fp8_pages(kv_pages) else _decode_partials
+  if is_fp8_pages(kv_pages):
+    partials = _decode_partials_fp8
+  elif plan_.scorer:
+    partials = _decode_partials_scorer
+  else:
+    partials = _decode_partials
   if plan_.schedule == "balanced":
     sched = balanced_schedule(seq_lens, num_ctas=plan_.num_ctas,
                               min_pages_per_cta=config.min_pages_per_split)

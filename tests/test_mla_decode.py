@@ -25,9 +25,10 @@ from pallas_kernels import _platform
 from pallas_kernels.mla_decode import balanced_schedule, num_piece_slots, plan, sequence_of_page
 
 SCALE = 192 ** -0.5
-# The two kernel bodies: plain (both warpgroups score the whole page), split-QK.
-VARIANTS = [dict(split_qk=False), dict(split_qk=True)]
-VARIANT_IDS = ["plain", "split_qk"]
+# The kernel bodies: plain (both warpgroups score the whole page), split-QK, the scorer body (one
+# warpgroup scores, two others accumulate P·V).
+VARIANTS = [dict(scorer=False, split_qk=False), dict(scorer=False, split_qk=True), dict(scorer=True)]
+VARIANT_IDS = ["plain", "split_qk", "scorer"]
 
 
 def make_inputs(batch, s_q, heads, seq_lens, max_pages, *, seed=0, spare_pages=3):
@@ -134,7 +135,8 @@ INTERPRET_CASES = [
 @pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,num_splits", INTERPRET_CASES)
 def test_interpret_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits):
   args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q)
-  config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1, split_qk=False)
+  config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1, scorer=False,
+                           split_qk=False)
   assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
@@ -143,7 +145,21 @@ def test_interpret_matches_reference(heads, s_q, causal, seq_lens, max_pages, nu
                          [INTERPRET_CASES[i] for i in (1, 3, 4, 6)])
 def test_interpret_split_qk_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits):
   args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 1)
-  config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1, split_qk=True)
+  config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1, scorer=False,
+                           split_qk=True)
+  assert_matches_reference(args, causal=causal, config=config, impl="interpret")
+
+
+# The scorer body (one warpgroup scores each page, three share P·V; its own loops and barriers).
+# Catches: P of one page read after the scorer rewrote it for the next (p_free); an accumulating
+# warpgroup that does not rescale by the page's alpha, or normalises with a stale running sum; a
+# page slot refilled while a warpgroup still reads it; a V tail (NaN-poisoned) reaching P·V in
+# any of the three column ranges; the lse or a column range of the output written wrongly.
+@pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,num_splits",
+                         [INTERPRET_CASES[i] for i in (0, 1, 2, 4, 5, 6)])
+def test_interpret_scorer_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits):
+  args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 3)
+  config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1, scorer=True)
   assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
@@ -234,32 +250,41 @@ def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
 # 2: runs that end exactly where a sequence starts, seq 3 in two pieces (the first ends, the second
 # starts, mid-sequence), and, causal with s_q = 2, a length-1 sequence whose first query sees no
 # key. Pages [1, 0, 2, 1] in runs of 2: both runs cross a sequence boundary, one an empty sequence.
+# The scorer body walks the same runs with its own loops (a page-by-page walk in every warpgroup).
+# Pages [1, 1, 3] in runs of 2: the length-1 sequence follows another in the first run, and its
+# first query sees no key, so a state not restarted after the first sequence's piece shows there
+# (its rows get no rescale by 0: alpha = 1 when a row's running max stays at its start value).
 BALANCED_CASES = [
-    (16, 2, True, [1, 64, 65, 190, 3], 3, 4, False),
-    (64, 1, False, [1, 0, 65, 3], 2, 2, True),
+    (16, 2, True, [1, 64, 65, 190, 3], 3, 4, dict(scorer=False, split_qk=False)),
+    (64, 1, False, [1, 0, 65, 3], 2, 2, dict(scorer=False, split_qk=True)),
+    (16, 2, True, [1, 64, 65, 190, 3], 3, 4, dict(scorer=True)),
+    (128, 1, False, [1, 0, 65, 3], 2, 2, dict(scorer=True)),
+    (32, 2, True, [64, 1, 130], 3, 3, dict(scorer=True)),
 ]
 
 
-@pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,target_ctas,split_qk", BALANCED_CASES)
+@pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,target_ctas,variant", BALANCED_CASES)
 def test_interpret_balanced_matches_reference(heads, s_q, causal, seq_lens, max_pages, target_ctas,
-                                              split_qk):
+                                              variant):
   """Catches, with runs that cross sequence boundaries: Q not reloaded (or reloaded too early)
   for the next sequence; softmax state carried from one sequence into the next; a partial flushed
   to the wrong slot or not at all; the combine reading another sequence's pieces; a page past a
   sequence end or an unused slot reaching P·V (NaN-poisoned); seq_len 0 not giving out 0, lse -inf."""
   args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 2)
   config = MlaDecodeConfig(schedule="balanced", target_ctas=target_ctas, min_pages_per_split=1,
-                           split_qk=split_qk)
+                           **variant)
   assert_matches_reference(args, causal=causal, config=config, impl="interpret",
                            keyless_rows=min(seq_lens) < (s_q if causal else 1))
 
 
 @pytest.mark.parametrize("heads,s_q,variant", [(16, 1, "plain"), (64, 1, "split_qk"),
-                                               (128, 2, "plain")])
+                                               (128, 2, "plain"), (64, 2, "scorer")])
 def test_balanced_cross_lowers_for_sm90(heads, s_q, variant):
   """Catches a balanced-body construct Mosaic GPU cannot lower for sm_90 (a scalar-predicate
-  select, a conditional Q reload, a dynamic-grid combine), which interpret mode accepts."""
-  config = MlaDecodeConfig(schedule="balanced", split_qk=variant == "split_qk")
+  select, a conditional Q reload, a dynamic-grid combine, the scorer body's page walk), which
+  interpret mode accepts."""
+  config = MlaDecodeConfig(schedule="balanced", split_qk=variant == "split_qk",
+                           scorer=variant == "scorer")   # (plain and split-QK: scorer=False)
   lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=config)
   assert _mosaic_calls(lowered) == 2     # the main kernel and the piece combine
 
@@ -354,10 +379,12 @@ def test_cross_lowers_tuning_configs(config):
 
 
 def test_interpretable_variant_is_not_a_production_config():
-  # The SMEM-staged P buffer does not fit next to Q and two KV stages: lowering must say so
-  # rather than the production path silently using it.
+  # The plain and split-QK bodies' SMEM-staged P buffers do not fit next to Q and two KV stages:
+  # lowering must say so rather than the production path silently using them. (The scorer body
+  # keeps P in SMEM either way; its interpretable form only accumulates through run_scoped.)
   with pytest.raises(ValueError, match="shared memory"):
-    lower_for_sm90(2, 1, 64, 8, causal=False, config=MlaDecodeConfig(interpretable=True))
+    lower_for_sm90(2, 1, 64, 8, causal=False,
+                   config=MlaDecodeConfig(interpretable=True, scorer=False))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -378,13 +405,19 @@ def test_plan_fills_about_one_wave():
   assert plan(1, 1, 64, 512, MlaDecodeConfig(max_splits=128)).num_splits == 128
 
 
-def test_plan_split_qk_default():
-  # Split-QK by default exactly when a CTA's 64 rows are all real query rows.
-  assert [plan(8, s_q, h, 64, MlaDecodeConfig()).split_qk for s_q, h in
+def test_plan_body_defaults():
+  # The scorer body by default; with scorer=False, split-QK exactly when a CTA's 64 rows are all
+  # real query rows.
+  assert all(plan(8, s_q, h, 64, MlaDecodeConfig()).scorer and
+             not plan(8, s_q, h, 64, MlaDecodeConfig()).split_qk
+             for s_q, h in [(1, 16), (2, 32), (1, 128)])
+  old = MlaDecodeConfig(scorer=False)
+  assert [plan(8, s_q, h, 64, old).split_qk for s_q, h in
           [(1, 16), (1, 32), (2, 32), (4, 16), (1, 64), (3, 128)]] == [False, False, True, True,
                                                                         True, True]
-  assert not plan(8, 1, 128, 64, MlaDecodeConfig(split_qk=False)).split_qk
-  assert plan(8, 1, 16, 64, MlaDecodeConfig(split_qk=True)).split_qk
+  assert not plan(8, 1, 128, 64, MlaDecodeConfig(scorer=False, split_qk=False)).split_qk
+  assert plan(8, 1, 16, 64, MlaDecodeConfig(scorer=False, split_qk=True)).split_qk
+  assert plan(8, 1, 16, 64, MlaDecodeConfig(schedule="balanced")).scorer
 
 
 @pytest.mark.skipif(_platform.default_backend_is_hopper(), reason="checks the non-Hopper default")
@@ -467,7 +500,8 @@ def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_s
   max_pages = -(-2 * mean_len // 64)
   args = make_inputs(batch, s_q, heads, lengths, max_pages, seed=int(rng.integers(1 << 30)))
   assert_matches_reference(args, causal=causal,
-                           config=MlaDecodeConfig(num_splits=num_splits, split_qk=False),
+                           config=MlaDecodeConfig(num_splits=num_splits, scorer=False,
+                                                  split_qk=False),
                            impl="kernel")
 
 
@@ -492,8 +526,22 @@ def test_gpu_split_qk_matches_reference(heads, s_q, causal, batch, mean_len, num
   max_pages = -(-2 * mean_len // 64)
   args = make_inputs(batch, s_q, heads, lengths, max_pages, seed=int(rng.integers(1 << 30)))
   assert_matches_reference(args, causal=causal,
-                           config=MlaDecodeConfig(num_splits=num_splits, split_qk=True),
+                           config=MlaDecodeConfig(num_splits=num_splits, scorer=False,
+                                                  split_qk=True),
                            impl="kernel")
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", GPU_CASES)
+def test_gpu_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
+  rng = np.random.default_rng(heads * 100 + s_q * 10 + batch + 1)
+  lengths = _ragged_lengths(rng, batch, mean_len, s_q)
+  lengths[0], lengths[-1] = max(s_q, 1), 2 * mean_len
+  args = make_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64),
+                     seed=int(rng.integers(1 << 30)))
+  assert_matches_reference(args, causal=causal,
+                           config=MlaDecodeConfig(num_splits=num_splits, scorer=True), impl="kernel")
 
 
 @pytest.mark.gpu

@@ -26,7 +26,7 @@ T = {
     "l2_pages": [("lambda i: (table[first_page + i], 0, 0)",
                   "lambda i: (table[first_page + jnp.minimum(i, 0)], 0, 0)")],
 }
-CONFIG = MlaDecodeConfig(split_qk=True)
+CONFIG = MlaDecodeConfig(scorer=False, split_qk=True)
 
 
 def main():

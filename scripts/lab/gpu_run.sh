@@ -14,6 +14,9 @@
 #                              #   attention beside cuDNN's, and the 50-step loss curves (scripts/lab/loss_curve_equality.py)
 #   scripts/lab/gpu_run.sh peers   # the MoE/training/scan GPU tests while FlashMLA builds, then mla_decode beside
 #                              #   FlashMLA and vLLM's Triton kernel (.peers carried; BENCHMARKS.md), both schedules
+#   scripts/lab/gpu_run.sh scorer  # mla_decode GPU tests (TESTS_K: a -k filter; EXTRA_TESTS: more test paths),
+#                              #   ptxas (FlashMLA building meanwhile), then the peers stage with VARIANTS
+#                              #   (default: balanced)
 #   scripts/lab/gpu_run.sh gather  # the engine's quantized-pages GPU tests, then the fp8 gather's config sweep
 #   scripts/lab/gpu_run.sh fp8     # the fp8 decode GPU tests, the fp8 bodies' ptxas report, the profile
 #                              #   (below), then scripts/lab/probe_fp8_decode.py (bf16 / fp8 transposed / shared)
@@ -54,18 +57,21 @@ ptxas_report() {
   MOSAIC_GPU_DUMP_PTXAS=1 timeout 60 $PY - <<'PY' > "$R/ptxas.txt" 2>&1
 import jax, jax.numpy as jnp
 from pallas_kernels import mla_decode, MlaDecodeConfig
-for B, s_q, H, causal, splits, split_qk in [
-    (4, 1, 64, False, 1, False), (4, 1, 64, False, 1, True),
-    (4, 2, 128, True, 1, True), (2, 1, 16, False, 4, False)]:
-  print(f"### B={B} s_q={s_q} H={H} causal={causal} splits={splits} split_qk={split_qk}",
-        flush=True)
+for B, s_q, H, causal, splits, split_qk, scorer, schedule in [
+    (4, 1, 64, False, 1, False, False, "per_sequence"), (4, 1, 64, False, 1, True, False, "per_sequence"),
+    (4, 2, 128, True, 1, True, False, "per_sequence"), (2, 1, 16, False, 4, False, False, "per_sequence"),
+    (4, 1, 64, False, 1, False, True, "per_sequence"), (4, 2, 128, True, 4, False, True, "per_sequence"),
+    (4, 1, 128, False, 1, False, True, "balanced")]:
+  print(f"### B={B} s_q={s_q} H={H} causal={causal} splits={splits} split_qk={split_qk} scorer={scorer} "
+        f"schedule={schedule}", flush=True)
   a = (jnp.ones((B, s_q, H, 576), jnp.bfloat16), jnp.ones((B * 8, 64, 576), jnp.bfloat16),
        jnp.arange(B * 8, dtype=jnp.int32).reshape(B, 8), jnp.full((B,), 500, jnp.int32))
   jax.block_until_ready(mla_decode(*a, softmax_scale=0.1, causal=causal,
-                                   config=MlaDecodeConfig(num_splits=splits, split_qk=split_qk),
+                                   config=MlaDecodeConfig(num_splits=splits, split_qk=split_qk,
+                                                          scorer=scorer, schedule=schedule),
                                    impl="kernel"))
 PY
-  grep -E "###|registers|spill" "$R/ptxas.txt" | head -40 | tee -a "$LOG"
+  grep -E "###|registers|spill" "$R/ptxas.txt" | head -60 | tee -a "$LOG"
 }
 
 flash_ptxas_report() {
@@ -119,6 +125,13 @@ case "$MODE" in
          gpu_tests 200 tests/test_moe.py tests/test_moe_decode.py tests/test_training.py tests/test_scan.py
          stage "waiting for the FlashMLA build"; wait $BUILD; tail -3 "$R/flashmla_prebuild_log.txt" | tee -a "$LOG" ;;
   gather) gpu_tests 130 tests/test_engine.py -k quantized ;;
+  scorer) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
+             $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
+         BUILD=$!
+         gpu_tests 240 tests/test_mla_decode.py ${TESTS_K:+-k "$TESTS_K"}
+         [ -n "${EXTRA_TESTS:-}" ] && gpu_tests 150 $EXTRA_TESTS
+         ptxas_report
+         stage "waiting for the FlashMLA build"; wait $BUILD; tail -3 "$R/flashmla_prebuild_log.txt" | tee -a "$LOG" ;;
   fp8) gpu_tests 150 tests/test_mla_decode_fp8.py
        fp8_ptxas_report
        stage "profile_fp8_decode"
@@ -138,8 +151,8 @@ case "$MODE" in
        timeout 300 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" ${CELLS:+--cells $CELLS} ${CONFIGS:+--configs $CONFIGS} 2>&1 | tee -a "$LOG" ;;
   fp8) stage "probe_fp8_decode"
        timeout 300 $PY scripts/lab/probe_fp8_decode.py --out "$R/fp8" 2>&1 | tee -a "$LOG" ;;
-  peers) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode 330 --peers .peers --no-naive \
-           --variants balanced --cell-list "${CELLS:-128,1,8192,16;128,1,8192,32;128,1,8192,64;128,1,32768,64;\
+  peers|scorer) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode 330 --peers .peers --no-naive \
+           --variants "${VARIANTS:-balanced}" --cell-list "${CELLS:-128,1,8192,16;128,1,8192,32;128,1,8192,64;128,1,32768,64;\
 128,1,4096,128;128,1,8192,128;128,2,8192,128;64,1,8192,128;32,2,4096,128;128,1,256-16384,64;1,1,4096,128;8,1,4096,128}" ;;
   train) for a in mgpu cudnn; do
            bench train 120 --batch 16 --seq 4096 --ce-chunk 2048 --remat dots_with_no_batch_dims_saveable --attn-impl $a

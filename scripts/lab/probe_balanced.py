@@ -45,7 +45,7 @@ CONFIGS = {
     "per_sequence": MlaDecodeConfig(),
     "balanced": MlaDecodeConfig(schedule="balanced"),
     # optional (--configs): the other body, and runs without the 4-page floor
-    "balanced_plain": MlaDecodeConfig(schedule="balanced", split_qk=False),
+    "balanced_plain": MlaDecodeConfig(schedule="balanced", scorer=False, split_qk=False),
     "balanced_min1": MlaDecodeConfig(schedule="balanced", min_pages_per_split=1),
 }
 
