@@ -128,8 +128,8 @@ case "$MODE" in
   scorer) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
              $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
          BUILD=$!
-         gpu_tests 240 tests/test_mla_decode.py ${TESTS_K:+-k "$TESTS_K"}
-         [ -n "${EXTRA_TESTS:-}" ] && gpu_tests 150 $EXTRA_TESTS
+         gpu_tests 200 tests/test_mla_decode.py ${TESTS_K:+-k "$TESTS_K"}
+         [ -n "${EXTRA_TESTS:-}" ] && gpu_tests 100 $EXTRA_TESTS
          ptxas_report
          stage "waiting for the FlashMLA build"; wait $BUILD; tail -3 "$R/flashmla_prebuild_log.txt" | tee -a "$LOG" ;;
   fp8) gpu_tests 150 tests/test_mla_decode_fp8.py
@@ -151,7 +151,7 @@ case "$MODE" in
        timeout 300 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" ${CELLS:+--cells $CELLS} ${CONFIGS:+--configs $CONFIGS} 2>&1 | tee -a "$LOG" ;;
   fp8) stage "probe_fp8_decode"
        timeout 300 $PY scripts/lab/probe_fp8_decode.py --out "$R/fp8" 2>&1 | tee -a "$LOG" ;;
-  peers|scorer) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode 330 --peers .peers --no-naive \
+  peers|scorer) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${BENCH_LIMIT:-330}" --peers .peers --no-naive \
            --variants "${VARIANTS:-balanced}" --cell-list "${CELLS:-128,1,8192,16;128,1,8192,32;128,1,8192,64;128,1,32768,64;\
 128,1,4096,128;128,1,8192,128;128,2,8192,128;64,1,8192,128;32,2,4096,128;128,1,256-16384,64;1,1,4096,128;8,1,4096,128}" ;;
   train) for a in mgpu cudnn; do
