@@ -110,9 +110,11 @@ class MlaDecodeConfig:
       on wherever it serves.
     scorer: for bf16 pages, the scorer body (`_decode_partials_scorer`, either schedule): one
       warpgroup computes each page's Q·Kᵀ once, the softmax and P·V over 128 columns, two others
-      P·V over 192 columns each, beside the TMA warpgroup. None = on (an H200 measured it 10-15 %
-      faster than the plain and split-QK bodies in every cell: BENCHMARKS.md); False picks
-      between those two by ``split_qk``. fp8 pages have bodies of their own.
+      P·V over 192 columns each, beside the TMA warpgroup. None = on for the per_sequence
+      schedule (an H200 measured it 1.1-1.3x faster than the plain and split-QK bodies in every
+      cell: BENCHMARKS.md) and off for the balanced one (there it measured slower than those two:
+      its page walk in every warpgroup); False picks between those two by ``split_qk``. fp8
+      pages have bodies of their own.
   """
 
   num_splits: int | None = None
@@ -310,7 +312,8 @@ def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConf
   splits = max(1, min(splits, max_pages))
   pages_per_split = pl.cdiv(max_pages, splits)
   split_qk = config.split_qk if config.split_qk is not None else s_q * heads >= ROWS
-  scorer = config.scorer is None or config.scorer
+  balanced = config.schedule == "balanced"
+  scorer = not balanced if config.scorer is None else config.scorer
   split_qk = split_qk and not scorer
   if config.schedule == "balanced":
     return _Plan(row_blocks, 1, pages_per_split, split_qk, "balanced",
@@ -745,6 +748,14 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
 # the accumulating warpgroups run P·V of the one before.
 _SCORER_COLS = 128                                   # P·V columns of the scoring warpgroup
 _ACC_COLS = (LATENT_DIM - _SCORER_COLS) // 2         # 192 for each of the two accumulating ones
+SCORER_MEMORY_REGISTERS = 24    # the TMA warpgroup's registers (setmaxnreg): a loop issuing copies
+
+
+def _scorer_compute_registers(memory_registers: int = SCORER_MEMORY_REGISTERS) -> int:
+  """Registers a thread of each of the three compute warpgroups asks for (setmaxnreg): the 64 K of
+  the register file less the TMA warpgroup's share, split three ways, rounded down to a multiple
+  of 8."""
+  return min(256, (512 - memory_registers) // 3) // 8 * 8
 
 
 def _zero_v_tail(kv, valid, start, ncols):
@@ -851,10 +862,11 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
     2 arrivals), which the scorer waits for before writing the next page's P.
   So each page's Q·Kᵀ is computed once (8.9 MFLOP a page and CTA, against 13.6 for the plain
   body), and while the accumulating warpgroups run P·V of page i the scorer runs Q·Kᵀ of page
-  i + 1. Registers: ptxas compiles the whole kernel under the launch's cap, 128 a thread for four
-  warpgroups (setmaxnreg moves registers between warpgroups at run time but does not raise what
-  ptxas allocates: on an H200, 256-column accumulators failed to compile with "Insufficient
-  registers (128)"), hence the 128 / 192 / 192 split: 64 and 96 accumulator registers a thread.
+  i + 1. Registers: ptxas refuses an instruction that needs more than the launch's cap, 128 a
+  thread for four warpgroups, even after setmaxnreg (on an H200, 256-column accumulators failed
+  with "Insufficient registers (128)"), hence the 128 / 192 / 192 split: 64 and 96 accumulator
+  registers a thread. The warpgroups still set their registers (24 for the TMA one, 160 for the
+  others): the same code without it measured 1-6 % slower, with more spill code.
 
   Each warpgroup writes its part of a piece's result when it finishes the piece's last page
   (per_sequence: the split's, after the loop; balanced: the piece slot c + b). SMEM: Q 72 KB + two
@@ -879,6 +891,7 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
       p_free=plgpu.Barrier(num_arrivals=2))
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)
+  compute_registers = _scorer_compute_registers()
   # Keys every query row of the sequence sees: the first causal query row sees s_q - 1 fewer.
   lag = s_q - 1 if causal else 0
 
@@ -925,6 +938,8 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
 
     @pl.when(wg == 3)
     def _memory():
+      plgpu.set_max_registers(SCORER_MEMORY_REGISTERS, action="decrease")
+
       def step(i, state):
         state, at = walk.at(i, state)
         slot = lax.rem(i, nslots)
@@ -957,6 +972,7 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
 
     @pl.when(wg == 0)
     def _scorer():
+      plgpu.set_max_registers(compute_registers, action="increase")
 
       def step(i, carry):
         state, acc, m, l = carry
@@ -1025,6 +1041,7 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
 
     @pl.when((wg == 1) | (wg == 2))
     def _accumulate():
+      plgpu.set_max_registers(compute_registers, action="increase")
       cols = pl.ds(c0 + (wg - 1) * acc_cols, acc_cols)
 
       def step(i, carry):

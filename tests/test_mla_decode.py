@@ -406,8 +406,8 @@ def test_plan_fills_about_one_wave():
 
 
 def test_plan_body_defaults():
-  # The scorer body by default; with scorer=False, split-QK exactly when a CTA's 64 rows are all
-  # real query rows.
+  # The scorer body by default on the per_sequence schedule, not on the balanced one; without it,
+  # split-QK exactly when a CTA's 64 rows are all real query rows.
   assert all(plan(8, s_q, h, 64, MlaDecodeConfig()).scorer and
              not plan(8, s_q, h, 64, MlaDecodeConfig()).split_qk
              for s_q, h in [(1, 16), (2, 32), (1, 128)])
@@ -417,7 +417,9 @@ def test_plan_body_defaults():
                                                                         True, True]
   assert not plan(8, 1, 128, 64, MlaDecodeConfig(scorer=False, split_qk=False)).split_qk
   assert plan(8, 1, 16, 64, MlaDecodeConfig(scorer=False, split_qk=True)).split_qk
-  assert plan(8, 1, 16, 64, MlaDecodeConfig(schedule="balanced")).scorer
+  balanced = MlaDecodeConfig(schedule="balanced")
+  assert not plan(8, 1, 16, 64, balanced).scorer and plan(8, 1, 64, 64, balanced).split_qk
+  assert plan(8, 1, 16, 64, MlaDecodeConfig(schedule="balanced", scorer=True)).scorer
 
 
 @pytest.mark.skipif(_platform.default_backend_is_hopper(), reason="checks the non-Hopper default")
