@@ -31,6 +31,11 @@ flash-decoding loop over pages:
   tensor work, no synchronisation); the split-QK one has each compute S for 32 of the 64 tokens
   and exchange row maxima, P halves and row sums through SMEM (two CTA barriers per page).
   `MlaDecodeConfig.split_qk` picks; by default split-QK when all 64 rows of a CTA are real.
+* The scorer body (`_decode_partials_scorer`, the default on bf16 pages with the per_sequence
+  schedule): four warpgroups with loops of their own. The TMA one streams the pages; warpgroup 0
+  computes each page's S = Q·Kᵀ once and the softmax, writes P to SMEM and accumulates P·V over
+  128 columns; warpgroups 1 and 2 accumulate P·V over 192 columns each, reading P from SMEM, so
+  their P·V of page i runs under the scorer's Q·Kᵀ of page i + 1.
 * Ragged lengths: keys at positions >= the row's limit get -inf scores; the V rows of a partial
   last page are zeroed in SMEM first, because P=0 times a garbage (even NaN) V row is still NaN.
 * fp8 pages (`pallas_kernels.page_format.FP8_PAGES`): for R = s_q·H <= 32 query rows a transposed
@@ -87,7 +92,8 @@ class MlaDecodeConfig:
       H200, B=1, seq 32768, H=64 took 48.7 µs with 64 splits and 65.8 µs with 128).
     max_concurrent_steps: KV pages in flight per CTA. Each stage is 73.7 KB of SMEM; with Q resident
       only 2 fit.
-    memory_registers: registers per thread left to the TMA warpgroup (setmaxnreg).
+    memory_registers: registers per thread left to the TMA warpgroup (setmaxnreg) of the plain and
+      split-QK bodies (the scorer body's keeps `SCORER_MEMORY_REGISTERS`).
     combine_block_cols: output columns per CTA of the split combine kernel (divides 512).
     split_qk: with ``scorer=False``, each compute warpgroup computes Q·Kᵀ for its own 32 of the
       page's 64 tokens (instead of both computing all 64); the two exchange row maxima, P halves (bf16) and row
@@ -794,7 +800,6 @@ class _Walk(NamedTuple):
   n_pages: jax.Array     # pages this CTA reads
   init: tuple            # the walk's starting state (scalars)
   at: object             # (i, state) -> (state, _Where)
-  balanced: bool
 
 
 class _Where(NamedTuple):
@@ -805,21 +810,19 @@ class _Where(NamedTuple):
   last: jax.Array        # last page of it
 
 
-def _scorer_walk(plan_: _Plan, bt_ref, lens_ref, sched_refs) -> _Walk:
+def _scorer_walk(plan_: _Plan, lens_ref, sched_refs) -> _Walk:
   """per_sequence: CTA (g, s, b) reads pages [s * pps, ...) of sequence b, one piece. balanced
   (``sched_refs`` = a `BalancedSchedule`'s scalars, ends, cta_seqs): CTA (g, c) reads global pages
   [c * ppc, ...), which may cross sequences; the state (b, first global page of b, end of b,
   seq_len of b) moves to the next sequence with pages when a page passes the end (a scalar loop
   that takes no step inside a sequence)."""
-  del bt_ref
   if not plan_.balanced:
     pps = plan_.pages_per_split
     s, b = lax.axis_index("s"), lax.axis_index("b")
     seq_len = lens_ref[b]
     first_page = s * pps
     n = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
-    return _Walk(n, (), lambda i, st: (st, _Where(b, first_page + i, seq_len, i == 0, i == n - 1)),
-                 False)
+    return _Walk(n, (), lambda i, st: (st, _Where(b, first_page + i, seq_len, i == 0, i == n - 1)))
   sc_ref, ends_ref, cta_ref = sched_refs
   c = lax.axis_index("c")
   ppc, total = sc_ref[0], sc_ref[1]
@@ -840,7 +843,7 @@ def _scorer_walk(plan_: _Plan, bt_ref, lens_ref, sched_refs) -> _Walk:
     b, start, end, seq_len = state
     return state, _Where(b, gp - start, seq_len, (i == 0) | (gp == start),
                          (i == n - 1) | (gp + 1 == end))
-  return _Walk(n, (b0, end0 - pl.cdiv(len0, PAGE_SIZE), end0, len0), at, True)
+  return _Walk(n, (b0, end0 - pl.cdiv(len0, PAGE_SIZE), end0, len0), at)
 
 
 def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, causal, scale,
@@ -911,7 +914,7 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
     g = lax.axis_index("g")
     wg = lax.axis_index("wg")
     rows = pl.ds(g * ROWS, ROWS)
-    walk = _scorer_walk(plan_, bt_ref, lens_ref, sched_refs)
+    walk = _scorer_walk(plan_, lens_ref, sched_refs)
     n_pages = walk.n_pages
 
     def page(i, state):
@@ -934,7 +937,6 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
     def write_lse(b, m, l):
       lse2 = m + jnp.log2(l)
       lse_ref[out_index(b)] = lse2 * _LN2 if final else lse2
-
 
     @pl.when(wg == 3)
     def _memory():
@@ -1023,7 +1025,8 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
           return state, acc, m_new, l
 
         @pl.when(at.last)
-        def _():   # the piece's result; then the softmax state restarts for the next piece
+        def _():   # the piece's result; then the softmax state restarts for the next piece (the
+          # accumulator restarts through alpha: see warpgroups 1 and 2)
           write_out(at.b, pl.ds(0, c0), acc, l)
           write_lse(at.b, m_new, l)
         m_new, l = lax.cond(at.last, lambda: (m0, l0), lambda: (m_new, l))
