@@ -431,14 +431,22 @@ def _pv_accumulate(acc, p16, v, p_ref=None):
   if p_ref is not None:
     p_ref[...] = p16
     plgpu.commit_smem()
+    return _pv_product(acc, p_ref, v, interpretable=True)
+  return _pv_product(acc, p16, v, interpretable=False)
 
+
+def _pv_product(acc, p, v, interpretable):
+  """acc + P·V on the tensor cores, waited for: P (64 x 64 bf16) in registers or an SMEM wgmma tile,
+  V an SMEM ref [64, cols], acc fp32 [64, cols] in registers. ``interpretable``: accumulate through
+  `run_scoped` (the interpreter runs no `run_state` accumulator; P must then be in SMEM)."""
+  if interpretable:
     def pv_scoped(acc_ref):
-      plgpu.wgmma(acc_ref, p_ref, v)
+      plgpu.wgmma(acc_ref, p, v)
       return acc_ref[...]
     return acc + pl.run_scoped(pv_scoped, plgpu.ACC(acc.shape, jnp.float32))
 
   def pv(acc_ref):
-    plgpu.wgmma(acc_ref, p16, v)
+    plgpu.wgmma(acc_ref, p, v)
   return pl.run_state(pv)(plgpu.ACC.init(acc))
 
 
@@ -465,6 +473,12 @@ def _main_out_geometry(B, Rp, plan_: _Plan, dtype):
             ("g", "c"))
   return (_partials_out_type(B, plan_.num_splits, Rp, dtype),
           (plan_.row_blocks, plan_.num_splits, B), ("g", "s", "b"))
+
+
+def _kernel_refs(refs, num_inputs, balanced):
+  """A main kernel's refs: (its inputs, the `BalancedSchedule` refs or None, (o, lse))."""
+  ins, rest = refs[:num_inputs], refs[num_inputs:]
+  return ins, (rest[:-2] if balanced else None), rest[-2:]
 
 
 def _init_carry():
@@ -651,11 +665,7 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
       interpret=interpret)
   def mla_decode_partials(*refs, q_smem, q_bar, q_free_bar=None, p_smem=None, p_full_smem=None,
                           stat_smem=None, max_bar=None, p_bar=None):
-    if balanced:
-      q_ref, kv_ref, bt_ref, lens_ref, *sched_refs, o_ref, lse_ref = refs
-    else:
-      q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref = refs
-      sched_refs = None
+    (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, balanced)
     g = lax.axis_index("g")
     wg = lax.axis_index("wg")
     rows = pl.ds(g * ROWS, ROWS)
@@ -780,20 +790,6 @@ def _zero_v_tail(kv, valid, start, ncols):
     plgpu.commit_smem()
 
 
-def _pv_from_smem(acc, p_ref, v, interpretable):
-  """acc + P·V on the tensor cores with P (an SMEM [64, 64] bf16 wgmma tile) as the A operand;
-  waits for the product."""
-  if interpretable:   # the interpreter runs no `run_state` accumulator
-    def pv_scoped(acc_ref):
-      plgpu.wgmma(acc_ref, p_ref, v)
-      return acc_ref[...]
-    return acc + pl.run_scoped(pv_scoped, plgpu.ACC(acc.shape, jnp.float32))
-
-  def pv(acc_ref):
-    plgpu.wgmma(acc_ref, p_ref, v)
-  return pl.run_state(pv)(plgpu.ACC.init(acc))
-
-
 class _Walk(NamedTuple):
   """How the scorer body's warpgroups walk a CTA's pages (`_scorer_walk`): each carries ``state``
   from page to page and asks ``at(i, state)`` where step i is."""
@@ -906,11 +902,7 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
       interpret=interpret)
   def mla_decode_partials_scorer(*refs, q_smem, kv_smem, p_smem, stat_smem, q_bar, q_free,
                                  kv_ready, kv_free, p_ready, p_free):
-    if balanced:
-      q_ref, kv_ref, bt_ref, lens_ref, *sched_refs, o_ref, lse_ref = refs
-    else:
-      q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref = refs
-      sched_refs = None
+    (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, balanced)
     g = lax.axis_index("g")
     wg = lax.axis_index("wg")
     rows = pl.ds(g * ROWS, ROWS)
@@ -1017,7 +1009,7 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
         stat_smem[1] = l
         plgpu.commit_smem()
         plgpu.barrier_arrive(p_ready)
-        acc = _pv_from_smem(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem,
+        acc = _pv_product(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem,
                             kv.at[:, pl.ds(0, c0)], config.interpretable)
         plgpu.barrier_arrive(kv_free.at[slot])
 
@@ -1053,7 +1045,7 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
         plgpu.barrier_wait(p_ready)
         alpha = plgpu.load(stat_smem.at[0], layout=row_layout)
         l = plgpu.load(stat_smem.at[1], layout=row_layout)
-        acc = _pv_from_smem(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem,
+        acc = _pv_product(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem,
                             kv_smem.at[slot, :, cols], config.interpretable)
         plgpu.barrier_arrive(p_free)
         plgpu.barrier_arrive(kv_free.at[slot])
@@ -1135,11 +1127,8 @@ def _decode_partials_fp8(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, ca
       interpret=interpret)
   def mla_decode_partials_fp8(*refs, q_smem, q_bar, lat_smem, deq_bar, free_bar, q_free_bar=None,
                               p_smem=None):
-    if balanced:
-      q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, *sched_refs, o_ref, lse_ref = refs
-    else:
-      q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, o_ref, lse_ref = refs
-      sched_refs = None
+    ins, sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 6, balanced)
+    q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref = ins
     g = lax.axis_index("g")
     wg = lax.axis_index("wg")
     rows = pl.ds(g * ROWS, ROWS)

@@ -150,7 +150,8 @@ def test_interpret_split_qk_matches_reference(heads, s_q, causal, seq_lens, max_
   assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
-# The scorer body (one warpgroup scores each page, three share P·V; its own loops and barriers).
+# The scorer body (one warpgroup scores each page and accumulates P·V over 128 columns, two others
+# over 192 each; every warpgroup with its own loop, meeting at barriers).
 # Catches: P of one page read after the scorer rewrote it for the next (p_free); an accumulating
 # warpgroup that does not rescale by the page's alpha, or normalises with a stale running sum; a
 # page slot refilled while a warpgroup still reads it; a V tail (NaN-poisoned) reaching P·V in
@@ -252,8 +253,8 @@ def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
 # key. Pages [1, 0, 2, 1] in runs of 2: both runs cross a sequence boundary, one an empty sequence.
 # The scorer body walks the same runs with its own loops (a page-by-page walk in every warpgroup).
 # Pages [1, 1, 3] in runs of 2: the length-1 sequence follows another in the first run, and its
-# first query sees no key, so a state not restarted after the first sequence's piece shows there
-# (its rows get no rescale by 0: alpha = 1 when a row's running max stays at its start value).
+# first query sees no key, so a scorer whose running max and sum are not restarted after the first
+# sequence's piece shows there (checked: that mutation fails this case).
 BALANCED_CASES = [
     (16, 2, True, [1, 64, 65, 190, 3], 3, 4, dict(scorer=False, split_qk=False)),
     (64, 1, False, [1, 0, 65, 3], 2, 2, dict(scorer=False, split_qk=True)),
