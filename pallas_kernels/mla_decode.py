@@ -114,13 +114,12 @@ class MlaDecodeConfig:
       rows, and no barrier around a shared key buffer) instead of the padded 64-row body. It
       serves R <= 32 (H=16 and 32 at s_q=1, H=16 at s_q=2) on the per_sequence schedule. None =
       on wherever it serves.
-    scorer: for bf16 pages, the scorer body (`_decode_partials_scorer`, either schedule): one
-      warpgroup computes each page's Q·Kᵀ once, the softmax and P·V over 128 columns, two others
-      P·V over 192 columns each, beside the TMA warpgroup. None = on for the per_sequence
-      schedule (an H200 measured it 1.1-1.3x faster than the plain and split-QK bodies in every
-      cell: BENCHMARKS.md) and off for the balanced one (there it measured slower than those two:
-      its page walk in every warpgroup); False picks between those two by ``split_qk``. fp8
-      pages have bodies of their own.
+    scorer: for bf16 pages on the per_sequence schedule, the scorer body
+      (`_decode_partials_scorer`): one warpgroup computes each page's Q·Kᵀ once, the softmax and
+      P·V over 128 columns, two others P·V over 192 columns each, beside the TMA warpgroup.
+      None = on there (an H200 measured it 1.1-1.3x faster than the plain and split-QK bodies in
+      every cell: BENCHMARKS.md); the balanced schedule runs those two (True with it raises).
+      False picks between them by ``split_qk``. fp8 pages have bodies of their own.
   """
 
   num_splits: int | None = None
@@ -154,6 +153,9 @@ class MlaDecodeConfig:
     if not 24 <= self.memory_registers <= 256 or self.memory_registers % 8:
       raise ValueError(
           f"memory_registers must be a multiple of 8 in [24, 256], got {self.memory_registers}")
+    if self.scorer and self.schedule != "per_sequence":
+      raise ValueError("scorer=True needs the per_sequence schedule (the scorer body on the balanced "
+                       f"one measured slower and was removed), got schedule {self.schedule!r}")
     if self.combine_block_cols not in (64, 128, 256):
       raise ValueError(
           f"combine_block_cols must be one of 64, 128, 256, got {self.combine_block_cols}")
@@ -318,8 +320,8 @@ def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConf
   splits = max(1, min(splits, max_pages))
   pages_per_split = pl.cdiv(max_pages, splits)
   split_qk = config.split_qk if config.split_qk is not None else s_q * heads >= ROWS
-  balanced = config.schedule == "balanced"
-  scorer = not balanced if config.scorer is None else config.scorer
+  scorer = config.scorer is None or config.scorer
+  scorer = scorer and config.schedule == "per_sequence"
   split_qk = split_qk and not scorer
   if config.schedule == "balanced":
     return _Plan(row_blocks, 1, pages_per_split, split_qk, "balanced",
@@ -435,6 +437,22 @@ def _pv_accumulate(acc, p16, v, p_ref=None):
   return _pv_product(acc, p16, v, interpretable=False)
 
 
+def _zero_v_tail(kv, valid, start, ncols):
+  """Zero rows >= ``valid`` of columns [start, start + ncols) of a page in SMEM (the tail of a
+  sequence's last page is unwritten cache, maybe NaN, and 0 x NaN = NaN in P·V). Only on a
+  partial page; ends with `plgpu.commit_smem` so the tensor cores see it."""
+  wgmma_layout = plgpu.Layout.WGMMA
+
+  @pl.when(valid < PAGE_SIZE)
+  def _():
+    tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 64), 0, layout=wgmma_layout)
+    for k in range(ncols // 64):
+      chunk = kv.at[:, pl.ds(start + k * 64, 64)]
+      x = plgpu.load(chunk, layout=wgmma_layout)
+      chunk[...] = jnp.where(tok < valid, x, jnp.zeros_like(x))
+    plgpu.commit_smem()
+
+
 def _pv_product(acc, p, v, interpretable):
   """acc + P·V on the tensor cores, waited for: P (64 x 64 bf16) in registers or an SMEM wgmma tile,
   V an SMEM ref [64, cols], acc fp32 [64, cols] in registers. ``interpretable``: accumulate through
@@ -473,6 +491,12 @@ def _main_out_geometry(B, Rp, plan_: _Plan, dtype):
             ("g", "c"))
   return (_partials_out_type(B, plan_.num_splits, Rp, dtype),
           (plan_.row_blocks, plan_.num_splits, B), ("g", "s", "b"))
+
+
+def _split_pages(seq_len, first_page, pages_per_split):
+  """Pages a split starting at page ``first_page`` of a sequence of seq_len tokens reads (0 for
+  a split past the sequence's end)."""
+  return jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pages_per_split)
 
 
 def _kernel_refs(refs, num_inputs, balanced):
@@ -614,7 +638,7 @@ def _schedule_steps(plan_: _Plan, *, q_ref, o_ref, lse_ref, bt_ref, lens_ref, q_
       else:
         lse_ref[b, s, rows] = lse2
 
-  return _Steps(jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps),
+  return _Steps(_split_pages(seq_len, first_page, pps),
                 lambda i: table[first_page + i],
                 lambda i, carry: (carry, _At(b, (first_page + i) * PAGE_SIZE, seq_len)),
                 lambda i, at: None, lambda core, at: core, compute_context)
@@ -674,16 +698,8 @@ def _decode_partials(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, cau
                             q_bar=q_bar, q_free_bar=q_free_bar, rows=rows, cols=cols, final=final,
                             bt_ref=bt_ref, lens_ref=lens_ref, sched_refs=sched_refs)
 
-    def zero_v_tail(kv, valid):
-      @pl.when(valid < PAGE_SIZE)
-      def _():
-        # Zero this warpgroup's V columns past the sequence end (the page tail is unwritten cache).
-        for k in range(half // 64):
-          chunk = kv.at[:, pl.ds(wg * half + k * 64, 64)]
-          x = plgpu.load(chunk, layout=wgmma_layout)
-          tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 64), 0, layout=wgmma_layout)
-          chunk[...] = jnp.where(tok < valid, x, jnp.zeros_like(x))
-        plgpu.commit_smem()
+    def zero_v_tail(kv, valid):   # this warpgroup's V columns
+      _zero_v_tail(kv, valid, wg * half, half)
 
     def body_split_qk(idx, kv, carry):
       # Warpgroup w scores tokens [32w, 32w+32) of the page. Rendezvous 1 (max_bar): both halves'
@@ -774,83 +790,15 @@ def _scorer_compute_registers(memory_registers: int = SCORER_MEMORY_REGISTERS) -
   return min(256, (512 - memory_registers) // 3) // 8 * 8
 
 
-def _zero_v_tail(kv, valid, start, ncols):
-  """Zero rows >= ``valid`` of columns [start, start + ncols) of a page in SMEM (the tail of a
-  sequence's last page is unwritten cache, maybe NaN, and 0 x NaN = NaN in P·V). Only on a
-  partial page; ends with `plgpu.commit_smem` so the tensor cores see it."""
-  wgmma_layout = plgpu.Layout.WGMMA
-
-  @pl.when(valid < PAGE_SIZE)
-  def _():
-    tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 64), 0, layout=wgmma_layout)
-    for k in range(ncols // 64):
-      chunk = kv.at[:, pl.ds(start + k * 64, 64)]
-      x = plgpu.load(chunk, layout=wgmma_layout)
-      chunk[...] = jnp.where(tok < valid, x, jnp.zeros_like(x))
-    plgpu.commit_smem()
-
-
-class _Walk(NamedTuple):
-  """How the scorer body's warpgroups walk a CTA's pages (`_scorer_walk`): each carries ``state``
-  from page to page and asks ``at(i, state)`` where step i is."""
-  n_pages: jax.Array     # pages this CTA reads
-  init: tuple            # the walk's starting state (scalars)
-  at: object             # (i, state) -> (state, _Where)
-
-
-class _Where(NamedTuple):
-  b: jax.Array           # sequence
-  pos: jax.Array         # page index in the sequence
-  seq_len: jax.Array
-  first: jax.Array       # first page of the CTA's piece of sequence b
-  last: jax.Array        # last page of it
-
-
-def _scorer_walk(plan_: _Plan, lens_ref, sched_refs) -> _Walk:
-  """per_sequence: CTA (g, s, b) reads pages [s * pps, ...) of sequence b, one piece. balanced
-  (``sched_refs`` = a `BalancedSchedule`'s scalars, ends, cta_seqs): CTA (g, c) reads global pages
-  [c * ppc, ...), which may cross sequences; the state (b, first global page of b, end of b,
-  seq_len of b) moves to the next sequence with pages when a page passes the end (a scalar loop
-  that takes no step inside a sequence)."""
-  if not plan_.balanced:
-    pps = plan_.pages_per_split
-    s, b = lax.axis_index("s"), lax.axis_index("b")
-    seq_len = lens_ref[b]
-    first_page = s * pps
-    n = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
-    return _Walk(n, (), lambda i, st: (st, _Where(b, first_page + i, seq_len, i == 0, i == n - 1)))
-  sc_ref, ends_ref, cta_ref = sched_refs
-  c = lax.axis_index("c")
-  ppc, total = sc_ref[0], sc_ref[1]
-  run_start = jnp.minimum(c * ppc, total)
-  n = jnp.minimum(run_start + ppc, total) - run_start
-  b0 = cta_ref[c, 0]
-  len0 = lens_ref[b0]
-  end0 = ends_ref[b0]
-
-  def at(i, state):
-    gp = run_start + i
-
-    def advance(st):
-      b, _, end, _ = st
-      b = b + 1
-      return b, end, ends_ref[b], lens_ref[b]
-    state = lax.while_loop(lambda st: st[2] <= gp, advance, state)
-    b, start, end, seq_len = state
-    return state, _Where(b, gp - start, seq_len, (i == 0) | (gp == start),
-                         (i == n - 1) | (gp + 1 == end))
-  return _Walk(n, (b0, end0 - pl.cdiv(len0, PAGE_SIZE), end0, len0), at)
-
-
 def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, heads, causal, scale,
-                            plan_: _Plan, config: MlaDecodeConfig, interpret, schedule=None):
-  """`_decode_partials` with a dedicated scoring warpgroup (bf16 pages, either schedule).
+                            plan_: _Plan, config: MlaDecodeConfig, interpret):
+  """`_decode_partials` with a dedicated scoring warpgroup (bf16 pages, per_sequence schedule).
 
-  Four warpgroups a CTA, each with its own loop over the CTA's pages (`_scorer_walk`):
+  Four warpgroups a CTA (row block g, split s, sequence b), each with its own loop over the
+  split's pages:
   * warpgroup 3 (TMA) loads Q, then streams the pages through ``max_concurrent_steps`` slots
     (``kv_ready[slot]``), refilling a slot once all three compute warpgroups have released it
-    (``kv_free[slot]``, 3 arrivals); on the balanced schedule it reloads Q for each new sequence
-    once the scorer is done with the old one (``q_free``);
+    (``kv_free[slot]``, 3 arrivals);
   * warpgroup 0 (the scorer) zeroes the V tail of a sequence's partial last page, computes
     S = Q·Kᵀ of each page once (64 rows x 64 tokens over 576 columns) and the online softmax
     (running max and sum in its registers; the mask only on pages that need one), writes P
@@ -867,12 +815,13 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
   registers a thread. The warpgroups still set their registers (24 for the TMA one, 160 for the
   others): the same code without it measured 1-6 % slower, with more spill code.
 
-  Each warpgroup writes its part of a piece's result when it finishes the piece's last page
-  (per_sequence: the split's, after the loop; balanced: the piece slot c + b). SMEM: Q 72 KB + two
-  72 KB page slots + P 8 KB + 0.5 KB = 224.5 KB. Outputs and ``schedule`` as `_decode_partials`."""
+  Each warpgroup writes its columns of the split's result after its loop (an empty split too:
+  out 0, lse -inf). SMEM: Q 72 KB + two 72 KB page slots + P 8 KB + 0.5 KB = 224.5 KB. Outputs
+  as `_decode_partials` (per_sequence). (A balanced-schedule form, with a page-by-page walk over
+  sequences in every warpgroup, measured slower and was removed: NOTES.md.)"""
   B, Rp, _ = q_rows.shape
-  balanced = plan_.balanced
-  final = plan_.num_splits == 1 and not balanced
+  pps = plan_.pages_per_split
+  final = plan_.num_splits == 1
   scale_log2 = scale * _LOG2E
   nslots = config.max_concurrent_steps
   c0, acc_cols = _SCORER_COLS, _ACC_COLS
@@ -883,7 +832,6 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
       p_smem=plgpu.SMEM((ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
       stat_smem=plgpu.SMEM((2, ROWS), jnp.float32),        # alpha, l of the page's P
       q_bar=plgpu.Barrier(),
-      q_free=plgpu.Barrier(),
       kv_ready=plgpu.Barrier(num_barriers=nslots),
       kv_free=plgpu.Barrier(num_arrivals=3, num_barriers=nslots),
       p_ready=plgpu.Barrier(),
@@ -900,58 +848,45 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
       # Every reduction is along rows, inside a warp: no cross-warp reduction scratch needed.
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=interpret)
-  def mla_decode_partials_scorer(*refs, q_smem, kv_smem, p_smem, stat_smem, q_bar, q_free,
-                                 kv_ready, kv_free, p_ready, p_free):
-    (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, balanced)
-    g = lax.axis_index("g")
+  def mla_decode_partials_scorer(q_ref, kv_ref, bt_ref, lens_ref, o_ref, lse_ref, *, q_smem,
+                                 kv_smem, p_smem, stat_smem, q_bar, kv_ready, kv_free, p_ready,
+                                 p_free):
+    g, s, b = lax.axis_index("g"), lax.axis_index("s"), lax.axis_index("b")
     wg = lax.axis_index("wg")
     rows = pl.ds(g * ROWS, ROWS)
-    walk = _scorer_walk(plan_, lens_ref, sched_refs)
-    n_pages = walk.n_pages
+    seq_len = lens_ref[b]
+    first_page = s * pps
+    n_pages = _split_pages(seq_len, first_page, pps)
+    out_index = (b, rows) if final else (b, s, rows)
 
-    def page(i, state):
-      """(walk state, where, slot) of step i, once its page has landed."""
-      state, at = walk.at(i, state)
+    def page(i):
+      """(slot, first key) of step i, once its page has landed."""
       slot = lax.rem(i, nslots)
       plgpu.barrier_wait(kv_ready.at[slot])
-      return state, at, slot
+      return slot, (first_page + i) * PAGE_SIZE
 
-    def out_index(b):
-      if balanced:
-        return (lax.axis_index("c") + b, rows)
-      return (b, rows) if final else (b, lax.axis_index("s"), rows)
-
-    def write_out(b, cols, acc, l):
+    def write_out(cols, acc, l):
       l_safe = jnp.where(l == 0.0, 1.0, l)
       o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      o_ref[(*out_index(b), cols)] = o.astype(o_ref.dtype)
-
-    def write_lse(b, m, l):
-      lse2 = m + jnp.log2(l)
-      lse_ref[out_index(b)] = lse2 * _LN2 if final else lse2
+      o_ref[(*out_index, cols)] = o.astype(o_ref.dtype)
 
     @pl.when(wg == 3)
     def _memory():
       plgpu.set_max_registers(SCORER_MEMORY_REGISTERS, action="decrease")
 
-      def step(i, state):
-        state, at = walk.at(i, state)
+      @pl.loop(0, n_pages)
+      def _(i):
         slot = lax.rem(i, nslots)
 
-        @pl.when(at.first)
+        @pl.when(i == 0)
         def _():
-          @pl.when(i > 0)
-          def _():   # the scorer is done with the previous sequence's Q
-            plgpu.barrier_wait(q_free)
-          plgpu.copy_gmem_to_smem(q_ref.at[at.b, rows], q_smem, q_bar)
+          plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
 
         @pl.when(i >= nslots)
         def _():
           plgpu.barrier_wait(kv_free.at[slot])
-        plgpu.copy_gmem_to_smem(kv_ref.at[bt_ref[at.b, at.pos]], kv_smem.at[slot],
+        plgpu.copy_gmem_to_smem(kv_ref.at[bt_ref[b, first_page + i]], kv_smem.at[slot],
                                 kv_ready.at[slot])
-        return state
-      lax.fori_loop(0, n_pages, step, walk.init)
 
       # Observe the last releases too, so that every barrier ends with all its phases waited
       # (the interpreter checks this when the barriers are freed).
@@ -969,13 +904,12 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
       plgpu.set_max_registers(compute_registers, action="increase")
 
       def step(i, carry):
-        state, acc, m, l = carry
-        state, at, slot = page(i, state)
+        acc, m, l = carry
+        slot, page_start = page(i)
         kv = kv_smem.at[slot]
-        page_start = at.pos * PAGE_SIZE
-        _zero_v_tail(kv, at.seq_len - page_start, 0, LATENT_DIM)   # for every P·V warpgroup
+        _zero_v_tail(kv, seq_len - page_start, 0, LATENT_DIM)   # for every P·V warpgroup
 
-        @pl.when(at.first)
+        @pl.when(i == 0)
         def _():
           plgpu.barrier_wait(q_bar)
 
@@ -983,18 +917,14 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
           plgpu.wgmma(acc_ref, q_smem, kv.transpose((1, 0)))
           return acc_ref[...]
         sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32))
-        if balanced:
-          @pl.when(at.last & (i + 1 < n_pages))
-          def _():   # the memory warpgroup may load the next sequence's Q now
-            plgpu.barrier_arrive(q_free)
 
         def masked():
           key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1,
                                                     layout=wgmma_layout)
-          limit = _row_limits(at.seq_len, g, heads=heads, s_q=s_q, causal=causal)
+          limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
           return jnp.where(key < limit, sc, -jnp.inf)
         # Only a page reaching past what the first query row sees needs the mask.
-        sc = lax.cond(page_start + PAGE_SIZE <= at.seq_len - lag, lambda: sc, masked)
+        sc = lax.cond(page_start + PAGE_SIZE <= seq_len - lag, lambda: sc, masked)
         # The scale is folded into exp2's argument (scale > 0 keeps the row maxima maxima).
         m_new = jnp.maximum(m, sc.max(axis=1) * scale_log2)
         alpha = jnp.exp2(m - m_new)
@@ -1010,29 +940,18 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
         plgpu.commit_smem()
         plgpu.barrier_arrive(p_ready)
         acc = _pv_product(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem,
-                            kv.at[:, pl.ds(0, c0)], config.interpretable)
+                          kv.at[:, pl.ds(0, c0)], config.interpretable)
         plgpu.barrier_arrive(kv_free.at[slot])
+        return acc, m_new, l
 
-        if not balanced:
-          return state, acc, m_new, l
-
-        @pl.when(at.last)
-        def _():   # the piece's result; then the softmax state restarts for the next piece (the
-          # accumulator restarts through alpha: see warpgroups 1 and 2)
-          write_out(at.b, pl.ds(0, c0), acc, l)
-          write_lse(at.b, m_new, l)
-        m_new, l = lax.cond(at.last, lambda: (m0, l0), lambda: (m_new, l))
-        return state, acc, m_new, l
-
-      _, acc, m, l = lax.fori_loop(0, n_pages, step, (walk.init, zeros(c0), m0, l0))
+      acc, m, l = lax.fori_loop(0, n_pages, step, (zeros(c0), m0, l0))
 
       @pl.when(n_pages > 0)
       def _():   # the last page's P released (see the memory warpgroup's last loop)
         plgpu.barrier_wait(p_free)
-      if not balanced:   # (an empty split too: out 0, lse -inf)
-        b = lax.axis_index("b")
-        write_out(b, pl.ds(0, c0), acc, l)
-        write_lse(b, m, l)
+      write_out(pl.ds(0, c0), acc, l)
+      lse2 = m + jnp.log2(l)
+      lse_ref[out_index] = lse2 * _LN2 if final else lse2
 
     @pl.when((wg == 1) | (wg == 2))
     def _accumulate():
@@ -1040,30 +959,20 @@ def _decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *, s_q, hea
       cols = pl.ds(c0 + (wg - 1) * acc_cols, acc_cols)
 
       def step(i, carry):
-        state, acc, _ = carry
-        state, at, slot = page(i, state)
+        acc, _ = carry
+        slot, _ = page(i)
         plgpu.barrier_wait(p_ready)
         alpha = plgpu.load(stat_smem.at[0], layout=row_layout)
         l = plgpu.load(stat_smem.at[1], layout=row_layout)
         acc = _pv_product(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem,
-                            kv_smem.at[slot, :, cols], config.interpretable)
+                          kv_smem.at[slot, :, cols], config.interpretable)
         plgpu.barrier_arrive(p_free)
         plgpu.barrier_arrive(kv_free.at[slot])
-        if balanced:
-          # No restart after a piece: on the next piece's first page the scorer's running max
-          # starts again, so alpha is exactly 0 for every row that sees a key (acc * 0), and a
-          # row that sees none gets l = 0, lse = -inf, which the combine weighs by 0.
-          @pl.when(at.last)
-          def _():
-            write_out(at.b, cols, acc, l)
-        return state, acc, l
+        return acc, l
 
-      _, acc, l = lax.fori_loop(0, n_pages, step, (walk.init, zeros(acc_cols), l0))
-      if not balanced:
-        write_out(lax.axis_index("b"), cols, acc, l)
+      acc, l = lax.fori_loop(0, n_pages, step, (zeros(acc_cols), l0))
+      write_out(cols, acc, l)
 
-  if balanced:
-    return mla_decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *schedule)
   return mla_decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens)
 
 
@@ -1440,7 +1349,7 @@ def _decode_partials_fp8_t(q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, 
           lse_ref[b, s] = lse2
 
     plgpu.emit_pipeline_warp_specialized(
-        body, grid=(jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps),),
+        body, grid=(_split_pages(seq_len, first_page, pps),),
         memory_registers=config.memory_registers, num_compute_wgs=2, wg_axis="wg",
         max_concurrent_steps=config.max_concurrent_steps, compute_context=compute_context,
         in_specs=_fp8_in_specs(lambda i: table[first_page + i]),
