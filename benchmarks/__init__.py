@@ -21,131 +21,143 @@ import textwrap
 
 
 class OneLineParser(argparse.ArgumentParser):
-  """argparse that reports a bad argument as one line on stderr and exit status 2 (as mla-capacity does)."""
+    """argparse that reports a bad argument as one line on stderr and exit status 2 (as mla-capacity does)."""
 
-  def error(self, message: str):
-    self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def require_gpu(prog: str) -> None:
-  """Exit with one line, not a CUPTI traceback, when there is no CUDA GPU to time on."""
-  import jax
-  if jax.default_backend() != "gpu":
-    raise SystemExit(f"{prog}: error: timing needs a CUDA GPU (jax backend is {jax.default_backend()!r}); "
-                     "on a CPU, --from-csv re-reports an earlier run where the benchmark offers it")
+    """Exit with one line, not a CUPTI traceback, when there is no CUDA GPU to time on."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        raise SystemExit(
+            f"{prog}: error: timing needs a CUDA GPU (jax backend is {jax.default_backend()!r}); "
+            "on a CPU, --from-csv re-reports an earlier run where the benchmark offers it"
+        )
 
 
 def gpu_name() -> str:
-  import jax
-  return jax.devices()[0].device_kind
+    import jax
+
+    return jax.devices()[0].device_kind
 
 
 def _portable_command() -> str:
-  """The benchmark's command line with the $OUT directory (the GPU machine's) spelt as $OUT."""
-  cmd = " ".join(["python", "-m", "benchmarks"] + sys.argv[1:])
-  out = os.environ.get("OUT")
-  return cmd.replace(out, "$OUT") if out else cmd
+    """The benchmark's command line with the $OUT directory (the GPU machine's) spelt as $OUT."""
+    cmd = " ".join(["python", "-m", "benchmarks"] + sys.argv[1:])
+    out = os.environ.get("OUT")
+    return cmd.replace(out, "$OUT") if out else cmd
 
 
 def begin_run(name: str, out_dir: str, iters: int):
-  """Creates ``out_dir``, prints the run header and the ceilings measured now; returns both."""
-  os.makedirs(out_dir, exist_ok=True)
-  header = run_header()
-  print(f"# {name} benchmark on {header['device']}, jax {header['jax']}, {header['date']}")
-  ceil = measure_ceilings(iters)
-  print(f"# ceilings: copy XLA {ceil['xla_copy_gbps']:.0f} GB/s, torch "
+    """Creates ``out_dir``, prints the run header and the ceilings measured now; returns both."""
+    os.makedirs(out_dir, exist_ok=True)
+    header = run_header()
+    print(f"# {name} benchmark on {header['device']}, jax {header['jax']}, {header['date']}")
+    ceil = measure_ceilings(iters)
+    print(
+        f"# ceilings: copy XLA {ceil['xla_copy_gbps']:.0f} GB/s, torch "
         f"{ceil['torch_copy_gbps'] or float('nan'):.0f} GB/s; bf16 matmul "
-        f"{ceil['matmul_tflops']:.0f} TFLOP/s")
-  return header, ceil
+        f"{ceil['matmul_tflops']:.0f} TFLOP/s"
+    )
+    return header, ceil
 
 
 def run_header() -> dict:
-  import jax
-  return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              device=gpu_name(), jax=jax.__version__,
-              # no interpreter path: results are committed, and machine paths do not belong there
-              command=_portable_command())
+    import jax
+
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        device=gpu_name(),
+        jax=jax.__version__,
+        # no interpreter path: results are committed, and machine paths do not belong there
+        command=_portable_command(),
+    )
 
 
 def cupti_median_us(fn, *args, iterations=30, per_kernel=False):
-  """Median CUPTI time of ``fn(*args)`` in µs (sum over its kernels), after one warm-up call.
+    """Median CUPTI time of ``fn(*args)`` in µs (sum over its kernels), after one warm-up call.
 
-  With ``per_kernel`` also returns {"<i>:<kernel name>": median µs} for the parts of the call,
-  keyed by the kernel's index within the call (two kernels of one call may share a name).
-  """
-  import jax
-  from jax.experimental.mosaic.gpu import profiler
-  jax.block_until_ready(fn(*args))
-  if not per_kernel:
-    _, times_ms = profiler.measure(fn, iterations=iterations)(*args)
-    return statistics.median(times_ms) * 1e3
-  _, runs = profiler.measure(fn, iterations=iterations, aggregate=False)(*args)
-  totals = [sum(t for _, t in run) for run in runs]
-  parts = {}
-  for run in runs:
-    for i, (name, t) in enumerate(run):
-      parts.setdefault(f"{i}:{name}", []).append(t)
-  return (statistics.median(totals) * 1e3,
-          {name: statistics.median(ts) * 1e3 for name, ts in parts.items()})
+    With ``per_kernel`` also returns {"<i>:<kernel name>": median µs} for the parts of the call,
+    keyed by the kernel's index within the call (two kernels of one call may share a name).
+    """
+    import jax
+    from jax.experimental.mosaic.gpu import profiler
+
+    jax.block_until_ready(fn(*args))
+    if not per_kernel:
+        _, times_ms = profiler.measure(fn, iterations=iterations)(*args)
+        return statistics.median(times_ms) * 1e3
+    _, runs = profiler.measure(fn, iterations=iterations, aggregate=False)(*args)
+    totals = [sum(t for _, t in run) for run in runs]
+    parts = {}
+    for run in runs:
+        for i, (name, t) in enumerate(run):
+            parts.setdefault(f"{i}:{name}", []).append(t)
+    return (statistics.median(totals) * 1e3, {name: statistics.median(ts) * 1e3 for name, ts in parts.items()})
 
 
 def cupti_call_us(call, *, sync, iterations=30, warmup=2):
-  """(median µs, kernels a call): CUPTI kernel-time sum of one call of a callable that is not a JAX
-  function (a torch peer in ``mla_decode --peers``), median over ``iterations`` calls.
+    """(median µs, kernels a call): CUPTI kernel-time sum of one call of a callable that is not a JAX
+    function (a torch peer in ``mla_decode --peers``), median over ``iterations`` calls.
 
-  The same recording `cupti_median_us` gets from ``profiler.measure``: the Mosaic GPU extension's
-  CUPTI kernel-activity hooks (they see every kernel of the process, whichever library launched
-  it), the same arguments every call, L2 not flushed. ``sync`` waits for the callable's device
-  work (e.g. ``torch.cuda.synchronize``). Every call must launch the same number of kernels.
-  """
-  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
-  ext = mosaic_gpu_lib._mosaic_gpu_ext
-  for _ in range(warmup):
-    call()
-  sync()
-  ext._cupti_init()
-  try:
-    for _ in range(iterations):
-      call()
+    The same recording `cupti_median_us` gets from ``profiler.measure``: the Mosaic GPU extension's
+    CUPTI kernel-activity hooks (they see every kernel of the process, whichever library launched
+    it), the same arguments every call, L2 not flushed. ``sync`` waits for the callable's device
+    work (e.g. ``torch.cuda.synchronize``). Every call must launch the same number of kernels.
+    """
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    for _ in range(warmup):
+        call()
     sync()
-  finally:
-    timings = ext._cupti_get_timings(True)
-  if not timings or len(timings) % iterations:
-    raise RuntimeError(f"{len(timings or [])} kernels in {iterations} calls: not the same number each call")
-  per = len(timings) // iterations
-  sums = [sum(t for _, t in timings[i * per:(i + 1) * per]) for i in range(iterations)]
-  return statistics.median(sums) * 1e3, per
+    ext._cupti_init()
+    try:
+        for _ in range(iterations):
+            call()
+        sync()
+    finally:
+        timings = ext._cupti_get_timings(True)
+    if not timings or len(timings) % iterations:
+        raise RuntimeError(f"{len(timings or [])} kernels in {iterations} calls: not the same number each call")
+    per = len(timings) // iterations
+    sums = [sum(t for _, t in timings[i * per : (i + 1) * per]) for i in range(iterations)]
+    return statistics.median(sums) * 1e3, per
 
 
 def measure_ceilings(iterations=30) -> dict:
-  """Bandwidth and matrix-rate ceilings measured now, on this GPU.
+    """Bandwidth and matrix-rate ceilings measured now, on this GPU.
 
-  * ``xla_copy_gbps``: XLA ``x * 2`` over 2 GiB of bf16, read + write bytes (a copy XLA cannot
-    elide).
-  * ``torch_copy_gbps``: ``torch`` device-to-device copy of 2 GiB when torch with CUDA is
-    importable (measured in a subprocess so the two allocators do not fight).
-  * ``xla_matmul_tflops``: XLA bf16 8192^3 matmul.
-  ``bandwidth_gbps`` = the larger copy figure; ``matmul_tflops`` = the matmul figure.
-  """
-  import jax
-  import jax.numpy as jnp
-  n = 1 << 30                                   # 2 GiB of bf16
-  x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.bfloat16)
-  t = cupti_median_us(jax.jit(lambda a: a * 2), x, iterations=iterations)
-  out = dict(xla_copy_gbps=2 * 2 * n / t / 1e3)
-  del x
-  a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
-  b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
-  t = cupti_median_us(jax.jit(lambda p, q: p @ q), a, b, iterations=iterations)
-  out["xla_matmul_tflops"] = 2 * 8192 ** 3 / t / 1e6
-  out["torch_copy_gbps"] = _torch_copy_gbps()
-  out["bandwidth_gbps"] = max(v for v in (out["xla_copy_gbps"], out["torch_copy_gbps"]) if v)
-  out["matmul_tflops"] = out["xla_matmul_tflops"]
-  return out
+    * ``xla_copy_gbps``: XLA ``x * 2`` over 2 GiB of bf16, read + write bytes (a copy XLA cannot
+      elide).
+    * ``torch_copy_gbps``: ``torch`` device-to-device copy of 2 GiB when torch with CUDA is
+      importable (measured in a subprocess so the two allocators do not fight).
+    * ``xla_matmul_tflops``: XLA bf16 8192^3 matmul.
+    ``bandwidth_gbps`` = the larger copy figure; ``matmul_tflops`` = the matmul figure.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    n = 1 << 30  # 2 GiB of bf16
+    x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.bfloat16)
+    t = cupti_median_us(jax.jit(lambda a: a * 2), x, iterations=iterations)
+    out = dict(xla_copy_gbps=2 * 2 * n / t / 1e3)
+    del x
+    a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
+    t = cupti_median_us(jax.jit(lambda p, q: p @ q), a, b, iterations=iterations)
+    out["xla_matmul_tflops"] = 2 * 8192**3 / t / 1e6
+    out["torch_copy_gbps"] = _torch_copy_gbps()
+    out["bandwidth_gbps"] = max(v for v in (out["xla_copy_gbps"], out["torch_copy_gbps"]) if v)
+    out["matmul_tflops"] = out["xla_matmul_tflops"]
+    return out
 
 
 def _torch_copy_gbps():
-  script = textwrap.dedent("""
+    script = textwrap.dedent("""
       import torch
       x = torch.randn(1 << 29, device="cuda", dtype=torch.float32)   # 2 GiB
       y = torch.empty_like(x)
@@ -156,75 +168,78 @@ def _torch_copy_gbps():
           s.record(); y.copy_(x); e.record(); torch.cuda.synchronize(); times.append(s.elapsed_time(e))
       times.sort(); print(2 * x.numel() * 4 / (times[len(times) // 2] * 1e-3) / 1e9)
   """)
-  try:
-    env = dict(os.environ, CUDA_MODULE_LOADING="LAZY")
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, env=env)
-    return float(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else None
-  except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-    return None
+    try:
+        env = dict(os.environ, CUDA_MODULE_LOADING="LAZY")
+        res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+        return float(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
 
 
 def progress(iterable, **kwargs):
-  try:
-    from tqdm import tqdm
-  except ImportError:
-    return iterable
-  return tqdm(iterable, **kwargs)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, **kwargs)
 
 
 def log(msg: str) -> None:
-  """Prints a line without tearing an active tqdm progress bar."""
-  try:
-    from tqdm import tqdm
-  except ImportError:
-    print(msg, flush=True)
-    return
-  tqdm.write(msg)
-  sys.stdout.flush()
+    """Prints a line without tearing an active tqdm progress bar."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(msg, flush=True)
+        return
+    tqdm.write(msg)
+    sys.stdout.flush()
 
 
 def read_csv(path):
-  """Rows of a CSV written by `write_csv`, with numeric-looking fields as int/float."""
-  def conv(v):
-    for t in (int, float):
-      try:
-        return t(v)
-      except ValueError:
-        pass
-    return {"True": True, "False": False}.get(v, v)
-  with open(path, newline="") as f:
-    return [{k: conv(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    """Rows of a CSV written by `write_csv`, with numeric-looking fields as int/float."""
+
+    def conv(v):
+        for t in (int, float):
+            try:
+                return t(v)
+            except ValueError:
+                pass
+        return {"True": True, "False": False}.get(v, v)
+
+    with open(path, newline="") as f:
+        return [{k: conv(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
 def write_csv(path, rows):
-  if not rows:
-    return
-  fields = list(rows[0].keys())
-  for r in rows:
-    fields += [k for k in r if k not in fields]
-  with open(path, "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=fields)
-    w.writeheader()
-    w.writerows(rows)
+    if not rows:
+        return
+    fields = list(rows[0].keys())
+    for r in rows:
+        fields += [k for k in r if k not in fields]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
 
 
 def write_json(path, obj):
-  with open(path, "w") as f:
-    json.dump(obj, f, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
 
 
 def print_table(rows, columns):
-  """Prints ``rows`` (dicts) as an aligned text table of ``columns`` [(key, header, fmt)]."""
-  def cell(r, key, fmt):
-    v = r.get(key)
-    if v is None or v == "":
-      return "-"
-    return fmt.format(v) if isinstance(v, (int, float)) else str(v)
-  table = [[h for _, h, _ in columns]] + [[cell(r, k, f) for k, _, f in columns] for r in rows]
-  widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
-  for i, row in enumerate(table):
-    print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-    if i == 0:
-      print("  ".join("-" * w for w in widths))
-  sys.stdout.flush()
+    """Prints ``rows`` (dicts) as an aligned text table of ``columns`` [(key, header, fmt)]."""
+
+    def cell(r, key, fmt):
+        v = r.get(key)
+        if v is None or v == "":
+            return "-"
+        return fmt.format(v) if isinstance(v, (int, float)) else str(v)
+
+    table = [[h for _, h, _ in columns]] + [[cell(r, k, f) for k, _, f in columns] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+    for i, row in enumerate(table):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    sys.stdout.flush()

@@ -40,33 +40,45 @@ print(json.dumps(dict(layers=layers, first_s=first, warm_s=warm, compile_s=first
 
 
 def run(args):
-  import jax
-  rows = []
-  for layers in [int(x) for x in args.layers.split(",")]:
-    env = dict(os.environ, MLA_JAX_COMPILE_CACHE="off")
-    res = subprocess.run([sys.executable, "-c", _CHILD, str(layers)], capture_output=True, text=True, env=env)
-    if res.returncode:
-      raise SystemExit(f"compile_depth: the {layers}-layer run failed: {res.stderr.strip().splitlines()[-1]}")
-    rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-  base = rows[0]["compile_s"]
-  for r in rows:
-    r["x_shallowest"] = r["compile_s"] / base
-  print(f"# compile_depth on {jax.devices()[0].device_kind}, jax {jax.__version__}")
-  bm.print_table(rows, [("layers", "layers", "{}"), ("first_s", "first generate s", "{:.2f}"),
-                        ("warm_s", "warm generate s", "{:.3f}"), ("compile_s", "first - warm s", "{:.2f}"),
-                        ("x_shallowest", "x shallowest", "{:.2f}"), ("compiles", "compiled steps", "{}")])
-  os.makedirs(args.out, exist_ok=True)
-  bm.write_csv(os.path.join(args.out, "compile_depth.csv"), rows)
-  return rows
+    import jax
+
+    rows = []
+    for layers in [int(x) for x in args.layers.split(",")]:
+        env = dict(os.environ, MLA_JAX_COMPILE_CACHE="off")
+        res = subprocess.run([sys.executable, "-c", _CHILD, str(layers)], capture_output=True, text=True, env=env)
+        if res.returncode:
+            raise SystemExit(f"compile_depth: the {layers}-layer run failed: {res.stderr.strip().splitlines()[-1]}")
+        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    base = rows[0]["compile_s"]
+    for r in rows:
+        r["x_shallowest"] = r["compile_s"] / base
+    print(f"# compile_depth on {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    bm.print_table(
+        rows,
+        [
+            ("layers", "layers", "{}"),
+            ("first_s", "first generate s", "{:.2f}"),
+            ("warm_s", "warm generate s", "{:.3f}"),
+            ("compile_s", "first - warm s", "{:.2f}"),
+            ("x_shallowest", "x shallowest", "{:.2f}"),
+            ("compiles", "compiled steps", "{}"),
+        ],
+    )
+    os.makedirs(args.out, exist_ok=True)
+    bm.write_csv(os.path.join(args.out, "compile_depth.csv"), rows)
+    return rows
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(prog="python -m benchmarks compile_depth", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--layers", default="4,27", help="depths, shallowest first (comma-separated)")
-  p.add_argument("--out", default="runs/bench_compile_depth", help="directory for the CSV")
-  return run(p.parse_args(argv))
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks compile_depth",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--layers", default="4,27", help="depths, shallowest first (comma-separated)")
+    p.add_argument("--out", default="runs/bench_compile_depth", help="directory for the CSV")
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":
-  main()
+    main()

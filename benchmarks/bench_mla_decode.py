@@ -28,594 +28,739 @@ exact cells (uniform ragged lengths ``lo-hi``), ``--schedule`` the default confi
 from __future__ import annotations
 
 import argparse
-import math
 import os
 
 import benchmarks as bm
 
-SCALE = 192 ** -0.5
+SCALE = 192**-0.5
 PAGE = 64
 
 # FlashMLA on an H200 (shared/BENCHMARKING.md; whole call, fixed lengths): (B, s_q, seq, H) -> µs.
 FLASHMLA_US = {
-    (128, 1, 4096, 64): 171, (128, 1, 8192, 64): 319, (128, 1, 8192, 16): 316,
-    (128, 1, 32768, 16): 1178, (128, 1, 32768, 64): 1221, (128, 1, 4096, 128): 232,
-    (128, 1, 32768, 128): 1968, (128, 2, 8192, 128): 920, (128, 2, 32768, 128): 3615,
-    (1, 1, 4096, 128): 24.4, (8, 1, 4096, 128): 38.1,
+    (128, 1, 4096, 64): 171,
+    (128, 1, 8192, 64): 319,
+    (128, 1, 8192, 16): 316,
+    (128, 1, 32768, 16): 1178,
+    (128, 1, 32768, 64): 1221,
+    (128, 1, 4096, 128): 232,
+    (128, 1, 32768, 128): 1968,
+    (128, 2, 8192, 128): 920,
+    (128, 2, 32768, 128): 3615,
+    (1, 1, 4096, 128): 24.4,
+    (8, 1, 4096, 128): 38.1,
 }
 
 
 # The cells FlashMLA was measured at, plus H=32, ragged lengths and more small batches.
-QUICK_CELLS = [(128, 1, 4096, 64, False), (128, 1, 8192, 64, False), (128, 1, 8192, 16, False),
-               (128, 1, 32768, 16, False), (128, 1, 32768, 64, False), (128, 1, 4096, 128, False),
-               (128, 1, 32768, 128, False), (128, 2, 8192, 128, False),
-               (128, 2, 32768, 128, False), (1, 1, 4096, 128, False), (8, 1, 4096, 128, False),
-               (128, 1, 8192, 32, False), (128, 1, 8192, 64, True), (32, 1, 4096, 64, False),
-               (8, 1, 32768, 64, False), (1, 1, 32768, 64, False)]
+QUICK_CELLS = [
+    (128, 1, 4096, 64, False),
+    (128, 1, 8192, 64, False),
+    (128, 1, 8192, 16, False),
+    (128, 1, 32768, 16, False),
+    (128, 1, 32768, 64, False),
+    (128, 1, 4096, 128, False),
+    (128, 1, 32768, 128, False),
+    (128, 2, 8192, 128, False),
+    (128, 2, 32768, 128, False),
+    (1, 1, 4096, 128, False),
+    (8, 1, 4096, 128, False),
+    (128, 1, 8192, 32, False),
+    (128, 1, 8192, 64, True),
+    (32, 1, 4096, 64, False),
+    (8, 1, 32768, 64, False),
+    (1, 1, 32768, 64, False),
+]
 
 
 def variants():
-  """Named kernel configurations that ``--variants`` can time beside the default."""
-  from pallas_kernels import MlaDecodeConfig
-  return {
-      # The bodies before the scorer body (MlaDecodeConfig.scorer, the default on bf16 pages).
-      "plain": MlaDecodeConfig(scorer=False, split_qk=False),
-      "split_qk": MlaDecodeConfig(scorer=False, split_qk=True),
-      "splits2": MlaDecodeConfig(num_splits=2),
-      "splits4": MlaDecodeConfig(num_splits=4),
-      "balanced": MlaDecodeConfig(schedule="balanced"),
-      # fp8 pages (--kv-dtype fp8) only: the padded shared-buffer body where the transposed one
-      # would serve (s_q * H <= 32); the same as the default on bf16 pages.
-      "fp8_padded": MlaDecodeConfig(fp8_transposed=False),
-  }
+    """Named kernel configurations that ``--variants`` can time beside the default."""
+    from pallas_kernels import MlaDecodeConfig
+
+    return {
+        # The bodies before the scorer body (MlaDecodeConfig.scorer, the default on bf16 pages).
+        "plain": MlaDecodeConfig(scorer=False, split_qk=False),
+        "split_qk": MlaDecodeConfig(scorer=False, split_qk=True),
+        "splits2": MlaDecodeConfig(num_splits=2),
+        "splits4": MlaDecodeConfig(num_splits=4),
+        "balanced": MlaDecodeConfig(schedule="balanced"),
+        # fp8 pages (--kv-dtype fp8) only: the padded shared-buffer body where the transposed one
+        # would serve (s_q * H <= 32); the same as the default on bf16 pages.
+        "fp8_padded": MlaDecodeConfig(fp8_transposed=False),
+    }
 
 
 def grid(quick: bool):
-  """Cells (B, s_q, seq, H, ragged): fixed lengths at B=128, then small batches, then ragged."""
-  if quick:
-    return list(QUICK_CELLS)
-  cells = [(128, s_q, seq, H, False) for s_q in (1, 2) for seq in (4096, 8192, 16384, 32768)
-           for H in (16, 32, 64, 128)]
-  cells += [(B, 1, seq, H, False) for B in (1, 8, 32) for seq in (4096, 32768)
-            for H in (16, 64, 128)]
-  cells += [(128, s_q, seq, H, True) for s_q in (1, 2) for seq in (4096, 8192, 16384, 32768)
-            for H in (16, 32, 64, 128)]
-  return cells
+    """Cells (B, s_q, seq, H, ragged): fixed lengths at B=128, then small batches, then ragged."""
+    if quick:
+        return list(QUICK_CELLS)
+    cells = [
+        (128, s_q, seq, H, False) for s_q in (1, 2) for seq in (4096, 8192, 16384, 32768) for H in (16, 32, 64, 128)
+    ]
+    cells += [(B, 1, seq, H, False) for B in (1, 8, 32) for seq in (4096, 32768) for H in (16, 64, 128)]
+    cells += [
+        (128, s_q, seq, H, True) for s_q in (1, 2) for seq in (4096, 8192, 16384, 32768) for H in (16, 32, 64, 128)
+    ]
+    return cells
 
 
 def parse_cell_list(spec: str):
-  """Cells from ``"B,s_q,seq,H;..."``; seq ``lo-hi`` = lengths uniform in [lo, hi], ``seq~`` = the
-  grid's normal ragged lengths around seq. Raises ValueError naming the bad part."""
-  cells = []
-  for part in spec.split(";"):
-    if not part.strip():
-      continue
-    try:
-      B, s_q, seq, H = (x.strip() for x in part.split(","))
-      if "-" in seq:
-        lo, hi = (int(v) for v in seq.split("-"))
-        if not 1 <= lo <= hi:
-          raise ValueError
-        cells.append((int(B), int(s_q), hi, int(H), (lo, hi)))
-      else:
-        cells.append((int(B), int(s_q), int(seq.rstrip("~")), int(H), seq.endswith("~")))
-    except ValueError:
-      raise ValueError(f"bad cell {part.strip()!r}: want B,s_q,seq,H with seq N, N~ or lo-hi") from None
-  if not cells:
-    raise ValueError("no cells")
-  return cells
+    """Cells from ``"B,s_q,seq,H;..."``; seq ``lo-hi`` = lengths uniform in [lo, hi], ``seq~`` = the
+    grid's normal ragged lengths around seq. Raises ValueError naming the bad part."""
+    cells = []
+    for part in spec.split(";"):
+        if not part.strip():
+            continue
+        try:
+            B, s_q, seq, H = (x.strip() for x in part.split(","))
+            if "-" in seq:
+                lo, hi = (int(v) for v in seq.split("-"))
+                if not 1 <= lo <= hi:
+                    raise ValueError
+                cells.append((int(B), int(s_q), hi, int(H), (lo, hi)))
+            else:
+                cells.append((int(B), int(s_q), int(seq.rstrip("~")), int(H), seq.endswith("~")))
+        except ValueError:
+            raise ValueError(f"bad cell {part.strip()!r}: want B,s_q,seq,H with seq N, N~ or lo-hi") from None
+    if not cells:
+        raise ValueError("no cells")
+    return cells
 
 
 def lengths_name(ragged) -> str:
-  return f"uniform {ragged[0]}-{ragged[1]}" if isinstance(ragged, tuple) else ("ragged" if ragged else "fixed")
+    return f"uniform {ragged[0]}-{ragged[1]}" if isinstance(ragged, tuple) else ("ragged" if ragged else "fixed")
 
 
 def fp8_decode_kernel() -> bool:
-  """Whether `mla_decode`'s kernel reads fp8 pages (its module sets FP8_KERNEL)."""
-  import importlib
-  return bool(getattr(importlib.import_module("pallas_kernels.mla_decode"), "FP8_KERNEL", False))
+    """Whether `mla_decode`'s kernel reads fp8 pages (its module sets FP8_KERNEL)."""
+    import importlib
+
+    return bool(getattr(importlib.import_module("pallas_kernels.mla_decode"), "FP8_KERNEL", False))
 
 
 def token_bytes(kv_dtype: str) -> int:
-  """Bytes of one cached token in one layer (`pallas_kernels.PageFormat`: 1152 bf16, 656 fp8)."""
-  from pallas_kernels import BF16_PAGES, FP8_PAGES
-  return (FP8_PAGES if kv_dtype == "fp8" else BF16_PAGES).token_bytes
+    """Bytes of one cached token in one layer (`pallas_kernels.PageFormat`: 1152 bf16, 656 fp8)."""
+    from pallas_kernels import BF16_PAGES, FP8_PAGES
+
+    return (FP8_PAGES if kv_dtype == "fp8" else BF16_PAGES).token_bytes
 
 
 def dense_pages(kv_pages):
-  """The pages as bf16 values [N, 64, 576] (fp8 pages dequantised, as the kernel's tensor cores see them)."""
-  from pallas_kernels import FP8_PAGES
-  from pallas_kernels.mla_decode import is_fp8_pages
-  return FP8_PAGES.dequantize_reference(kv_pages) if is_fp8_pages(kv_pages) else kv_pages
+    """The pages as bf16 values [N, 64, 576] (fp8 pages dequantised, as the kernel's tensor cores see them)."""
+    from pallas_kernels import FP8_PAGES
+    from pallas_kernels.mla_decode import is_fp8_pages
+
+    return FP8_PAGES.dequantize_reference(kv_pages) if is_fp8_pages(kv_pages) else kv_pages
 
 
 def make_cell(B, s_q, seq, H, ragged, seed=0, kv_dtype="bf16", group_pages=False):
-  """Random device inputs: lengths, a permuted block table over B*max_pages pages, q, kv (bf16 pages,
-  or with kv_dtype "fp8" the same random latents quantised to fp8 pages).
+    """Random device inputs: lengths, a permuted block table over B*max_pages pages, q, kv (bf16 pages,
+    or with kv_dtype "fp8" the same random latents quantised to fp8 pages).
 
-  ``ragged``: False (every length ``seq``), True (normal around ``seq``, sd seq/2, clipped) or
-  (lo, hi) (uniform in [lo, hi]). ``group_pages`` (``--peers``): the permutation stays within
-  batch groups whose pages span < 2^31 cache elements (`peers.page_groups`; vLLM's Triton kernel
-  computes offsets in int32); the same table as without it unless the cache exceeds 4 GiB.
-  """
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  rng = np.random.default_rng(seed)
-  if isinstance(ragged, tuple):
-    lens = rng.integers(ragged[0], ragged[1] + 1, B).astype(np.int32)
-  elif ragged:
-    lens = np.clip(rng.normal(seq, seq / 2, B), max(1, s_q), 2 * seq).astype(np.int32)
-  else:
-    lens = np.full(B, seq, np.int32)
-  max_pages = -(-int(lens.max()) // PAGE)
-  num_pages = B * max_pages
-  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  groups = [(0, B, 0, num_pages)]
-  if group_pages:
-    from benchmarks.peers import page_groups
-    groups = page_groups(B, max_pages)
-  if len(groups) == 1:
-    table = jax.random.permutation(k1, num_pages).astype(jnp.int32).reshape(B, max_pages)
-  else:
-    table = jnp.concatenate([p0 + jax.random.permutation(jax.random.fold_in(k1, g), p1 - p0)
-                             for g, (_, _, p0, p1) in enumerate(groups)]).astype(jnp.int32).reshape(B, max_pages)
-  kv = jax.random.normal(k2, (num_pages, PAGE, 576), jnp.bfloat16)
-  if kv_dtype == "fp8":
-    from pallas_kernels import quantize_latent_fp8
-    kv = jax.jit(quantize_latent_fp8)(kv)
-  q = jax.random.normal(k3, (B, s_q, H, 576), jnp.bfloat16)
-  return q, kv, table, jnp.asarray(lens), int(lens.sum())
+    ``ragged``: False (every length ``seq``), True (normal around ``seq``, sd seq/2, clipped) or
+    (lo, hi) (uniform in [lo, hi]). ``group_pages`` (``--peers``): the permutation stays within
+    batch groups whose pages span < 2^31 cache elements (`peers.page_groups`; vLLM's Triton kernel
+    computes offsets in int32); the same table as without it unless the cache exceeds 4 GiB.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    if isinstance(ragged, tuple):
+        lens = rng.integers(ragged[0], ragged[1] + 1, B).astype(np.int32)
+    elif ragged:
+        lens = np.clip(rng.normal(seq, seq / 2, B), max(1, s_q), 2 * seq).astype(np.int32)
+    else:
+        lens = np.full(B, seq, np.int32)
+    max_pages = -(-int(lens.max()) // PAGE)
+    num_pages = B * max_pages
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    groups = [(0, B, 0, num_pages)]
+    if group_pages:
+        from benchmarks.peers import page_groups
+
+        groups = page_groups(B, max_pages)
+    if len(groups) == 1:
+        table = jax.random.permutation(k1, num_pages).astype(jnp.int32).reshape(B, max_pages)
+    else:
+        table = (
+            jnp.concatenate(
+                [
+                    p0 + jax.random.permutation(jax.random.fold_in(k1, g), p1 - p0)
+                    for g, (_, _, p0, p1) in enumerate(groups)
+                ]
+            )
+            .astype(jnp.int32)
+            .reshape(B, max_pages)
+        )
+    kv = jax.random.normal(k2, (num_pages, PAGE, 576), jnp.bfloat16)
+    if kv_dtype == "fp8":
+        from pallas_kernels import quantize_latent_fp8
+
+        kv = jax.jit(quantize_latent_fp8)(kv)
+    q = jax.random.normal(k3, (B, s_q, H, 576), jnp.bfloat16)
+    return q, kv, table, jnp.asarray(lens), int(lens.sum())
 
 
 def xla_absorbed(q, kv_pages, block_table, seq_lens, *, causal):
-  """Absorbed decode in plain XLA: bf16 operands, fp32 accumulation and softmax (fp8 pages: the
-  gathered pages dequantised first)."""
-  import jax.numpy as jnp
-  B, s_q, H, _ = q.shape
-  kv_BSK = dense_pages(kv_pages[block_table]).reshape(B, -1, 576)
-  S = kv_BSK.shape[1]
-  s_BTHS = jnp.einsum("bthk,bsk->bths", q, kv_BSK, preferred_element_type=jnp.float32) * SCALE
-  key = jnp.arange(S)
-  lim_BT = seq_lens[:, None] - (s_q - 1 - jnp.arange(s_q))[None] if causal else seq_lens[:, None]
-  s_BTHS = jnp.where((key[None, None] < jnp.broadcast_to(lim_BT, (B, s_q))[..., None])[:, :, None],
-                     s_BTHS, -jnp.inf)
-  m = s_BTHS.max(-1, keepdims=True)
-  p = jnp.exp(s_BTHS - m)
-  l = p.sum(-1)
-  o = jnp.einsum("bths,bsl->bthl", p.astype(jnp.bfloat16), kv_BSK[..., :512],
-                 preferred_element_type=jnp.float32) / l[..., None]
-  return o.astype(q.dtype), m[..., 0] + jnp.log(l)
+    """Absorbed decode in plain XLA: bf16 operands, fp32 accumulation and softmax (fp8 pages: the
+    gathered pages dequantised first)."""
+    import jax.numpy as jnp
+
+    B, s_q, H, _ = q.shape
+    kv_BSK = dense_pages(kv_pages[block_table]).reshape(B, -1, 576)
+    S = kv_BSK.shape[1]
+    s_BTHS = jnp.einsum("bthk,bsk->bths", q, kv_BSK, preferred_element_type=jnp.float32) * SCALE
+    key = jnp.arange(S)
+    lim_BT = seq_lens[:, None] - (s_q - 1 - jnp.arange(s_q))[None] if causal else seq_lens[:, None]
+    s_BTHS = jnp.where((key[None, None] < jnp.broadcast_to(lim_BT, (B, s_q))[..., None])[:, :, None], s_BTHS, -jnp.inf)
+    m = s_BTHS.max(-1, keepdims=True)
+    p = jnp.exp(s_BTHS - m)
+    l = p.sum(-1)
+    o = (
+        jnp.einsum("bths,bsl->bthl", p.astype(jnp.bfloat16), kv_BSK[..., :512], preferred_element_type=jnp.float32)
+        / l[..., None]
+    )
+    return o.astype(q.dtype), m[..., 0] + jnp.log(l)
 
 
 def naive_decompressed(q_nope, q_pe, kv_pages, block_table, seq_lens, w_uk, w_uv):
-  """Non-absorbed decode: per-head K/V up-projected from the whole latent cache every step.
+    """Non-absorbed decode: per-head K/V up-projected from the whole latent cache every step.
 
-  q_nope [B,T,H,128], q_pe [B,T,H,64], w_uk/w_uv [H,128,512] -> out [B,T,H,128] (pre-o_proj).
-  Non-causal (timing baseline only).
-  """
-  import jax.numpy as jnp
-  B = q_nope.shape[0]
-  kv_BSK = dense_pages(kv_pages[block_table]).reshape(B, -1, 576)
-  c_BSL, k_pe_BSR = kv_BSK[..., :512], kv_BSK[..., 512:]
-  k_BSHD = jnp.einsum("bsl,hdl->bshd", c_BSL, w_uk)
-  v_BSHD = jnp.einsum("bsl,hdl->bshd", c_BSL, w_uv)
-  s = (jnp.einsum("bthd,bshd->bths", q_nope, k_BSHD, preferred_element_type=jnp.float32)
-       + jnp.einsum("bthr,bsr->bths", q_pe, k_pe_BSR, preferred_element_type=jnp.float32)) * SCALE
-  key = jnp.arange(s.shape[-1])
-  s = jnp.where((key[None] < seq_lens[:, None])[:, None, None], s, -jnp.inf)
-  p = jax_softmax(s)
-  return jnp.einsum("bths,bshd->bthd", p.astype(jnp.bfloat16), v_BSHD)
+    q_nope [B,T,H,128], q_pe [B,T,H,64], w_uk/w_uv [H,128,512] -> out [B,T,H,128] (pre-o_proj).
+    Non-causal (timing baseline only).
+    """
+    import jax.numpy as jnp
+
+    B = q_nope.shape[0]
+    kv_BSK = dense_pages(kv_pages[block_table]).reshape(B, -1, 576)
+    c_BSL, k_pe_BSR = kv_BSK[..., :512], kv_BSK[..., 512:]
+    k_BSHD = jnp.einsum("bsl,hdl->bshd", c_BSL, w_uk)
+    v_BSHD = jnp.einsum("bsl,hdl->bshd", c_BSL, w_uv)
+    s = (
+        jnp.einsum("bthd,bshd->bths", q_nope, k_BSHD, preferred_element_type=jnp.float32)
+        + jnp.einsum("bthr,bsr->bths", q_pe, k_pe_BSR, preferred_element_type=jnp.float32)
+    ) * SCALE
+    key = jnp.arange(s.shape[-1])
+    s = jnp.where((key[None] < seq_lens[:, None])[:, None, None], s, -jnp.inf)
+    p = jax_softmax(s)
+    return jnp.einsum("bths,bshd->bthd", p.astype(jnp.bfloat16), v_BSHD)
 
 
 def jax_softmax(s):
-  import jax
-  return jax.nn.softmax(s, axis=-1)
+    import jax
+
+    return jax.nn.softmax(s, axis=-1)
 
 
 def run(args):
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from pallas_kernels import MlaDecodeConfig, mla_decode
-  from pallas_kernels.mla_decode import plan
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
 
-  bundle = getattr(args, "bundle", None)
-  header, ceil = bm.begin_run("mla_decode", args.out, args.iters)
-  if bundle is not None:
-    header["peers"] = dict(bundle.describe(), timing=PEER_TIMING,
-                           xla_mem=dict((k, os.environ.get(k)) for k in PEER_XLA_ENV))
-  configs = {"default": MlaDecodeConfig(schedule=args.schedule)}
-  if args.sweep:
-    configs["split_qk"] = MlaDecodeConfig(scorer=False, split_qk=True)
-    for n in (4, 16, 64):
-      for split_qk in (False, True):
-        configs[f"splits{n}{'_sqk' if split_qk else ''}"] = MlaDecodeConfig(
-            num_splits=n, scorer=False if split_qk else None, split_qk=split_qk)
-  if args.variants:
-    known = variants()
-    for name in args.variants.split(","):
-      if name not in known:
-        raise SystemExit(f"unknown variant {name!r}; known: {', '.join(known)}")
-      configs[name] = known[name]
-  rows = []
-  cells = list(args.cell_specs) if args.cell_specs else grid(args.quick)
-  if args.skip_quick:
-    cells = [c for c in cells if c not in QUICK_CELLS]
-  if args.only_flashmla:
-    cells = [c for c in cells if c[:4] in FLASHMLA_US and not c[4]]
-    cells += [(128, 1, 8192, 64, True), (128, 2, 8192, 128, True)]
-  if args.cells:
-    cells = cells[:args.cells]
-  xla_jit = jax.jit(xla_absorbed, static_argnames="causal")
-  naive_jit = jax.jit(naive_decompressed)
-  baselines = {}
-  peer_cols = {}      # cell -> the peers' columns (measured once, attached to every row of the cell)
-  rows_of = {}        # cell -> its rows
-  pending = []        # cells whose FlashMLA waited for its build: measured once it is over
-  # Pass 1 times the default config (and the baselines) over every cell; pass 2 the sweep
-  # variants. A variant that fails or hangs then cannot cost the default's results.
-  passes = [{"default": configs["default"]}]
-  if len(configs) > 1:
-    passes.append({k: v for k, v in configs.items() if k != "default"})
-  work = [(i, cfgs, cell) for i, cfgs in enumerate(passes) for cell in cells]
-  if args.then_grid:
-    # Then the rest of the full grid with the default config (no naive path: time).
-    work += [(len(passes), passes[0], cell) for cell in grid(False) if cell not in cells]
-  for pass_idx, cfgs, (B, s_q, seq, H, ragged) in bm.progress(work, desc="mla_decode cells"):
-    causal = s_q > 1
-    key = (B, s_q, seq, H, ragged)
-    q, kv, table, lens, total = make_cell(B, s_q, seq, H, ragged, kv_dtype=args.kv_dtype,
-                                          group_pages=bundle is not None)
-    nbytes = total * token_bytes(args.kv_dtype) + (B * s_q * H * 576 + B * s_q * H * 512) * 2
-    flops = s_q * total * H * (576 + 512) * 2
-    ref_out = ref_lse = None
-    base = dict(B=B, s_q=s_q, seq=seq, H=H, lengths=lengths_name(ragged),
-                causal=causal, gbytes=nbytes / 1e9, gflop=flops / 1e9)
-    if args.kv_dtype != "bf16":
-      base["kv_dtype"] = args.kv_dtype
-    try:
-      ref_out, ref_lse = xla_jit(q, kv, table, lens, causal=causal)
-    except Exception as e:  # noqa: BLE001 - an XLA OOM must not end the run
-      bm.log(f"  xla failed at {base}: {type(e).__name__}: {str(e)[:120]}")
-    if key not in baselines:
-      xla_us = None
-      if ref_out is not None:
-        xla_us = bm.cupti_median_us(lambda *a: xla_jit(*a, causal=causal), q, kv, table, lens,
-                                    iterations=args.iters)
-      naive_us, naive_note = None, ""
-      naive_gb = B * table.shape[1] * PAGE * H * 256 * 2 / 1e9
-      if args.naive and naive_gb < 60 and pass_idx < len(passes):
-        k = jax.random.split(jax.random.key(7), 4)
-        q_nope = jax.random.normal(k[0], (B, s_q, H, 128), jnp.bfloat16)
-        q_pe = jax.random.normal(k[1], (B, s_q, H, 64), jnp.bfloat16)
-        w_uk = jax.random.normal(k[2], (H, 128, 512), jnp.bfloat16) * 0.05
-        w_uv = jax.random.normal(k[3], (H, 128, 512), jnp.bfloat16) * 0.05
+    from pallas_kernels import MlaDecodeConfig, mla_decode
+    from pallas_kernels.mla_decode import plan
+
+    bundle = getattr(args, "bundle", None)
+    header, ceil = bm.begin_run("mla_decode", args.out, args.iters)
+    if bundle is not None:
+        header["peers"] = dict(
+            bundle.describe(), timing=PEER_TIMING, xla_mem=dict((k, os.environ.get(k)) for k in PEER_XLA_ENV)
+        )
+    configs = {"default": MlaDecodeConfig(schedule=args.schedule)}
+    if args.sweep:
+        configs["split_qk"] = MlaDecodeConfig(scorer=False, split_qk=True)
+        for n in (4, 16, 64):
+            for split_qk in (False, True):
+                configs[f"splits{n}{'_sqk' if split_qk else ''}"] = MlaDecodeConfig(
+                    num_splits=n, scorer=False if split_qk else None, split_qk=split_qk
+                )
+    if args.variants:
+        known = variants()
+        for name in args.variants.split(","):
+            if name not in known:
+                raise SystemExit(f"unknown variant {name!r}; known: {', '.join(known)}")
+            configs[name] = known[name]
+    rows = []
+    cells = list(args.cell_specs) if args.cell_specs else grid(args.quick)
+    if args.skip_quick:
+        cells = [c for c in cells if c not in QUICK_CELLS]
+    if args.only_flashmla:
+        cells = [c for c in cells if c[:4] in FLASHMLA_US and not c[4]]
+        cells += [(128, 1, 8192, 64, True), (128, 2, 8192, 128, True)]
+    if args.cells:
+        cells = cells[: args.cells]
+    xla_jit = jax.jit(xla_absorbed, static_argnames="causal")
+    naive_jit = jax.jit(naive_decompressed)
+    baselines = {}
+    peer_cols = {}  # cell -> the peers' columns (measured once, attached to every row of the cell)
+    rows_of = {}  # cell -> its rows
+    pending = []  # cells whose FlashMLA waited for its build: measured once it is over
+    # Pass 1 times the default config (and the baselines) over every cell; pass 2 the sweep
+    # variants. A variant that fails or hangs then cannot cost the default's results.
+    passes = [{"default": configs["default"]}]
+    if len(configs) > 1:
+        passes.append({k: v for k, v in configs.items() if k != "default"})
+    work = [(i, cfgs, cell) for i, cfgs in enumerate(passes) for cell in cells]
+    if args.then_grid:
+        # Then the rest of the full grid with the default config (no naive path: time).
+        work += [(len(passes), passes[0], cell) for cell in grid(False) if cell not in cells]
+    for pass_idx, cfgs, (B, s_q, seq, H, ragged) in bm.progress(work, desc="mla_decode cells"):
+        causal = s_q > 1
+        key = (B, s_q, seq, H, ragged)
+        q, kv, table, lens, total = make_cell(
+            B, s_q, seq, H, ragged, kv_dtype=args.kv_dtype, group_pages=bundle is not None
+        )
+        nbytes = total * token_bytes(args.kv_dtype) + (B * s_q * H * 576 + B * s_q * H * 512) * 2
+        flops = s_q * total * H * (576 + 512) * 2
+        ref_out = ref_lse = None
+        base = dict(
+            B=B,
+            s_q=s_q,
+            seq=seq,
+            H=H,
+            lengths=lengths_name(ragged),
+            causal=causal,
+            gbytes=nbytes / 1e9,
+            gflop=flops / 1e9,
+        )
+        if args.kv_dtype != "bf16":
+            base["kv_dtype"] = args.kv_dtype
         try:
-          naive_us = bm.cupti_median_us(naive_jit, q_nope, q_pe, kv, table, lens, w_uk, w_uv,
-                                        iterations=args.iters)
-        except Exception as e:  # noqa: BLE001
-          naive_note = f"failed: {type(e).__name__}"
-        del q_nope, q_pe, w_uk, w_uv
-      elif args.naive and pass_idx < len(passes):
-        naive_note = f"OOM (K/V {naive_gb:.0f} GB)"
-      baselines[key] = dict(xla_us=xla_us, naive_us=naive_us, naive_note=naive_note)
-    bl = baselines[key]
-    cell_rows = []
-    for cname, cfg in cfgs.items():
-      p = plan(B, s_q, H, table.shape[1], cfg)
-      if (cname.startswith("splits") and args.sweep
-          and (B * p.row_blocks >= 100 or cfg.num_splits > table.shape[1])):
-        continue    # the sweep's split counts only matter where the default leaves SMs idle
-      fn = jax.jit(lambda *a, cfg=cfg: mla_decode(*a, softmax_scale=SCALE, causal=causal,
-                                                   config=cfg, impl="kernel"))
-      row = dict(base, config=cname, schedule=cfg.schedule, splits=p.num_splits, row_blocks=p.row_blocks)
-      try:
-        if args.kv_dtype == "fp8" and not fp8_decode_kernel():
-          raise RuntimeError("not timed: the decode kernel has no fp8 body yet (mla_decode.FP8_KERNEL unset)")
-        out, lse = fn(q, kv, table, lens)
-        # A cell is timed only after its output was checked against the XLA path.
-        if ref_out is None:
-          raise RuntimeError("not timed: the XLA reference failed, nothing to check against")
-        o, r = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
-        row["rel_err"] = float(np.linalg.norm(o - r) / np.linalg.norm(r))
-        row["lse_err"] = float(np.abs(np.asarray(lse) - np.asarray(ref_lse)).max())
-        if not row["rel_err"] < 1e-2:
-          raise RuntimeError(f"not timed: WRONG (rel_err {row['rel_err']:.3g})")
-        whole, parts = bm.cupti_median_us(fn, q, kv, table, lens, iterations=args.iters,
-                                          per_kernel=True)
-        main = max(parts.values())
-        row.update(us=whole, main_us=main, gbps=nbytes / whole / 1e3, tflops=flops / whole / 1e6)
-        row["bw_frac"] = row["gbps"] / ceil["bandwidth_gbps"]
-        row["flop_frac"] = row["tflops"] / ceil["matmul_tflops"]
-      except Exception as e:  # noqa: BLE001
-        row["note"] = f"kernel failed: {type(e).__name__}: {str(e)[:200]}"
-        bm.log(row["note"])
-      row.update(bl)
-      if bl["xla_us"] and row.get("us"):
-        row["x_vs_xla"] = bl["xla_us"] / row["us"]
-      if bl["naive_us"] and row.get("us"):
-        row["x_vs_naive"] = bl["naive_us"] / row["us"]
-      fm = FLASHMLA_US.get((B, s_q, seq, H)) if not ragged else None
-      if fm and row.get("us"):
-        row["flashmla_us"] = fm
-        row["vs_flashmla"] = fm / row["us"]     # > 1: faster than FlashMLA
-      rows.append(row)
-      cell_rows.append(row)
-      bm.log("  " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                              for k, v in row.items() if k not in ("gbytes", "gflop", "causal")))
-      bm.write_csv(os.path.join(args.out, "mla_decode.csv"), rows)   # partial results survive a kill
-    if bundle is not None and cell_rows:
-      # After our own timing (a peer's CUDA error cannot cost our row), on the same arrays.
-      rows_of.setdefault(key, []).extend(cell_rows)
-      if key not in peer_cols:
-        ref_np = None if ref_out is None else np.asarray(ref_out, np.float32)
-        peer_cols[key] = bundle.measure(q, kv, table, lens, causal=causal, scale=SCALE, ref=ref_np, wait=False)
-        del ref_np
-        if any(v == "pending" for k, v in peer_cols[key].items() if k.endswith("_status")):
-          pending.append(key)
-      for row in cell_rows:
-        attach_peers(row, peer_cols[key], bundle)
-      bm.log("  peers: " + peer_summary(cell_rows[0], bundle))
-      bm.write_csv(os.path.join(args.out, "mla_decode.csv"), rows)
-    del q, kv, table, lens, ref_out, ref_lse
-    if pending and bundle.ready():
-      late_peers(pending, peer_cols, rows_of, bundle, xla_jit)
-      bm.write_csv(os.path.join(args.out, "mla_decode.csv"), rows)
-  if pending:
-    bm.log(f"# peers: {len(pending)} cell(s) waited for the FlashMLA build; measuring them now")
-    late_peers(pending, peer_cols, rows_of, bundle, xla_jit)
-  report(rows, ceil, header, args.out)
-  return rows
+            ref_out, ref_lse = xla_jit(q, kv, table, lens, causal=causal)
+        except Exception as e:  # noqa: BLE001 - an XLA OOM must not end the run
+            bm.log(f"  xla failed at {base}: {type(e).__name__}: {str(e)[:120]}")
+        if key not in baselines:
+            xla_us = None
+            if ref_out is not None:
+                xla_us = bm.cupti_median_us(
+                    lambda *a: xla_jit(*a, causal=causal), q, kv, table, lens, iterations=args.iters
+                )
+            naive_us, naive_note = None, ""
+            naive_gb = B * table.shape[1] * PAGE * H * 256 * 2 / 1e9
+            if args.naive and naive_gb < 60 and pass_idx < len(passes):
+                k = jax.random.split(jax.random.key(7), 4)
+                q_nope = jax.random.normal(k[0], (B, s_q, H, 128), jnp.bfloat16)
+                q_pe = jax.random.normal(k[1], (B, s_q, H, 64), jnp.bfloat16)
+                w_uk = jax.random.normal(k[2], (H, 128, 512), jnp.bfloat16) * 0.05
+                w_uv = jax.random.normal(k[3], (H, 128, 512), jnp.bfloat16) * 0.05
+                try:
+                    naive_us = bm.cupti_median_us(
+                        naive_jit, q_nope, q_pe, kv, table, lens, w_uk, w_uv, iterations=args.iters
+                    )
+                except Exception as e:  # noqa: BLE001
+                    naive_note = f"failed: {type(e).__name__}"
+                del q_nope, q_pe, w_uk, w_uv
+            elif args.naive and pass_idx < len(passes):
+                naive_note = f"OOM (K/V {naive_gb:.0f} GB)"
+            baselines[key] = dict(xla_us=xla_us, naive_us=naive_us, naive_note=naive_note)
+        bl = baselines[key]
+        cell_rows = []
+        for cname, cfg in cfgs.items():
+            p = plan(B, s_q, H, table.shape[1], cfg)
+            if (
+                cname.startswith("splits")
+                and args.sweep
+                and (B * p.row_blocks >= 100 or cfg.num_splits > table.shape[1])
+            ):
+                continue  # the sweep's split counts only matter where the default leaves SMs idle
+            fn = jax.jit(
+                lambda *a, cfg=cfg: mla_decode(*a, softmax_scale=SCALE, causal=causal, config=cfg, impl="kernel")
+            )
+            row = dict(base, config=cname, schedule=cfg.schedule, splits=p.num_splits, row_blocks=p.row_blocks)
+            try:
+                if args.kv_dtype == "fp8" and not fp8_decode_kernel():
+                    raise RuntimeError("not timed: the decode kernel has no fp8 body yet (mla_decode.FP8_KERNEL unset)")
+                out, lse = fn(q, kv, table, lens)
+                # A cell is timed only after its output was checked against the XLA path.
+                if ref_out is None:
+                    raise RuntimeError("not timed: the XLA reference failed, nothing to check against")
+                o, r = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
+                row["rel_err"] = float(np.linalg.norm(o - r) / np.linalg.norm(r))
+                row["lse_err"] = float(np.abs(np.asarray(lse) - np.asarray(ref_lse)).max())
+                if not row["rel_err"] < 1e-2:
+                    raise RuntimeError(f"not timed: WRONG (rel_err {row['rel_err']:.3g})")
+                whole, parts = bm.cupti_median_us(fn, q, kv, table, lens, iterations=args.iters, per_kernel=True)
+                main = max(parts.values())
+                row.update(us=whole, main_us=main, gbps=nbytes / whole / 1e3, tflops=flops / whole / 1e6)
+                row["bw_frac"] = row["gbps"] / ceil["bandwidth_gbps"]
+                row["flop_frac"] = row["tflops"] / ceil["matmul_tflops"]
+            except Exception as e:  # noqa: BLE001
+                row["note"] = f"kernel failed: {type(e).__name__}: {str(e)[:200]}"
+                bm.log(row["note"])
+            row.update(bl)
+            if bl["xla_us"] and row.get("us"):
+                row["x_vs_xla"] = bl["xla_us"] / row["us"]
+            if bl["naive_us"] and row.get("us"):
+                row["x_vs_naive"] = bl["naive_us"] / row["us"]
+            fm = FLASHMLA_US.get((B, s_q, seq, H)) if not ragged else None
+            if fm and row.get("us"):
+                row["flashmla_us"] = fm
+                row["vs_flashmla"] = fm / row["us"]  # > 1: faster than FlashMLA
+            rows.append(row)
+            cell_rows.append(row)
+            bm.log(
+                "  "
+                + ", ".join(
+                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in row.items()
+                    if k not in ("gbytes", "gflop", "causal")
+                )
+            )
+            bm.write_csv(os.path.join(args.out, "mla_decode.csv"), rows)  # partial results survive a kill
+        if bundle is not None and cell_rows:
+            # After our own timing (a peer's CUDA error cannot cost our row), on the same arrays.
+            rows_of.setdefault(key, []).extend(cell_rows)
+            if key not in peer_cols:
+                ref_np = None if ref_out is None else np.asarray(ref_out, np.float32)
+                peer_cols[key] = bundle.measure(q, kv, table, lens, causal=causal, scale=SCALE, ref=ref_np, wait=False)
+                del ref_np
+                if any(v == "pending" for k, v in peer_cols[key].items() if k.endswith("_status")):
+                    pending.append(key)
+            for row in cell_rows:
+                attach_peers(row, peer_cols[key], bundle)
+            bm.log("  peers: " + peer_summary(cell_rows[0], bundle))
+            bm.write_csv(os.path.join(args.out, "mla_decode.csv"), rows)
+        del q, kv, table, lens, ref_out, ref_lse
+        if pending and bundle.ready():
+            late_peers(pending, peer_cols, rows_of, bundle, xla_jit)
+            bm.write_csv(os.path.join(args.out, "mla_decode.csv"), rows)
+    if pending:
+        bm.log(f"# peers: {len(pending)} cell(s) waited for the FlashMLA build; measuring them now")
+        late_peers(pending, peer_cols, rows_of, bundle, xla_jit)
+    report(rows, ceil, header, args.out)
+    return rows
 
 
 # What each timing column is (``--peers``): written into the meta JSON and under the table.
 PEER_TIMING = {
     "us": "ours: CUPTI kernel-time sum of one jitted call, median of --iters calls (benchmarks.cupti_median_us)",
     "<peer>_us": "the peer: the same CUPTI kernel-time sum of one call, median of --iters calls, same "
-                 "arguments every call, L2 not flushed (benchmarks.cupti_call_us); <peer>_method says so, "
-                 "or names the fallback (CUDA events) where CUPTI failed",
+    "arguments every call, L2 not flushed (benchmarks.cupti_call_us); <peer>_method says so, "
+    "or names the fallback (CUDA events) where CUPTI failed",
     "<peer>_event_us": "the peer: CUDA events around back-to-back calls, per call, median of 5 loops "
-                       "(host launch gaps included)",
+    "(host launch gaps included)",
     "ours_over_<peer>": "us / <peer>_us (< 1: ours faster)",
     "fmla": "FlashMLA, scheduler metadata built by the (checked) first call, outside timing",
     "triton": "vLLM Triton decode_attention_fwd, the num_kv_splits of --triton-splits with the least kernel "
-              "time among the correct ones (<peer>_variant; all of them in <peer>_note)",
+    "time among the correct ones (<peer>_variant; all of them in <peer>_note)",
 }
 PEER_XLA_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
 def attach_peers(row, cols, bundle):
-  """Copies one cell's peer columns into ``row`` (replacing any earlier ones) and adds
-  ``ours_over_<key>`` = row["us"] / <key>_us."""
-  for k in [k for k in row if any(k.startswith(f"{p.key}_") or k == f"ours_over_{p.key}" for p in bundle.peers)]:
-    del row[k]
-  row["us_method"] = f"cupti_kernel_sum (median of {bundle.iterations} calls)"
-  row.update(cols)
-  for p in bundle.peers:
-    theirs = cols.get(f"{p.key}_us")
-    if theirs and row.get("us"):
-      row[f"ours_over_{p.key}"] = row["us"] / theirs
+    """Copies one cell's peer columns into ``row`` (replacing any earlier ones) and adds
+    ``ours_over_<key>`` = row["us"] / <key>_us."""
+    for k in [k for k in row if any(k.startswith(f"{p.key}_") or k == f"ours_over_{p.key}" for p in bundle.peers)]:
+        del row[k]
+    row["us_method"] = f"cupti_kernel_sum (median of {bundle.iterations} calls)"
+    row.update(cols)
+    for p in bundle.peers:
+        theirs = cols.get(f"{p.key}_us")
+        if theirs and row.get("us"):
+            row[f"ours_over_{p.key}"] = row["us"] / theirs
 
 
 def late_peers(pending, peer_cols, rows_of, bundle, xla_jit):
-  """Measures the peers left "pending" (a build still running) of the cells in ``pending``, on the same
-  inputs regenerated (`make_cell` is deterministic), and attaches them to those cells' rows."""
-  import numpy as np
-  while pending:
-    key = pending.pop(0)
-    B, s_q, seq, H, ragged = key
-    late = [p.key for p in bundle.peers if peer_cols[key].get(f"{p.key}_status") == "pending"]
-    for k in [k for k in peer_cols[key] if any(k.startswith(f"{p}_") for p in late)]:
-      del peer_cols[key][k]
-    q, kv, table, lens, _ = make_cell(B, s_q, seq, H, ragged, group_pages=True)
-    try:
-      ref = np.asarray(xla_jit(q, kv, table, lens, causal=s_q > 1)[0], np.float32)
-    except Exception as e:  # noqa: BLE001
-      bm.log(f"  xla failed at {key}: {type(e).__name__}")
-      ref = None
-    peer_cols[key].update(bundle.measure(q, kv, table, lens, causal=s_q > 1, scale=SCALE, ref=ref, only=late))
-    for row in rows_of.get(key, []):
-      attach_peers(row, peer_cols[key], bundle)
-    bm.log(f"  peers (late) at B={B} s_q={s_q} seq={seq} H={H} {lengths_name(ragged)}: "
-           + peer_summary(rows_of[key][0], bundle))
-    del q, kv, table, lens, ref
+    """Measures the peers left "pending" (a build still running) of the cells in ``pending``, on the same
+    inputs regenerated (`make_cell` is deterministic), and attaches them to those cells' rows."""
+    import numpy as np
+
+    while pending:
+        key = pending.pop(0)
+        B, s_q, seq, H, ragged = key
+        late = [p.key for p in bundle.peers if peer_cols[key].get(f"{p.key}_status") == "pending"]
+        for k in [k for k in peer_cols[key] if any(k.startswith(f"{p}_") for p in late)]:
+            del peer_cols[key][k]
+        q, kv, table, lens, _ = make_cell(B, s_q, seq, H, ragged, group_pages=True)
+        try:
+            ref = np.asarray(xla_jit(q, kv, table, lens, causal=s_q > 1)[0], np.float32)
+        except Exception as e:  # noqa: BLE001
+            bm.log(f"  xla failed at {key}: {type(e).__name__}")
+            ref = None
+        peer_cols[key].update(bundle.measure(q, kv, table, lens, causal=s_q > 1, scale=SCALE, ref=ref, only=late))
+        for row in rows_of.get(key, []):
+            attach_peers(row, peer_cols[key], bundle)
+        bm.log(
+            f"  peers (late) at B={B} s_q={s_q} seq={seq} H={H} {lengths_name(ragged)}: "
+            + peer_summary(rows_of[key][0], bundle)
+        )
+        del q, kv, table, lens, ref
 
 
 def peer_summary(row, bundle) -> str:
-  parts = []
-  for p in bundle.peers:
-    k = p.key
-    if row.get(f"{k}_us"):
-      parts.append(f"{p.label} {row[f'{k}_us']:.1f} µs ({row.get(f'{k}_variant', '')}, events "
-                   f"{row.get(f'{k}_event_us', float('nan')):.1f} µs)")
-    else:
-      parts.append(f"{p.label} {row.get(f'{k}_status', '?')}: {row.get(f'{k}_note', '')}")
-  return "; ".join(parts)
+    parts = []
+    for p in bundle.peers:
+        k = p.key
+        if row.get(f"{k}_us"):
+            parts.append(
+                f"{p.label} {row[f'{k}_us']:.1f} µs ({row.get(f'{k}_variant', '')}, events "
+                f"{row.get(f'{k}_event_us', float('nan')):.1f} µs)"
+            )
+        else:
+            parts.append(f"{p.label} {row.get(f'{k}_status', '?')}: {row.get(f'{k}_note', '')}")
+    return "; ".join(parts)
 
 
 def _peer_display(rows):
-  """Rows for printing: a peer that was not timed shows its status in its µs column."""
-  out = []
-  for r in rows:
-    d = dict(r)
-    for k in ("fmla", "triton"):
-      if d.get(f"{k}_us") in (None, "") and d.get(f"{k}_status") not in (None, ""):
-        d[f"{k}_us"] = {"disagrees": "WRONG", "unavailable": "n/a"}.get(d[f"{k}_status"], d[f"{k}_status"])
-    out.append(d)
-  return out
+    """Rows for printing: a peer that was not timed shows its status in its µs column."""
+    out = []
+    for r in rows:
+        d = dict(r)
+        for k in ("fmla", "triton"):
+            if d.get(f"{k}_us") in (None, "") and d.get(f"{k}_status") not in (None, ""):
+                d[f"{k}_us"] = {"disagrees": "WRONG", "unavailable": "n/a"}.get(d[f"{k}_status"], d[f"{k}_status"])
+        out.append(d)
+    return out
 
 
 def report(rows, ceil, header, out_dir):
-  """Prints the table and writes CSV, JSON metadata and the roofline plot under ``out_dir``."""
-  columns = [("B", "B", "{}"), ("s_q", "s_q", "{}"), ("seq", "seq", "{}"), ("H", "H", "{}"),
-             ("lengths", "len", "{}"), ("config", "cfg", "{}"), ("splits", "spl", "{}"),
-             ("us", "kernel µs", "{:.1f}"), ("main_us", "main µs", "{:.1f}"),
-             ("gbps", "GB/s", "{:.0f}"), ("tflops", "TFLOP/s", "{:.0f}"),
-             ("bw_frac", "%BW", "{:.0%}"), ("flop_frac", "%MMA", "{:.0%}"),
-             ("xla_us", "XLA µs", "{:.0f}"), ("x_vs_xla", "xXLA", "{:.1f}"),
-             ("naive_us", "naive µs", "{:.0f}"), ("flashmla_us", "FlashMLA µs", "{}"),
-             ("vs_flashmla", "FM/ours", "{:.2f}"), ("rel_err", "rel err", "{:.1e}"),
-             ("note", "note", "{}")]
-  peers = any(r.get("fmla_status") or r.get("triton_status") for r in rows)
-  if peers:
-    at = [k for k, _, _ in columns].index("note")
-    columns[at:at] = [("schedule", "schedule", "{}"), ("fmla_us", "FlashMLA µs", "{:.1f}"),
-                      ("ours_over_fmla", "ours/FM", "{:.2f}"), ("triton_us", "Triton µs", "{:.1f}"),
-                      ("ours_over_triton", "ours/Tr", "{:.2f}")]
-    columns = [(k, {"flashmla_us": "FM pub. µs", "vs_flashmla": "FMpub/ours"}.get(k, h), f)
-               for k, h, f in columns]
-  print()
-  bm.print_table(_peer_display(rows) if peers else rows, columns)
-  if peers:
-    print("# FlashMLA µs, Triton µs: measured now, in this process, on the same arrays; ours/FM and ours/Tr ="
-          " our µs / theirs (< 1: ours faster), CUPTI kernel sum to CUPTI kernel sum (the CSV's *_method"
-          " says where not); FM pub. µs: the published figure (FLASHMLA_US). WRONG = disagrees with the"
-          " reference, not timed; n/a = the peer did not load:")
-    for k in ("fmla", "triton"):
-      notes = sorted({str(r.get(f"{k}_note")) for r in rows if r.get(f"{k}_status") not in (None, "", "ok")})
-      for n in notes[:4]:
-        print(f"#   {k}: {n}")
-  bm.write_csv(os.path.join(out_dir, "mla_decode.csv"), rows)
-  bm.write_json(os.path.join(out_dir, "mla_decode_meta.json"), dict(header, ceilings=ceil))
-  plot_roofline(rows, ceil, os.path.join(out_dir, "mla_decode_roofline.png"), header)
+    """Prints the table and writes CSV, JSON metadata and the roofline plot under ``out_dir``."""
+    columns = [
+        ("B", "B", "{}"),
+        ("s_q", "s_q", "{}"),
+        ("seq", "seq", "{}"),
+        ("H", "H", "{}"),
+        ("lengths", "len", "{}"),
+        ("config", "cfg", "{}"),
+        ("splits", "spl", "{}"),
+        ("us", "kernel µs", "{:.1f}"),
+        ("main_us", "main µs", "{:.1f}"),
+        ("gbps", "GB/s", "{:.0f}"),
+        ("tflops", "TFLOP/s", "{:.0f}"),
+        ("bw_frac", "%BW", "{:.0%}"),
+        ("flop_frac", "%MMA", "{:.0%}"),
+        ("xla_us", "XLA µs", "{:.0f}"),
+        ("x_vs_xla", "xXLA", "{:.1f}"),
+        ("naive_us", "naive µs", "{:.0f}"),
+        ("flashmla_us", "FlashMLA µs", "{}"),
+        ("vs_flashmla", "FM/ours", "{:.2f}"),
+        ("rel_err", "rel err", "{:.1e}"),
+        ("note", "note", "{}"),
+    ]
+    peers = any(r.get("fmla_status") or r.get("triton_status") for r in rows)
+    if peers:
+        at = [k for k, _, _ in columns].index("note")
+        columns[at:at] = [
+            ("schedule", "schedule", "{}"),
+            ("fmla_us", "FlashMLA µs", "{:.1f}"),
+            ("ours_over_fmla", "ours/FM", "{:.2f}"),
+            ("triton_us", "Triton µs", "{:.1f}"),
+            ("ours_over_triton", "ours/Tr", "{:.2f}"),
+        ]
+        columns = [(k, {"flashmla_us": "FM pub. µs", "vs_flashmla": "FMpub/ours"}.get(k, h), f) for k, h, f in columns]
+    print()
+    bm.print_table(_peer_display(rows) if peers else rows, columns)
+    if peers:
+        print(
+            "# FlashMLA µs, Triton µs: measured now, in this process, on the same arrays; ours/FM and ours/Tr ="
+            " our µs / theirs (< 1: ours faster), CUPTI kernel sum to CUPTI kernel sum (the CSV's *_method"
+            " says where not); FM pub. µs: the published figure (FLASHMLA_US). WRONG = disagrees with the"
+            " reference, not timed; n/a = the peer did not load:"
+        )
+        for k in ("fmla", "triton"):
+            notes = sorted({str(r.get(f"{k}_note")) for r in rows if r.get(f"{k}_status") not in (None, "", "ok")})
+            for n in notes[:4]:
+                print(f"#   {k}: {n}")
+    bm.write_csv(os.path.join(out_dir, "mla_decode.csv"), rows)
+    bm.write_json(os.path.join(out_dir, "mla_decode_meta.json"), dict(header, ceilings=ceil))
+    plot_roofline(rows, ceil, os.path.join(out_dir, "mla_decode_roofline.png"), header)
 
 
 def plot_roofline(rows, ceil, path, header):
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    print("# matplotlib missing: no plot")
-    return
-  bw, peak = ceil["bandwidth_gbps"], ceil["matmul_tflops"]
-  fig, ax = plt.subplots(figsize=(8, 5.5))
-  xs = [10 ** (i / 20) for i in range(0, 81)]
-  ax.plot(xs, [min(bw * x / 1e3, peak) for x in xs], "k-", lw=1,
-          label=f"roof: {bw:.0f} GB/s, {peak:.0f} TFLOP/s (measured)")
-  for key, label, marker in (("us", "Mosaic GPU kernel", "o"), ("xla_us", "XLA absorbed", "s"),
-                             ("naive_us", "naive (decompress)", "x")):
-    pts = [(r["gflop"] / r["gbytes"], r["gflop"] / r[key] * 1e3) for r in rows
-           if r.get(key) and r.get("config") == "default"]
-    if pts:
-      ax.scatter(*zip(*pts), marker=marker, label=label, alpha=0.7)
-  fm = [(r["gflop"] / r["gbytes"], r["gflop"] / r["flashmla_us"] * 1e3) for r in rows
-        if r.get("flashmla_us") and r.get("config") == "default"]
-  if fm:
-    ax.scatter(*zip(*fm), marker="*", s=90, label="FlashMLA (H200, published run)")
-  for key, label, marker in (("fmla_us", "FlashMLA (measured in this run)", "P"),
-                             ("triton_us", "vLLM Triton (measured in this run)", "v")):
-    pts = [(r["gflop"] / r["gbytes"], r["gflop"] / r[key] * 1e3) for r in rows
-           if isinstance(r.get(key), (int, float)) and r.get(key) and r.get("config") == "default"]
-    if pts:
-      ax.scatter(*zip(*pts), marker=marker, s=60, label=label, alpha=0.8)
-  ax.set_xscale("log")
-  ax.set_yscale("log")
-  ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-  ax.set_ylabel("TFLOP/s")
-  ax.set_title(f"Absorbed MLA decode, {header['device']}, jax {header['jax']}")
-  ax.legend(fontsize=8)
-  ax.grid(True, which="both", alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  print(f"# wrote {path}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib missing: no plot")
+        return
+    bw, peak = ceil["bandwidth_gbps"], ceil["matmul_tflops"]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    xs = [10 ** (i / 20) for i in range(0, 81)]
+    ax.plot(
+        xs,
+        [min(bw * x / 1e3, peak) for x in xs],
+        "k-",
+        lw=1,
+        label=f"roof: {bw:.0f} GB/s, {peak:.0f} TFLOP/s (measured)",
+    )
+    for key, label, marker in (
+        ("us", "Mosaic GPU kernel", "o"),
+        ("xla_us", "XLA absorbed", "s"),
+        ("naive_us", "naive (decompress)", "x"),
+    ):
+        pts = [
+            (r["gflop"] / r["gbytes"], r["gflop"] / r[key] * 1e3)
+            for r in rows
+            if r.get(key) and r.get("config") == "default"
+        ]
+        if pts:
+            ax.scatter(*zip(*pts), marker=marker, label=label, alpha=0.7)
+    fm = [
+        (r["gflop"] / r["gbytes"], r["gflop"] / r["flashmla_us"] * 1e3)
+        for r in rows
+        if r.get("flashmla_us") and r.get("config") == "default"
+    ]
+    if fm:
+        ax.scatter(*zip(*fm), marker="*", s=90, label="FlashMLA (H200, published run)")
+    for key, label, marker in (
+        ("fmla_us", "FlashMLA (measured in this run)", "P"),
+        ("triton_us", "vLLM Triton (measured in this run)", "v"),
+    ):
+        pts = [
+            (r["gflop"] / r["gbytes"], r["gflop"] / r[key] * 1e3)
+            for r in rows
+            if isinstance(r.get(key), (int, float)) and r.get(key) and r.get("config") == "default"
+        ]
+        if pts:
+            ax.scatter(*zip(*pts), marker=marker, s=60, label=label, alpha=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"Absorbed MLA decode, {header['device']}, jax {header['jax']}")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"# wrote {path}")
 
 
 def main(argv=None):
-  p = bm.OneLineParser(prog="python -m benchmarks mla_decode", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--quick", action="store_true", help="a reduced grid")
-  p.add_argument("--out", default="runs/bench_mla_decode", help="directory for CSV/PNG/JSON")
-  p.add_argument("--iters", type=int, default=30, help="CUPTI iterations per timing (median)")
-  p.add_argument("--sweep", action="store_true",
-                 help="also time the split_qk variant everywhere and split counts at small batch")
-  p.add_argument("--variants", default="",
-                 help="comma-separated named configs to time beside the default "
-                      "(see variants(): plain, split_qk, splits2, splits4, balanced, fp8_padded)")
-  p.add_argument("--only-flashmla", action="store_true",
-                 help="only the cells FlashMLA was measured at (plus two ragged ones)")
-  p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive path")
-  p.add_argument("--cells", type=int, default=0, help="only the first N cells (0 = all)")
-  p.add_argument("--skip-quick", action="store_true", help="leave out the --quick cells")
-  p.add_argument("--then-grid", action="store_true",
-                 help="after the chosen cells, the rest of the full grid (default config only)")
-  p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
-                 help="page format of the cache: bf16 pages or fp8 ones (656 bytes a token) (default: bf16)")
-  p.add_argument("--cell-list", default="",
-                 help="exactly these cells: 'B,s_q,seq,H;...' (seq 'lo-hi': lengths uniform in [lo, hi]; "
-                      "'N~': normal around N, the grid's ragged lengths); replaces --quick and the grid")
-  p.add_argument("--schedule", choices=("per_sequence", "balanced"), default="per_sequence",
-                 help="MlaDecodeConfig.schedule of the default config (default: per_sequence)")
-  p.add_argument("--peers", metavar="DIR",
-                 help="also time FlashMLA (DIR/flashmla, built in place if needed) and vLLM's Triton MLA decode "
-                      "(DIR/vllm_triton_mla.py) on every cell's arrays, in this process (needs torch): "
-                      "columns fmla_*, triton_*, ours_over_* (see benchmarks/peers.py)")
-  p.add_argument("--triton-splits", default="4,8,16,32",
-                 help="with --peers: num_kv_splits tried for vLLM's Triton kernel (the correct one with the least "
-                      "kernel time is kept)")
-  p.add_argument("--peer-build-timeout", type=float, default=480.0,
-                 help="with --peers: seconds to wait for FlashMLA's in-place build (default 480)")
-  p.add_argument("--from-csv", help="no GPU: re-report a CSV from an earlier run (table + plot)")
-  p.add_argument("--bandwidth-gbps", type=float, help="with --from-csv: the measured copy ceiling")
-  p.add_argument("--matmul-tflops", type=float, help="with --from-csv: the measured matmul ceiling")
-  p.add_argument("--device", default="NVIDIA H200", help="with --from-csv: the GPU it ran on")
-  args = p.parse_args(argv)
-  args.cell_specs = None
-  if args.cell_list:
-    try:
-      args.cell_specs = parse_cell_list(args.cell_list)
-    except ValueError as e:
-      p.error(f"--cell-list: {e}")
-  if args.peers:
-    from benchmarks import peers
+    p = bm.OneLineParser(
+        prog="python -m benchmarks mla_decode",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="a reduced grid")
+    p.add_argument("--out", default="runs/bench_mla_decode", help="directory for CSV/PNG/JSON")
+    p.add_argument("--iters", type=int, default=30, help="CUPTI iterations per timing (median)")
+    p.add_argument(
+        "--sweep", action="store_true", help="also time the split_qk variant everywhere and split counts at small batch"
+    )
+    p.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated named configs to time beside the default "
+        "(see variants(): plain, split_qk, splits2, splits4, balanced, fp8_padded)",
+    )
+    p.add_argument(
+        "--only-flashmla", action="store_true", help="only the cells FlashMLA was measured at (plus two ragged ones)"
+    )
+    p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive path")
+    p.add_argument("--cells", type=int, default=0, help="only the first N cells (0 = all)")
+    p.add_argument("--skip-quick", action="store_true", help="leave out the --quick cells")
+    p.add_argument(
+        "--then-grid",
+        action="store_true",
+        help="after the chosen cells, the rest of the full grid (default config only)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="page format of the cache: bf16 pages or fp8 ones (656 bytes a token) (default: bf16)",
+    )
+    p.add_argument(
+        "--cell-list",
+        default="",
+        help="exactly these cells: 'B,s_q,seq,H;...' (seq 'lo-hi': lengths uniform in [lo, hi]; "
+        "'N~': normal around N, the grid's ragged lengths); replaces --quick and the grid",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=("per_sequence", "balanced"),
+        default="per_sequence",
+        help="MlaDecodeConfig.schedule of the default config (default: per_sequence)",
+    )
+    p.add_argument(
+        "--peers",
+        metavar="DIR",
+        help="also time FlashMLA (DIR/flashmla, built in place if needed) and vLLM's Triton MLA decode "
+        "(DIR/vllm_triton_mla.py) on every cell's arrays, in this process (needs torch): "
+        "columns fmla_*, triton_*, ours_over_* (see benchmarks/peers.py)",
+    )
+    p.add_argument(
+        "--triton-splits",
+        default="4,8,16,32",
+        help="with --peers: num_kv_splits tried for vLLM's Triton kernel (the correct one with the least "
+        "kernel time is kept)",
+    )
+    p.add_argument(
+        "--peer-build-timeout",
+        type=float,
+        default=480.0,
+        help="with --peers: seconds to wait for FlashMLA's in-place build (default 480)",
+    )
+    p.add_argument("--from-csv", help="no GPU: re-report a CSV from an earlier run (table + plot)")
+    p.add_argument("--bandwidth-gbps", type=float, help="with --from-csv: the measured copy ceiling")
+    p.add_argument("--matmul-tflops", type=float, help="with --from-csv: the measured matmul ceiling")
+    p.add_argument("--device", default="NVIDIA H200", help="with --from-csv: the GPU it ran on")
+    args = p.parse_args(argv)
+    args.cell_specs = None
+    if args.cell_list:
+        try:
+            args.cell_specs = parse_cell_list(args.cell_list)
+        except ValueError as e:
+            p.error(f"--cell-list: {e}")
+    if args.peers:
+        from benchmarks import peers
+
+        if args.from_csv:
+            p.error("--peers times the peers now, on a GPU: not with --from-csv")
+        if args.kv_dtype != "bf16":
+            p.error("--peers: the peers read bf16 pages only (leave --kv-dtype at bf16)")
+        try:
+            args.triton_split_list = tuple(int(x) for x in args.triton_splits.split(",") if x.strip())
+        except ValueError:
+            args.triton_split_list = ()
+        if not args.triton_split_list or min(args.triton_split_list) < 1:
+            p.error(f"--triton-splits {args.triton_splits!r}: want positive integers, comma-separated")
+        why = peers.check_bundle_dir(args.peers)
+        if why:
+            p.error(why)
+        # JAX and torch share the GPU in this process: JAX allocates as it goes (no 75 % block at start),
+        # up to the fraction, and torch takes what it needs from the rest. Set before JAX starts its
+        # backend; a value already in the environment wins.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
     if args.from_csv:
-      p.error("--peers times the peers now, on a GPU: not with --from-csv")
-    if args.kv_dtype != "bf16":
-      p.error("--peers: the peers read bf16 pages only (leave --kv-dtype at bf16)")
+        if not (args.bandwidth_gbps and args.matmul_tflops):
+            p.error("--from-csv needs --bandwidth-gbps and --matmul-tflops")
+        rows = bm.read_csv(args.from_csv)
+        ceil = dict(bandwidth_gbps=args.bandwidth_gbps, matmul_tflops=args.matmul_tflops)
+        for r in rows:
+            if isinstance(r.get("us"), float):
+                r["bw_frac"] = r["gbps"] / ceil["bandwidth_gbps"]
+                r["flop_frac"] = r["tflops"] / ceil["matmul_tflops"]
+        import jax
+
+        os.makedirs(args.out, exist_ok=True)
+        report(rows, ceil, dict(device=args.device, jax=jax.__version__, source=args.from_csv), args.out)
+        return rows
+    bm.require_gpu("mla_decode")
+    if args.iters < 30:
+        print(f"# note: --iters {args.iters} < 30")
+    args.bundle = None
+    if args.peers:
+        # torch is imported only now, after JAX's backend is up: JAX loads its own CUDA libraries first,
+        # and a peer whose stack does not load on top of them is reported, not the other way round.
+        print("# peers: " + ", ".join(f"{k}={os.environ.get(k)}" for k in PEER_XLA_ENV), flush=True)
+        args.bundle = peers.open_bundle(
+            args.peers,
+            args.out,
+            splits=args.triton_split_list,
+            build_timeout_s=args.peer_build_timeout,
+            iterations=args.iters,
+        )
     try:
-      args.triton_split_list = tuple(int(x) for x in args.triton_splits.split(",") if x.strip())
-    except ValueError:
-      args.triton_split_list = ()
-    if not args.triton_split_list or min(args.triton_split_list) < 1:
-      p.error(f"--triton-splits {args.triton_splits!r}: want positive integers, comma-separated")
-    why = peers.check_bundle_dir(args.peers)
-    if why:
-      p.error(why)
-    # JAX and torch share the GPU in this process: JAX allocates as it goes (no 75 % block at start),
-    # up to the fraction, and torch takes what it needs from the rest. Set before JAX starts its
-    # backend; a value already in the environment wins.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
-  if args.from_csv:
-    if not (args.bandwidth_gbps and args.matmul_tflops):
-      p.error("--from-csv needs --bandwidth-gbps and --matmul-tflops")
-    rows = bm.read_csv(args.from_csv)
-    ceil = dict(bandwidth_gbps=args.bandwidth_gbps, matmul_tflops=args.matmul_tflops)
-    for r in rows:
-      if isinstance(r.get("us"), float):
-        r["bw_frac"] = r["gbps"] / ceil["bandwidth_gbps"]
-        r["flop_frac"] = r["tflops"] / ceil["matmul_tflops"]
-    import jax
-    os.makedirs(args.out, exist_ok=True)
-    report(rows, ceil, dict(device=args.device, jax=jax.__version__, source=args.from_csv), args.out)
-    return rows
-  bm.require_gpu("mla_decode")
-  if args.iters < 30:
-    print(f"# note: --iters {args.iters} < 30")
-  args.bundle = None
-  if args.peers:
-    # torch is imported only now, after JAX's backend is up: JAX loads its own CUDA libraries first,
-    # and a peer whose stack does not load on top of them is reported, not the other way round.
-    print("# peers: " + ", ".join(f"{k}={os.environ.get(k)}" for k in PEER_XLA_ENV), flush=True)
-    args.bundle = peers.open_bundle(args.peers, args.out, splits=args.triton_split_list,
-                                    build_timeout_s=args.peer_build_timeout, iterations=args.iters)
-  try:
-    return run(args)
-  finally:
-    if args.bundle is not None:
-      args.bundle.close()
+        return run(args)
+    finally:
+        if args.bundle is not None:
+            args.bundle.close()
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -22,68 +22,86 @@ IMPLS = ("decode", "mgpu", "ragged_dot")
 
 
 def run(args):
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
 
-  from mla_jax import ModelConfig
-  from models.moe import moe_grouped
+    from mla_jax import ModelConfig
+    from models.moe import moe_grouped
 
-  cfg = ModelConfig.deepseek_v2_lite() if args.model == "v2-lite" else ModelConfig.deepseek_v3()
-  E, K, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
-  header, ceil = bm.begin_run(f"moe ({args.model}: E={E} K={K} D={D} I={I})", args.out, args.iters)
-  k0, k1, k2 = jax.random.split(jax.random.key(0), 3)
-  scale = 0.02
-  gate = (jax.random.normal(k0, (E, D, I), jnp.bfloat16) * scale).astype(jnp.bfloat16)
-  up = (jax.random.normal(k1, (E, D, I), jnp.bfloat16) * scale).astype(jnp.bfloat16)
-  down = (jax.random.normal(k2, (E, I, D), jnp.bfloat16) * scale).astype(jnp.bfloat16)
-  rows = []
-  for T in bm.progress([int(t) for t in args.tokens.split(",")], desc="moe cells"):
-    rng = np.random.default_rng(T)
-    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
-    touched = len(np.unique(idx))
-    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
-    w = jnp.asarray(rng.random((T, K)), jnp.float32)
-    idx = jnp.asarray(idx)
-    wbytes = touched * 3 * D * I * 2
-    floor_us = wbytes / (ceil["bandwidth_gbps"] * 1e3)
-    flops = 2 * T * K * 3 * D * I
-    ref = jax.jit(lambda *a: moe_grouped(*a, impl="ragged_dot"))(x, w, idx, gate, up, down).astype(jnp.float32)
-    for impl in IMPLS:
-      row = dict(model=args.model, T=T, impl=impl, touched=touched, weight_mb=wbytes / 1e6, floor_us=floor_us)
-      fn = jax.jit(lambda *a, impl=impl: moe_grouped(*a, impl=impl))
-      try:
-        got = fn(x, w, idx, gate, up, down).astype(jnp.float32)
-        row["rel_err"] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-        if not row["rel_err"] < 1e-2:
-          raise RuntimeError(f"not timed: relative error {row['rel_err']:.3g} against ragged_dot")
-        us = bm.cupti_median_us(fn, x, w, idx, gate, up, down, iterations=args.iters)
-        row.update(us=us, x_floor=us / floor_us, gbps=wbytes / us / 1e3, tflops=flops / us / 1e6,
-                   mfu=flops / us / 1e6 / ceil["matmul_tflops"])
-      except Exception as e:  # noqa: BLE001
-        row["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-      rows.append(row)
-  bm.print_table(rows, [("T", "T", "{}"), ("impl", "impl", "{}"), ("touched", "experts", "{}"),
-                        ("weight_mb", "weights MB", "{:.1f}"), ("floor_us", "floor µs", "{:.1f}"),
-                        ("us", "µs", "{:.1f}"), ("x_floor", "x floor", "{:.2f}"), ("gbps", "GB/s", "{:.0f}"),
-                        ("tflops", "TFLOP/s", "{:.0f}"), ("mfu", "%matmul", "{:.0%}"),
-                        ("rel_err", "rel err", "{:.1e}"), ("note", "note", "{}")])
-  bm.write_csv(os.path.join(args.out, f"moe_{args.model}.csv"), rows)
-  bm.write_json(os.path.join(args.out, f"moe_{args.model}_meta.json"), dict(header, ceilings=ceil))
-  return rows
+    cfg = ModelConfig.deepseek_v2_lite() if args.model == "v2-lite" else ModelConfig.deepseek_v3()
+    E, K, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    header, ceil = bm.begin_run(f"moe ({args.model}: E={E} K={K} D={D} I={I})", args.out, args.iters)
+    k0, k1, k2 = jax.random.split(jax.random.key(0), 3)
+    scale = 0.02
+    gate = (jax.random.normal(k0, (E, D, I), jnp.bfloat16) * scale).astype(jnp.bfloat16)
+    up = (jax.random.normal(k1, (E, D, I), jnp.bfloat16) * scale).astype(jnp.bfloat16)
+    down = (jax.random.normal(k2, (E, I, D), jnp.bfloat16) * scale).astype(jnp.bfloat16)
+    rows = []
+    for T in bm.progress([int(t) for t in args.tokens.split(",")], desc="moe cells"):
+        rng = np.random.default_rng(T)
+        idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+        touched = len(np.unique(idx))
+        x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+        w = jnp.asarray(rng.random((T, K)), jnp.float32)
+        idx = jnp.asarray(idx)
+        wbytes = touched * 3 * D * I * 2
+        floor_us = wbytes / (ceil["bandwidth_gbps"] * 1e3)
+        flops = 2 * T * K * 3 * D * I
+        ref = jax.jit(lambda *a: moe_grouped(*a, impl="ragged_dot"))(x, w, idx, gate, up, down).astype(jnp.float32)
+        for impl in IMPLS:
+            row = dict(model=args.model, T=T, impl=impl, touched=touched, weight_mb=wbytes / 1e6, floor_us=floor_us)
+            fn = jax.jit(lambda *a, impl=impl: moe_grouped(*a, impl=impl))
+            try:
+                got = fn(x, w, idx, gate, up, down).astype(jnp.float32)
+                row["rel_err"] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+                if not row["rel_err"] < 1e-2:
+                    raise RuntimeError(f"not timed: relative error {row['rel_err']:.3g} against ragged_dot")
+                us = bm.cupti_median_us(fn, x, w, idx, gate, up, down, iterations=args.iters)
+                row.update(
+                    us=us,
+                    x_floor=us / floor_us,
+                    gbps=wbytes / us / 1e3,
+                    tflops=flops / us / 1e6,
+                    mfu=flops / us / 1e6 / ceil["matmul_tflops"],
+                )
+            except Exception as e:  # noqa: BLE001
+                row["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            rows.append(row)
+    bm.print_table(
+        rows,
+        [
+            ("T", "T", "{}"),
+            ("impl", "impl", "{}"),
+            ("touched", "experts", "{}"),
+            ("weight_mb", "weights MB", "{:.1f}"),
+            ("floor_us", "floor µs", "{:.1f}"),
+            ("us", "µs", "{:.1f}"),
+            ("x_floor", "x floor", "{:.2f}"),
+            ("gbps", "GB/s", "{:.0f}"),
+            ("tflops", "TFLOP/s", "{:.0f}"),
+            ("mfu", "%matmul", "{:.0%}"),
+            ("rel_err", "rel err", "{:.1e}"),
+            ("note", "note", "{}"),
+        ],
+    )
+    bm.write_csv(os.path.join(args.out, f"moe_{args.model}.csv"), rows)
+    bm.write_json(os.path.join(args.out, f"moe_{args.model}_meta.json"), dict(header, ceilings=ceil))
+    return rows
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(prog="python -m benchmarks moe", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model", choices=("v2-lite", "v3"), default="v2-lite", help="the layer's shape")
-  p.add_argument("--tokens", default="1,8,32,128,512,4096", help="tokens a call (comma-separated)")
-  p.add_argument("--out", default="runs/bench_moe", help="directory for CSV/JSON")
-  p.add_argument("--iters", type=int, default=30, help="CUPTI iterations per timing (median)")
-  args = p.parse_args(argv)
-  bm.require_gpu("moe")
-  return run(args)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks moe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", choices=("v2-lite", "v3"), default="v2-lite", help="the layer's shape")
+    p.add_argument("--tokens", default="1,8,32,128,512,4096", help="tokens a call (comma-separated)")
+    p.add_argument("--out", default="runs/bench_moe", help="directory for CSV/JSON")
+    p.add_argument("--iters", type=int, default=30, help="CUPTI iterations per timing (median)")
+    args = p.parse_args(argv)
+    bm.require_gpu("moe")
+    return run(args)
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -7,6 +7,16 @@ from mla_jax.norm import RMSNorm
 from mla_jax.rope import apply_rope, attention_factor, inv_frequencies, rope_cos_sin
 
 __all__ = [
-    "CacheFullError", "MLA", "ModelConfig", "PagedLatentCache", "RMSNorm", "apply_rope", "attention_factor", "attention_mask", "inv_frequencies",
-    "mla_absorbed_attention", "mla_naive_attention", "rope_cos_sin",
+    "CacheFullError",
+    "MLA",
+    "ModelConfig",
+    "PagedLatentCache",
+    "RMSNorm",
+    "apply_rope",
+    "attention_factor",
+    "attention_mask",
+    "inv_frequencies",
+    "mla_absorbed_attention",
+    "mla_naive_attention",
+    "rope_cos_sin",
 ]

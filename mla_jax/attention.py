@@ -43,6 +43,7 @@ def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     bf16 values is exact in float32), summed in float32. Other platforms (the GPU, cross-lowering for
     sm_90 included) keep the bf16 dot (`lax.platform_dependent` picks the branch per lowering platform).
     """
+
     def native(a, b):
         return jnp.einsum(spec, a, b, preferred_element_type=_F32)
 
@@ -73,8 +74,15 @@ def _masked_softmax(scores_BHTS: jax.Array, mask_BTS: jax.Array) -> tuple[jax.Ar
 
 
 def mla_naive_attention(
-    q_nope: jax.Array, q_pe: jax.Array, kv_latent: jax.Array, wkv_b_LHK: jax.Array,
-    q_positions: jax.Array, kv_positions: jax.Array, *, softmax_scale: float, q_block: int | None = None,
+    q_nope: jax.Array,
+    q_pe: jax.Array,
+    kv_latent: jax.Array,
+    wkv_b_LHK: jax.Array,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    *,
+    softmax_scale: float,
+    q_block: int | None = None,
     impl: str = "xla",
 ) -> jax.Array:
     """Decompressed MLA attention.
@@ -162,8 +170,10 @@ def _mgpu_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, so
             where = jax.default_backend()
             if where == "gpu":
                 where += f" ({jax.devices()[0].device_kind})"
-            raise ValueError(f"impl='mgpu' needs a Hopper GPU (the Mosaic GPU flash attention kernel); the backend "
-                             f"is {where}: use impl='xla'")
+            raise ValueError(
+                f"impl='mgpu' needs a Hopper GPU (the Mosaic GPU flash attention kernel); the backend "
+                f"is {where}: use impl='xla'"
+            )
         kernel_impl = "kernel"
     ok, _, valid_BT = _right_padded(q_positions, kv_positions, "mgpu")
     T, D, V = q_BTHD.shape[1], q_BTHD.shape[3], v_BSHV.shape[3]
@@ -192,17 +202,34 @@ def _cudnn_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, s
     from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
 
     if jax.default_backend() != "gpu":
-        raise ValueError(f"impl='cudnn' needs a CUDA GPU (cuDNN's flash attention); the backend is "
-                         f"{jax.default_backend()}: use impl='xla'")
+        raise ValueError(
+            f"impl='cudnn' needs a CUDA GPU (cuDNN's flash attention); the backend is "
+            f"{jax.default_backend()}: use impl='xla'"
+        )
     ok, n_B, _ = _right_padded(q_positions, kv_positions, "cudnn")
-    o = cudnn_attention(q_BTHD, k_BSHD, v_BSHV, None, None, n_B, n_B, scale=float(softmax_scale),
-                        mask_type=MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+    o = cudnn_attention(
+        q_BTHD,
+        k_BSHD,
+        v_BSHV,
+        None,
+        None,
+        n_B,
+        n_B,
+        scale=float(softmax_scale),
+        mask_type=MaskType.PADDING_CAUSAL,
+        qkv_layout="BTNH",
+    )
     return jnp.where(ok, o, jnp.nan).astype(q_BTHD.dtype)
 
 
 def mla_absorbed_attention(
-    q_abs: jax.Array, kv_latent: jax.Array, q_positions: jax.Array, kv_positions: jax.Array,
-    *, softmax_scale: float, kv_lora_rank: int,
+    q_abs: jax.Array,
+    kv_latent: jax.Array,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    *,
+    softmax_scale: float,
+    kv_lora_rank: int,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA attention over the latent itself (the dense form of the decode kernel).
 
@@ -244,8 +271,14 @@ class MLA(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         self.cfg = cfg
         H, D = cfg.num_attention_heads, cfg.hidden_size
-        lin = partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                      kernel_init=initializers.normal(cfg.initializer_range), rngs=rngs)
+        lin = partial(
+            nnx.Linear,
+            use_bias=False,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=initializers.normal(cfg.initializer_range),
+            rngs=rngs,
+        )
         if cfg.q_lora_rank is None:
             self.wq = lin(D, H * cfg.qk_head_dim)
         else:
@@ -263,7 +296,7 @@ class MLA(nnx.Module):
         cfg = self.cfg
         q = self.wq(x_BTD) if cfg.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x_BTD)))
         q_BTHK = q.reshape(q.shape[:2] + (cfg.num_attention_heads, cfg.qk_head_dim))
-        q_nope, q_pe = q_BTHK[..., : cfg.qk_nope_head_dim], q_BTHK[..., cfg.qk_nope_head_dim:]
+        q_nope, q_pe = q_BTHK[..., : cfg.qk_nope_head_dim], q_BTHK[..., cfg.qk_nope_head_dim :]
         cos, sin = rope_cos_sin(cfg, positions_BT)
         return q_nope, apply_rope(q_pe, cos, sin, interleave=cfg.rope_interleave)
 
@@ -271,7 +304,7 @@ class MLA(nnx.Module):
         """-> the cached latent [B,T,L+R] = [kv_norm(c_kv) ; rope(k_pe)]."""
         cfg = self.cfg
         kv = self.wkv_a(x_BTD)
-        c_BTL, k_pe_BTR = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank:]
+        c_BTL, k_pe_BTR = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
         cos, sin = rope_cos_sin(cfg, positions_BT)
         k_pe_BTR = apply_rope(k_pe_BTR, cos, sin, interleave=cfg.rope_interleave)
         c_BTL = self.kv_norm(c_BTL)
@@ -280,8 +313,9 @@ class MLA(nnx.Module):
     def wkv_b_LHK(self) -> jax.Array:
         """wkv_b as [L, H, N+V]: per head, the K_nope columns then the V columns (W_UK ; W_UV)."""
         cfg = self.cfg
-        return self.wkv_b.kernel[...].reshape(cfg.kv_lora_rank, cfg.num_attention_heads,
-                                              cfg.qk_nope_head_dim + cfg.v_head_dim)
+        return self.wkv_b.kernel[...].reshape(
+            cfg.kv_lora_rank, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim
+        )
 
     def absorb_query(self, q_nope: jax.Array, q_pe: jax.Array) -> jax.Array:
         """[q_nope · W_UK ; q_pe] -> [B,T,H,L+R]: the query the absorbed path / decode kernel takes."""
@@ -291,23 +325,46 @@ class MLA(nnx.Module):
 
     def output_from_latent(self, o_lat_BTHL: jax.Array) -> jax.Array:
         """Un-absorb W_UV and apply the output projection: [B,T,H,L] -> [B,T,D]."""
-        w_uv_LHV = self.wkv_b_LHK()[..., self.cfg.qk_nope_head_dim:]
+        w_uv_LHV = self.wkv_b_LHK()[..., self.cfg.qk_nope_head_dim :]
         o = einsum_f32("bthl,lhv->bthv", o_lat_BTHL, w_uv_LHV.astype(o_lat_BTHL.dtype))
         return self.wo(o.astype(o_lat_BTHL.dtype).reshape(o.shape[:2] + (-1,)))
 
     # --- attention ----------------------------------------------------------------------
-    def attend(self, q_nope: jax.Array, q_pe: jax.Array, kv_latent: jax.Array, q_positions: jax.Array,
-               kv_positions: jax.Array, *, absorbed: bool, q_block: int | None = None,
-               attn_impl: str = "xla") -> jax.Array:
+    def attend(
+        self,
+        q_nope: jax.Array,
+        q_pe: jax.Array,
+        kv_latent: jax.Array,
+        q_positions: jax.Array,
+        kv_positions: jax.Array,
+        *,
+        absorbed: bool,
+        q_block: int | None = None,
+        attn_impl: str = "xla",
+    ) -> jax.Array:
         """Attend queries over a latent context (this chunk and/or a cached prefix) -> [B,T,D]."""
         cfg = self.cfg
         if absorbed:
-            o_lat, _ = mla_absorbed_attention(self.absorb_query(q_nope, q_pe), kv_latent, q_positions,
-                                              kv_positions, softmax_scale=cfg.softmax_scale,
-                                              kv_lora_rank=cfg.kv_lora_rank)
+            o_lat, _ = mla_absorbed_attention(
+                self.absorb_query(q_nope, q_pe),
+                kv_latent,
+                q_positions,
+                kv_positions,
+                softmax_scale=cfg.softmax_scale,
+                kv_lora_rank=cfg.kv_lora_rank,
+            )
             return self.output_from_latent(o_lat)
-        o_BTHV = mla_naive_attention(q_nope, q_pe, kv_latent, self.wkv_b_LHK(), q_positions, kv_positions,
-                                     softmax_scale=cfg.softmax_scale, q_block=q_block, impl=attn_impl)
+        o_BTHV = mla_naive_attention(
+            q_nope,
+            q_pe,
+            kv_latent,
+            self.wkv_b_LHK(),
+            q_positions,
+            kv_positions,
+            softmax_scale=cfg.softmax_scale,
+            q_block=q_block,
+            impl=attn_impl,
+        )
         return self.wo(o_BTHV.reshape(o_BTHV.shape[:2] + (-1,)))
 
     def cached_attention(self, x_BTD: jax.Array, positions_BT: jax.Array, cache):
@@ -320,8 +377,12 @@ class MLA(nnx.Module):
         rope_pos = jnp.maximum(positions_BT, 0)  # padding rows get any valid rope position; never seen
         q_nope, q_pe = self.project_q(x_BTD, rope_pos)
         cache = cache.write(self.project_kv(x_BTD, rope_pos), positions_BT)
-        if (T < cache.naive_threshold and T <= MAX_QUERY_LEN and cache.impl != "reference"
-                and decode_kernel_reads(cache.page_format)):
+        if (
+            T < cache.naive_threshold
+            and T <= MAX_QUERY_LEN
+            and cache.impl != "reference"
+            and decode_kernel_reads(cache.page_format)
+        ):
             from pallas_kernels import mla_decode
 
             # The kernel places query j at seq_len - T + j. Valid tokens are a prefix of T here
@@ -332,8 +393,9 @@ class MLA(nnx.Module):
             q_BTHC = self.absorb_query(q_nope, q_pe).astype(jnp.bfloat16 if cache.quantized else cache.pages.dtype)
 
             def decode(pages, table, q, seq_lens):  # on the whole pool, or one data rank's (map_pages)
-                return mla_decode(q, pages, table, seq_lens, softmax_scale=cfg.softmax_scale, causal=True,
-                                  impl=cache.impl)[0]
+                return mla_decode(
+                    q, pages, table, seq_lens, softmax_scale=cfg.softmax_scale, causal=True, impl=cache.impl
+                )[0]
 
             o_lat = cache.map_pages(decode, q_BTHC, cache.lengths + T - n_valid)
             return self.output_from_latent(o_lat.astype(x_BTD.dtype)), cache
@@ -341,8 +403,16 @@ class MLA(nnx.Module):
         out = self.attend(q_nope, q_pe, ctx_BSC, positions_BT, kv_pos_BS, absorbed=T < cache.naive_threshold)
         return out, cache
 
-    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, *, absorbed: bool = False, cache=None,
-                 q_block: int | None = None, attn_impl: str = "xla"):
+    def __call__(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        *,
+        absorbed: bool = False,
+        cache=None,
+        q_block: int | None = None,
+        attn_impl: str = "xla",
+    ):
         if x_BTD.ndim != 3 or x_BTD.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"MLA expects x [B, T, {self.cfg.hidden_size}], got {x_BTD.shape}")
         if positions_BT.shape != x_BTD.shape[:2]:
@@ -351,5 +421,6 @@ class MLA(nnx.Module):
             return self.cached_attention(x_BTD, positions_BT, cache)
         q_nope, q_pe = self.project_q(x_BTD, positions_BT)
         kv_latent = self.project_kv(x_BTD, positions_BT)
-        return self.attend(q_nope, q_pe, kv_latent, positions_BT, positions_BT, absorbed=absorbed, q_block=q_block,
-                           attn_impl=attn_impl)
+        return self.attend(
+            q_nope, q_pe, kv_latent, positions_BT, positions_BT, absorbed=absorbed, q_block=q_block, attn_impl=attn_impl
+        )

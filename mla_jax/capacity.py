@@ -28,6 +28,7 @@ from typing import NoReturn, Sequence
 
 from mla_jax.config import ModelConfig
 
+
 # Page formats of the latent cache. For each: (bytes of one token's latent in one layer as a
 # function of L and R, bytes of one cached K or V head vector of width w in the MHA/GQA
 # comparison rows, a one-line description).
@@ -51,6 +52,7 @@ def _page_format_bytes(name: str):
         if name == "fp4" and L % (2 * FP4_BLOCK):
             return _ceil_div(L, 2) + _ceil_div(L, FP4_BLOCK) + R * 2
         return PageFormat(name, latent_dim=L, rope_dim=R).token_bytes
+
     return latent_bytes
 
 
@@ -245,15 +247,16 @@ def plan_kv_cache(
     latent_fn, head_vec_fn, _ = _dtype(kv_dtype)
     if context_len > cfg.max_position_embeddings:
         raise ValueError(
-            f"context_len={context_len} exceeds the model's "
-            f"max_position_embeddings={cfg.max_position_embeddings}"
+            f"context_len={context_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}"
         )
 
     layers = cfg.num_hidden_layers + (cfg.num_mtp_layers if include_mtp else 0)
     heads = cfg.num_attention_heads
     if heads % tp and tp % heads:
-        raise ValueError(f"tp={tp} does not divide num_attention_heads={heads} (nor is it a multiple of it): "
-                         "tensor parallelism gives every device whole heads")
+        raise ValueError(
+            f"tp={tp} does not divide num_attention_heads={heads} (nor is it a multiple of it): "
+            "tensor parallelism gives every device whole heads"
+        )
     groups = min(gqa_groups, heads)
     pages = _ceil_div(context_len + int(draft_tokens), page_size)
     alloc_tokens = pages * page_size
@@ -325,8 +328,10 @@ def format_plan(plan: KVPlan) -> str:
     cfg = plan.cfg
     s = "" if plan.num_sequences == 1 else "s"
     if plan.dp_attention:
-        mla_split = (f"latent split by sequence (DP attention): {plan.sequences_per_device} of "
-                     f"{plan.num_sequences} sequence{s} on the most loaded device")
+        mla_split = (
+            f"latent split by sequence (DP attention): {plan.sequences_per_device} of "
+            f"{plan.num_sequences} sequence{s} on the most loaded device"
+        )
     else:
         mla_split = "latent replicated on every device (it has no head axis)"
     lines = [
@@ -391,23 +396,25 @@ def _build_parser() -> _Parser:
     p = _Parser(
         prog="mla-capacity",
         description="KV-cache capacity of the MLA latent cache, next to MHA and GQA equivalents "
-                    "(binary units: KiB = 1024 B, GiB = 1024**3 B).",
+        "(binary units: KiB = 1024 B, GiB = 1024**3 B).",
     )
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--preset", choices=sorted(PRESETS), default="deepseek-v3",
-                       help="built-in model shape (default: deepseek-v3)")
-    model.add_argument("--config", metavar="PATH",
-                       help="a Hugging Face config.json (or a directory holding one)")
+    model.add_argument(
+        "--preset", choices=sorted(PRESETS), default="deepseek-v3", help="built-in model shape (default: deepseek-v3)"
+    )
+    model.add_argument("--config", metavar="PATH", help="a Hugging Face config.json (or a directory holding one)")
     p.add_argument("--context", type=int, default=131072, help="tokens a sequence (default: 131072)")
     p.add_argument("--sequences", type=int, default=1, help="concurrent sequences (default: 1)")
     p.add_argument("--page-size", type=int, default=64, help="tokens a cache page (default: 64)")
-    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bf16",
-                   help="cache page format (default: bf16)")
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bf16", help="cache page format (default: bf16)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1)")
-    p.add_argument("--dp-attention", action="store_true",
-                   help="split the latent cache by sequence over the tp devices")
-    p.add_argument("--gqa-groups", type=int, default=DEFAULT_GQA_GROUPS,
-                   help=f"KV groups of the GQA comparison row (default: {DEFAULT_GQA_GROUPS})")
+    p.add_argument("--dp-attention", action="store_true", help="split the latent cache by sequence over the tp devices")
+    p.add_argument(
+        "--gqa-groups",
+        type=int,
+        default=DEFAULT_GQA_GROUPS,
+        help=f"KV groups of the GQA comparison row (default: {DEFAULT_GQA_GROUPS})",
+    )
     return p
 
 
@@ -423,14 +430,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--config {args.config}: {e}")
     try:
         plan = plan_kv_cache(
-            cfg, context_len=args.context, num_sequences=args.sequences, page_size=args.page_size,
-            kv_dtype=args.kv_dtype, tp=args.tp, dp_attention=args.dp_attention,
+            cfg,
+            context_len=args.context,
+            num_sequences=args.sequences,
+            page_size=args.page_size,
+            kv_dtype=args.kv_dtype,
+            tp=args.tp,
+            dp_attention=args.dp_attention,
             gqa_groups=args.gqa_groups,
         )
     except ValueError as e:
         # Name the flag the user typed, not the keyword argument.
-        flags = {"context_len": "--context", "num_sequences": "--sequences", "page_size": "--page-size",
-                 "tp": "--tp", "gqa_groups": "--gqa-groups"}
+        flags = {
+            "context_len": "--context",
+            "num_sequences": "--sequences",
+            "page_size": "--page-size",
+            "tp": "--tp",
+            "gqa_groups": "--gqa-groups",
+        }
         msg = str(e)
         for kw, flag in flags.items():
             if msg.startswith(f"{kw} ") or msg.startswith(f"{kw}="):

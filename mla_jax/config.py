@@ -92,9 +92,16 @@ class ModelConfig:
                 raise bad(f.name, why)
 
         positive = (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-            "v_head_dim", "max_position_embeddings",
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "max_position_embeddings",
         )
         for f in positive:
             v = getattr(self, f)
@@ -142,8 +149,11 @@ class ModelConfig:
             if self.topk_method == "noaux_tc" and self.n_group > 1 and per_group < 2:
                 raise bad("n_group", "noaux_tc scores a group by its top-2 experts: needs >= 2 experts per group")
             if self.topk_group * per_group < self.num_experts_per_tok:
-                raise bad("topk_group", f"keeps {self.topk_group * per_group} experts, fewer than "
-                          f"num_experts_per_tok={self.num_experts_per_tok}")
+                raise bad(
+                    "topk_group",
+                    f"keeps {self.topk_group * per_group} experts, fewer than "
+                    f"num_experts_per_tok={self.num_experts_per_tok}",
+                )
             if self.routed_scaling_factor <= 0:
                 raise bad("routed_scaling_factor", "must be > 0")
 
@@ -161,7 +171,7 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         """qk_head_dim**-0.5, times mscale(factor, mscale_all_dim)**2 under YaRN (as HF and the official code)."""
-        scale = self.qk_head_dim ** -0.5
+        scale = self.qk_head_dim**-0.5
         if self.rope_type == "yarn" and self.mscale_all_dim:
             m = yarn_get_mscale(self.rope_factor, self.mscale_all_dim)
             scale = scale * m * m
@@ -187,43 +197,114 @@ class ModelConfig:
     def deepseek_v2_lite(cls) -> "ModelConfig":
         """DeepSeek-V2-Lite (16B total, 2.4B active), as in its published config.json."""
         return cls(
-            vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-            num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
-            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-            n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
-            scoring_func="softmax", topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
-            first_k_dense_replace=1, rope_theta=10000.0, rope_type="yarn", rope_factor=40.0,
-            original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=0.707,
-            mscale_all_dim=0.707, max_position_embeddings=163840, rms_norm_eps=1e-6, num_mtp_layers=0,
-            bos_token_id=100000, eos_token_id=100001, model_type="deepseek_v2",
+            vocab_size=102400,
+            hidden_size=2048,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            n_routed_experts=64,
+            n_shared_experts=2,
+            num_experts_per_tok=6,
+            n_group=1,
+            topk_group=1,
+            scoring_func="softmax",
+            topk_method="greedy",
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            first_k_dense_replace=1,
+            rope_theta=10000.0,
+            rope_type="yarn",
+            rope_factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+            max_position_embeddings=163840,
+            rms_norm_eps=1e-6,
+            num_mtp_layers=0,
+            bos_token_id=100000,
+            eos_token_id=100001,
+            model_type="deepseek_v2",
         )
 
     @classmethod
     def deepseek_v2(cls) -> "ModelConfig":
         """DeepSeek-V2 (236B), as in its published config.json (no YaRN mscale in the official file)."""
         return cls(
-            vocab_size=102400, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
-            num_hidden_layers=60, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-            n_routed_experts=160, n_shared_experts=2, num_experts_per_tok=6, n_group=8, topk_group=3,
-            scoring_func="softmax", topk_method="group_limited_greedy", norm_topk_prob=False,
-            routed_scaling_factor=16.0, first_k_dense_replace=1, rope_type="yarn", rope_factor=40.0,
-            original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707,
-            num_mtp_layers=0, bos_token_id=100000, eos_token_id=100001, model_type="deepseek_v2",
+            vocab_size=102400,
+            hidden_size=5120,
+            intermediate_size=12288,
+            moe_intermediate_size=1536,
+            num_hidden_layers=60,
+            num_attention_heads=128,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            n_routed_experts=160,
+            n_shared_experts=2,
+            num_experts_per_tok=6,
+            n_group=8,
+            topk_group=3,
+            scoring_func="softmax",
+            topk_method="group_limited_greedy",
+            norm_topk_prob=False,
+            routed_scaling_factor=16.0,
+            first_k_dense_replace=1,
+            rope_type="yarn",
+            rope_factor=40.0,
+            original_max_position_embeddings=4096,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+            num_mtp_layers=0,
+            bos_token_id=100000,
+            eos_token_id=100001,
+            model_type="deepseek_v2",
         )
 
     @classmethod
     def tiny(cls) -> "ModelConfig":
         """A small model with every feature on (q LoRA, YaRN, grouped V3 routing, MTP); the built-in model's shape."""
         return cls(
-            vocab_size=264, hidden_size=128, intermediate_size=320, moe_intermediate_size=64,
-            num_hidden_layers=4, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64,
-            qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-            scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=2.5,
-            first_k_dense_replace=1, rope_type="yarn", rope_factor=4.0, original_max_position_embeddings=512,
-            mscale=1.0, mscale_all_dim=1.0, max_position_embeddings=2048, num_mtp_layers=1,
-            bos_token_id=256, eos_token_id=257, model_type="deepseek_v3",
+            vocab_size=264,
+            hidden_size=128,
+            intermediate_size=320,
+            moe_intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            q_lora_rank=64,
+            kv_lora_rank=64,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            rope_type="yarn",
+            rope_factor=4.0,
+            original_max_position_embeddings=512,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            max_position_embeddings=2048,
+            num_mtp_layers=1,
+            bos_token_id=256,
+            eos_token_id=257,
+            model_type="deepseek_v3",
         )
 
     @classmethod
@@ -231,8 +312,9 @@ class ModelConfig:
         """The built-in model's shape: `tiny()` with attention the Pallas kernels serve (latent 512 +
         rope 64, 16 heads, so `mla_decode` and `paged_gather` run on 64-token pages), trained on
         windows as long as its context (2048)."""
-        return cls.tiny().replace(num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64,
-                                  qk_nope_head_dim=16, v_head_dim=16)
+        return cls.tiny().replace(
+            num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16
+        )
 
     # --- Hugging Face config.json ----------------------------------------------------------
     @classmethod
@@ -261,8 +343,9 @@ class ModelConfig:
             raise ValueError(f"a config must be a JSON object, got {_json_kind(d)}")
         missing = [k for k in _REQUIRED_HF_KEYS if d.get(k) is None]
         if missing:
-            raise ValueError("missing required key" + ("s " if len(missing) > 1 else " ")
-                             + ", ".join(repr(k) for k in missing))
+            raise ValueError(
+                "missing required key" + ("s " if len(missing) > 1 else " ") + ", ".join(repr(k) for k in missing)
+            )
         model_type = d.get("model_type", "deepseek_v3")
         if not isinstance(model_type, str):
             raise ValueError(f"model_type={model_type!r}: must be a string")
@@ -271,8 +354,9 @@ class ModelConfig:
         rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
         rope = d.get(rope_key) or {}
         if not isinstance(rope, dict):
-            raise ValueError(f"{rope_key}={rope!r}: must be an object (or null), e.g. "
-                             '{"type": "yarn", "factor": 40, ...}')
+            raise ValueError(
+                f'{rope_key}={rope!r}: must be an object (or null), e.g. {{"type": "yarn", "factor": 40, ...}}'
+            )
         rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
 
@@ -282,36 +366,46 @@ class ModelConfig:
 
         n_group = get("n_group", 1) or 1
         kw: dict[str, Any] = dict(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
             moe_intermediate_size=get("moe_intermediate_size", base.moe_intermediate_size),
-            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
-            q_lora_rank=d.get("q_lora_rank"), kv_lora_rank=d["kv_lora_rank"],
-            qk_nope_head_dim=d["qk_nope_head_dim"], qk_rope_head_dim=d["qk_rope_head_dim"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            q_lora_rank=d.get("q_lora_rank"),
+            kv_lora_rank=d["kv_lora_rank"],
+            qk_nope_head_dim=d["qk_nope_head_dim"],
+            qk_rope_head_dim=d["qk_rope_head_dim"],
             v_head_dim=d["v_head_dim"],
-            n_routed_experts=get("n_routed_experts", 0) or 0, n_shared_experts=get("n_shared_experts", 0) or 0,
+            n_routed_experts=get("n_routed_experts", 0) or 0,
+            n_shared_experts=get("n_shared_experts", 0) or 0,
             num_experts_per_tok=get("num_experts_per_tok", 1) or 1,
-            n_group=n_group, topk_group=get("topk_group", 1) or 1,
+            n_group=n_group,
+            topk_group=get("topk_group", 1) or 1,
             # HF's V3 router always uses sigmoid + noaux_tc, whatever config.json says.
             scoring_func="sigmoid" if v3 else get("scoring_func", "softmax"),
             topk_method="noaux_tc" if v3 else get("topk_method", "greedy"),
             norm_topk_prob=get("norm_topk_prob", v3),
             routed_scaling_factor=_number(get("routed_scaling_factor", 1.0)),
             first_k_dense_replace=get("first_k_dense_replace", 0),
-            rope_theta=_number(theta), rope_type="yarn" if rope_type == "yarn" else "default",
+            rope_theta=_number(theta),
+            rope_type="yarn" if rope_type == "yarn" else "default",
             rope_interleave=get("rope_interleave", True),
             max_position_embeddings=get("max_position_embeddings", 4096),
             rms_norm_eps=_number(get("rms_norm_eps", 1e-6)),
             num_mtp_layers=get("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0,
             tie_word_embeddings=get("tie_word_embeddings", False),
             initializer_range=_number(get("initializer_range", 0.02)),
-            bos_token_id=d.get("bos_token_id"), eos_token_id=_first(d.get("eos_token_id")),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=_first(d.get("eos_token_id")),
             model_type=model_type,
         )
         # Where each field came from, for messages that name the key the user wrote.
         source = {f: f for f in kw}
-        source.update(num_mtp_layers="num_nextn_predict_layers",
-                      rope_theta=f"{rope_key}.rope_theta" if "rope_theta" in rope else "rope_theta")
+        source.update(
+            num_mtp_layers="num_nextn_predict_layers",
+            rope_theta=f"{rope_key}.rope_theta" if "rope_theta" in rope else "rope_theta",
+        )
         if rope_type not in ("default", "yarn"):
             raise ValueError(f"{rope_key}.type={rope_type!r}: not supported (expected 'yarn' or 'default')")
         if rope_type == "yarn":
@@ -320,12 +414,18 @@ class ModelConfig:
             kw.update(
                 rope_factor=_number(rope["factor"]),
                 original_max_position_embeddings=rope.get("original_max_position_embeddings", 4096),
-                beta_fast=_number(rope.get("beta_fast", 32.0)), beta_slow=_number(rope.get("beta_slow", 1.0)),
-                mscale=_number(rope.get("mscale")), mscale_all_dim=_number(rope.get("mscale_all_dim")),
+                beta_fast=_number(rope.get("beta_fast", 32.0)),
+                beta_slow=_number(rope.get("beta_slow", 1.0)),
+                mscale=_number(rope.get("mscale")),
+                mscale_all_dim=_number(rope.get("mscale_all_dim")),
             )
-            source.update(rope_factor=f"{rope_key}.factor", **{
-                k: f"{rope_key}.{k}" for k in ("original_max_position_embeddings", "beta_fast", "beta_slow",
-                                               "mscale", "mscale_all_dim")})
+            source.update(
+                rope_factor=f"{rope_key}.factor",
+                **{
+                    k: f"{rope_key}.{k}"
+                    for k in ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+                },
+            )
         else:
             kw.update(rope_factor=1.0, mscale=None, mscale_all_dim=None)
         types = {f.name: f.type for f in dataclasses.fields(cls)}
@@ -342,32 +442,56 @@ class ModelConfig:
         v3 = self.model_type != "deepseek_v2"
         d: dict[str, Any] = dict(
             architectures=["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
-            model_type=self.model_type, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, moe_intermediate_size=self.moe_intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_attention_heads, q_lora_rank=self.q_lora_rank,
-            kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
-            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            moe_intermediate_size=self.moe_intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_attention_heads,
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
             head_dim=self.qk_rope_head_dim,
-            n_routed_experts=self.n_routed_experts, n_shared_experts=self.n_shared_experts,
-            num_experts_per_tok=self.num_experts_per_tok, n_group=self.n_group, topk_group=self.topk_group,
-            scoring_func=self.scoring_func, topk_method=self.topk_method, norm_topk_prob=self.norm_topk_prob,
-            routed_scaling_factor=self.routed_scaling_factor, first_k_dense_replace=self.first_k_dense_replace,
-            moe_layer_freq=1, hidden_act="silu", max_position_embeddings=self.max_position_embeddings,
-            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-            num_nextn_predict_layers=self.num_mtp_layers, tie_word_embeddings=self.tie_word_embeddings,
-            initializer_range=self.initializer_range, bos_token_id=self.bos_token_id,
-            eos_token_id=self.eos_token_id, attention_bias=False, attention_dropout=0.0,
-            torch_dtype="float32", use_cache=True,
+            n_routed_experts=self.n_routed_experts,
+            n_shared_experts=self.n_shared_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            scoring_func=self.scoring_func,
+            topk_method=self.topk_method,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+            first_k_dense_replace=self.first_k_dense_replace,
+            moe_layer_freq=1,
+            hidden_act="silu",
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            num_nextn_predict_layers=self.num_mtp_layers,
+            tie_word_embeddings=self.tie_word_embeddings,
+            initializer_range=self.initializer_range,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            attention_bias=False,
+            attention_dropout=0.0,
+            torch_dtype="float32",
+            use_cache=True,
         )
         if v3:
             d["rope_interleave"] = self.rope_interleave
         if self.rope_type == "yarn":
             d["rope_scaling"] = dict(
-                type="yarn", factor=self.rope_factor,
+                type="yarn",
+                factor=self.rope_factor,
                 original_max_position_embeddings=self.original_max_position_embeddings,
-                beta_fast=self.beta_fast, beta_slow=self.beta_slow,
-                mscale=self.mscale, mscale_all_dim=self.mscale_all_dim,
+                beta_fast=self.beta_fast,
+                beta_slow=self.beta_slow,
+                mscale=self.mscale,
+                mscale_all_dim=self.mscale_all_dim,
             )
         return d
 
@@ -377,8 +501,17 @@ def _first(x: Any) -> Any:
 
 
 # config.json keys without a sensible default: the model's shape.
-_REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_REQUIRED_HF_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
 
 
 def _number(v: Any) -> Any:

@@ -20,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-MIN_BUCKET = 4 ** 5
+MIN_BUCKET = 4**5
 MAX_BUCKETED = 1 << 22
 
 
@@ -34,7 +34,7 @@ def bucket_size(n: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "stddev"))
 def _shape_prefix(flat: jax.Array, *, shape: tuple[int, ...], dtype, stddev: float) -> jax.Array:
-    return (flat[:math.prod(shape)].reshape(shape) * stddev).astype(dtype)
+    return (flat[: math.prod(shape)].reshape(shape) * stddev).astype(dtype)
 
 
 def normal(stddev: float = 1e-2):

@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from pallas_kernels.page_format import (BF16_PAGES, FP4_PAGES, FP8_PAGES, NAMES as _FORMAT_NAMES, QUANTIZED,
-                                        PageFormat)
+from pallas_kernels.page_format import BF16_PAGES, FP4_PAGES, FP8_PAGES, QUANTIZED, PageFormat
+from pallas_kernels.page_format import NAMES as _FORMAT_NAMES
 
 # Names of the page formats this cache can allocate (as `mla_jax.capacity.KV_DTYPES` names them)
 # -> the element dtype of their pages.
@@ -54,8 +54,10 @@ PAGE_FORMATS = {name: PageFormat(name).storage_dtype for name in _FORMAT_NAMES}
 # checks at the end of every kernel that no barrier of ANY device is still allocated, before the
 # devices meet: two devices running a kernel at once fail that check whenever one finishes first
 # (seen on 2 CPU devices, 1 run in 8). The compiled kernels ("kernel") have no such check.
-INTERPRET_ON_DATA_RANKS = ("the Pallas interpreter cannot run a kernel on several devices at once (jax 0.11.2); "
-                           "use 'kernel' on GPUs or 'reference'")
+INTERPRET_ON_DATA_RANKS = (
+    "the Pallas interpreter cannot run a kernel on several devices at once (jax 0.11.2); "
+    "use 'kernel' on GPUs or 'reference'"
+)
 
 
 class CacheFullError(RuntimeError):
@@ -125,20 +127,39 @@ class PagedLatentCache:
                   its own reservation only.
     """
 
-    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, latent_dim: int, max_seqs: int,
-                 max_pages_per_seq: int, dtype=jnp.bfloat16, fill_value: float = 0.0, rope_dim: int = 64,
-                 ranks: int = 1):
-        for name, v in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
-                        ("latent_dim", latent_dim), ("max_seqs", max_seqs),
-                        ("max_pages_per_seq", max_pages_per_seq), ("ranks", ranks)):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        latent_dim: int,
+        max_seqs: int,
+        max_pages_per_seq: int,
+        dtype=jnp.bfloat16,
+        fill_value: float = 0.0,
+        rope_dim: int = 64,
+        ranks: int = 1,
+    ):
+        for name, v in (
+            ("num_layers", num_layers),
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("latent_dim", latent_dim),
+            ("max_seqs", max_seqs),
+            ("max_pages_per_seq", max_pages_per_seq),
+            ("ranks", ranks),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if max_seqs % ranks:
-            raise ValueError(f"max_seqs={max_seqs} is not divisible by ranks={ranks} (each data rank gets "
-                             "max_seqs / ranks slots)")
+            raise ValueError(
+                f"max_seqs={max_seqs} is not divisible by ranks={ranks} (each data rank gets max_seqs / ranks slots)"
+            )
         if num_pages % ranks:
-            raise ValueError(f"num_pages={num_pages} is not divisible by ranks={ranks} (each data rank gets "
-                             "num_pages / ranks pages)")
+            raise ValueError(
+                f"num_pages={num_pages} is not divisible by ranks={ranks} (each data rank gets num_pages / ranks pages)"
+            )
         self._page_format = page_format_for(dtype, latent_dim, rope_dim)
         self.kv_dtype = self._page_format.name
         self.rope_dim = self._page_format.rope_dim
@@ -232,18 +253,26 @@ class PagedLatentCache:
         self._check_slot(slot)
         limit = self.max_pages_per_seq * self.page_size
         if not 0 <= length <= limit:
-            raise ValueError(f"length {length} is outside [0, {limit}] "
-                             f"(max_pages_per_seq={self.max_pages_per_seq} x page_size={self.page_size})")
+            raise ValueError(
+                f"length {length} is outside [0, {limit}] "
+                f"(max_pages_per_seq={self.max_pages_per_seq} x page_size={self.page_size})"
+            )
         owned = self._owned[slot]
         free = self._free_lists[self.rank_of(slot)]
         need = self.pages_for(length) - len(owned)
         if need > len(free):
-            pool = (f"only {len(free)} of {self.num_pages} are free" if self.ranks == 1 else
-                    f"only {len(free)} of data rank {self.rank_of(slot)}'s {self.pages_per_rank} are free")
+            pool = (
+                f"only {len(free)} of {self.num_pages} are free"
+                if self.ranks == 1
+                else f"only {len(free)} of data rank {self.rank_of(slot)}'s {self.pages_per_rank} are free"
+            )
             raise CacheFullError(
                 f"KV cache full: slot {slot} needs {need} more page(s) for {length} tokens "
                 f"but {pool} (page_size={self.page_size}); raise num_pages or lower max_batch",
-                pages_needed=need, pages_free=len(free), slot=slot)
+                pages_needed=need,
+                pages_free=len(free),
+                slot=slot,
+            )
         for _ in range(max(need, 0)):
             page = free.pop()
             self.block_tables[slot, len(owned)] = page
@@ -271,8 +300,9 @@ class PagedLatentCache:
 # ------------------------------------------------------------------------------------------
 # Pure functions used inside jitted steps
 # ------------------------------------------------------------------------------------------
-def write_latents(pages_NGC: jax.Array, latent_BTC: jax.Array, positions_BT: jax.Array,
-                  block_table_BP: jax.Array) -> jax.Array:
+def write_latents(
+    pages_NGC: jax.Array, latent_BTC: jax.Array, positions_BT: jax.Array, block_table_BP: jax.Array
+) -> jax.Array:
     """Scatter the latents of T tokens per sequence into their pages -> the updated pool [N,G,C].
 
     positions_BT int32: the token's position in its sequence; negative = padding, not written
@@ -282,8 +312,10 @@ def write_latents(pages_NGC: jax.Array, latent_BTC: jax.Array, positions_BT: jax
     (`PageFormat.encode`, as `KVCache.write` does).
     """
     if pages_NGC.dtype == jnp.uint8 and latent_BTC.dtype != jnp.uint8:
-        raise ValueError(f"uint8 (fp8 / fp4) pages take encoded rows (PageFormat.encode the latents first), "
-                         f"got {latent_BTC.dtype} {latent_BTC.shape}")
+        raise ValueError(
+            f"uint8 (fp8 / fp4) pages take encoded rows (PageFormat.encode the latents first), "
+            f"got {latent_BTC.dtype} {latent_BTC.shape}"
+        )
     N, G, _ = pages_NGC.shape
     P = block_table_BP.shape[1]
     valid = (positions_BT >= 0) & (positions_BT < P * G)
@@ -293,9 +325,15 @@ def write_latents(pages_NGC: jax.Array, latent_BTC: jax.Array, positions_BT: jax
     return pages_NGC.at[page_BT, pos % G].set(latent_BTC.astype(pages_NGC.dtype), mode="drop")
 
 
-def gather_latents(pages_NGC: jax.Array, block_table_BP: jax.Array, lengths_B: jax.Array, *,
-                   impl: str = "reference", page_format: PageFormat | None = None,
-                   dtype=None) -> tuple[jax.Array, jax.Array]:
+def gather_latents(
+    pages_NGC: jax.Array,
+    block_table_BP: jax.Array,
+    lengths_B: jax.Array,
+    *,
+    impl: str = "reference",
+    page_format: PageFormat | None = None,
+    dtype=None,
+) -> tuple[jax.Array, jax.Array]:
     """Each sequence's cached tokens as a dense array, with their positions.
 
     Returns (latent [B, P*G, C], positions int32 [B, P*G]: s for s < length, else -1, the padding
@@ -316,8 +354,10 @@ def gather_latents(pages_NGC: jax.Array, block_table_BP: jax.Array, lengths_B: j
         raise ValueError(f"{fmt.name} pages are {jnp.dtype(fmt.storage_dtype).name}, got {pages_NGC.dtype}")
     if impl != "reference" and (fmt is None or fmt.kernel_supported):
         from pallas_kernels import paged_gather
-        dense = paged_gather(pages_NGC, block_table_BP, num_tokens=P * G, impl=impl,
-                             page_format=fmt if fmt is not None else BF16_PAGES)
+
+        dense = paged_gather(
+            pages_NGC, block_table_BP, num_tokens=P * G, impl=impl, page_format=fmt if fmt is not None else BF16_PAGES
+        )
     else:
         dense = pages_NGC[block_table_BP].reshape(B, P * G, pages_NGC.shape[-1])
         if fmt is not None and fmt.quantized:
@@ -389,19 +429,37 @@ class KVCache:
             raise ValueError("KVCache impl='interpret' with a pool per data rank: " + INTERPRET_ON_DATA_RANKS)
 
     @classmethod
-    def create(cls, pages, block_table, lengths, *, impl: str = "reference", naive_threshold: int = 256,
-               page_format: PageFormat | None = None, data_parallel: tuple | None = None):
+    def create(
+        cls,
+        pages,
+        block_table,
+        lengths,
+        *,
+        impl: str = "reference",
+        naive_threshold: int = 256,
+        page_format: PageFormat | None = None,
+        data_parallel: tuple | None = None,
+    ):
         """A cache at layer 0 over `pages` [num_layers, N, G, W] (int32 tables and lengths). `page_format`
         None reads uint8 pages as fp8 or fp4 by their width (`pallas_kernels.page_format_of`, rope 64) and
         others as plain values.
         `data_parallel`: (mesh, the batch's mesh axes) for pools split per data rank (see the class)."""
         if page_format is None and jnp.dtype(pages.dtype) == jnp.uint8:
             from pallas_kernels.page_format import page_format_of
+
             page_format = page_format_of(pages)
         # Arrays already on the devices (an engine's rows placed on their data ranks) stay there.
         as_int32 = lambda x: x.astype(jnp.int32) if isinstance(x, jax.Array) else np.asarray(x, np.int32)  # noqa: E731
-        return cls(pages, as_int32(block_table), as_int32(lengths), np.zeros((), np.int32),
-                   impl, naive_threshold, page_format, data_parallel)
+        return cls(
+            pages,
+            as_int32(block_table),
+            as_int32(lengths),
+            np.zeros((), np.int32),
+            impl,
+            naive_threshold,
+            page_format,
+            data_parallel,
+        )
 
     def at_layer(self, layer) -> "KVCache":
         """The same cache pointed at pool `layer` (a Python int or a traced scalar)."""
@@ -425,8 +483,10 @@ class KVCache:
         they are, addressed by page id + layer * N.
         """
         if self.data_parallel is not None:
-            raise ValueError("KVCache.flat_pages: the pool is split per data rank and the block table holds local "
-                             "page ids; read it through map_pages, write or gather (under shard_map)")
+            raise ValueError(
+                "KVCache.flat_pages: the pool is split per data rank and the block table holds local "
+                "page ids; read it through map_pages, write or gather (under shard_map)"
+            )
         return _flat(self.pages, self.block_table, self.layer)
 
     def map_pages(self, fn, *row_args):
@@ -440,12 +500,14 @@ class KVCache:
         query), and its results are split over the data axes as the rows are, the same on every
         device of a rank.
         """
+
         def on_pool(pages, table, *rest):
             *args, layer = rest
             return fn(*_flat(pages, table, layer), *args)
 
         return self._per_rank(on_pool, batch_args=1 + len(row_args), pool_out=False, kernel=True)(
-            self.pages, self.block_table, *row_args, self.layer)
+            self.pages, self.block_table, *row_args, self.layer
+        )
 
     @property
     def quantized(self) -> bool:
@@ -482,8 +544,14 @@ class KVCache:
         pool, rows = PartitionSpec(None, axes), PartitionSpec(axes)
         manual = set(mesh.axis_names) if kernel else set(axes)
         # No collective inside (each rank touches its own pages only), so nothing for check_vma to check.
-        return jax.shard_map(fn, mesh=mesh, in_specs=(pool,) + (rows,) * batch_args + (PartitionSpec(),),
-                             out_specs=pool if pool_out else rows, axis_names=manual, check_vma=False)
+        return jax.shard_map(
+            fn,
+            mesh=mesh,
+            in_specs=(pool,) + (rows,) * batch_args + (PartitionSpec(),),
+            out_specs=pool if pool_out else rows,
+            axis_names=manual,
+            check_vma=False,
+        )
 
 
 def _flat(pages, block_table, layer):
@@ -518,5 +586,8 @@ def decode_kernel_reads(page_format: PageFormat | None) -> bool:
     return bool(getattr(importlib.import_module("pallas_kernels.mla_decode"), "FP8_KERNEL", False))
 
 
-jax.tree_util.register_dataclass(KVCache, data_fields=["pages", "block_table", "lengths", "layer"],
-                                 meta_fields=["impl", "naive_threshold", "page_format", "data_parallel"])
+jax.tree_util.register_dataclass(
+    KVCache,
+    data_fields=["pages", "block_table", "lengths", "layer"],
+    meta_fields=["impl", "naive_threshold", "page_format", "data_parallel"],
+)

@@ -53,24 +53,24 @@ MESH_AXES = ("data", "expert", "tensor")
 # the last two names, else the last one. A parameter that matches no row is an error, so a new
 # parameter cannot slip through replicated.
 PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
-    ("embed_tokens", "embedding"): ("vocab", "embed"),          # [V, D]
-    ("lm_head", "kernel"): ("embed", "vocab"),                  # [D, V]
-    ("wq", "kernel"): ("embed", "heads"),                       # [D, H·(N+R)]  (no q LoRA)
-    ("wq_a", "kernel"): ("embed", "q_lora"),                    # [D, Q]
-    ("wq_b", "kernel"): ("q_lora", "heads"),                    # [Q, H·(N+R)]
-    ("wkv_a", "kernel"): ("embed", "kv_lora"),                  # [D, L+R]
-    ("wkv_b", "kernel"): ("kv_lora", "heads"),                  # [L, H·(N+V)]
-    ("wo", "kernel"): ("heads", "embed"),                       # [H·V, D]
-    ("gate_proj", "kernel"): ("embed", "mlp"),                  # [D, F] dense MLP, shared experts
-    ("up_proj", "kernel"): ("embed", "mlp"),                    # [D, F]
-    ("down_proj", "kernel"): ("mlp", "embed"),                  # [F, D]
+    ("embed_tokens", "embedding"): ("vocab", "embed"),  # [V, D]
+    ("lm_head", "kernel"): ("embed", "vocab"),  # [D, V]
+    ("wq", "kernel"): ("embed", "heads"),  # [D, H·(N+R)]  (no q LoRA)
+    ("wq_a", "kernel"): ("embed", "q_lora"),  # [D, Q]
+    ("wq_b", "kernel"): ("q_lora", "heads"),  # [Q, H·(N+R)]
+    ("wkv_a", "kernel"): ("embed", "kv_lora"),  # [D, L+R]
+    ("wkv_b", "kernel"): ("kv_lora", "heads"),  # [L, H·(N+V)]
+    ("wo", "kernel"): ("heads", "embed"),  # [H·V, D]
+    ("gate_proj", "kernel"): ("embed", "mlp"),  # [D, F] dense MLP, shared experts
+    ("up_proj", "kernel"): ("embed", "mlp"),  # [D, F]
+    ("down_proj", "kernel"): ("mlp", "embed"),  # [F, D]
     ("experts", "gate_proj"): ("experts", "embed", "expert_mlp"),  # [E, D, I]
-    ("experts", "up_proj"): ("experts", "embed", "expert_mlp"),    # [E, D, I]
+    ("experts", "up_proj"): ("experts", "embed", "expert_mlp"),  # [E, D, I]
     ("experts", "down_proj"): ("experts", "expert_mlp", "embed"),  # [E, I, D]
-    ("gate", "kernel"): ("embed", "router"),                    # [D, E] router, fp32
-    ("gate", "e_score_correction_bias"): ("router",),           # [E]
-    ("eh_proj", "kernel"): ("mtp_concat", "embed"),             # [2D, D]
-    ("weight",): ("norm",),                                     # every RMSNorm
+    ("gate", "kernel"): ("embed", "router"),  # [D, E] router, fp32
+    ("gate", "e_score_correction_bias"): ("router",),  # [E]
+    ("eh_proj", "kernel"): ("mtp_concat", "embed"),  # [2D, D]
+    ("weight",): ("norm",),  # every RMSNorm
 }
 STACKS = ("dense_layers", "moe_layers")  # their variables have a leading layer axis
 
@@ -105,10 +105,13 @@ def make_mesh(data: int = 1, expert: int = 1, tensor: int = 1, *, devices=None) 
     devices = list(jax.devices() if devices is None else devices)
     n = math.prod(sizes.values())
     if len(devices) % n:
-        raise ValueError(f"make_mesh: data={data} x expert={expert} x tensor={tensor} = {n} devices does not "
-                         f"divide the {len(devices)} devices available")
-    return jax.make_mesh(tuple(sizes.values()), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
-                         devices=devices[:n])
+        raise ValueError(
+            f"make_mesh: data={data} x expert={expert} x tensor={tensor} = {n} devices does not "
+            f"divide the {len(devices)} devices available"
+        )
+    return jax.make_mesh(
+        tuple(sizes.values()), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices[:n]
+    )
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
@@ -120,8 +123,10 @@ def parse_mesh(spec: str) -> dict[str, int]:
         name, eq, value = part.strip().partition("=")
         name, value = name.strip(), value.strip()
         if not eq or not name:
-            raise ValueError(f"mesh spec {spec!r}: {part.strip()!r} is not axis=size (axes: {', '.join(MESH_AXES)}; "
-                             f"e.g. data=2,tensor=2)")
+            raise ValueError(
+                f"mesh spec {spec!r}: {part.strip()!r} is not axis=size (axes: {', '.join(MESH_AXES)}; "
+                f"e.g. data=2,tensor=2)"
+            )
         if name not in MESH_AXES:
             raise ValueError(f"mesh spec {spec!r}: unknown axis {name!r} (axes: {', '.join(MESH_AXES)})")
         if name in sizes:
@@ -155,36 +160,47 @@ def _mesh_axes(logical: str, rules: Mapping, mesh_shape: Mapping[str, int]) -> t
     axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
     for a in axes:
         if a not in mesh_shape:
-            raise ValueError(f"sharding: rule {logical!r} -> {a!r}: the mesh has no axis {a!r} "
-                             f"(axes: {', '.join(mesh_shape)})")
+            raise ValueError(
+                f"sharding: rule {logical!r} -> {a!r}: the mesh has no axis {a!r} (axes: {', '.join(mesh_shape)})"
+            )
     return axes
 
 
-def spec_for(path: tuple, shape: tuple[int, ...], mesh_shape: Mapping[str, int],
-             rules: Mapping = DEFAULT_RULES, *, fsdp: bool = False) -> PartitionSpec:
+def spec_for(
+    path: tuple,
+    shape: tuple[int, ...],
+    mesh_shape: Mapping[str, int],
+    rules: Mapping = DEFAULT_RULES,
+    *,
+    fsdp: bool = False,
+) -> PartitionSpec:
     """The PartitionSpec of the variable at `path` with `shape` (with `fsdp`, one more dim over the batch's
     mesh axes: see the module docstring); ValueError when its rank does not match its row or a sharded
     dim is not divisible by its mesh axes."""
     logical = logical_axes(path)
     if len(logical) != len(shape):
-        raise ValueError(f"sharding: parameter {path_name(path)} has shape {tuple(shape)}, but its logical axes "
-                         f"are {logical}")
+        raise ValueError(
+            f"sharding: parameter {path_name(path)} has shape {tuple(shape)}, but its logical axes are {logical}"
+        )
     spec = []
     for dim, (name, size) in enumerate(zip(logical, shape)):
         axes = _mesh_axes(name, rules, mesh_shape)
         n = math.prod(mesh_shape[a] for a in axes)
         if size % n:
             over = " x ".join(f"{a}={mesh_shape[a]}" for a in axes)
-            raise ValueError(f"sharding: parameter {path_name(path)} dim {dim} ({name}, size {size}) is not "
-                             f"divisible by mesh axis {over}")
+            raise ValueError(
+                f"sharding: parameter {path_name(path)} dim {dim} ({name}, size {size}) is not "
+                f"divisible by mesh axis {over}"
+            )
         spec.append(None if not axes or n == 1 else axes[0] if len(axes) == 1 else axes)
     if fsdp:
         _fsdp_dim(spec, logical, shape, mesh_shape, rules)
     return PartitionSpec(*spec)
 
 
-def _fsdp_dim(spec: list, logical: tuple[str, ...], shape: tuple[int, ...], mesh_shape: Mapping[str, int],
-              rules: Mapping) -> None:
+def _fsdp_dim(
+    spec: list, logical: tuple[str, ...], shape: tuple[int, ...], mesh_shape: Mapping[str, int], rules: Mapping
+) -> None:
     """In place: the largest dim of `spec` left unsharded (not the layer axis) that the batch's mesh axes
     divide, over those axes (the ones the spec does not use already)."""
     used = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
@@ -192,8 +208,11 @@ def _fsdp_dim(spec: list, logical: tuple[str, ...], shape: tuple[int, ...], mesh
     n = math.prod(mesh_shape[a] for a in axes)
     if n == 1:
         return
-    free = [d for d, (name, size) in enumerate(zip(logical, shape))
-            if spec[d] is None and name != "layers" and size % n == 0]
+    free = [
+        d
+        for d, (name, size) in enumerate(zip(logical, shape))
+        if spec[d] is None and name != "layers" and size % n == 0
+    ]
     if free:
         d = max(free, key=lambda d: shape[d])  # the first of the largest
         spec[d] = axes[0] if len(axes) == 1 else axes
@@ -211,8 +230,10 @@ def _check_heads(model, mesh_shape: Mapping[str, int], rules: Mapping) -> None:
     n = math.prod(mesh_shape[a] for a in axes)
     if cfg.num_attention_heads % n:
         over = " x ".join(f"{a}={mesh_shape[a]}" for a in axes)
-        raise ValueError(f"sharding: num_attention_heads={cfg.num_attention_heads} is not divisible by mesh axis "
-                         f"{over}: tensor parallelism gives every device whole heads")
+        raise ValueError(
+            f"sharding: num_attention_heads={cfg.num_attention_heads} is not divisible by mesh axis "
+            f"{over}: tensor parallelism gives every device whole heads"
+        )
 
 
 def model_specs(model: nnx.Module, mesh, rules: Mapping = DEFAULT_RULES, *, fsdp: bool = False) -> nnx.State:
@@ -221,19 +242,23 @@ def model_specs(model: nnx.Module, mesh, rules: Mapping = DEFAULT_RULES, *, fsdp
     (and the head count) against `mesh` (a Mesh or an AbstractMesh). `fsdp`: see the module docstring."""
     shape = _mesh_shape(mesh)
     _check_heads(model, shape, rules)
-    flat = [(path, v.replace(spec_for(path, v.shape, shape, rules, fsdp=fsdp)))
-            for path, v in nnx.to_flat_state(nnx.state(model))]
+    flat = [
+        (path, v.replace(spec_for(path, v.shape, shape, rules, fsdp=fsdp)))
+        for path, v in nnx.to_flat_state(nnx.state(model))
+    ]
     return nnx.from_flat_state(flat)
 
 
-def model_shardings(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Mapping = DEFAULT_RULES, *,
-                    fsdp: bool = False) -> nnx.State:
+def model_shardings(
+    model: nnx.Module, mesh: jax.sharding.Mesh, rules: Mapping = DEFAULT_RULES, *, fsdp: bool = False
+) -> nnx.State:
     """`model_specs` as NamedShardings on `mesh` (for `jax.jit`'s in_shardings / out_shardings)."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), model_specs(model, mesh, rules, fsdp=fsdp))
 
 
-def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Mapping = DEFAULT_RULES, *,
-                fsdp: bool = False) -> nnx.Module:
+def shard_model(
+    model: nnx.Module, mesh: jax.sharding.Mesh, rules: Mapping = DEFAULT_RULES, *, fsdp: bool = False
+) -> nnx.Module:
     """A copy of `model` with every variable placed on `mesh` by `rules` (`jax.device_put` with a
     `NamedSharding`; with `fsdp`, one more dim of each over the batch's mesh axes, see the module
     docstring); `model` itself is left on its devices. Modules with a `parallel` attribute
@@ -276,8 +301,10 @@ def shard_batch(tree, mesh: jax.sharding.Mesh, rules: Mapping = DEFAULT_RULES):
 
     def put(x):
         if x.shape[0] % n:
-            raise ValueError(f"sharding: batch of {x.shape[0]} is not divisible by mesh axis "
-                             + " x ".join(f"{a}={shape[a]}" for a in axes))
+            raise ValueError(
+                f"sharding: batch of {x.shape[0]} is not divisible by mesh axis "
+                + " x ".join(f"{a}={shape[a]}" for a in axes)
+            )
         return _place(x, NamedSharding(mesh, batch_spec(x.ndim, mesh, rules)))
 
     return jax.tree.map(put, tree)

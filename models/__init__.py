@@ -11,16 +11,30 @@ from models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from models.deepseek import DecoderLayer, DeepSeekModel, ModelOutput
 from models.mlp import MLP
 from models.moe import (
-    MOE_IMPLS, Experts, MgpuTuning, MoE, Router, RouterBias, RouterOutput, moe_dense_reference, moe_grouped,
-    ragged_dot_mgpu, route,
+    MOE_IMPLS,
+    Experts,
+    MgpuTuning,
+    MoE,
+    Router,
+    RouterBias,
+    RouterOutput,
+    moe_dense_reference,
+    moe_grouped,
+    ragged_dot_mgpu,
+    route,
 )
 from models.mtp import MTP
 from models.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 _LAZY = {
-    "TrainConfig": "models.training", "loss_fn": "models.training", "make_train_step": "models.training",
-    "init_train_state": "models.training", "router_bias_update": "models.training",
-    "Engine": "models.engine", "GenerationResult": "models.engine", "SamplingParams": "models.sampling",
+    "TrainConfig": "models.training",
+    "loss_fn": "models.training",
+    "make_train_step": "models.training",
+    "init_train_state": "models.training",
+    "router_bias_update": "models.training",
+    "Engine": "models.engine",
+    "GenerationResult": "models.engine",
+    "SamplingParams": "models.sampling",
 }
 
 
@@ -31,7 +45,26 @@ def __getattr__(name):
 
 
 __all__ = [
-    "ByteTokenizer", "HFTokenizer", "MLP", "MOE_IMPLS", "MTP", "DecoderLayer", "DeepSeekModel", "Experts", "MgpuTuning", "ModelOutput", "MoE",
-    "Router", "RouterBias", "RouterOutput", "load_hf_checkpoint", "load_tokenizer", "moe_dense_reference", "moe_grouped",
-    "ragged_dot_mgpu", "route", "save_hf_checkpoint", *_LAZY,
+    "ByteTokenizer",
+    "HFTokenizer",
+    "MLP",
+    "MOE_IMPLS",
+    "MTP",
+    "DecoderLayer",
+    "DeepSeekModel",
+    "Experts",
+    "MgpuTuning",
+    "ModelOutput",
+    "MoE",
+    "Router",
+    "RouterBias",
+    "RouterOutput",
+    "load_hf_checkpoint",
+    "load_tokenizer",
+    "moe_dense_reference",
+    "moe_grouped",
+    "ragged_dot_mgpu",
+    "route",
+    "save_hf_checkpoint",
+    *_LAZY,
 ]

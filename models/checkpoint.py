@@ -32,10 +32,18 @@ from flax import nnx
 from mla_jax.config import ModelConfig, read_json_object
 
 _ST_TO_NP = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
 }
 _NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -62,8 +70,10 @@ def read_safetensors(file: str) -> dict[str, np.ndarray]:
             raise ValueError(f"{file}: not a safetensors file (shorter than 8 bytes)")
         n = int(np.frombuffer(raw_len, dtype="<u8")[0])
         if n > size - 8:
-            raise ValueError(f"{file}: not a safetensors file, or truncated: its header length {n} exceeds the "
-                             f"{size - 8} bytes that follow")
+            raise ValueError(
+                f"{file}: not a safetensors file, or truncated: its header length {n} exceeds the "
+                f"{size - 8} bytes that follow"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -79,23 +89,29 @@ def read_safetensors(file: str) -> dict[str, np.ndarray]:
             continue
         where = f"{file}: tensor {name!r}"
         if not isinstance(info, dict):
-            raise ValueError(f"{where}: header entry must be an object with dtype, shape and data_offsets, "
-                             f"got {info!r:.80}")
+            raise ValueError(
+                f"{where}: header entry must be an object with dtype, shape and data_offsets, got {info!r:.80}"
+            )
         st_dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(st_dtype, str) or st_dtype not in _ST_TO_NP:
             raise ValueError(f"{where} has unsupported dtype {st_dtype!r} (known: {', '.join(_ST_TO_NP)})")
         if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
             raise ValueError(f"{where}: shape must be a list of non-negative integers, got {shape!r:.80}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
-                and offsets[0] <= offsets[1]):
-            raise ValueError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, "
-                             f"got {offsets!r:.80}")
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]
+        ):
+            raise ValueError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.80}")
         dt = _ST_TO_NP[st_dtype]
         begin, end = offsets
         shape = tuple(shape)
         if end > data_size:
-            raise ValueError(f"{where}: byte range {begin}..{end} lies past the end of the data section "
-                             f"({data_size} bytes): the file is truncated or its header is wrong")
+            raise ValueError(
+                f"{where}: byte range {begin}..{end} lies past the end of the data section "
+                f"({data_size} bytes): the file is truncated or its header is wrong"
+            )
         if end - begin != math.prod(shape) * dt.itemsize:
             raise ValueError(f"{where}: byte range {begin}..{end} does not fit shape {shape} {dt}")
         out[name] = buf[begin:end].view(dt).reshape(shape)
@@ -115,8 +131,11 @@ def write_safetensors(file: str, tensors: dict[str, np.ndarray], metadata: dict[
         a = np.ascontiguousarray(tensors[name])
         if a.dtype not in _NP_TO_ST:
             raise ValueError(f"tensor {name!r}: dtype {a.dtype} cannot be written to safetensors")
-        header[name] = {"dtype": _NP_TO_ST[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {
+            "dtype": _NP_TO_ST[a.dtype],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + a.nbytes],
+        }
         offset += a.nbytes
         arrays.append(a)
     hb = json.dumps(header, separators=(",", ":")).encode()
@@ -131,20 +150,26 @@ def write_safetensors(file: str, tensors: dict[str, np.ndarray], metadata: dict[
 def dequantize_fp8_blocks(q: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
     """fp8 [out, in] · scale_inv [ceil(out/block), ceil(in/block)] per block -> float32 [out, in]."""
     if q.ndim != 2 or scale_inv.ndim != 2:
-        raise ValueError(f"fp8 block scaling needs a 2-D weight and 2-D scales, got weight {q.shape} and "
-                         f"weight_scale_inv {tuple(scale_inv.shape)}")
+        raise ValueError(
+            f"fp8 block scaling needs a 2-D weight and 2-D scales, got weight {q.shape} and "
+            f"weight_scale_inv {tuple(scale_inv.shape)}"
+        )
     o, i = q.shape
     want = (-(-o // block), -(-i // block))
     if tuple(scale_inv.shape) != want:
-        raise ValueError(f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight {q.shape} "
-                         f"in {block}x{block} blocks (expected {want})")
+        raise ValueError(
+            f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight {q.shape} "
+            f"in {block}x{block} blocks (expected {want})"
+        )
     s = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block, axis=0), block, axis=1)[:o, :i]
     return np.asarray(q).astype(np.float32) * s
 
 
 def _refuse_pickle(path: str) -> None:
-    raise ValueError(f"{path!r} is a pickle-based checkpoint; only safetensors is supported "
-                     "(pickle files can run arbitrary code). Convert it to .safetensors first.")
+    raise ValueError(
+        f"{path!r} is a pickle-based checkpoint; only safetensors is supported "
+        "(pickle files can run arbitrary code). Convert it to .safetensors first."
+    )
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -161,9 +186,10 @@ def checkpoint_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         weight_map = read_json_object(index).get("weight_map")
-        if not (isinstance(weight_map, dict) and weight_map
-                and all(isinstance(v, str) and v for v in weight_map.values())):
-            raise ValueError(f"{index}: \"weight_map\" must be a non-empty object of tensor name -> shard file name")
+        if not (
+            isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) and v for v in weight_map.values())
+        ):
+            raise ValueError(f'{index}: "weight_map" must be a non-empty object of tensor name -> shard file name')
         files = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
         for s in files:
             if not os.path.isfile(s):
@@ -194,8 +220,9 @@ def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
     for k, v in raw.items():
         if k.endswith("_scale_inv"):
             if k[: -len("_scale_inv")] not in raw:
-                raise ValueError(f"{origin[k]}: unexpected tensor {k!r}: scale without its weight "
-                                 f"{k[:-len('_scale_inv')]!r}")
+                raise ValueError(
+                    f"{origin[k]}: unexpected tensor {k!r}: scale without its weight {k[: -len('_scale_inv')]!r}"
+                )
             continue
         if v.dtype in (_ST_TO_NP["F8_E4M3"], _ST_TO_NP["F8_E5M2"]):
             s = raw.get(k + "_scale_inv")
@@ -208,8 +235,9 @@ def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
             except ValueError as e:
                 raise ValueError(f"{origin[k]}: tensor {k + '_scale_inv'!r}: {e}") from None
         elif k + "_scale_inv" in raw:
-            raise ValueError(f"{origin[k]}: tensor {k!r} has block scales {k + '_scale_inv'!r} but is {v.dtype}, "
-                             "not fp8")
+            raise ValueError(
+                f"{origin[k]}: tensor {k!r} has block scales {k + '_scale_inv'!r} but is {v.dtype}, not fp8"
+            )
         else:
             out[k] = v
     return out
@@ -248,8 +276,12 @@ def _layer_entries(cfg: ModelConfig, prefix: str, base: tuple, is_moe: bool, ind
     if cfg.topk_method == "noaux_tc":
         yield m + ("gate", "e_score_correction_bias"), index, "id", sm + "gate.e_score_correction_bias"
     for p in ("gate_proj", "up_proj", "down_proj"):
-        yield (m + ("experts", p), index, "stackT",
-               [f"{sm}experts.{e}.{p}.weight" for e in range(cfg.n_routed_experts)])
+        yield (
+            m + ("experts", p),
+            index,
+            "stackT",
+            [f"{sm}experts.{e}.{p}.weight" for e in range(cfg.n_routed_experts)],
+        )
     if cfg.n_shared_experts > 0:
         for p in ("gate_proj", "up_proj", "down_proj"):
             yield m + ("shared_experts", p, "kernel"), index, "T", f"{sm}shared_experts.{p}.weight"
@@ -258,8 +290,10 @@ def _layer_entries(cfg: ModelConfig, prefix: str, base: tuple, is_moe: bool, ind
 def hf_entries(cfg: ModelConfig) -> list[Entry]:
     """Every (model path, stack index, kind, HF name(s)) of a `DeepSeekModel(cfg)`; covers each
     variable (each layer's slice of a stacked one) exactly once."""
-    out: list[Entry] = [(("embed_tokens", "embedding"), None, "id", "model.embed_tokens.weight"),
-                        (("norm", "weight"), None, "id", "model.norm.weight")]
+    out: list[Entry] = [
+        (("embed_tokens", "embedding"), None, "id", "model.embed_tokens.weight"),
+        (("norm", "weight"), None, "id", "model.norm.weight"),
+    ]
     if not cfg.tie_word_embeddings:
         out.append((("lm_head", "kernel"), None, "T", "lm_head.weight"))
     n_dense = cfg.num_hidden_layers - cfg.num_moe_layers
@@ -269,10 +303,12 @@ def hf_entries(cfg: ModelConfig) -> list[Entry]:
         out += _layer_entries(cfg, f"model.layers.{i}.", (stack,), moe, j)
     for k in range(cfg.num_mtp_layers):
         p, b = f"model.layers.{cfg.num_hidden_layers + k}.", ("mtp", k)
-        out += [(b + ("enorm", "weight"), None, "id", p + "enorm.weight"),
-                (b + ("hnorm", "weight"), None, "id", p + "hnorm.weight"),
-                (b + ("eh_proj", "kernel"), None, "T", p + "eh_proj.weight"),
-                (b + ("shared_head_norm", "weight"), None, "id", p + "shared_head.norm.weight")]
+        out += [
+            (b + ("enorm", "weight"), None, "id", p + "enorm.weight"),
+            (b + ("hnorm", "weight"), None, "id", p + "hnorm.weight"),
+            (b + ("eh_proj", "kernel"), None, "T", p + "eh_proj.weight"),
+            (b + ("shared_head_norm", "weight"), None, "id", p + "shared_head.norm.weight"),
+        ]
         out += _layer_entries(cfg, p, b + ("block",), cfg.n_routed_experts > 0, None)
     return out
 
@@ -304,8 +340,14 @@ def _hf_shape(shape: tuple, kind: str) -> tuple:
 # ------------------------------------------------------------------------------------------
 # Load / save
 # ------------------------------------------------------------------------------------------
-def load_hf_checkpoint(path: str | os.PathLike, dtype=None, *, param_dtype=None, moe_impl: str = "auto",
-                       mtp_hidden_source: str = "post_norm"):
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    dtype=None,
+    *,
+    param_dtype=None,
+    moe_impl: str = "auto",
+    mtp_hidden_source: str = "post_norm",
+):
     """A `DeepSeekModel` with the weights of an HF-layout checkpoint directory.
 
     dtype: compute dtype; None = bf16 on a GPU (fp32 would double the bytes every decode step reads
@@ -326,28 +368,45 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype=None, *, param_dtype=None,
     if dtype is None:
         dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     param_dtype = dtype if param_dtype is None else param_dtype
-    model = nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
-                                                 moe_impl=moe_impl, mtp_hidden_source=mtp_hidden_source))
+    model = nnx.eval_shape(
+        lambda: DeepSeekModel(
+            cfg,
+            rngs=nnx.Rngs(0),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            moe_impl=moe_impl,
+            mtp_hidden_source=mtp_hidden_source,
+        )
+    )
     entries = hf_entries(cfg)
     copies = _mtp_copies(cfg)
     expected = {n for _, _, _, names in entries for n in ([names] if isinstance(names, str) else names)}
     missing = sorted(expected - tensors.keys())
     if missing:
-        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensor(s) the config needs: {missing[:8]}"
-                         + (" ..." if len(missing) > 8 else ""))
-    unexpected = sorted(k for k in tensors if k not in expected and k not in copies
-                        and not k.endswith(_IGNORED_SUFFIXES))
+        raise ValueError(
+            f"checkpoint {path!r} lacks {len(missing)} tensor(s) the config needs: {missing[:8]}"
+            + (" ..." if len(missing) > 8 else "")
+        )
+    unexpected = sorted(
+        k for k in tensors if k not in expected and k not in copies and not k.endswith(_IGNORED_SUFFIXES)
+    )
     if unexpected:
-        raise ValueError(f"checkpoint {path!r} has {len(unexpected)} unexpected tensor(s): {unexpected[:8]}"
-                         + (" ..." if len(unexpected) > 8 else ""))
+        raise ValueError(
+            f"checkpoint {path!r} has {len(unexpected)} unexpected tensor(s): {unexpected[:8]}"
+            + (" ..." if len(unexpected) > 8 else "")
+        )
     for copy, main in copies.items():
         if copy in tensors:
             a, b = tensors[copy], tensors[main]
-            same = a.shape == b.shape and (np.array_equal(a, b) if a.dtype == b.dtype else
-                                           np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)))
+            same = a.shape == b.shape and (
+                np.array_equal(a, b)
+                if a.dtype == b.dtype
+                else np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+            )
             if not same:
-                raise ValueError(f"tensor {copy!r} should be a copy of {main!r} (the MTP module shares it), "
-                                 "but it differs")
+                raise ValueError(
+                    f"tensor {copy!r} should be a copy of {main!r} (the MTP module shares it), but it differs"
+                )
     stacked: dict[tuple, np.ndarray] = {}  # a stacked variable's host buffer, filled layer by layer
     for mpath, index, kind, names in entries:
         var = _variable(model, mpath)
@@ -372,8 +431,11 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype=None, *, param_dtype=None,
     for mpath, buf in stacked.items():
         var = _variable(model, mpath)
         var.set_value(jnp.asarray(buf, dtype=var.dtype))
-    left = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))
-            if isinstance(v, jax.ShapeDtypeStruct)]
+    left = [
+        jax.tree_util.keystr(k)
+        for k, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))
+        if isinstance(v, jax.ShapeDtypeStruct)
+    ]
     if left:  # every variable must come from the file
         raise RuntimeError(f"internal: model variables not covered by the HF name map: {left}")
     return model
@@ -396,8 +458,7 @@ def to_hf_tensors(model) -> dict[str, np.ndarray]:
         else:
             out[names] = a
     for copy, main in _mtp_copies(cfg).items():
-        out[copy] = out[main] if main in out else np.ascontiguousarray(
-            np.asarray(model.embed_tokens.embedding[...]))
+        out[copy] = out[main] if main in out else np.ascontiguousarray(np.asarray(model.embed_tokens.embedding[...]))
     return out
 
 

@@ -51,6 +51,9 @@ def enable(flag: str | None = None) -> str | None:
 
 def add_argument(parser) -> None:
     """The `--compile-cache` option, the same in every tool."""
-    parser.add_argument("--compile-cache", metavar="DIR", default=None,
-                        help=f"persistent compilation cache directory, 'off' to disable (default: ${ENV} "
-                             f"or {default_dir()})")
+    parser.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        default=None,
+        help=f"persistent compilation cache directory, 'off' to disable (default: ${ENV} or {default_dir()})",
+    )

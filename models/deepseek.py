@@ -25,7 +25,7 @@ from mla_jax.attention import MLA
 from mla_jax.config import ModelConfig
 from mla_jax.norm import RMSNorm
 from models.mlp import MLP
-from models.moe import MoE, RouterOutput
+from models.moe import MoE
 from models.mtp import MTP
 
 
@@ -59,8 +59,17 @@ class DecoderLayer(nnx.Module):
     cache (pool `cache.layer`, see `mla_jax.attention.MLA`). `forward` is the one body both use.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32, moe: bool | None = None, moe_impl: str = "auto"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int = 0,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        moe: bool | None = None,
+        moe_impl: str = "auto",
+    ):
         self.is_moe = cfg.is_moe_layer(layer_idx) if moe is None else bool(moe)
         norm = partial(RMSNorm, cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
         self.input_layernorm = norm()
@@ -69,15 +78,36 @@ class DecoderLayer(nnx.Module):
         if self.is_moe:
             self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, impl=moe_impl)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                           init_std=cfg.initializer_range)
+            self.mlp = MLP(
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                rngs=rngs,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                init_std=cfg.initializer_range,
+            )
 
-    def forward(self, x_BTD: jax.Array, positions_BT: jax.Array, cache=None, *, absorbed: bool = False,
-                stack_index=None, q_block: int | None = None, attn_impl: str = "xla"):
+    def forward(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        cache=None,
+        *,
+        absorbed: bool = False,
+        stack_index=None,
+        q_block: int | None = None,
+        attn_impl: str = "xla",
+    ):
         """-> (out [B,T,D], RouterOutput or None for a dense layer, cache or None). `stack_index`: the
         routed experts' variables are the whole stack's and this is its layer `stack_index`."""
-        a = self.self_attn(self.input_layernorm(x_BTD), positions_BT, absorbed=absorbed, cache=cache,
-                           q_block=q_block, attn_impl=attn_impl)
+        a = self.self_attn(
+            self.input_layernorm(x_BTD),
+            positions_BT,
+            absorbed=absorbed,
+            cache=cache,
+            q_block=q_block,
+            attn_impl=attn_impl,
+        )
         if cache is not None:
             a, cache = a
         h = x_BTD + a.astype(x_BTD.dtype)
@@ -89,8 +119,15 @@ class DecoderLayer(nnx.Module):
             y = self.mlp(y)
         return h + y.astype(h.dtype), r, cache
 
-    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, *, absorbed: bool = False,
-                 return_router: bool = False, cache=None):
+    def __call__(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        *,
+        absorbed: bool = False,
+        return_router: bool = False,
+        cache=None,
+    ):
         out, r, cache_out = self.forward(x_BTD, positions_BT, cache, absorbed=absorbed)
         if cache is not None:
             return out, cache_out
@@ -124,12 +161,24 @@ def remat_policy(name: str):
     """The `jax.checkpoint` policy of a REMAT_POLICIES name (None: save nothing; "none" has no policy)."""
     if name not in REMAT_POLICIES:
         raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {name!r}")
-    return {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable,
-            "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}.get(name)
+    return {
+        "full": None,
+        "dots_saveable": jax.checkpoint_policies.dots_saveable,
+        "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }.get(name)
 
 
-def _scan_layers(stack, h_BTD, positions_BT, cache, first_layer: int, absorbed: bool, remat: str = "none",
-                 q_block: int | None = None, attn_impl: str = "xla"):
+def _scan_layers(
+    stack,
+    h_BTD,
+    positions_BT,
+    cache,
+    first_layer: int,
+    absorbed: bool,
+    remat: str = "none",
+    q_block: int | None = None,
+    attn_impl: str = "xla",
+):
     """Run a stacked layer over h with `jax.lax.scan` (one compiled body, whatever the depth).
 
     The cache (its stacked pools) is the scan's carry, updated in place; each layer is pointed at
@@ -151,8 +200,11 @@ def _scan_layers(stack, h_BTD, positions_BT, cache, first_layer: int, absorbed: 
     policy = remat_policy(remat)
     if remat != "none" and cache is not None:
         raise ValueError(f"remat={remat!r} is for training; a cached (inference) call takes remat='none'")
-    whole = (cache is not None and stack.is_moe
-             and stack.mlp.resolved_impl(h_BTD.shape[0] * h_BTD.shape[1]) in ("decode", "decode_interpret"))
+    whole = (
+        cache is not None
+        and stack.is_moe
+        and stack.mlp.resolved_impl(h_BTD.shape[0] * h_BTD.shape[1]) in ("decode", "decode_interpret")
+    )
     if whole:
         graphdef, experts, state = nnx.split(stack, nnx.PathContains("experts"), ...)
     else:
@@ -163,9 +215,15 @@ def _scan_layers(stack, h_BTD, positions_BT, cache, first_layer: int, absorbed: 
         h, c = carry
         layer_state, idx = xs
         layer = nnx.merge(graphdef, experts, layer_state) if whole else nnx.merge(graphdef, layer_state)
-        h, r, c = layer.forward(h, positions_BT, None if c is None else c.at_layer(first_layer + idx),
-                                absorbed=absorbed, stack_index=idx if whole else None, q_block=q_block,
-                                attn_impl=attn_impl)
+        h, r, c = layer.forward(
+            h,
+            positions_BT,
+            None if c is None else c.at_layer(first_layer + idx),
+            absorbed=absorbed,
+            stack_index=idx if whole else None,
+            q_block=q_block,
+            attn_impl=attn_impl,
+        )
         return (h, c), r
 
     if remat != "none":
@@ -204,13 +262,22 @@ class DeepSeekModel(nnx.Module):
     dtype (the router kernel and bias are fp32 always). `moe_impl` is `models.moe.MOE_IMPLS`.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 moe_impl: str = "auto", mtp_hidden_source: str = "post_norm"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        moe_impl: str = "auto",
+        mtp_hidden_source: str = "post_norm",
+    ):
         self.cfg = cfg
         self.dtype = dtype
         init = initializers.normal(cfg.initializer_range)
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
-                                      embedding_init=init, rngs=rngs)
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, embedding_init=init, rngs=rngs
+        )
         n_moe = cfg.num_moe_layers
         self.num_dense_layers = cfg.num_hidden_layers - n_moe
         layer = partial(DecoderLayer, cfg, dtype=dtype, param_dtype=param_dtype, moe_impl=moe_impl)
@@ -220,13 +287,29 @@ class DeepSeekModel(nnx.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype,
-                                      param_dtype=param_dtype, kernel_init=init, rngs=rngs)
-        self.mtp = nnx.List([
-            MTP(cfg, k, rngs=rngs, dtype=dtype, param_dtype=param_dtype, moe_impl=moe_impl,
-                hidden_source=mtp_hidden_source)
-            for k in range(cfg.num_mtp_layers)
-        ])
+            self.lm_head = nnx.Linear(
+                cfg.hidden_size,
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=init,
+                rngs=rngs,
+            )
+        self.mtp = nnx.List(
+            [
+                MTP(
+                    cfg,
+                    k,
+                    rngs=rngs,
+                    dtype=dtype,
+                    param_dtype=param_dtype,
+                    moe_impl=moe_impl,
+                    hidden_source=mtp_hidden_source,
+                )
+                for k in range(cfg.num_mtp_layers)
+            ]
+        )
 
     # --- layers -----------------------------------------------------------------------------
     @property
@@ -262,22 +345,39 @@ class DeepSeekModel(nnx.Module):
         """Token embeddings [B,T,D] in the compute dtype."""
         return self.embed_tokens(ids_BT)
 
-    def _trunk(self, ids_BT, positions_BT, absorbed: bool, cache=None, remat: str = "none",
-               q_block: int | None = None, attn_impl: str = "xla"):
+    def _trunk(
+        self,
+        ids_BT,
+        positions_BT,
+        absorbed: bool,
+        cache=None,
+        remat: str = "none",
+        q_block: int | None = None,
+        attn_impl: str = "xla",
+    ):
         """-> (pre-final-norm hidden [B,T,D], RouterOutputs of the main MoE layers (a list), cache)."""
         h = self.embed(ids_BT)
         routers = []
         if self.dense_layers is not None:
-            h, _, cache = _scan_layers(self.dense_layers, h, positions_BT, cache, 0, absorbed, remat, q_block,
-                                       attn_impl)
+            h, _, cache = _scan_layers(
+                self.dense_layers, h, positions_BT, cache, 0, absorbed, remat, q_block, attn_impl
+            )
         if self.moe_layers is not None:
-            h, rs, cache = _scan_layers(self.moe_layers, h, positions_BT, cache, self.num_dense_layers, absorbed,
-                                        remat, q_block, attn_impl)
+            h, rs, cache = _scan_layers(
+                self.moe_layers, h, positions_BT, cache, self.num_dense_layers, absorbed, remat, q_block, attn_impl
+            )
             routers = _unstack(rs, self.cfg.num_moe_layers)
         return h, routers, cache
 
-    def hidden_states(self, ids_BT: jax.Array, positions_BT: jax.Array | None = None, *, absorbed: bool = False,
-                      pre_norm: bool = False, cache=None):
+    def hidden_states(
+        self,
+        ids_BT: jax.Array,
+        positions_BT: jax.Array | None = None,
+        *,
+        absorbed: bool = False,
+        pre_norm: bool = False,
+        cache=None,
+    ):
         """The last layer's hidden [B,T,D]: after the final norm (default) or before it (`pre_norm=True`).
         With a cache: (hidden, cache)."""
         positions_BT = self._check_ids(ids_BT, positions_BT)
@@ -295,8 +395,9 @@ class DeepSeekModel(nnx.Module):
         """The main hidden that feeds MTP depth 0 (`mtp[0].hidden_source`): after or before the final norm."""
         return h_post if self.mtp[0].hidden_source == "post_norm" else h_pre
 
-    def mtp_block(self, h_BTD: jax.Array, next_ids_BT: jax.Array, positions_BT: jax.Array, *, cache=None,
-                  absorbed: bool = False):
+    def mtp_block(
+        self, h_BTD: jax.Array, next_ids_BT: jax.Array, positions_BT: jax.Array, *, cache=None, absorbed: bool = False
+    ):
         """MTP module 0 on pairs (h_i, t_{i+1}) -> its block output o [B,T,D] (with a cache: (o, cache);
         the module's latents go to pool `num_hidden_layers`)."""
         if len(self.mtp) == 0:
@@ -307,8 +408,9 @@ class DeepSeekModel(nnx.Module):
         """Logits of MTP module 0's block output: [..., D] -> [..., V] (the shared LM head)."""
         return self.logits_from_hidden(self.mtp[0].head_hidden(o_BTD))
 
-    def mtp_logits(self, h_BTD: jax.Array, next_ids_BT: jax.Array, positions_BT: jax.Array | None = None, *,
-                   absorbed: bool = False) -> jax.Array:
+    def mtp_logits(
+        self, h_BTD: jax.Array, next_ids_BT: jax.Array, positions_BT: jax.Array | None = None, *, absorbed: bool = False
+    ) -> jax.Array:
         """Depth-0 MTP for arbitrary pairs: hidden h_i [B,T,D] (per `mtp[0].hidden_source`) and token t_{i+1}
         [B,T] -> logits [B,T,V] for t_{i+2}. Positions default to arange(T) (RoPE is shift invariant)."""
         if len(self.mtp) == 0:
@@ -316,9 +418,18 @@ class DeepSeekModel(nnx.Module):
         positions_BT = self._check_ids(next_ids_BT, positions_BT)
         return self.mtp_head(self.mtp_block(h_BTD, next_ids_BT, positions_BT, absorbed=absorbed))
 
-    def forward(self, ids_BT: jax.Array, positions_BT: jax.Array | None = None, *, absorbed: bool = False,
-                with_mtp: bool = True, head: bool = True, remat: str = "none",
-                q_block: int | None = None, attn_impl: str = "xla") -> ModelOutput:
+    def forward(
+        self,
+        ids_BT: jax.Array,
+        positions_BT: jax.Array | None = None,
+        *,
+        absorbed: bool = False,
+        with_mtp: bool = True,
+        head: bool = True,
+        remat: str = "none",
+        q_block: int | None = None,
+        attn_impl: str = "xla",
+    ) -> ModelOutput:
         """The full pass with what training needs (router decisions included); see `ModelOutput`.
 
         head=False skips the LM head (logits None, mtp_logits empty; the hiddens it would read are in
@@ -327,8 +438,9 @@ class DeepSeekModel(nnx.Module):
         (`mla_naive_attention`; the MTP modules attend whole). attn_impl: the main layers' decompressed
         attention, "xla" (jnp), "cudnn" or "mgpu" (`mla_naive_attention`'s flash paths; right-padded masks only)."""
         positions_BT = self._check_ids(ids_BT, positions_BT)
-        h_pre, routers, _ = self._trunk(ids_BT, positions_BT, absorbed, remat=remat, q_block=q_block,
-                                        attn_impl=attn_impl)
+        h_pre, routers, _ = self._trunk(
+            ids_BT, positions_BT, absorbed, remat=remat, q_block=q_block, attn_impl=attn_impl
+        )
         h_post = self.norm(h_pre)
         logits = self.logits_from_hidden(h_post) if head else None
         mtp_out, mtp_hidden = [], []
@@ -341,8 +453,9 @@ class DeepSeekModel(nnx.Module):
                 n = T - 1 - k  # positions i whose token i+1+k exists
                 if n < 1:
                     break
-                o, r = mod(h[:, :n], self.embed(ids_BT[:, 1 + k:]), positions_BT[:, :n], absorbed=absorbed,
-                           return_router=True)
+                o, r = mod(
+                    h[:, :n], self.embed(ids_BT[:, 1 + k :]), positions_BT[:, :n], absorbed=absorbed, return_router=True
+                )
                 if r is not None:
                     routers.append(r)
                 mtp_hidden.append(mod.head_hidden(o))
@@ -351,12 +464,21 @@ class DeepSeekModel(nnx.Module):
                 h = o
         return ModelOutput(logits, tuple(mtp_out), h_post, tuple(routers), tuple(mtp_hidden))
 
-    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None, *, with_mtp: bool = False,
-                 absorbed: bool = False, cache=None):
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        with_mtp: bool = False,
+        absorbed: bool = False,
+        cache=None,
+    ):
         if cache is not None:
             if with_mtp:
-                raise ValueError("with_mtp=True is not available with a cache; the cached MTP module is "
-                                 "`model.mtp_block(h, next_ids, positions, cache=cache)`")
+                raise ValueError(
+                    "with_mtp=True is not available with a cache; the cached MTP module is "
+                    "`model.mtp_block(h, next_ids, positions, cache=cache)`"
+                )
             h, cache = self.hidden_states(input_ids, positions, cache=cache)
             return self.logits_from_hidden(h), cache
         if not with_mtp:

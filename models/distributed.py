@@ -18,29 +18,43 @@ import os
 from typing import Mapping
 
 # field -> (flag, environment variable)
-SOURCES = {"coordinator": ("--coordinator", "MLA_JAX_COORDINATOR"),
-           "num_processes": ("--num-processes", "MLA_JAX_NUM_PROCESSES"),
-           "process_id": ("--process-id", "MLA_JAX_PROCESS_ID")}
+SOURCES = {
+    "coordinator": ("--coordinator", "MLA_JAX_COORDINATOR"),
+    "num_processes": ("--num-processes", "MLA_JAX_NUM_PROCESSES"),
+    "process_id": ("--process-id", "MLA_JAX_PROCESS_ID"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """What `jax.distributed.initialize` is called with."""
 
-    coordinator: str      # HOST:PORT of process 0's coordination service
-    num_processes: int    # >= 1
-    process_id: int       # in [0, num_processes)
+    coordinator: str  # HOST:PORT of process 0's coordination service
+    num_processes: int  # >= 1
+    process_id: int  # in [0, num_processes)
 
 
 def add_arguments(parser) -> None:
     """The three options, the same in every tool (strings: `resolve` checks flags and variables alike)."""
-    parser.add_argument("--coordinator", metavar="HOST:PORT", default=None,
-                        help="several processes as one JAX runtime (jax.distributed): process 0's address "
-                             "(default: $MLA_JAX_COORDINATOR; none = one process)")
-    parser.add_argument("--num-processes", metavar="N", default=None,
-                        help="processes in the run, with --coordinator (default: $MLA_JAX_NUM_PROCESSES)")
-    parser.add_argument("--process-id", metavar="I", default=None,
-                        help="this process, 0..N-1, with --coordinator (default: $MLA_JAX_PROCESS_ID)")
+    parser.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        default=None,
+        help="several processes as one JAX runtime (jax.distributed): process 0's address "
+        "(default: $MLA_JAX_COORDINATOR; none = one process)",
+    )
+    parser.add_argument(
+        "--num-processes",
+        metavar="N",
+        default=None,
+        help="processes in the run, with --coordinator (default: $MLA_JAX_NUM_PROCESSES)",
+    )
+    parser.add_argument(
+        "--process-id",
+        metavar="I",
+        default=None,
+        help="this process, 0..N-1, with --coordinator (default: $MLA_JAX_PROCESS_ID)",
+    )
 
 
 def resolve(args, environ: Mapping[str, str] | None = None) -> Cluster | None:
@@ -86,10 +100,13 @@ def initialize(args, environ: Mapping[str, str] | None = None) -> Cluster | None
     import jax
 
     try:
-        jax.distributed.initialize(coordinator_address=cluster.coordinator, num_processes=cluster.num_processes,
-                                   process_id=cluster.process_id)
+        jax.distributed.initialize(
+            coordinator_address=cluster.coordinator, num_processes=cluster.num_processes, process_id=cluster.process_id
+        )
     except (RuntimeError, ValueError) as e:  # jax's own: unreachable, timed out, already initialised
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise RuntimeError(f"--coordinator {cluster.coordinator}: jax.distributed.initialize failed "
-                           f"(process {cluster.process_id} of {cluster.num_processes}): {reason}") from None
+        raise RuntimeError(
+            f"--coordinator {cluster.coordinator}: jax.distributed.initialize failed "
+            f"(process {cluster.process_id} of {cluster.num_processes}): {reason}"
+        ) from None
     return cluster

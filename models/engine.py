@@ -31,18 +31,43 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mla_jax.kv_cache import (INTERPRET_ON_DATA_RANKS, KVCache, CacheFullError, PagedLatentCache, decode_kernel_reads,
-                              next_pow2)
+from mla_jax.kv_cache import (
+    INTERPRET_ON_DATA_RANKS,
+    CacheFullError,
+    KVCache,
+    PagedLatentCache,
+    decode_kernel_reads,
+    next_pow2,
+)
 from models.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
-from models.steps import (MAX_DRAFT_TOKENS, NON_FINITE, StepInputs, compiled_steps, decode_step, prefill_step,
-                          trace_counts, verify_step)
+from models.steps import (
+    MAX_DRAFT_TOKENS,
+    NON_FINITE,
+    StepInputs,
+    compiled_steps,
+    decode_step,
+    prefill_step,
+    trace_counts,
+    verify_step,
+)
 
 ATTENTION_IMPLS = ("auto", "reference", "kernel", "interpret")
 ON_CACHE_FULL = ("fail_request", "raise")
 
 __all__ = [
-    "ATTENTION_IMPLS", "CacheFullError", "Engine", "GenerationResult", "GenerationStats", "SamplingParams",
-    "StepInputs", "decode_step", "kernel_problems", "prefill_step", "rows_needed", "trace_counts", "verify_step",
+    "ATTENTION_IMPLS",
+    "CacheFullError",
+    "Engine",
+    "GenerationResult",
+    "GenerationStats",
+    "SamplingParams",
+    "StepInputs",
+    "decode_step",
+    "kernel_problems",
+    "prefill_step",
+    "rows_needed",
+    "trace_counts",
+    "verify_step",
 ]
 
 
@@ -145,9 +170,25 @@ class GenerationStats(collections.abc.Mapping):
             return None
         return self.mtp_accepted / self.mtp_drafted if self.mtp_drafted else 0.0
 
-    _KEYS = ("prefill_tok_s", "decode_tok_s", "compile_s", "ttft_s", "prefill_s", "decode_s", "prefill_tokens",
-             "decode_tokens", "prefill_steps", "decode_steps", "mtp_drafted", "mtp_accepted", "mtp_acceptance",
-             "pages_used_peak", "pages_total", "traces", "failed")
+    _KEYS = (
+        "prefill_tok_s",
+        "decode_tok_s",
+        "compile_s",
+        "ttft_s",
+        "prefill_s",
+        "decode_s",
+        "prefill_tokens",
+        "decode_tokens",
+        "prefill_steps",
+        "decode_steps",
+        "mtp_drafted",
+        "mtp_accepted",
+        "mtp_acceptance",
+        "pages_used_peak",
+        "pages_total",
+        "traces",
+        "failed",
+    )
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self._KEYS}
@@ -255,22 +296,44 @@ class Engine:
     call, compilation included).
     """
 
-    def __init__(self, model, page_size: int = 64, num_pages: int | None = None, max_batch: int = 8,
-                 prefill_chunk: int = 512, naive_threshold: int = 256, attention_impl: str = "auto",
-                 max_context: int | None = None, kv_dtype=jnp.bfloat16, cache_fill: float = 0.0,
-                 min_chunk_bucket: int = 16, min_table_tokens: int = 256, mesh=None):
+    def __init__(
+        self,
+        model,
+        page_size: int = 64,
+        num_pages: int | None = None,
+        max_batch: int = 8,
+        prefill_chunk: int = 512,
+        naive_threshold: int = 256,
+        attention_impl: str = "auto",
+        max_context: int | None = None,
+        kv_dtype=jnp.bfloat16,
+        cache_fill: float = 0.0,
+        min_chunk_bucket: int = 16,
+        min_table_tokens: int = 256,
+        mesh=None,
+    ):
         cfg = model.cfg
-        for name, v, lo in (("page_size", page_size, 1), ("max_batch", max_batch, 1),
-                            ("prefill_chunk", prefill_chunk, 1), ("naive_threshold", naive_threshold, 1),
-                            ("min_chunk_bucket", min_chunk_bucket, 1), ("min_table_tokens", min_table_tokens, 1)):
+        for name, v, lo in (
+            ("page_size", page_size, 1),
+            ("max_batch", max_batch, 1),
+            ("prefill_chunk", prefill_chunk, 1),
+            ("naive_threshold", naive_threshold, 1),
+            ("min_chunk_bucket", min_chunk_bucket, 1),
+            ("min_table_tokens", min_table_tokens, 1),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"Engine {name} must be an integer >= {lo}, got {v!r}")
         if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1):
             raise ValueError(f"Engine num_pages must be a positive integer or None, got {num_pages!r}")
-        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
-                                        or not 1 <= max_context <= cfg.max_position_embeddings):
-            raise ValueError(f"Engine max_context must be an integer in [1, max_position_embeddings="
-                             f"{cfg.max_position_embeddings}], got {max_context!r}")
+        if max_context is not None and (
+            isinstance(max_context, bool)
+            or not isinstance(max_context, int)
+            or not 1 <= max_context <= cfg.max_position_embeddings
+        ):
+            raise ValueError(
+                f"Engine max_context must be an integer in [1, max_position_embeddings="
+                f"{cfg.max_position_embeddings}], got {max_context!r}"
+            )
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"Engine attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
         # Data-parallel attention: D > 1 data ranks (the batch's mesh axes) each own max_batch / D slots
@@ -311,10 +374,17 @@ class Engine:
         graphdef, self.state = nnx.split(model)
         self.steps = compiled_steps(graphdef)
         self.cache = PagedLatentCache(
-            num_layers=cfg.num_hidden_layers + (1 if self.has_mtp else 0), num_pages=num_pages,
-            page_size=page_size, latent_dim=cfg.latent_dim, max_seqs=max_batch,
-            max_pages_per_seq=next_pow2(pages_per_seq), dtype=kv_dtype, fill_value=cache_fill,
-            rope_dim=cfg.qk_rope_head_dim, ranks=D)
+            num_layers=cfg.num_hidden_layers + (1 if self.has_mtp else 0),
+            num_pages=num_pages,
+            page_size=page_size,
+            latent_dim=cfg.latent_dim,
+            max_seqs=max_batch,
+            max_pages_per_seq=next_pow2(pages_per_seq),
+            dtype=kv_dtype,
+            fill_value=cache_fill,
+            rope_dim=cfg.qk_rope_head_dim,
+            ranks=D,
+        )
         if mesh is not None:
             # The latent has no head axis to split: every device of a data rank holds all of that rank's
             # pages (the whole pool when data = 1); the pool's N axis is split over the data ranks.
@@ -347,12 +417,15 @@ class Engine:
         return self.kernel_impl or "reference"
 
     # --- input checking ---------------------------------------------------------------------
-    def _check_request(self, prompts, max_new_tokens, sampling, use_mtp, stop_tokens, stream, on_cache_full,
-                       mtp_draft_tokens):
+    def _check_request(
+        self, prompts, max_new_tokens, sampling, use_mtp, stop_tokens, stream, on_cache_full, mtp_draft_tokens
+    ):
         V = self.cfg.vocab_size
         if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-            raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__} "
-                             f"of length {len(prompts) if hasattr(prompts, '__len__') else '?'}")
+            raise ValueError(
+                f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__} "
+                f"of length {len(prompts) if hasattr(prompts, '__len__') else '?'}"
+            )
         clean = []
         for i, p in enumerate(prompts):
             if isinstance(p, (str, bytes)) or not hasattr(p, "__len__"):
@@ -377,15 +450,22 @@ class Engine:
         else:
             params = list(sampling) if isinstance(sampling, (list, tuple)) else None
             if params is None or len(params) != len(clean) or not all(isinstance(s, SamplingParams) for s in params):
-                raise ValueError("sampling must be a SamplingParams or a list of one SamplingParams per prompt "
-                                 f"({len(clean)}), got {sampling!r}")
+                raise ValueError(
+                    "sampling must be a SamplingParams or a list of one SamplingParams per prompt "
+                    f"({len(clean)}), got {sampling!r}"
+                )
             keys = [jax.random.PRNGKey(s.seed) for s in params]
         if use_mtp and not self.has_mtp:
             raise ValueError("use_mtp=True but the model has no MTP module (cfg.num_mtp_layers == 0)")
-        if isinstance(mtp_draft_tokens, bool) or not isinstance(mtp_draft_tokens, int) \
-                or not 1 <= mtp_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"mtp_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}] (a verify step "
-                             f"attends with s_q = k + 1 <= 4 queries), got {mtp_draft_tokens!r}")
+        if (
+            isinstance(mtp_draft_tokens, bool)
+            or not isinstance(mtp_draft_tokens, int)
+            or not 1 <= mtp_draft_tokens <= MAX_DRAFT_TOKENS
+        ):
+            raise ValueError(
+                f"mtp_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}] (a verify step "
+                f"attends with s_q = k + 1 <= 4 queries), got {mtp_draft_tokens!r}"
+            )
         stops = set()
         for t in stop_tokens:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
@@ -398,11 +478,17 @@ class Engine:
         return clean, params, [np.asarray(k, np.uint32) for k in keys], stops
 
     # --- generation -------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32,
-                 sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(temperature=0.0),
-                 use_mtp: bool = False, stop_tokens: Sequence[int] = (),
-                 stream: Callable[[int, int], None] | None = None,
-                 on_cache_full: str = "fail_request", mtp_draft_tokens: int = 1) -> GenerationResult:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 32,
+        sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(temperature=0.0),
+        use_mtp: bool = False,
+        stop_tokens: Sequence[int] = (),
+        stream: Callable[[int, int], None] | None = None,
+        on_cache_full: str = "fail_request",
+        mtp_draft_tokens: int = 1,
+    ) -> GenerationResult:
         """Generate up to `max_new_tokens` new tokens for each prompt (ragged lengths).
 
         At most `max_batch` prompts run at once; a finished one's slot takes the next waiting
@@ -421,10 +507,20 @@ class Engine:
         "raise" raises the `CacheFullError` (with `.partial_result`). A request whose logits turn
         NaN / infinite ends the same way (error, no token emitted). Bad arguments raise ValueError.
         """
-        prompts, params, keys, stops = self._check_request(prompts, max_new_tokens, sampling, use_mtp,
-                                                           stop_tokens, stream, on_cache_full, mtp_draft_tokens)
-        run = _Generation(self, prompts, params, keys, stops, max_new_tokens,
-                          mtp_draft_tokens if use_mtp else 0, stream, on_cache_full)
+        prompts, params, keys, stops = self._check_request(
+            prompts, max_new_tokens, sampling, use_mtp, stop_tokens, stream, on_cache_full, mtp_draft_tokens
+        )
+        run = _Generation(
+            self,
+            prompts,
+            params,
+            keys,
+            stops,
+            max_new_tokens,
+            mtp_draft_tokens if use_mtp else 0,
+            stream,
+            on_cache_full,
+        )
         try:
             while run.step():
                 pass
@@ -438,8 +534,9 @@ class Engine:
 class _Generation:
     """The host scheduler of one `Engine.generate` call: explicit state and one method per act."""
 
-    def __init__(self, engine: Engine, prompts, params, keys, stops, max_new_tokens: int, k: int, stream,
-                 on_cache_full: str):
+    def __init__(
+        self, engine: Engine, prompts, params, keys, stops, max_new_tokens: int, k: int, stream, on_cache_full: str
+    ):
         self.e = engine
         self.cache = engine.cache
         self.prompts, self.params, self.keys, self.stops = prompts, params, keys, stops
@@ -523,7 +620,9 @@ class _Generation:
                 spec[b] = n_spec
             except CacheFullError as err:
                 fallback = rows_needed(seq.cached, self.k, 0)
-                if n_spec and self.cache.pages_for(fallback) - len(self.cache.pages_of(b)) <= self.cache.free_pages_for(b):
+                if n_spec and self.cache.pages_for(fallback) - len(self.cache.pages_of(b)) <= self.cache.free_pages_for(
+                    b
+                ):
                     self.cache.reserve(b, fallback)
                     spec[b] = 0
                 else:
@@ -538,7 +637,8 @@ class _Generation:
         if tok == NON_FINITE:
             err = NonFiniteLogitsError(
                 f"request {seq.req}: the model produced NaN or infinite logits at position {position} (its weights "
-                "or activations are not finite: a corrupt or mis-converted checkpoint, or a dtype that overflows)")
+                "or activations are not finite: a corrupt or mis-converted checkpoint, or a dtype that overflows)"
+            )
             self.errors[seq.req] = str(err)
             self.finish(b, "error")
             return True
@@ -612,9 +712,15 @@ class _Generation:
 
             dp = (self.e.mesh, self.e.data_axes)
             inp, args = shard_batch((inp, args), self.e.mesh)
-        cache = KVCache.create(self.cache.pages, inp.block_table, inp.lengths, impl=self.e.backend,
-                               naive_threshold=self.e.naive_threshold, page_format=self.cache.page_format,
-                               data_parallel=dp)
+        cache = KVCache.create(
+            self.cache.pages,
+            inp.block_table,
+            inp.lengths,
+            impl=self.e.backend,
+            naive_threshold=self.e.naive_threshold,
+            page_format=self.cache.page_format,
+            data_parallel=dp,
+        )
         cache, *outs = fn(self.e.state, cache, inp, *args, **static)
         self.cache.pages = cache.pages
         host = [np.asarray(o) if i < n_host else o for i, o in enumerate(outs)]
@@ -622,8 +728,7 @@ class _Generation:
         compiled = sum(trace_counts().values()) != traces0
         if compiled:
             B, T = inp.ids.shape
-            self.e.compile_log.append(dict(step=kind, bucket=f"B={B} T={T} P={inp.block_table.shape[1]}",
-                                           seconds=dt))
+            self.e.compile_log.append(dict(step=kind, bucket=f"B={B} T={T} P={inp.block_table.shape[1]}", seconds=dt))
         return host, dt, compiled
 
     def run_prefill(self, rows: list[int]) -> None:
@@ -638,21 +743,30 @@ class _Generation:
         for b in rows:
             seq, c = slots[b], chunk[b]
             a = seq.prefilled
-            ids[b, :c] = seq.prompt[a:a + c]
+            ids[b, :c] = seq.prompt[a : a + c]
             pos[b, :c] = np.arange(a, a + c)
-            follow = seq.prompt[a + 1:a + c + 1]
-            nxt[b, :len(follow)] = follow
+            follow = seq.prompt[a + 1 : a + c + 1]
+            nxt[b, : len(follow)] = follow
             lengths[b] = a + c
             last[b] = c - 1
             ends[b] = a + c == len(seq.prompt)
         inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
         if self.k:
             (toks, self.drafts, self.draft_probs), dt, compiled = self._call(
-                "prefill", self.e.steps.prefill, inp, nxt, ends, self.drafts, self.draft_probs, use_mtp=True,
-                sampler=self.sampler)
+                "prefill",
+                self.e.steps.prefill,
+                inp,
+                nxt,
+                ends,
+                self.drafts,
+                self.draft_probs,
+                use_mtp=True,
+                sampler=self.sampler,
+            )
         else:
-            (toks, _, _), dt, compiled = self._call("prefill", self.e.steps.prefill, inp, None, None, None, None,
-                                                    use_mtp=False, sampler=self.sampler)
+            (toks, _, _), dt, compiled = self._call(
+                "prefill", self.e.steps.prefill, inp, None, None, None, None, use_mtp=False, sampler=self.sampler
+            )
         self.stats.record("prefill", sum(chunk.values()), dt, compiled)
         for b in rows:
             seq = slots[b]
@@ -662,8 +776,7 @@ class _Generation:
                 self.emit(b, int(toks[b]), seq.cached)
 
     def run_decode(self, rows: list[int]) -> None:
-        ids, pos, lengths, last, keys, sp, bt = self._inputs(
-            rows, 1, max(self.slots[b].cached + 1 for b in rows))
+        ids, pos, lengths, last, keys, sp, bt = self._inputs(rows, 1, max(self.slots[b].cached + 1 for b in rows))
         for b in rows:
             seq = self.slots[b]
             ids[b, 0] = seq.pending
@@ -679,25 +792,26 @@ class _Generation:
         k = self.k
         # The table covers what the step addresses (`rows_needed`): the kernel sees seq_len =
         # cached + 1 + k with the padding queries counted in, even where fewer drafts are verified.
-        need = max(max(len(self.cache.pages_of(b)) * self.cache.page_size, rows_needed(self.slots[b].cached, k))
-                   for b in rows)
+        need = max(
+            max(len(self.cache.pages_of(b)) * self.cache.page_size, rows_needed(self.slots[b].cached, k)) for b in rows
+        )
         ids, pos, lengths, last, keys, sp, bt = self._inputs(rows, k + 1, need)
         n_spec = np.zeros((self.e.max_batch,), np.int32)
         for b in rows:
             seq = self.slots[b]
             ids[b, 0] = seq.pending
-            pos[b, :1 + spec[b]] = np.arange(seq.cached, seq.cached + 1 + spec[b])
+            pos[b, : 1 + spec[b]] = np.arange(seq.cached, seq.cached + 1 + spec[b])
             lengths[b] = seq.cached + 1 + spec[b]
             n_spec[b] = spec[b]
         inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
         (toks, acc, self.drafts, self.draft_probs), dt, compiled = self._call(
-            "verify", self.e.steps.verify, inp, self.drafts, self.draft_probs, n_spec, n_host=2,
-            sampler=self.sampler)
+            "verify", self.e.steps.verify, inp, self.drafts, self.draft_probs, n_spec, n_host=2, sampler=self.sampler
+        )
         self.stats.record("decode", sum(1 + int(acc[b]) for b in rows), dt, compiled)
         for b in rows:
             self.stats.mtp_drafted += spec[b]
             self.stats.mtp_accepted += int(acc[b])
-            self._advance(b, [int(t) for t in toks[b, :1 + int(acc[b])]], int(acc[b]))
+            self._advance(b, [int(t) for t in toks[b, : 1 + int(acc[b])]], int(acc[b]))
 
     def _advance(self, b: int, toks: list[int], accepted: int) -> None:
         """A decode / verify step's new tokens for slot b: the cache keeps t_n and the accepted drafts

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import NoReturn, Sequence
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -36,11 +35,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _build_parser() -> _Parser:
-    p = _Parser(prog="mla-generate", description="Generate text with a DeepSeek-style model (MLA paged cache, "
-                "optional MTP speculative decoding), streaming it to stdout.")
-    p.add_argument("--checkpoint", metavar="DIR",
-                   help="HF-layout checkpoint directory (config.json, safetensors, tokenizer.json); "
-                        "default: the built-in small model")
+    p = _Parser(
+        prog="mla-generate",
+        description="Generate text with a DeepSeek-style model (MLA paged cache, "
+        "optional MTP speculative decoding), streaming it to stdout.",
+    )
+    p.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="HF-layout checkpoint directory (config.json, safetensors, tokenizer.json); "
+        "default: the built-in small model",
+    )
     p.add_argument("--prompt", help="prompt text (default: a built-in prompt)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate (default: 96)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
@@ -48,25 +53,49 @@ def _build_parser() -> _Parser:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = off (default: 0)")
     p.add_argument("--min-p", type=float, default=0.0, help="min-p filter, 0 = off (default: 0)")
     p.add_argument("--mtp", action="store_true", help="speculative decoding with the model's MTP head")
-    p.add_argument("--mtp-draft-tokens", type=int, default=1, metavar="K",
-                   help="tokens the MTP head drafts a step, 1..3 (default: 1)")
+    p.add_argument(
+        "--mtp-draft-tokens",
+        type=int,
+        default=1,
+        metavar="K",
+        help="tokens the MTP head drafts a step, 1..3 (default: 1)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="compute dtype; auto = bfloat16 on a GPU, float32 elsewhere (default: auto)")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
-                   help="latent cache format; auto = bf16 on a GPU (what the Pallas kernels read), fp32 "
-                        "elsewhere, where the jnp path keeps the latents exact; fp8 = 656-byte tokens (e4m3 "
-                        "latent + fp32 scale per 128 + bf16 rope), 1.76x the tokens of bf16; fp4 = 416-byte "
-                        "tokens (e2m1 pairs + e4m3 scale per 16 + bf16 rope), 2.77x (default: auto)")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="skip the silent warm-up run that compiles the steps before the timed one")
-    p.add_argument("--attention-impl", choices=("auto", "reference", "kernel", "interpret"), default="auto",
-                   help="decode attention: Pallas kernel on Hopper (auto) or the jnp reference")
-    p.add_argument("--mesh", metavar="SPEC",
-                   help="a device mesh, e.g. data=2,tensor=2 (axes data, expert, tensor; left out = 1): weights "
-                        "placed by mla_jax.sharding's table (heads and MLP width over tensor, routed experts "
-                        "over expert), the cache replicated on every device (default: one device)")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="compute dtype; auto = bfloat16 on a GPU, float32 elsewhere (default: auto)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default="auto",
+        help="latent cache format; auto = bf16 on a GPU (what the Pallas kernels read), fp32 "
+        "elsewhere, where the jnp path keeps the latents exact; fp8 = 656-byte tokens (e4m3 "
+        "latent + fp32 scale per 128 + bf16 rope), 1.76x the tokens of bf16; fp4 = 416-byte "
+        "tokens (e2m1 pairs + e4m3 scale per 16 + bf16 rope), 2.77x (default: auto)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the silent warm-up run that compiles the steps before the timed one",
+    )
+    p.add_argument(
+        "--attention-impl",
+        choices=("auto", "reference", "kernel", "interpret"),
+        default="auto",
+        help="decode attention: Pallas kernel on Hopper (auto) or the jnp reference",
+    )
+    p.add_argument(
+        "--mesh",
+        metavar="SPEC",
+        help="a device mesh, e.g. data=2,tensor=2 (axes data, expert, tensor; left out = 1): weights "
+        "placed by mla_jax.sharding's table (heads and MLP width over tensor, routed experts "
+        "over expert), the cache replicated on every device (default: one device)",
+    )
     from models import compile_cache, distributed
+
     compile_cache.add_argument(p)
     distributed.add_arguments(p)
     return p
@@ -99,6 +128,7 @@ def compute_dtype(name: str):
 
 def _builtin_available() -> bool:
     from models.builtin import BUILTIN_DIR
+
     return os.path.isfile(os.path.join(BUILTIN_DIR, "config.json"))
 
 
@@ -124,6 +154,7 @@ def _load(args):
             raise _UsageError(f"--checkpoint {d}: {e}") from None
         return model, tok, FALLBACK_PROMPT, None
     from models.builtin import BUILTIN_DIR, BUILTIN_PROMPT
+
     if _builtin_available():
         return load_hf_checkpoint(BUILTIN_DIR, dtype=dtype), load_tokenizer(BUILTIN_DIR), BUILTIN_PROMPT, None
     # The built-in weights are not there (not trained yet): a random model of the same shape, so
@@ -135,8 +166,10 @@ def _load(args):
     from models.tokenizer import ByteTokenizer
 
     model = DeepSeekModel(ModelConfig.tiny(), rngs=nnx.Rngs(0), dtype=dtype)
-    warning = ("warning: the built-in checkpoint (models/builtin/config.json) is missing; using a randomly "
-               "initialised ModelConfig.tiny() model, so the text is noise")
+    warning = (
+        "warning: the built-in checkpoint (models/builtin/config.json) is missing; using a randomly "
+        "initialised ModelConfig.tiny() model, so the text is noise"
+    )
     return model, ByteTokenizer(), BUILTIN_PROMPT, warning
 
 
@@ -157,7 +190,7 @@ class _TextStream:
         self._emit(text)
 
     def _emit(self, text: str) -> None:
-        self.out.write(text[self.printed:])
+        self.out.write(text[self.printed :])
         self.out.flush()
         self.printed = len(text)
 
@@ -169,10 +202,12 @@ def format_stats(stats: dict) -> str:
     """The one-line summary printed after the text."""
     acc = stats.get("mtp_acceptance")
     mtp = "off" if acc is None else f"{100 * acc:.1f}% ({stats['mtp_accepted']}/{stats['mtp_drafted']})"
-    return (f"[stats] prefill {stats['prefill_tok_s']:.1f} tok/s ({stats['prefill_tokens']} tokens) | "
-            f"decode {stats['decode_tok_s']:.1f} tok/s ({stats['decode_tokens']} tokens, "
-            f"{stats['decode_steps']} steps) | MTP acceptance {mtp} | "
-            f"pages used {stats['pages_used_peak']}/{stats['pages_total']} | compile {stats['compile_s']:.1f} s")
+    return (
+        f"[stats] prefill {stats['prefill_tok_s']:.1f} tok/s ({stats['prefill_tokens']} tokens) | "
+        f"decode {stats['decode_tok_s']:.1f} tok/s ({stats['decode_tokens']} tokens, "
+        f"{stats['decode_steps']} steps) | MTP acceptance {mtp} | "
+        f"pages used {stats['pages_used_peak']}/{stats['pages_total']} | compile {stats['compile_s']:.1f} s"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -181,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _build_parser().parse_args(argv)
         from models import distributed
+
         try:
             distributed.initialize(args)  # before anything else touches jax
         except (ValueError, RuntimeError) as e:
@@ -189,23 +225,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         if not 1 <= args.mtp_draft_tokens <= 3:
             raise _UsageError(f"--mtp-draft-tokens must be in [1, 3], got {args.mtp_draft_tokens}")
-        import jax.numpy as jnp
 
         from models import compile_cache
+
         compile_cache.enable(args.compile_cache)
         from mla_jax.kv_cache import CacheFullError
         from models.engine import Engine
         from models.sampling import SamplingParams
 
         try:
-            sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                      min_p=args.min_p, seed=args.seed)
+            sampling = SamplingParams(
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed
+            )
         except ValueError as e:  # name the flag the user typed
             msg = str(e).replace("SamplingParams.", "--").replace("top_", "top-").replace("min_p", "min-p")
             raise _UsageError(msg) from None
         mesh = None
         if args.mesh is not None:
             from mla_jax.sharding import make_mesh, parse_mesh
+
             try:
                 sizes = parse_mesh(args.mesh)
             except ValueError as e:  # the message quotes the spec
@@ -217,6 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model, tok, default_prompt, warning = _load(args)
         if mesh is not None:
             from mla_jax.sharding import shard_model
+
             try:
                 model = shard_model(model, mesh)
             except ValueError as e:  # a head count or width the mesh does not divide
@@ -234,15 +273,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError("--prompt is empty and the tokenizer adds no BOS token")
         cfg = model.cfg
         if len(ids) >= cfg.max_position_embeddings:
-            raise _UsageError(f"the prompt has {len(ids)} tokens; the model's context is "
-                              f"{cfg.max_position_embeddings}")
+            raise _UsageError(f"the prompt has {len(ids)} tokens; the model's context is {cfg.max_position_embeddings}")
         max_context = min(cfg.max_position_embeddings, len(ids) + args.max_new_tokens)
         # The engine sizes its own pool for one sequence of max_context tokens (and the MTP draft room);
         # with data ranks a slot a rank (a pool per data rank: the slots must split evenly), the prompt in one.
         slots = dict(zip(mesh.axis_names, mesh.axis_sizes)).get("data", 1) if mesh is not None else 1
         try:
-            engine = Engine(model, page_size=64, max_batch=slots, max_context=max_context,
-                            attention_impl=args.attention_impl, kv_dtype=cache_dtype(args.kv_dtype), mesh=mesh)
+            engine = Engine(
+                model,
+                page_size=64,
+                max_batch=slots,
+                max_context=max_context,
+                attention_impl=args.attention_impl,
+                kv_dtype=cache_dtype(args.kv_dtype),
+                mesh=mesh,
+            )
         except ValueError as e:  # a format this model's latent cannot be stored in, a kernel limit
             quantized = args.kv_dtype in ("fp8", "fp4")
             raise _UsageError(f"--kv-dtype {args.kv_dtype}: {e}" if quantized else str(e)) from None
@@ -252,18 +297,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.no_warmup:
                 # Compile prefill/decode (and MTP verify) on the same shapes first, so that the
                 # stats line measures warm steps rather than XLA compilation.
-                warm = engine.generate([ids], max_new_tokens=min(2, args.max_new_tokens), sampling=sampling,
-                                       use_mtp=args.mtp, stop_tokens=stops, on_cache_full="raise",
-                                       mtp_draft_tokens=args.mtp_draft_tokens)
+                warm = engine.generate(
+                    [ids],
+                    max_new_tokens=min(2, args.max_new_tokens),
+                    sampling=sampling,
+                    use_mtp=args.mtp,
+                    stop_tokens=stops,
+                    on_cache_full="raise",
+                    mtp_draft_tokens=args.mtp_draft_tokens,
+                )
                 compile_s = warm.stats["compile_s"]
                 if warm.errors[0] is not None:  # e.g. NaN logits: say so before printing anything
                     raise _UsageError(warm.errors[0])
             out.write(prompt_text)
             out.flush()
             stream = _TextStream(tok, out)
-            res = engine.generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling, use_mtp=args.mtp,
-                                  stop_tokens=stops, stream=stream, on_cache_full="raise",
-                                  mtp_draft_tokens=args.mtp_draft_tokens)
+            res = engine.generate(
+                [ids],
+                max_new_tokens=args.max_new_tokens,
+                sampling=sampling,
+                use_mtp=args.mtp,
+                stop_tokens=stops,
+                stream=stream,
+                on_cache_full="raise",
+                mtp_draft_tokens=args.mtp_draft_tokens,
+            )
         except CacheFullError as e:
             raise _UsageError(str(e)) from None
         stream.close()
@@ -273,9 +331,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_stats(dict(res.stats, compile_s=res.stats["compile_s"] + compile_s)), file=out)
         out.flush()
         if res.finish_reasons[0] == "context":
-            print(f"mla-generate: note: stopped after {len(res.tokens[0])} of {args.max_new_tokens} new tokens at "
-                  f"the model's context limit ({cfg.max_position_embeddings} tokens; the prompt has {len(ids)})",
-                  file=err)
+            print(
+                f"mla-generate: note: stopped after {len(res.tokens[0])} of {args.max_new_tokens} new tokens at "
+                f"the model's context limit ({cfg.max_position_embeddings} tokens; the prompt has {len(ids)})",
+                file=err,
+            )
         return 0
     except _UsageError as e:
         print(f"mla-generate: error: {e}", file=err)

@@ -20,10 +20,24 @@ class MLP(nnx.Module):
     HF names `gate_proj`/`up_proj`/`down_proj` (official `w1`/`w3`/`w2`); kernels are [in, out].
     """
 
-    def __init__(self, dim: int, inter_dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 init_std: float = 0.02):
-        lin = partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                      kernel_init=initializers.normal(init_std), rngs=rngs)
+    def __init__(
+        self,
+        dim: int,
+        inter_dim: int,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        init_std: float = 0.02,
+    ):
+        lin = partial(
+            nnx.Linear,
+            use_bias=False,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=initializers.normal(init_std),
+            rngs=rngs,
+        )
         self.gate_proj = lin(dim, inter_dim)
         self.up_proj = lin(dim, inter_dim)
         self.down_proj = lin(inter_dim, dim)

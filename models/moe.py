@@ -144,8 +144,14 @@ class Router(nnx.Module):
 # ------------------------------------------------------------------------------------------
 # Expert computation: the dense reference and the grouped GEMM
 # ------------------------------------------------------------------------------------------
-def moe_dense_reference(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, gate_EDI: jax.Array,
-                        up_EDI: jax.Array, down_EID: jax.Array) -> jax.Array:
+def moe_dense_reference(
+    x_TD: jax.Array,
+    weights_TK: jax.Array,
+    indices_TK: jax.Array,
+    gate_EDI: jax.Array,
+    up_EDI: jax.Array,
+    down_EID: jax.Array,
+) -> jax.Array:
     """Σ_k w_k · expert_{idx_k}(x), computing every expert on every token (one-hot einsum). -> [T, D] in x's dtype.
 
     O(T·E) work: the oracle for `moe_grouped`, and fine for tiny models.
@@ -169,8 +175,9 @@ class MgpuTuning:
     grid_block_n: int = 4
 
 
-def _mgpu_forward(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, tuning: MgpuTuning,
-                  transpose_rhs: bool = False) -> jax.Array:
+def _mgpu_forward(
+    lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, tuning: MgpuTuning, transpose_rhs: bool = False
+) -> jax.Array:
     """lhs [M, K] @ rhs[g] per row group -> [M, N]; with ``transpose_rhs`` rhs is [G, N, K] and read
     transposed (the gradient with respect to lhs)."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
@@ -186,17 +193,25 @@ def _mgpu_forward(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Arra
     lhs = jnp.pad(lhs_MK, ((0, pm), (0, pk)))
     rhs = jnp.pad(rhs_GKN, ((0, 0), (0, pn), (0, pk)) if transpose_rhs else ((0, 0), (0, pk), (0, pn)))
     out = ragged_dot_mgpu.ragged_dot(
-        lhs, rhs, group_sizes=group_sizes_G.astype(jnp.int32), block_m=tuning.block_m, block_n=tuning.block_n,
-        block_k=tuning.block_k, max_concurrent_steps=tuning.max_concurrent_steps, grid_block_n=tuning.grid_block_n,
-        transpose_rhs=transpose_rhs)
+        lhs,
+        rhs,
+        group_sizes=group_sizes_G.astype(jnp.int32),
+        block_m=tuning.block_m,
+        block_n=tuning.block_n,
+        block_k=tuning.block_k,
+        max_concurrent_steps=tuning.max_concurrent_steps,
+        grid_block_n=tuning.grid_block_n,
+        transpose_rhs=transpose_rhs,
+    )
     # Rows past sum(group_sizes) are never written by the kernel (garbage): mask them.
     rows = jnp.arange(out.shape[0])[:, None]
     out = jnp.where(rows < jnp.sum(group_sizes_G), out, jnp.zeros((), out.dtype))
     return out[:M, :N]
 
 
-def _mgpu_weight_gradient(lhs_MK: jax.Array, g_MN: jax.Array, group_sizes_G: jax.Array,
-                          tuning: MgpuTuning) -> jax.Array:
+def _mgpu_weight_gradient(
+    lhs_MK: jax.Array, g_MN: jax.Array, group_sizes_G: jax.Array, tuning: MgpuTuning
+) -> jax.Array:
     """[G, K, N]: lhs[rows of g]ᵀ · g[rows of g] for each row group g (the gradient of `ragged_dot`
     with respect to its stacked weights), through jax's Mosaic GPU `transposed_ragged_dot`. Groups
     with no rows give zeros (the kernel skips them and leaves their output unwritten)."""
@@ -212,15 +227,23 @@ def _mgpu_weight_gradient(lhs_MK: jax.Array, g_MN: jax.Array, group_sizes_G: jax
     lhs = jnp.pad(lhs_MK, ((0, pr), (0, pk)))
     g = jnp.pad(g_MN.astype(lhs_MK.dtype), ((0, pr), (0, pn)))
     out = transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        lhs, g, group_sizes=group_sizes_G.astype(jnp.int32), block_m=tuning.block_m, block_n=tuning.block_n,
-        block_k=tuning.block_k, max_concurrent_steps=tuning.max_concurrent_steps, grid_block_n=tuning.grid_block_n)
+        lhs,
+        g,
+        group_sizes=group_sizes_G.astype(jnp.int32),
+        block_m=tuning.block_m,
+        block_n=tuning.block_n,
+        block_k=tuning.block_k,
+        max_concurrent_steps=tuning.max_concurrent_steps,
+        grid_block_n=tuning.grid_block_n,
+    )
     out = jnp.where((group_sizes_G > 0)[:, None, None], out, jnp.zeros((), out.dtype))
     return out[:, :Kd, :N]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def ragged_dot_mgpu(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array,
-                    tuning: MgpuTuning = MgpuTuning()) -> jax.Array:
+def ragged_dot_mgpu(
+    lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, tuning: MgpuTuning = MgpuTuning()
+) -> jax.Array:
     """`lax.ragged_dot` semantics through the Mosaic GPU kernel: lhs [M, K], rhs [G, K, N] -> [M, N] in lhs's dtype.
 
     Rows at or past sum(group_sizes) come back as zeros. The gradient runs through Mosaic GPU
@@ -254,8 +277,7 @@ def _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, expert_offs
     gradient is `lax.ragged_dot`'s (the kernel is forward only)."""
     from pallas_kernels.moe_decode import moe_decode
 
-    return moe_decode(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset=expert_offset,
-                      impl=kernel_impl)
+    return moe_decode(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset=expert_offset, impl=kernel_impl)
 
 
 def _experts_decode_fwd(x, g, u, d, gs, off, kernel_impl):
@@ -273,8 +295,9 @@ def _experts_decode_bwd(kernel_impl, res, ct):
 _experts_decode.defvjp(_experts_decode_fwd, _experts_decode_bwd)
 
 
-def resolve_moe_impl(impl: str, dtype, rows: int | None = None, num_experts: int | None = None,
-                     widths: tuple[int, int] | None = None) -> str:
+def resolve_moe_impl(
+    impl: str, dtype, rows: int | None = None, num_experts: int | None = None, widths: tuple[int, int] | None = None
+) -> str:
     """Map `impl` ("auto" included) to "ragged_dot" | "mgpu" | "decode" | "dense"; ValueError on an unknown
     name. `rows` (assignments, T·K), `num_experts` and `widths` (D, I) let "auto" pick the decode kernel."""
     if impl not in MOE_IMPLS:
@@ -293,9 +316,19 @@ def resolve_moe_impl(impl: str, dtype, rows: int | None = None, num_experts: int
     return impl
 
 
-def moe_grouped(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, gate_EDI: jax.Array,
-                up_EDI: jax.Array, down_EID: jax.Array, *, impl: str = "ragged_dot",
-                tuning: MgpuTuning = MgpuTuning(), num_experts: int | None = None, expert_offset=None) -> jax.Array:
+def moe_grouped(
+    x_TD: jax.Array,
+    weights_TK: jax.Array,
+    indices_TK: jax.Array,
+    gate_EDI: jax.Array,
+    up_EDI: jax.Array,
+    down_EID: jax.Array,
+    *,
+    impl: str = "ragged_dot",
+    tuning: MgpuTuning = MgpuTuning(),
+    num_experts: int | None = None,
+    expert_offset=None,
+) -> jax.Array:
     """Σ_k w_k · expert_{idx_k}(x) as a grouped GEMM over the T·K assignments sorted by expert. -> [T, D].
 
     No token dropping: every assignment is computed. `impl` is "ragged_dot", "mgpu", "decode" or
@@ -314,8 +347,9 @@ def moe_grouped(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, g
     E = gate_EDI.shape[0] if num_experts is None else num_experts
     off = 0 if expert_offset is None else expert_offset
     if impl not in ("decode", "decode_interpret") and gate_EDI.shape[0] != E:
-        gate_EDI, up_EDI, down_EID = (jax.lax.dynamic_slice_in_dim(w, off, E, axis=0)
-                                      for w in (gate_EDI, up_EDI, down_EID))
+        gate_EDI, up_EDI, down_EID = (
+            jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in (gate_EDI, up_EDI, down_EID)
+        )
     dt = x_TD.dtype
     flat_M = indices_TK.reshape(-1)
     order_M = jnp.argsort(flat_M, stable=True)  # assignment rows grouped by expert
@@ -328,8 +362,15 @@ def moe_grouped(x_TD: jax.Array, weights_TK: jax.Array, indices_TK: jax.Array, g
     inv_M = jnp.argsort(order_M)
     if impl in ("decode", "decode_interpret"):
         # "decode": the kernel on a Hopper GPU, its reference elsewhere (pallas_kernels' rule)
-        y_MD = _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, jnp.asarray(off, jnp.int32),
-                               None if impl == "decode" else "interpret")
+        y_MD = _experts_decode(
+            x_MD,
+            gate_EDI,
+            up_EDI,
+            down_EID,
+            group_sizes_E,
+            jnp.asarray(off, jnp.int32),
+            None if impl == "decode" else "interpret",
+        )
         y_MD = jnp.where(valid_M, y_MD * w_M[:, None], 0.0)
         return y_MD[inv_M].reshape(T, K, D).sum(axis=1).astype(dt)
     if impl == "mgpu":
@@ -375,8 +416,16 @@ class MoE(nnx.Module):
     split the token count does not allow is skipped.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 impl: str = "auto", tuning: MgpuTuning = MgpuTuning()):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        impl: str = "auto",
+        tuning: MgpuTuning = MgpuTuning(),
+    ):
         if cfg.n_routed_experts <= 0:
             raise ValueError(f"MoE needs n_routed_experts > 0, got {cfg.n_routed_experts}")
         if impl not in MOE_IMPLS:
@@ -389,8 +438,14 @@ class MoE(nnx.Module):
         self.gate = Router(cfg, rngs=rngs)
         self.experts = Experts(cfg, rngs=rngs, param_dtype=param_dtype)
         if cfg.n_shared_experts > 0:
-            self.shared_experts = MLP(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size, rngs=rngs,
-                                      dtype=dtype, param_dtype=param_dtype, init_std=cfg.initializer_range)
+            self.shared_experts = MLP(
+                cfg.hidden_size,
+                cfg.n_shared_experts * cfg.moe_intermediate_size,
+                rngs=rngs,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                init_std=cfg.initializer_range,
+            )
         else:
             self.shared_experts = None
 
@@ -420,8 +475,14 @@ class MoE(nnx.Module):
         # (x's cotangent off by about its own size; caught by the sharded training step of
         # tests/test_sharding.py).
         out = PartitionSpec(expert_axes or None, batch_axes or None) if expert_axes else rows
-        mapped = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, experts, experts, experts),
-                               out_specs=out, axis_names=set(batch_axes) | set(expert_axes), check_vma=False)
+        mapped = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(rows, rows, rows, experts, experts, experts),
+            out_specs=out,
+            axis_names=set(batch_axes) | set(expert_axes),
+            check_vma=False,
+        )
         if not expert_axes:
             return lambda x_TD, w_TK, idx_TK, gate, up, down, off: mapped(x_TD, w_TK, idx_TK, gate, up, down)
         return lambda x_TD, w_TK, idx_TK, gate, up, down, off: mapped(x_TD, w_TK, idx_TK, gate, up, down).sum(0)
@@ -429,8 +490,13 @@ class MoE(nnx.Module):
     def resolved_impl(self, num_tokens: int) -> str:
         """The expert implementation a call over `num_tokens` tokens runs (`impl` with "auto" resolved)."""
         cfg = self.cfg
-        return resolve_moe_impl(self.impl, self.dtype, rows=num_tokens * cfg.num_experts_per_tok,
-                                num_experts=cfg.n_routed_experts, widths=(cfg.hidden_size, cfg.moe_intermediate_size))
+        return resolve_moe_impl(
+            self.impl,
+            self.dtype,
+            rows=num_tokens * cfg.num_experts_per_tok,
+            num_experts=cfg.n_routed_experts,
+            widths=(cfg.hidden_size, cfg.moe_intermediate_size),
+        )
 
     def __call__(self, x: jax.Array, *, return_router: bool = False, stack_index=None):
         """`stack_index` (a scalar, may be traced): the routed experts' variables are a whole scanned
@@ -452,8 +518,18 @@ class MoE(nnx.Module):
                 if off is not None:
                     gate, up, down = (jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in (gate, up, down))
                 return moe_dense_reference(x_TD, w_TK, idx_TK, gate, up, down)
-            return moe_grouped(x_TD, w_TK, idx_TK, gate, up, down, impl=impl, tuning=self.tuning,
-                               num_experts=E if off is not None else gate.shape[0], expert_offset=off)
+            return moe_grouped(
+                x_TD,
+                w_TK,
+                idx_TK,
+                gate,
+                up,
+                down,
+                impl=impl,
+                tuning=self.tuning,
+                num_experts=E if off is not None else gate.shape[0],
+                expert_offset=off,
+            )
 
         if self.parallel is not None and off is None:
             routed = self._parallel(routed, x_TD.shape[0])

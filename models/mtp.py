@@ -37,8 +37,17 @@ class MTP(nnx.Module):
     [`shared_head.norm`]. `head_hidden(o)` applies `shared_head_norm`.
     """
 
-    def __init__(self, cfg: ModelConfig, depth: int = 0, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32, moe_impl: str = "auto", hidden_source: str = "post_norm"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        depth: int = 0,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        moe_impl: str = "auto",
+        hidden_source: str = "post_norm",
+    ):
         from models.deepseek import DecoderLayer  # deepseek.py imports this module; import lazily
 
         if hidden_source not in HIDDEN_SOURCES:
@@ -50,10 +59,24 @@ class MTP(nnx.Module):
         norm = partial(RMSNorm, D, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
         self.enorm = norm()
         self.hnorm = norm()
-        self.eh_proj = nnx.Linear(2 * D, D, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                                  kernel_init=initializers.normal(cfg.initializer_range), rngs=rngs)
-        self.block = DecoderLayer(cfg, cfg.num_hidden_layers + depth, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                                  moe=cfg.n_routed_experts > 0, moe_impl=moe_impl)
+        self.eh_proj = nnx.Linear(
+            2 * D,
+            D,
+            use_bias=False,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=initializers.normal(cfg.initializer_range),
+            rngs=rngs,
+        )
+        self.block = DecoderLayer(
+            cfg,
+            cfg.num_hidden_layers + depth,
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            moe=cfg.n_routed_experts > 0,
+            moe_impl=moe_impl,
+        )
         self.shared_head_norm = norm()
 
     @property
@@ -61,8 +84,16 @@ class MTP(nnx.Module):
         """The latent-cache pool of this module: after the main model's layers."""
         return self.cfg.num_hidden_layers + self.depth
 
-    def __call__(self, h_BTD: jax.Array, emb_BTD: jax.Array, positions_BT: jax.Array, *, absorbed: bool = False,
-                 return_router: bool = False, cache=None):
+    def __call__(
+        self,
+        h_BTD: jax.Array,
+        emb_BTD: jax.Array,
+        positions_BT: jax.Array,
+        *,
+        absorbed: bool = False,
+        return_router: bool = False,
+        cache=None,
+    ):
         """-> o [B,T,D] (`return_router`: (o, RouterOutput or None)); with a cache: (o, cache), the
         block's latents written to pool `cache_layer`."""
         if h_BTD.shape != emb_BTD.shape:

@@ -183,7 +183,8 @@ def check_finite_rows(finite_B, requests=None) -> None:
     names = [requests[i] for i in bad] if requests is not None else bad.tolist()
     raise NonFiniteLogitsError(
         f"the model produced NaN or infinite logits for request(s) {names}: its weights or activations are not "
-        "finite (a corrupt or mis-converted checkpoint, or a dtype that overflows)")
+        "finite (a corrupt or mis-converted checkpoint, or a dtype that overflows)"
+    )
 
 
 def sample_from_probs(keys_B2: jax.Array, probs_BV: jax.Array) -> jax.Array:
@@ -200,8 +201,9 @@ def sample(keys_B2: jax.Array, logits_BV: jax.Array, s: SamplingArrays) -> jax.A
     return sample_from_probs(keys_B2, filtered_probs(logits_BV, s))
 
 
-def speculative_accept(keys_B2: jax.Array, p_BV: jax.Array, q_BV: jax.Array,
-                       draft_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+def speculative_accept(
+    keys_B2: jax.Array, p_BV: jax.Array, q_BV: jax.Array, draft_B: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Rejection sampling of one drafted token (Leviathan et al. 2023; Chen et al. 2023).
 
     p_BV: the target distribution at the draft's position; q_BV: the distribution the draft was
@@ -230,6 +232,8 @@ def row_keys(base_keys_B2: jax.Array, counters_B: jax.Array, stream: int = 0) ->
     `counter` is the position of the token being decided, so a request's draws do not depend on
     which slot or batch it runs in; `stream` separates independent draws at one position.
     """
+
     def one(k, c):
         return jax.random.fold_in(jax.random.fold_in(k, c), stream)
+
     return jax.vmap(one)(base_keys_B2, counters_B.astype(jnp.uint32))

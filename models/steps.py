@@ -32,8 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax.kv_cache import KVCache
-from models.sampling import (SamplingArrays, filtered_probs, finite_rows, row_keys, sample_from_probs,
-                             speculative_accept)
+from models.sampling import SamplingArrays, filtered_probs, finite_rows, row_keys, sample_from_probs, speculative_accept
 
 NON_FINITE = -1  # the token a row gets when its logits are not finite (NaN weights, overflow)
 
@@ -89,14 +88,28 @@ def _draft_chain(model, cache: KVCache, o_BD, pos_B, active_B, inp: StepInputs, 
         qs.append(q)
         if j + 1 < k:
             p = pos_B + 1 + j
-            o, cache = model.mtp_block(o_BD[:, None], d[:, None], jnp.where(active_B, p, -1)[:, None],
-                                       cache=cache.with_lengths(jnp.where(active_B, p + 1, 0)))
+            o, cache = model.mtp_block(
+                o_BD[:, None],
+                d[:, None],
+                jnp.where(active_B, p, -1)[:, None],
+                cache=cache.with_lengths(jnp.where(active_B, p + 1, 0)),
+            )
             o_BD = o[:, 0]
     return jnp.stack(ds, axis=1), (None if qs[0] is None else jnp.stack(qs, axis=1)), cache
 
 
-def prefill_step(model, cache: KVCache, inp: StepInputs, mtp_next_ids, prompt_ends, drafts, draft_probs, *,
-                 use_mtp: bool, sampler: str):
+def prefill_step(
+    model,
+    cache: KVCache,
+    inp: StepInputs,
+    mtp_next_ids,
+    prompt_ends,
+    drafts,
+    draft_probs,
+    *,
+    use_mtp: bool,
+    sampler: str,
+):
     """One prefill chunk (or a plain decode step: T = 1) for every row; samples at `last_idx`.
 
     mtp_next_ids int32 [B,T]: t_{i+1} for each token i (ignored unless `use_mtp`); prompt_ends
@@ -118,8 +131,9 @@ def prefill_step(model, cache: KVCache, inp: StepInputs, mtp_next_ids, prompt_en
         at_end = prompt_ends[:, None] & (jnp.arange(T)[None, :] == inp.last_idx[:, None])
         nxt = jnp.where(at_end, tokens[:, None], mtp_next_ids)
         o, cache = model.mtp_block(model.mtp_source(h_pre, h_post), nxt, inp.positions, cache=cache)
-        d, q, cache = _draft_chain(model, cache, o[rows, inp.last_idx], last_pos, prompt_ends, inp,
-                                   drafts.shape[1], sampler)
+        d, q, cache = _draft_chain(
+            model, cache, o[rows, inp.last_idx], last_pos, prompt_ends, inp, drafts.shape[1], sampler
+        )
         drafts = jnp.where(prompt_ends[:, None], d, drafts)
         if q is not None:
             draft_probs = jnp.where(prompt_ends[:, None, None], q, draft_probs)
@@ -163,13 +177,17 @@ def verify_step(model, cache: KVCache, inp: StepInputs, drafts, draft_probs, n_s
         tokens = best  # tokens before `accepted` equal the drafts; the one at `accepted` is the argmax
     else:
         keys = jnp.repeat(inp.base_keys, k + 1, axis=0)
-        flat = StepInputs(*inp[:5], base_keys=keys, sampling=SamplingArrays(*(jnp.repeat(a, k + 1) for a in
-                                                                              inp.sampling)))
+        flat = StepInputs(
+            *inp[:5], base_keys=keys, sampling=SamplingArrays(*(jnp.repeat(a, k + 1) for a in inp.sampling))
+        )
         bonus, p = _sample(logits.reshape(B * (k + 1), V), flat, counters, sampler, stream=_BONUS_STREAM)
         p = p.reshape(B, k + 1, V)
-        acc, repl = speculative_accept(row_keys(keys, counters).reshape(B, k + 1, 2)[:, :k].reshape(B * k, 2),
-                                       p[:, :k].reshape(B * k, V), draft_probs.reshape(B * k, V),
-                                       drafts.reshape(B * k))
+        acc, repl = speculative_accept(
+            row_keys(keys, counters).reshape(B, k + 1, 2)[:, :k].reshape(B * k, 2),
+            p[:, :k].reshape(B * k, V),
+            draft_probs.reshape(B * k, V),
+            drafts.reshape(B * k),
+        )
         ok = acc.reshape(B, k) & verifiable
         accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
         repl = jnp.concatenate([repl.reshape(B, k), jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -216,6 +234,7 @@ def _bind(kind: str, step, graphdef):
     def traced(state, *args, **kwargs):
         TRACE_COUNTS[kind] += 1  # runs once per trace, i.e. once per compilation
         return step(nnx.merge(graphdef, state), *args, **kwargs)
+
     return traced
 
 
@@ -224,9 +243,9 @@ def compiled_steps(graphdef) -> Steps:
     """The steps of models with this graphdef, jitted with the graphdef closed over: a step call
     hashes only its small static choices, and engines over equal model structures share compilations."""
     return Steps(
-        prefill=jax.jit(_bind("prefill", prefill_step, graphdef), static_argnames=("use_mtp", "sampler"),
-                        donate_argnums=(1, 5, 6)),
+        prefill=jax.jit(
+            _bind("prefill", prefill_step, graphdef), static_argnames=("use_mtp", "sampler"), donate_argnums=(1, 5, 6)
+        ),
         decode=jax.jit(_bind("decode", decode_step, graphdef), static_argnames=("sampler",), donate_argnums=(1,)),
-        verify=jax.jit(_bind("verify", verify_step, graphdef), static_argnames=("sampler",),
-                       donate_argnums=(1, 3, 4)),
+        verify=jax.jit(_bind("verify", verify_step, graphdef), static_argnames=("sampler",), donate_argnums=(1, 3, 4)),
     )

@@ -33,8 +33,10 @@ class ByteTokenizer:
 
     def __init__(self, bos_id: int = 256, eos_id: int = 257, pad_id: int = 258, vocab_size: int = 264):
         if not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size > self.num_bytes + 2):
-            raise ValueError(f"ByteTokenizer vocab_size={vocab_size!r}: must be an int > {self.num_bytes + 2} "
-                             "(256 bytes and 3 special ids)")
+            raise ValueError(
+                f"ByteTokenizer vocab_size={vocab_size!r}: must be an int > {self.num_bytes + 2} "
+                "(256 bytes and 3 special ids)"
+            )
         specials = {"bos_id": bos_id, "eos_id": eos_id, "pad_id": pad_id}
         for name, v in specials.items():
             if not (isinstance(v, int) and self.num_bytes <= v < vocab_size):
@@ -62,11 +64,19 @@ class ByteTokenizer:
         return out.decode("utf-8", errors="replace")
 
     def to_dict(self) -> dict:
-        return {"type": "byte", "vocab_size": self.vocab_size, "bos_id": self.bos_id, "eos_id": self.eos_id,
-                "pad_id": self.pad_id}
+        return {
+            "type": "byte",
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+        }
 
     def __repr__(self) -> str:
-        return f"ByteTokenizer(bos_id={self.bos_id}, eos_id={self.eos_id}, pad_id={self.pad_id}, vocab_size={self.vocab_size})"
+        return (
+            f"ByteTokenizer(bos_id={self.bos_id}, eos_id={self.eos_id}, pad_id={self.pad_id}, "
+            f"vocab_size={self.vocab_size})"
+        )
 
 
 class HFTokenizer:
@@ -77,8 +87,9 @@ class HFTokenizer:
     checkpoint's `tokenizer_config.json` / `config.json`.
     """
 
-    def __init__(self, path: str | os.PathLike, bos_id: int | None = None, eos_id: int | None = None,
-                 pad_id: int | None = None):
+    def __init__(
+        self, path: str | os.PathLike, bos_id: int | None = None, eos_id: int | None = None, pad_id: int | None = None
+    ):
         path = os.fspath(path)
         self._tok = _read_hf_tokenizer(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -109,8 +120,11 @@ def _utf8(text: str) -> bytes:
         return text.encode("utf-8")
     except UnicodeEncodeError as e:
         c = ord(text[e.start])
-        what = (f"the byte 0x{c - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= c <= 0xDCFF  # surrogateescape
-                else f"a lone surrogate U+{c:04X}")
+        what = (
+            f"the byte 0x{c - 0xDC00:02x}, which is not UTF-8"
+            if 0xDC80 <= c <= 0xDCFF  # surrogateescape
+            else f"a lone surrogate U+{c:04X}"
+        )
         raise ValueError(f"the text is not valid Unicode: character {e.start} is {what}; pass UTF-8 text") from None
 
 
@@ -158,8 +172,10 @@ def _special_id(tok, tok_cfg: dict, key: str, model_cfg: dict, model_cfg_path: s
     if isinstance(fallback, list):  # config.json may list several eos ids
         fallback = fallback[0] if fallback else None
     if fallback is not None and (not isinstance(fallback, int) or isinstance(fallback, bool)):
-        raise ValueError(f"{model_cfg_path}: {key}_id={model_cfg[key + '_id']!r}: must be an integer token id, "
-                         "a list of them, or null")
+        raise ValueError(
+            f"{model_cfg_path}: {key}_id={model_cfg[key + '_id']!r}: must be an integer token id, "
+            "a list of them, or null"
+        )
     return fallback
 
 
@@ -187,16 +203,23 @@ def load_tokenizer(checkpoint_dir: str | os.PathLike) -> ByteTokenizer | HFToken
     if os.path.isfile(byte_path):
         spec = _read_json(byte_path)
         if spec.get("type") != "byte":
-            raise ValueError(f"{byte_path}: expected \"type\": \"byte\", got {spec.get('type')!r}")
+            raise ValueError(f'{byte_path}: expected "type": "byte", got {spec.get("type")!r}')
         try:
-            tok = ByteTokenizer(bos_id=spec.get("bos_id", 256), eos_id=spec.get("eos_id", 257),
-                                pad_id=spec.get("pad_id", 258), vocab_size=spec.get("vocab_size", 264))
+            tok = ByteTokenizer(
+                bos_id=spec.get("bos_id", 256),
+                eos_id=spec.get("eos_id", 257),
+                pad_id=spec.get("pad_id", 258),
+                vocab_size=spec.get("vocab_size", 264),
+            )
         except ValueError as e:
             raise ValueError(f"{byte_path}: {e}") from None
         vocab = model_cfg.get("vocab_size")
         if vocab is not None and vocab != tok.vocab_size:
-            raise ValueError(f"{byte_path}: byte tokenizer vocab_size={tok.vocab_size} but config.json has "
-                             f"vocab_size={vocab}")
+            raise ValueError(
+                f"{byte_path}: byte tokenizer vocab_size={tok.vocab_size} but config.json has vocab_size={vocab}"
+            )
         return tok
-    raise FileNotFoundError(f"no tokenizer in {d!r}: expected {HF_TOKENIZER_FILE} (Hugging Face) or "
-                            f"{BYTE_TOKENIZER_FILE} (byte-level, written by mla-train)")
+    raise FileNotFoundError(
+        f"no tokenizer in {d!r}: expected {HF_TOKENIZER_FILE} (Hugging Face) or "
+        f"{BYTE_TOKENIZER_FILE} (byte-level, written by mla-train)"
+    )

@@ -40,14 +40,20 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainSettings()
-    p = _Parser(prog="mla-train", description="Train a small DeepSeek-style model (MLA + MoE + MTP) on a corpus. "
-                "The defaults train ModelConfig.tiny() on 256-token windows (CPU-sized); the built-in model's "
-                "recipe is in models/builtin/training.json.",
-                formatter_class=_Formatter)
+    p = _Parser(
+        prog="mla-train",
+        description="Train a small DeepSeek-style model (MLA + MoE + MTP) on a corpus. "
+        "The defaults train ModelConfig.tiny() on 256-token windows (CPU-sized); the built-in model's "
+        "recipe is in models/builtin/training.json.",
+        formatter_class=_Formatter,
+    )
     a = p.add_argument
     a("--out", default=os.path.join("runs", "mla-train"), help="run directory: checkpoints, metrics.jsonl, loss.png")
-    a("--corpus", default=None, help="UTF-8 text file, paragraphs separated by blank lines "
-      "(default: the shipped models/data/corpus.txt)")
+    a(
+        "--corpus",
+        default=None,
+        help="UTF-8 text file, paragraphs separated by blank lines (default: the shipped models/data/corpus.txt)",
+    )
     a("--config", default=d.config, help=f"preset ({', '.join(PRESETS)}) or a config.json path")
     a("--steps", type=int, default=d.steps, help="total optimizer steps")
     a("--batch-size", type=int, default=d.batch_size, help="sequences per step")
@@ -60,37 +66,74 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", choices=DTYPES, default=d.dtype, help="compute dtype; parameters stay fp32")
     a("--mtp-weight", type=float, default=d.mtp_weight, help="λ of the MTP loss")
     a("--balance-alpha", type=float, default=d.balance_alpha, help="α of the sequence-wise balance loss")
-    a("--bias-update-rate", type=float, default=d.bias_update_rate,
-      help="γ of the aux-loss-free router-bias update (V3 uses 1e-3 over ~10^5 steps; a run of a few hundred "
-      "steps needs a larger one to balance the experts in time)")
-    a("--moe-impl", default=d.moe_impl, choices=MOE_IMPLS,
-      help="expert computation; auto = dense on CPU (faster for a few small experts), else models.moe's auto")
-    a("--remat", default=d.remat, help="rematerialisation of each scanned layer: none, full, dots_saveable, "
-      "dots_with_no_batch_dims_saveable (less memory, more compute; the same gradients)")
-    a("--ce-chunk", type=int, default=d.ce_chunk,
-      help="tokens per LM-head cross-entropy chunk: the fp32 [tokens, vocab] logits never exist whole (0 = off)")
-    a("--attn-q-block", type=int, default=d.attn_q_block,
-      help="queries per block of the decompressed attention: no pass holds the whole fp32 scores (0 = off)")
-    a("--attn-impl", default=d.attn_impl, choices=ATTN_IMPLS,
-      help="the decompressed attention: xla (jnp), cudnn (cuDNN flash attention, forward and backward; a GPU "
-      "only; the trainer's windows are unpadded, as it needs) or mgpu (this project's Mosaic GPU flash attention "
-      "kernels; a Hopper GPU only, the same contract); auto (default) = mgpu with --dtype bf16 on one Hopper GPU "
-      "and no --mesh, else xla")
-    a("--mesh", metavar="SPEC", default=None,
-      help="train on a device mesh, e.g. data=2,tensor=2 (axes data, expert, tensor; left out = 1): fully sharded "
-      "data parallelism (weights, gradients and AdamW moments split over data, each batch split over data) on "
-      "top of mla_jax.sharding's tensor and expert layout; --batch-size must divide by data (default: one device)")
+    a(
+        "--bias-update-rate",
+        type=float,
+        default=d.bias_update_rate,
+        help="γ of the aux-loss-free router-bias update (V3 uses 1e-3 over ~10^5 steps; a run of a few hundred "
+        "steps needs a larger one to balance the experts in time)",
+    )
+    a(
+        "--moe-impl",
+        default=d.moe_impl,
+        choices=MOE_IMPLS,
+        help="expert computation; auto = dense on CPU (faster for a few small experts), else models.moe's auto",
+    )
+    a(
+        "--remat",
+        default=d.remat,
+        help="rematerialisation of each scanned layer: none, full, dots_saveable, "
+        "dots_with_no_batch_dims_saveable (less memory, more compute; the same gradients)",
+    )
+    a(
+        "--ce-chunk",
+        type=int,
+        default=d.ce_chunk,
+        help="tokens per LM-head cross-entropy chunk: the fp32 [tokens, vocab] logits never exist whole (0 = off)",
+    )
+    a(
+        "--attn-q-block",
+        type=int,
+        default=d.attn_q_block,
+        help="queries per block of the decompressed attention: no pass holds the whole fp32 scores (0 = off)",
+    )
+    a(
+        "--attn-impl",
+        default=d.attn_impl,
+        choices=ATTN_IMPLS,
+        help="the decompressed attention: xla (jnp), cudnn (cuDNN flash attention, forward and backward; a GPU "
+        "only; the trainer's windows are unpadded, as it needs) or mgpu (this project's Mosaic GPU flash attention "
+        "kernels; a Hopper GPU only, the same contract); auto (default) = mgpu with --dtype bf16 on one Hopper GPU "
+        "and no --mesh, else xla",
+    )
+    a(
+        "--mesh",
+        metavar="SPEC",
+        default=None,
+        help="train on a device mesh, e.g. data=2,tensor=2 (axes data, expert, tensor; left out = 1): fully sharded "
+        "data parallelism (weights, gradients and AdamW moments split over data, each batch split over data) on "
+        "top of mla_jax.sharding's tensor and expert layout; --batch-size must divide by data (default: one device)",
+    )
     a("--eval-every", type=int, default=d.eval_every, help="held-out evaluation period in steps (0 = only at the end)")
-    a("--eval-windows", type=int, default=d.eval_windows,
-      help="held-out windows per evaluation (at most what the split holds)")
+    a(
+        "--eval-windows",
+        type=int,
+        default=d.eval_windows,
+        help="held-out windows per evaluation (at most what the split holds)",
+    )
     a("--save-every", type=int, default=d.save_every, help="checkpoint period in steps (0 = only at the end)")
     a("--stop-at", type=int, default=None, help="stop (with a checkpoint) after this step, as if interrupted")
     a("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     a("--seed", type=int, default=d.seed, help="initialisation and data-order seed")
-    a("--export", default=None, help="write an HF-layout checkpoint (config.json, model.safetensors, tokenizer "
-      "marker) here at the end (by default <out>/export)")
+    a(
+        "--export",
+        default=None,
+        help="write an HF-layout checkpoint (config.json, model.safetensors, tokenizer "
+        "marker) here at the end (by default <out>/export)",
+    )
     a("--no-progress", action="store_true", help="no progress bar (log lines at each evaluation instead)")
     from models import compile_cache, distributed
+
     compile_cache.add_argument(p)
     distributed.add_arguments(p)
     return p
@@ -112,13 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         from models import compile_cache, distributed
+
         try:
             distributed.initialize(args)  # before anything else touches jax
         except (ValueError, RuntimeError) as e:  # a bad flag set, or jax could not join the other processes
             raise UsageError(str(e)) from None
         compile_cache.enable(args.compile_cache)
-        train(settings(args), args.out, resume=args.resume, stop_at=args.stop_at, export_dir=args.export,
-              progress=not args.no_progress)
+        train(
+            settings(args),
+            args.out,
+            resume=args.resume,
+            stop_at=args.stop_at,
+            export_dir=args.export,
+            progress=not args.no_progress,
+        )
     except SettingError as e:
         print(f"mla-train: error: {e.message(_flag)}", file=sys.stderr)
         return 2

@@ -97,53 +97,69 @@ class TrainSettings:
     """A run's settings; the defaults train `ModelConfig.tiny()` on 256-token windows (CPU-sized; the
     built-in model's own recipe is in `models/builtin/training.json`)."""
 
-    config: str = "tiny"            # a preset (PRESETS) or a config.json path
-    steps: int = 800                # total optimizer steps
-    batch_size: int = 8             # sequences per step
-    seq_len: int = 256              # tokens per training window
-    lr: float = 4e-3                # peak learning rate
-    min_lr_ratio: float = 0.1       # final lr of the cosine decay, relative to lr
-    warmup: int = 60                # linear warmup steps
-    weight_decay: float = 0.1       # AdamW decay on matrices (not norms, biases)
-    clip: float = 1.0               # global gradient-norm clip (0 = off)
-    seed: int = 0                   # initialisation and data-order seed
-    dtype: str = "fp32"             # compute dtype (DTYPES); parameters stay fp32
-    mtp_weight: float = 0.3         # λ of the MTP loss
-    balance_alpha: float = 1e-4     # α of the sequence-wise balance loss
+    config: str = "tiny"  # a preset (PRESETS) or a config.json path
+    steps: int = 800  # total optimizer steps
+    batch_size: int = 8  # sequences per step
+    seq_len: int = 256  # tokens per training window
+    lr: float = 4e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # final lr of the cosine decay, relative to lr
+    warmup: int = 60  # linear warmup steps
+    weight_decay: float = 0.1  # AdamW decay on matrices (not norms, biases)
+    clip: float = 1.0  # global gradient-norm clip (0 = off)
+    seed: int = 0  # initialisation and data-order seed
+    dtype: str = "fp32"  # compute dtype (DTYPES); parameters stay fp32
+    mtp_weight: float = 0.3  # λ of the MTP loss
+    balance_alpha: float = 1e-4  # α of the sequence-wise balance loss
     bias_update_rate: float = 1e-2  # γ of the aux-loss-free router-bias update
-    moe_impl: str = "auto"          # expert computation (MOE_IMPLS); auto = dense on CPU, else models.moe's auto
+    moe_impl: str = "auto"  # expert computation (MOE_IMPLS); auto = dense on CPU, else models.moe's auto
     # Not part of the trajectory: a resumed run may change them.
-    remat: str = "none"             # rematerialisation of each scanned layer (models.deepseek.REMAT_POLICIES)
-    ce_chunk: int = 0               # tokens per LM-head cross-entropy chunk (0 = the whole logits at once)
-    attn_q_block: int = 0           # queries per block of the decompressed attention (0 = all at once)
-    attn_impl: str = "auto"         # the decompressed attention: xla (jnp), cudnn or mgpu (flash; a GPU);
+    remat: str = "none"  # rematerialisation of each scanned layer (models.deepseek.REMAT_POLICIES)
+    ce_chunk: int = 0  # tokens per LM-head cross-entropy chunk (0 = the whole logits at once)
+    attn_q_block: int = 0  # queries per block of the decompressed attention (0 = all at once)
+    attn_impl: str = "auto"  # the decompressed attention: xla (jnp), cudnn or mgpu (flash; a GPU);
     #                                 auto = mgpu for bf16 on one Hopper GPU, no mesh; else xla (auto_attn_impl)
-    mesh: str | None = None         # a device mesh, "data=2,tensor=2" (mla_jax.sharding.parse_mesh; FSDP over data)
-    corpus: str = DEFAULT_CORPUS    # UTF-8 text, paragraphs separated by blank lines
-    eval_every: int = 100           # held-out evaluation period in steps (0 = only at the end)
-    eval_windows: int = 64          # held-out windows per evaluation (at most what the split holds)
-    save_every: int = 200           # checkpoint period in steps (0 = only at the end)
+    mesh: str | None = None  # a device mesh, "data=2,tensor=2" (mla_jax.sharding.parse_mesh; FSDP over data)
+    corpus: str = DEFAULT_CORPUS  # UTF-8 text, paragraphs separated by blank lines
+    eval_every: int = 100  # held-out evaluation period in steps (0 = only at the end)
+    eval_windows: int = 64  # held-out windows per evaluation (at most what the split holds)
+    save_every: int = 200  # checkpoint period in steps (0 = only at the end)
 
     # The settings that change the training trajectory: a resumed run must use the same ones.
     TRAJECTORY: ClassVar[tuple[str, ...]] = (
-        "config", "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "weight_decay", "clip", "seed",
-        "dtype", "mtp_weight", "balance_alpha", "bias_update_rate", "moe_impl")
+        "config",
+        "steps",
+        "batch_size",
+        "seq_len",
+        "lr",
+        "min_lr_ratio",
+        "warmup",
+        "weight_decay",
+        "clip",
+        "seed",
+        "dtype",
+        "mtp_weight",
+        "balance_alpha",
+        "bias_update_rate",
+        "moe_impl",
+    )
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise SettingError("{0} must be >= 1, got {v}", name, v=getattr(self, name))
         if self.seq_len < 3:
-            raise SettingError("{0} must be >= 3 (the MTP loss predicts two tokens ahead), got {v}", "seq_len",
-                               v=self.seq_len)
+            raise SettingError(
+                "{0} must be >= 3 (the MTP loss predicts two tokens ahead), got {v}", "seq_len", v=self.seq_len
+            )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise SettingError("{0} must be a positive number, got {v}", "lr", v=self.lr)
         for name in ("warmup", "eval_every", "save_every", "eval_windows"):
             if getattr(self, name) < 0:
                 raise SettingError("{0} must be >= 0, got {v}", name, v=getattr(self, name))
         if self.warmup >= self.steps:
-            raise SettingError("{0} ({w}) must be smaller than {1} ({s})", "warmup", "steps", w=self.warmup,
-                               s=self.steps)
+            raise SettingError(
+                "{0} ({w}) must be smaller than {1} ({s})", "warmup", "steps", w=self.warmup, s=self.steps
+            )
         if not 0 <= self.min_lr_ratio <= 1:
             raise SettingError("{0} must be in [0, 1], got {v}", "min_lr_ratio", v=self.min_lr_ratio)
         for name in ("weight_decay", "clip", "mtp_weight", "balance_alpha", "bias_update_rate"):
@@ -161,15 +177,22 @@ class TrainSettings:
         if self.ce_chunk < 0:
             raise SettingError("{0} must be >= 0 (0 = unchunked), got {v}", "ce_chunk", v=self.ce_chunk)
         if self.attn_q_block < 0:
-            raise SettingError("{0} must be >= 0 (0 = all queries at once), got {v}", "attn_q_block",
-                               v=self.attn_q_block)
+            raise SettingError(
+                "{0} must be >= 0 (0 = all queries at once), got {v}", "attn_q_block", v=self.attn_q_block
+            )
         if self.attn_impl not in ATTN_IMPLS:
             raise SettingError("{0} must be one of {c}, got {v!r}", "attn_impl", c=ATTN_IMPLS, v=self.attn_impl)
         if self.mesh is not None:
             data = self.mesh_sizes().get("data", 1)
             if self.batch_size % data:
-                raise SettingError("{0} {b} is not divisible by data={d} of {1} {spec}: each data rank takes whole "
-                                   "sequences", "batch_size", "mesh", b=self.batch_size, d=data, spec=self.mesh)
+                raise SettingError(
+                    "{0} {b} is not divisible by data={d} of {1} {spec}: each data rank takes whole sequences",
+                    "batch_size",
+                    "mesh",
+                    b=self.batch_size,
+                    d=data,
+                    spec=self.mesh,
+                )
 
     def mesh_sizes(self) -> dict[str, int]:
         """{axis: size} of `mesh` ({} without one); SettingError on a spec `parse_mesh` refuses."""
@@ -200,11 +223,16 @@ def load_config(spec: str):
         except (ValueError, KeyError, json.JSONDecodeError) as e:
             raise SettingError("{0} {spec!r}: {e}", "config", spec=spec, e=e) from e
     else:
-        raise SettingError("{0} {spec!r}: not a preset ({p}) nor an existing config.json", "config", spec=spec,
-                           p=", ".join(PRESETS))
+        raise SettingError(
+            "{0} {spec!r}: not a preset ({p}) nor an existing config.json", "config", spec=spec, p=", ".join(PRESETS)
+        )
     if cfg.vocab_size < 259:
-        raise SettingError("{0} {spec!r}: vocab_size={v} cannot hold the byte tokenizer (256 bytes + bos/eos/pad)",
-                           "config", spec=spec, v=cfg.vocab_size)
+        raise SettingError(
+            "{0} {spec!r}: vocab_size={v} cannot hold the byte tokenizer (256 bytes + bos/eos/pad)",
+            "config",
+            spec=spec,
+            v=cfg.vocab_size,
+        )
     # The byte tokenizer's specials, so an exported config.json tells generation where to stop.
     return cfg.replace(bos_token_id=256, eos_token_id=257)
 
@@ -236,13 +264,13 @@ def train_batch(stream: np.ndarray, step: int, seed: int, batch_size: int, seq_l
     """int32 [B, T]: random windows; the offsets depend only on (seed, step) (see the module docstring)."""
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(stream) - seq_len + 1, size=batch_size)
-    return np.stack([stream[s:s + seq_len] for s in starts])
+    return np.stack([stream[s : s + seq_len] for s in starts])
 
 
 def eval_windows(stream: np.ndarray, seq_len: int, max_windows: int) -> np.ndarray:
     """int32 [W, T]: the first `max_windows` consecutive non-overlapping windows of the held-out stream."""
     n = min(len(stream) // seq_len, max_windows)
-    return stream[:n * seq_len].reshape(n, seq_len)
+    return stream[: n * seq_len].reshape(n, seq_len)
 
 
 def corpus_fingerprint(text: str) -> str:
@@ -253,10 +281,10 @@ def corpus_fingerprint(text: str) -> str:
 class CorpusData:
     """A corpus made ready for a run: the token streams of both splits and the fixed evaluation windows."""
 
-    train_ids: np.ndarray     # int32 [N_train]
-    heldout_ids: np.ndarray   # int32 [N_held]
-    windows: np.ndarray       # int32 [W, T]
-    fingerprint: str          # corpus_fingerprint of the text
+    train_ids: np.ndarray  # int32 [N_train]
+    heldout_ids: np.ndarray  # int32 [N_held]
+    windows: np.ndarray  # int32 [W, T]
+    fingerprint: str  # corpus_fingerprint of the text
 
 
 def load_corpus(path: str, seq_len: int, max_windows: int) -> CorpusData:
@@ -274,12 +302,14 @@ def load_corpus(path: str, seq_len: int, max_windows: int) -> CorpusData:
     train_paras, held_paras = split_corpus(text)
     train_ids, held_ids = token_stream(train_paras, tok), token_stream(held_paras, tok)
     if len(train_ids) < seq_len + 1:
-        raise SettingError("the training split has {n} tokens, fewer than {0} {t} + 1", "seq_len",
-                           n=len(train_ids), t=seq_len)
+        raise SettingError(
+            "the training split has {n} tokens, fewer than {0} {t} + 1", "seq_len", n=len(train_ids), t=seq_len
+        )
     windows = eval_windows(held_ids, seq_len, max_windows)
     if len(windows) == 0:
-        raise SettingError("the held-out split has {n} tokens, fewer than one {0} window ({t})", "seq_len",
-                           n=len(held_ids), t=seq_len)
+        raise SettingError(
+            "the held-out split has {n} tokens, fewer than one {0} window ({t})", "seq_len", n=len(held_ids), t=seq_len
+        )
     return CorpusData(train_ids, held_ids, windows, corpus_fingerprint(text))
 
 
@@ -297,10 +327,17 @@ def _optimizer(lr, min_lr_ratio, warmup, steps, weight_decay, clip):
     import optax
 
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=steps, end_value=lr * min_lr_ratio)
+        init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=steps, end_value=lr * min_lr_ratio
+    )
     # Decay matrices only: norms' scales and 1-D tensors are not weights to shrink toward 0.
-    adamw = optax.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay,
-                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+    adamw = optax.adamw(
+        schedule,
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+        weight_decay=weight_decay,
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+    )
     tx = optax.chain(optax.clip_by_global_norm(clip), adamw) if clip > 0 else adamw
     return tx, schedule
 
@@ -326,9 +363,15 @@ def resolve_attn_impl(s: TrainSettings) -> str:
 def train_config(s: TrainSettings):
     from models.training import TrainConfig
 
-    return TrainConfig(mtp_weight=s.mtp_weight, balance_alpha=s.balance_alpha, bias_update_rate=s.bias_update_rate,
-                       remat=s.remat, ce_chunk=s.ce_chunk, attn_q_block=s.attn_q_block,
-                       attn_impl=resolve_attn_impl(s))
+    return TrainConfig(
+        mtp_weight=s.mtp_weight,
+        balance_alpha=s.balance_alpha,
+        bias_update_rate=s.bias_update_rate,
+        remat=s.remat,
+        ce_chunk=s.ce_chunk,
+        attn_q_block=s.attn_q_block,
+        attn_impl=resolve_attn_impl(s),
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -351,7 +394,8 @@ def _mesh_steps(tx, tc, state_shardings, params_like):
     params_sh = nnx.split_state(state_shardings, nnx.Param, ...)[0]
     opt_sh = optimizer_shardings(tx, params_like, params_sh)
     return make_train_step(tx, tc, shardings=(state_shardings, opt_sh)), make_eval_step(
-        tc, jax.tree.leaves(state_shardings)[0].mesh)
+        tc, jax.tree.leaves(state_shardings)[0].mesh
+    )
 
 
 def make_eval_step(tc, mesh=None):
@@ -389,8 +433,9 @@ def build_model(cfg, s: TrainSettings):
     from models.deepseek import DeepSeekModel
 
     dtype = jnp.bfloat16 if s.dtype == "bf16" else jnp.float32
-    return DeepSeekModel(cfg, rngs=nnx.Rngs(s.seed), dtype=dtype, param_dtype=jnp.float32,
-                         moe_impl=resolve_moe_impl(s.moe_impl))
+    return DeepSeekModel(
+        cfg, rngs=nnx.Rngs(s.seed), dtype=dtype, param_dtype=jnp.float32, moe_impl=resolve_moe_impl(s.moe_impl)
+    )
 
 
 def initial_state(s: TrainSettings, cfg=None, mesh=None):
@@ -443,8 +488,12 @@ def training_memory(cfg, s: TrainSettings) -> dict[str, int]:
     def nbytes(tree):
         return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
-    out = {"parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
-           "variables": nbytes(variables), "gradients": nbytes(params), "optimizer": nbytes(opt)}
+    out = {
+        "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
+        "variables": nbytes(variables),
+        "gradients": nbytes(params),
+        "optimizer": nbytes(opt),
+    }
     out["total"] = out["variables"] + out["gradients"] + out["optimizer"]
     if s.mesh is not None:
         from jax.sharding import AbstractMesh
@@ -455,14 +504,20 @@ def training_memory(cfg, s: TrainSettings) -> dict[str, int]:
         specs = model_specs(abstract, AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES), fsdp=True)
 
         def shard_bytes(tree, spec_tree):
-            return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-                       // math.prod(sizes.get(a, 1) for e in spec if e for a in ((e,) if isinstance(e, str) else e))
-                       for x, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(spec_tree, is_leaf=_is_spec)))
+            return sum(
+                int(np.prod(x.shape))
+                * np.dtype(x.dtype).itemsize
+                // math.prod(sizes.get(a, 1) for e in spec if e for a in ((e,) if isinstance(e, str) else e))
+                for x, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(spec_tree, is_leaf=_is_spec))
+            )
 
         grads = shard_bytes(params, nnx.split_state(specs, nnx.Param, ...)[0])
-        dev = {"variables": shard_bytes(variables, specs), "gradients": grads,
-               # the moments follow their parameters; the step counts are a few bytes
-               "optimizer": out["optimizer"] * grads // max(out["gradients"], 1)}
+        dev = {
+            "variables": shard_bytes(variables, specs),
+            "gradients": grads,
+            # the moments follow their parameters; the step counts are a few bytes
+            "optimizer": out["optimizer"] * grads // max(out["gradients"], 1),
+        }
         dev["total"] = dev["variables"] + dev["gradients"] + dev["optimizer"]
         out["per_device"] = dev
     return out
@@ -515,9 +570,18 @@ def check_memory(cfg, s: TrainSettings) -> None:
     if need["total"] > have:
         raise SettingError(
             "{0} {spec!r}: training needs at least {total}{each} ({n:.2f}B parameters: {v} of weights + {g} of "
-            "gradients + {o} of AdamW state, before activations), more than the {have} {where}", "config",
-            spec=s.config, total=_gb(need["total"]), each=each, n=need["parameters"] / 1e9, v=_gb(need["variables"]),
-            g=_gb(need["gradients"]), o=_gb(need["optimizer"]), have=_gb(have), where=where)
+            "gradients + {o} of AdamW state, before activations), more than the {have} {where}",
+            "config",
+            spec=s.config,
+            total=_gb(need["total"]),
+            each=each,
+            n=need["parameters"] / 1e9,
+            v=_gb(need["variables"]),
+            g=_gb(need["gradients"]),
+            o=_gb(need["optimizer"]),
+            have=_gb(have),
+            where=where,
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -532,7 +596,7 @@ def evaluate(eval_step, graphdef, state, windows: np.ndarray, batch_size: int, p
     ce = mtp = 0.0
     n = 0
     for i in range(0, len(windows), batch_size):
-        chunk = windows[i:i + batch_size]
+        chunk = windows[i : i + batch_size]
         m = eval_step(graphdef, state, place(chunk))
         ce += float(m["ce"]) * len(chunk)
         mtp += float(m["mtp_loss"]) * len(chunk)
@@ -584,8 +648,13 @@ def plot_losses(rows: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     if train:
         ax.plot([r["step"] for r in train], [r["ce"] for r in train], lw=0.8, alpha=0.8, label="train CE")
-        ax.plot([r["step"] for r in train], [r["mtp_ce"] for r in train], lw=0.8, alpha=0.6,
-                label="train MTP CE (token i+2)")
+        ax.plot(
+            [r["step"] for r in train],
+            [r["mtp_ce"] for r in train],
+            lw=0.8,
+            alpha=0.6,
+            label="train MTP CE (token i+2)",
+        )
     if ev:
         ax.plot([r["step"] for r in ev], [r["eval_ce"] for r in ev], "o-", label="held-out CE")
         ax.plot([r["step"] for r in ev], [r["eval_mtp_ce"] for r in ev], "s--", label="held-out MTP CE")
@@ -643,9 +712,13 @@ def save_checkpoint(mgr, step: int, state, opt_state, meta: dict) -> None:
     import orbax.checkpoint as ocp
 
     meta = {**meta, "step": step, "sha256": {"state": tree_sha256(state), "opt_state": tree_sha256(opt_state)}}
-    mgr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), opt_state=ocp.args.StandardSave(opt_state),
-        meta=ocp.args.JsonSave(meta)), force=True)
+    mgr.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), opt_state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta)
+        ),
+        force=True,
+    )
     mgr.wait_until_finished()
 
 
@@ -676,8 +749,10 @@ def checkpoint_record(mgr, step: int | None = None) -> tuple[int, str, dict]:
     if not isinstance(meta, dict) or not {"step", "trajectory", "corpus_sha256"} <= meta.keys():
         raise TrainerError(f"checkpoint {where}: its record (meta/metadata) is not one mla-train wrote")
     if meta["step"] != step:
-        raise TrainerError(f"checkpoint {where} holds step {meta['step']}, not {step}: a step directory renamed or "
-                           "copied from another run; remove it or restore its name")
+        raise TrainerError(
+            f"checkpoint {where} holds step {meta['step']}, not {step}: a step directory renamed or "
+            "copied from another run; remove it or restore its name"
+        )
     return step, where, meta
 
 
@@ -692,12 +767,14 @@ def restore_checkpoint(mgr, state_template, opt_template, step: int | None = Non
 
     step, where, meta = checkpoint_record(mgr, step)
     abstract = lambda t: jax.tree.map(ocp.utils.to_shape_dtype_struct, t)  # noqa: E731
+
     # orbax hands back arrays committed to a device; fresh ones are uncommitted, and jit keys its cache
     # on that, so a resumed run would compile the step again. A host round-trip is exact. A template on a
     # mesh (committed, sharded) is what orbax restored onto: kept as it comes.
     def fresh(tree, template):
-        return jax.tree.map(lambda x, ref: x if isinstance(ref.sharding, NamedSharding)
-                            else jnp.asarray(np.asarray(x)), tree, template)
+        return jax.tree.map(
+            lambda x, ref: x if isinstance(ref.sharding, NamedSharding) else jnp.asarray(np.asarray(x)), tree, template
+        )
 
     restored = []
     for item, template in zip(_ITEMS, (state_template, opt_template)):
@@ -708,8 +785,10 @@ def restore_checkpoint(mgr, state_template, opt_template, step: int | None = Non
             raise TrainerError(f"checkpoint {where}/{item} cannot be read: {_reason(e)}") from e
         saved = meta.get("sha256", {}).get(item)
         if saved is not None and tree_sha256(tree) != saved:
-            raise TrainerError(f"checkpoint {where}/{item}: the arrays read back differ from those saved (sha256 "
-                               "mismatch): its files were damaged or changed")
+            raise TrainerError(
+                f"checkpoint {where}/{item}: the arrays read back differ from those saved (sha256 "
+                "mismatch): its files were damaged or changed"
+            )
         restored.append(tree)
     return restored[0], restored[1], meta
 
@@ -820,8 +899,13 @@ class Trainer:
 
     def record(self, step: int) -> dict[str, Any]:
         """The JSON record saved with a checkpoint of `step` (what `restore` checks)."""
-        return {"step": step, "data_seed": self.settings.seed, "corpus_sha256": self.data.fingerprint,
-                "trajectory": self.settings.trajectory(), "model_config": _config_record(self.cfg)}
+        return {
+            "step": step,
+            "data_seed": self.settings.seed,
+            "corpus_sha256": self.data.fingerprint,
+            "trajectory": self.settings.trajectory(),
+            "model_config": _config_record(self.cfg),
+        }
 
     def save(self, mgr, ts: TrainState) -> None:
         save_checkpoint(mgr, ts.step, ts.state, ts.opt_state, self.record(ts.step))
@@ -835,13 +919,17 @@ class Trainer:
         given = self.settings.trajectory()
         diff = {k: (v, given[k]) for k, v in saved["trajectory"].items() if k in given and given[k] != v}
         if diff:
-            raise TrainerError(f"checkpoint {where} was trained with other settings (saved/given): "
-                               + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in diff.items()))
+            raise TrainerError(
+                f"checkpoint {where} was trained with other settings (saved/given): "
+                + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in diff.items())
+            )
         now = _config_record(self.cfg)
         diff = {k: (v, now[k]) for k, v in saved.get("model_config", {}).items() if k in now and now[k] != v}
         if diff:
-            raise TrainerError(f"checkpoint {where} holds a model of another config than {self.settings.config!r} "
-                               "(saved/given): " + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in diff.items()))
+            raise TrainerError(
+                f"checkpoint {where} holds a model of another config than {self.settings.config!r} "
+                "(saved/given): " + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in diff.items())
+            )
         fresh = self.init()
         state, opt_state, _ = restore_checkpoint(mgr, fresh.state, fresh.opt_state, step)
         return TrainState(fresh.graphdef, state, opt_state, step)
@@ -859,11 +947,17 @@ class Trainer:
         seconds = time.perf_counter() - t0
         if not math.isfinite(float(m["loss"])):
             raise FloatingPointError(f"loss is {float(m['loss'])} at step {ts.step + 1}; try a lower learning rate")
-        row = {"step": ts.step + 1, "loss": float(m["loss"]), "ce": float(m["ce"]),
-               "mtp_ce": float(m["mtp_loss"]) / s.mtp_weight if s.mtp_weight > 0 else float("nan"),
-               "balance_loss": float(m["balance_loss"]), "load_max_over_mean": load_balance(m["expert_load"]),
-               "grad_norm": float(m["grad_norm"]), "lr": float(self.schedule(ts.step)),
-               "tokens_per_s": s.batch_size * s.seq_len / seconds}
+        row = {
+            "step": ts.step + 1,
+            "loss": float(m["loss"]),
+            "ce": float(m["ce"]),
+            "mtp_ce": float(m["mtp_loss"]) / s.mtp_weight if s.mtp_weight > 0 else float("nan"),
+            "balance_loss": float(m["balance_loss"]),
+            "load_max_over_mean": load_balance(m["expert_load"]),
+            "grad_norm": float(m["grad_norm"]),
+            "lr": float(self.schedule(ts.step)),
+            "tokens_per_s": s.batch_size * s.seq_len / seconds,
+        }
         return TrainState(ts.graphdef, state, opt_state, ts.step + 1), row
 
     def evaluate(self, ts: TrainState) -> dict[str, float]:
@@ -874,8 +968,16 @@ class Trainer:
         return ev
 
 
-def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: int | None = None,
-          export_dir: str | None = None, progress: bool = True, cfg=None) -> RunResult:
+def train(
+    settings: TrainSettings,
+    out: str,
+    *,
+    resume: bool = False,
+    stop_at: int | None = None,
+    export_dir: str | None = None,
+    progress: bool = True,
+    cfg=None,
+) -> RunResult:
     """Train per `settings` in the run directory `out` (checkpoints/, metrics.jsonl, loss.png, export/).
 
     resume: continue from the latest checkpoint in `out` (without it, `out` must hold none).
@@ -890,11 +992,17 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
     if stop_at is not None and stop_at < 1:
         raise SettingError("{0} must be >= 1, got {v}", "stop_at", v=stop_at)
     if settings.attn_impl == "cudnn" and jax.default_backend() != "gpu":
-        raise SettingError("{0} cudnn needs a CUDA GPU (cuDNN's flash attention); this machine's backend is {b}",
-                           "attn_impl", b=jax.default_backend())
+        raise SettingError(
+            "{0} cudnn needs a CUDA GPU (cuDNN's flash attention); this machine's backend is {b}",
+            "attn_impl",
+            b=jax.default_backend(),
+        )
     if settings.attn_impl == "mgpu" and jax.default_backend() != "gpu":
-        raise SettingError("{0} mgpu needs a Hopper GPU (the Mosaic GPU flash attention kernel); this machine's "
-                           "backend is {b}", "attn_impl", b=jax.default_backend())
+        raise SettingError(
+            "{0} mgpu needs a Hopper GPU (the Mosaic GPU flash attention kernel); this machine's backend is {b}",
+            "attn_impl",
+            b=jax.default_backend(),
+        )
     trainer = Trainer(settings, cfg)  # config, memory and corpus are checked before anything is written
     os.makedirs(out, exist_ok=True)
     mgr = checkpoint_manager(out)
@@ -902,8 +1010,9 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
         if resume:
             ts = trainer.restore(mgr)
         elif mgr.latest_step() is not None:
-            raise SettingError("{0} {out!r} already holds checkpoints: pass {1}, or choose another {0}", "out",
-                               "resume", out=out)
+            raise SettingError(
+                "{0} {out!r} already holds checkpoints: pass {1}, or choose another {0}", "out", "resume", out=out
+            )
         else:
             ts = trainer.init()
         primary = jax.process_index() == 0  # of several processes, one writes the log, the plot and the export
@@ -921,13 +1030,21 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
                 plot_losses(log.rows, os.path.join(out, "loss.png"))
             return ev
 
-        bar = tqdm(total=stop, initial=start, disable=not (progress and primary), desc="mla-train",
-                   dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(
+            total=stop,
+            initial=start,
+            disable=not (progress and primary),
+            desc="mla-train",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
         if not progress:
             on = "" if trainer.mesh is None else f" on the mesh {s.mesh} ({trainer.mesh.size} devices)"
-            say(f"mla-train: {n_params / 1e6:.2f}M parameters{on}, {len(trainer.data.train_ids)} train / "
+            say(
+                f"mla-train: {n_params / 1e6:.2f}M parameters{on}, {len(trainer.data.train_ids)} train / "
                 f"{len(trainer.data.heldout_ids)} held-out tokens, steps {start}->{stop}, attention "
-                f"{resolve_attn_impl(s)}")
+                f"{resolve_attn_impl(s)}"
+            )
         train_ce = None
         t_start = time.perf_counter()
         try:
@@ -940,8 +1057,13 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
                 log.append(row)
                 train_ce = row["ce"]
                 bar.update(1)
-                bar.set_postfix(loss=f"{row['ce']:.3f}", mtp=f"{row['mtp_ce']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                                load=f"{row['load_max_over_mean']:.2f}", refresh=False)
+                bar.set_postfix(
+                    loss=f"{row['ce']:.3f}",
+                    mtp=f"{row['mtp_ce']:.3f}",
+                    tok_s=f"{row['tokens_per_s']:.0f}",
+                    load=f"{row['load_max_over_mean']:.2f}",
+                    refresh=False,
+                )
                 if s.eval_every and ts.step % s.eval_every == 0 and ts.step != stop:
                     ev = run_eval(ts)
                     msg = f"step {ts.step}: train CE {train_ce:.4f}, held-out CE {ev['eval_ce']:.4f} nats/token"
@@ -957,19 +1079,32 @@ def train(settings: TrainSettings, out: str, *, resume: bool = False, stop_at: i
             trainer.save(mgr, ts)
         ev = run_eval(ts)
         last_ce = float("nan") if train_ce is None else train_ce
-        say(f"mla-train: step {ts.step}/{s.steps}: train CE {last_ce:.4f}, "
+        say(
+            f"mla-train: step {ts.step}/{s.steps}: train CE {last_ce:.4f}, "
             f"held-out CE {ev['eval_ce']:.4f} nats/token ({ev['eval_ce'] / math.log(2):.3f} bits), "
-            f"held-out MTP CE {ev['eval_mtp_ce']:.4f}")
+            f"held-out MTP CE {ev['eval_mtp_ce']:.4f}"
+        )
         done_dir = None
         if ts.step >= s.steps:  # an interrupted run (stop_at) is not a finished model
             done_dir = export_dir or os.path.join(out, "export")
-            run_args = {"out": out, **dataclasses.asdict(s), "stop_at": stop_at, "resume": resume,
-                        "export": export_dir, "attn_impl_used": resolve_attn_impl(s)}
-            summary = {"step": ts.step, "train_ce_last_step": train_ce, **ev,
-                       "train_seconds_this_session": round(time.perf_counter() - t_start, 1),
-                       "heldout_tokens_evaluated": int(trainer.data.windows.size), "parameters": n_params,
-                       "corpus_sha256": trainer.data.fingerprint,
-                       "args": {k: _portable(v) for k, v in run_args.items()}}
+            run_args = {
+                "out": out,
+                **dataclasses.asdict(s),
+                "stop_at": stop_at,
+                "resume": resume,
+                "export": export_dir,
+                "attn_impl_used": resolve_attn_impl(s),
+            }
+            summary = {
+                "step": ts.step,
+                "train_ce_last_step": train_ce,
+                **ev,
+                "train_seconds_this_session": round(time.perf_counter() - t_start, 1),
+                "heldout_tokens_evaluated": int(trainer.data.windows.size),
+                "parameters": n_params,
+                "corpus_sha256": trainer.data.fingerprint,
+                "args": {k: _portable(v) for k, v in run_args.items()},
+            }
             export(ts.graphdef, ts.state, done_dir, summary)
             say(f"mla-train: exported to {done_dir}")
         return RunResult(ts.step, train_ce, ev, out, done_dir)

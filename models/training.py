@@ -67,7 +67,9 @@ class TrainConfig:
     remat: str = "none"  # rematerialisation of each scanned layer (models.deepseek.REMAT_POLICIES)
     ce_chunk: int = 0  # tokens per LM-head cross-entropy chunk (0: the whole [B·T, V] logits at once)
     attn_q_block: int = 0  # queries per block of the decompressed attention (0: all T at once)
-    attn_impl: str = "xla"  # the decompressed attention: "xla" (jnp), "cudnn" or "mgpu" (flash; GPU, right padding only)
+    attn_impl: str = (
+        "xla"  # the decompressed attention: "xla" (jnp), "cudnn" or "mgpu" (flash; GPU, right padding only)
+    )
 
     def __post_init__(self):
         for f in ("mtp_weight", "balance_alpha", "bias_update_rate"):
@@ -102,8 +104,9 @@ def masked_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: 
     return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def chunked_cross_entropy(head, h_BTD: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, chunk: int,
-                          weights=()) -> jax.Array:
+def chunked_cross_entropy(
+    head, h_BTD: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, chunk: int, weights=()
+) -> jax.Array:
     """`masked_cross_entropy(head(weights, h), targets, mask)` without the whole [B·T, V] logits.
 
     head(weights, h_CD) -> logits [C, V] (the LM head with its weights passed in, see `lm_head_fn`);
@@ -158,7 +161,7 @@ def _router_masks(out: ModelOutput, mask_BT: jax.Array, n_main_moe: int) -> list
     masks = [mask_BT] * n_main_moe
     for k in range(len(out.routers) - n_main_moe):
         n = T - 1 - k
-        masks.append(mask_BT[:, :n] * mask_BT[:, 1 + k:])
+        masks.append(mask_BT[:, :n] * mask_BT[:, 1 + k :])
     return masks
 
 
@@ -204,7 +207,7 @@ def router_bias_update(model: DeepSeekModel, loads_NE: jax.Array, gamma: float) 
     for mod in moe_modules(model):
         bias = mod.gate.e_score_correction_bias
         n = bias.shape[0] if bias is not None and bias.ndim == 2 else 1  # a stack holds n routers
-        load = loads_NE[row:row + n].astype(_F32)
+        load = loads_NE[row : row + n].astype(_F32)
         row += n
         if bias is None or load.shape[0] < n:
             continue
@@ -231,15 +234,23 @@ def loss_fn(model: DeepSeekModel, batch: dict[str, jax.Array], tc: TrainConfig =
     cfg = model.cfg
     use_mtp = tc.mtp_weight > 0 and len(model.mtp) > 0
     chunked = tc.ce_chunk > 0
-    out = model.forward(ids, positions, absorbed=tc.absorbed, with_mtp=use_mtp, head=not chunked, remat=tc.remat,
-                        q_block=tc.attn_q_block or None, attn_impl=tc.attn_impl)
+    out = model.forward(
+        ids,
+        positions,
+        absorbed=tc.absorbed,
+        with_mtp=use_mtp,
+        head=not chunked,
+        remat=tc.remat,
+        q_block=tc.attn_q_block or None,
+        attn_impl=tc.attn_impl,
+    )
     if chunked:
         head, head_weights = lm_head_fn(model)
 
     def ce_of(x_BTX, targets, valid):
         """CE on the first targets.shape[1] positions of `x`: the head's input [B,T,D] when chunked, else its
         logits [B,T,V]."""
-        x_BTX = x_BTX[:, :targets.shape[1]]
+        x_BTX = x_BTX[:, : targets.shape[1]]
         if chunked:
             return chunked_cross_entropy(head, x_BTX, targets, valid, tc.ce_chunk, head_weights)
         return masked_cross_entropy(x_BTX, targets, valid)
@@ -251,8 +262,8 @@ def loss_fn(model: DeepSeekModel, batch: dict[str, jax.Array], tc: TrainConfig =
         n = T - 2 - k  # positions whose target token i+2+k exists
         if n < 1:
             continue
-        valid = mask[:, :n] * mask[:, 1 + k:T - 1] * target[:, 2 + k:]
-        mtp = mtp + ce_of(x, ids[:, 2 + k:], valid)
+        valid = mask[:, :n] * mask[:, 1 + k : T - 1] * target[:, 2 + k :]
+        mtp = mtp + ce_of(x, ids[:, 2 + k :], valid)
     mtp = tc.mtp_weight * mtp / max(len(model.mtp), 1)
     n_main = cfg.num_moe_layers
     masks = _router_masks(out, mask, n_main)
@@ -277,8 +288,13 @@ def optimizer_shardings(tx: optax.GradientTransformation, params, param_sharding
     NamedShardings of the Params' structure; `params` may be abstract): each moment as its parameter,
     everything else (the step counts) replicated on the same mesh."""
     mesh = jax.tree.leaves(param_shardings)[0].mesh
-    return optax.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params), param_shardings,
-                                 transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()))
+    return optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        jax.eval_shape(tx.init, params),
+        param_shardings,
+        transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()),
+    )
 
 
 def init_train_state(model: DeepSeekModel, tx: optax.GradientTransformation):
@@ -296,8 +312,9 @@ def init_train_state(model: DeepSeekModel, tx: optax.GradientTransformation):
     return graphdef, state, tx.init(params)
 
 
-def make_train_step(tx: optax.GradientTransformation, tc: TrainConfig = TrainConfig(), *, donate: bool = True,
-                    shardings=None):
+def make_train_step(
+    tx: optax.GradientTransformation, tc: TrainConfig = TrainConfig(), *, donate: bool = True, shardings=None
+):
     """A jitted `train_step(graphdef, state, opt_state, batch) -> (state, opt_state, metrics)`.
 
     `state` and `opt_state` are donated (unless `donate=False`, for profilers that call it again on the same
@@ -338,6 +355,7 @@ def grads_of(model: DeepSeekModel, batch: dict[str, Any], tc: TrainConfig = Trai
     """(metrics, grads over the Params as an nnx.State) of `loss_fn`, for inspection and tests."""
     graphdef, state = nnx.split(model)
     params, rest = nnx.split_state(state, nnx.Param, ...)
-    (_, metrics), grads = jax.value_and_grad(
-        lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch, tc), has_aux=True)(params)
+    (_, metrics), grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch, tc), has_aux=True)(
+        params
+    )
     return metrics, grads

@@ -5,14 +5,20 @@ interpret / reference, with the one Hopper check).
 Imports nothing from the rest of the project.
 """
 
-from pallas_kernels.flash_attention import (FlashAttentionConfig, flash_attention,
-                                            flash_attention_reference)
-from pallas_kernels.mla_decode import (MlaDecodeConfig, mla_decode, mla_decode_problems,
-                                       mla_decode_reference)
+from pallas_kernels.flash_attention import FlashAttentionConfig, flash_attention, flash_attention_reference
+from pallas_kernels.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_problems, mla_decode_reference
 from pallas_kernels.moe_decode import MoeDecodeConfig, moe_decode, moe_decode_problems, moe_decode_reference
-from pallas_kernels.page_format import (BF16_PAGES, FP4_PAGES, FP8_PAGES, PageFormat, dequantize_latent_fp4,
-                                        dequantize_latent_fp8, page_format_of, quantize_latent_fp4,
-                                        quantize_latent_fp8)
+from pallas_kernels.page_format import (
+    BF16_PAGES,
+    FP4_PAGES,
+    FP8_PAGES,
+    PageFormat,
+    dequantize_latent_fp4,
+    dequantize_latent_fp8,
+    page_format_of,
+    quantize_latent_fp4,
+    quantize_latent_fp8,
+)
 from pallas_kernels.paged_gather import PagedGatherConfig, paged_gather, paged_gather_reference
 
 __all__ = [

@@ -22,21 +22,21 @@ IMPLS = (None, "kernel", "interpret", "reference")
 
 @functools.cache
 def default_backend_is_hopper() -> bool:
-  """True when jax's default backend is a CUDA GPU of compute capability 9.x."""
-  try:
-    if jax.default_backend() != "gpu":
-      return False
-    device = jax.devices()[0]
-  except RuntimeError:  # no backend initialised at all
-    return False
-  capability = getattr(device, "compute_capability", "")
-  return str(capability).split(".")[0] == "9"
+    """True when jax's default backend is a CUDA GPU of compute capability 9.x."""
+    try:
+        if jax.default_backend() != "gpu":
+            return False
+        device = jax.devices()[0]
+    except RuntimeError:  # no backend initialised at all
+        return False
+    capability = getattr(device, "compute_capability", "")
+    return str(capability).split(".")[0] == "9"
 
 
 def resolve_impl(impl: str | None) -> str:
-  """Maps the user's ``impl`` argument to one of "kernel", "interpret", "reference"."""
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  if impl is None:
-    return "kernel" if default_backend_is_hopper() else "reference"
-  return impl
+    """Maps the user's ``impl`` argument to one of "kernel", "interpret", "reference"."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl is None:
+        return "kernel" if default_backend_is_hopper() else "reference"
+    return impl

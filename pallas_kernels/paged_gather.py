@@ -39,11 +39,11 @@ import dataclasses
 import functools
 
 import jax
-from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
-from jax.experimental.mosaic.gpu.fragmented_array import Tiling
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental.mosaic.gpu.fragmented_array import Tiling
 
 from pallas_kernels import _platform
 from pallas_kernels._page_table import check_page_table
@@ -54,261 +54,299 @@ KEY_DIM = 576
 ROPE_DIM = 64
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class PagedGatherConfig:
-  """Static tuning knobs of `paged_gather`.
+    """Static tuning knobs of `paged_gather`.
 
-  Attributes:
-    chunks: CTAs per sequence (each copies a contiguous run of pages); None = enough for
-      ``target_ctas`` CTAs in total.
-    target_ctas: CTAs the heuristic aims for (2 per SM of a 132-SM H100/H200).
-    max_concurrent_steps: pages in flight per CTA (bf16: 73.7 KB of SMEM each, at most 3 fit;
-      fp8: 41 KB each; fp4: 26 KB each). None = 3, or 2 for fp8 / fp4 pages with two staging buffers.
-    staging_buffers: fp8 / fp4 pages only: bf16 staging buffers (72 KB each) the dequantised pages are
-      stored from. With 2, a page is dequantised into one while the previous page's store still
-      reads the other; they and the 41 KB input stages must fit the 227 KB of SMEM, so 2 buffers
-      take at most 2 steps in flight. None = 2 (on an H200, 2026-12-01: 1-3 % faster than one
-      buffer with 3 steps in every cell of `mla-bench paged_gather --kv-dtype fp8`).
-  """
+    Attributes:
+      chunks: CTAs per sequence (each copies a contiguous run of pages); None = enough for
+        ``target_ctas`` CTAs in total.
+      target_ctas: CTAs the heuristic aims for (2 per SM of a 132-SM H100/H200).
+      max_concurrent_steps: pages in flight per CTA (bf16: 73.7 KB of SMEM each, at most 3 fit;
+        fp8: 41 KB each; fp4: 26 KB each). None = 3, or 2 for fp8 / fp4 pages with two staging buffers.
+      staging_buffers: fp8 / fp4 pages only: bf16 staging buffers (72 KB each) the dequantised pages are
+        stored from. With 2, a page is dequantised into one while the previous page's store still
+        reads the other; they and the 41 KB input stages must fit the 227 KB of SMEM, so 2 buffers
+        take at most 2 steps in flight. None = 2 (on an H200, 2026-12-01: 1-3 % faster than one
+        buffer with 3 steps in every cell of `mla-bench paged_gather --kv-dtype fp8`).
+    """
 
-  chunks: int | None = None
-  target_ctas: int = 264
-  max_concurrent_steps: int | None = None
-  staging_buffers: int | None = None
+    chunks: int | None = None
+    target_ctas: int = 264
+    max_concurrent_steps: int | None = None
+    staging_buffers: int | None = None
 
-  def __post_init__(self):
-    if self.chunks is not None and self.chunks < 1:
-      raise ValueError(f"chunks must be None or >= 1, got {self.chunks}")
-    if self.target_ctas < 1:
-      raise ValueError(f"target_ctas must be >= 1, got {self.target_ctas}")
-    if self.max_concurrent_steps is not None and not 2 <= self.max_concurrent_steps <= 3:
-      raise ValueError(
-          f"max_concurrent_steps must be None, 2 or 3 (73.7 KB of SMEM per page), got {self.max_concurrent_steps}")
-    if self.staging_buffers not in (None, 1, 2):
-      raise ValueError(f"staging_buffers must be None, 1 or 2, got {self.staging_buffers}")
-    if self.staging_buffers == 2 and (self.max_concurrent_steps or 2) > 2:
-      raise ValueError("staging_buffers=2 (2 x 72 KB of SMEM) leaves room for max_concurrent_steps <= 2 "
-                       f"fp8 stages of 41 KB, got {self.max_concurrent_steps}")
+    def __post_init__(self):
+        if self.chunks is not None and self.chunks < 1:
+            raise ValueError(f"chunks must be None or >= 1, got {self.chunks}")
+        if self.target_ctas < 1:
+            raise ValueError(f"target_ctas must be >= 1, got {self.target_ctas}")
+        if self.max_concurrent_steps is not None and not 2 <= self.max_concurrent_steps <= 3:
+            raise ValueError(
+                f"max_concurrent_steps must be None, 2 or 3 (73.7 KB of SMEM per page), got {self.max_concurrent_steps}"
+            )
+        if self.staging_buffers not in (None, 1, 2):
+            raise ValueError(f"staging_buffers must be None, 1 or 2, got {self.staging_buffers}")
+        if self.staging_buffers == 2 and (self.max_concurrent_steps or 2) > 2:
+            raise ValueError(
+                "staging_buffers=2 (2 x 72 KB of SMEM) leaves room for max_concurrent_steps <= 2 "
+                f"fp8 stages of 41 KB, got {self.max_concurrent_steps}"
+            )
 
-  def for_format(self, page_format: PageFormat) -> "PagedGatherConfig":
-    """This config with the defaults of ``page_format`` filled in (every field concrete)."""
-    if not page_format.quantized:
-      return dataclasses.replace(self, max_concurrent_steps=self.max_concurrent_steps or 3,
-                                 staging_buffers=self.staging_buffers or 1)
-    buffers = self.staging_buffers or (1 if self.max_concurrent_steps == 3 else 2)
-    return dataclasses.replace(self, staging_buffers=buffers,
-                               max_concurrent_steps=self.max_concurrent_steps or (3 if buffers == 1 else 2))
-
+    def for_format(self, page_format: PageFormat) -> "PagedGatherConfig":
+        """This config with the defaults of ``page_format`` filled in (every field concrete)."""
+        if not page_format.quantized:
+            return dataclasses.replace(
+                self, max_concurrent_steps=self.max_concurrent_steps or 3, staging_buffers=self.staging_buffers or 1
+            )
+        buffers = self.staging_buffers or (1 if self.max_concurrent_steps == 3 else 2)
+        return dataclasses.replace(
+            self, staging_buffers=buffers, max_concurrent_steps=self.max_concurrent_steps or (3 if buffers == 1 else 2)
+        )
 
 
 def _validate(kv_pages, block_table, num_tokens, page_format, checked=False):
-  if not isinstance(page_format, PageFormat):
-    raise ValueError(f"page_format must be a PageFormat, got {page_format!r}")
-  if (page_format.latent_dim, page_format.rope_dim) != (KEY_DIM - ROPE_DIM, ROPE_DIM):
-    raise ValueError(f"paged_gather reads tokens of {KEY_DIM - ROPE_DIM} latent + {ROPE_DIM} rope values, "
-                     f"got {page_format.latent_dim} + {page_format.rope_dim} ({page_format.name} pages)")
-  page_format.validate(kv_pages)
-  if block_table.ndim != 2 or min(block_table.shape) < 1:
-    raise ValueError(f"block_table must be [B >= 1, max_pages >= 1], got {block_table.shape}")
-  if block_table.dtype != jnp.int32:
-    raise ValueError(f"block_table must be int32, got {block_table.dtype}")
-  if not isinstance(num_tokens, int) or isinstance(num_tokens, bool):
-    raise ValueError(f"num_tokens must be a Python int (it fixes the output shape), got {num_tokens!r}")
-  max_tokens = block_table.shape[1] * PAGE_SIZE
-  if not 1 <= num_tokens <= max_tokens:
-    raise ValueError(
-        f"num_tokens must be in [1, {max_tokens}] (max_pages={block_table.shape[1]} x {PAGE_SIZE}), got {num_tokens}")
-  check_page_table(block_table, num_tokens, num_pages=kv_pages.shape[0], page_size=PAGE_SIZE,
-                   lengths_name="num_tokens", checked=checked)
+    if not isinstance(page_format, PageFormat):
+        raise ValueError(f"page_format must be a PageFormat, got {page_format!r}")
+    if (page_format.latent_dim, page_format.rope_dim) != (KEY_DIM - ROPE_DIM, ROPE_DIM):
+        raise ValueError(
+            f"paged_gather reads tokens of {KEY_DIM - ROPE_DIM} latent + {ROPE_DIM} rope values, "
+            f"got {page_format.latent_dim} + {page_format.rope_dim} ({page_format.name} pages)"
+        )
+    page_format.validate(kv_pages)
+    if block_table.ndim != 2 or min(block_table.shape) < 1:
+        raise ValueError(f"block_table must be [B >= 1, max_pages >= 1], got {block_table.shape}")
+    if block_table.dtype != jnp.int32:
+        raise ValueError(f"block_table must be int32, got {block_table.dtype}")
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool):
+        raise ValueError(f"num_tokens must be a Python int (it fixes the output shape), got {num_tokens!r}")
+    max_tokens = block_table.shape[1] * PAGE_SIZE
+    if not 1 <= num_tokens <= max_tokens:
+        raise ValueError(
+            f"num_tokens must be in [1, {max_tokens}] (max_pages={block_table.shape[1]} x {PAGE_SIZE}), "
+            f"got {num_tokens}"
+        )
+    check_page_table(
+        block_table,
+        num_tokens,
+        num_pages=kv_pages.shape[0],
+        page_size=PAGE_SIZE,
+        lengths_name="num_tokens",
+        checked=checked,
+    )
 
 
-def paged_gather_reference(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES,
-                           config=None, impl=None, checked=False):
-  """Plain-jnp paged gather; same contract (and checks) as `paged_gather`."""
-  del config, impl
-  _validate(kv_pages, block_table, num_tokens, page_format, checked)
-  B = block_table.shape[0]
-  n_pages = pl.cdiv(num_tokens, PAGE_SIZE)
-  pages_BPtK = page_format.dequantize_reference(kv_pages[block_table[:, :n_pages]])
-  return pages_BPtK.reshape(B, n_pages * PAGE_SIZE, KEY_DIM)[:, :num_tokens]
+def paged_gather_reference(
+    kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, config=None, impl=None, checked=False
+):
+    """Plain-jnp paged gather; same contract (and checks) as `paged_gather`."""
+    del config, impl
+    _validate(kv_pages, block_table, num_tokens, page_format, checked)
+    B = block_table.shape[0]
+    n_pages = pl.cdiv(num_tokens, PAGE_SIZE)
+    pages_BPtK = page_format.dequantize_reference(kv_pages[block_table[:, :n_pages]])
+    return pages_BPtK.reshape(B, n_pages * PAGE_SIZE, KEY_DIM)[:, :num_tokens]
 
 
 def plan_chunks(batch: int, n_pages: int, config: PagedGatherConfig) -> tuple[int, int]:
-  """(chunks per sequence, pages per chunk) for this shape; chunks never left empty."""
-  chunks = config.chunks if config.chunks is not None else pl.cdiv(config.target_ctas, batch)
-  chunks = max(1, min(chunks, n_pages))
-  per_chunk = pl.cdiv(n_pages, chunks)
-  return pl.cdiv(n_pages, per_chunk), per_chunk
+    """(chunks per sequence, pages per chunk) for this shape; chunks never left empty."""
+    chunks = config.chunks if config.chunks is not None else pl.cdiv(config.target_ctas, batch)
+    chunks = max(1, min(chunks, n_pages))
+    per_chunk = pl.cdiv(n_pages, chunks)
+    return pl.cdiv(n_pages, per_chunk), per_chunk
 
 
 def _store_page(page_smem, out_seq_ref, page, n_pages: int, tail: int):
-  """Bulk-stores one gathered page (SMEM [64, 576]) as tokens [64·page, 64·page + 64) of a sequence's
-  output. The last page is cut at num_tokens: a store of exactly `tail` rows, so nothing is written
-  past the output (the untiled bulk store does not clip)."""
-  if tail == PAGE_SIZE:
-    plgpu.copy_smem_to_gmem(page_smem, out_seq_ref.at[pl.ds(page * PAGE_SIZE, PAGE_SIZE)])
-    return
+    """Bulk-stores one gathered page (SMEM [64, 576]) as tokens [64·page, 64·page + 64) of a sequence's
+    output. The last page is cut at num_tokens: a store of exactly `tail` rows, so nothing is written
+    past the output (the untiled bulk store does not clip)."""
+    if tail == PAGE_SIZE:
+        plgpu.copy_smem_to_gmem(page_smem, out_seq_ref.at[pl.ds(page * PAGE_SIZE, PAGE_SIZE)])
+        return
 
-  @pl.when(page != n_pages - 1)
-  def _():
-    plgpu.copy_smem_to_gmem(page_smem, out_seq_ref.at[pl.ds(page * PAGE_SIZE, PAGE_SIZE)])
+    @pl.when(page != n_pages - 1)
+    def _():
+        plgpu.copy_smem_to_gmem(page_smem, out_seq_ref.at[pl.ds(page * PAGE_SIZE, PAGE_SIZE)])
 
-  @pl.when(page == n_pages - 1)
-  def _():
-    plgpu.copy_smem_to_gmem(page_smem.at[pl.ds(0, tail)], out_seq_ref.at[pl.ds(page * PAGE_SIZE, tail)])
+    @pl.when(page == n_pages - 1)
+    def _():
+        plgpu.copy_smem_to_gmem(page_smem.at[pl.ds(0, tail)], out_seq_ref.at[pl.ds(page * PAGE_SIZE, tail)])
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens", "config", "interpret"))
 def _paged_gather_kernel(kv_pages, block_table, *, num_tokens, config, interpret):
-  B = block_table.shape[0]
-  n_pages = pl.cdiv(num_tokens, PAGE_SIZE)
-  chunks, per_chunk = plan_chunks(B, n_pages, config)
-  tail = num_tokens - (n_pages - 1) * PAGE_SIZE      # tokens of the last page that are copied
-  # TMA needs 16-byte GMEM strides: pad the table to a multiple of 4 int32 columns.
-  pad = -block_table.shape[1] % 4
-  if pad:
-    block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
+    B = block_table.shape[0]
+    n_pages = pl.cdiv(num_tokens, PAGE_SIZE)
+    chunks, per_chunk = plan_chunks(B, n_pages, config)
+    tail = num_tokens - (n_pages - 1) * PAGE_SIZE  # tokens of the last page that are copied
+    # TMA needs 16-byte GMEM strides: pad the table to a multiple of 4 int32 columns.
+    pad = -block_table.shape[1] % 4
+    if pad:
+        block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
 
-  @functools.partial(
-      plgpu.kernel, out_type=jax.ShapeDtypeStruct((B, num_tokens, KEY_DIM), kv_pages.dtype),
-      grid=(chunks, B), grid_names=("c", "b"),
-      interpret=plgpu.InterpretGPUParams() if interpret else None)
-  def kernel(kv_ref, bt_ref, out_ref):
-    c, b = lax.axis_index("c"), lax.axis_index("b")
-    base = c * per_chunk
-    count = jnp.clip(n_pages - base, 0, per_chunk)
-    table = bt_ref.at[b]
+    @functools.partial(
+        plgpu.kernel,
+        out_type=jax.ShapeDtypeStruct((B, num_tokens, KEY_DIM), kv_pages.dtype),
+        grid=(chunks, B),
+        grid_names=("c", "b"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    def kernel(kv_ref, bt_ref, out_ref):
+        c, b = lax.axis_index("c"), lax.axis_index("b")
+        base = c * per_chunk
+        count = jnp.clip(n_pages - base, 0, per_chunk)
+        table = bt_ref.at[b]
 
-    def body(idx, page_smem):
-      (i,) = idx
-      page = base + i
-      _store_page(page_smem, out_ref.at[b], page, n_pages, tail)
-      # With delay_release=1 the pipeline refills the slot of the previous step after this
-      # body: that store must have finished reading SMEM, this one may stay in flight.
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        def body(idx, page_smem):
+            (i,) = idx
+            page = base + i
+            _store_page(page_smem, out_ref.at[b], page, n_pages, tail)
+            # With delay_release=1 the pipeline refills the slot of the previous step after this
+            # body: that store must have finished reading SMEM, this one may stay in flight.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
 
-    plgpu.emit_pipeline(
-        body, grid=(count,), max_concurrent_steps=config.max_concurrent_steps,
-        in_specs=[plgpu.BlockSpec((None, PAGE_SIZE, KEY_DIM), lambda i: (table[base + i], 0, 0),
-                                  delay_release=1,
-                                  # Untiled whole-page loads take the contiguous bulk-copy path.
-                                  oob_fill_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)],
-    )(kv_ref)
-    plgpu.wait_smem_to_gmem(0)
+        plgpu.emit_pipeline(
+            body,
+            grid=(count,),
+            max_concurrent_steps=config.max_concurrent_steps,
+            in_specs=[
+                plgpu.BlockSpec(
+                    (None, PAGE_SIZE, KEY_DIM),
+                    lambda i: (table[base + i], 0, 0),
+                    delay_release=1,
+                    # Untiled whole-page loads take the contiguous bulk-copy path.
+                    oob_fill_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+                )
+            ],
+        )(kv_ref)
+        plgpu.wait_smem_to_gmem(0)
 
-  return kernel(kv_pages, block_table)
+    return kernel(kv_pages, block_table)
 
 
 # fp8 page geometry (FP8_PAGES: L=512, R=64): where a token's parts sit in its 656 bytes.
-_FP8_LATENT = 512                       # e4m3 bytes, then
-_FP8_SCALE_WORD = 128                   # fp32 word offset of the 4 scales (byte 512) in a 164-word row
-_FP8_ROPE_HALF = 264                    # bf16 offset of the 64 rope values (byte 528) in a 328-half row
-_FP8_BLOCK = 128                        # latent values a scale covers
+_FP8_LATENT = 512  # e4m3 bytes, then
+_FP8_SCALE_WORD = 128  # fp32 word offset of the 4 scales (byte 512) in a 164-word row
+_FP8_ROPE_HALF = 264  # bf16 offset of the 64 rope values (byte 528) in a 328-half row
+_FP8_BLOCK = 128  # latent values a scale covers
 # Register layouts of the dequantisation: a warp covers 2 rows x 16 lanes, a lane 8 consecutive values
 # (rope: 4), so one warp access reads or writes whole rows' runs of 128 (bytes) or 256 (bf16) bytes and
 # no two lanes of it meet in a bank. (The WGMMA layout puts 8 rows in a warp at the same offset: on
 # these 256- and 1152-byte rows, an 8-way bank conflict on every load and store.)
-_BLOCK_LAYOUT = plgpu.Layout.TILED(Tiling(((64, _FP8_BLOCK), (16, _FP8_BLOCK), (2, _FP8_BLOCK), (8,))),
-                                   warp_dims=(-7,), lane_dims=(-3, -2), vector_dim=-1)
-_ROPE_LAYOUT = plgpu.Layout.TILED(Tiling(((64, 64), (16, 64), (2, 64), (4,))),
-                                  warp_dims=(-7,), lane_dims=(-3, -2), vector_dim=-1)
+_BLOCK_LAYOUT = plgpu.Layout.TILED(
+    Tiling(((64, _FP8_BLOCK), (16, _FP8_BLOCK), (2, _FP8_BLOCK), (8,))),
+    warp_dims=(-7,),
+    lane_dims=(-3, -2),
+    vector_dim=-1,
+)
+_ROPE_LAYOUT = plgpu.Layout.TILED(
+    Tiling(((64, 64), (16, 64), (2, 64), (4,))), warp_dims=(-7,), lane_dims=(-3, -2), vector_dim=-1
+)
 
 
 def _dequant_gather(views, boxes, dequantize_page, block_table, *, num_tokens, config, interpret):
-  """The body shared by the quantized formats: per page, the TMA engine cuts the page's parts out of
-  ``views`` (free bitcast views of the uint8 pages [N, 64, W]) as the SMEM boxes ``boxes`` (one
-  (view index, block shape, block index of the page's part) each), ``dequantize_page(out_smem,
-  *part_smems)`` writes the bf16 page [64, 576] into a staging buffer, and one bulk store writes it
-  out. Grid (chunks, B) as the bf16 copy's."""
-  B = block_table.shape[0]
-  n_pages = pl.cdiv(num_tokens, PAGE_SIZE)
-  chunks, per_chunk = plan_chunks(B, n_pages, config)
-  tail = num_tokens - (n_pages - 1) * PAGE_SIZE
-  pad = -block_table.shape[1] % 4
-  if pad:
-    block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
+    """The body shared by the quantized formats: per page, the TMA engine cuts the page's parts out of
+    ``views`` (free bitcast views of the uint8 pages [N, 64, W]) as the SMEM boxes ``boxes`` (one
+    (view index, block shape, block index of the page's part) each), ``dequantize_page(out_smem,
+    *part_smems)`` writes the bf16 page [64, 576] into a staging buffer, and one bulk store writes it
+    out. Grid (chunks, B) as the bf16 copy's."""
+    B = block_table.shape[0]
+    n_pages = pl.cdiv(num_tokens, PAGE_SIZE)
+    chunks, per_chunk = plan_chunks(B, n_pages, config)
+    tail = num_tokens - (n_pages - 1) * PAGE_SIZE
+    pad = -block_table.shape[1] % 4
+    if pad:
+        block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
 
-  @functools.partial(
-      plgpu.kernel, out_type=jax.ShapeDtypeStruct((B, num_tokens, KEY_DIM), jnp.bfloat16),
-      grid=(chunks, B), grid_names=("c", "b"),
-      scratch_types=dict(staging=plgpu.SMEM((config.staging_buffers, PAGE_SIZE, KEY_DIM), jnp.bfloat16)),
-      # Lane semantics: the strided SMEM views the bodies read (a column block of a row, a scale
-      # column) have no swizzled layout for the warpgroup layout inference to pick.
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-      interpret=plgpu.InterpretGPUParams() if interpret else None)
-  def kernel(*refs, staging):
-    *view_refs, bt_ref, out_ref = refs
-    c, b = lax.axis_index("c"), lax.axis_index("b")
-    base = c * per_chunk
-    count = jnp.clip(n_pages - base, 0, per_chunk)
-    table = bt_ref.at[b]
+    @functools.partial(
+        plgpu.kernel,
+        out_type=jax.ShapeDtypeStruct((B, num_tokens, KEY_DIM), jnp.bfloat16),
+        grid=(chunks, B),
+        grid_names=("c", "b"),
+        scratch_types=dict(staging=plgpu.SMEM((config.staging_buffers, PAGE_SIZE, KEY_DIM), jnp.bfloat16)),
+        # Lane semantics: the strided SMEM views the bodies read (a column block of a row, a scale
+        # column) have no swizzled layout for the warpgroup layout inference to pick.
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    def kernel(*refs, staging):
+        *view_refs, bt_ref, out_ref = refs
+        c, b = lax.axis_index("c"), lax.axis_index("b")
+        base = c * per_chunk
+        count = jnp.clip(n_pages - base, 0, per_chunk)
+        table = bt_ref.at[b]
 
-    def body(idx, *parts):
-      (i,) = idx
-      page = base + i
-      # This page's staging buffer fed the store of page i - staging_buffers; stores complete in
-      # order, so with at most staging_buffers - 1 of them still reading SMEM that one is done
-      # (the wait ends with a warpgroup barrier, so no thread writes before).
-      nbuf = config.staging_buffers
-      out_smem = staging.at[lax.rem(i, nbuf) if nbuf > 1 else 0]
-      plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)
-      dequantize_page(out_smem, *parts)
-      plgpu.commit_smem()
-      _store_page(out_smem, out_ref.at[b], page, n_pages, tail)
+        def body(idx, *parts):
+            (i,) = idx
+            page = base + i
+            # This page's staging buffer fed the store of page i - staging_buffers; stores complete in
+            # order, so with at most staging_buffers - 1 of them still reading SMEM that one is done
+            # (the wait ends with a warpgroup barrier, so no thread writes before).
+            nbuf = config.staging_buffers
+            out_smem = staging.at[lax.rem(i, nbuf) if nbuf > 1 else 0]
+            plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)
+            dequantize_page(out_smem, *parts)
+            plgpu.commit_smem()
+            _store_page(out_smem, out_ref.at[b], page, n_pages, tail)
 
-    in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
-    spec = lambda shape, index: plgpu.BlockSpec(           # noqa: E731
-        (None, PAGE_SIZE, shape), lambda i: (table[base + i], 0, index), oob_fill_mode=in_bounds)
-    plgpu.emit_pipeline(
-        body, grid=(count,), max_concurrent_steps=config.max_concurrent_steps,
-        in_specs=[spec(shape, index) for _, shape, index in boxes],
-    )(*(view_refs[v] for v, _, _ in boxes))
-    plgpu.wait_smem_to_gmem(0)
+        in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+        spec = lambda shape, index: plgpu.BlockSpec(  # noqa: E731
+            (None, PAGE_SIZE, shape), lambda i: (table[base + i], 0, index), oob_fill_mode=in_bounds
+        )
+        plgpu.emit_pipeline(
+            body,
+            grid=(count,),
+            max_concurrent_steps=config.max_concurrent_steps,
+            in_specs=[spec(shape, index) for _, shape, index in boxes],
+        )(*(view_refs[v] for v, _, _ in boxes))
+        plgpu.wait_smem_to_gmem(0)
 
-  return kernel(*views, block_table)
+    return kernel(*views, block_table)
 
 
 def _byte_views(kv_pages, *dtypes):
-  """The uint8 pages [N, 64, W] as [N, 64, W / itemsize] arrays of each dtype: bitcasts, no copy."""
-  N, _, width = kv_pages.shape
-  views = [kv_pages]
-  for dt in dtypes:
-    k = jnp.dtype(dt).itemsize
-    views.append(lax.bitcast_convert_type(kv_pages.reshape(N, PAGE_SIZE, width // k, k), dt))
-  return views
+    """The uint8 pages [N, 64, W] as [N, 64, W / itemsize] arrays of each dtype: bitcasts, no copy."""
+    N, _, width = kv_pages.shape
+    views = [kv_pages]
+    for dt in dtypes:
+        k = jnp.dtype(dt).itemsize
+        views.append(lax.bitcast_convert_type(kv_pages.reshape(N, PAGE_SIZE, width // k, k), dt))
+    return views
 
 
 def _store_rope(out_smem, rope):
-  """The 64 bf16 rope values of every token, as they are, into columns 512.. of the staged page."""
-  out_smem[:, pl.ds(_FP8_LATENT, KEY_DIM - _FP8_LATENT)] = plgpu.load(rope, layout=_ROPE_LAYOUT, optimized=False)
+    """The 64 bf16 rope values of every token, as they are, into columns 512.. of the staged page."""
+    out_smem[:, pl.ds(_FP8_LATENT, KEY_DIM - _FP8_LATENT)] = plgpu.load(rope, layout=_ROPE_LAYOUT, optimized=False)
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens", "config", "interpret"))
 def _paged_gather_fp8_kernel(kv_pages, block_table, *, num_tokens, config, interpret):
-  # The same bytes as fp32 words and as bf16 halves (656 = 4 * 164 = 2 * 328).
-  views = _byte_views(kv_pages, jnp.float32, jnp.bfloat16)
-  row_layout = _BLOCK_LAYOUT.reduce(1)
-  half = _FP8_LATENT // 2
+    # The same bytes as fp32 words and as bf16 halves (656 = 4 * 164 = 2 * 328).
+    views = _byte_views(kv_pages, jnp.float32, jnp.bfloat16)
+    row_layout = _BLOCK_LAYOUT.reduce(1)
+    half = _FP8_LATENT // 2
 
-  def dequantize_page(out_smem, lat_lo, lat_hi, scales, rope):
-    for k in range(_FP8_LATENT // _FP8_BLOCK):
-      src = (lat_lo if k * _FP8_BLOCK < half else lat_hi).at[:, pl.ds(k * _FP8_BLOCK % half, _FP8_BLOCK)]
-      q = plgpu.load(src, layout=_BLOCK_LAYOUT, optimized=False)              # uint8 [64, 128]
-      x = lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.float32)
-      s = plgpu.load(scales.at[:, k], layout=row_layout, optimized=False)    # f32 [64]
-      # (the broadcast's layout is named: it has more than one)
-      s_rows = plgpu.layout_cast(lax.broadcast_in_dim(s, x.shape, [0]), _BLOCK_LAYOUT)
-      out_smem[:, pl.ds(k * _FP8_BLOCK, _FP8_BLOCK)] = (x * s_rows).astype(jnp.bfloat16)
-    _store_rope(out_smem, rope)
+    def dequantize_page(out_smem, lat_lo, lat_hi, scales, rope):
+        for k in range(_FP8_LATENT // _FP8_BLOCK):
+            src = (lat_lo if k * _FP8_BLOCK < half else lat_hi).at[:, pl.ds(k * _FP8_BLOCK % half, _FP8_BLOCK)]
+            q = plgpu.load(src, layout=_BLOCK_LAYOUT, optimized=False)  # uint8 [64, 128]
+            x = lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.float32)
+            s = plgpu.load(scales.at[:, k], layout=row_layout, optimized=False)  # f32 [64]
+            # (the broadcast's layout is named: it has more than one)
+            s_rows = plgpu.layout_cast(lax.broadcast_in_dim(s, x.shape, [0]), _BLOCK_LAYOUT)
+            out_smem[:, pl.ds(k * _FP8_BLOCK, _FP8_BLOCK)] = (x * s_rows).astype(jnp.bfloat16)
+        _store_rope(out_smem, rope)
 
-  n_scales = _FP8_LATENT // _FP8_BLOCK
-  boxes = [(0, half, 0), (0, half, 1),                                   # the e4m3 latent, two 256-byte boxes
-           (1, n_scales, _FP8_SCALE_WORD // n_scales),                    # 4 fp32 scales (words 128..131)
-           (2, pl.Element(KEY_DIM - _FP8_LATENT), _FP8_ROPE_HALF)]        # 64 bf16 rope (halves 264..327)
-  return _dequant_gather(views, boxes, dequantize_page, block_table, num_tokens=num_tokens, config=config,
-                         interpret=interpret)
+    n_scales = _FP8_LATENT // _FP8_BLOCK
+    boxes = [
+        (0, half, 0),
+        (0, half, 1),  # the e4m3 latent, two 256-byte boxes
+        (1, n_scales, _FP8_SCALE_WORD // n_scales),  # 4 fp32 scales (words 128..131)
+        (2, pl.Element(KEY_DIM - _FP8_LATENT), _FP8_ROPE_HALF),
+    ]  # 64 bf16 rope (halves 264..327)
+    return _dequant_gather(
+        views, boxes, dequantize_page, block_table, num_tokens=num_tokens, config=config, interpret=interpret
+    )
 
 
 # fp4 page geometry (FP4_PAGES: L=512, R=64): a token's 416 bytes are 256 packed e2m1 bytes (byte j:
@@ -322,83 +360,93 @@ _FP4_ROPE_HALF = (_FP4_PACKED + _FP4_SCALES) // 2
 # lanes of 8 consecutive bytes. (Its 16 rows sit 256 bytes apart in SMEM, so the load conflicts
 # 16 ways on the banks: simple and correct; a wider tile needs the scales broadcast along 16
 # columns of a row, which the Lane-semantics broadcast does not express. NOTES.md.)
-_NIBBLE_LAYOUT = plgpu.Layout.TILED(Tiling(((64, _FP4_BLOCK), (16, _FP4_BLOCK), (8,))),
-                                    warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
+_NIBBLE_LAYOUT = plgpu.Layout.TILED(
+    Tiling(((64, _FP4_BLOCK), (16, _FP4_BLOCK), (8,))), warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1
+)
 
 
 def _e2m1_to_f32(n):
-  """uint16 e2m1 codes (0..15) -> float32, with integer ops and one f16 multiply (sm_90 has no e2m1
-  conversion): sign to f16 bit 15, the 3 exponent/mantissa bits to bits 11..9; times 2^14 that f16 is
-  exactly the e2m1 value (normals and the 0.5 subnormal)."""
-  bits = ((n & 8) << 12) | ((n & 7) << 9)
-  return (lax.bitcast_convert_type(bits, jnp.float16) * jnp.float16(2.0 ** 14)).astype(jnp.float32)
+    """uint16 e2m1 codes (0..15) -> float32, with integer ops and one f16 multiply (sm_90 has no e2m1
+    conversion): sign to f16 bit 15, the 3 exponent/mantissa bits to bits 11..9; times 2^14 that f16 is
+    exactly the e2m1 value (normals and the 0.5 subnormal)."""
+    bits = ((n & 8) << 12) | ((n & 7) << 9)
+    return (lax.bitcast_convert_type(bits, jnp.float16) * jnp.float16(2.0**14)).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens", "config", "interpret"))
 def _paged_gather_fp4_kernel(kv_pages, block_table, *, num_tokens, config, interpret):
-  views = _byte_views(kv_pages, jnp.bfloat16)          # 416 = 2 * 208
-  row_layout = _NIBBLE_LAYOUT.reduce(1)
+    views = _byte_views(kv_pages, jnp.bfloat16)  # 416 = 2 * 208
+    row_layout = _NIBBLE_LAYOUT.reduce(1)
 
-  def dequantize_page(out_smem, packed, scales, rope):
-    for g in range(_FP4_PACKED // _FP4_BLOCK):
-      q = plgpu.load(packed.at[:, pl.ds(g * _FP4_BLOCK, _FP4_BLOCK)], layout=_NIBBLE_LAYOUT,
-                     optimized=False)                                           # uint8 [64, 16]
-      # low nibbles: values 16g.. (block g); high nibbles: values 256 + 16g.. (block 16 + g). Mosaic GPU
-      # shifts no 8-bit type: the nibbles are split in 16 bits.
-      n = q.astype(jnp.uint16)
-      for codes, k in ((n & 0xF, g), (n >> 4, g + _FP4_SCALES // 2)):
-        s = plgpu.load(scales.at[:, k], layout=row_layout, optimized=False)    # e4m3 bytes [64]
-        s = lax.bitcast_convert_type(s, jnp.float8_e4m3fn).astype(jnp.float32)
-        s_rows = plgpu.layout_cast(lax.broadcast_in_dim(s, q.shape, [0]), _NIBBLE_LAYOUT)
-        out_smem[:, pl.ds(k * _FP4_BLOCK, _FP4_BLOCK)] = (_e2m1_to_f32(codes) * s_rows).astype(jnp.bfloat16)
-    _store_rope(out_smem, rope)
+    def dequantize_page(out_smem, packed, scales, rope):
+        for g in range(_FP4_PACKED // _FP4_BLOCK):
+            q = plgpu.load(
+                packed.at[:, pl.ds(g * _FP4_BLOCK, _FP4_BLOCK)], layout=_NIBBLE_LAYOUT, optimized=False
+            )  # uint8 [64, 16]
+            # low nibbles: values 16g.. (block g); high nibbles: values 256 + 16g.. (block 16 + g). Mosaic GPU
+            # shifts no 8-bit type: the nibbles are split in 16 bits.
+            n = q.astype(jnp.uint16)
+            for codes, k in ((n & 0xF, g), (n >> 4, g + _FP4_SCALES // 2)):
+                s = plgpu.load(scales.at[:, k], layout=row_layout, optimized=False)  # e4m3 bytes [64]
+                s = lax.bitcast_convert_type(s, jnp.float8_e4m3fn).astype(jnp.float32)
+                s_rows = plgpu.layout_cast(lax.broadcast_in_dim(s, q.shape, [0]), _NIBBLE_LAYOUT)
+                out_smem[:, pl.ds(k * _FP4_BLOCK, _FP4_BLOCK)] = (_e2m1_to_f32(codes) * s_rows).astype(jnp.bfloat16)
+        _store_rope(out_smem, rope)
 
-  boxes = [(0, _FP4_PACKED, 0),                                               # packed codes, bytes 0..255
-           (0, pl.Element(_FP4_SCALES), _FP4_PACKED),                        # 32 e4m3 scales, bytes 256..287
-           (1, pl.Element(KEY_DIM - _FP8_LATENT), _FP4_ROPE_HALF)]          # 64 bf16 rope (halves 144..207)
-  return _dequant_gather(views, boxes, dequantize_page, block_table, num_tokens=num_tokens, config=config,
-                         interpret=interpret)
+    boxes = [
+        (0, _FP4_PACKED, 0),  # packed codes, bytes 0..255
+        (0, pl.Element(_FP4_SCALES), _FP4_PACKED),  # 32 e4m3 scales, bytes 256..287
+        (1, pl.Element(KEY_DIM - _FP8_LATENT), _FP4_ROPE_HALF),
+    ]  # 64 bf16 rope (halves 144..207)
+    return _dequant_gather(
+        views, boxes, dequantize_page, block_table, num_tokens=num_tokens, config=config, interpret=interpret
+    )
 
 
-def paged_gather(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, config=None,
-                 impl=None, checked=False):
-  """Gathers the first ``num_tokens`` cached tokens of every sequence into a dense buffer.
+def paged_gather(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, config=None, impl=None, checked=False):
+    """Gathers the first ``num_tokens`` cached tokens of every sequence into a dense buffer.
 
-  Args:
-    kv_pages: [num_pages, 64, 576] cache pages in ``page_format`` (bf16: the array itself).
-    block_table: int32 [B, max_pages]: page ids of each sequence in token order; the first
-      cdiv(num_tokens, 64) entries of every row must be page ids in [0, num_pages), the rest are
-      never read.
-    num_tokens: Python int in [1, 64 * max_pages]: tokens gathered per sequence. Tokens past a
-      sequence's length are copied as they are in the page (the caller masks them).
-    page_format: a `PageFormat`: `BF16_PAGES`, `FP8_PAGES` for uint8 [num_pages, 64, 656] pages or
-      `FP4_PAGES` for uint8 [num_pages, 64, 416] pages (both dequantised, as
-      `PageFormat.dequantize_reference` does, bit for bit).
-    config: `PagedGatherConfig` (static); None = defaults.
-    impl: None (kernel on a Hopper GPU, else reference), "kernel", "interpret" or "reference".
-    checked: also check a traced block table, with `jax.experimental.checkify` (the caller wraps
-      the jitted function in `checkify.checkify`); a concrete one is always checked.
+    Args:
+      kv_pages: [num_pages, 64, 576] cache pages in ``page_format`` (bf16: the array itself).
+      block_table: int32 [B, max_pages]: page ids of each sequence in token order; the first
+        cdiv(num_tokens, 64) entries of every row must be page ids in [0, num_pages), the rest are
+        never read.
+      num_tokens: Python int in [1, 64 * max_pages]: tokens gathered per sequence. Tokens past a
+        sequence's length are copied as they are in the page (the caller masks them).
+      page_format: a `PageFormat`: `BF16_PAGES`, `FP8_PAGES` for uint8 [num_pages, 64, 656] pages or
+        `FP4_PAGES` for uint8 [num_pages, 64, 416] pages (both dequantised, as
+        `PageFormat.dequantize_reference` does, bit for bit).
+      config: `PagedGatherConfig` (static); None = defaults.
+      impl: None (kernel on a Hopper GPU, else reference), "kernel", "interpret" or "reference".
+      checked: also check a traced block table, with `jax.experimental.checkify` (the caller wraps
+        the jitted function in `checkify.checkify`); a concrete one is always checked.
 
-  Returns:
-    bf16 [B, num_tokens, 576]: row t of sequence b is token t of that sequence.
+    Returns:
+      bf16 [B, num_tokens, 576]: row t of sequence b is token t of that sequence.
 
-  Raises:
-    ValueError naming the argument and the limit, for a bad shape or dtype, num_tokens outside
-    [1, 64 * max_pages], or a concrete block-table entry it reads outside [0, num_pages).
-  """
-  _validate(kv_pages, block_table, num_tokens, page_format, checked)
-  if config is None:
-    config = PagedGatherConfig()
-  if not isinstance(config, PagedGatherConfig):
-    raise ValueError(f"config must be a PagedGatherConfig or None, got {type(config).__name__}")
-  impl = _platform.resolve_impl(impl)
-  if impl != "reference" and not page_format.kernel_supported:
-    raise ValueError(f"page format {page_format.name!r} has no kernel yet, got impl={impl!r}; "
-                     "use impl='reference'")
-  if impl == "reference":
-    return paged_gather_reference(kv_pages, block_table, num_tokens=num_tokens,
-                                  page_format=page_format, checked=checked)
-  kernel = {"fp8": _paged_gather_fp8_kernel, "fp4": _paged_gather_fp4_kernel}.get(page_format.name,
-                                                                                  _paged_gather_kernel)
-  return kernel(kv_pages, block_table, num_tokens=num_tokens, config=config.for_format(page_format),
-                interpret=impl == "interpret")
+    Raises:
+      ValueError naming the argument and the limit, for a bad shape or dtype, num_tokens outside
+      [1, 64 * max_pages], or a concrete block-table entry it reads outside [0, num_pages).
+    """
+    _validate(kv_pages, block_table, num_tokens, page_format, checked)
+    if config is None:
+        config = PagedGatherConfig()
+    if not isinstance(config, PagedGatherConfig):
+        raise ValueError(f"config must be a PagedGatherConfig or None, got {type(config).__name__}")
+    impl = _platform.resolve_impl(impl)
+    if impl != "reference" and not page_format.kernel_supported:
+        raise ValueError(f"page format {page_format.name!r} has no kernel yet, got impl={impl!r}; use impl='reference'")
+    if impl == "reference":
+        return paged_gather_reference(
+            kv_pages, block_table, num_tokens=num_tokens, page_format=page_format, checked=checked
+        )
+    kernel = {"fp8": _paged_gather_fp8_kernel, "fp4": _paged_gather_fp4_kernel}.get(
+        page_format.name, _paged_gather_kernel
+    )
+    return kernel(
+        kv_pages,
+        block_table,
+        num_tokens=num_tokens,
+        config=config.for_format(page_format),
+        interpret=impl == "interpret",
+    )

@@ -653,8 +653,11 @@ def make_variant(name, out_root):
     if opts.get("sharded"):
         write_shards(stored, out_dir, shard_groups(sorted(stored), cfg))
     else:
-        save_file({k: v.contiguous() for k, v in sorted(stored.items())}, os.path.join(out_dir, "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in sorted(stored.items())},
+            os.path.join(out_dir, "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         os.chmod(os.path.join(out_dir, "model.safetensors"), 0o644)
 
     # reload from disk and compute the references from the reloaded models

@@ -34,12 +34,15 @@ def main(argv=None) -> int:
     engine = Engine(model, page_size=64, max_batch=len(prompts), max_context=512)
     greedy = SamplingParams(temperature=0.0)
     plain = engine.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=greedy)
-    spec = engine.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=greedy, use_mtp=True,
-                           mtp_draft_tokens=args.draft_tokens)
+    spec = engine.generate(
+        prompts, max_new_tokens=args.max_new_tokens, sampling=greedy, use_mtp=True, mtp_draft_tokens=args.draft_tokens
+    )
     s = spec.stats
     print(f"prompts {len(prompts)} x {args.max_new_tokens} new tokens, {args.draft_tokens} draft(s) a step")
-    print(f"MTP acceptance {100 * s['mtp_acceptance']:.1f}% ({s['mtp_accepted']}/{s['mtp_drafted']}); "
-          f"decode steps {s['decode_steps']} with MTP vs {plain.stats['decode_steps']} without")
+    print(
+        f"MTP acceptance {100 * s['mtp_acceptance']:.1f}% ({s['mtp_accepted']}/{s['mtp_drafted']}); "
+        f"decode steps {s['decode_steps']} with MTP vs {plain.stats['decode_steps']} without"
+    )
     same = spec.tokens == plain.tokens
     print(f"greedy tokens with MTP equal those without: {same}")
     return 0 if same else 1

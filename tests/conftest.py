@@ -42,8 +42,10 @@ def _xla_optimized(request):
         yield
         return
     from tests.xla_opt import optimized
+
     with optimized():
         yield
+
 
 # One run's own compilation cache: a fresh directory per `pytest` run, shared by its xdist workers
 # and by the tools the tests start (they inherit the environment), removed at the end. Most of the
@@ -51,7 +53,7 @@ def _xla_optimized(request):
 # closures (a new Engine's steps, a CLI run in a subprocess, the other worker): they hit here.
 # Never a user's cache, and never one from an earlier run.
 _RUN_CACHE_ENV = "MLA_JAX_TEST_RUN_CACHE"
-_OWN_RUN_CACHE = _RUN_CACHE_ENV not in os.environ   # true in the process that starts the run
+_OWN_RUN_CACHE = _RUN_CACHE_ENV not in os.environ  # true in the process that starts the run
 if _OWN_RUN_CACHE:
     os.environ[_RUN_CACHE_ENV] = tempfile.mkdtemp(prefix="mla-jax-test-xla-")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_RUN_CACHE_ENV]
@@ -64,15 +66,17 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ[_RUN_CACHE_ENV], ignore_errors=True)
 
 
-WHOLE_MODULES = frozenset({
-    "test_engine.py",        # the model / spec_model / engine fixtures; steps shared by equal shapes
-    "test_generate_cli.py",  # the built-in model's steps, shared by the runs of equal pool shapes
-    "test_model_hf.py",      # a loaded model per fixture, and eager ops shared across them
-    "test_sharding.py",      # the one 8-device subprocess every multi-device test reads
-    "test_train_cli.py",     # the train step, compiled once for every run of the module
-    "test_training.py",      # the five-step run fixture
-    "test_wheel.py",         # the built and installed wheel
-})
+WHOLE_MODULES = frozenset(
+    {
+        "test_engine.py",  # the model / spec_model / engine fixtures; steps shared by equal shapes
+        "test_generate_cli.py",  # the built-in model's steps, shared by the runs of equal pool shapes
+        "test_model_hf.py",  # a loaded model per fixture, and eager ops shared across them
+        "test_sharding.py",  # the one 8-device subprocess every multi-device test reads
+        "test_train_cli.py",  # the train step, compiled once for every run of the module
+        "test_training.py",  # the five-step run fixture
+        "test_wheel.py",  # the built and installed wheel
+    }
+)
 
 
 @pytest.hookimpl(optionalhook=True)

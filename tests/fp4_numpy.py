@@ -22,10 +22,10 @@ def fp4_bytes(latent, rope_dim=64):
         s32 = scale.astype(np.float32)
         safe = np.where(s32 > 0, s32, np.float32(1))
         q = np.clip(blocks / safe[..., None], -6, 6).astype(ml_dtypes.float4_e2m1fn)
-    codes = q.view(np.uint8) & 0xF                      # ml_dtypes keeps a float4 in the low nibble of a byte
+    codes = q.view(np.uint8) & 0xF  # ml_dtypes keeps a float4 in the low nibble of a byte
     codes = np.where((s32 > 0)[..., None] | np.isnan(s32)[..., None], codes, 0).astype(np.uint8)
     codes = codes.reshape(lead + (lat,))
-    packed = codes[..., :lat // 2] | (codes[..., lat // 2:] << 4)
+    packed = codes[..., : lat // 2] | (codes[..., lat // 2 :] << 4)
     r_bytes = x[..., lat:].astype(ml_dtypes.bfloat16).view(np.uint8).reshape(lead + (2 * rope_dim,))
     return np.concatenate([packed, scale.view(np.uint8), r_bytes], axis=-1)
 
@@ -39,9 +39,9 @@ def fp4_values(stored, rope_dim=64, dtype=np.float32):
     16-block (exact in fp32 and bf16); the rope's bf16 values."""
     p = np.ascontiguousarray(np.asarray(stored))
     lat = 16 * (p.shape[-1] - 2 * rope_dim) // 9
-    packed = p[..., :lat // 2]
+    packed = p[..., : lat // 2]
     q = E2M1[np.concatenate([packed & 0xF, packed >> 4], axis=-1)]
-    scale = p[..., lat // 2:lat // 2 + lat // 16].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    scale = p[..., lat // 2 : lat // 2 + lat // 16].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     values = (q.reshape(q.shape[:-1] + (lat // 16, 16)) * scale[..., None]).reshape(q.shape)
-    rope = p[..., lat // 2 + lat // 16:].view(ml_dtypes.bfloat16)
+    rope = p[..., lat // 2 + lat // 16 :].view(ml_dtypes.bfloat16)
     return np.concatenate([values.astype(dtype), rope.astype(dtype)], axis=-1)

@@ -31,7 +31,7 @@ def fp8_values(stored, rope_dim=64, dtype=np.float32):
     p = np.ascontiguousarray(np.asarray(stored))
     lat = 32 * (p.shape[-1] - 2 * rope_dim) // 33
     q = p[..., :lat].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    scale = p[..., lat:lat + 4 * (lat // 128)].view("<f4")
+    scale = p[..., lat : lat + 4 * (lat // 128)].view("<f4")
     values = (q.reshape(q.shape[:-1] + (lat // 128, 128)) * scale[..., None]).reshape(q.shape)
-    rope = p[..., lat + 4 * (lat // 128):].view(ml_dtypes.bfloat16)
+    rope = p[..., lat + 4 * (lat // 128) :].view(ml_dtypes.bfloat16)
     return np.concatenate([values.astype(dtype), rope.astype(dtype)], axis=-1)

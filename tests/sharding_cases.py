@@ -26,9 +26,15 @@ import time
 # mesh compiles its own forward and step; these tiny programs compile in half the time), and one
 # thread a device for its matmuls: 8 devices' thread pools on a 2-core machine only contend
 # (the whole script 84 -> 71 s, 114 -> 98 s of CPU).
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-                                    "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                                    "--xla_cpu_multi_thread_eigen=false"])
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        "--xla_force_host_platform_device_count=8",
+        "--xla_backend_optimization_level=0",
+        "--xla_llvm_disable_expensive_passes=true",
+        "--xla_cpu_multi_thread_eigen=false",
+    ]
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
@@ -52,9 +58,14 @@ from tests.micro_configs import MICRO_V3  # noqa: E402
 CFG = MICRO_V3.replace(num_hidden_layers=3, num_attention_heads=8, n_routed_experts=8)
 B, T = 4, 8
 MESHES = {  # name: (data, expert, tensor)
-    "tp2": (1, 1, 2), "tp4": (1, 1, 4), "tp8": (1, 1, 8),
-    "ep2": (1, 2, 1), "ep4": (1, 4, 1), "ep8": (1, 8, 1),
-    "dp2": (2, 1, 1), "mixed": (2, 2, 2),
+    "tp2": (1, 1, 2),
+    "tp4": (1, 1, 4),
+    "tp8": (1, 1, 8),
+    "ep2": (1, 2, 1),
+    "ep4": (1, 4, 1),
+    "ep8": (1, 8, 1),
+    "dp2": (2, 1, 1),
+    "mixed": (2, 2, 2),
 }
 # A step compiles in ~12 s of CPU, a forward in ~3: the test runs the step on the mixed mesh alone
 # (every axis at once: tensor- and expert-sharded gradients, the all-reduce over data);
@@ -65,10 +76,10 @@ PROMPT_LEN = 3  # greedy decoding fills positions PROMPT_LEN..T-1
 # The paged-cache engine, greedy with MTP speculation (~6 s of CPU a mesh); on a data > 1 mesh a pool
 # per data rank. On DP_FULL_MESH also the case of one rank out of pages (DP_FULL_PROMPTS), on the same
 # compiled steps (the same B, pool, chunk and block-table shapes).
-ENGINE_MESHES = ("tp2", "dp2", "mixed")   # tp2: the pool replicated (data = 1)
+ENGINE_MESHES = ("tp2", "dp2", "mixed")  # tp2: the pool replicated (data = 1)
 ENGINE_PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 DP_FULL_MESH = "dp2"
-BENCH_MESH = "mixed"   # mla-bench e2e --mesh, in this process: _bench_e2e
+BENCH_MESH = "mixed"  # mla-bench e2e --mesh, in this process: _bench_e2e
 KERNEL_MESH = "mixed"  # the data ranks' maps of the kernels' path (KVCache.map_pages, gather): _cache_kernels
 DP_FULL_PROMPTS = [list(range(1, 17)), [7, 8, 9], [11, 12, 13]]
 # The parameters whose placement the tests read: path in nnx.state(model) -> a short name.
@@ -96,14 +107,18 @@ def _leaf(state, path):
 def _placement(x: jax.Array) -> dict:
     """The shard shape every device holds and on how many devices (all shards must agree in shape)."""
     shapes = {tuple(s.data.shape) for s in x.addressable_shards}
-    return dict(shard_shape=sorted(shapes)[0] if len(shapes) == 1 else sorted(shapes),
-                devices=len({s.device for s in x.addressable_shards}),
-                distinct=len({s.index for s in x.addressable_shards}))
+    return dict(
+        shard_shape=sorted(shapes)[0] if len(shapes) == 1 else sorted(shapes),
+        devices=len({s.device for s in x.addressable_shards}),
+        distinct=len({s.index for s in x.addressable_shards}),
+    )
 
 
 def _max_diff(a, b) -> float:
-    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return max(
+        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
 
 
 def _forward(graphdef, state, ids):
@@ -156,8 +171,16 @@ def _engine_full(model, mesh):
     (6 pages, 2 slots) with max_context 32: on one device the 6 pages hold the 16-token prompt's 4
     pages and another's 2; on data=2 each rank holds 3, so the long request runs out on its rank.
     -> dict(tokens, reasons, errors)."""
-    e = Engine(model, page_size=8, num_pages=6, max_batch=2, max_context=32, kv_dtype=jnp.float32,
-               min_table_tokens=32, mesh=mesh)
+    e = Engine(
+        model,
+        page_size=8,
+        num_pages=6,
+        max_batch=2,
+        max_context=32,
+        kv_dtype=jnp.float32,
+        min_table_tokens=32,
+        mesh=mesh,
+    )
     r = e.generate(DP_FULL_PROMPTS, max_new_tokens=10, sampling=SamplingParams(temperature=0.0), use_mtp=True)
     return dict(tokens=r.tokens, reasons=r.finish_reasons, errors=r.errors, compiled=e.compile_log)
 
@@ -170,8 +193,12 @@ def _engine_fp8_sampled(model, mesh):
     pages_placement)."""
     e = Engine(model, page_size=8, max_batch=2, max_context=16, kv_dtype="fp8", min_table_tokens=32, mesh=mesh)
     r = e.generate(ENGINE_PROMPTS, max_new_tokens=6, sampling=SamplingParams(temperature=0.8, seed=11))
-    return dict(tokens=r.tokens, pages_shape=list(e.cache.pages.shape), pages_dtype=str(e.cache.pages.dtype),
-                pages_placement=_placement(e.cache.pages))
+    return dict(
+        tokens=r.tokens,
+        pages_shape=list(e.cache.pages.shape),
+        pages_dtype=str(e.cache.pages.dtype),
+        pages_placement=_placement(e.cache.pages),
+    )
 
 
 def _cache_kernels(mesh) -> dict:
@@ -196,27 +223,48 @@ def _cache_kernels(mesh) -> dict:
 
     def run(impl, q, pages, table, lens):
         c = KVCache.create(pages, table, lens, impl=impl, data_parallel=(mesh, ("data",))).at_layer(1)
-        dec = c.map_pages(lambda p, t, q, n: mla_decode(q, p, t, n, softmax_scale=0.1, causal=True, impl=impl)[0],
-                          q, c.lengths)
+        dec = c.map_pages(
+            lambda p, t, q, n: mla_decode(q, p, t, n, softmax_scale=0.1, causal=True, impl=impl)[0], q, c.lengths
+        )
         return dec, c.gather(dtype=jnp.float32)
 
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
     args = (put(q, P("data", None, "tensor")), put(pages, P(None, "data")), put(table, P("data")), put(lens, P("data")))
     f = jax.jit(run, static_argnums=0)
     dec, (ctx, pos) = f("reference", *args)
-    want = jnp.concatenate([mla_decode_reference(q[r:r + 1], pages[1, 3 * r:3 * r + 3], table[r:r + 1], lens[r:r + 1],
-                                                 softmax_scale=0.1, causal=True)[0] for r in range(2)])
+    want = jnp.concatenate(
+        [
+            mla_decode_reference(
+                q[r : r + 1],
+                pages[1, 3 * r : 3 * r + 3],
+                table[r : r + 1],
+                lens[r : r + 1],
+                softmax_scale=0.1,
+                causal=True,
+            )[0]
+            for r in range(2)
+        ]
+    )
     own = np.stack([np.asarray(pages[1, 3 * r + table[r]], np.float32).reshape(128, 576) for r in range(2)])
     seen = np.asarray(pos)[..., None] >= 0
     text = f.trace("kernel", *args).lower(lowering_platforms=("cuda",)).as_text()
     # one sdy.manual_computation a map: the axes it is manual over, the pool's shape inside it
-    maps = [dict(axes=sorted(re.findall(r'"(\w+)"', axes)), pool=pool) for axes, pool in
-            re.findall(r'sdy\.manual_computation.*?manual_axes=\{([^}]*)\} \(%\w+: tensor<([^>]*)>', text)]
-    return dict(decode_diff=_max_diff(dec, want), decode_finite=bool(jnp.all(jnp.isfinite(dec.astype(jnp.float32)))),
-                gather_diff=float(np.max(np.abs(np.where(seen, np.asarray(ctx) - own, 0.0)))),
-                gather_positions=np.asarray(pos)[:, ::32].tolist(), out_spec=str(dec.sharding.spec),
-                mosaic_calls=len(re.findall(r'custom_call @mosaic_gpu', text)), maps=maps)
+    maps = [
+        dict(axes=sorted(re.findall(r'"(\w+)"', axes)), pool=pool)
+        for axes, pool in re.findall(r"sdy\.manual_computation.*?manual_axes=\{([^}]*)\} \(%\w+: tensor<([^>]*)>", text)
+    ]
+    return dict(
+        decode_diff=_max_diff(dec, want),
+        decode_finite=bool(jnp.all(jnp.isfinite(dec.astype(jnp.float32)))),
+        gather_diff=float(np.max(np.abs(np.where(seen, np.asarray(ctx) - own, 0.0)))),
+        gather_positions=np.asarray(pos)[:, ::32].tolist(),
+        out_spec=str(dec.sharding.spec),
+        mosaic_calls=len(re.findall(r"custom_call @mosaic_gpu", text)),
+        maps=maps,
+    )
 
 
 def _bench_e2e() -> dict:
@@ -227,15 +275,39 @@ def _bench_e2e() -> dict:
     from benchmarks import bench_e2e as e2e
 
     out = tempfile.mkdtemp()
-    e2e.main(["--config", "tiny", "--layers", "1", "--model", "v2-lite", "--batch", "2", "--prompt", "16",
-              "--new-tokens", "4", "--no-hf", "--in-process", "--mesh", "1", "--mesh", "data=2,tensor=2",
-              "--out", out])
+    e2e.main(
+        [
+            "--config",
+            "tiny",
+            "--layers",
+            "1",
+            "--model",
+            "v2-lite",
+            "--batch",
+            "2",
+            "--prompt",
+            "16",
+            "--new-tokens",
+            "4",
+            "--no-hf",
+            "--in-process",
+            "--mesh",
+            "1",
+            "--mesh",
+            "data=2,tensor=2",
+            "--out",
+            out,
+        ]
+    )
     rows = e2e.bm.read_csv(os.path.join(out, e2e.CSV_NAME))
     with open(os.path.join(out, "e2e.png"), "rb") as f:
         png = list(f.read(8))
     meta = e2e.read_meta(out)
-    return dict(rows={r["impl"]: r for r in rows}, png=png,
-                meta=dict(bandwidth_gbps=meta["ceilings"]["bandwidth_gbps"], command=meta["command"]))
+    return dict(
+        rows={r["impl"]: r for r in rows},
+        png=png,
+        meta=dict(bandwidth_gbps=meta["ceilings"]["bandwidth_gbps"], command=meta["command"]),
+    )
 
 
 def _train(model, batch):
@@ -259,12 +331,17 @@ def _fsdp_train(model, mesh, batch) -> dict:
     step = make_train_step(TX, TC, shardings=jax.tree.map(lambda x: x.sharding, (state, opt_state)))
     before = _fsdp_placements(state, opt_state)
     state_out, opt_out, metrics = step(graphdef, *jax.tree.map(lambda a: a.copy(), (state, opt_state)), batch)
-    out = dict(before=before, after=_fsdp_placements(state_out, opt_out),
-               shardings_kept=_kept((state, opt_state), (state_out, opt_out)))
+    out = dict(
+        before=before,
+        after=_fsdp_placements(state_out, opt_out),
+        shardings_kept=_kept((state, opt_state), (state_out, opt_out)),
+    )
     # Two arrays of each tree (a weight split over data and tensor, its moment): orbax's time grows with
     # the shards it writes (the whole state: 12 s of CPU), the path through restore_checkpoint does not.
-    pick = lambda st, mu: ({"wq_b": _leaf(st, WATCHED["wq_b"]), "embed": _leaf(st, WATCHED["embed"])},  # noqa: E731
-                           {"wq_b": _leaf(mu, WATCHED["wq_b"])})
+    pick = lambda st, mu: (
+        {"wq_b": _leaf(st, WATCHED["wq_b"]), "embed": _leaf(st, WATCHED["embed"])},  # noqa: E731
+        {"wq_b": _leaf(mu, WATCHED["wq_b"])},
+    )
     saved = pick(state_out, opt_out[0].mu)
     with tempfile.TemporaryDirectory() as d:
         mgr = checkpoint_manager(d)
@@ -273,9 +350,11 @@ def _fsdp_train(model, mesh, batch) -> dict:
         one_device = restore_checkpoint(mgr, *jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), saved))
         mgr.close()
     for name, (s, o, _) in (("restored_on_mesh", on_mesh), ("restored_on_one_device", one_device)):
-        out[name] = dict(diff=_max_diff((s, o), saved), devices=sorted({len(x.sharding.device_set)
-                                                                        for x in jax.tree.leaves((s, o))}),
-                         shardings_kept=_kept((s, o), saved))
+        out[name] = dict(
+            diff=_max_diff((s, o), saved),
+            devices=sorted({len(x.sharding.device_set) for x in jax.tree.leaves((s, o))}),
+            shardings_kept=_kept((s, o), saved),
+        )
     return state, state_out, metrics, out
 
 
@@ -286,14 +365,19 @@ def _fsdp_placements(state, opt_state) -> dict:
     watched = ("wq_b", "experts_gate", "router", "embed")
 
     def not_data(tree):
-        return [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-                if x.ndim and "data" not in jax.tree.leaves(tuple(x.sharding.spec))]
+        return [
+            jax.tree_util.keystr(p)
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if x.ndim and "data" not in jax.tree.leaves(tuple(x.sharding.spec))
+        ]
 
-    return dict(params={k: _placement(_leaf(state, WATCHED[k])) for k in watched},
-                mu={k: _placement(_leaf(adam.mu, WATCHED[k])) for k in watched},
-                nu={k: _placement(_leaf(adam.nu, WATCHED[k])) for k in watched},
-                norm=_placement(state["norm"]["weight"][...]),
-                not_over_data=not_data(state) + not_data(adam.mu) + not_data(adam.nu))
+    return dict(
+        params={k: _placement(_leaf(state, WATCHED[k])) for k in watched},
+        mu={k: _placement(_leaf(adam.mu, WATCHED[k])) for k in watched},
+        nu={k: _placement(_leaf(adam.nu, WATCHED[k])) for k in watched},
+        norm=_placement(state["norm"]["weight"][...]),
+        not_over_data=not_data(state) + not_data(adam.mu) + not_data(adam.nu),
+    )
 
 
 def micro_model(cfg=CFG) -> DeepSeekModel:
@@ -301,9 +385,10 @@ def micro_model(cfg=CFG) -> DeepSeekModel:
     around 1, the rest N(0, 0.1), the router bias nonzero, so no two heads or experts are alike."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(0)
-    flat = [(path, v.replace(jnp.asarray((rng.normal(0, 0.1, v.shape) + (path[-1] == "weight"))
-                                          .astype(v.dtype))))
-            for path, v in nnx.to_flat_state(state)]
+    flat = [
+        (path, v.replace(jnp.asarray((rng.normal(0, 0.1, v.shape) + (path[-1] == "weight")).astype(v.dtype))))
+        for path, v in nnx.to_flat_state(state)
+    ]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -328,17 +413,22 @@ def main(names, train=TRAIN_MESHES):
         s_ids = shard_batch(ids, mesh)
         g, s_state = nnx.split(sharded)
         logits, mtp = FORWARD(g, s_state, s_ids)
-        out = dict(case=name, mesh=dict(data=data, expert=expert, tensor=tensor),
-                   logits_diff=_max_diff(logits, ref_logits), mtp_diff=_max_diff(mtp, ref_mtp),
-                   logits_scale=float(jnp.max(jnp.abs(ref_logits))),
-                   ids_placement=_placement(s_ids), tokens=_greedy(g, s_state, ids, lambda x: shard_batch(x, mesh)),
-                   ref_tokens=ref_tokens,
-                   placements={k: _placement(_leaf(s_state, p)) for k, p in WATCHED.items()},
-                   collectives=_collectives(g, s_state, s_ids),
-                   untouched=all(len(a.sharding.device_set) == 1 for a in jax.tree.leaves(nnx.state(model))))
+        out = dict(
+            case=name,
+            mesh=dict(data=data, expert=expert, tensor=tensor),
+            logits_diff=_max_diff(logits, ref_logits),
+            mtp_diff=_max_diff(mtp, ref_mtp),
+            logits_scale=float(jnp.max(jnp.abs(ref_logits))),
+            ids_placement=_placement(s_ids),
+            tokens=_greedy(g, s_state, ids, lambda x: shard_batch(x, mesh)),
+            ref_tokens=ref_tokens,
+            placements={k: _placement(_leaf(s_state, p)) for k, p in WATCHED.items()},
+            collectives=_collectives(g, s_state, s_ids),
+            untouched=all(len(a.sharding.device_set) == 1 for a in jax.tree.leaves(nnx.state(model))),
+        )
         if data > 1:
             try:
-                shard_batch(ids[:data + 1], mesh)
+                shard_batch(ids[: data + 1], mesh)
                 out["odd_batch_error"] = None
             except ValueError as e:
                 out["odd_batch_error"] = str(e)
@@ -347,13 +437,26 @@ def main(names, train=TRAIN_MESHES):
             tokens, pages = _engine(sharded, mesh)
             # The latent has no head axis: under tensor parallelism every device holds the whole pool; with
             # data > 1 the sequences are split over data (the planner's dp_attention over `data` ranks).
-            plan = plan_kv_cache(CFG, context_len=16, num_sequences=2, page_size=8, kv_dtype="fp32",
-                                 tp=data if data > 1 else tensor, dp_attention=data > 1, include_mtp=True,
-                                 draft_tokens=3)
-            out["engine"] = dict(tokens=tokens, ref_tokens=ref_engine, pages_replicated=pages.sharding.is_fully_replicated,
-                                 pages_shape=list(pages.shape), pages_placement=_placement(pages),
-                                 shard_bytes=sorted({s.data.nbytes for s in pages.addressable_shards}),
-                                 planned_per_device_bytes=plan.mla.per_device_bytes)
+            plan = plan_kv_cache(
+                CFG,
+                context_len=16,
+                num_sequences=2,
+                page_size=8,
+                kv_dtype="fp32",
+                tp=data if data > 1 else tensor,
+                dp_attention=data > 1,
+                include_mtp=True,
+                draft_tokens=3,
+            )
+            out["engine"] = dict(
+                tokens=tokens,
+                ref_tokens=ref_engine,
+                pages_replicated=pages.sharding.is_fully_replicated,
+                pages_shape=list(pages.shape),
+                pages_placement=_placement(pages),
+                shard_bytes=sorted({s.data.nbytes for s in pages.addressable_shards}),
+                planned_per_device_bytes=plan.mla.per_device_bytes,
+            )
             if name == DP_FULL_MESH:
                 out["engine"]["full"] = _engine_full(sharded, mesh)
                 out["engine"]["ref_full"] = ref_full
@@ -373,20 +476,30 @@ def main(names, train=TRAIN_MESHES):
         if name in train:
             batch = shard_batch(dict(input_ids=ids, attention_mask=mask), mesh)
             s_in, s_out, metrics = _train(sharded, batch)
-            kept = all(a.sharding.is_equivalent_to(b.sharding, a.ndim)
-                       for a, b in zip(jax.tree.leaves(s_in), jax.tree.leaves(s_out)))
-            out["train"] = dict(loss_diff=abs(float(metrics["loss"]) - float(ref_metrics["loss"])),
-                                loss=float(metrics["loss"]), params_diff=_max_diff(s_out, ref_state),
-                                params_moved=_max_diff(s_out, s_in), shardings_kept=kept,
-                                wq_b_after=_placement(_leaf(s_out, WATCHED["wq_b"])),
-                                experts_after=_placement(_leaf(s_out, WATCHED["experts_gate"])))
+            kept = all(
+                a.sharding.is_equivalent_to(b.sharding, a.ndim)
+                for a, b in zip(jax.tree.leaves(s_in), jax.tree.leaves(s_out))
+            )
+            out["train"] = dict(
+                loss_diff=abs(float(metrics["loss"]) - float(ref_metrics["loss"])),
+                loss=float(metrics["loss"]),
+                params_diff=_max_diff(s_out, ref_state),
+                params_moved=_max_diff(s_out, s_in),
+                shardings_kept=kept,
+                wq_b_after=_placement(_leaf(s_out, WATCHED["wq_b"])),
+                experts_after=_placement(_leaf(s_out, WATCHED["experts_gate"])),
+            )
         if name == FSDP_MESH:
             t1 = time.process_time()
             batch = shard_batch(dict(input_ids=ids, attention_mask=mask), mesh)
             f_in, f_out, f_metrics, placed = _fsdp_train(model, mesh, batch)
-            out["fsdp"] = dict(loss_diff=abs(float(f_metrics["loss"]) - float(ref_metrics["loss"])),
-                               params_diff=_max_diff(f_out, ref_state), params_moved=_max_diff(f_out, f_in),
-                               cpu_s=time.process_time() - t1, **placed)
+            out["fsdp"] = dict(
+                loss_diff=abs(float(f_metrics["loss"]) - float(ref_metrics["loss"])),
+                params_diff=_max_diff(f_out, ref_state),
+                params_moved=_max_diff(f_out, f_in),
+                cpu_s=time.process_time() - t1,
+                **placed,
+            )
         out["cpu_s"] = time.process_time() - t0
         print(json.dumps(out), flush=True)
 

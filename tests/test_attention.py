@@ -64,8 +64,8 @@ def test_ragged_batch_with_padding_positions():
     full = {ab: _call(mla, x, pos, absorbed=ab) for ab in (False, True)}
     chex.assert_trees_all_close(full[True], full[False], rtol=2e-5, atol=2e-5)
     for b, n in enumerate(lens):  # each row equals running that sequence alone
-        alone = _call(mla, x[b:b + 1, :n], pos[b:b + 1, :n])
-        chex.assert_trees_all_close(full[False][b:b + 1, :n], alone, rtol=2e-5, atol=2e-5)
+        alone = _call(mla, x[b : b + 1, :n], pos[b : b + 1, :n])
+        chex.assert_trees_all_close(full[False][b : b + 1, :n], alone, rtol=2e-5, atol=2e-5)
 
 
 def test_causal():
@@ -98,8 +98,9 @@ def test_naive_matches_per_head_numpy():
         p = np.exp(s - s.max(-1, keepdims=True))
         out[0, :, h] = (p / p.sum(-1, keepdims=True)) @ v
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    got = mla_naive_attention(f32(q_nope), f32(q_pe), f32(lat), f32(w), jnp.asarray(qpos), jnp.asarray(kpos),
-                              softmax_scale=0.3)
+    got = mla_naive_attention(
+        f32(q_nope), f32(q_pe), f32(lat), f32(w), jnp.asarray(qpos), jnp.asarray(kpos), softmax_scale=0.3
+    )
     np.testing.assert_allclose(np.asarray(got), out, rtol=1e-5, atol=1e-5)
 
 
@@ -142,7 +143,7 @@ def test_absorption_identity_at_deepseek_v3_sizes():
     q_nope = jax.random.normal(k[0], (1, T, H, N))
     q_pe = jax.random.normal(k[1], (1, T, H, R))
     lat = jax.random.normal(k[2], (1, S, L + R))
-    w = jax.random.normal(k[3], (L, H, N + V)) * L ** -0.5
+    w = jax.random.normal(k[3], (L, H, N + V)) * L**-0.5
     qpos = jnp.array([[S - 2, S - 1]], jnp.int32)
     kpos = jnp.arange(S, dtype=jnp.int32)[None]
     scale = ModelConfig.deepseek_v3().softmax_scale
@@ -151,8 +152,9 @@ def test_absorption_identity_at_deepseek_v3_sizes():
         qn, qp, lt, wt = (a.astype(dtype) for a in (q_nope, q_pe, lat, w))
         naive = mla_naive_attention(qn, qp, lt, wt, qpos, kpos, softmax_scale=scale)
         q_lat = jnp.einsum("bthn,lhn->bthl", qn, wt[..., :N], preferred_element_type=jnp.float32).astype(dtype)
-        o_lat, lse = mla_absorbed_attention(jnp.concatenate([q_lat, qp], -1), lt, qpos, kpos,
-                                            softmax_scale=scale, kv_lora_rank=L)
+        o_lat, lse = mla_absorbed_attention(
+            jnp.concatenate([q_lat, qp], -1), lt, qpos, kpos, softmax_scale=scale, kv_lora_rank=L
+        )
         absorbed = jnp.einsum("bthl,lhv->bthv", o_lat, wt[..., N:], preferred_element_type=jnp.float32)
         return naive.astype(jnp.float32), absorbed, lse
 
@@ -190,8 +192,16 @@ def test_unknown_attention_impl_is_refused():
     """A misspelt implementation raises instead of silently taking the jnp path."""
     z = jnp.zeros((1, 2, 1, 4))
     with pytest.raises(ValueError, match="impl='flash': must be one of"):
-        mla_naive_attention(z, z, jnp.zeros((1, 2, 8)), jnp.zeros((4, 1, 8)), _positions(1, 2), _positions(1, 2),
-                            softmax_scale=1.0, impl="flash")
+        mla_naive_attention(
+            z,
+            z,
+            jnp.zeros((1, 2, 8)),
+            jnp.zeros((4, 1, 8)),
+            _positions(1, 2),
+            _positions(1, 2),
+            softmax_scale=1.0,
+            impl="flash",
+        )
 
 
 @pytest.mark.gpu
@@ -206,6 +216,7 @@ def test_flash_attention_impls_equal_the_jnp_form_with_gradients(N, R, V, impl):
     swapped, the mgpu wrapper's padding feeding real values wrong. Left padding (which a by-index mask
     cannot express) gives NaN, not a different attention."""
     from pallas_kernels._platform import default_backend_is_hopper
+
     if impl == "mgpu" and not default_backend_is_hopper():
         pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
     if jax.default_backend() != "gpu":
@@ -221,7 +232,7 @@ def test_flash_attention_impls_equal_the_jnp_form_with_gradients(N, R, V, impl):
     weights = jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.float32) * valid
 
     def loss(impl, qn, qp, lat, w, pos=pos):
-        o = mla_naive_attention(qn, qp, lat, w, pos, pos, softmax_scale=N ** -0.5, impl=impl).astype(jnp.float32)
+        o = mla_naive_attention(qn, qp, lat, w, pos, pos, softmax_scale=N**-0.5, impl=impl).astype(jnp.float32)
         return jnp.sum(o * weights), o * valid
 
     grad = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True), static_argnums=0)
@@ -232,7 +243,7 @@ def test_flash_attention_impls_equal_the_jnp_form_with_gradients(N, R, V, impl):
     for got, ref in zip(f32(g_got), f32(g_ref)):
         assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 2e-2
     left = jnp.asarray(np.stack([np.arange(T), np.r_[[-1] * 5, np.arange(T - 5)]]), jnp.int32)
-    o_left = mla_naive_attention(*args, w, left, left, softmax_scale=N ** -0.5, impl=impl)
+    o_left = mla_naive_attention(*args, w, left, left, softmax_scale=N**-0.5, impl=impl)
     assert bool(jnp.all(jnp.isnan(o_left.astype(jnp.float32))))
 
 
@@ -242,14 +253,23 @@ def test_cudnn_path_outside_a_gpu_is_one_line_error():
         pytest.skip("this checks the refusal off a GPU")
     z = jnp.zeros((1, 2, 1, 4))
     with pytest.raises(ValueError, match="impl='cudnn' needs a CUDA GPU .*the backend is cpu: use impl='xla'"):
-        mla_naive_attention(z, z, jnp.zeros((1, 2, 8)), jnp.zeros((4, 1, 8)), _positions(1, 2), _positions(1, 2),
-                            softmax_scale=1.0, impl="cudnn")
+        mla_naive_attention(
+            z,
+            z,
+            jnp.zeros((1, 2, 8)),
+            jnp.zeros((4, 1, 8)),
+            _positions(1, 2),
+            _positions(1, 2),
+            softmax_scale=1.0,
+            impl="cudnn",
+        )
 
 
 def test_trainer_and_attention_name_the_same_implementations():
     """mla-train's --attn-impl choices (kept free of a jax import) are the attention's own, after "auto"."""
     from mla_jax.attention import NAIVE_ATTENTION_IMPLS
     from models.trainer import ATTN_IMPLS
+
     assert ATTN_IMPLS == ("auto", *NAIVE_ATTENTION_IMPLS)
 
 

@@ -29,10 +29,10 @@ def test_param_counts_of_tiny_by_hand():
 def test_decode_floor_of_tiny_by_hand():
     # B=1: one token picks K=2 of the 8 experts, so 8 * (1 - 6/8) = 2 are read.
     assert e2e.expected_experts_touched(TINY, 1) == 2.0
-    dense_layer = (63488 + 384) * 2 + 122880 * 2                          # attention + norms, dense MLP
+    dense_layer = (63488 + 384) * 2 + 122880 * 2  # attention + norms, dense MLP
     moe_layer = (63488 + 384) * 2 + 24576 * 2 + 1024 * 4 + 2 * 24576 * 2  # + shared, fp32 router, 2 experts
-    head = 33792 * 2 + 128 * 2 + 1 * 128 * 2                              # LM head, final norm, 1 embedding row
-    kv = 1 * 20 * 80 * 2 * 4                                              # 20 cached tokens, 80 values, 4 layers
+    head = 33792 * 2 + 128 * 2 + 1 * 128 * 2  # LM head, final norm, 1 embedding row
+    kv = 1 * 20 * 80 * 2 * 4  # 20 cached tokens, 80 values, 4 layers
     assert dense_layer + 3 * moe_layer + head + kv == 1292288
     assert e2e.decode_floor_bytes(TINY, 1, 20) == 1292288
     # B=4: 8 * (1 - 0.75^4) = 5.46875 experts; the KV grows with B * context.
@@ -55,7 +55,7 @@ def test_decode_floor_of_v2_lite_matches_the_issue():
 def test_prefill_flops_of_tiny_by_hand():
     # attention x4 layers, one dense MLP, 3 MoE layers x (shared + router + 2 routed experts)
     per_token = 4 * 63488 + 122880 + 3 * (24576 + 1024 + 2 * 24576)
-    attn = 2 * 4 * 4 * (48 + 32) * (16 * 17 / 2)                       # layers * H * (qk + v) * causal pairs
+    attn = 2 * 4 * 4 * (48 + 32) * (16 * 17 / 2)  # layers * H * (qk + v) * causal pairs
     expected = 2 * per_token * 16 + 2 * 33792 + attn
     assert expected == 19650560
     assert e2e.prefill_flops(TINY, 1, 16) == expected
@@ -75,14 +75,20 @@ def test_cells_parse_and_group_into_worker_segments():
     assert cells == [("v2-lite", 1, 1024), ("v2-lite", 8, 1024), ("v3-cut", 1, 1024), ("v2-lite", 1, 8192)]
     assert [len(s) for s in e2e.segments(cells)] == [2, 1, 1]
     assert e2e.parse_cells(e2e.format_cells(cells)) == cells
-    assert e2e.kv_pages(ModelConfig.deepseek_v2_lite(), 8, 1024, 128) == 8 * 18     # ceil(1152 / 64)
-    assert e2e.kv_pages(e2e.model_config("v3-cut"), 1, 1024, 128) == 19            # + 3 draft rows
+    assert e2e.kv_pages(ModelConfig.deepseek_v2_lite(), 8, 1024, 128) == 8 * 18  # ceil(1152 / 64)
+    assert e2e.kv_pages(e2e.model_config("v3-cut"), 1, 1024, 128) == 19  # + 3 draft rows
 
 
 def test_full_models_on_a_cpu_are_a_one_line_error(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-m", "benchmarks", "e2e", "--quick", "--no-hf", "--out", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "e2e", "--quick", "--no-hf", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == e2e.EXIT_NO_GPU
     assert "timing needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr
 
@@ -93,8 +99,7 @@ def test_decode_floor_reads_the_planners_fp8_bytes():
     cfg = ModelConfig.deepseek_v2_lite()
     fp8 = e2e.decode_floor_bytes(cfg, 8, 2000, kv_dtype="fp8") - e2e.decode_floor_bytes(cfg, 8, 1000, kv_dtype="fp8")
     assert fp8 == 8 * 1000 * 27 * (512 + 16 + 128)
-    assert (e2e.decode_floor_bytes(cfg, 1, 1, kv_dtype="fp8") - 27 * 656
-            == e2e.decode_floor_bytes(cfg, 1, 1) - 27 * 1152)
+    assert e2e.decode_floor_bytes(cfg, 1, 1, kv_dtype="fp8") - 27 * 656 == e2e.decode_floor_bytes(cfg, 1, 1) - 27 * 1152
 
 
 @pytest.mark.parametrize("fmt, token_bytes, latent", [("fp8", 512 + 16 + 128, 128), ("fp4", 256 + 32 + 128, 64)])
@@ -107,12 +112,15 @@ def test_quantized_formats_plumb_through_the_e2e_bench(fmt, token_bytes, latent)
     tests/test_engine.py, `mla-generate --kv-dtype fp8` (tests/test_generate_cli.py); the bench's tiny
     cell end to end: tests/test_sharding.py (bf16)."""
     cfg = ModelConfig.deepseek_v2_lite()
-    assert (e2e.decode_floor_bytes(cfg, 1, 1, kv_dtype=fmt) - 27 * token_bytes
-            == e2e.decode_floor_bytes(cfg, 1, 1) - 27 * 1152)
+    assert (
+        e2e.decode_floor_bytes(cfg, 1, 1, kv_dtype=fmt) - 27 * token_bytes
+        == e2e.decode_floor_bytes(cfg, 1, 1) - 27 * 1152
+    )
     assert e2e.kv_dtype_arg(fmt) == fmt
     tiny = e2e.model_config("v2-lite", config="tiny", layers=1, kv_dtype=fmt)
     assert tiny.kv_lora_rank == latent
     from mla_jax.kv_cache import page_format_for
+
     assert page_format_for(e2e.kv_dtype_arg(fmt), tiny.latent_dim, tiny.qk_rope_head_dim).name == fmt
 
 

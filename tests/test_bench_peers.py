@@ -18,7 +18,7 @@ from benchmarks import peers
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # numpy attention over one request's pages, shared by both stubs (the stubs' own code, no torch)
-_ATTEND = '''
+_ATTEND = """
 import numpy as np
 
 def _attend(q_hd, pages_pkd, n, scale, dv):
@@ -26,9 +26,11 @@ def _attend(q_hd, pages_pkd, n, scale, dv):
     s = np.asarray(q_hd, np.float32) @ kv.T * scale
     p = np.exp(s - s.max(-1, keepdims=True))
     return (p / p.sum(-1, keepdims=True)) @ kv[:, :dv]
-'''
+"""
 
-_FLASH_MLA = _ATTEND + '''
+_FLASH_MLA = (
+    _ATTEND
+    + """
 __version__ = "stub"
 OFFSET = {offset}
 
@@ -46,16 +48,20 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, s
             n = int(cache_seqlens[b]) - ((s_q - 1 - t) if causal else 0)
             out[b, t] = _attend(q[b, t], kc[np.asarray(block_table[b])], n, softmax_scale, head_dim_v)
     return out + OFFSET, None
-'''
+"""
+)
 
-_VLLM = _ATTEND + '''
+_VLLM = (
+    _ATTEND
+    + """
 def decode_attention_fwd(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_kv_splits,
                          sm_scale, page_size=1):
     assert attn_logits.shape[2] == num_kv_splits and page_size == 64 and v_buffer.shape[-1] == 512
     kc = np.asarray(k_buffer, np.float32)[:, :, 0]
     for r in range(q.shape[0]):
         o[r] = _attend(q[r], kc[np.asarray(req_to_token[r])], int(b_seq_len[r]), sm_scale, o.shape[-1])
-'''
+"""
+)
 
 
 def write_bundle(root, *, fmla_offset=0.0, fmla_builds=None):
@@ -104,6 +110,7 @@ class NumpyBridge(peers.Bridge):
 @functools.lru_cache(maxsize=None)
 def xla_reference():
     import jax
+
     return jax.jit(bench.xla_absorbed, static_argnames="causal")
 
 
@@ -119,8 +126,21 @@ def cell():
 
 def project_row(spec, us=10.0):
     B, s_q, seq, H, ragged = spec
-    return dict(B=B, s_q=s_q, seq=seq, H=H, lengths=bench.lengths_name(ragged), causal=True, gbytes=1e-3,
-                gflop=1e-2, config="default", schedule="per_sequence", splits=1, row_blocks=1, us=us)
+    return dict(
+        B=B,
+        s_q=s_q,
+        seq=seq,
+        H=H,
+        lengths=bench.lengths_name(ragged),
+        causal=True,
+        gbytes=1e-3,
+        gflop=1e-2,
+        config="default",
+        schedule="per_sequence",
+        splits=1,
+        row_blocks=1,
+        us=us,
+    )
 
 
 def run_cell(tmp_path, bundle, cell, monkeypatch):
@@ -130,8 +150,9 @@ def run_cell(tmp_path, bundle, cell, monkeypatch):
     cols = bundle.measure(*arrays, causal=True, scale=bench.SCALE, ref=ref)
     row = project_row(spec)
     bench.attach_peers(row, cols, bundle)
-    bench.report([row], dict(bandwidth_gbps=4000.0, matmul_tflops=800.0),
-                 dict(device="CPU (test)", jax="x"), str(tmp_path))
+    bench.report(
+        [row], dict(bandwidth_gbps=4000.0, matmul_tflops=800.0), dict(device="CPU (test)", jax="x"), str(tmp_path)
+    )
     with open(tmp_path / "mla_decode.csv", newline="") as f:
         return list(csv.DictReader(f))[0]
 
@@ -139,9 +160,14 @@ def run_cell(tmp_path, bundle, cell, monkeypatch):
 def test_missing_peer_dir_is_a_one_line_error(tmp_path):
     """`--peers` naming no directory must fail at once, in one line, with a non-zero status (not a traceback
     after minutes of JAX warm-up, nor a run that silently drops the peers)."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks", "mla_decode", "--peers", str(tmp_path / "nope")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "mla_decode", "--peers", str(tmp_path / "nope")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert "--peers" in out.stderr and "no such directory" in out.stderr
@@ -152,8 +178,7 @@ def test_peer_columns_and_ratio_are_ours_over_theirs(tmp_path, cell, monkeypatch
     inverted ratio, or peer columns lost on the way to the CSV, fail here); each Triton split is checked and
     timed, and the fastest correct one kept."""
     bridge = NumpyBridge({"fmla": 40.0, "triton": 80.0})
-    bundle = peers.open_bundle(str(write_bundle(tmp_path / "bundle")), str(tmp_path), bridge=bridge,
-                               splits=(4, 8))
+    bundle = peers.open_bundle(str(write_bundle(tmp_path / "bundle")), str(tmp_path), bridge=bridge, splits=(4, 8))
     row = run_cell(tmp_path, bundle, cell, monkeypatch)
     assert float(row["fmla_us"]) == 40.0 and float(row["triton_us"]) == 80.0
     assert float(row["ours_over_fmla"]) == pytest.approx(10.0 / 40.0)
@@ -162,15 +187,16 @@ def test_peer_columns_and_ratio_are_ours_over_theirs(tmp_path, cell, monkeypatch
     assert row["fmla_method"] == "fixed (test bridge)" and float(row["fmla_event_us"]) == 80.0
     assert row["triton_variant"] in ("splits=4", "splits=8")
     assert float(row["fmla_rel_err"]) < 1e-2 and float(row["triton_rel_err"]) < 1e-2
-    assert sorted(bridge.timed) == ["fmla", "triton", "triton"]     # each correct split timed, then the best kept
+    assert sorted(bridge.timed) == ["fmla", "triton", "triton"]  # each correct split timed, then the best kept
 
 
 def test_a_peer_that_disagrees_is_marked_not_timed(tmp_path, cell, capsys, monkeypatch):
     """A peer whose output is off must be reported as disagreeing, with no time and no ratio, and never
     reach the timer; the other peer is still timed."""
     bridge = NumpyBridge({"fmla": 40.0, "triton": 80.0})
-    bundle = peers.open_bundle(str(write_bundle(tmp_path / "bundle", fmla_offset=0.5)), str(tmp_path),
-                               bridge=bridge, splits=(4,))
+    bundle = peers.open_bundle(
+        str(write_bundle(tmp_path / "bundle", fmla_offset=0.5)), str(tmp_path), bridge=bridge, splits=(4,)
+    )
     row = run_cell(tmp_path, bundle, cell, monkeypatch)
     assert row["fmla_status"] == "disagrees" and "not timed" in row["fmla_note"]
     assert row.get("fmla_us", "") == "" and row.get("ours_over_fmla", "") == ""
@@ -189,8 +215,12 @@ def test_triton_peer_on_int32_page_groups(tmp_path, cell, monkeypatch):
     assert t.shape == (3, 2) and peers.page_groups(3, 2) == [(0, 2, 0, 4), (2, 3, 4, 6)]
     assert sorted(t[:2].ravel()) == [0, 1, 2, 3] and sorted(t[2]) == [4, 5]
     ref, _ = xla_reference()(q, kv, table, lens, causal=True)
-    bundle = peers.open_bundle(str(write_bundle(tmp_path / "bundle")), str(tmp_path),
-                               bridge=NumpyBridge({"fmla": 1.0, "triton": 2.0}), splits=(4,))
+    bundle = peers.open_bundle(
+        str(write_bundle(tmp_path / "bundle")),
+        str(tmp_path),
+        bridge=NumpyBridge({"fmla": 1.0, "triton": 2.0}),
+        splits=(4,),
+    )
     cols = bundle.measure(q, kv, table, lens, causal=True, scale=bench.SCALE, ref=np.asarray(ref, np.float32))
     assert cols["triton_status"] == "ok" and cols["fmla_status"] == "ok", cols
 
@@ -200,8 +230,12 @@ def test_flashmla_build_failure_is_one_line_naming_the_peer(tmp_path, cell, monk
     dir); a failed build leaves FlashMLA marked unavailable with one line (the log's error), and the other
     peer still timed — not a traceback that ends the benchmark."""
     setup = "import sys\nprint('compiling')\nprint('error: nvcc fatal: stub')\nsys.exit(1)\n"
-    bundle = peers.open_bundle(str(write_bundle(tmp_path / "bundle", fmla_builds=setup)), str(tmp_path),
-                               bridge=NumpyBridge({"fmla": 1.0, "triton": 2.0}), splits=(4,))
+    bundle = peers.open_bundle(
+        str(write_bundle(tmp_path / "bundle", fmla_builds=setup)),
+        str(tmp_path),
+        bridge=NumpyBridge({"fmla": 1.0, "triton": 2.0}),
+        splits=(4,),
+    )
     row = run_cell(tmp_path, bundle, cell, monkeypatch)
     assert row["fmla_status"] == "unavailable" and row["triton_status"] == "ok"
     note = row["fmla_note"]
@@ -216,8 +250,12 @@ def test_flashmla_still_building_is_measured_late(tmp_path, cell, monkeypatch):
     spec, arrays, ref = cell
     stub = _FLASH_MLA.format(offset=0.0)
     setup = f"import time, pathlib\ntime.sleep(1.0)\npathlib.Path('flash_mla/__init__.py').write_text({stub!r})\n"
-    bundle = peers.open_bundle(str(write_bundle(tmp_path / "bundle", fmla_builds=setup)), str(tmp_path),
-                               bridge=NumpyBridge({"fmla": 40.0, "triton": 80.0}), splits=(4,))
+    bundle = peers.open_bundle(
+        str(write_bundle(tmp_path / "bundle", fmla_builds=setup)),
+        str(tmp_path),
+        bridge=NumpyBridge({"fmla": 40.0, "triton": 80.0}),
+        splits=(4,),
+    )
     cols = bundle.measure(*arrays, causal=True, scale=bench.SCALE, ref=ref, wait=False)
     assert cols["fmla_status"] == "pending" and cols["triton_status"] == "ok"
     row = project_row(spec)
@@ -243,6 +281,9 @@ def test_cell_list():
     """--cell-list: fixed, normal-ragged (N~) and uniform (lo-hi) lengths; a malformed cell is a ValueError
     naming it (main turns it into a one-line usage error)."""
     assert bench.parse_cell_list("128,1,8192,64; 128,1,256-16384,64;8,1,4096~,128") == [
-        (128, 1, 8192, 64, False), (128, 1, 16384, 64, (256, 16384)), (8, 1, 4096, 128, True)]
+        (128, 1, 8192, 64, False),
+        (128, 1, 16384, 64, (256, 16384)),
+        (8, 1, 4096, 128, True),
+    ]
     with pytest.raises(ValueError, match="128,1,x,64"):
         bench.parse_cell_list("128,1,x,64")

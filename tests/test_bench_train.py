@@ -2,8 +2,9 @@
 
 import math
 
-from benchmarks import bench_train as bt
 from micro_configs import MICRO_V3
+
+from benchmarks import bench_train as bt
 from mla_jax import ModelConfig
 
 
@@ -19,8 +20,8 @@ def test_train_flops_of_tiny_by_hand():
     mtp = 2 * 128 * 128 + (63488 + 24576 + 1024 + 2 * 24576) + 33792
     assert (main, mtp) == (634880, 204800)
     matmul = 6 * (main * 16 + mtp * 15)
-    pair = 2 * 4 * (48 + 32)                               # 2 * H * (qk_head_dim + v_head_dim)
-    attn = 3 * pair * (4 * 16 * 17 / 2 + 15 * 16 / 2)      # forward + backward, 4 layers at T=16, MTP at 15
+    pair = 2 * 4 * (48 + 32)  # 2 * H * (qk_head_dim + v_head_dim)
+    attn = 3 * pair * (4 * 16 * 17 / 2 + 15 * 16 / 2)  # forward + backward, 4 layers at T=16, MTP at 15
     assert matmul + attn == 80655360
     assert bt.train_flops(cfg, 1, 16) == 80655360
     assert bt.active_params(cfg)["total"] == main + mtp
@@ -47,19 +48,44 @@ def test_micro_cell_end_to_end(tmp_path, monkeypatch):
     the measured step time. Catches a missing or misnamed column, MFU against another peak or per token,
     tok/s from the mean instead of the median's step, and an empty memory_analysis."""
     monkeypatch.setattr(bt, "model_config", lambda name, layers=None: MICRO)
-    bt.main(["--model", "tiny", "--batch", "2", "--seq", "8", "--steps", "2", "--warmup", "0", "--dtype", "fp32",
-             "--param-dtype", "fp32", "--out", str(tmp_path)])
+    bt.main(
+        [
+            "--model",
+            "tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--dtype",
+            "fp32",
+            "--param-dtype",
+            "fp32",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     import benchmarks as bm
+
     (row,) = bm.read_csv(str(tmp_path / "train.csv"))
     assert not row["error"], row["error"]
     for col in ("tok_s", "mfu", "peak_gb", "temp_gb", "argument_gb", "output_gb", "compile_s", "step_ms"):
         assert isinstance(row[col], float) and row[col] > 0, (col, row[col])
     assert (row["B"], row["T"], row["tokens"], row["ce_chunk"], row["remat"], row["attn_impl"]) == (
-        2, 8, 16, 0, "none", "xla")
+        2,
+        8,
+        16,
+        0,
+        "none",
+        "xla",
+    )
     # hand count: attention wq_a 32*24 + wq_b 24*2*16 + wkv_a 32*24 + wkv_b 16*2*16 + wo 2*8*32 = 3328;
     # dense layer + 3*32*48; MoE layer + shared 3*32*16 + router 32*4 + 2 of 4 experts 2*3*32*16; head 64*32
     active = (3328 + 4608) + (3328 + 1536 + 128 + 3072) + 2048
-    flops = 6 * active * 16 + 3 * 2 * (2 * 2 * (16 + 8) * 2 * 8 * 9 / 2)   # + 2 layers of causal attention
+    flops = 6 * active * 16 + 3 * 2 * (2 * 2 * (16 + 8) * 2 * 8 * 9 / 2)  # + 2 layers of causal attention
     assert flops == 1774080
     assert math.isclose(row["train_tflop"], flops / 1e12, rel_tol=1e-9)
     seconds = row["step_ms"] / 1e3
@@ -67,5 +93,6 @@ def test_micro_cell_end_to_end(tmp_path, monkeypatch):
     assert math.isclose(row["mfu"], flops / seconds / 790e12, rel_tol=1e-6)
     # the donated state: the outputs alias the arguments, so the peak counts them once
     assert row["alias_gb"] > 0
-    assert math.isclose(row["peak_gb"], row["argument_gb"] + row["output_gb"] + row["temp_gb"] - row["alias_gb"],
-                        rel_tol=1e-6)
+    assert math.isclose(
+        row["peak_gb"], row["argument_gb"] + row["output_gb"] + row["temp_gb"] - row["alias_gb"], rel_tol=1e-6
+    )

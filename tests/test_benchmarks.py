@@ -21,9 +21,25 @@ def test_roofline_redraws_from_the_committed_csv(tmp_path):
             assert abs(float(r["gbytes"]) - nbytes / 1e9) < 1e-6 * nbytes / 1e9
             assert abs(float(r["gbps"]) - nbytes / float(r["us"]) / 1e3) < 1e-3 * float(r["gbps"])
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "mla_decode", "--from-csv", str(src), "--bandwidth-gbps", "4176",
-         "--matmul-tflops", "807", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "mla_decode",
+            "--from-csv",
+            str(src),
+            "--bandwidth-gbps",
+            "4176",
+            "--matmul-tflops",
+            "807",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     png = tmp_path / "mla_decode_roofline.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -31,14 +47,21 @@ def test_roofline_redraws_from_the_committed_csv(tmp_path):
 
 def test_timing_on_a_cpu_is_a_one_line_error():
     for name in ("mla_decode", "paged_gather"):
-        out = subprocess.run([sys.executable, "-m", "benchmarks", name, "--quick"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks", name, "--quick"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+        )
         assert out.returncode != 0
         assert "timing needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_begin_run_makes_the_directory_and_prints_header_and_ceilings(tmp_path, monkeypatch, capsys):
     import benchmarks as bm
+
     ceil = dict(xla_copy_gbps=3000.0, torch_copy_gbps=None, matmul_tflops=800.0)
     monkeypatch.setattr(bm, "measure_ceilings", lambda iters: ceil)
     monkeypatch.setattr(bm, "run_header", lambda: dict(device="GPU X", jax="0.11.2", date="today"))

@@ -57,15 +57,29 @@ def test_files_and_config(builtin):
     model, tok = builtin
     assert isinstance(tok, ByteTokenizer)
     size = sum(os.path.getsize(os.path.join(BUILTIN_DIR, f)) for f in os.listdir(BUILTIN_DIR))
-    assert size < 16 * 2 ** 20, f"the built-in model takes {size} bytes on disk"
+    assert size < 16 * 2**20, f"the built-in model takes {size} bytes on disk"
     want = ModelConfig.builtin()
     # the shape of ModelConfig.builtin(): every feature on (MLA with q LoRA, V3 router, MTP), and
     # attention the Pallas kernels serve
-    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "n_routed_experts", "num_experts_per_tok",
-                  "kv_lora_rank", "qk_rope_head_dim", "num_attention_heads", "q_lora_rank", "num_mtp_layers",
-                  "topk_method", "bos_token_id", "eos_token_id", "max_position_embeddings"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "num_attention_heads",
+        "q_lora_rank",
+        "num_mtp_layers",
+        "topk_method",
+        "bos_token_id",
+        "eos_token_id",
+        "max_position_embeddings",
+    ):
         assert getattr(model.cfg, field) == getattr(want, field), field
     from models.engine import kernel_problems
+
     assert kernel_problems(model.cfg, 64, "bf16") == []  # mla-generate on a Hopper GPU runs the kernels
     # the router biases were trained by the aux-loss-free rule (they start at 0)
     biases = list(model.moe_layers.mlp.gate.e_score_correction_bias[...])
@@ -88,10 +102,10 @@ def _heldout_losses(model, windows):
         ahead = -jnp.take_along_axis(lp_mtp, ids[:, 2:, None], axis=-1)[..., 0]
         return main, ahead
 
-    parts = [nll(state, jnp.asarray(windows[i:i + 1])) for i in range(len(windows))]  # one window a call
+    parts = [nll(state, jnp.asarray(windows[i : i + 1])) for i in range(len(windows))]  # one window a call
     main = np.concatenate([np.asarray(p[0]) for p in parts])
     ahead = np.concatenate([np.asarray(p[1]) for p in parts])
-    return float(main.mean()), float(main[:, -main.shape[1] // 4:].mean()), float(ahead.mean())
+    return float(main.mean()), float(main[:, -main.shape[1] // 4 :].mean()), float(ahead.mean())
 
 
 @pytest.mark.xla_optimized  # long forwards: 2x faster compiled optimised
@@ -117,14 +131,14 @@ def _greedy(model, prompt_ids, n_new, buf_len=192):
 
     ids = list(prompt_ids)
     buf = np.full((1, buf_len), 258, np.int32)
-    buf[0, :len(ids)] = ids
+    buf[0, : len(ids)] = ids
     for _ in range(n_new):
         nxt = int(next_id(state, jnp.asarray(buf), len(ids)))
         if nxt == 257:  # eos
             break
         buf[0, len(ids)] = nxt
         ids.append(nxt)
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def _corpus_words():
@@ -141,7 +155,7 @@ def test_greedy_continuation_reads_as_corpus_english(builtin):
     # sentences: the text opens in lower case (it continues "there was a") and ends one
     assert re.match(r" [a-z]", text) and "." in text, repr(text)
     # every word is a corpus word (the last sentence may be cut mid-word by the token budget: skip it)
-    words = re.findall(r"[A-Za-z]+", text[:text.rindex(".") + 1])
+    words = re.findall(r"[A-Za-z]+", text[: text.rindex(".") + 1])
     known = _corpus_words()
     assert len(words) >= 15 and all(w in known for w in words), (text, [w for w in words if w not in known])
 
@@ -152,9 +166,17 @@ def _teacher_forced_logits(model, ids, n_prompt, kv_dtype):
     from mla_jax.kv_cache import KVCache, PagedLatentCache
 
     cfg = model.cfg
-    cache = PagedLatentCache(num_layers=cfg.num_hidden_layers + len(model.mtp), num_pages=3, page_size=64,
-                             latent_dim=cfg.latent_dim, max_seqs=1, max_pages_per_seq=2, dtype=kv_dtype,
-                             fill_value=float("nan"), rope_dim=cfg.qk_rope_head_dim)
+    cache = PagedLatentCache(
+        num_layers=cfg.num_hidden_layers + len(model.mtp),
+        num_pages=3,
+        page_size=64,
+        latent_dim=cfg.latent_dim,
+        max_seqs=1,
+        max_pages_per_seq=2,
+        dtype=kv_dtype,
+        fill_value=float("nan"),
+        rope_dim=cfg.qk_rope_head_dim,
+    )
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -194,8 +216,15 @@ def test_fp8_pages_track_bf16_pages(builtin):
 
     runs = {}
     for kv in ("bf16", "fp8"):
-        e = Engine(model, page_size=64, max_batch=1, max_context=len(prompt) + 24, kv_dtype=kv,
-                   attention_impl="reference", cache_fill=float("nan"))
+        e = Engine(
+            model,
+            page_size=64,
+            max_batch=1,
+            max_context=len(prompt) + 24,
+            kv_dtype=kv,
+            attention_impl="reference",
+            cache_fill=float("nan"),
+        )
         runs[kv] = e.generate([prompt], max_new_tokens=24, sampling=SamplingParams(temperature=0.0)).tokens[0]
         assert e.cache.pages.dtype == (jnp.uint8 if kv == "fp8" else jnp.bfloat16)
     assert len(runs["fp8"]) == len(runs["bf16"]) == 24

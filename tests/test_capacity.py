@@ -74,10 +74,20 @@ def test_mla_kv_bytes_rejects_bad_element_bytes(bad):
 @pytest.mark.parametrize(
     "n, text",
     [
-        (0, "0 B"), (1, "1 B"), (1023, "1023 B"), (1024, "1 KiB"), (1536, "1.5 KiB"),
-        (69_120, "67.5 KiB"), (1024**2 - 1, "1023.999023 KiB"), (1024**2, "1 MiB"),
-        (4_997_120, "4.765625 MiB"), (GiB, "1 GiB"), (610 * GiB, "610 GiB"),
-        (int(8.4375 * GiB), "8.4375 GiB"), (3 * 1024**4, "3 TiB"), (1024**5, "1 PiB"),
+        (0, "0 B"),
+        (1, "1 B"),
+        (1023, "1023 B"),
+        (1024, "1 KiB"),
+        (1536, "1.5 KiB"),
+        (69_120, "67.5 KiB"),
+        (1024**2 - 1, "1023.999023 KiB"),
+        (1024**2, "1 MiB"),
+        (4_997_120, "4.765625 MiB"),
+        (GiB, "1 GiB"),
+        (610 * GiB, "610 GiB"),
+        (int(8.4375 * GiB), "8.4375 GiB"),
+        (3 * 1024**4, "3 TiB"),
+        (1024**5, "1 PiB"),
     ],
 )
 def test_format_bytes_binary_units(n, text):
@@ -95,7 +105,11 @@ def _mha_8192_config():
     # H=32, qk_head_dim 64 + 64 = 128, v 128: 32 * 256 = 8192 MHA values a token a layer;
     # latent 512 + 64 = 576.
     return ModelConfig.tiny().replace(
-        num_attention_heads=32, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
+        num_attention_heads=32,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        kv_lora_rank=512,
     )
 
 
@@ -145,7 +159,8 @@ def test_rows_match_formulas(preset, kv_dtype, b):
         assert row.allocated_bytes == per_tl * cfg.num_hidden_layers * alloc * seqs
         assert row.per_device_bytes == row.allocated_bytes  # tp=1
     assert plan.mla.logical_bytes == mla_kv_bytes(
-        cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, b, ctx, seqs)
+        cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, b, ctx, seqs
+    )
 
 
 def test_gqa_groups_parameter_and_cap():
@@ -157,8 +172,17 @@ def test_gqa_groups_parameter_and_cap():
 
 @pytest.mark.parametrize(
     "ctx, page, alloc",
-    [(100, 64, 128), (1, 64, 64), (64, 64, 64), (65, 64, 128), (128, 64, 128), (129, 64, 192),
-     (100, 1, 100), (100, 1000, 1000), (131072, 64, 131072)],
+    [
+        (100, 64, 128),
+        (1, 64, 64),
+        (64, 64, 64),
+        (65, 64, 128),
+        (128, 64, 128),
+        (129, 64, 192),
+        (100, 1, 100),
+        (100, 1000, 1000),
+        (131072, 64, 131072),
+    ],
 )
 def test_page_rounding(ctx, page, alloc):
     plan = plan_kv_cache(V3, context_len=ctx, page_size=page, num_sequences=2)
@@ -205,7 +229,7 @@ def test_quantized_page_formats_v3():
         return plan_kv_cache(V3, context_len=64, kv_dtype=dtype).mla.bytes_per_token_layer
 
     assert per_tl("fp8") == 512 + 4 * 4 + 64 * 2 == 656
-    assert per_tl("fp4") == 256 + 32 + 128 == 416 == PageFormat("fp4").token_bytes   # what the cache allocates
+    assert per_tl("fp4") == 256 + 32 + 128 == 416 == PageFormat("fp4").token_bytes  # what the cache allocates
     assert per_tl("fp32") == 576 * 4
     assert per_tl("bf16") == per_tl("fp16") == 1_152
     # A latent width that is not a multiple of 128 / 16 still pays for a whole last scale.
@@ -252,8 +276,18 @@ def test_plan_is_frozen_and_table_has_every_row():
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.tp = 2  # type: ignore[misc]
     text = format_plan(plan)
-    for needle in ("latent MLA", "MHA equivalent", "GQA-8 equivalent", "bytes/token/layer",
-                   "logical total", "page-rounded", "per device", "1,152 B", "81,920 B", "% vs MHA"):
+    for needle in (
+        "latent MLA",
+        "MHA equivalent",
+        "GQA-8 equivalent",
+        "bytes/token/layer",
+        "logical total",
+        "page-rounded",
+        "per device",
+        "1,152 B",
+        "81,920 B",
+        "% vs MHA",
+    ):
         assert needle in text
     assert format_bytes(plan.mla.per_device_bytes) in text
 
@@ -266,8 +300,23 @@ def test_cli_default_prints_table(capsys):
 
 
 def test_cli_all_flags(capsys):
-    argv = ["--preset", "deepseek-v2", "--context", "100", "--sequences", "5", "--page-size", "64",
-            "--kv-dtype", "fp8", "--tp", "2", "--dp-attention", "--gqa-groups", "4"]
+    argv = [
+        "--preset",
+        "deepseek-v2",
+        "--context",
+        "100",
+        "--sequences",
+        "5",
+        "--page-size",
+        "64",
+        "--kv-dtype",
+        "fp8",
+        "--tp",
+        "2",
+        "--dp-attention",
+        "--gqa-groups",
+        "4",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "3 of 5 sequences" in out and "GQA-4 equivalent" in out and "656 B" in out
@@ -319,8 +368,9 @@ def test_cli_bad_config_json(tmp_path, capsys):
 
 def test_python_dash_m():
     # One subprocess (it imports jax through the package): the error paths are covered in-process.
-    ok = subprocess.run([sys.executable, "-m", "mla_jax.capacity", "--context", "4096"],
-                        capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-m", "mla_jax.capacity", "--context", "4096"], capture_output=True, text=True, timeout=60
+    )
     assert ok.returncode == 0, ok.stderr
     assert "latent MLA" in ok.stdout and "MiB" in ok.stdout
 

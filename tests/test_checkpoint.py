@@ -6,22 +6,30 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import jax.numpy as jnp
 from flax import nnx
+from micro_configs import MICRO_V3  # noqa: E402
 
 from mla_jax import ModelConfig
 from models import DeepSeekModel, load_hf_checkpoint, save_hf_checkpoint
 from models.checkpoint import dequantize_fp8_blocks, read_hf_tensors, read_safetensors, write_safetensors
 
-from micro_configs import MICRO_V3  # noqa: E402
-
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 V3 = MICRO_V3
-V2_LITE = V3.replace(q_lora_rank=None, scoring_func="softmax", topk_method="greedy", n_group=1, norm_topk_prob=False,
-                     routed_scaling_factor=1.0, num_mtp_layers=0, n_shared_experts=2, model_type="deepseek_v2")
+V2_LITE = V3.replace(
+    q_lora_rank=None,
+    scoring_func="softmax",
+    topk_method="greedy",
+    n_group=1,
+    norm_topk_prob=False,
+    routed_scaling_factor=1.0,
+    num_mtp_layers=0,
+    n_shared_experts=2,
+    model_type="deepseek_v2",
+)
 
 
 def random_model(cfg, param_dtype=jnp.float32, seed=0):
@@ -45,8 +53,11 @@ def assert_models_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("cfg,dtype,shard", [(V3, jnp.float32, None), (V3, jnp.bfloat16, 20_000),
-                                             (V2_LITE, jnp.float32, None)], ids=["v3-f32", "v3-bf16-sharded", "v2"])
+@pytest.mark.parametrize(
+    "cfg,dtype,shard",
+    [(V3, jnp.float32, None), (V3, jnp.bfloat16, 20_000), (V2_LITE, jnp.float32, None)],
+    ids=["v3-f32", "v3-bf16-sharded", "v2"],
+)
 def test_save_load_roundtrip_is_exact(tmp_path, cfg, dtype, shard):
     model = random_model(cfg, dtype)
     save_hf_checkpoint(model, tmp_path, max_shard_bytes=shard)
@@ -86,7 +97,9 @@ def np_dequant_loop(q, s, block=128):
     out = np.zeros(q.shape, np.float32)
     for a in range(0, q.shape[0], block):
         for b in range(0, q.shape[1], block):
-            out[a:a + block, b:b + block] = q[a:a + block, b:b + block].astype(np.float32) * s[a // block, b // block]
+            out[a : a + block, b : b + block] = (
+                q[a : a + block, b : b + block].astype(np.float32) * s[a // block, b // block]
+            )
     return out
 
 
@@ -96,9 +109,11 @@ def np_quant(w, block=128):
     q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
     for a in range(s.shape[0]):
         for b in range(s.shape[1]):
-            blk = w[a * block:(a + 1) * block, b * block:(b + 1) * block]
+            blk = w[a * block : (a + 1) * block, b * block : (b + 1) * block]
             s[a, b] = max(np.abs(blk).max(), 1e-12) / 448.0
-            q[a * block:(a + 1) * block, b * block:(b + 1) * block] = (blk / s[a, b]).astype(ml_dtypes.float8_e4m3fn)
+            q[a * block : (a + 1) * block, b * block : (b + 1) * block] = (blk / s[a, b]).astype(
+                ml_dtypes.float8_e4m3fn
+            )
     return q, s
 
 
@@ -158,8 +173,11 @@ def test_fp8_fixture_header_is_read_by_hand():
 def test_reader_and_writer_agree_with_safetensors_library(tmp_path):
     st = pytest.importorskip("safetensors.numpy")
     rng = np.random.default_rng(2)
-    t = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": np.arange(7, dtype=np.int32),
-         "c": rng.standard_normal((2, 2, 2)).astype(np.float16)}
+    t = {
+        "a": rng.standard_normal((3, 5)).astype(np.float32),
+        "b": np.arange(7, dtype=np.int32),
+        "c": rng.standard_normal((2, 2, 2)).astype(np.float16),
+    }
     st.save_file(t, str(tmp_path / "lib.safetensors"))
     ours = read_safetensors(str(tmp_path / "lib.safetensors"))
     write_safetensors(str(tmp_path / "ours.safetensors"), t)

@@ -43,12 +43,23 @@ def test_two_processes_make_one_runtime():
     `make_mesh(data=2)` would fail), a batch placement or a gather that only works within one process
     (device_put of a global batch, np.asarray of an array whose other half is on the other host)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_JAX_") or k == "MLA_JAX_COMPILE_CACHE"}
-    env.update(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                                      if "host_platform_device_count" not in f))   # one CPU device a process
+    env.update(
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f),
+    )  # one CPU device a process
     flags = ["--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2", "--process-id"]
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, *flags, str(i)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, *flags, str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        for i in range(2)
+    ]
     results = []
     try:
         for p in procs:
@@ -60,5 +71,6 @@ def test_two_processes_make_one_runtime():
             if p.poll() is None:
                 p.kill()
     for i, r in enumerate(results):
-        assert r == dict(process=i, processes=2, devices=2, local_rows=[2], total=28,
-                         gathered=[[0, 1], [2, 3], [4, 5], [6, 7]]), r
+        assert r == dict(
+            process=i, processes=2, devices=2, local_rows=[2], total=28, gathered=[[0, 1], [2, 3], [4, 5], [6, 7]]
+        ), r

@@ -42,15 +42,15 @@ def _full_argmax(model, seqs, width=128) -> np.ndarray:
     shape (causal: padding after a token cannot change it) -> [len(seqs), width]."""
     ids = np.zeros((8, width), np.int32)
     for i, s in enumerate(seqs):
-        ids[i, :len(s)] = s
-    return np.asarray(_forward_argmax(*nnx.split(model), jnp.asarray(ids)))[:len(seqs)]
+        ids[i, : len(s)] = s
+    return np.asarray(_forward_argmax(*nnx.split(model), jnp.asarray(ids)))[: len(seqs)]
 
 
 def _assert_teacher_forced(model, prompts, outs) -> None:
     """Each generated token is the argmax of the full forward over the prompt + the tokens before it."""
     am = _full_argmax(model, [p + o for p, o in zip(prompts, outs)])
     for i, (p, o) in enumerate(zip(prompts, outs)):
-        assert am[i, len(p) - 1: len(p) + len(o) - 1].tolist() == o, f"request {i}"
+        assert am[i, len(p) - 1 : len(p) + len(o) - 1].tolist() == o, f"request {i}"
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_stop_tokens_and_streaming(engine):
     cut = base[0].index(stop) + 1
     assert res.tokens[0] == base[0][:cut] and res.finish_reasons[0] == "stop"
     if stop in base[1]:
-        assert res.tokens[1] == base[1][:base[1].index(stop) + 1]
+        assert res.tokens[1] == base[1][: base[1].index(stop) + 1]
     else:
         assert res.tokens[1] == base[1] and res.finish_reasons[1] == "length"
     for i in range(2):
@@ -179,8 +179,10 @@ def test_mtp_greedy_equals_plain_greedy(spec_model, k):
     by_decode = 20 - 1  # the prefill emitted the first token
     assert by_decode - one["decode_steps"] <= one["mtp_accepted"] <= by_decode - one["decode_steps"] + k, one
     assert e.cache.pages_used == 0
-    print(f"k={k}: MTP acceptance {st['mtp_acceptance']:.3f} ({st['mtp_accepted']}/{st['mtp_drafted']}), "
-          f"decode steps {st['decode_steps']} vs {plain.stats['decode_steps']}")
+    print(
+        f"k={k}: MTP acceptance {st['mtp_acceptance']:.3f} ({st['mtp_accepted']}/{st['mtp_drafted']}), "
+        f"decode steps {st['decode_steps']} vs {plain.stats['decode_steps']}"
+    )
 
 
 @pytest.mark.xla_optimized  # the wide engine's steps run many times: compiled optimised
@@ -190,8 +192,13 @@ def test_mtp_rejection_sampling_path_with_one_hot_distributions(spec_model, wide
     (The sampled steps are those of the distribution tests' engine, compiled once.)"""
     prompts = _prompts(5, [3, 9, 14, 5, 1, 6])
     greedy = Engine(spec_model, **STD).generate(prompts, max_new_tokens=20)
-    res = wide_engine.generate(prompts, max_new_tokens=20, use_mtp=True, mtp_draft_tokens=2,
-                               sampling=SamplingParams(temperature=1.0, top_k=1, seed=5))
+    res = wide_engine.generate(
+        prompts,
+        max_new_tokens=20,
+        use_mtp=True,
+        mtp_draft_tokens=2,
+        sampling=SamplingParams(temperature=1.0, top_k=1, seed=5),
+    )
     assert res.tokens == greedy.tokens
     assert 0 < res.stats["mtp_accepted"] < res.stats["mtp_drafted"]
 
@@ -209,11 +216,12 @@ def test_sampled_generation_reproduces_and_ignores_batching(wide_engine):
     assert all(0 <= t < CFG.vocab_size for out in a.tokens for t in out)
     per_request = [SamplingParams(temperature=0.9, top_k=40, seed=100 + i) for i in range(len(prompts))]
     together = e.generate(prompts, max_new_tokens=6, sampling=per_request, use_mtp=True).tokens
-    alone = [e.generate([p], max_new_tokens=6, sampling=[s], use_mtp=True).tokens[0]
-             for p, s in zip(prompts[:2], per_request[:2])]
+    alone = [
+        e.generate([p], max_new_tokens=6, sampling=[s], use_mtp=True).tokens[0]
+        for p, s in zip(prompts[:2], per_request[:2])
+    ]
     assert together[:2] == alone
-    c = e.generate(prompts, max_new_tokens=6, sampling=SamplingParams(temperature=0.9, top_k=40, seed=4),
-                   use_mtp=True)
+    c = e.generate(prompts, max_new_tokens=6, sampling=SamplingParams(temperature=0.9, top_k=40, seed=4), use_mtp=True)
     assert c.tokens != a.tokens
     assert 0.0 <= a.stats["mtp_acceptance"] <= 1.0
 
@@ -231,14 +239,16 @@ def test_bf16_cache_attention_within_design_tolerance(model, absorbed):
     B, S, T, G, N = 2, 13, 3, 4, 16
     x = jax.random.normal(jax.random.PRNGKey(3), (B, S + T, CFG.hidden_size), jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(S + T, dtype=jnp.int32), (B, S + T))
-    table = jnp.asarray(np.random.default_rng(3).permutation(N)[:B * 5].reshape(B, 5).astype(np.int32))
+    table = jnp.asarray(np.random.default_rng(3).permutation(N)[: B * 5].reshape(B, 5).astype(np.int32))
     pool = jnp.full((N, G, CFG.latent_dim), jnp.nan, jnp.bfloat16)
     # jitted: one compile a call instead of one an op
-    pool = write_latents(pool, nnx.jit(lambda m, x, p: m.project_kv(x, p))(mla, x[:, :S], pos[:, :S]), pos[:, :S],
-                         table)
+    pool = write_latents(
+        pool, nnx.jit(lambda m, x, p: m.project_kv(x, p))(mla, x[:, :S], pos[:, :S]), pos[:, :S], table
+    )
     assert pool.dtype == jnp.bfloat16
     out, cache = nnx.jit(lambda m, x, p, c: m(x, p, cache=c))(
-        mla, x[:, S:], pos[:, S:], _layer_cache(pool, table, jnp.full((B,), S + T, jnp.int32), absorbed))
+        mla, x[:, S:], pos[:, S:], _layer_cache(pool, table, jnp.full((B,), S + T, jnp.int32), absorbed)
+    )
     assert cache.pages.dtype == jnp.bfloat16
     want = nnx.jit(lambda m, x, p: m(x, p))(mla, x, pos)[:, S:]
     rel = float(jnp.linalg.norm(out - want) / jnp.linalg.norm(want))
@@ -257,21 +267,24 @@ def test_cached_attention_equals_mla_forward(model, absorbed):
     x = jax.random.normal(jax.random.PRNGKey(0), (B, S + T, CFG.hidden_size), jnp.float32)
     lens = np.array([S + T, S + 2])  # row 1: a shorter sequence whose chunk ends in padding
     pos = np.where(np.arange(S + T)[None] < lens[:, None], np.arange(S + T)[None], -1).astype(np.int32)
-    table = np.random.default_rng(0).permutation(N)[:2 * 5].reshape(B, 5).astype(np.int32)
+    table = np.random.default_rng(0).permutation(N)[: 2 * 5].reshape(B, 5).astype(np.int32)
     pool = jnp.full((N, G, CFG.latent_dim), jnp.nan, jnp.float32)
-    pool = write_latents(pool, mla.project_kv(x[:, :S], jnp.maximum(pos[:, :S], 0)), jnp.asarray(pos[:, :S]),
-                         jnp.asarray(table))
+    pool = write_latents(
+        pool, mla.project_kv(x[:, :S], jnp.maximum(pos[:, :S], 0)), jnp.asarray(pos[:, :S]), jnp.asarray(table)
+    )
     step = jax.jit(lambda cache, x, pos: mla(x, pos, cache=cache))
-    out, cache = step(_layer_cache(pool, table, jnp.asarray(lens, jnp.int32), absorbed), x[:, S:],
-                      jnp.asarray(pos[:, S:]))
+    out, cache = step(
+        _layer_cache(pool, table, jnp.asarray(lens, jnp.int32), absorbed), x[:, S:], jnp.asarray(pos[:, S:])
+    )
     want = jax.jit(lambda x, pos: mla(x, pos))(x, jnp.asarray(pos))[:, S:]
     chex.assert_trees_all_close(out[0], want[0], rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(out[1, :2], want[1, :2], rtol=1e-5, atol=1e-5)  # its valid tokens
     assert not np.isnan(np.asarray(out)).any()
     # The chunk's latents landed in the rows of its pages (padding wrote nothing).
-    rows = np.asarray(cache.pages[0])[table[0]].reshape(-1, CFG.latent_dim)[S:S + T]
-    np.testing.assert_allclose(rows, np.asarray(mla.project_kv(x[:1, S:], jnp.asarray(pos[:1, S:])))[0],
-                               rtol=1e-6, atol=1e-6)
+    rows = np.asarray(cache.pages[0])[table[0]].reshape(-1, CFG.latent_dim)[S : S + T]
+    np.testing.assert_allclose(
+        rows, np.asarray(mla.project_kv(x[:1, S:], jnp.asarray(pos[:1, S:])))[0], rtol=1e-6, atol=1e-6
+    )
 
 
 # The distribution tests: many requests of one prompt (per-request keys).
@@ -283,21 +296,25 @@ DIST_SAMPLING = SamplingParams(temperature=1.0, top_k=3, seed=31)  # 3 outcomes 
 @pytest.fixture(scope="module")
 def plain_draws(wide_engine):
     """The first three new tokens of DIST_N requests sampled without MTP."""
-    with optimized():   # many steps (see the xla_optimized marker)
+    with optimized():  # many steps (see the xla_optimized marker)
         return wide_engine.generate([DIST_PROMPT] * DIST_N, max_new_tokens=3, sampling=DIST_SAMPLING).tokens
 
 
 @pytest.mark.xla_optimized  # 2000 requests a case
-@pytest.mark.parametrize("k", [1, 3])   # k = 2: the same chain code as k = 3, shorter (see above)
+@pytest.mark.parametrize("k", [1, 3])  # k = 2: the same chain code as k = 3, shorter (see above)
 def test_mtp_sampling_keeps_the_output_distribution(wide_engine, plain_draws, k):
     """With temperature > 0, accepting drafts by rejection sampling (k > 1: a prefix of the MTP
     module's chain on its own drafts) must keep plain sampling's distribution: the joint
     frequencies of the first two new tokens (the first verified one: an accepted draft or the
     residual replacement) and of the first three (9 and 27 outcomes, DIST_N requests) agree with
     plain sampling's, and MTP never produces an outcome that plain sampling makes rare."""
-    spec = wide_engine.generate([DIST_PROMPT] * DIST_N, max_new_tokens=3,
-                                sampling=dataclasses.replace(DIST_SAMPLING, seed=32 + k), use_mtp=True,
-                                mtp_draft_tokens=k)
+    spec = wide_engine.generate(
+        [DIST_PROMPT] * DIST_N,
+        max_new_tokens=3,
+        sampling=dataclasses.replace(DIST_SAMPLING, seed=32 + k),
+        use_mtp=True,
+        mtp_draft_tokens=k,
+    )
     assert 0 < spec.stats["mtp_accepted"] < spec.stats["mtp_drafted"]  # accept and reject both ran
     assert all(len(t) == 3 for t in spec.tokens)
 
@@ -307,7 +324,7 @@ def test_mtp_sampling_keeps_the_output_distribution(wide_engine, plain_draws, k)
 
     for width in (2, 3):
         fp, fs = freq(plain_draws, width), freq(spec.tokens, width)
-        assert len(fp) <= 3 ** width
+        assert len(fp) <= 3**width
         assert all(fs[key] < 0.01 for key in set(fs) - set(fp)), (width, fp, fs)
         worst = max(abs(fp.get(key, 0.0) - fs.get(key, 0.0)) for key in set(fp) | set(fs))
         # each difference of two frequencies has std <= sqrt(2 * 0.25 / 2000) = 0.016; bugs in the
@@ -369,6 +386,7 @@ def test_a_throwing_stream_callback_frees_every_page(engine):
     def stream(i, t):
         if i == 1:
             raise KeyboardInterrupt  # e.g. the user stops a stream
+
     with pytest.raises(KeyboardInterrupt):
         engine.generate(_prompts(15, [3, 6, 9]), max_new_tokens=4, stream=stream)
     assert engine.cache.pages_used == 0
@@ -392,12 +410,29 @@ def test_admission_goes_to_a_data_rank_with_pages():
     from mla_jax.kv_cache import PagedLatentCache
     from models.engine import _Generation
 
-    cache = PagedLatentCache(num_layers=1, num_pages=8, page_size=4, latent_dim=4, max_seqs=4, max_pages_per_seq=8,
-                             dtype=jnp.float32, ranks=2)
+    cache = PagedLatentCache(
+        num_layers=1,
+        num_pages=8,
+        page_size=4,
+        latent_dim=4,
+        max_seqs=4,
+        max_pages_per_seq=8,
+        dtype=jnp.float32,
+        ranks=2,
+    )
     stub = types.SimpleNamespace(cache=cache, max_batch=4, num_pages=8, cfg=CFG, max_context=32)
     prompts = [[1] * 12, [2] * 8, [3] * 8, [4] * 20]
-    g = _Generation(stub, prompts, [SamplingParams(temperature=0.0)] * 4, [np.zeros(2, np.uint32)] * 4, set(),
-                    4, 0, None, "fail_request")
+    g = _Generation(
+        stub,
+        prompts,
+        [SamplingParams(temperature=0.0)] * 4,
+        [np.zeros(2, np.uint32)] * 4,
+        set(),
+        4,
+        0,
+        None,
+        "fail_request",
+    )
     g.admit()
     assert [s and s.req for s in g.slots] == [0, None, 1, 2] and list(g.waiting) == [3]
     assert (cache.pages_of(0), cache.pages_of(2), cache.pages_of(3)) == ([0, 1, 2], [0, 1], [2, 3])
@@ -423,27 +458,33 @@ def test_data_rank_arguments():
         Engine(model, max_batch=3, mesh=mesh)
     with pytest.raises(ValueError, match=r"^Engine num_pages=7 is not divisible by the mesh's data ranks \(2\)$"):
         Engine(model, max_batch=2, num_pages=7, mesh=mesh)
-    with pytest.raises(ValueError, match=r"^Engine attention_impl='interpret' with data ranks \(2\): the Pallas "
-                                         r"interpreter cannot run a kernel on several devices at once"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Engine attention_impl='interpret' with data ranks \(2\): the Pallas "
+        r"interpreter cannot run a kernel on several devices at once",
+    ):
         Engine(model, max_batch=2, attention_impl="interpret", mesh=mesh)
 
 
 # --- bad input ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(prompts=[]), "non-empty list"),
-    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
-    (dict(prompts=[[1] * 257]), "257 tokens, beyond max_context=256"),
-    (dict(prompts=[[1, CFG.vocab_size]]), f"token id {CFG.vocab_size} outside the vocabulary"),
-    (dict(prompts=[[-1]]), "token id -1 outside"),
-    (dict(prompts=["hello"]), "list of token ids"),
-    (dict(prompts=[[1.5]]), "non-integer token"),
-    (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
-    (dict(prompts=[[1]], sampling=[SamplingParams()] * 2), "one SamplingParams per prompt"),
-    (dict(prompts=[[1]], stream=5), "stream must be a callable"),
-    (dict(prompts=[[1]], on_cache_full="ignore"), "on_cache_full"),
-    (dict(prompts=[[1]], use_mtp=True, mtp_draft_tokens=4), r"mtp_draft_tokens must be an integer in \[1, 3\]"),
-    (dict(prompts=[[1]], use_mtp=True, mtp_draft_tokens=0), "mtp_draft_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompts=[]), "non-empty list"),
+        (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+        (dict(prompts=[[1] * 257]), "257 tokens, beyond max_context=256"),
+        (dict(prompts=[[1, CFG.vocab_size]]), f"token id {CFG.vocab_size} outside the vocabulary"),
+        (dict(prompts=[[-1]]), "token id -1 outside"),
+        (dict(prompts=["hello"]), "list of token ids"),
+        (dict(prompts=[[1.5]]), "non-integer token"),
+        (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+        (dict(prompts=[[1]], sampling=[SamplingParams()] * 2), "one SamplingParams per prompt"),
+        (dict(prompts=[[1]], stream=5), "stream must be a callable"),
+        (dict(prompts=[[1]], on_cache_full="ignore"), "on_cache_full"),
+        (dict(prompts=[[1]], use_mtp=True, mtp_draft_tokens=4), r"mtp_draft_tokens must be an integer in \[1, 3\]"),
+        (dict(prompts=[[1]], use_mtp=True, mtp_draft_tokens=0), "mtp_draft_tokens"),
+    ],
+)
 def test_bad_generate_arguments(engine, kwargs, match):
     with pytest.raises(ValueError, match=match):
         engine.generate(**kwargs)
@@ -487,12 +528,19 @@ def test_long_generation_compiles_a_bounded_number_of_times(model):
 
 # --- the Pallas kernels (interpret mode on CPU, the real kernels on a Hopper GPU) -------------------
 KERNEL_CFG = ModelConfig.tiny().replace(  # the kernels' shape: latent 512 + rope 64, 16 heads
-    num_hidden_layers=1, first_k_dense_replace=1, kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16,
-    qk_nope_head_dim=16, v_head_dim=16, hidden_size=64, q_lora_rank=None)
+    num_hidden_layers=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    num_attention_heads=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    hidden_size=64,
+    q_lora_rank=None,
+)
 
 
-def _kernel_vs_reference(impl, prompts, max_new_tokens, max_batch, plain=True, k=1, kv_dtype=jnp.bfloat16,
-                         mesh=None):
+def _kernel_vs_reference(impl, prompts, max_new_tokens, max_batch, plain=True, k=1, kv_dtype=jnp.bfloat16, mesh=None):
     """Tokens of the kernel paths = tokens of the jnp paths, greedy, with MTP (k drafts) and, if
     `plain`, without; both on `mesh` when given."""
     m = DeepSeekModel(KERNEL_CFG, rngs=nnx.Rngs(0))
@@ -500,13 +548,25 @@ def _kernel_vs_reference(impl, prompts, max_new_tokens, max_batch, plain=True, k
     for name in ("reference", impl):
         # naive_threshold 32: a 64-token chunk takes the decompressed path (paged_gather kernel),
         # shorter ones the absorbed path; decode and MTP verify (s_q = 2) call mla_decode.
-        e = Engine(m, page_size=64, num_pages=4 * max_batch, max_batch=max_batch, prefill_chunk=64,
-                   naive_threshold=32, attention_impl=name, kv_dtype=kv_dtype, mesh=mesh)
+        e = Engine(
+            m,
+            page_size=64,
+            num_pages=4 * max_batch,
+            max_batch=max_batch,
+            prefill_chunk=64,
+            naive_threshold=32,
+            attention_impl=name,
+            kv_dtype=kv_dtype,
+            mesh=mesh,
+        )
         assert e.kernel_impl == (None if name == "reference" else impl)
         is_ref = name == "reference"
-        runs[name] = (e.generate(prompts, max_new_tokens=max_new_tokens) if plain or is_ref else None,
-                      e.generate(prompts, max_new_tokens=max_new_tokens, use_mtp=True, mtp_draft_tokens=k)
-                      if plain or not is_ref else None)
+        runs[name] = (
+            e.generate(prompts, max_new_tokens=max_new_tokens) if plain or is_ref else None,
+            e.generate(prompts, max_new_tokens=max_new_tokens, use_mtp=True, mtp_draft_tokens=k)
+            if plain or not is_ref
+            else None,
+        )
     (ref, ref_mtp), (got, got_mtp) = runs["reference"], runs[impl]
     # Both read the same bf16 cache; the kernel also rounds the absorbed query to bf16, so compare
     # tokens (the tiny random model's top logits are far apart next to that rounding).
@@ -527,6 +587,7 @@ def test_interpret_kernels_match_reference():
 @pytest.mark.gpu
 def test_gpu_kernels_match_reference():
     from pallas_kernels._platform import default_backend_is_hopper
+
     if not default_backend_is_hopper():
         pytest.skip("needs a Hopper GPU")
     prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
@@ -541,6 +602,7 @@ def test_gpu_quantized_kernels_match_reference(kv_dtype):
     mla_decode's fp8 body against the jnp path over the same bytes. Catches a body that is bit-exact in
     the interpreter but wrong compiled (the fp4 body's first GPU run was this test's)."""
     from pallas_kernels._platform import default_backend_is_hopper
+
     if not default_backend_is_hopper():
         pytest.skip("needs a Hopper GPU")
     prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
@@ -555,14 +617,23 @@ def test_gpu_kernels_on_data_ranks_match_reference():
     fp8 pages. Catches what the CPU maps cannot run: the compiled kernels inside a map manual over
     every mesh axis, fed local page ids."""
     from pallas_kernels._platform import default_backend_is_hopper
+
     if not default_backend_is_hopper() or jax.device_count() < 2:
         pytest.skip("needs two Hopper GPUs")
     from mla_jax.sharding import make_mesh
 
     prompts = _prompts(16, [5, 70, 130, 1])
     for kv_dtype in (jnp.bfloat16, "fp8"):
-        _kernel_vs_reference("kernel", prompts, max_new_tokens=16, max_batch=4, plain=False, k=3, kv_dtype=kv_dtype,
-                             mesh=make_mesh(data=2))
+        _kernel_vs_reference(
+            "kernel",
+            prompts,
+            max_new_tokens=16,
+            max_batch=4,
+            plain=False,
+            k=3,
+            kv_dtype=kv_dtype,
+            mesh=make_mesh(data=2),
+        )
 
 
 def test_fp8_pages_through_the_interpret_kernels_match_the_jnp_path():
@@ -576,8 +647,9 @@ def test_fp8_pages_through_the_interpret_kernels_match_the_jnp_path():
     prompts = _prompts(15, [9, 3])
     runs = {}
     for impl in ("reference", "interpret"):
-        e = Engine(m, page_size=64, num_pages=4, max_batch=2, attention_impl=impl, kv_dtype="fp8",
-                   cache_fill=float("nan"))
+        e = Engine(
+            m, page_size=64, num_pages=4, max_batch=2, attention_impl=impl, kv_dtype="fp8", cache_fill=float("nan")
+        )
         assert e.cache.pages.dtype == jnp.uint8 and e.cache.kv_dtype == "fp8"
         assert e.backend == impl
         runs[impl] = e.generate(prompts, max_new_tokens=2).tokens
@@ -605,14 +677,16 @@ def test_fp4_decode_routes_through_paged_gather_never_mla_decode(monkeypatch):
 
     def fake_gather(kv_pages, block_table, *, num_tokens, impl=None, page_format=None, **kw):
         calls.append((impl, page_format, kv_pages.shape[-1]))
-        return pallas_kernels.paged_gather_reference(kv_pages, block_table, num_tokens=num_tokens,
-                                                     page_format=page_format)
+        return pallas_kernels.paged_gather_reference(
+            kv_pages, block_table, num_tokens=num_tokens, page_format=page_format
+        )
 
     monkeypatch.setattr(pallas_kernels, "mla_decode", fake_decode)
     monkeypatch.setattr(pallas_kernels, "paged_gather", fake_gather)
     mla = MLA(KERNEL_CFG, rngs=nnx.Rngs(0))
-    c = PagedLatentCache(num_layers=1, num_pages=2, page_size=64, latent_dim=576, max_seqs=1, max_pages_per_seq=2,
-                         dtype="fp4")
+    c = PagedLatentCache(
+        num_layers=1, num_pages=2, page_size=64, latent_dim=576, max_seqs=1, max_pages_per_seq=2, dtype="fp4"
+    )
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 41, KERNEL_CFG.hidden_size))
     step = nnx.jit(lambda m, x, p, c: m(x, p, cache=c))
     _, kv = step(mla, x[:, :40], jnp.arange(40)[None], KVCache.create(c.pages, [[1, 0]], [40]))
@@ -641,22 +715,24 @@ def test_fp8_decode_routes_through_mla_decode_only_when_it_reads_fp8(monkeypatch
         return pallas_kernels.mla_decode_reference(q, kv_pages, *args, **kw)
 
     def fake_gather(kv_pages, block_table, *, num_tokens, impl=None, page_format=None, **kw):
-        return pallas_kernels.paged_gather_reference(kv_pages, block_table, num_tokens=num_tokens,
-                                                     page_format=page_format)
+        return pallas_kernels.paged_gather_reference(
+            kv_pages, block_table, num_tokens=num_tokens, page_format=page_format
+        )
 
     monkeypatch.setattr(pallas_kernels, "mla_decode", fake_decode)
     monkeypatch.setattr(pallas_kernels, "paged_gather", fake_gather)
     from mla_jax.attention import MLA
 
-    mla = MLA(KERNEL_CFG, rngs=nnx.Rngs(0))       # the layer that picks the route
-    c = PagedLatentCache(num_layers=1, num_pages=2, page_size=64, latent_dim=576, max_seqs=1, max_pages_per_seq=2,
-                         dtype="fp8")
+    mla = MLA(KERNEL_CFG, rngs=nnx.Rngs(0))  # the layer that picks the route
+    c = PagedLatentCache(
+        num_layers=1, num_pages=2, page_size=64, latent_dim=576, max_seqs=1, max_pages_per_seq=2, dtype="fp8"
+    )
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 41, KERNEL_CFG.hidden_size))
     kv = KVCache.create(c.pages, [[1, 0]], [40], page_format=c.page_format)
     # jitted, one compile a call instead of one an op; a fresh wrapper each time, so that each call is traced
     # again (the route is chosen, and the fakes record, at trace time)
     run = lambda: nnx.jit(lambda m, x, p, c: m(x, p, cache=c))  # noqa: E731
-    _, kv = run()(mla, x[:, :40], jnp.arange(40)[None], kv)    # 40 tokens: gather + jnp, no decode call
+    _, kv = run()(mla, x[:, :40], jnp.arange(40)[None], kv)  # 40 tokens: gather + jnp, no decode call
     outs = {}
     for flag in (False, True):
         monkeypatch.setattr(module, "FP8_KERNEL", flag, raising=False)
@@ -664,7 +740,7 @@ def test_fp8_decode_routes_through_mla_decode_only_when_it_reads_fp8(monkeypatch
         outs[flag], _ = run()(mla, x[:, 40:], jnp.asarray([[40]]), step)
         assert calls == ([jnp.uint8] if flag else []), (flag, calls)
     a, b = (np.asarray(outs[f], np.float32) for f in (False, True))
-    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 1e-2   # bf16 queries in the kernel route
+    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 1e-2  # bf16 queries in the kernel route
 
 
 def test_engine_kv_dtype_names_and_errors(model):
@@ -674,18 +750,23 @@ def test_engine_kv_dtype_names_and_errors(model):
     assert Engine(model, **{**STD, "kv_dtype": "bf16"}).cache.dtype == jnp.bfloat16
     assert Engine(model, **{**STD, "kv_dtype": jnp.float16}).cache.kv_dtype == "fp16"
     with pytest.raises(ValueError, match="fp8 pages need latent_dim a positive multiple of 128.* got 64"):
-        Engine(model, **{**STD, "kv_dtype": "fp8"})      # tiny: kv_lora_rank 64
-    fp4 = Engine(model, **{**STD, "kv_dtype": "fp4"})      # tiny: kv_lora_rank 64, a multiple of 32
+        Engine(model, **{**STD, "kv_dtype": "fp8"})  # tiny: kv_lora_rank 64
+    fp4 = Engine(model, **{**STD, "kv_dtype": "fp4"})  # tiny: kv_lora_rank 64, a multiple of 32
     assert fp4.cache.kv_dtype == "fp4" and fp4.cache.pages.shape[-2:] == (4, 32 + 4 + 32)
     with pytest.raises(ValueError, match="cache dtype 'fp6' is not a supported page format"):
         Engine(model, **{**STD, "kv_dtype": "fp6"})
+    import importlib
+
     from models.engine import kernel_problems
     from pallas_kernels.mla_decode import mla_decode_problems
-    import importlib
+
     fp8_kernel = getattr(importlib.import_module("pallas_kernels.mla_decode"), "FP8_KERNEL", False)
     # the decode kernel's own limits say whether it reads fp8 pages
-    assert kernel_problems(KERNEL_CFG, 64, "fp8") == ([] if fp8_kernel else [
-        "dtype = fp8 (the decode kernel has no fp8 body yet, FP8_KERNEL is unset; it reads bfloat16 pages)"])
+    assert kernel_problems(KERNEL_CFG, 64, "fp8") == (
+        []
+        if fp8_kernel
+        else ["dtype = fp8 (the decode kernel has no fp8 body yet, FP8_KERNEL is unset; it reads bfloat16 pages)"]
+    )
     assert mla_decode_problems(16, 576, 64, jnp.uint8) == kernel_problems(KERNEL_CFG, 64, "fp8")
 
 
@@ -702,8 +783,9 @@ def test_verify_step_table_covers_the_kernel_seq_len(monkeypatch):
     def fake_decode(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal, impl=None, config=None):
         width = block_table.shape[1]
         jax.debug.callback(lambda s: seen.append((np.asarray(s).tolist(), width)), seq_lens)
-        return pallas_kernels.mla_decode_reference(q, kv_pages, block_table, seq_lens,
-                                                   softmax_scale=softmax_scale, causal=causal)
+        return pallas_kernels.mla_decode_reference(
+            q, kv_pages, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal
+        )
 
     def fake_gather(kv_pages, block_table, *, num_tokens, impl=None, **kw):
         return pallas_kernels.paged_gather_reference(kv_pages, block_table, num_tokens=num_tokens)
@@ -741,13 +823,29 @@ def test_prefill_mtp_state_equals_the_uncached_mtp_forward(model):
     ids[0, :n] = prompt
     pos = np.where(np.arange(T) < n, np.arange(T), -1)[None].astype(np.int32)
     nxt = np.zeros((1, T), np.int32)
-    nxt[0, :n - 1] = prompt[1:]
+    nxt[0, : n - 1] = prompt[1:]
     sp = SamplingArrays(*(np.asarray(v) for v in ([1.0], [0], [1.0], [0.0])))  # temperature 1: q = softmax
-    inp = StepInputs(ids, pos, e.cache.block_tables[:, :4].copy(), np.array([n], np.int32),
-                     np.array([n - 1], np.int32), np.zeros((1, 2), np.uint32), sp)
+    inp = StepInputs(
+        ids,
+        pos,
+        e.cache.block_tables[:, :4].copy(),
+        np.array([n], np.int32),
+        np.array([n - 1], np.int32),
+        np.zeros((1, 2), np.uint32),
+        sp,
+    )
     cache = KVCache.create(e.cache.pages, inp.block_table, inp.lengths)
-    _, tok, _, q = e.steps.prefill(e.state, cache, inp, nxt, np.array([True]), jnp.zeros((1, 1), jnp.int32),
-                                   jnp.zeros((1, 1, CFG.vocab_size), jnp.float32), use_mtp=True, sampler="random")
+    _, tok, _, q = e.steps.prefill(
+        e.state,
+        cache,
+        inp,
+        nxt,
+        np.array([True]),
+        jnp.zeros((1, 1), jnp.int32),
+        jnp.zeros((1, 1, CFG.vocab_size), jnp.float32),
+        use_mtp=True,
+        sampler="random",
+    )
     # the uncached reference: the main token t_n sampled from the same keys, then MTP over all pairs
     x = jnp.asarray([prompt])
     pairs_next = jnp.asarray([prompt[1:] + [int(tok[0])]])
@@ -784,7 +882,7 @@ def _cached_logits_through(model, impl: str, ids, table) -> list[np.ndarray]:
     for T in (64, 1, 3):
         pos = jnp.arange(start, start + T, dtype=jnp.int32)[None]
         cache = KVCache.create(pages, table, np.array([start + T], np.int32), impl=impl, naive_threshold=64)
-        logits, cache = step(model, jnp.asarray(ids[None, start:start + T]), pos, cache)
+        logits, cache = step(model, jnp.asarray(ids[None, start : start + T]), pos, cache)
         pages, start = cache.pages, start + T
         out.append(np.asarray(logits[0], np.float32))
     return out
@@ -800,9 +898,14 @@ def test_interpret_kernels_match_reference_logits_on_the_builtin_model():
     from models.tokenizer import load_tokenizer
 
     model, tok = load_hf_checkpoint(BUILTIN_DIR), load_tokenizer(BUILTIN_DIR)
-    ids = np.asarray(tok.encode("Once upon a time, there was a little girl named Lily. She loved to play "
-                                "in the garden with her dog, and every morning they ran to the old tree by "
-                                "the river."), np.int32)[:68]
+    ids = np.asarray(
+        tok.encode(
+            "Once upon a time, there was a little girl named Lily. She loved to play "
+            "in the garden with her dog, and every morning they ran to the old tree by "
+            "the river."
+        ),
+        np.int32,
+    )[:68]
     assert len(ids) == 68
     table = np.array([[5, 2, 7, 0]], np.int32)  # a permuted table over NaN-poisoned pages
     ref = _cached_logits_through(model, "reference", ids, table)

@@ -27,6 +27,7 @@ def test_no_arguments_streams_text_and_stats(capsys, monkeypatch):
     assert stats.startswith("[stats] prefill ") and " tok/s" in stats and "decode " in stats
     assert "MTP acceptance off" in stats and "pages used " in stats
     from models.builtin import BUILTIN_PROMPT
+
     assert out.startswith(BUILTIN_PROMPT)
     assert len(written) >= 3  # the prompt, then generated text in several writes, then the stats
     if "warning" in err:  # the built-in weights are not trained yet: the fallback says so
@@ -34,8 +35,28 @@ def test_no_arguments_streams_text_and_stats(capsys, monkeypatch):
 
 
 def test_prompt_sampling_and_mtp(capsys):
-    assert main(["--prompt", "Hello", "--max-new-tokens", "5", "--temperature", "0.8", "--top-p", "0.9",
-                 "--top-k", "50", "--min-p", "0.01", "--seed", "3", "--mtp"]) == 0
+    assert (
+        main(
+            [
+                "--prompt",
+                "Hello",
+                "--max-new-tokens",
+                "5",
+                "--temperature",
+                "0.8",
+                "--top-p",
+                "0.9",
+                "--top-k",
+                "50",
+                "--min-p",
+                "0.01",
+                "--seed",
+                "3",
+                "--mtp",
+            ]
+        )
+        == 0
+    )
     out, _ = capsys.readouterr()
     assert out.startswith("Hello")
     assert "MTP acceptance " in out and "MTP acceptance off" not in out
@@ -51,28 +72,50 @@ def test_hf_checkpoint_with_tokenizer_json(tmp_path, capsys):
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w2"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    assert main(["--checkpoint", str(tmp_path), "--prompt", "w5 w9 w17", "--max-new-tokens", "4", "--mtp",
-                 "--mtp-draft-tokens", "2"]) == 0
+    assert (
+        main(
+            [
+                "--checkpoint",
+                str(tmp_path),
+                "--prompt",
+                "w5 w9 w17",
+                "--max-new-tokens",
+                "4",
+                "--mtp",
+                "--mtp-draft-tokens",
+                "2",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert out.startswith("w5 w9 w17") and "[stats] prefill" in out and "warning" not in err
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--checkpoint", "no/such/dir"], "no such directory"),
-    ([f"--checkpoint={FIXTURE}"], "no tokenizer"),  # the fixture has weights but no tokenizer.json
-    (["--temperature", "-1"], "--temperature must be >= 0"),
-    (["--top-p", "0"], "--top-p must be in"),
-    (["--top-k", "-2"], "--top-k must be >= 0"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--mtp", "--mtp-draft-tokens", "5"], "--mtp-draft-tokens must be in [1, 3]"),
-    (["--dtype", "int8"], "invalid choice"),
-    (["--bogus"], "unrecognized arguments"),
-    (["--num-processes", "2", "--process-id", "0"], "--num-processes 2 and --process-id 0: several processes need "
-     "--coordinator HOST:PORT (or $MLA_JAX_COORDINATOR)"),
-    (["--coordinator", "h:1", "--num-processes", "two", "--process-id", "0"], "--num-processes two: must be an "
-     "integer >= 1"),
-    (["--coordinator", "h:port"], "--coordinator h:port: not HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--checkpoint", "no/such/dir"], "no such directory"),
+        ([f"--checkpoint={FIXTURE}"], "no tokenizer"),  # the fixture has weights but no tokenizer.json
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--top-p", "0"], "--top-p must be in"),
+        (["--top-k", "-2"], "--top-k must be >= 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--mtp", "--mtp-draft-tokens", "5"], "--mtp-draft-tokens must be in [1, 3]"),
+        (["--dtype", "int8"], "invalid choice"),
+        (["--bogus"], "unrecognized arguments"),
+        (
+            ["--num-processes", "2", "--process-id", "0"],
+            "--num-processes 2 and --process-id 0: several processes need "
+            "--coordinator HOST:PORT (or $MLA_JAX_COORDINATOR)",
+        ),
+        (
+            ["--coordinator", "h:1", "--num-processes", "two", "--process-id", "0"],
+            "--num-processes two: must be an integer >= 1",
+        ),
+        (["--coordinator", "h:port"], "--coordinator h:port: not HOST:PORT"),
+    ],
+)
 def test_errors_are_one_line_exit_2(argv, match, capsys, monkeypatch):
     for var in ("MLA_JAX_COORDINATOR", "MLA_JAX_NUM_PROCESSES", "MLA_JAX_PROCESS_ID"):
         monkeypatch.delenv(var, raising=False)
@@ -86,11 +129,25 @@ def test_errors_are_one_line_exit_2(argv, match, capsys, monkeypatch):
 
 
 def test_format_stats():
-    line = format_stats(dict(prefill_tok_s=10.0, prefill_tokens=5, decode_tok_s=2.5, decode_tokens=8, decode_steps=5,
-                             mtp_acceptance=0.75, mtp_accepted=3, mtp_drafted=4, pages_used_peak=2, pages_total=9,
-                             compile_s=1.25))
-    assert line == ("[stats] prefill 10.0 tok/s (5 tokens) | decode 2.5 tok/s (8 tokens, 5 steps) | "
-                    "MTP acceptance 75.0% (3/4) | pages used 2/9 | compile 1.2 s")
+    line = format_stats(
+        dict(
+            prefill_tok_s=10.0,
+            prefill_tokens=5,
+            decode_tok_s=2.5,
+            decode_tokens=8,
+            decode_steps=5,
+            mtp_acceptance=0.75,
+            mtp_accepted=3,
+            mtp_drafted=4,
+            pages_used_peak=2,
+            pages_total=9,
+            compile_s=1.25,
+        )
+    )
+    assert line == (
+        "[stats] prefill 10.0 tok/s (5 tokens) | decode 2.5 tok/s (8 tokens, 5 steps) | "
+        "MTP acceptance 75.0% (3/4) | pages used 2/9 | compile 1.2 s"
+    )
 
 
 def test_kv_dtype_fp8_generates(capsys):
@@ -112,12 +169,13 @@ def test_distributed_flags_and_environment(capsys, monkeypatch):
     monkeypatch.setenv("MLA_JAX_NUM_PROCESSES", "2")
     monkeypatch.setenv("MLA_JAX_PROCESS_ID", "1")
     with pytest.raises(SystemExit):
-        main(["--max-new-tokens", "0"])   # fails after the call, before anything else
+        main(["--max-new-tokens", "0"])  # fails after the call, before anything else
     assert calls == [dict(coordinator_address="127.0.0.1:5555", num_processes=2, process_id=1)]
     monkeypatch.setenv("MLA_JAX_PROCESS_ID", "5")
     with pytest.raises(SystemExit):
         main(["--max-new-tokens", "0"])
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == ("mla-generate: error: MLA_JAX_PROCESS_ID=5: must be an integer in "
-                                            "[0, 2) (MLA_JAX_NUM_PROCESSES=2)"), err
+    assert err.strip().splitlines()[-1] == (
+        "mla-generate: error: MLA_JAX_PROCESS_ID=5: must be an integer in [0, 2) (MLA_JAX_NUM_PROCESSES=2)"
+    ), err
     assert len(calls) == 1

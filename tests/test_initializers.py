@@ -8,16 +8,20 @@ import pytest
 from mla_jax import initializers
 
 
-@pytest.mark.parametrize("n, expected", [(1, 1024), (1024, 1024), (1025, 4096), (4096, 4096), (4097, 16384),
-                                         (1 << 20, 1 << 20), ((1 << 20) + 1, 1 << 22)])
+@pytest.mark.parametrize(
+    "n, expected",
+    [(1, 1024), (1024, 1024), (1025, 4096), (4096, 4096), (4097, 16384), (1 << 20, 1 << 20), ((1 << 20) + 1, 1 << 22)],
+)
 def test_bucket_size_is_the_next_power_of_four(n, expected):
     """Guards the bucket arithmetic: a bucket smaller than the parameter would fail the slice; an
     off-by-one power would quadruple every draw."""
     assert initializers.bucket_size(n) == expected
 
 
-@pytest.mark.parametrize("shape, dtype", [((64, 96), jnp.float32), ((3, 40, 24), jnp.bfloat16),
-                                          ((5000,), jnp.float32), ((2100, 2100), jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((64, 96), jnp.float32), ((3, 40, 24), jnp.bfloat16), ((5000,), jnp.float32), ((2100, 2100), jnp.bfloat16)],
+)
 def test_draws_are_normal_with_the_given_stddev_shape_and_dtype(shape, dtype):
     """The values are N(0, std^2) in the asked shape and dtype, bucketed or not (the last shape is over
     MAX_BUCKETED). Catches a dropped stddev, a zero-filled tail of the prefix (a slice past the draw),
@@ -29,7 +33,7 @@ def test_draws_are_normal_with_the_given_stddev_shape_and_dtype(shape, dtype):
     n = v.size
     assert abs(v.mean()) < 5 * std / np.sqrt(n)
     assert abs(v.std() / std - 1) < 5 / np.sqrt(2 * n) + 0.01
-    tail = v[-max(n // 8, 1):]          # the end of the prefix is drawn too, not padding
+    tail = v[-max(n // 8, 1) :]  # the end of the prefix is drawn too, not padding
     assert np.count_nonzero(tail) == tail.size
     assert np.unique(v).size > 0.9 * n if dtype == jnp.float32 else True
 

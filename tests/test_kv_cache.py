@@ -45,14 +45,12 @@ def test_cache_full_changes_nothing():
     c = _cache()
     c.reserve(0, 16)  # 4 pages
     c.reserve(1, 12)  # 3 pages -> 1 free
-    before = (list(c._free), c.block_tables.copy(), c.lengths.copy(), [c.pages_of(s) for s in range(3)],
-              id(c.pages))
+    before = (list(c._free), c.block_tables.copy(), c.lengths.copy(), [c.pages_of(s) for s in range(3)], id(c.pages))
     with pytest.raises(CacheFullError, match=r"needs 2 more page\(s\).*only 1 of 8 are free") as e:
         c.reserve(2, 5)
     assert isinstance(e.value, RuntimeError)
     assert (e.value.pages_needed, e.value.pages_free, e.value.slot) == (2, 1, 2)
-    after = (list(c._free), c.block_tables.copy(), c.lengths.copy(), [c.pages_of(s) for s in range(3)],
-             id(c.pages))
+    after = (list(c._free), c.block_tables.copy(), c.lengths.copy(), [c.pages_of(s) for s in range(3)], id(c.pages))
     assert before[0] == after[0] and before[3] == after[3] and before[4] == after[4]
     np.testing.assert_array_equal(before[1], after[1])
     np.testing.assert_array_equal(before[2], after[2])
@@ -69,16 +67,20 @@ def test_a_pool_per_data_rank():
     c = _cache(max_seqs=4, ranks=2)
     assert [c.rank_of(s) for s in range(4)] == [0, 0, 1, 1] and c.pages_per_rank == 4
     c.reserve(0, 12)  # 3 pages of rank 0
-    c.reserve(2, 5)   # 2 pages of rank 1
+    c.reserve(2, 5)  # 2 pages of rank 1
     assert c.pages_of(0) == [0, 1, 2] and c.pages_of(2) == [0, 1]
     np.testing.assert_array_equal(c.block_tables[2, :2], [0, 1])
     assert (c.free_pages_for(1), c.free_pages_for(3), c.num_free_pages, c.pages_used) == (1, 2, 3, 5)
     before = (c.block_tables.copy(), c.lengths.copy(), [c.pages_of(s) for s in range(4)], c._free)
     with pytest.raises(CacheFullError, match=r"slot 1 needs 2 more page\(s\) .*only 1 of data rank 0's 4 are free"):
         c.reserve(1, 8)
-    assert (c.block_tables.tolist(), c.lengths.tolist(), [c.pages_of(s) for s in range(4)], c._free) == \
-        (before[0].tolist(), before[1].tolist(), before[2], before[3])
-    c.reserve(3, 8)   # rank 1 still has 2
+    assert (c.block_tables.tolist(), c.lengths.tolist(), [c.pages_of(s) for s in range(4)], c._free) == (
+        before[0].tolist(),
+        before[1].tolist(),
+        before[2],
+        before[3],
+    )
+    c.reserve(3, 8)  # rank 1 still has 2
     assert c.pages_of(3) == [2, 3] and c.free_pages_for(2) == 0
     c.release(0)
     assert c.free_pages_for(1) == 4 and c.free_pages_for(3) == 0
@@ -103,15 +105,23 @@ def test_dtype_is_a_property_of_the_cache():
 # Hand-computed: layers (main + the MTP layer's own cache) x (kv_lora_rank + rope) x 2 bytes (bf16) x tokens.
 #   tiny: 4 + 1 layers, 64 + 16 = 80 values:  5 * 80 * 2 * (29 * 64) = 1,484,800;  5 * 80 * 2 * (10 * 8) = 64,000
 #   V3:  61 + 1 layers, 512 + 64 = 576:       62 * 576 * 2 * (3 * 64) = 13,713,408
-@pytest.mark.parametrize("cfg_name, num_pages, page_size, expected", [
-    ("tiny", 29, 64, 1_484_800), ("tiny", 10, 8, 64_000), ("v3", 3, 64, 13_713_408)])
+@pytest.mark.parametrize(
+    "cfg_name, num_pages, page_size, expected",
+    [("tiny", 29, 64, 1_484_800), ("tiny", 10, 8, 64_000), ("v3", 3, 64, 13_713_408)],
+)
 def test_pool_bytes_equal_the_planner(cfg_name, num_pages, page_size, expected):
     """Guards: a byte count that is off (a forgotten MTP layer, the rope part, 4-byte elements) in the pool
     or in the planner: both are compared to numbers computed by hand, not to the formula again."""
     cfg = ModelConfig.tiny() if cfg_name == "tiny" else ModelConfig.deepseek_v3()
     layers = cfg.num_hidden_layers + cfg.num_mtp_layers
-    c = PagedLatentCache(num_layers=layers, num_pages=num_pages, page_size=page_size, latent_dim=cfg.latent_dim,
-                         max_seqs=1, max_pages_per_seq=num_pages)
+    c = PagedLatentCache(
+        num_layers=layers,
+        num_pages=num_pages,
+        page_size=page_size,
+        latent_dim=cfg.latent_dim,
+        max_seqs=1,
+        max_pages_per_seq=num_pages,
+    )
     tokens = num_pages * page_size
     assert c.nbytes == expected
     assert mla_kv_bytes(layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 2, tokens) == expected
@@ -132,8 +142,14 @@ def test_engine_pool_equals_the_planner(mtp_layers, max_batch, max_context, page
     cfg = ModelConfig.tiny().replace(num_hidden_layers=2, num_mtp_layers=mtp_layers)
     model = nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0)))  # the pool needs no weights
     e = Engine(model, page_size=page_size, max_batch=max_batch, max_context=max_context)
-    plan = plan_kv_cache(cfg, context_len=max_context, num_sequences=max_batch, page_size=page_size,
-                         include_mtp=mtp_layers > 0, draft_tokens=3 if mtp_layers else 0)
+    plan = plan_kv_cache(
+        cfg,
+        context_len=max_context,
+        num_sequences=max_batch,
+        page_size=page_size,
+        include_mtp=mtp_layers > 0,
+        draft_tokens=3 if mtp_layers else 0,
+    )
     assert e.cache.nbytes == plan.mla.allocated_bytes
     layers = cfg.num_hidden_layers + mtp_layers
     pages = max_batch * -(-(max_context + (3 if mtp_layers else 0)) // page_size)
@@ -188,7 +204,7 @@ def test_fp8_cache_format_shape_and_bytes():
     assert c.pages.shape == (2, 8, 4, 656) and c.pages.dtype == jnp.uint8
     assert c.nbytes == 2 * 8 * 4 * 656 == 41_984
     assert _cache(dtype=FP8_PAGES, latent_dim=576).kv_dtype == "fp8"
-    assert _cache(dtype=jnp.uint8, latent_dim=576).kv_dtype == "fp8"   # uint8 pages are fp8 pages
+    assert _cache(dtype=jnp.uint8, latent_dim=576).kv_dtype == "fp8"  # uint8 pages are fp8 pages
     # other widths: L = 256, R = 32 -> 256 + 8 + 64 bytes; not the kernels' shape
     odd = _cache(dtype="fp8", latent_dim=288, rope_dim=32)
     assert odd.page_format == PageFormat("fp8", kernel_supported=False, latent_dim=256, rope_dim=32)
@@ -197,7 +213,6 @@ def test_fp8_cache_format_shape_and_bytes():
         assert _cache(dtype=name).dtype == dt and _cache(dtype=name).kv_dtype == name
     with pytest.raises(ValueError, match="fp8 pages need latent_dim a positive multiple of 128.* got 64"):
         _cache(dtype="fp8", latent_dim=80, rope_dim=16)  # ModelConfig.tiny()'s latent
-
 
 
 def test_fp8_cache_holds_1_75x_the_tokens_of_bf16_in_the_same_bytes():
@@ -224,8 +239,8 @@ def test_fp4_cache_format_shape_bytes_and_the_planner():
     assert c.kv_dtype == "fp4" and c.dtype == jnp.uint8 and c.page_format == FP4_PAGES
     assert c.pages.shape == (2, 8, 4, 416) and c.nbytes == 2 * 8 * 4 * 416
     assert _cache(dtype=FP4_PAGES, latent_dim=576).kv_dtype == "fp4"
-    assert KVCache.create(c.pages, np.zeros((1, 1)), [0]).page_format == FP4_PAGES   # told from fp8 by width
-    tiny = _cache(dtype="fp4", latent_dim=80, rope_dim=16)          # ModelConfig.tiny()'s latent: 64 + 16
+    assert KVCache.create(c.pages, np.zeros((1, 1)), [0]).page_format == FP4_PAGES  # told from fp8 by width
+    tiny = _cache(dtype="fp4", latent_dim=80, rope_dim=16)  # ModelConfig.tiny()'s latent: 64 + 16
     assert tiny.pages.shape[-1] == 32 + 4 + 32 and not tiny.page_format.kernel_supported
     kw = dict(num_layers=3, page_size=64, latent_dim=576, max_seqs=1, max_pages_per_seq=4)
     bf16 = PagedLatentCache(num_pages=100, **kw)
@@ -245,18 +260,29 @@ def test_fp4_write_and_gather_match_numpy():
     Expected bytes and values: tests/fp4_numpy.py. Guards: fp4 rows written as fp8 (or as values), the
     gather decoding them with the fp8 layout, a NaN row read as zeros (the NaN rides on the scale)."""
     from fp4_numpy import fp4_bytes, fp4_values
+
     from mla_jax.kv_cache import KVCache
 
     rng = np.random.default_rng(2)
-    c = PagedLatentCache(num_layers=1, num_pages=4, page_size=4, latent_dim=80, max_seqs=2, max_pages_per_seq=2,
-                         dtype="fp4", fill_value=float("nan"), rope_dim=16)
+    c = PagedLatentCache(
+        num_layers=1,
+        num_pages=4,
+        page_size=4,
+        latent_dim=80,
+        max_seqs=2,
+        max_pages_per_seq=2,
+        dtype="fp4",
+        fill_value=float("nan"),
+        rope_dim=16,
+    )
     assert np.isnan(fp4_values(c.pages, rope_dim=16)).all()
     table = np.array([[3, 1], [0, 2]], np.int32)
     pos = np.array([[3, 4], [0, 1]], np.int32)
     lat = (rng.standard_normal((2, 2, 80)) * 3).astype(np.float32)
     step = jax.jit(lambda kv, x, p: kv.write(x, p).gather(dtype=jnp.float32) + (kv.write(x, p).pages,))
-    dense, _, pages = step(KVCache.create(c.pages, table, [5, 2], page_format=c.page_format), jnp.asarray(lat),
-                           jnp.asarray(pos))
+    dense, _, pages = step(
+        KVCache.create(c.pages, table, [5, 2], page_format=c.page_format), jnp.asarray(lat), jnp.asarray(pos)
+    )
     want = np.asarray(c.pages).copy()
     for b in range(2):
         for t in range(2):
@@ -277,11 +303,19 @@ def test_fp8_engine_pool_equals_the_planner(mtp_layers):
     from models import DeepSeekModel
     from models.engine import Engine
 
-    cfg = ModelConfig.tiny().replace(num_hidden_layers=2, num_mtp_layers=mtp_layers, kv_lora_rank=512,
-                                     qk_rope_head_dim=64)
+    cfg = ModelConfig.tiny().replace(
+        num_hidden_layers=2, num_mtp_layers=mtp_layers, kv_lora_rank=512, qk_rope_head_dim=64
+    )
     e = Engine(DeepSeekModel(cfg, rngs=nnx.Rngs(0)), page_size=64, max_batch=2, max_context=300, kv_dtype="fp8")
-    plan = plan_kv_cache(cfg, context_len=300, num_sequences=2, page_size=64, kv_dtype="fp8",
-                         include_mtp=mtp_layers > 0, draft_tokens=3 if mtp_layers else 0)
+    plan = plan_kv_cache(
+        cfg,
+        context_len=300,
+        num_sequences=2,
+        page_size=64,
+        kv_dtype="fp8",
+        include_mtp=mtp_layers > 0,
+        draft_tokens=3 if mtp_layers else 0,
+    )
     assert plan.mla.bytes_per_token_layer == 656
     assert e.cache.nbytes == plan.mla.allocated_bytes == (2 + mtp_layers) * 2 * 5 * 64 * 656  # 5 pages a row
 
@@ -292,15 +326,24 @@ def test_fp8_write_and_gather_match_numpy():
     the encoded NaN token (fill_value=nan): a row read by mistake would show. Expected bytes and
     values: tests/fp8_numpy.py."""
     from fp8_numpy import fp8_bytes, fp8_values
+
     from mla_jax.kv_cache import KVCache
 
     rng = np.random.default_rng(1)
-    c = PagedLatentCache(num_layers=2, num_pages=6, page_size=4, latent_dim=576, max_seqs=2, max_pages_per_seq=3,
-                         dtype="fp8", fill_value=float("nan"))
+    c = PagedLatentCache(
+        num_layers=2,
+        num_pages=6,
+        page_size=4,
+        latent_dim=576,
+        max_seqs=2,
+        max_pages_per_seq=3,
+        dtype="fp8",
+        fill_value=float("nan"),
+    )
     assert np.isnan(fp8_values(c.pages)).all()
     table = np.array([[4, 1, 3], [0, 5, 2]], np.int32)
     lengths = np.array([9, 3], np.int32)
-    pos = np.array([[6, 7, 8], [0, 1, 2]], np.int32)          # row 0 adds tokens 6..8, row 1 its first 3
+    pos = np.array([[6, 7, 8], [0, 1, 2]], np.int32)  # row 0 adds tokens 6..8, row 1 its first 3
     lat = (rng.standard_normal((2, 3, 576)) * 3).astype(np.float32)
     write = jax.jit(lambda kv, x, p: kv.at_layer(1).write(x, p))
     kv = write(KVCache.create(c.pages, table, lengths, page_format=c.page_format), jnp.asarray(lat), jnp.asarray(pos))
@@ -310,14 +353,14 @@ def test_fp8_write_and_gather_match_numpy():
         for t in range(3):
             p = pos[b, t]
             want[1, table[b, p // 4], p % 4] = fp8_bytes(lat[b, t])
-    np.testing.assert_array_equal(pages, want)                # layer 0 untouched, NaN rows elsewhere
+    np.testing.assert_array_equal(pages, want)  # layer 0 untouched, NaN rows elsewhere
     dense, kv_pos = kv.at_layer(1).gather(dtype=jnp.float32)
     dense = np.asarray(dense)
     assert dense.shape == (2, 12, 576) and dense.dtype == np.float32
     np.testing.assert_array_equal(dense[0, 6:9], fp8_values(fp8_bytes(lat[0])))
     np.testing.assert_array_equal(dense[1, :3], fp8_values(fp8_bytes(lat[1])))
-    assert np.isnan(dense[0, :6]).all()                       # never written, inside the length: NaN shows
-    assert (dense[0, 9:] == 0).all() and (dense[1, 3:] == 0).all()   # past the length: zero, not NaN
+    assert np.isnan(dense[0, :6]).all()  # never written, inside the length: NaN shows
+    assert (dense[0, 9:] == 0).all() and (dense[1, 3:] == 0).all()  # past the length: zero, not NaN
     np.testing.assert_array_equal(np.asarray(kv_pos)[1], np.where(np.arange(12) < 3, np.arange(12), -1))
     with pytest.raises(ValueError, match="uint8 .fp8 / fp4. pages take encoded rows"):
         write_latents(kv.pages[0], jnp.asarray(lat), jnp.asarray(pos), jnp.asarray(table))
@@ -335,8 +378,11 @@ def test_the_interpreter_is_refused_on_a_pool_per_data_rank():
 
     dp = (AbstractMesh((2, 1, 1), MESH_AXES), ("data",))
     args = (jnp.zeros((1, 4, 64, 576), jnp.bfloat16), np.zeros((2, 2), np.int32), np.zeros(2, np.int32))
-    with pytest.raises(ValueError, match=r"^KVCache impl='interpret' with a pool per data rank: the Pallas "
-                                         r"interpreter cannot run a kernel on several devices at once"):
+    with pytest.raises(
+        ValueError,
+        match=r"^KVCache impl='interpret' with a pool per data rank: the Pallas "
+        r"interpreter cannot run a kernel on several devices at once",
+    ):
         KVCache.create(*args, impl="interpret", data_parallel=dp)
     for impl in ("kernel", "reference"):
         assert KVCache.create(*args, impl=impl, data_parallel=dp).data_parallel == dp

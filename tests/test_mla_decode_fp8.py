@@ -17,161 +17,177 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import MlaDecodeConfig, mla_decode, mla_decode_reference, quantize_latent_fp8
-from pallas_kernels import _platform
+from pallas_kernels import MlaDecodeConfig, _platform, mla_decode, mla_decode_reference, quantize_latent_fp8
 from pallas_kernels.mla_decode import plan
 
-SCALE = 192 ** -0.5
+SCALE = 192**-0.5
 BLOCK_MAGNITUDES = np.repeat([1.0, 4.0, 16.0, 64.0], 128)
 
 
 def make_fp8_inputs(batch, s_q, heads, seq_lens, max_pages, *, seed=0, spare_pages=3):
-  """(q bf16 [B,s_q,H,576], fp8 pages uint8 [N,64,656], block table, seq_lens), poisoned as above."""
-  rng = np.random.default_rng(seed)
-  num_pages = batch * max_pages + spare_pages
-  lat = rng.standard_normal((num_pages, 64, 576)).astype(np.float32)
-  lat[..., :512] *= BLOCK_MAGNITUDES / 16
-  pages = np.array(quantize_latent_fp8(jnp.asarray(lat)))
-  table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
-  owned = np.zeros(num_pages, bool)
-  for b, length in enumerate(seq_lens):
-    used = -(-length // 64)
-    owned[table[b, :used]] = True
-    if length % 64:
-      pages[table[b, used - 1], length % 64:] = 0xFF
-  pages[~owned] = 0xFF
-  q = rng.standard_normal((batch, s_q, heads, 576)).astype(np.float32)
-  return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(pages), jnp.asarray(table),
-          jnp.asarray(np.asarray(seq_lens, np.int32)))
+    """(q bf16 [B,s_q,H,576], fp8 pages uint8 [N,64,656], block table, seq_lens), poisoned as above."""
+    rng = np.random.default_rng(seed)
+    num_pages = batch * max_pages + spare_pages
+    lat = rng.standard_normal((num_pages, 64, 576)).astype(np.float32)
+    lat[..., :512] *= BLOCK_MAGNITUDES / 16
+    pages = np.array(quantize_latent_fp8(jnp.asarray(lat)))
+    table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    owned = np.zeros(num_pages, bool)
+    for b, length in enumerate(seq_lens):
+        used = -(-length // 64)
+        owned[table[b, :used]] = True
+        if length % 64:
+            pages[table[b, used - 1], length % 64 :] = 0xFF
+    pages[~owned] = 0xFF
+    q = rng.standard_normal((batch, s_q, heads, 576)).astype(np.float32)
+    return (
+        jnp.asarray(q, jnp.bfloat16),
+        jnp.asarray(pages),
+        jnp.asarray(table),
+        jnp.asarray(np.asarray(seq_lens, np.int32)),
+    )
 
 
 def assert_matches_reference(args, *, causal, config=None, impl):
-  out, lse = mla_decode(*args, softmax_scale=SCALE, causal=causal, config=config, impl=impl)
-  ref_out, ref_lse = mla_decode_reference(*args, softmax_scale=SCALE, causal=causal)
-  assert out.shape == ref_out.shape and out.dtype == jnp.bfloat16
-  out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
-  assert np.isfinite(out).all() and np.isfinite(np.asarray(lse)).all()
-  # The kernel sees the same bf16 K/V as the reference: what is left is accumulation order and
-  # the bf16 output rounding.
-  rel = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
-  assert rel < 1e-2, f"relative error {rel}"
-  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-2, rtol=1e-3)
+    out, lse = mla_decode(*args, softmax_scale=SCALE, causal=causal, config=config, impl=impl)
+    ref_out, ref_lse = mla_decode_reference(*args, softmax_scale=SCALE, causal=causal)
+    assert out.shape == ref_out.shape and out.dtype == jnp.bfloat16
+    out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
+    assert np.isfinite(out).all() and np.isfinite(np.asarray(lse)).all()
+    # The kernel sees the same bf16 K/V as the reference: what is left is accumulation order and
+    # the bf16 output rounding.
+    rel = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
+    assert rel < 1e-2, f"relative error {rel}"
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-2, rtol=1e-3)
 
 
 def test_reference_reads_the_dequantised_pages():
-  """Guards: the reference reading fp8 bytes as values (or skipping a block's scale): its output
-  must equal the bf16 reference over the dequantised pages exactly."""
-  q, pages, table, lens = make_fp8_inputs(2, 1, 16, [70, 5], 2, seed=3)
-  from pallas_kernels import dequantize_latent_fp8
-  bf16_pages = jnp.nan_to_num(dequantize_latent_fp8(pages)).astype(jnp.bfloat16)
-  got = mla_decode_reference(q, pages, table, lens, softmax_scale=SCALE)
-  want = mla_decode_reference(q, bf16_pages, table, lens, softmax_scale=SCALE)
-  np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
-  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    """Guards: the reference reading fp8 bytes as values (or skipping a block's scale): its output
+    must equal the bf16 reference over the dequantised pages exactly."""
+    q, pages, table, lens = make_fp8_inputs(2, 1, 16, [70, 5], 2, seed=3)
+    from pallas_kernels import dequantize_latent_fp8
+
+    bf16_pages = jnp.nan_to_num(dequantize_latent_fp8(pages)).astype(jnp.bfloat16)
+    got = mla_decode_reference(q, pages, table, lens, softmax_scale=SCALE)
+    want = mla_decode_reference(q, bf16_pages, table, lens, softmax_scale=SCALE)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
 # (heads, s_q, causal, seq_lens, max_pages, num_splits): small enough for the interpreter. R = s_q * H
 # <= 32 query rows go through the transposed body, more through the padded shared-buffer body.
 INTERPRET_CASES = [
-    (16, 1, False, [1, 63], 1, None),     # transposed; length 1; a NaN tail inside the only page
-    (16, 2, True, [65, 130], 3, 2),       # transposed; two pages a CTA, causal, split combine
-    (32, 1, False, [130, 64], 3, 1),      # transposed; three pages a CTA, one split (final output)
-    (32, 2, True, [65, 130], 3, 2),       # two pages through one CTA, page boundaries, causal
-    (64, 1, True, [3, 200], 4, 4),        # empty splits, ragged, split combine
-    (128, 1, False, [100, 7], 2, 2),      # two row blocks per sequence
+    (16, 1, False, [1, 63], 1, None),  # transposed; length 1; a NaN tail inside the only page
+    (16, 2, True, [65, 130], 3, 2),  # transposed; two pages a CTA, causal, split combine
+    (32, 1, False, [130, 64], 3, 1),  # transposed; three pages a CTA, one split (final output)
+    (32, 2, True, [65, 130], 3, 2),  # two pages through one CTA, page boundaries, causal
+    (64, 1, True, [3, 200], 4, 4),  # empty splits, ragged, split combine
+    (128, 1, False, [100, 7], 2, 2),  # two row blocks per sequence
 ]
 
 
 @pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,num_splits", INTERPRET_CASES)
 def test_interpret_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits):
-  """Guards: a scale applied to the wrong 128-column block, the rope columns not copied into the
-  key buffer (or, transposed, their scores not added), page-tail rows not zeroed (NaN through
-  P·V), the buffer overwritten before the other warpgroup's P·V (a wrong page's V); transposed:
-  warpgroup 1's partial scores not added, the softmax state not carried across pages, the query
-  rows of a causal token mapped to the wrong limit, and the transposed outputs not transposed back."""
-  args = make_fp8_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q)
-  config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1)
-  assert_matches_reference(args, causal=causal, config=config, impl="interpret")
+    """Guards: a scale applied to the wrong 128-column block, the rope columns not copied into the
+    key buffer (or, transposed, their scores not added), page-tail rows not zeroed (NaN through
+    P·V), the buffer overwritten before the other warpgroup's P·V (a wrong page's V); transposed:
+    warpgroup 1's partial scores not added, the softmax state not carried across pages, the query
+    rows of a causal token mapped to the wrong limit, and the transposed outputs not transposed back."""
+    args = make_fp8_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q)
+    config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1)
+    assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
 def test_transposed_body_refuses_more_than_32_rows():
-  """Guards: fp8_transposed=True silently falling back (or computing garbage) where the transposed
-  body does not serve: more than 32 query rows, or the balanced schedule."""
-  args = make_fp8_inputs(1, 1, 64, [70], 2)
-  with pytest.raises(ValueError, match="s_q \\* H = 64"):
-    mla_decode(*args, softmax_scale=SCALE, config=MlaDecodeConfig(fp8_transposed=True), impl="interpret")
-  args = make_fp8_inputs(1, 1, 16, [70], 2)
-  with pytest.raises(ValueError, match="schedule 'balanced'"):
-    mla_decode(*args, softmax_scale=SCALE, impl="interpret",
-               config=MlaDecodeConfig(fp8_transposed=True, schedule="balanced"))
+    """Guards: fp8_transposed=True silently falling back (or computing garbage) where the transposed
+    body does not serve: more than 32 query rows, or the balanced schedule."""
+    args = make_fp8_inputs(1, 1, 64, [70], 2)
+    with pytest.raises(ValueError, match="s_q \\* H = 64"):
+        mla_decode(*args, softmax_scale=SCALE, config=MlaDecodeConfig(fp8_transposed=True), impl="interpret")
+    args = make_fp8_inputs(1, 1, 16, [70], 2)
+    with pytest.raises(ValueError, match="schedule 'balanced'"):
+        mla_decode(
+            *args,
+            softmax_scale=SCALE,
+            impl="interpret",
+            config=MlaDecodeConfig(fp8_transposed=True, schedule="balanced"),
+        )
 
 
 def test_interpret_balanced_matches_reference():
-  """Guards the balanced schedule's fp8 body: pages [2, 2, 1] in runs of 3 (seq 1 in two pieces,
-  both runs crossing a sequence boundary), so a Q not reloaded for the next sequence, softmax
-  state carried across sequences, a piece written to the wrong slot, or a 0xFF byte of another
-  sequence's page shows."""
-  lens = [65, 70, 3]
-  args = make_fp8_inputs(len(lens), 1, 16, lens, 2, seed=9)
-  config = MlaDecodeConfig(schedule="balanced", target_ctas=2, min_pages_per_split=1)
-  assert_matches_reference(args, causal=False, config=config, impl="interpret")
+    """Guards the balanced schedule's fp8 body: pages [2, 2, 1] in runs of 3 (seq 1 in two pieces,
+    both runs crossing a sequence boundary), so a Q not reloaded for the next sequence, softmax
+    state carried across sequences, a piece written to the wrong slot, or a 0xFF byte of another
+    sequence's page shows."""
+    lens = [65, 70, 3]
+    args = make_fp8_inputs(len(lens), 1, 16, lens, 2, seed=9)
+    config = MlaDecodeConfig(schedule="balanced", target_ctas=2, min_pages_per_split=1)
+    assert_matches_reference(args, causal=False, config=config, impl="interpret")
 
 
 def _lower(batch, s_q, heads, max_pages, *, causal, config=None):
-  shapes = (jax.ShapeDtypeStruct((batch, s_q, heads, 576), jnp.bfloat16),
-            jax.ShapeDtypeStruct((batch * max_pages, 64, 656), jnp.uint8),
-            jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
-            jax.ShapeDtypeStruct((batch,), jnp.int32))
-  fn = lambda *a: mla_decode(*a, softmax_scale=SCALE, causal=causal, config=config, impl="kernel")
-  return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+    shapes = (
+        jax.ShapeDtypeStruct((batch, s_q, heads, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch * max_pages, 64, 656), jnp.uint8),
+        jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
+    fn = lambda *a: mla_decode(*a, softmax_scale=SCALE, causal=causal, config=config, impl="kernel")
+    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("heads", [16, 32, 64, 128])
 @pytest.mark.parametrize("s_q,batch,max_pages", [(1, 128, 128), (2, 1, 512), (4, 8, 65)])
 def test_cross_lowers_for_sm90(heads, s_q, batch, max_pages):
-  """Guards: an fp8 body that does not compile for sm_90 (SMEM over 227 KB, a TMA box or
-  register layout the 656-byte rows break) at any supported head count and query length."""
-  lowered = _lower(batch, s_q, heads, max_pages, causal=s_q > 1)
-  kernels = 1 if plan(batch, s_q, heads, max_pages, MlaDecodeConfig()).num_splits == 1 else 2
-  assert len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text())) == kernels
+    """Guards: an fp8 body that does not compile for sm_90 (SMEM over 227 KB, a TMA box or
+    register layout the 656-byte rows break) at any supported head count and query length."""
+    lowered = _lower(batch, s_q, heads, max_pages, causal=s_q > 1)
+    kernels = 1 if plan(batch, s_q, heads, max_pages, MlaDecodeConfig()).num_splits == 1 else 2
+    assert len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text())) == kernels
 
 
 @pytest.mark.parametrize("heads,s_q", [(128, 2)])
 def test_balanced_cross_lowers_for_sm90(heads, s_q):
-  """Guards: the balanced fp8 body over 227 KB of SMEM (its extra barrier next to the full
-  buffers) or using a construct Lane semantics cannot lower."""
-  lowered = _lower(8, s_q, heads, 130, causal=s_q > 1, config=MlaDecodeConfig(schedule="balanced"))
-  assert len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text())) == 2
+    """Guards: the balanced fp8 body over 227 KB of SMEM (its extra barrier next to the full
+    buffers) or using a construct Lane semantics cannot lower."""
+    lowered = _lower(8, s_q, heads, 130, causal=s_q > 1, config=MlaDecodeConfig(schedule="balanced"))
+    assert len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text())) == 2
 
 
-requires_hopper = pytest.mark.skipif(not _platform.default_backend_is_hopper(),
-                                     reason="needs a Hopper (sm_90) GPU")
+requires_hopper = pytest.mark.skipif(not _platform.default_backend_is_hopper(), reason="needs a Hopper (sm_90) GPU")
 
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", [
-    (16, 1, False, 40, 300, None), (32, 1, True, 40, 300, None), (16, 2, True, 5, 2000, 7),
-    (32, 2, True, 5, 2000, 7), (64, 1, False, 40, 300, None),
-    (64, 4, False, 5, 2000, 7), (128, 3, True, 40, 300, None), (128, 1, False, 5, 2000, 7)])
+@pytest.mark.parametrize(
+    "heads,s_q,causal,batch,mean_len,num_splits",
+    [
+        (16, 1, False, 40, 300, None),
+        (32, 1, True, 40, 300, None),
+        (16, 2, True, 5, 2000, 7),
+        (32, 2, True, 5, 2000, 7),
+        (64, 1, False, 40, 300, None),
+        (64, 4, False, 5, 2000, 7),
+        (128, 3, True, 40, 300, None),
+        (128, 1, False, 5, 2000, 7),
+    ],
+)
 def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
-  rng = np.random.default_rng(heads * 100 + s_q)
-  lengths = np.clip(rng.normal(mean_len, mean_len / 2, batch), s_q, 2 * mean_len).astype(int).tolist()
-  lengths[0], lengths[-1] = max(s_q, 1), 2 * mean_len
-  args = make_fp8_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64), seed=int(rng.integers(1 << 30)))
-  assert_matches_reference(args, causal=causal, config=MlaDecodeConfig(num_splits=num_splits),
-                           impl="kernel")
+    rng = np.random.default_rng(heads * 100 + s_q)
+    lengths = np.clip(rng.normal(mean_len, mean_len / 2, batch), s_q, 2 * mean_len).astype(int).tolist()
+    lengths[0], lengths[-1] = max(s_q, 1), 2 * mean_len
+    args = make_fp8_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64), seed=int(rng.integers(1 << 30)))
+    assert_matches_reference(args, causal=causal, config=MlaDecodeConfig(num_splits=num_splits), impl="kernel")
 
 
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("heads,s_q,causal", [(64, 1, False), (128, 2, True)])
 def test_gpu_balanced_matches_reference(heads, s_q, causal):
-  """The balanced schedule's fp8 body on the GPU over ragged lengths and the default 132 CTAs
-  (runs crossing sequence boundaries; races the interpreter cannot show)."""
-  rng = np.random.default_rng(heads + s_q)
-  lengths = np.clip(rng.normal(700, 350, 40), s_q, 1400).astype(int).tolist()
-  lengths[0], lengths[-1] = max(s_q, 1), 1400
-  args = make_fp8_inputs(40, s_q, heads, lengths, -(-1400 // 64), seed=int(rng.integers(1 << 30)))
-  assert_matches_reference(args, causal=causal, impl="kernel",
-                           config=MlaDecodeConfig(schedule="balanced"))
+    """The balanced schedule's fp8 body on the GPU over ragged lengths and the default 132 CTAs
+    (runs crossing sequence boundaries; races the interpreter cannot show)."""
+    rng = np.random.default_rng(heads + s_q)
+    lengths = np.clip(rng.normal(700, 350, 40), s_q, 1400).astype(int).tolist()
+    lengths[0], lengths[-1] = max(s_q, 1), 1400
+    args = make_fp8_inputs(40, s_q, heads, lengths, -(-1400 // 64), seed=int(rng.integers(1 << 30)))
+    assert_matches_reference(args, causal=causal, impl="kernel", config=MlaDecodeConfig(schedule="balanced"))

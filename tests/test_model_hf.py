@@ -20,6 +20,7 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 VARIANTS = ["hf_v3_tiny", "hf_v3_tiny_fp8", "hf_v2_lite_tiny", "hf_v2_group_tiny"]
 RTOL = ATOL = 3e-5  # logits of magnitude ~8; what fp32 reaches against HF is ~1e-5 (see the report)
 
+
 # Eager on purpose: the four fixtures share most shapes, so op-by-op dispatch reuses compiled ops
 # across them, where a jit per model would compile each variant (measured: 45 s vs 65 s).
 def _forward(m, ids, absorbed):
@@ -45,9 +46,15 @@ def _pieces(model, ids, x_ref):
             router_input = layer.post_attention_layernorm(a).reshape(-1, cfg.hidden_size)
         h = layer(h, pos)
     gate = model.layer(k).mlp.gate
-    out = dict(router_input=router_input, router_logits=gate.logits(x_ref), router=gate(x_ref),
-               hidden=model.norm(h), logits=model.logits_from_hidden(model.norm(h)), h_pre=h,
-               hidden_pre=model.hidden_states(ids, pre_norm=True))
+    out = dict(
+        router_input=router_input,
+        router_logits=gate.logits(x_ref),
+        router=gate(x_ref),
+        hidden=model.norm(h),
+        logits=model.logits_from_hidden(model.norm(h)),
+        h_pre=h,
+        hidden_pre=model.hidden_states(ids, pre_norm=True),
+    )
     if len(model.mtp):
         hid = model.hidden_states(ids)
         out["mtp_helper"] = model.mtp_logits(hid[:, :-1], ids[:, 1:])
@@ -110,8 +117,9 @@ def test_public_pieces_and_router_records_match_hf(loaded):
     r = out["router"]
     order = np.argsort(np.asarray(r.indices), axis=-1)
     np.testing.assert_array_equal(np.take_along_axis(np.asarray(r.indices), order, -1), ref["router_topk_idx"])
-    np.testing.assert_allclose(np.take_along_axis(np.asarray(r.weights), order, -1), ref["router_topk_weight"],
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.take_along_axis(np.asarray(r.weights), order, -1), ref["router_topk_weight"], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_bf16_load_is_close():
@@ -148,6 +156,7 @@ def test_model_api_validates_and_shapes():
     assert pre.mtp[0].hidden_source == "pre_norm"
     _, mtp_pre = pre(ids, with_mtp=True)
     h_pre = pre.hidden_states(ids, pre_norm=True)
-    np.testing.assert_allclose(np.asarray(mtp_pre), np.asarray(pre.mtp_logits(h_pre[:, :-1], ids[:, 1:])),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(mtp_pre), np.asarray(pre.mtp_logits(h_pre[:, :-1], ids[:, 1:])), rtol=1e-5, atol=1e-5
+    )
     assert float(jnp.abs(mtp_pre - mtp).max()) > 1e-2  # the fixture's final norm weight is not 1: it matters

@@ -13,15 +13,30 @@ from flax import nnx
 
 from mla_jax import ModelConfig
 from models.moe import (
-    MgpuTuning, MoE, RouterBias, moe_dense_reference, moe_grouped, resolve_moe_impl, route,
+    MgpuTuning,
+    MoE,
+    RouterBias,
+    moe_dense_reference,
+    moe_grouped,
+    resolve_moe_impl,
+    route,
 )
 
-V3 = ModelConfig.tiny().replace(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4,
-                                hidden_size=32, moe_intermediate_size=16)
-V2_GREEDY = V3.replace(scoring_func="softmax", topk_method="greedy", n_group=1, topk_group=1,
-                       norm_topk_prob=False, routed_scaling_factor=1.5, model_type="deepseek_v2")
-V2_GROUP = V2_GREEDY.replace(topk_method="group_limited_greedy", n_group=4, topk_group=2, num_experts_per_tok=5,
-                             routed_scaling_factor=16.0)
+V3 = ModelConfig.tiny().replace(
+    n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, hidden_size=32, moe_intermediate_size=16
+)
+V2_GREEDY = V3.replace(
+    scoring_func="softmax",
+    topk_method="greedy",
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=False,
+    routed_scaling_factor=1.5,
+    model_type="deepseek_v2",
+)
+V2_GROUP = V2_GREEDY.replace(
+    topk_method="group_limited_greedy", n_group=4, topk_group=2, num_experts_per_tok=5, routed_scaling_factor=16.0
+)
 
 
 # ------------------------------------------------------------------------------------------
@@ -183,9 +198,11 @@ def test_ragged_dot_gradients_equal_dense_reference():
 
     argn = (0, 1, 2, 3, 4)  # x, w, gate, up, down
     g_ragged = jax.grad(lambda *a: loss(lambda *b: moe_grouped(*b, impl="ragged_dot"), *a), argnums=argn)(
-        args[0], args[1], args[3], args[4], args[5])
+        args[0], args[1], args[3], args[4], args[5]
+    )
     g_dense = jax.grad(lambda *a: loss(moe_dense_reference, *a), argnums=argn)(
-        args[0], args[1], args[3], args[4], args[5])
+        args[0], args[1], args[3], args[4], args[5]
+    )
     chex.assert_trees_all_close(g_ragged, g_dense, rtol=1e-4, atol=1e-5)
 
 
@@ -240,6 +257,7 @@ def test_mgpu_kernel_gradients_in_interpret_mode_match_the_dense_reference(monke
     kernel leaves unwritten, is zero-filled by the interpreter anyway: the GPU test guards that.)"""
     plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
     monkeypatch.setattr(transposed_ragged_dot_mgpu, "jax", _JaxWithSMs())
     x, w, idx, gate, up, down = random_experts(5, T=12, K=2, E=5, D=48, I=40, dtype=jnp.bfloat16)  # 3, 4: no rows
     tuning = MgpuTuning(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2, grid_block_n=1)
@@ -252,7 +270,8 @@ def test_mgpu_kernel_gradients_in_interpret_mode_match_the_dense_reference(monke
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         got = jax.grad(lambda *a: loss(mgpu, *a), argnums=(0, 1, 2, 3))(x, gate, up, down)
     want = jax.grad(lambda *a: loss(moe_dense_reference, *a), argnums=(0, 1, 2, 3))(
-        f32(x), f32(gate), f32(up), f32(down))
+        f32(x), f32(gate), f32(up), f32(down)
+    )
     assert all(float(jnp.abs(f32(got[i][e])).max()) == 0.0 for i in (1, 2, 3) for e in (3, 4))
     for name, a, b in zip(("x", "gate", "up", "down"), got, want):
         err = float(jnp.linalg.norm(f32(a) - b) / jnp.linalg.norm(b))

@@ -36,7 +36,7 @@ def test_interpret_matches_reference(sizes):
     got = moe_decode(*args, config=SMALL, impl="interpret")
     assert got.dtype == jnp.float32 and got.shape == ref.shape
     chex.assert_trees_all_close(got, ref, rtol=1e-2, atol=1e-2)  # bf16 h rounded alike; sums in fp32
-    assert not np.asarray(got[int(sum(sizes)):]).any()  # rows past the groups are 0
+    assert not np.asarray(got[int(sum(sizes)) :]).any()  # rows past the groups are 0
 
 
 def test_cross_lowers_for_sm90():
@@ -58,8 +58,9 @@ def test_moe_grouped_decode_equals_the_dense_oracle_and_ragged_dot_gradients():
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
     idx = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
     w = jnp.asarray(rng.random((T, K)), jnp.float32)
-    gate, up, down = (jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
-                      for s in ((E, D, I), (E, D, I), (E, I, D)))
+    gate, up, down = (
+        jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32) for s in ((E, D, I), (E, D, I), (E, I, D))
+    )
     got = moe_grouped(x, w, idx, gate, up, down, impl="decode_interpret")
     chex.assert_trees_all_close(got, moe_dense_reference(x, w, idx, gate, up, down), rtol=1e-4, atol=1e-4)
 
@@ -96,6 +97,7 @@ def test_auto_takes_the_decode_kernel_only_for_decode_shaped_calls(monkeypatch):
 @pytest.mark.parametrize("tokens", [1, 32, 128])
 def test_gpu_kernel_matches_reference_at_v2_lite_widths(tokens):
     from pallas_kernels._platform import default_backend_is_hopper
+
     if not default_backend_is_hopper():
         pytest.skip("needs a Hopper GPU")
     rng = np.random.default_rng(tokens)
@@ -106,7 +108,7 @@ def test_gpu_kernel_matches_reference_at_v2_lite_widths(tokens):
     ref = jax.jit(moe_decode_reference)(*args)
     rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
     assert rel < 1e-2, rel
-    assert not np.asarray(got[int(sizes.sum()):]).any()
+    assert not np.asarray(got[int(sizes.sum()) :]).any()
 
 
 def test_engine_with_the_decode_experts_reads_each_layer_out_of_the_stack():
@@ -114,8 +116,8 @@ def test_engine_with_the_decode_experts_reads_each_layer_out_of_the_stack():
     whole [L, E, ...] expert stack with a layer offset instead of a per-layer slice: a wrong offset
     (another layer's experts, or layer 0's for all) changes the generated tokens."""
     from flax import nnx
-
     from micro_configs import narrow_v2_lite
+
     from models import DeepSeekModel, Engine
 
     cfg = narrow_v2_lite(4).replace(hidden_size=128, moe_intermediate_size=64)
@@ -123,6 +125,9 @@ def test_engine_with_the_decode_experts_reads_each_layer_out_of_the_stack():
     out = {}
     for impl in ("ragged_dot", "decode"):
         m = DeepSeekModel(cfg, rngs=nnx.Rngs(0), moe_impl=impl)
-        out[impl] = Engine(m, page_size=16, num_pages=16, max_batch=2, kv_dtype=jnp.float32).generate(
-            prompts, max_new_tokens=6).tokens
+        out[impl] = (
+            Engine(m, page_size=16, num_pages=16, max_batch=2, kv_dtype=jnp.float32)
+            .generate(prompts, max_new_tokens=6)
+            .tokens
+        )
     assert out["decode"] == out["ragged_dot"]

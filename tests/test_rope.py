@@ -28,8 +28,14 @@ def yarn_freqs_f64(dim, theta, factor, orig, beta_fast, beta_slow):
 @pytest.mark.parametrize("preset", ["deepseek_v3", "deepseek_v2_lite", "tiny"])
 def test_yarn_frequencies_match_float64(preset):
     cfg = getattr(ModelConfig, preset)()
-    ref, (low, high) = yarn_freqs_f64(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor,
-                                      cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow)
+    ref, (low, high) = yarn_freqs_f64(
+        cfg.qk_rope_head_dim,
+        cfg.rope_theta,
+        cfg.rope_factor,
+        cfg.original_max_position_embeddings,
+        cfg.beta_fast,
+        cfg.beta_slow,
+    )
     got = inv_frequencies(cfg)
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, ref, rtol=1e-6)

@@ -6,8 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.sampling import (SamplingArrays, SamplingParams, filtered_probs, row_keys, sample, sample_from_probs,
-                             sampler_kind, speculative_accept)
+from models.sampling import (
+    SamplingArrays,
+    SamplingParams,
+    filtered_probs,
+    row_keys,
+    sample,
+    sample_from_probs,
+    sampler_kind,
+    speculative_accept,
+)
 
 V = 32
 DRAWS = 16384  # one shape for every draw below: the sampler compiles once for the module
@@ -36,18 +44,21 @@ def _draw(logits, params, seed=0):
 
 
 # --- SamplingParams ----------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(temperature=-0.5), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_k=-1), "top_k"),
-    (dict(top_k=2.5), "top_k"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(min_p=-0.1), "min_p"),
-    (dict(min_p=2.0), "min_p"),
-    (dict(seed=-1), "seed"),
-    (dict(seed=2**32), "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**32), "seed"),
+    ],
+)
 def test_sampling_params_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -113,17 +124,23 @@ def test_min_p_never_emits_excluded(logits):
 
 
 def test_filtered_probs_are_normalised_and_zero_outside(logits):
-    s = SamplingArrays.from_params([SamplingParams(temperature=1.0, top_k=4),
-                                    SamplingParams(temperature=0.5, top_p=0.5),
-                                    SamplingParams(temperature=0.0), SamplingParams(temperature=2.0)])
+    s = SamplingArrays.from_params(
+        [
+            SamplingParams(temperature=1.0, top_k=4),
+            SamplingParams(temperature=0.5, top_p=0.5),
+            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=2.0),
+        ]
+    )
     probs = np.asarray(jax.jit(filtered_probs)(jnp.broadcast_to(logits, (4, V)), s))
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
     assert (probs[0] > 0).sum() == 4
     assert (probs[2] == np.eye(V)[int(jnp.argmax(logits))]).all()
     assert (probs[3] > 0).all()
     # The unfiltered fast form equals the general one when no filter is on.
-    fast = np.asarray(jax.jit(filtered_probs, static_argnames='filtered')(jnp.broadcast_to(logits, (4, V)), s,
-                                                                         filtered=False))
+    fast = np.asarray(
+        jax.jit(filtered_probs, static_argnames="filtered")(jnp.broadcast_to(logits, (4, V)), s, filtered=False)
+    )
     np.testing.assert_allclose(fast[2:], probs[2:], rtol=1e-6)
 
 
@@ -142,8 +159,12 @@ def test_rejection_sampling_preserves_target_distribution():
     k_d, k_a = jax.random.split(jax.random.PRNGKey(11))
     drafts = jax.random.categorical(k_d, jnp.log(q), shape=(n,)).astype(jnp.int32)
     keys = jax.random.split(k_a, n)
-    acc, out = jax.jit(speculative_accept)(jax.random.key_data(keys) if keys.dtype != jnp.uint32 else keys,
-                                           jnp.broadcast_to(p, (n, v)), jnp.broadcast_to(q, (n, v)), drafts)
+    acc, out = jax.jit(speculative_accept)(
+        jax.random.key_data(keys) if keys.dtype != jnp.uint32 else keys,
+        jnp.broadcast_to(p, (n, v)),
+        jnp.broadcast_to(q, (n, v)),
+        drafts,
+    )
     out, acc = np.asarray(out), np.asarray(acc)
     hist = np.bincount(out, minlength=v) / n
     # Binomial std is <= 0.0012 here; 0.006 is five of them.

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from micro_configs import narrow_v2_lite
+
 from mla_jax.kv_cache import KVCache
 from models import DeepSeekModel
 from models.engine import Engine
@@ -28,9 +28,15 @@ def _decode_step(layers: int, compile: bool = True):
     make = lambda: DeepSeekModel(narrow_v2_lite(layers), rngs=nnx.Rngs(0))  # noqa: E731
     model = make() if compile else nnx.eval_shape(make)
     e = Engine(model, page_size=16, num_pages=64, max_batch=B, kv_dtype=jnp.float32)
-    inp = StepInputs(np.zeros((B, 1), np.int32), np.zeros((B, 1), np.int32), np.zeros((B, P), np.int32),
-                     np.ones((B,), np.int32), np.zeros((B,), np.int32), np.zeros((B, 2), np.uint32),
-                     SamplingArrays.from_params([SamplingParams()] * B))
+    inp = StepInputs(
+        np.zeros((B, 1), np.int32),
+        np.zeros((B, 1), np.int32),
+        np.zeros((B, P), np.int32),
+        np.ones((B,), np.int32),
+        np.zeros((B,), np.int32),
+        np.zeros((B, 2), np.uint32),
+        SamplingArrays.from_params([SamplingParams()] * B),
+    )
     cache = KVCache.create(e.cache.pages, inp.block_table, inp.lengths)
     lowered = e.steps.decode.lower(e.state, cache, inp, sampler="greedy")
     return e, lowered, lowered.compile() if compile else None
@@ -61,15 +67,23 @@ def test_gpu_decode_step_through_the_kernels_copies_no_pool_and_no_experts():
     pages of 64 x 576, a kernel-shaped narrow model), and the MoE decode kernel reading each
     layer's experts out of the whole stack (no per-layer slice of the [L, E, D, I] weights)."""
     from pallas_kernels._platform import default_backend_is_hopper
+
     if not default_backend_is_hopper():
         pytest.skip("needs a Hopper GPU")
-    cfg = narrow_v2_lite(6).replace(kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16,
-                                    hidden_size=128, moe_intermediate_size=64)
+    cfg = narrow_v2_lite(6).replace(
+        kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16, hidden_size=128, moe_intermediate_size=64
+    )
     model = DeepSeekModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     e = Engine(model, page_size=64, num_pages=256, max_batch=B, attention_impl="kernel")
-    inp = StepInputs(np.zeros((B, 1), np.int32), np.zeros((B, 1), np.int32), np.zeros((B, P), np.int32),
-                     np.ones((B,), np.int32), np.zeros((B,), np.int32), np.zeros((B, 2), np.uint32),
-                     SamplingArrays.from_params([SamplingParams()] * B))
+    inp = StepInputs(
+        np.zeros((B, 1), np.int32),
+        np.zeros((B, 1), np.int32),
+        np.zeros((B, P), np.int32),
+        np.ones((B,), np.int32),
+        np.zeros((B,), np.int32),
+        np.zeros((B, 2), np.uint32),
+        SamplingArrays.from_params([SamplingParams()] * B),
+    )
     cache = KVCache.create(e.cache.pages, inp.block_table, inp.lengths, impl="kernel")
     hlo = e.steps.decode.lower(e.state, cache, inp, sampler="greedy").compile().as_text()
     pool = "bf16[" + ",".join(map(str, e.cache.pages.shape)) + "]"
@@ -78,6 +92,7 @@ def test_gpu_decode_step_through_the_kernels_copies_no_pool_and_no_experts():
     assert not copies, copies[:3]
     E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     one_layer = (f"bf16[{E},{D},{I}]", f"bf16[{E},{I},{D}]")  # a layer's gate/up or down weights
-    made = [line for line in hlo.splitlines() if " = " in line
-            and line.split(" = ", 1)[1].lstrip().startswith(one_layer)]
+    made = [
+        line for line in hlo.splitlines() if " = " in line and line.split(" = ", 1)[1].lstrip().startswith(one_layer)
+    ]
     assert not made, made[:3]

@@ -17,16 +17,17 @@ import sys
 import jax
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, PartitionSpec as P
-
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 from micro_configs import MICRO_V3, narrow_v2_lite
+
 from mla_jax.sharding import DEFAULT_RULES, MESH_AXES, make_mesh, model_specs, spec_for
 from models import DeepSeekModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8", "dp2", "mixed")
-TRAIN_MESHES = ("mixed",)   # sharding_cases.TRAIN_MESHES
-FSDP_MESH = "mixed"         # sharding_cases.FSDP_MESH
+TRAIN_MESHES = ("mixed",)  # sharding_cases.TRAIN_MESHES
+FSDP_MESH = "mixed"  # sharding_cases.FSDP_MESH
 ATOL = 1e-5
 
 
@@ -46,8 +47,14 @@ def _flat_specs(model, mesh, rules=DEFAULT_RULES, fsdp=False):
 def cases():
     """{mesh name: the JSON line sharding_cases.py printed for it}; one subprocess for the module."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharding_cases.py")], capture_output=True,
-                       text=True, env=env, timeout=900, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "sharding_cases.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     lines = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     return {d["case"]: d for d in lines}
@@ -77,10 +84,10 @@ def test_default_layout():
     assert s["moe_layers.self_attn.wq_b.kernel"] == P(None, None, "tensor")
     assert s["moe_layers.self_attn.wkv_b.kernel"] == P(None, None, "tensor")
     assert s["moe_layers.self_attn.wo.kernel"] == P(None, "tensor", None)
-    assert s["moe_layers.self_attn.wkv_a.kernel"] == P(None, None, None)   # the latent: no head axis
+    assert s["moe_layers.self_attn.wkv_a.kernel"] == P(None, None, None)  # the latent: no head axis
     assert s["moe_layers.mlp.experts.gate_proj"] == P(None, "expert", None, "tensor")
     assert s["moe_layers.mlp.experts.down_proj"] == P(None, "expert", "tensor", None)
-    assert s["mtp.0.block.mlp.experts.up_proj"] == P("expert", None, "tensor")   # MTP block: no layer axis
+    assert s["mtp.0.block.mlp.experts.up_proj"] == P("expert", None, "tensor")  # MTP block: no layer axis
     assert s["dense_layers.mlp.down_proj.kernel"] == P(None, "tensor", None)
     assert s["moe_layers.mlp.gate.kernel"] == P(None, None, None)
     assert s["embed_tokens.embedding"] == P("tensor", None)
@@ -105,10 +112,10 @@ def test_fsdp_layout():
     rule off (no data parallelism: nothing to shard over)."""
     m = _mesh(data=2, expert=2, tensor=2)
     rules, fsdp = _flat_specs(_abstract(MICRO_V3), m), _flat_specs(_abstract(MICRO_V3), m, fsdp=True)
-    assert fsdp["moe_layers.self_attn.wq_b.kernel"] == P(None, "data", "tensor")         # [1, Q=24, H·K=32]
-    assert fsdp["moe_layers.self_attn.wkv_a.kernel"] == P(None, "data", None)            # [1, D=32, 24]
+    assert fsdp["moe_layers.self_attn.wq_b.kernel"] == P(None, "data", "tensor")  # [1, Q=24, H·K=32]
+    assert fsdp["moe_layers.self_attn.wkv_a.kernel"] == P(None, "data", None)  # [1, D=32, 24]
     assert fsdp["moe_layers.mlp.experts.gate_proj"] == P(None, "expert", "data", "tensor")
-    assert fsdp["moe_layers.mlp.gate.kernel"] == P(None, "data", None)                   # [1, D=32, E=4]
+    assert fsdp["moe_layers.mlp.gate.kernel"] == P(None, "data", None)  # [1, D=32, E=4]
     assert fsdp["embed_tokens.embedding"] == P("tensor", "data")
     assert fsdp["lm_head.kernel"] == P("data", "tensor")
     assert fsdp["norm.weight"] == P("data")
@@ -117,14 +124,16 @@ def test_fsdp_layout():
         assert len(changed) <= 1 and all(rules[name][d] is None and spec[d] == "data" for d in changed), name
     shape = dict(data=2, expert=1, tensor=1)
     stacked_norm = ("moe_layers", "input_layernorm", "weight")
-    assert spec_for(stacked_norm, (8, 3), shape, fsdp=True) == P(None, None)   # 8 layers: not the layer axis
+    assert spec_for(stacked_norm, (8, 3), shape, fsdp=True) == P(None, None)  # 8 layers: not the layer axis
     assert spec_for(stacked_norm, (8, 6), shape, fsdp=True) == P(None, "data")
     assert spec_for(("embed_tokens", "embedding"), (6, 6), shape, fsdp=True) == P("data", None)  # the first
     assert spec_for(("embed_tokens", "embedding"), (7, 6), shape, fsdp=True) == P(None, "data")  # 7 odd
-    assert _flat_specs(_abstract(MICRO_V3), m, dict(DEFAULT_RULES, batch=None), fsdp=True) == \
-        _flat_specs(_abstract(MICRO_V3), m, dict(DEFAULT_RULES, batch=None))
-    assert _flat_specs(_abstract(MICRO_V3), _mesh(expert=2, tensor=2), fsdp=True) == \
-        _flat_specs(_abstract(MICRO_V3), _mesh(expert=2, tensor=2))
+    assert _flat_specs(_abstract(MICRO_V3), m, dict(DEFAULT_RULES, batch=None), fsdp=True) == _flat_specs(
+        _abstract(MICRO_V3), m, dict(DEFAULT_RULES, batch=None)
+    )
+    assert _flat_specs(_abstract(MICRO_V3), _mesh(expert=2, tensor=2), fsdp=True) == _flat_specs(
+        _abstract(MICRO_V3), _mesh(expert=2, tensor=2)
+    )
 
 
 def test_make_mesh_on_one_device():
@@ -132,7 +141,7 @@ def test_make_mesh_on_one_device():
     built over jax.devices() with the wrong product failed inside jax with a reshape error)."""
     mesh = make_mesh()
     assert mesh.axis_names == MESH_AXES and mesh.devices.shape == (1, 1, 1)
-    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)   # GSPMD partitions the rest
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)  # GSPMD partitions the rest
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,7 +162,7 @@ def test_forward_equals_one_device(cases, mesh):
     of the embedding read as the whole table."""
     c = cases[mesh]
     assert c["logits_diff"] <= ATOL and c["mtp_diff"] <= ATOL, c
-    assert c["logits_scale"] > 100 * ATOL   # logits of all zeros would agree trivially
+    assert c["logits_scale"] > 100 * ATOL  # logits of all zeros would agree trivially
     assert c["untouched"], "shard_model moved the model it was given"
 
 
@@ -166,7 +175,7 @@ def test_only_activations_move(cases, mesh):
     head rows (tried), the attention outputs are all-gathered and resharded by all-to-alls; the
     logits stay equal, the bandwidth TP was for is gone."""
     for op, t in cases[mesh]["collectives"]:
-        dims = [int(d) for d in t[t.index("[") + 1:-1].split(",") if d]
+        dims = [int(d) for d in t[t.index("[") + 1 : -1].split(",") if d]
         if op == "all-gather":
             assert t.startswith("s32"), (op, t)
         else:
@@ -182,7 +191,7 @@ def test_each_data_rank_routes_its_own_tokens(cases, mesh):
     D, TK = 32, (4 * 8 * 2, 4 * 7 * 2)
     for op, t in cases[mesh]["collectives"]:
         if op == "all-gather":
-            dims = [int(d) for d in t[t.index("[") + 1:-1].split(",") if d]
+            dims = [int(d) for d in t[t.index("[") + 1 : -1].split(",") if d]
             assert dims[-1] != D and not (t.startswith("s32") and dims[0] in TK), (op, t)
 
 
@@ -213,7 +222,7 @@ def test_placements_read_from_addressable_shards(cases, mesh):
     m, pl = c["mesh"], c["placements"]
     dp, ep, tp = m["data"], m["expert"], m["tensor"]
     n = dp * ep * tp
-    L, Q, HK, HV, D, E, I, V = 2, 24, 8 * 16, 8 * 8, 32, 8, 16, 40   # sharding_cases.CFG
+    L, Q, HK, HV, D, E, I, V = 2, 24, 8 * 16, 8 * 8, 32, 8, 16, 40  # sharding_cases.CFG
     assert pl["wq_b"] == dict(shard_shape=[L, Q, HK // tp], devices=n, distinct=tp)
     assert pl["wkv_b"] == dict(shard_shape=[L, 16, 8 * 16 // tp], devices=n, distinct=tp)
     assert pl["wo"] == dict(shard_shape=[L, HV // tp, D], devices=n, distinct=tp)
@@ -228,7 +237,7 @@ def test_placements_read_from_addressable_shards(cases, mesh):
     assert c["ids_placement"] == dict(shard_shape=[4 // dp, 8], devices=n, distinct=dp)
 
 
-ENGINE_MESHES = ("tp2", "dp2", "mixed")   # sharding_cases.ENGINE_MESHES
+ENGINE_MESHES = ("tp2", "dp2", "mixed")  # sharding_cases.ENGINE_MESHES
 
 
 @pytest.mark.parametrize("mesh", ENGINE_MESHES)
@@ -256,7 +265,7 @@ def test_each_data_rank_holds_its_own_pages(cases, mesh):
     c = cases[mesh]
     e, m = c["engine"], c["mesh"]
     n = m["data"] * m["expert"] * m["tensor"]
-    L, N, G, C = 3 + 1, 6, 8, 16 + 8   # main layers + the MTP layer, 2 sequences x 3 pages, page, latent width
+    L, N, G, C = 3 + 1, 6, 8, 16 + 8  # main layers + the MTP layer, 2 sequences x 3 pages, page, latent width
     assert e["pages_shape"] == [L, N, G, C]
     assert e["pages_placement"] == dict(shard_shape=[L, N // m["data"], G, C], devices=n, distinct=m["data"])
     assert e["pages_replicated"] == (m["data"] == 1)
@@ -289,7 +298,7 @@ def test_one_data_rank_out_of_pages_fails_only_its_request(cases):
     assert full["reasons"] == ["error", "length", "length"]
     assert "data rank 0's 3 are free" in full["errors"][0] and full["errors"][1:] == [None, None]
     a = full["tokens"][0]
-    assert 0 < len(a) < 10 and a == ref["tokens"][0][:len(a)]
+    assert 0 < len(a) < 10 and a == ref["tokens"][0][: len(a)]
     assert full["tokens"][1:] == ref["tokens"][1:]
     assert full["compiled"] == [] and ref["compiled"] == []
 
@@ -319,7 +328,7 @@ def test_data_ranks_read_their_own_pages_through_the_kernels_maps(cases):
     on its rank's 3 pages of both layers."""
     k = cases["mixed"]["cache_kernels"]
     assert k["decode_finite"] and k["decode_diff"] == 0.0 and k["gather_diff"] == 0.0
-    assert k["gather_positions"] == [[0, 32, 64, 96], [0, 32, 64, -1]]   # rows of 100 and 70 tokens
+    assert k["gather_positions"] == [[0, 32, 64, 96], [0, 32, 64, -1]]  # rows of 100 and 70 tokens
     assert k["out_spec"] == "P('data',)"
     assert k["mosaic_calls"] >= 2 and len(k["maps"]) == 2
     assert all(m == dict(axes=["data", "expert", "tensor"], pool="2x3x64x576xbf16") for m in k["maps"])
@@ -340,14 +349,33 @@ def test_bench_e2e_runs_a_tiny_cell_on_one_device_and_on_a_mesh(cases):
     for r in rows.values():
         assert r["error"] == "", r["error"]
         assert (r["model"], r["B"], r["prompt"], r["new_tokens"]) == ("v2-lite", 2, 16, 4)
-        for k in ("cold_wall_s", "warm_wall_s", "compile_s", "ttft_s", "prefill_s", "prefill_tok_s", "prefill_mfu",
-                  "decode_ms_step", "decode_tok_s", "floor_gb", "floor_ms", "x_floor", "build_s", "weights_gb"):
+        for k in (
+            "cold_wall_s",
+            "warm_wall_s",
+            "compile_s",
+            "ttft_s",
+            "prefill_s",
+            "prefill_tok_s",
+            "prefill_mfu",
+            "decode_ms_step",
+            "decode_tok_s",
+            "floor_gb",
+            "floor_ms",
+            "x_floor",
+            "build_s",
+            "weights_gb",
+        ):
             assert isinstance(r[k], float) and math.isfinite(r[k]) and r[k] > 0, (k, r[k])
         assert r["decode_steps"] == 3 and r["same_tokens"] is True and r["compiles"] >= 2
         assert r["prefill_tok_s"] == pytest.approx(2 * 16 / r["prefill_s"])
     one, mesh = rows["ours"], rows["ours@data=2,tensor=2"]
     assert (one["mesh"], one["devices"], one["pool_devices"], one["agree_one_device"]) == ("one device", 1, 1, "")
-    assert (mesh["mesh"], mesh["devices"], mesh["pool_devices"], mesh["agree_one_device"]) == ("data=2,tensor=2", 4, 4, 1.0)
+    assert (mesh["mesh"], mesh["devices"], mesh["pool_devices"], mesh["agree_one_device"]) == (
+        "data=2,tensor=2",
+        4,
+        4,
+        1.0,
+    )
     assert bytes(e["png"]) == b"\x89PNG\r\n\x1a\n"
     assert e["meta"]["bandwidth_gbps"] > 0 and "--config tiny" in e["meta"]["command"]
 
@@ -368,7 +396,7 @@ def test_train_step_equals_one_device(cases, mesh):
     layout after one step)."""
     t = cases[mesh]["train"]
     assert t["loss_diff"] <= ATOL and t["params_diff"] <= ATOL, t
-    assert t["params_moved"] > 100 * ATOL   # the step did change the parameters
+    assert t["params_moved"] > 100 * ATOL  # the step did change the parameters
     assert t["shardings_kept"]
     assert t["experts_after"]["distinct"] == cases[mesh]["mesh"]["expert"] * cases[mesh]["mesh"]["tensor"]
 
@@ -386,18 +414,18 @@ def test_fsdp_train_step_equals_one_device_and_shards_everything_over_data(cases
     f = cases[FSDP_MESH]["fsdp"]
     assert f["loss_diff"] <= ATOL and f["params_diff"] <= ATOL, f
     assert f["params_moved"] > 100 * ATOL
-    L, Q, HK, D, E, I, V = 2, 24, 8 * 16, 32, 8, 16, 40   # sharding_cases.CFG; data = expert = tensor = 2
+    L, Q, HK, D, E, I, V = 2, 24, 8 * 16, 32, 8, 16, 40  # sharding_cases.CFG; data = expert = tensor = 2
     expected = {  # the rules' shard with its largest free dim halved over data
-        "wq_b": dict(shard_shape=[L, Q // 2, HK // 2], devices=8, distinct=4),             # q_lora over data
+        "wq_b": dict(shard_shape=[L, Q // 2, HK // 2], devices=8, distinct=4),  # q_lora over data
         "experts_gate": dict(shard_shape=[L, E // 2, D // 2, I // 2], devices=8, distinct=8),  # embed
-        "router": dict(shard_shape=[L, D // 2, E], devices=8, distinct=2),                  # embed (not E)
-        "embed": dict(shard_shape=[V // 2, D // 2], devices=8, distinct=4),                 # embed
+        "router": dict(shard_shape=[L, D // 2, E], devices=8, distinct=2),  # embed (not E)
+        "embed": dict(shard_shape=[V // 2, D // 2], devices=8, distinct=4),  # embed
     }
     for when in ("before", "after"):
         p = f[when]
         assert p["params"] == expected and p["mu"] == expected and p["nu"] == expected, (when, p)
         assert p["norm"] == dict(shard_shape=[D // 2], devices=8, distinct=2), (when, p["norm"])
-        assert p["not_over_data"] == [], (when, p["not_over_data"])   # every variable and moment
+        assert p["not_over_data"] == [], (when, p["not_over_data"])  # every variable and moment
     assert f["shardings_kept"]
     assert f["restored_on_mesh"] == dict(diff=0.0, devices=[8], shardings_kept=True)
     assert f["restored_on_one_device"]["diff"] == 0.0 and f["restored_on_one_device"]["devices"] == [1]

@@ -8,8 +8,10 @@ mscale_all_dim, where the two cannot be told apart; the configs here set them di
 Hand-computed, factor 40 (ln 40 = 3.6888795):
   m(1.0) = 1.36888795, m(1.0)**2 = 1.87385421;  m(0.5) = 1.18444397, m(0.5)**2 = 1.40290752
   tiny's qk_head_dim = 32 + 16 = 48, 48**-0.5 = 0.14433757
-  mscale 0.5, mscale_all_dim 1.0: scale 0.14433757 * 1.87385421 = 0.27046756, cos/sin x 1.18444397 / 1.36888795 = 0.86525999
-  mscale 1.0, mscale_all_dim 0.5: scale 0.14433757 * 1.40290752 = 0.20249226, cos/sin x 1.36888795 / 1.18444397 = 1.15572199
+  mscale 0.5, mscale_all_dim 1.0: scale 0.14433757 * 1.87385421 = 0.27046756,
+    cos/sin x 1.18444397 / 1.36888795 = 0.86525999
+  mscale 1.0, mscale_all_dim 0.5: scale 0.14433757 * 1.40290752 = 0.20249226,
+    cos/sin x 1.36888795 / 1.18444397 = 1.15572199
 """
 
 import dataclasses

@@ -7,7 +7,11 @@ import pytest
 
 from mla_jax import ModelConfig
 from models.tokenizer import (
-    BYTE_TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer, save_byte_tokenizer,
+    BYTE_TOKENIZER_FILE,
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    save_byte_tokenizer,
 )
 
 TEXTS = [
@@ -69,8 +73,9 @@ def _make_hf_tokenizer_json(path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(["the cat sat on the mat", "once upon a time there was a fox"], trainer)
     tok.save(str(path))
     return tok

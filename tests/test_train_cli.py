@@ -14,14 +14,31 @@ from models import load_hf_checkpoint
 from models.tokenizer import ByteTokenizer, load_tokenizer
 from models.train_cli import build_parser, main, settings
 from models.trainer import (
-    TrainerError, checkpoint_manager, initial_state, load_config, restore_checkpoint, split_corpus, train_batch,
+    TrainerError,
+    checkpoint_manager,
+    initial_state,
+    load_config,
+    restore_checkpoint,
+    split_corpus,
+    train_batch,
 )
 
 # Small enough for a couple of seconds of steps on 2 CPU cores; the shipped corpus and the tiny config.
 # Every test uses the same trajectory arguments (shorter runs stop early with --stop-at), so the
 # jitted step is compiled once per process: compiling dominates the time of these tests.
-FAST = ["--steps", "40", "--warmup", "4", "--batch-size", "4", "--seq-len", "64", "--eval-windows", "8",
-        "--no-progress"]
+FAST = [
+    "--steps",
+    "40",
+    "--warmup",
+    "4",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "64",
+    "--eval-windows",
+    "8",
+    "--no-progress",
+]
 
 
 def _rows(out):
@@ -74,6 +91,7 @@ def test_resume_is_exact(tmp_path):
     from flax import nnx
 
     from models.moe import RouterBias
+
     biases = jax.tree.leaves(nnx.split_state(sa, RouterBias, ...)[0])
     assert biases and all(np.abs(np.asarray(x)).max() > 0 for x in biases)
     # ... and params, biases and optimizer state (moments, schedule count) are equal bit for bit
@@ -96,43 +114,69 @@ def test_resume_refuses_other_arguments_and_clobbering(tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--steps", "0"], "--steps must be >= 1"),
-    (["--steps", "ten"], "invalid int value"),
-    (["--lr", "-1"], "--lr must be a positive number"),
-    (["--dtype", "fp16"], "invalid choice"),
-    (["--config", "no_such_preset"], "not a preset"),
-    (["--corpus", "missing.txt"], "no such file"),
-    (["--warmup", "900"], "--warmup (900) must be smaller than --steps"),
-    (["--bogus"], "unrecognized arguments"),
-    (["--seq-len", "2"], "--seq-len must be >= 3"),
-    (["--remat", "dots"],
-     "--remat must be one of ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'), got 'dots'"),
-    (["--ce-chunk", "-1"], "--ce-chunk must be >= 0 (0 = unchunked), got -1"),
-    (["--attn-q-block", "-1"], "--attn-q-block must be >= 0 (0 = all queries at once), got -1"),
-    (["--attn-impl", "flash"], "argument --attn-impl: invalid choice: 'flash' (choose from 'auto', 'xla', 'cudnn', 'mgpu')"),
-    (["--attn-impl", "cudnn"], "--attn-impl cudnn needs a CUDA GPU (cuDNN's flash attention); this machine's "
-     "backend is cpu"),
-    (["--attn-impl", "mgpu"], "--attn-impl mgpu needs a Hopper GPU (the Mosaic GPU flash attention kernel); this "
-     "machine's backend is cpu"),
-    # --mesh: the spec as mla-generate reads it, a mesh larger than the devices, a batch it cannot split
-    (["--mesh", "data2"], "--mesh: mesh spec 'data2': 'data2' is not axis=size (axes: data, expert, tensor; "
-     "e.g. data=2,tensor=2)"),
-    (["--mesh", "model=2"], "--mesh: mesh spec 'model=2': unknown axis 'model' (axes: data, expert, tensor)"),
-    (["--mesh", "tensor=0"], "--mesh: mesh spec 'tensor=0': tensor='0' must be an integer >= 1"),
-    (["--mesh", "data=2"], "--mesh data=2: make_mesh: data=2 x expert=1 x tensor=1 = 2 devices does not divide "
-     "the 1 devices available"),
-    (["--mesh", "data=3", "--batch-size", "4"], "--batch-size 4 is not divisible by data=3 of --mesh data=3: "
-     "each data rank takes whole sequences"),
-    # several processes (models.distributed): an incomplete or inconsistent set, before jax starts
-    (["--process-id", "1"], "--process-id 1: several processes need --coordinator HOST:PORT (or "
-     "$MLA_JAX_COORDINATOR)"),
-    (["--coordinator", "localhost"], "--coordinator localhost: not HOST:PORT"),
-    (["--coordinator", "10.0.0.1:1234", "--num-processes", "2"], "--coordinator 10.0.0.1:1234 needs --process-id "
-     "(or $MLA_JAX_PROCESS_ID)"),
-    (["--coordinator", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
-     "--process-id 2: must be an integer in [0, 2) (--num-processes 2)"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--steps", "ten"], "invalid int value"),
+        (["--lr", "-1"], "--lr must be a positive number"),
+        (["--dtype", "fp16"], "invalid choice"),
+        (["--config", "no_such_preset"], "not a preset"),
+        (["--corpus", "missing.txt"], "no such file"),
+        (["--warmup", "900"], "--warmup (900) must be smaller than --steps"),
+        (["--bogus"], "unrecognized arguments"),
+        (["--seq-len", "2"], "--seq-len must be >= 3"),
+        (
+            ["--remat", "dots"],
+            "--remat must be one of ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'), got 'dots'",
+        ),
+        (["--ce-chunk", "-1"], "--ce-chunk must be >= 0 (0 = unchunked), got -1"),
+        (["--attn-q-block", "-1"], "--attn-q-block must be >= 0 (0 = all queries at once), got -1"),
+        (
+            ["--attn-impl", "flash"],
+            "argument --attn-impl: invalid choice: 'flash' (choose from 'auto', 'xla', 'cudnn', 'mgpu')",
+        ),
+        (
+            ["--attn-impl", "cudnn"],
+            "--attn-impl cudnn needs a CUDA GPU (cuDNN's flash attention); this machine's backend is cpu",
+        ),
+        (
+            ["--attn-impl", "mgpu"],
+            "--attn-impl mgpu needs a Hopper GPU (the Mosaic GPU flash attention kernel); this "
+            "machine's backend is cpu",
+        ),
+        # --mesh: the spec as mla-generate reads it, a mesh larger than the devices, a batch it cannot split
+        (
+            ["--mesh", "data2"],
+            "--mesh: mesh spec 'data2': 'data2' is not axis=size (axes: data, expert, tensor; e.g. data=2,tensor=2)",
+        ),
+        (["--mesh", "model=2"], "--mesh: mesh spec 'model=2': unknown axis 'model' (axes: data, expert, tensor)"),
+        (["--mesh", "tensor=0"], "--mesh: mesh spec 'tensor=0': tensor='0' must be an integer >= 1"),
+        (
+            ["--mesh", "data=2"],
+            "--mesh data=2: make_mesh: data=2 x expert=1 x tensor=1 = 2 devices does not divide "
+            "the 1 devices available",
+        ),
+        (
+            ["--mesh", "data=3", "--batch-size", "4"],
+            "--batch-size 4 is not divisible by data=3 of --mesh data=3: each data rank takes whole sequences",
+        ),
+        # several processes (models.distributed): an incomplete or inconsistent set, before jax starts
+        (
+            ["--process-id", "1"],
+            "--process-id 1: several processes need --coordinator HOST:PORT (or $MLA_JAX_COORDINATOR)",
+        ),
+        (["--coordinator", "localhost"], "--coordinator localhost: not HOST:PORT"),
+        (
+            ["--coordinator", "10.0.0.1:1234", "--num-processes", "2"],
+            "--coordinator 10.0.0.1:1234 needs --process-id (or $MLA_JAX_PROCESS_ID)",
+        ),
+        (
+            ["--coordinator", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
+            "--process-id 2: must be an integer in [0, 2) (--num-processes 2)",
+        ),
+    ],
+)
 def test_bad_arguments_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, needle):
     for var in ("MLA_JAX_COORDINATOR", "MLA_JAX_NUM_PROCESSES", "MLA_JAX_PROCESS_ID"):
         monkeypatch.delenv(var, raising=False)
@@ -164,7 +208,7 @@ def test_distributed_initialize_first_with_flags_or_environment(tmp_path, capsys
     monkeypatch.setenv("MLA_JAX_COORDINATOR", "10.0.0.7:99")
     monkeypatch.setenv("MLA_JAX_NUM_PROCESSES", "4")
     monkeypatch.setenv("MLA_JAX_PROCESS_ID", "3")
-    assert main([*stop, "--process-id", "1"]) == 2   # a flag wins over its variable
+    assert main([*stop, "--process-id", "1"]) == 2  # a flag wins over its variable
     assert events == [dict(coordinator_address="10.0.0.7:99", num_processes=4, process_id=1), "cache"]
     assert "--steps must be >= 1" in capsys.readouterr().err
 
@@ -174,8 +218,10 @@ def test_distributed_initialize_first_with_flags_or_environment(tmp_path, capsys
     monkeypatch.setattr(jax.distributed, "initialize", unreachable)
     assert main(stop) == 2
     err = capsys.readouterr().err
-    assert err == ("mla-train: error: --coordinator 10.0.0.7:99: jax.distributed.initialize failed (process 3 of 4): "
-                   "DEADLINE_EXCEEDED: Barrier timed out\n"), err
+    assert err == (
+        "mla-train: error: --coordinator 10.0.0.7:99: jax.distributed.initialize failed (process 3 of 4): "
+        "DEADLINE_EXCEEDED: Barrier timed out\n"
+    ), err
 
 
 def test_corpus_split_and_batches_are_deterministic():
@@ -271,15 +317,22 @@ def _empty_step_dir(ck, config):
 # (corruption, what the error line must say): random bytes are either unreadable or read back different
 CORRUPTIONS = {
     "truncated array file": (_truncate, r"checkpoints/2/state cannot be read"),
-    "deleted array metadata": (lambda ck, c: (ck / "2" / "state" / "_METADATA").unlink(),
-                               r"checkpoints/2/state cannot be read"),
-    "deleted run record": (lambda ck, c: (ck / "2" / "meta" / "metadata").unlink(),
-                           r"checkpoints/2: its record \(meta/metadata\) cannot be read"),
+    "deleted array metadata": (
+        lambda ck, c: (ck / "2" / "state" / "_METADATA").unlink(),
+        r"checkpoints/2/state cannot be read",
+    ),
+    "deleted run record": (
+        lambda ck, c: (ck / "2" / "meta" / "metadata").unlink(),
+        r"checkpoints/2: its record \(meta/metadata\) cannot be read",
+    ),
     "wrong step directory": (lambda ck, c: (ck / "2").rename(ck / "7"), r"checkpoints/7 holds step 2, not 7"),
     "random bytes in an array file": (_random_bytes, r"checkpoints/2/state( cannot be read|: .*sha256 mismatch)"),
     "arrays of another step": (_arrays_of_step_1, r"checkpoints/2/state: .*sha256 mismatch"),
-    "another config's shape": (_other_config_shape, r"checkpoints/2 holds a model of another config .*"
-                               r"num_hidden_layers=4/3"),
+    "another config's shape": (
+        _other_config_shape,
+        r"checkpoints/2 holds a model of another config .*"
+        r"num_hidden_layers=4/3",
+    ),
     "empty step directory": (_empty_step_dir, r"checkpoints/2: its record \(meta/metadata\) cannot be read"),
 }
 
@@ -343,8 +396,9 @@ def test_deepseek_v3_is_refused_in_one_line_with_the_figures(tmp_path, capsys):
     out = tmp_path / "o"
     assert main(["--out", str(out), "--config", "deepseek_v3"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("mla-train: error: --config 'deepseek_v3': training needs at least ") and \
-        err.count("\n") == 1, err
+    assert (
+        err.startswith("mla-train: error: --config 'deepseek_v3': training needs at least ") and err.count("\n") == 1
+    ), err
     # 682.6B parameters (671B + the MTP layer): 4 B weights + 4 B gradients + 8 B AdamW moments each = 10.9 TB
     assert "682.64B parameters" in err and "10.9 TB" in err and "more than the " in err, err
     assert not out.exists()
@@ -384,8 +438,10 @@ def test_memory_check_on_a_mesh_is_per_device(monkeypatch):
     dev = need["per_device"]
     assert 2 * dev["variables"] == need["variables"] and 2 * dev["gradients"] == need["gradients"]
     assert dev["optimizer"] == need["optimizer"] * dev["gradients"] // need["gradients"]
-    assert trainer.training_memory(cfg, trainer.TrainSettings(mesh="data=2,tensor=2"))["per_device"]["total"] < \
-        dev["total"]
+    assert (
+        trainer.training_memory(cfg, trainer.TrainSettings(mesh="data=2,tensor=2"))["per_device"]["total"]
+        < dev["total"]
+    )
     monkeypatch.setattr(trainer, "_on_accelerator", lambda: True)
     monkeypatch.setattr(trainer, "available_memory", lambda: (dev["total"], "free on the test GPU"))
     trainer.check_memory(cfg, s)  # one device's shards fit, the whole would not
@@ -394,12 +450,15 @@ def test_memory_check_on_a_mesh_is_per_device(monkeypatch):
         trainer.check_memory(cfg, s)
 
 
-@pytest.mark.parametrize("hopper,dtype,mesh,want", [
-    (True, "bf16", None, "mgpu"),       # the fast path of BENCHMARKS.md's 64 K-token step
-    (True, "fp32", None, "xla"),        # the kernel computes in bf16: fp32 runs keep fp32 scores
-    (True, "bf16", "data=1", "xla"),    # the kernels are not partitioned over a mesh
-    (False, "bf16", None, "xla"),       # a CPU (or another GPU): the kernel does not exist there
-])
+@pytest.mark.parametrize(
+    "hopper,dtype,mesh,want",
+    [
+        (True, "bf16", None, "mgpu"),  # the fast path of BENCHMARKS.md's 64 K-token step
+        (True, "fp32", None, "xla"),  # the kernel computes in bf16: fp32 runs keep fp32 scores
+        (True, "bf16", "data=1", "xla"),  # the kernels are not partitioned over a mesh
+        (False, "bf16", None, "xla"),  # a CPU (or another GPU): the kernel does not exist there
+    ],
+)
 def test_auto_attention_picks_the_flash_kernel_only_for_bf16_on_one_hopper(monkeypatch, hopper, dtype, mesh, want):
     """`--attn-impl auto` (the default): our Mosaic GPU flash attention for bf16 on one Hopper GPU without a
     mesh, else the jnp attention; an explicit choice is kept. Catches auto choosing the kernel in fp32, on a

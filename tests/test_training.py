@@ -11,14 +11,19 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from micro_configs import MICRO_V3  # noqa: E402
 
 from models import DeepSeekModel, RouterBias, RouterOutput
 from models.training import (
-    TrainConfig, chunked_cross_entropy, init_train_state, loss_fn, make_train_step, moe_modules, positions_from_mask,
+    TrainConfig,
+    chunked_cross_entropy,
+    init_train_state,
+    loss_fn,
+    make_train_step,
+    moe_modules,
+    positions_from_mask,
     sequence_balance_loss,
 )
-
-from micro_configs import MICRO_V3  # noqa: E402
 
 CFG = MICRO_V3.replace(vocab_size=48)
 B, T = 2, 16
@@ -131,8 +136,11 @@ def test_every_trainable_parameter_gets_a_gradient(run):
     loads = sum(np.asarray(m["expert_load"]) for *_, m in history)
     assert np.all(loads > 0), loads
     params = nnx.split_state(state, nnx.Param, ...)[0]
-    (mu,) = [s.mu for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
-             if isinstance(s, optax.ScaleByAdamState)]
+    (mu,) = [
+        s.mu
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState)
+    ]
     flat = jax.tree_util.tree_leaves_with_path(mu)
     assert len(flat) == len(jax.tree.leaves(params))
     dead = [jax.tree_util.keystr(p) for p, g in flat if not np.any(np.asarray(g) != 0)]
@@ -235,8 +243,11 @@ def test_chunked_cross_entropy_matches_numpy_and_its_gradient():
     g_logits = (p - np.eye(V)[t]) * m[..., None] / m.sum()
     want_gh, want_gw = g_logits @ w.T, np.einsum("btd,btv->dv", h, g_logits)
     for chunk in (1, 3, 4, 5, 16):
-        f = jax.jit(lambda hh, ww, c=chunk: chunked_cross_entropy(lambda w_, x: x @ w_, hh, jnp.asarray(t),
-                                                                  jnp.asarray(m), c, ww))
+        f = jax.jit(
+            lambda hh, ww, c=chunk: chunked_cross_entropy(
+                lambda w_, x: x @ w_, hh, jnp.asarray(t), jnp.asarray(m), c, ww
+            )
+        )
         got, (gh, gw) = jax.value_and_grad(f, argnums=(0, 1))(jnp.asarray(h), jnp.asarray(w))
         np.testing.assert_allclose(float(got), want, rtol=1e-5, err_msg=f"chunk={chunk}")
         np.testing.assert_allclose(np.asarray(gh), want_gh, rtol=1e-4, atol=1e-6, err_msg=f"chunk={chunk}")

@@ -49,9 +49,16 @@ def decode_logits(model, ids: list[int], n_prompt: int, kv_dtype) -> np.ndarray:
     n_prompt tokens (its last position's logits), then one decode step for each later token."""
     cfg = model.cfg
     pages_needed = -(-len(ids) // PAGE)
-    cache = PagedLatentCache(num_layers=cfg.num_hidden_layers + len(model.mtp), num_pages=pages_needed,
-                             page_size=PAGE, latent_dim=cfg.latent_dim, max_seqs=1,
-                             max_pages_per_seq=pages_needed, dtype=kv_dtype, rope_dim=cfg.qk_rope_head_dim)
+    cache = PagedLatentCache(
+        num_layers=cfg.num_hidden_layers + len(model.mtp),
+        num_pages=pages_needed,
+        page_size=PAGE,
+        latent_dim=cfg.latent_dim,
+        max_seqs=1,
+        max_pages_per_seq=pages_needed,
+        dtype=kv_dtype,
+        rope_dim=cfg.qk_rope_head_dim,
+    )
     cache.reserve(0, len(ids))
     graphdef, state = nnx.split(model)
 
@@ -68,31 +75,44 @@ def decode_logits(model, ids: list[int], n_prompt: int, kv_dtype) -> np.ndarray:
         logits, kv = step(state, kv, jnp.asarray([ids[a:b]], jnp.int32), jnp.arange(a, b, dtype=jnp.int32)[None])
         pages = kv.pages
         out.append(np.asarray(logits[0]))
-    return np.stack(out[:-1])   # the last token's logits predict past the sequence
+    return np.stack(out[:-1])  # the last token's logits predict past the sequence
 
 
 def greedy(model, prompt: list[int], n: int, kv_dtype) -> list[int]:
-    e = Engine(model, page_size=PAGE, max_batch=1, max_context=len(prompt) + n, kv_dtype=kv_dtype,
-               attention_impl="reference")
+    e = Engine(
+        model, page_size=PAGE, max_batch=1, max_context=len(prompt) + n, kv_dtype=kv_dtype, attention_impl="reference"
+    )
     return e.generate([prompt], max_new_tokens=n, sampling=SamplingParams(temperature=0.0)).tokens[0]
 
 
 def compare(a: np.ndarray, b: np.ndarray) -> dict:
     """|a - b| statistics of logits [steps, V] and the share of steps with the same argmax."""
     d = np.abs(a - b)
-    return dict(max=float(d.max()), mean=float(d.mean()), step_max_mean=float(d.max(-1).mean()),
-                top1=float((a.argmax(-1) == b.argmax(-1)).mean()))
+    return dict(
+        max=float(d.max()),
+        mean=float(d.mean()),
+        step_max_mean=float(d.max(-1).mean()),
+        top1=float((a.argmax(-1) == b.argmax(-1)).mean()),
+    )
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--prompt", default=BUILTIN_PROMPT)
-    p.add_argument("--formats", nargs="+", choices=("fp8", "fp4"), default=["fp8", "fp4"],
-                   help="the quantized page formats compared with bf16 and fp32 (default: fp8 fp4)")
+    p.add_argument(
+        "--formats",
+        nargs="+",
+        choices=("fp8", "fp4"),
+        default=["fp8", "fp4"],
+        help="the quantized page formats compared with bf16 and fp32 (default: fp8 fp4)",
+    )
     p.add_argument("--checkpoint", default=BUILTIN_DIR, help="an HF checkpoint directory (default: the built-in model)")
-    p.add_argument("--prompt-ids", default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16",
-                   help="comma-separated prompt token ids, for a checkpoint without a tokenizer")
+    p.add_argument(
+        "--prompt-ids",
+        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16",
+        help="comma-separated prompt token ids, for a checkpoint without a tokenizer",
+    )
     args = p.parse_args(argv)
     model = load_hf_checkpoint(args.checkpoint)
     builtin = os.path.abspath(args.checkpoint) == os.path.abspath(BUILTIN_DIR)
@@ -108,8 +128,10 @@ def main(argv=None):
     kinds = ["fp32", "bf16"] + quant
     n = args.new_tokens
     name = "built-in model" if builtin else os.path.basename(os.path.normpath(args.checkpoint))
-    print(f"# {' / '.join(quant)} vs bf16 latent pages, {name}, {datetime.date.today()}, {platform.machine()} CPU "
-          f"({jax.default_backend()}), jax {jax.__version__}; prompt {len(prompt)} tokens, {n} new tokens")
+    print(
+        f"# {' / '.join(quant)} vs bf16 latent pages, {name}, {datetime.date.today()}, {platform.machine()} CPU "
+        f"({jax.default_backend()}), jax {jax.__version__}; prompt {len(prompt)} tokens, {n} new tokens"
+    )
 
     runs = {kv: greedy(model, prompt, n, kv) for kv in kinds}
     bf16_tokens = runs["bf16"]
@@ -117,20 +139,26 @@ def main(argv=None):
     for x, y in pairs:
         same = [a == b for a, b in zip(runs[x], runs[y])]
         first = same.index(False) if False in same else len(same)
-        print(f"{x + ' vs ' + y:13s} greedy (free-running): the first {first} of {len(same)} tokens agree; "
-              f"{100 * np.mean(same):.1f} % of positions agree")
+        print(
+            f"{x + ' vs ' + y:13s} greedy (free-running): the first {first} of {len(same)} tokens agree; "
+            f"{100 * np.mean(same):.1f} % of positions agree"
+        )
 
-    ids = prompt + bf16_tokens   # teacher forcing: both caches read the bf16 run's tokens
+    ids = prompt + bf16_tokens  # teacher forcing: both caches read the bf16 run's tokens
     ref = {kv: decode_logits(model, ids, len(prompt), kv) for kv in kinds}
     spread = float(ref["bf16"].std(-1).mean())
     for x, y in pairs:
         name = f"{x} vs {y}"
         c = compare(ref[x], ref[y])
-        print(f"{name:13s} decode logits over {len(ref[x])} steps (teacher-forced): max |d| {c['max']:.4f}, "
-              f"mean |d| {c['mean']:.5f}, mean of per-step max {c['step_max_mean']:.4f}; same next token "
-              f"{100 * c['top1']:.1f} %")
-    print(f"(logit scale: per-step standard deviation over the vocabulary {spread:.3f}, "
-          f"bf16 cache; {ref['bf16'].shape[1]} logits a step)")
+        print(
+            f"{name:13s} decode logits over {len(ref[x])} steps (teacher-forced): max |d| {c['max']:.4f}, "
+            f"mean |d| {c['mean']:.5f}, mean of per-step max {c['step_max_mean']:.4f}; same next token "
+            f"{100 * c['top1']:.1f} %"
+        )
+    print(
+        f"(logit scale: per-step standard deviation over the vocabulary {spread:.3f}, "
+        f"bf16 cache; {ref['bf16'].shape[1]} logits a step)"
+    )
     for kv in ["bf16"] + quant:
         print(f"{kv + ':':5s}", repr(tok.decode(runs[kv][:80])) if tok else runs[kv][:24])
 

@@ -29,13 +29,34 @@ def main():
         for i in range(2):
             env = dict(os.environ, MLA_JAX_COMPILE_CACHE=a.ttft)
             t = time.perf_counter()
-            out = subprocess.run([sys.executable, __file__, "--child", "--batch", str(a.batch), "--prompt",
-                                  str(a.prompt), "--new", str(a.new), "--layers", str(a.layers), "--ttft", a.ttft],
-                                 env=env, capture_output=True, text=True)
-            print(f"ttft run {i}: process wall {time.perf_counter() - t:.1f} s; {out.stdout.strip()[-600:]}",
-                  out.stderr[-2000:] if out.returncode else "", flush=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    "--batch",
+                    str(a.batch),
+                    "--prompt",
+                    str(a.prompt),
+                    "--new",
+                    str(a.new),
+                    "--layers",
+                    str(a.layers),
+                    "--ttft",
+                    a.ttft,
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            print(
+                f"ttft run {i}: process wall {time.perf_counter() - t:.1f} s; {out.stdout.strip()[-600:]}",
+                out.stderr[-2000:] if out.returncode else "",
+                flush=True,
+            )
         return
     from models import compile_cache
+
     if a.child:
         compile_cache.enable(a.ttft)
     import jax
@@ -44,7 +65,7 @@ def main():
     from flax import nnx
 
     from mla_jax import ModelConfig
-    from models import DeepSeekModel, Engine, SamplingParams
+    from models import DeepSeekModel, Engine
 
     cfg = ModelConfig.deepseek_v2_lite().replace(num_hidden_layers=a.layers)
     t = time.perf_counter()
@@ -63,19 +84,41 @@ def main():
     r1 = e.generate(prompts, max_new_tokens=a.new, stream=stream)
     cold = time.perf_counter() - t
     if a.child:
-        print(json.dumps(dict(init_s=round(t_init, 1), ttft_from_generate=round(first["t"] - t, 2),
-                              ttft_from_process=round(first["t"] - T0, 2), compile_log=e.compile_log)))
+        print(
+            json.dumps(
+                dict(
+                    init_s=round(t_init, 1),
+                    ttft_from_generate=round(first["t"] - t, 2),
+                    ttft_from_process=round(first["t"] - T0, 2),
+                    compile_log=e.compile_log,
+                )
+            )
+        )
         return
     t = time.perf_counter()
     r2 = e.generate(prompts, max_new_tokens=a.new)
     warm = time.perf_counter() - t
     st = r2.stats
-    print(json.dumps(dict(B=a.batch, prompt=a.prompt, layers=a.layers, backend=e.backend, init_s=round(t_init, 1),
-                          cold_generate_s=round(cold, 1), warm_generate_s=round(warm, 2),
-                          compile_log=e.compile_log, prefill_tok_s=round(st["prefill_tok_s"]),
-                          decode_tok_s=round(st["decode_tok_s"], 1),
-                          decode_ms_step=round(1e3 * st["decode_s"] / st["decode_steps"], 2),
-                          ttft_warm=round(st["ttft_s"], 3), same_tokens=r1.tokens == r2.tokens)), flush=True)
+    print(
+        json.dumps(
+            dict(
+                B=a.batch,
+                prompt=a.prompt,
+                layers=a.layers,
+                backend=e.backend,
+                init_s=round(t_init, 1),
+                cold_generate_s=round(cold, 1),
+                warm_generate_s=round(warm, 2),
+                compile_log=e.compile_log,
+                prefill_tok_s=round(st["prefill_tok_s"]),
+                decode_tok_s=round(st["decode_tok_s"], 1),
+                decode_ms_step=round(1e3 * st["decode_s"] / st["decode_steps"], 2),
+                ttft_warm=round(st["ttft_s"], 3),
+                same_tokens=r1.tokens == r2.tokens,
+            )
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
