@@ -344,7 +344,7 @@ def _optimizer(lr, min_lr_ratio, warmup, steps, weight_decay, clip):
 
 def auto_attn_impl(dtype: str, on_mesh: bool) -> str:
     """What the training attention "auto" means: "mgpu" (`pallas_kernels.flash_attention`, the flash attention
-    of the 64 K-token training step in BENCHMARKS.md) when the compute `dtype` is "bf16" on one Hopper GPU and
+    of the 64 K-token training step in docs/BENCHMARKS.md) when the compute `dtype` is "bf16" on one Hopper GPU and
     no mesh is used (the kernels are not partitioned over a mesh), else "xla" (the jnp attention: fp32 compute
     keeps fp32 scores, which the bf16 kernel would not). mla-train's windows and mla-bench train's batches are
     unpadded, as the flash attentions need."""

@@ -118,7 +118,7 @@ class MlaDecodeConfig:
         (`_decode_partials_scorer`): one warpgroup computes each page's Q·Kᵀ once, the softmax and
         P·V over 128 columns, two others P·V over 192 columns each, beside the TMA warpgroup.
         None = on there (an H200 measured it 1.1-1.3x faster than the plain and split-QK bodies in
-        every cell: BENCHMARKS.md); the balanced schedule runs those two (True with it raises).
+        every cell: docs/BENCHMARKS.md); the balanced schedule runs those two (True with it raises).
         False picks between them by ``split_qk``. fp8 pages have bodies of their own.
     """
 
@@ -927,7 +927,7 @@ def _decode_partials_scorer(
     Each warpgroup writes its columns of the split's result after its loop (an empty split too:
     out 0, lse -inf). SMEM: Q 72 KB + two 72 KB page slots + P 8 KB + 0.5 KB = 224.5 KB. Outputs
     as `_decode_partials` (per_sequence). (A balanced-schedule form, with a page-by-page walk over
-    sequences in every warpgroup, measured slower and was removed: NOTES.md.)"""
+    sequences in every warpgroup, measured slower and was removed: docs/NOTES.md.)"""
     B, Rp, _ = q_rows.shape
     pps = plan_.pages_per_split
     final = plan_.num_splits == 1

@@ -21,7 +21,7 @@ body for it (``kernel_supported``). Two bodies:
   nearest: the reference's arithmetic, so the result is bit-exact), write the bf16 page into
   one SMEM staging buffer, and one bulk store per page writes it out. SMEM: 41 KB a stage (up to
   3 in flight) + 72 KB of staging; the staging buffer is rewritten once the previous page's store
-  has read it. On an H200: 3.5 TB/s of fp8 read + bf16 written at B=128, 1.8x XLA (NOTES.md).
+  has read it. On an H200: 3.5 TB/s of fp8 read + bf16 written at B=128, 1.8x XLA (docs/NOTES.md).
 * fp4 pages (`FP4_PAGES`, uint8 [N, 64, 416]: 256 bytes of e2m1 pairs | 32 e4m3 scales | 64 bf16
   rope a token): the same pipeline with three boxes (the packed codes 64 x 256 bytes at byte 0, the
   scales 64 x 32 bytes at byte 256, the rope 64 x 64 bf16 at element 144 of the pages as bf16
@@ -30,7 +30,7 @@ body for it (``kernel_supported``). Two bodies:
   conversion), multiply by the block's e4m3 scale (-> f32, broadcast along the row) and round to bf16
   (exact: 2 x 4 significant bits). SMEM: 26 KB a stage + the staging buffers. Checked bit-exact in
   interpret mode, lowered for sm_90 on CPU, and bit-exact on an H200, where it runs at ~60 % of the
-  copy rate (fp8: ~83 %): its (64, 16) tiles conflict on the SMEM banks (NOTES.md).
+  copy rate (fp8: ~83 %): its (64, 16) tiles conflict on the SMEM banks (docs/NOTES.md).
 """
 
 from __future__ import annotations
@@ -359,7 +359,7 @@ _FP4_ROPE_HALF = (_FP4_PACKED + _FP4_SCALES) // 2
 # A (64, 16) tile of bytes (16 values of one scale block, every token): a warp covers 16 rows x 2
 # lanes of 8 consecutive bytes. (Its 16 rows sit 256 bytes apart in SMEM, so the load conflicts
 # 16 ways on the banks: simple and correct; a wider tile needs the scales broadcast along 16
-# columns of a row, which the Lane-semantics broadcast does not express. NOTES.md.)
+# columns of a row, which the Lane-semantics broadcast does not express. docs/NOTES.md.)
 _NIBBLE_LAYOUT = plgpu.Layout.TILED(
     Tiling(((64, _FP4_BLOCK), (16, _FP4_BLOCK), (8,))), warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1
 )

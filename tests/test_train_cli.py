@@ -453,7 +453,7 @@ def test_memory_check_on_a_mesh_is_per_device(monkeypatch):
 @pytest.mark.parametrize(
     "hopper,dtype,mesh,want",
     [
-        (True, "bf16", None, "mgpu"),  # the fast path of BENCHMARKS.md's 64 K-token step
+        (True, "bf16", None, "mgpu"),  # the fast path of docs/BENCHMARKS.md's 64 K-token step
         (True, "fp32", None, "xla"),  # the kernel computes in bf16: fp32 runs keep fp32 scores
         (True, "bf16", "data=1", "xla"),  # the kernels are not partitioned over a mesh
         (False, "bf16", None, "xla"),  # a CPU (or another GPU): the kernel does not exist there

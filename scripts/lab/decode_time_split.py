@@ -1,4 +1,4 @@
-"""What the warp-specialised split-QK decode kernel's time splits into (GPU only; NOTES.md).
+"""What the warp-specialised split-QK decode kernel's time splits into (GPU only; docs/NOTES.md).
 
 Ablations of `_decode_partials` by source transform, each timed with CUPTI (median of 30, whole
 call) on two cells beside the unmodified kernel. The ablated kernels compute wrong results on

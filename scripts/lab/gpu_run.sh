@@ -13,7 +13,7 @@
 #   scripts/lab/gpu_run.sh train   # engine/MoE/training GPU tests, then issue 16's 16 x 4096 step with our flash
 #                              #   attention beside cuDNN's, and the 50-step loss curves (scripts/lab/loss_curve_equality.py)
 #   scripts/lab/gpu_run.sh peers   # the MoE/training/scan GPU tests while FlashMLA builds, then mla_decode beside
-#                              #   FlashMLA and vLLM's Triton kernel (.peers carried; BENCHMARKS.md), both schedules
+#                              #   FlashMLA and vLLM's Triton kernel (.peers carried; docs/BENCHMARKS.md), both schedules
 #   scripts/lab/gpu_run.sh scorer  # mla_decode GPU tests (TESTS_K: a -k filter; EXTRA_TESTS: more test paths),
 #                              #   ptxas (FlashMLA building meanwhile), then the peers stage with VARIANTS
 #                              #   (default: balanced)
