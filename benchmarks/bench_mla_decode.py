@@ -1,4 +1,4 @@
-"""Benchmark of the absorbed MLA decode kernel against XLA and the naive decompressing path.
+"""Benchmark of the absorbed MLA decode kernel against XLA and the decompressing path.
 
 Usage: ``python -m benchmarks mla_decode [--quick] [--out DIR] [--iters N] [--sweep] [--kv-dtype fp8]
 [--cell-list CELLS] [--schedule balanced] [--peers DIR]``
@@ -8,15 +8,14 @@ For every cell (B, s_q, seq, H, fixed or ragged lengths):
   also the main kernel alone;
 * xla: the absorbed math in plain XLA, bf16 operands with fp32 accumulation (gather, einsum,
   masked softmax, einsum);
-* naive: what a non-absorbed implementation does every step: up-project the whole latent cache
+* decompressed: what a non-absorbed implementation does every step: up-project the whole latent cache
   to per-head K_nope/V through W_UK/W_UV [H, 128, 512], then attend (may not fit: marked OOM).
 The kernel is checked against the XLA path before it is timed. Bytes and FLOPs follow FlashMLA's
 formulas (shared/BENCHMARKING.md); ceilings are measured in the same run.
 
 ``--kv-dtype fp8``: the pages are fp8 (random latents quantised, `pallas_kernels.quantize_latent_fp8`:
-656 bytes a token, so the cache bytes are sum(seq_lens) * 656); the XLA and naive paths read the same
-pages and dequantise them first. The decode kernel is timed on fp8 pages once
-`pallas_kernels.mla_decode.FP8_KERNEL` is set; until then its rows say so.
+656 bytes a token, so the cache bytes are sum(seq_lens) * 656); the XLA and decompressing paths read the
+same pages and dequantise them first.
 
 ``--peers DIR`` (a peer bundle outside the repository, `benchmarks.peers`): in the same process, on
 each cell's own arrays, also FlashMLA and vLLM's Triton MLA decode, each checked against the XLA
@@ -130,13 +129,6 @@ def lengths_name(ragged) -> str:
     return f"uniform {ragged[0]}-{ragged[1]}" if isinstance(ragged, tuple) else ("ragged" if ragged else "fixed")
 
 
-def fp8_decode_kernel() -> bool:
-    """Whether `mla_decode`'s kernel reads fp8 pages (its module sets FP8_KERNEL)."""
-    import importlib
-
-    return bool(getattr(importlib.import_module("pallas_kernels.mla_decode"), "FP8_KERNEL", False))
-
-
 def token_bytes(kv_dtype: str) -> int:
     """Bytes of one cached token in one layer (`pallas_kernels.PageFormat`: 1152 bf16, 656 fp8)."""
     from pallas_kernels import BF16_PAGES, FP8_PAGES
@@ -146,10 +138,9 @@ def token_bytes(kv_dtype: str) -> int:
 
 def dense_pages(kv_pages):
     """The pages as bf16 values [N, 64, 576] (fp8 pages dequantised, as the kernel's tensor cores see them)."""
-    from pallas_kernels import FP8_PAGES
-    from pallas_kernels.mla_decode import is_fp8_pages
+    from pallas_kernels import page_format_of
 
-    return FP8_PAGES.dequantize_reference(kv_pages) if is_fp8_pages(kv_pages) else kv_pages
+    return page_format_of(kv_pages).dequantize_reference(kv_pages)
 
 
 def make_cell(B, s_q, seq, H, ragged, seed=0, kv_dtype="bf16", group_pages=False):
@@ -224,7 +215,7 @@ def xla_absorbed(q, kv_pages, block_table, seq_lens, *, causal):
     return o.astype(q.dtype), m[..., 0] + jnp.log(l)
 
 
-def naive_decompressed(q_nope, q_pe, kv_pages, block_table, seq_lens, w_uk, w_uv):
+def decompressed_reference(q_nope, q_pe, kv_pages, block_table, seq_lens, w_uk, w_uv):
     """Non-absorbed decode: per-head K/V up-projected from the whole latent cache every step.
 
     q_nope [B,T,H,128], q_pe [B,T,H,64], w_uk/w_uv [H,128,512] -> out [B,T,H,128] (pre-o_proj).
@@ -291,7 +282,7 @@ def run(args):
     if args.cells:
         cells = cells[: args.cells]
     xla_jit = jax.jit(xla_absorbed, static_argnames="causal")
-    naive_jit = jax.jit(naive_decompressed)
+    decompressed_jit = jax.jit(decompressed_reference)
     baselines = {}
     peer_cols = {}  # cell -> the peers' columns (measured once, attached to every row of the cell)
     rows_of = {}  # cell -> its rows
@@ -303,7 +294,7 @@ def run(args):
         passes.append({k: v for k, v in configs.items() if k != "default"})
     work = [(i, cfgs, cell) for i, cfgs in enumerate(passes) for cell in cells]
     if args.then_grid:
-        # Then the rest of the full grid with the default config (no naive path: time).
+        # Then the rest of the full grid with the default config (no decompressed path: time).
         work += [(len(passes), passes[0], cell) for cell in grid(False) if cell not in cells]
     for pass_idx, cfgs, (B, s_q, seq, H, ragged) in bm.progress(work, desc="mla_decode cells"):
         causal = s_q > 1
@@ -336,24 +327,24 @@ def run(args):
                 xla_us = bm.cupti_median_us(
                     lambda *a: xla_jit(*a, causal=causal), q, kv, table, lens, iterations=args.iters
                 )
-            naive_us, naive_note = None, ""
-            naive_gb = B * table.shape[1] * PAGE * H * 256 * 2 / 1e9
-            if args.naive and naive_gb < 60 and pass_idx < len(passes):
+            decompressed_us, decompressed_note = None, ""
+            decompressed_gb = B * table.shape[1] * PAGE * H * 256 * 2 / 1e9
+            if args.decompressed and decompressed_gb < 60 and pass_idx < len(passes):
                 k = jax.random.split(jax.random.key(7), 4)
                 q_nope = jax.random.normal(k[0], (B, s_q, H, 128), jnp.bfloat16)
                 q_pe = jax.random.normal(k[1], (B, s_q, H, 64), jnp.bfloat16)
                 w_uk = jax.random.normal(k[2], (H, 128, 512), jnp.bfloat16) * 0.05
                 w_uv = jax.random.normal(k[3], (H, 128, 512), jnp.bfloat16) * 0.05
                 try:
-                    naive_us = bm.cupti_median_us(
-                        naive_jit, q_nope, q_pe, kv, table, lens, w_uk, w_uv, iterations=args.iters
+                    decompressed_us = bm.cupti_median_us(
+                        decompressed_jit, q_nope, q_pe, kv, table, lens, w_uk, w_uv, iterations=args.iters
                     )
                 except Exception as e:  # noqa: BLE001
-                    naive_note = f"failed: {type(e).__name__}"
+                    decompressed_note = f"failed: {type(e).__name__}"
                 del q_nope, q_pe, w_uk, w_uv
-            elif args.naive and pass_idx < len(passes):
-                naive_note = f"OOM (K/V {naive_gb:.0f} GB)"
-            baselines[key] = dict(xla_us=xla_us, naive_us=naive_us, naive_note=naive_note)
+            elif args.decompressed and pass_idx < len(passes):
+                decompressed_note = f"OOM (K/V {decompressed_gb:.0f} GB)"
+            baselines[key] = dict(xla_us=xla_us, decompressed_us=decompressed_us, decompressed_note=decompressed_note)
         bl = baselines[key]
         cell_rows = []
         for cname, cfg in cfgs.items():
@@ -369,8 +360,6 @@ def run(args):
             )
             row = dict(base, config=cname, schedule=cfg.schedule, splits=p.num_splits, row_blocks=p.row_blocks)
             try:
-                if args.kv_dtype == "fp8" and not fp8_decode_kernel():
-                    raise RuntimeError("not timed: the decode kernel has no fp8 body yet (mla_decode.FP8_KERNEL unset)")
                 out, lse = fn(q, kv, table, lens)
                 # A cell is timed only after its output was checked against the XLA path.
                 if ref_out is None:
@@ -391,8 +380,8 @@ def run(args):
             row.update(bl)
             if bl["xla_us"] and row.get("us"):
                 row["x_vs_xla"] = bl["xla_us"] / row["us"]
-            if bl["naive_us"] and row.get("us"):
-                row["x_vs_naive"] = bl["naive_us"] / row["us"]
+            if bl["decompressed_us"] and row.get("us"):
+                row["x_vs_decompressed"] = bl["decompressed_us"] / row["us"]
             fm = FLASHMLA_US.get((B, s_q, seq, H)) if not ragged else None
             if fm and row.get("us"):
                 row["flashmla_us"] = fm
@@ -532,7 +521,7 @@ def report(rows, ceil, header, out_dir):
         ("flop_frac", "%MMA", "{:.0%}"),
         ("xla_us", "XLA µs", "{:.0f}"),
         ("x_vs_xla", "xXLA", "{:.1f}"),
-        ("naive_us", "naive µs", "{:.0f}"),
+        ("decompressed_us", "decompressed µs", "{:.0f}"),
         ("flashmla_us", "FlashMLA µs", "{}"),
         ("vs_flashmla", "FM/ours", "{:.2f}"),
         ("rel_err", "rel err", "{:.1e}"),
@@ -589,7 +578,7 @@ def plot_roofline(rows, ceil, path, header):
     for key, label, marker in (
         ("us", "Mosaic GPU kernel", "o"),
         ("xla_us", "XLA absorbed", "s"),
-        ("naive_us", "naive (decompress)", "x"),
+        ("decompressed_us", "decompressed", "x"),
     ):
         pts = [
             (r["gflop"] / r["gbytes"], r["gflop"] / r[key] * 1e3)
@@ -649,7 +638,9 @@ def main(argv=None):
     p.add_argument(
         "--only-flashmla", action="store_true", help="only the cells FlashMLA was measured at (plus two ragged ones)"
     )
-    p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive path")
+    p.add_argument(
+        "--no-decompressed", "--no-naive", dest="decompressed", action="store_false", help="skip the decompressed path"
+    )
     p.add_argument("--cells", type=int, default=0, help="only the first N cells (0 = all)")
     p.add_argument("--skip-quick", action="store_true", help="leave out the --quick cells")
     p.add_argument(

@@ -186,7 +186,7 @@ def build_state(cfg, tx, *, dtype: str, param_dtype: str, moe_impl: str, abstrac
     from flax import nnx
 
     from models import DeepSeekModel
-    from models.trainer import resolve_moe_impl
+    from models.moe import resolve_moe_impl
     from models.training import init_train_state
 
     dt = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
@@ -195,7 +195,7 @@ def build_state(cfg, tx, *, dtype: str, param_dtype: str, moe_impl: str, abstrac
         rngs=nnx.Rngs(0),
         dtype=dt[dtype],
         param_dtype=dt[param_dtype],  # noqa: E731
-        moe_impl=resolve_moe_impl(moe_impl),
+        moe_impl=resolve_moe_impl(moe_impl, dt[dtype], training=True),
     )
     if abstract:
         graphdef, state = nnx.split(nnx.eval_shape(make))
@@ -330,9 +330,9 @@ def _positive_float(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    from mla_jax.attention import NAIVE_ATTENTION_IMPLS
+    from mla_jax.attention import DECOMPRESSED_IMPLS
     from models.deepseek import REMAT_POLICIES
-    from models.trainer import MOE_IMPLS
+    from models.moe import MOE_TRAINING_IMPLS
 
     p = bm.OneLineParser(
         prog="python -m benchmarks train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -366,13 +366,18 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--attn-impl",
-        choices=("auto", *NAIVE_ATTENTION_IMPLS),
+        choices=DECOMPRESSED_IMPLS,
         default="auto",
         help="the decompressed attention: xla (jnp), cudnn (cuDNN flash attention) or mgpu "
         "(pallas_kernels.flash_attention); the last two GPU only; auto (default) = mgpu for "
         "--dtype bf16 on a Hopper GPU, else xla (mla-train's rule; the row names the one used)",
     )
-    p.add_argument("--moe-impl", choices=MOE_IMPLS, default="auto", help="expert computation (auto = dense on a CPU)")
+    p.add_argument(
+        "--moe-impl",
+        choices=MOE_TRAINING_IMPLS,
+        default="auto",
+        help="expert computation (models.moe.resolve_moe_impl)",
+    )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute dtype")
     p.add_argument(
         "--param-dtype",
@@ -392,9 +397,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.attn_impl == "auto":
-        from models.trainer import auto_attn_impl
+        from mla_jax.attention import resolve_decompressed_impl
 
-        args.attn_impl = auto_attn_impl(args.dtype, on_mesh=False)
+        args.attn_impl = resolve_decompressed_impl("auto", dtype={"bf16": "bfloat16", "fp32": "float32"}[args.dtype])
     try:
         row = run_cell(args)
     except Exception as e:  # noqa: BLE001 - a cell that fails (out of memory) is a row, not a traceback

@@ -6,7 +6,7 @@ D = hidden_size, Q = q_lora_rank.
 
 Per token, MLA caches only the latent [kv_norm(c_kv) ; rope(k_pe)] (L + R values, 576 for V3),
 shared by every head. Two ways to attend over it, equal up to rounding:
-- naive / decompressed (`absorbed=False`): up-project the latent to per-head K_nope and V with
+- decompressed (`absorbed=False`): up-project the latent to per-head K_nope and V with
   `wkv_b`, then ordinary attention with qk width N + R. Compute-friendly; training and long prefill.
 - absorbed (`absorbed=True`): fold W_UK (the K half of `wkv_b`) into the query,
   q_lat = q_nope · W_UK (width L), attend over the latent itself (width L + R; V = the first L
@@ -25,10 +25,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# jax.nn.dot_product_attention wants equal qk and v widths; its cuDNN backend takes MLA's 192 / 128 (jax 0.11)
+from jax._src.cudnn.fused_attention_stablehlo import MaskType
+from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+
 from mla_jax import initializers
 from mla_jax.config import ModelConfig
 from mla_jax.norm import RMSNorm
 from mla_jax.rope import apply_rope, rope_cos_sin
+from pallas_kernels import backend, flash_attention, mla_decode, mla_decode_problems, paged_gather_problems
+from pallas_kernels.flash_attention import CTA_ROWS
+from pallas_kernels.page_format import PageFormat, resolve_page_format
 
 _F32 = jnp.float32
 
@@ -73,7 +80,7 @@ def _masked_softmax(scores_BHTS: jax.Array, mask_BTS: jax.Array) -> tuple[jax.Ar
     return p, lse
 
 
-def mla_naive_attention(
+def mla_decompressed_attention(
     q_nope: jax.Array,
     q_pe: jax.Array,
     kv_latent: jax.Array,
@@ -103,8 +110,8 @@ def mla_naive_attention(
     contract with this project's Mosaic GPU flash attention (`pallas_kernels.flash_attention`, forward and
     backward kernels; a Hopper GPU); its padding queries give 0, as in the jnp form.
     """
-    if impl not in NAIVE_ATTENTION_IMPLS:
-        raise ValueError(f"impl={impl!r}: must be one of {NAIVE_ATTENTION_IMPLS}")
+    if impl not in DECOMPRESSED_IMPLS[1:]:
+        raise ValueError(f"impl={impl!r}: must be one of {DECOMPRESSED_IMPLS[1:]} (resolve 'auto' first)")
     n = q_nope.shape[-1]
     L = wkv_b_LHK.shape[0]
     c_BSL, k_pe_BSR = kv_latent[..., :L], kv_latent[..., L:]
@@ -138,7 +145,25 @@ def mla_naive_attention(
     return o.swapaxes(0, 1).reshape(B, T, *o.shape[3:]).astype(q_nope.dtype)
 
 
-NAIVE_ATTENTION_IMPLS = ("xla", "cudnn", "mgpu")
+# The decompressed (training / long prefill) attention: "auto" (`resolve_decompressed_impl`), the jnp form,
+# cuDNN's flash attention, this project's Mosaic GPU flash attention.
+DECOMPRESSED_IMPLS = ("auto", "xla", "cudnn", "mgpu")
+
+
+def resolve_decompressed_impl(impl: str, *, dtype, on_mesh: bool = False) -> str:
+    """`impl` of `DECOMPRESSED_IMPLS` -> "xla" | "cudnn" | "mgpu"; ValueError for another name.
+
+    "auto": "mgpu" (`pallas_kernels.flash_attention`) when the compute `dtype` is bf16 on one Hopper GPU and
+    no mesh is used (the kernels are not partitioned over a mesh), else "xla" (the jnp attention: fp32
+    compute keeps fp32 scores, which the bf16 kernel would not). The flash forms need right-padded rows."""
+    if impl not in DECOMPRESSED_IMPLS:
+        raise ValueError(f"attention impl must be one of {DECOMPRESSED_IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    return "mgpu" if jnp.dtype(dtype) == jnp.bfloat16 and not on_mesh and backend.on_hopper() else "xla"
+
+
+mla_naive_attention = mla_decompressed_attention  # the earlier name
 
 
 def _right_padded(q_positions, kv_positions, impl):
@@ -162,11 +187,8 @@ def _mgpu_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, so
     and widths multiples of 64: T is padded with zero rows at the end (no real query sees them: causal),
     the widths with zero columns. ``kernel_impl``: None = the kernel (a Hopper GPU), or "interpret" (the
     Pallas interpreter on a CPU; tests)."""
-    from pallas_kernels._platform import default_backend_is_hopper
-    from pallas_kernels.flash_attention import CTA_ROWS, flash_attention
-
     if kernel_impl is None:
-        if not default_backend_is_hopper():
+        if not backend.on_hopper():
             where = jax.default_backend()
             if where == "gpu":
                 where += f" ({jax.devices()[0].device_kind})"
@@ -197,10 +219,6 @@ def _cudnn_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, s
     (left padding, a cached prefix, packed documents) give NaN outputs instead of a wrong attention. The
     padding queries' outputs are cuDNN's (the jnp form gives 0 there; the loss masks them either way).
     """
-    # jax.nn.dot_product_attention wants equal qk and v widths; its cuDNN backend takes MLA's 192 / 128 (jax 0.11)
-    from jax._src.cudnn.fused_attention_stablehlo import MaskType
-    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
-
     if jax.default_backend() != "gpu":
         raise ValueError(
             f"impl='cudnn' needs a CUDA GPU (cuDNN's flash attention); the backend is "
@@ -245,6 +263,39 @@ def mla_absorbed_attention(
 
 
 # ------------------------------------------------------------------------------------------
+# Attention over the latent cache: which implementation, which path
+# ------------------------------------------------------------------------------------------
+CACHE_IMPLS = backend.IMPLS  # how attention reads the cache: "auto" | "kernel" | "interpret" | "reference"
+CACHED_PATHS = ("decode_kernel", "absorbed", "decompressed")  # what `MLA.cached_path` returns
+
+
+def cache_kernel_problems(cfg: ModelConfig, page_size: int, page_format) -> list[str]:
+    """Why the kernels cannot serve a latent cache of this model ([] when they can): the decode kernel's
+    limits on the model's heads, pages and token widths (`mla_decode_problems`), and the gather kernel's on
+    the page format (`paged_gather_problems`). A format the decode kernel does not read (fp4) is read through
+    the gather kernel and the jnp absorbed attention (`MLA.cached_path`). `page_format`: a `PageFormat` or
+    what `pallas_kernels.resolve_page_format` names one by (a name, a plain dtype), at the model's widths."""
+    page_format = resolve_page_format(page_format, value_dim=cfg.latent_dim, rope_dim=cfg.qk_rope_head_dim)
+    shape = PageFormat("bf16", latent_dim=page_format.latent_dim, rope_dim=page_format.rope_dim)
+    return mla_decode_problems(cfg.num_attention_heads, page_size, shape) + paged_gather_problems(
+        page_format, page_size
+    )
+
+
+def resolve_cache_impl(impl: str, cfg: ModelConfig, page_size: int, page_format, *, name: str = "impl") -> str:
+    """`impl` of `CACHE_IMPLS` -> the backend a `KVCache` reads with: "kernel" | "interpret" | "reference".
+
+    "auto": the kernels on a Hopper GPU when they serve this model's cache (`cache_kernel_problems`), else
+    the jnp reference. "kernel" (on a Hopper GPU) and "interpret" (the Pallas interpreter) raise ValueError
+    naming every limit the model breaks; "kernel" without a Hopper GPU raises too."""
+    problems = cache_kernel_problems(cfg, page_size, page_format)
+    if impl == "kernel" and not backend.on_hopper():
+        where = jax.default_backend() + (f" ({jax.devices()[0].device_kind})" if jax.default_backend() == "gpu" else "")
+        problems = [f"no Hopper GPU: jax's backend is {where} (use 'auto', 'reference' or 'interpret')", *problems]
+    return backend.choose(impl, problems, name=name)
+
+
+# ------------------------------------------------------------------------------------------
 # The layer
 # ------------------------------------------------------------------------------------------
 class MLA(nnx.Module):
@@ -255,15 +306,9 @@ class MLA(nnx.Module):
 
     With a latent cache (`mla_jax.kv_cache.KVCache`), `mla(x, positions, cache=cache) -> (out,
     cache)`: the layer writes this step's latents into its pages (pool `cache.layer`), then attends
-    over the row's whole cache, prefix and itself, and picks its path (as DeepSeek-V3's reference
-    `MLA.forward` does):
-    - T >= cache.naive_threshold (long prefill chunks): gather the prefix (`paged_gather` unless
-      the backend is "reference") and attend decompressed;
-    - T <= `pallas_kernels.mla_decode.MAX_QUERY_LEN` with a kernel backend (decode, MTP verify):
-      absorbed attention by `pallas_kernels.mla_decode` straight on the pages (fp8 pages only once
-      that module's fp8 body exists, `mla_jax.kv_cache.decode_kernel_reads`);
-    - otherwise (short chunks, the "reference" backend, fp8 pages the decode kernel cannot read):
-      gather (decoding the page format) + absorbed attention in jnp.
+    over the row's whole cache, prefix and itself, by the path `cached_path` picks (as DeepSeek-V3's
+    reference `MLA.forward` does): the decode kernel on the pages, or the gathered prefix attended
+    absorbed or decompressed.
     `absorbed` is ignored with a cache (the cache's threshold decides). The pieces are public:
     `project_q`, `project_kv` (what the cache stores), `absorb_query`, `output_from_latent`, `attend`.
     """
@@ -354,7 +399,7 @@ class MLA(nnx.Module):
                 kv_lora_rank=cfg.kv_lora_rank,
             )
             return self.output_from_latent(o_lat)
-        o_BTHV = mla_naive_attention(
+        o_BTHV = mla_decompressed_attention(
             q_nope,
             q_pe,
             kv_latent,
@@ -367,24 +412,32 @@ class MLA(nnx.Module):
         )
         return self.wo(o_BTHV.reshape(o_BTHV.shape[:2] + (-1,)))
 
+    def cached_path(self, T: int, cache) -> str:
+        """The path a cached call of T query tokens a row takes (one of `CACHED_PATHS`):
+        - "decompressed": T >= cache.decompressed_threshold (long prefill chunks): gather the prefix
+          (`paged_gather` unless the backend is "reference") and attend decompressed;
+        - "decode_kernel": a kernel backend and a call the decode kernel serves (decode, MTP verify:
+          T <= `MAX_QUERY_LEN`; the model's heads, the cache's pages and format: `mla_decode_problems`):
+          absorbed attention by `pallas_kernels.mla_decode` straight on the pages;
+        - "absorbed": otherwise (short chunks, the "reference" backend, a format the decode kernel does not
+          read): gather (decoding the page format) + absorbed attention in jnp."""
+        if T >= cache.decompressed_threshold:
+            return "decompressed"
+        if cache.impl != "reference" and not mla_decode_problems(
+            self.cfg.num_attention_heads, cache.page_size, cache.page_format, T
+        ):
+            return "decode_kernel"
+        return "absorbed"
+
     def cached_attention(self, x_BTD: jax.Array, positions_BT: jax.Array, cache):
         """Write this step's latents into the cache, then attend over it -> (out [B,T,D], cache)."""
-        from mla_jax.kv_cache import decode_kernel_reads
-        from pallas_kernels.mla_decode import MAX_QUERY_LEN
-
         cfg = self.cfg
         T = x_BTD.shape[1]
         rope_pos = jnp.maximum(positions_BT, 0)  # padding rows get any valid rope position; never seen
         q_nope, q_pe = self.project_q(x_BTD, rope_pos)
         cache = cache.write(self.project_kv(x_BTD, rope_pos), positions_BT)
-        if (
-            T < cache.naive_threshold
-            and T <= MAX_QUERY_LEN
-            and cache.impl != "reference"
-            and decode_kernel_reads(cache.page_format)
-        ):
-            from pallas_kernels import mla_decode
-
+        path = self.cached_path(T, cache)
+        if path == "decode_kernel":
             # The kernel places query j at seq_len - T + j. Valid tokens are a prefix of T here
             # (decode, verify), so padding queries at the end are counted in: the valid ones land on
             # their positions and the padding ones' outputs are discarded.
@@ -394,13 +447,20 @@ class MLA(nnx.Module):
 
             def decode(pages, table, q, seq_lens):  # on the whole pool, or one data rank's (map_pages)
                 return mla_decode(
-                    q, pages, table, seq_lens, softmax_scale=cfg.softmax_scale, causal=True, impl=cache.impl
+                    q,
+                    pages,
+                    table,
+                    seq_lens,
+                    softmax_scale=cfg.softmax_scale,
+                    causal=True,
+                    page_format=cache.page_format,
+                    impl=cache.impl,
                 )[0]
 
             o_lat = cache.map_pages(decode, q_BTHC, cache.lengths + T - n_valid)
             return self.output_from_latent(o_lat.astype(x_BTD.dtype)), cache
         ctx_BSC, kv_pos_BS = cache.gather(dtype=x_BTD.dtype)
-        out = self.attend(q_nope, q_pe, ctx_BSC, positions_BT, kv_pos_BS, absorbed=T < cache.naive_threshold)
+        out = self.attend(q_nope, q_pe, ctx_BSC, positions_BT, kv_pos_BS, absorbed=path == "absorbed")
         return out, cache
 
     def __call__(

@@ -42,13 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from pallas_kernels.page_format import BF16_PAGES, FP4_PAGES, FP8_PAGES, QUANTIZED, PageFormat
-from pallas_kernels.page_format import NAMES as _FORMAT_NAMES
-
-# Names of the page formats this cache can allocate (as `mla_jax.capacity.KV_DTYPES` names them)
-# -> the element dtype of their pages.
-PAGE_FORMATS = {name: PageFormat(name).storage_dtype for name in _FORMAT_NAMES}
-
+from pallas_kernels import paged_gather, paged_gather_problems
+from pallas_kernels.backend import RESOLVED as BACKENDS  # "kernel" | "interpret" | "reference"
+from pallas_kernels.page_format import PageFormat, page_format_of, resolve_page_format
 
 # Why a pool per data rank is not read by the Pallas interpreter. jax 0.11.2's Mosaic GPU interpreter
 # checks at the end of every kernel that no barrier of ANY device is still allocated, before the
@@ -68,46 +64,6 @@ class CacheFullError(RuntimeError):
         self.pages_needed = pages_needed
         self.pages_free = pages_free
         self.slot = slot
-
-
-def _format_name(dtype) -> str:
-    """The page format name of `dtype`: a name of `PAGE_FORMATS`, a `PageFormat`, or the element dtype
-    of a format's pages (uint8 -> "fp8"; fp4 pages are named "fp4" or by their `PageFormat`)."""
-    if isinstance(dtype, PageFormat):
-        return dtype.name
-    if isinstance(dtype, str) and dtype in PAGE_FORMATS:
-        return dtype
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        dt = None
-    for name, storage in PAGE_FORMATS.items():
-        if dt is not None and dt == jnp.dtype(storage):
-            return name
-    shown = dt.name if dt is not None else repr(dtype)
-    raise ValueError(f"cache dtype {shown} is not a supported page format; known: {', '.join(PAGE_FORMATS)}")
-
-
-def page_format_for(dtype, latent_dim: int, rope_dim: int = 64) -> PageFormat:
-    """The `PageFormat` of a cache whose tokens hold `latent_dim` values (C = L + R), the last
-    `rope_dim` of them rope, stored as `dtype` (a format name, a `PageFormat`, or a page dtype).
-
-    Raises ValueError for an unknown format or a shape the format cannot store (fp8 needs L a
-    positive multiple of 128, fp4 of 32). Plain formats store every value alike: for them the split only
-    names the widths (a rope wider than the token is read as the whole token).
-    """
-    name = _format_name(dtype)
-    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 0:
-        raise ValueError(f"rope_dim must be a non-negative integer, got {rope_dim!r}")
-    if name not in QUANTIZED:
-        rope_dim = min(rope_dim, latent_dim)
-    elif rope_dim >= latent_dim:
-        raise ValueError(f"{name} pages need a latent part: rope_dim={rope_dim} >= latent_dim={latent_dim}")
-    lat = latent_dim - rope_dim
-    base = {"fp8": FP8_PAGES, "fp4": FP4_PAGES, "bf16": BF16_PAGES}.get(name) or PageFormat(name)
-    # The kernels' bodies read DeepSeek's 512 + 64 tokens only.
-    kernel = base.kernel_supported and (lat, rope_dim) == (base.latent_dim, base.rope_dim)
-    return PageFormat(name, kernel_supported=kernel, latent_dim=lat, rope_dim=rope_dim)
 
 
 class PagedLatentCache:
@@ -136,10 +92,11 @@ class PagedLatentCache:
         latent_dim: int,
         max_seqs: int,
         max_pages_per_seq: int,
-        dtype=jnp.bfloat16,
+        page_format="bf16",
         fill_value: float = 0.0,
         rope_dim: int = 64,
         ranks: int = 1,
+        dtype=None,
     ):
         for name, v in (
             ("num_layers", num_layers),
@@ -160,8 +117,9 @@ class PagedLatentCache:
             raise ValueError(
                 f"num_pages={num_pages} is not divisible by ranks={ranks} (each data rank gets num_pages / ranks pages)"
             )
-        self._page_format = page_format_for(dtype, latent_dim, rope_dim)
-        self.kv_dtype = self._page_format.name
+        if dtype is not None:  # the earlier name of `page_format`
+            page_format = dtype
+        self._page_format = resolve_page_format(page_format, value_dim=latent_dim, rope_dim=rope_dim)
         self.rope_dim = self._page_format.rope_dim
         self.num_layers = num_layers
         self.num_pages = num_pages
@@ -193,7 +151,7 @@ class PagedLatentCache:
     @property
     def dtype(self):
         """The element dtype of the pages: the format's storage dtype (bf16 by default; uint8 for fp8 / fp4)."""
-        return PAGE_FORMATS[self.kv_dtype]
+        return self._page_format.storage_dtype
 
     @property
     def page_format(self) -> PageFormat:
@@ -340,27 +298,22 @@ def gather_latents(
     mark of `mla_jax.attention`). Rows at or past a sequence's length are zeroed: they may hold
     another sequence's stale data or never-written (even NaN) values, and a masked softmax weight
     of 0 times NaN is still NaN.
-    page_format: the pool's `PageFormat` (None: plain values of the pool's dtype). A quantized
-    format is decoded. dtype: the result's dtype (None: the pool's for plain pools; float32 for a
+    page_format: the pool's `PageFormat` (None: read from the pool's dtype and width, `page_format_of`). A
+    quantized format is decoded. dtype: the result's dtype (None: the pool's for plain pools; float32 for a
     quantized pool read by jnp, bf16 when `paged_gather`'s kernel decodes it).
     impl: "reference" (`pages[block_table]`, decoded in jnp) or "kernel" / "interpret"
-    (`pallas_kernels.paged_gather`, 64 x 576 tokens, for a format whose `kernel_supported`; other
-    formats take the jnp path).
+    (`pallas_kernels.paged_gather` where it serves the pages, `paged_gather_problems`; else the jnp path).
     """
     N, G, _ = pages_NGC.shape
     B, P = block_table_BP.shape
-    fmt = page_format
-    if fmt is not None and fmt.quantized and pages_NGC.dtype != fmt.storage_dtype:
+    fmt = page_format_of(pages_NGC) if page_format is None else page_format
+    if fmt.quantized and pages_NGC.dtype != fmt.storage_dtype:
         raise ValueError(f"{fmt.name} pages are {jnp.dtype(fmt.storage_dtype).name}, got {pages_NGC.dtype}")
-    if impl != "reference" and (fmt is None or fmt.kernel_supported):
-        from pallas_kernels import paged_gather
-
-        dense = paged_gather(
-            pages_NGC, block_table_BP, num_tokens=P * G, impl=impl, page_format=fmt if fmt is not None else BF16_PAGES
-        )
+    if impl != "reference" and not paged_gather_problems(fmt, G):
+        dense = paged_gather(pages_NGC, block_table_BP, num_tokens=P * G, impl=impl, page_format=fmt)
     else:
         dense = pages_NGC[block_table_BP].reshape(B, P * G, pages_NGC.shape[-1])
-        if fmt is not None and fmt.quantized:
+        if fmt.quantized:
             dense = fmt.decode(dense, dtype or jnp.float32)
     if dtype is not None:
         dense = dense.astype(dtype)
@@ -378,11 +331,6 @@ def next_pow2(n: int) -> int:
 # ------------------------------------------------------------------------------------------
 # The cache a cached forward pass carries
 # ------------------------------------------------------------------------------------------
-from pallas_kernels._platform import IMPLS as _IMPLS  # noqa: E402  (the one "which implementation" vocabulary)
-
-BACKENDS = tuple(i for i in _IMPLS if i is not None)  # resolved: "kernel", "interpret", "reference"
-
-
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """What `model(ids, positions, cache=cache)` reads and writes: a jax pytree.
@@ -395,10 +343,11 @@ class KVCache:
                     per layer; it is data, not a shape, so one compiled layer body serves all).
     impl            static: "kernel" | "interpret" | "reference", how attention reads the pages
                     (`pallas_kernels` kernels on the pages, in the interpreter, or plain jnp).
-    naive_threshold static: chunks of at least this many query tokens gather the prefix and use the
+    decompressed_threshold
+                    static: chunks of at least this many query tokens gather the prefix and use the
                     decompressed path; shorter ones (decode, MTP verify, short chunks) the absorbed one.
-    page_format     static: the pools' `PageFormat` (None: plain values of the pages' dtype). `write`
-                    encodes with it (fp8 / fp4: quantises, in the step), `gather` decodes.
+    page_format     static: the pools' `PageFormat`. `write` encodes with it (fp8 / fp4: quantises, in the
+                    step), `gather` and the decode kernel decode it.
     data_parallel   static: None, or (mesh, mesh axes of the batch): a pool per data rank. The pages'
                     N axis and every [B, ...] array are split over those axes, the block table holds
                     page ids LOCAL to the row's rank, and `write` / `gather` run under `jax.shard_map`,
@@ -416,15 +365,15 @@ class KVCache:
     lengths: jax.Array
     layer: jax.Array
     impl: str = "reference"
-    naive_threshold: int = 256
+    decompressed_threshold: int = 256
     page_format: PageFormat | None = None
     data_parallel: tuple | None = None
 
     def __post_init__(self):
         if self.impl not in BACKENDS:
             raise ValueError(f"KVCache impl must be one of {BACKENDS}, got {self.impl!r}")
-        if self.page_format is not None and not isinstance(self.page_format, PageFormat):
-            raise ValueError(f"KVCache page_format must be a PageFormat or None, got {self.page_format!r}")
+        if not isinstance(self.page_format, PageFormat):
+            raise ValueError(f"KVCache page_format must be a PageFormat, got {self.page_format!r}")
         if self.data_parallel is not None and self.impl == "interpret":
             raise ValueError("KVCache impl='interpret' with a pool per data rank: " + INTERPRET_ON_DATA_RANKS)
 
@@ -436,17 +385,15 @@ class KVCache:
         lengths,
         *,
         impl: str = "reference",
-        naive_threshold: int = 256,
+        decompressed_threshold: int = 256,
         page_format: PageFormat | None = None,
         data_parallel: tuple | None = None,
     ):
         """A cache at layer 0 over `pages` [num_layers, N, G, W] (int32 tables and lengths). `page_format`
-        None reads uint8 pages as fp8 or fp4 by their width (`pallas_kernels.page_format_of`, rope 64) and
-        others as plain values.
+        None reads the format from the pages (`pallas_kernels.page_format_of`: uint8 pages are fp8 or fp4
+        by their width, rope 64; others plain values of their dtype).
         `data_parallel`: (mesh, the batch's mesh axes) for pools split per data rank (see the class)."""
-        if page_format is None and jnp.dtype(pages.dtype) == jnp.uint8:
-            from pallas_kernels.page_format import page_format_of
-
+        if page_format is None:
             page_format = page_format_of(pages)
         # Arrays already on the devices (an engine's rows placed on their data ranks) stay there.
         as_int32 = lambda x: x.astype(jnp.int32) if isinstance(x, jax.Array) else np.asarray(x, np.int32)  # noqa: E731
@@ -456,7 +403,7 @@ class KVCache:
             as_int32(lengths),
             np.zeros((), np.int32),
             impl,
-            naive_threshold,
+            decompressed_threshold,
             page_format,
             data_parallel,
         )
@@ -476,23 +423,11 @@ class KVCache:
     def page_size(self) -> int:
         return self.pages.shape[2]
 
-    def flat_pages(self) -> tuple[jax.Array, jax.Array]:
-        """(every pool as one [num_layers * N, G, C] array, this layer's block table offset into it).
-
-        A reshape of the stacked pools is free (no copy), so a kernel reads the layer's pages where
-        they are, addressed by page id + layer * N.
-        """
-        if self.data_parallel is not None:
-            raise ValueError(
-                "KVCache.flat_pages: the pool is split per data rank and the block table holds local "
-                "page ids; read it through map_pages, write or gather (under shard_map)"
-            )
-        return _flat(self.pages, self.block_table, self.layer)
-
     def map_pages(self, fn, *row_args):
         """`fn(pages, block_table, *row_args)` on this layer's pages, e.g. the decode kernel: `pages` is
-        every pool flat ([num_layers * N, G, W], as `flat_pages`), `block_table` [B, P] offset to this
-        layer in it, each row argument [B, ...]; `fn` returns an array [B, ...] or a tuple of them.
+        every pool flat ([num_layers * N, G, W]: a free reshape, so a kernel reads the layer's pages where
+        they are), `block_table` [B, P] offset to this layer in it (page id + layer * N), each row
+        argument [B, ...]; `fn` returns an array [B, ...] or a tuple of them.
 
         With a pool per data rank (`data_parallel`), `fn` runs once a device under `jax.shard_map`,
         manual over every mesh axis: on its rank's own N / D pages, its rank's rows of the table (local
@@ -512,7 +447,7 @@ class KVCache:
     @property
     def quantized(self) -> bool:
         """Whether the pages hold a quantized format (their rows are bytes, not values)."""
-        return self.page_format is not None and self.page_format.quantized
+        return self.page_format.quantized
 
     def write(self, latent_BTC: jax.Array, positions_BT: jax.Array) -> "KVCache":
         """Scatter this step's latents [B,T,C] into this layer's pages (padding, position < 0, dropped),
@@ -570,24 +505,8 @@ def _gather_pool(pages, block_table_BP, lengths_B, layer, *, impl, page_format, 
     return gather_latents(flat, table, lengths_B, impl=impl, page_format=page_format, dtype=dtype)
 
 
-def decode_kernel_reads(page_format: PageFormat | None) -> bool:
-    """Whether `pallas_kernels.mla_decode`'s kernel reads pages of this format straight from the pool.
-    Plain pages: yes (its own limits are `mla_decode_problems`'). fp8 pages: once the module sets
-    `FP8_KERNEL = True` (its fp8 body); until then the cached attention gathers them through
-    `paged_gather` (which dequantises) and attends in jnp. fp4 pages: no (the decode kernel has no
-    fp4 body; they always take `paged_gather`'s fp4 body and the jnp absorbed attention)."""
-    if page_format is None or not page_format.quantized:
-        return True
-    if page_format.name != "fp8":
-        return False
-    import importlib
-
-    # `pallas_kernels.mla_decode` the attribute is the function; the module holds the flag.
-    return bool(getattr(importlib.import_module("pallas_kernels.mla_decode"), "FP8_KERNEL", False))
-
-
 jax.tree_util.register_dataclass(
     KVCache,
     data_fields=["pages", "block_table", "lengths", "layer"],
-    meta_fields=["impl", "naive_threshold", "page_format", "data_parallel"],
+    meta_fields=["impl", "decompressed_threshold", "page_format", "data_parallel"],
 )

@@ -292,6 +292,17 @@ def batch_spec(ndim: int, mesh, rules: Mapping = DEFAULT_RULES) -> PartitionSpec
     return PartitionSpec(lead, *([None] * (ndim - 1)))
 
 
+def batch_axes(mesh, rules: Mapping = DEFAULT_RULES) -> tuple[tuple[str, ...], int]:
+    """(the mesh axes the batch is split over by `rules`, their total size); ((), 1) when `mesh` is None or
+    the batch is not split."""
+    if mesh is None:
+        return (), 1
+    shape = _mesh_shape(mesh)
+    axes = _mesh_axes("batch", rules, shape)
+    n = math.prod(shape[a] for a in axes)
+    return (axes, n) if n > 1 else ((), 1)
+
+
 def shard_batch(tree, mesh: jax.sharding.Mesh, rules: Mapping = DEFAULT_RULES):
     """Every array of `tree` (leading axis = batch) placed on `mesh` with its batch split by `rules`;
     ValueError when the batch is not divisible by the batch's mesh axes."""

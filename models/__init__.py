@@ -8,7 +8,8 @@ does not depend on those modules.
 import importlib
 
 from models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
-from models.deepseek import DecoderLayer, DeepSeekModel, ModelOutput
+from models.deepseek import DeepSeekModel, ModelOutput
+from models.layer import DecoderLayer
 from models.mlp import MLP
 from models.moe import (
     MOE_IMPLS,

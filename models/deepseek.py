@@ -21,11 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax import initializers
-from mla_jax.attention import MLA
 from mla_jax.config import ModelConfig
 from mla_jax.norm import RMSNorm
-from models.mlp import MLP
-from models.moe import MoE
+from models.layer import DecoderLayer
 from models.mtp import MTP
 
 
@@ -48,90 +46,6 @@ class ModelOutput(NamedTuple):
     hidden: jax.Array
     routers: tuple
     mtp_hidden: tuple = ()
-
-
-class DecoderLayer(nnx.Module):
-    """x -> x + attn(input_layernorm(x)) -> h + mlp(post_attention_layernorm(h)).
-
-    `mlp` is a dense `MLP` (width F) for layers < first_k_dense_replace, else a `MoE`.
-    `layer(x, positions)` -> out [B,T,D] (`return_router=True`: (out, RouterOutput or None));
-    `layer(x, positions, cache=cache)` -> (out, cache): the attention writes and reads the latent
-    cache (pool `cache.layer`, see `mla_jax.attention.MLA`). `forward` is the one body both use.
-    """
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        layer_idx: int = 0,
-        *,
-        rngs: nnx.Rngs,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-        moe: bool | None = None,
-        moe_impl: str = "auto",
-    ):
-        self.is_moe = cfg.is_moe_layer(layer_idx) if moe is None else bool(moe)
-        norm = partial(RMSNorm, cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.input_layernorm = norm()
-        self.self_attn = MLA(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.post_attention_layernorm = norm()
-        if self.is_moe:
-            self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, impl=moe_impl)
-        else:
-            self.mlp = MLP(
-                cfg.hidden_size,
-                cfg.intermediate_size,
-                rngs=rngs,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                init_std=cfg.initializer_range,
-            )
-
-    def forward(
-        self,
-        x_BTD: jax.Array,
-        positions_BT: jax.Array,
-        cache=None,
-        *,
-        absorbed: bool = False,
-        stack_index=None,
-        q_block: int | None = None,
-        attn_impl: str = "xla",
-    ):
-        """-> (out [B,T,D], RouterOutput or None for a dense layer, cache or None). `stack_index`: the
-        routed experts' variables are the whole stack's and this is its layer `stack_index`."""
-        a = self.self_attn(
-            self.input_layernorm(x_BTD),
-            positions_BT,
-            absorbed=absorbed,
-            cache=cache,
-            q_block=q_block,
-            attn_impl=attn_impl,
-        )
-        if cache is not None:
-            a, cache = a
-        h = x_BTD + a.astype(x_BTD.dtype)
-        y = self.post_attention_layernorm(h)
-        r = None
-        if self.is_moe:
-            y, r = self.mlp(y, return_router=True, stack_index=stack_index)
-        else:
-            y = self.mlp(y)
-        return h + y.astype(h.dtype), r, cache
-
-    def __call__(
-        self,
-        x_BTD: jax.Array,
-        positions_BT: jax.Array,
-        *,
-        absorbed: bool = False,
-        return_router: bool = False,
-        cache=None,
-    ):
-        out, r, cache_out = self.forward(x_BTD, positions_BT, cache, absorbed=absorbed)
-        if cache is not None:
-            return out, cache_out
-        return (out, r) if return_router else out
 
 
 def _stacked_layers(n: int, make, rngs: nnx.Rngs):
@@ -195,7 +109,7 @@ def _scan_layers(
     `remat` (REMAT_POLICIES, training only; a cached call must leave it "none") wraps the layer body in
     `jax.checkpoint` with that policy, so the backward of the scan keeps per layer only what the policy
     saves and recomputes the rest. `q_block` and `attn_impl` (training): the decompressed attention's query
-    block and implementation (`mla_naive_attention`).
+    block and implementation (`mla_decompressed_attention`).
     """
     policy = remat_policy(remat)
     if remat != "none" and cache is not None:
@@ -435,8 +349,9 @@ class DeepSeekModel(nnx.Module):
         head=False skips the LM head (logits None, mtp_logits empty; the hiddens it would read are in
         `hidden` and `mtp_hidden`). remat: the scanned layers' rematerialisation (REMAT_POLICIES).
         q_block: the main layers' decompressed attention in blocks of that many queries
-        (`mla_naive_attention`; the MTP modules attend whole). attn_impl: the main layers' decompressed
-        attention, "xla" (jnp), "cudnn" or "mgpu" (`mla_naive_attention`'s flash paths; right-padded masks only)."""
+        (`mla_decompressed_attention`; the MTP modules attend whole). attn_impl: the main layers'
+        decompressed attention, "xla" (jnp), "cudnn" or "mgpu" (`mla_decompressed_attention`'s flash paths;
+        right-padded masks only)."""
         positions_BT = self._check_ids(ids_BT, positions_BT)
         h_pre, routers, _ = self._trunk(
             ids_BT, positions_BT, absorbed, remat=remat, q_block=q_block, attn_impl=attn_impl

@@ -31,14 +31,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mla_jax.kv_cache import (
-    INTERPRET_ON_DATA_RANKS,
-    CacheFullError,
-    KVCache,
-    PagedLatentCache,
-    decode_kernel_reads,
-    next_pow2,
-)
+from mla_jax.attention import CACHE_IMPLS, cache_kernel_problems, resolve_cache_impl
+from mla_jax.kv_cache import INTERPRET_ON_DATA_RANKS, CacheFullError, KVCache, PagedLatentCache, next_pow2
+from mla_jax.sharding import batch_axes, shard_batch, shard_model
 from models.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
 from models.steps import (
     MAX_DRAFT_TOKENS,
@@ -51,7 +46,7 @@ from models.steps import (
     verify_step,
 )
 
-ATTENTION_IMPLS = ("auto", "reference", "kernel", "interpret")
+ATTENTION_IMPLS = CACHE_IMPLS  # "auto" | "kernel" | "interpret" | "reference" (`pallas_kernels.backend`)
 ON_CACHE_FULL = ("fail_request", "raise")
 
 __all__ = [
@@ -86,25 +81,10 @@ def rows_needed(cached: int, k: int, n_spec: int = 0) -> int:
     return max(cached + n_spec + k, cached + 1 + k)
 
 
-def _data_axes(mesh) -> tuple[tuple[str, ...], int]:
-    """(the batch's mesh axes, their size) of `mesh` by `mla_jax.sharding.DEFAULT_RULES`; ((), 1) when
-    there is no mesh or the batch is not split."""
-    if mesh is None:
-        return (), 1
-    from mla_jax.sharding import DEFAULT_RULES, _mesh_axes
-
-    shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    axes = _mesh_axes("batch", DEFAULT_RULES, shape)
-    n = int(np.prod([shape[a] for a in axes]))
-    return (axes, n) if n > 1 else ((), 1)
-
-
-def kernel_problems(cfg, page_size: int, kv_dtype: str) -> list[str]:
-    """Why the Pallas kernels cannot serve this model / page shape (empty when they can): the decode
-    kernel module's own limits (`pallas_kernels.mla_decode_problems`)."""
-    from pallas_kernels import mla_decode_problems
-
-    return mla_decode_problems(cfg.num_attention_heads, cfg.latent_dim, page_size, kv_dtype)
+def kernel_problems(cfg, page_size: int, page_format) -> list[str]:
+    """Why the Pallas kernels cannot serve this model's cache of `page_size`-token pages in `page_format`
+    (a name, a jnp dtype or a `PageFormat`): [] when they can (`mla_jax.attention.cache_kernel_problems`)."""
+    return cache_kernel_problems(cfg, page_size, page_format)
 
 
 # ------------------------------------------------------------------------------------------
@@ -190,9 +170,6 @@ class GenerationStats(collections.abc.Mapping):
         "failed",
     )
 
-    def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self._KEYS}
-
     def __getitem__(self, key: str):
         if key not in self._KEYS:
             raise KeyError(key)
@@ -244,53 +221,36 @@ class Engine:
 
     Args:
       model: a `models.DeepSeekModel` (its weights are captured at construction).
-      page_size: tokens a page (the decode kernel needs 64; tests use small pages on the jnp path).
+      page_size: tokens a page (the decode kernel reads 64; tests use small pages on the jnp path).
       num_pages: pages in the pool; None = enough for max_batch sequences of max_context tokens
         (plus the MTP draft room), what `mla_jax.capacity.plan_kv_cache` predicts.
       max_batch: slots decoded together (B of every step).
       prefill_chunk: prompt tokens a row prefills per step.
-      naive_threshold: prefill chunks of at least this many tokens use the decompressed path.
-      attention_impl: "auto" (the Pallas kernels on a Hopper GPU when the shape is supported, else
-        jnp), "reference" (jnp), "kernel" or "interpret" (force the kernels; ValueError when the
-        model / page shape is not one they support) — `pallas_kernels`' vocabulary.
+      decompressed_threshold: prefill chunks of at least this many tokens use the decompressed path
+        (`naive_threshold` is its earlier name, still accepted).
+      attention_impl: how attention reads the cache, one of `ATTENTION_IMPLS` (`mla_jax.attention.
+        resolve_cache_impl`): "auto" (the Pallas kernels on a Hopper GPU when they serve the model's
+        cache, else jnp), "reference" (jnp), "kernel" or "interpret" (the kernels; ValueError naming every
+        limit the model or pages break).
       max_context: tokens a sequence may hold (prompt + generated); None = min(the model's
         max_position_embeddings, num_pages * page_size) (2048 when num_pages is None too).
-      kv_dtype: the page format: a name ("bf16", "fp16", "fp32", "fp8", "fp4"), a jnp dtype (bf16
-        default; float32 for exact comparisons) or a `pallas_kernels.PageFormat`. "fp8" stores FlashMLA's
-        656-byte tokens (e4m3 latent + an fp32 scale per 128 values + bf16 rope; needs
-        kv_lora_rank a multiple of 128): 1.76x the tokens of bf16 in the same bytes. Decode reads fp8
-        pages through `pallas_kernels.mla_decode` once its fp8 body exists, else through
-        `paged_gather` (which dequantises) and absorbed attention in jnp. "fp4" stores 416-byte tokens
-        (e2m1 pairs + an e4m3 scale per 16 values + bf16 rope; kv_lora_rank a multiple of 32): 2.77x
-        the tokens of bf16; decode always reads them through `paged_gather`'s fp4 body (or its jnp
-        reference) and absorbed attention in jnp.
+      kv_dtype: the page format: a name ("bf16", "fp16", "fp32", "fp8", "fp4"), a jnp dtype of a plain
+        format (bf16 default; float32 for exact comparisons) or a `pallas_kernels.PageFormat`
+        (`pallas_kernels.page_format` has the byte layouts). The decode kernel reads bf16 and fp8 pages;
+        fp4 pages are read through `paged_gather`'s fp4 body and the jnp absorbed attention.
       cache_fill: value of never-written cache rows (tests poison them with NaN).
       min_chunk_bucket: the smallest prefill chunk shape (tokens); chunk shapes are powers of two.
       min_table_tokens: the smallest block-table width, in tokens (rounded up to whole pages);
         widths are powers of two of pages. Larger minimums mean fewer compilations and a little
         padded work on short sequences.
       mesh: a `jax.sharding.Mesh` (`mla_jax.sharding.make_mesh`): the weights are placed by
-        `mla_jax.sharding.shard_model` (nothing moves for a model already sharded on it); the steps are
-        partitioned by GSPMD. With `data` = 1 the page pools are replicated on every device of the
-        mesh (the latent has no head axis). With `data` = D > 1 (the batch's mesh axes of
-        `mla_jax.sharding.DEFAULT_RULES`), data-parallel attention, a page pool per data rank:
-        - slot s belongs to rank s // (max_batch / D) and pages [r·N/D, (r+1)·N/D) of the stacked
-          pool to rank r: the pool's page axis N is split over `data`, so each device holds N / D
-          pages (the `expert` / `tensor` devices of a rank hold the same shard); max_batch and
-          num_pages must be multiples of D (ValueError otherwise);
-        - the host allocator keeps a free list a rank and block tables of LOCAL page ids (0 .. N/D-1);
-          a request is admitted to a rank with a free slot and room for its prompt (the one with the
-          most free pages first); a rank out of pages fails its own request only;
-        - each step's [B, ...] inputs are placed split over `data`, and the cache write and gather run
-          under `jax.shard_map`, manual over `data` alone (`KVCache.data_parallel`): each rank scatters
-          into and gathers from its own pages, and the decode kernel runs once a rank on its own pages
-          and rows (`KVCache.map_pages`); the attention over gathered rows, the MoE (its own
-          shard_map) and the rest of the layer stay as without data ranks (GSPMD's);
-        - per device the pool is `plan_kv_cache(..., tp=D, dp_attention=True).mla.per_device_bytes`.
-        The kernels in a data rank's map see the rank's whole head axis (the query is gathered over
-        `tensor` for them). Checked on 8 CPU devices: the engine's jnp path, the maps with the jnp
-        kernels' references, the kernels cross-lowered for sm_90; "interpret" is refused with data
-        ranks (`mla_jax.kv_cache.INTERPRET_ON_DATA_RANKS`). No GPU mesh has run yet.
+        `mla_jax.sharding.shard_model`; the steps are partitioned by GSPMD. With `data` = 1 the page pools
+        are replicated on every device. With `data` = D > 1 (the batch's mesh axes), a page pool per data
+        rank: slot s belongs to rank s // (max_batch / D), which owns num_pages / D pages (max_batch and
+        num_pages must be multiples of D); block tables hold page ids local to the rank; a request goes to
+        a rank with a free slot and room for its prompt; a rank out of pages fails its own request only;
+        the cache write, gather and decode kernel run per rank (`KVCache.data_parallel`). "interpret" is
+        refused with data ranks (`mla_jax.kv_cache.INTERPRET_ON_DATA_RANKS`).
 
     `compile_log`: one dict per step that compiled, {"step", "bucket", "seconds"} (wall time of that
     call, compilation included).
@@ -303,7 +263,7 @@ class Engine:
         num_pages: int | None = None,
         max_batch: int = 8,
         prefill_chunk: int = 512,
-        naive_threshold: int = 256,
+        decompressed_threshold: int = 256,
         attention_impl: str = "auto",
         max_context: int | None = None,
         kv_dtype=jnp.bfloat16,
@@ -311,13 +271,16 @@ class Engine:
         min_chunk_bucket: int = 16,
         min_table_tokens: int = 256,
         mesh=None,
+        naive_threshold: int | None = None,
     ):
         cfg = model.cfg
+        if naive_threshold is not None:  # the earlier name
+            decompressed_threshold = naive_threshold
         for name, v, lo in (
             ("page_size", page_size, 1),
             ("max_batch", max_batch, 1),
             ("prefill_chunk", prefill_chunk, 1),
-            ("naive_threshold", naive_threshold, 1),
+            ("decompressed_threshold", decompressed_threshold, 1),
             ("min_chunk_bucket", min_chunk_bucket, 1),
             ("min_table_tokens", min_table_tokens, 1),
         ):
@@ -338,7 +301,7 @@ class Engine:
             raise ValueError(f"Engine attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
         # Data-parallel attention: D > 1 data ranks (the batch's mesh axes) each own max_batch / D slots
         # and num_pages / D pages.
-        self.data_axes, self.data_ranks = _data_axes(mesh)
+        self.data_axes, self.data_ranks = batch_axes(mesh)
         D = self.data_ranks
         if max_batch % D:
             raise ValueError(f"Engine max_batch={max_batch} is not divisible by the mesh's data ranks ({D})")
@@ -346,6 +309,8 @@ class Engine:
             raise ValueError(f"Engine num_pages={num_pages} is not divisible by the mesh's data ranks ({D})")
         if D > 1 and attention_impl == "interpret":
             raise ValueError(f"Engine attention_impl='interpret' with data ranks ({D}): " + INTERPRET_ON_DATA_RANKS)
+        # how attention reads the cache: "kernel" | "interpret" | "reference"
+        self.backend = resolve_cache_impl(attention_impl, cfg, page_size, kv_dtype, name="Engine attention_impl")
         if max_context is None:
             cap = 2048 if num_pages is None else num_pages // D * page_size  # a sequence holds its rank's pages
             max_context = min(cfg.max_position_embeddings, cap)
@@ -362,13 +327,11 @@ class Engine:
         self.num_pages = num_pages
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
-        self.naive_threshold = naive_threshold
+        self.decompressed_threshold = decompressed_threshold
         self.max_context = max_context
         self.min_chunk_bucket = min_chunk_bucket
         self.min_table_pages = -(-min_table_tokens // page_size)
         if mesh is not None:
-            from mla_jax.sharding import shard_model
-
             model = shard_model(model, mesh)  # a no-op for a model already placed on this mesh
         self.mesh = mesh
         graphdef, self.state = nnx.split(model)
@@ -380,7 +343,7 @@ class Engine:
             latent_dim=cfg.latent_dim,
             max_seqs=max_batch,
             max_pages_per_seq=next_pow2(pages_per_seq),
-            dtype=kv_dtype,
+            page_format=kv_dtype,
             fill_value=cache_fill,
             rope_dim=cfg.qk_rope_head_dim,
             ranks=D,
@@ -391,30 +354,7 @@ class Engine:
             pool = PartitionSpec(None, self.data_axes) if D > 1 else PartitionSpec()
             self.cache.pages = jax.device_put(self.cache.pages, NamedSharding(mesh, pool))
         self.attention_impl = attention_impl
-        self.kernel_impl = self._resolve_kernel(attention_impl)
         self.compile_log: list[dict] = []
-
-    def _resolve_kernel(self, impl: str) -> str | None:
-        """The kernels' implementation ("kernel" | "interpret") the cache will use, or None for jnp."""
-        from pallas_kernels._platform import default_backend_is_hopper
-
-        fmt = self.cache.page_format
-        # fp8 / fp4 pages the decode kernel cannot read go through paged_gather's body and jnp attention:
-        # the kernels' shape limits apply to them, not the decode kernel's page dtype.
-        kv_dtype = "bf16" if fmt.quantized and not decode_kernel_reads(fmt) else self.cache.kv_dtype
-        problems = kernel_problems(self.cfg, self.page_size, kv_dtype)
-        if impl == "reference":
-            return None
-        if impl == "auto":
-            return "kernel" if default_backend_is_hopper() and not problems else None
-        if problems:
-            raise ValueError(f"attention_impl={impl!r} is not possible for this model/engine: " + "; ".join(problems))
-        return impl
-
-    @property
-    def backend(self) -> str:
-        """How attention reads the pages: "kernel" | "interpret" | "reference"."""
-        return self.kernel_impl or "reference"
 
     # --- input checking ---------------------------------------------------------------------
     def _check_request(
@@ -708,8 +648,6 @@ class _Generation:
         t0 = time.perf_counter()
         dp = None
         if self.e.data_ranks > 1:  # the rows (and their local block tables) to their data ranks
-            from mla_jax.sharding import shard_batch
-
             dp = (self.e.mesh, self.e.data_axes)
             inp, args = shard_batch((inp, args), self.e.mesh)
         cache = KVCache.create(
@@ -717,7 +655,7 @@ class _Generation:
             inp.block_table,
             inp.lengths,
             impl=self.e.backend,
-            naive_threshold=self.e.naive_threshold,
+            decompressed_threshold=self.e.decompressed_threshold,
             page_format=self.cache.page_format,
             data_parallel=dp,
         )

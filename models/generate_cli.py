@@ -20,8 +20,13 @@ import os
 import sys
 from typing import NoReturn, Sequence
 
+import jax
+
+from models.engine import ATTENTION_IMPLS
+from pallas_kernels.page_format import NAMES as PAGE_FORMAT_NAMES
+
 DTYPES = ("auto", "float32", "bfloat16")
-KV_DTYPES = ("auto", "bf16", "fp32", "fp8", "fp4")
+KV_DTYPES = ("auto", *PAGE_FORMAT_NAMES)  # "auto": `cache_dtype`
 FALLBACK_PROMPT = "Once upon a time, there was a"
 
 
@@ -83,9 +88,10 @@ def _build_parser() -> _Parser:
     )
     p.add_argument(
         "--attention-impl",
-        choices=("auto", "reference", "kernel", "interpret"),
+        choices=ATTENTION_IMPLS,
         default="auto",
-        help="decode attention: Pallas kernel on Hopper (auto) or the jnp reference",
+        help="attention over the cache: the Pallas kernels on a Hopper GPU where they serve the model (auto), "
+        "the kernels (kernel; interpret: in the Pallas interpreter) or the jnp reference",
     )
     p.add_argument(
         "--mesh",
@@ -101,18 +107,13 @@ def _build_parser() -> _Parser:
     return p
 
 
-def cache_dtype(name: str):
-    """The Engine's kv_dtype for `--kv-dtype` ("auto": bf16 on a GPU, where the kernels need it, fp32
-    elsewhere: the small built-in model's greedy text drifts with bf16 latents on the jnp path;
-    "fp8" / "fp4": the format name, the cache's quantized pages)."""
-    import jax
-    import jax.numpy as jnp
-
+def cache_dtype(name: str) -> str:
+    """The Engine's page format for `--kv-dtype`: the name, or for "auto" bf16 on a GPU (where the kernels
+    read it) and fp32 elsewhere (the small built-in model's greedy text drifts with bf16 latents on the jnp
+    path)."""
     if name == "auto":
-        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    if name in ("fp8", "fp4"):
-        return name
-    return jnp.bfloat16 if name == "bf16" else jnp.float32
+        return "bf16" if jax.default_backend() == "gpu" else "fp32"
+    return name
 
 
 def compute_dtype(name: str):

@@ -35,14 +35,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as jax_ragged_dot_mgpu
+from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 from jax.sharding import PartitionSpec
 
 from mla_jax import initializers
 from mla_jax.config import ModelConfig
 from models.mlp import MLP
+from pallas_kernels import backend, moe_decode, moe_decode_problems, moe_decode_reference
 
 _F32 = jnp.float32
 MOE_IMPLS = ("auto", "ragged_dot", "mgpu", "decode", "dense")
+MOE_TRAINING_IMPLS = tuple(i for i in MOE_IMPLS if i != "decode")  # "decode" is a forward kernel for few rows
 DECODE_ROWS_PER_EXPERT = 16  # `pallas_kernels.moe_decode` reads each expert once up to 16 rows
 
 
@@ -180,8 +184,6 @@ def _mgpu_forward(
 ) -> jax.Array:
     """lhs [M, K] @ rhs[g] per row group -> [M, N]; with ``transpose_rhs`` rhs is [G, N, K] and read
     transposed (the gradient with respect to lhs)."""
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
     M, Kd = lhs_MK.shape
     N = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[-1]
     dt = lhs_MK.dtype
@@ -192,7 +194,7 @@ def _mgpu_forward(
     pm = -M % tuning.block_m
     lhs = jnp.pad(lhs_MK, ((0, pm), (0, pk)))
     rhs = jnp.pad(rhs_GKN, ((0, 0), (0, pn), (0, pk)) if transpose_rhs else ((0, 0), (0, pk), (0, pn)))
-    out = ragged_dot_mgpu.ragged_dot(
+    out = jax_ragged_dot_mgpu.ragged_dot(
         lhs,
         rhs,
         group_sizes=group_sizes_G.astype(jnp.int32),
@@ -215,8 +217,6 @@ def _mgpu_weight_gradient(
     """[G, K, N]: lhs[rows of g]ᵀ · g[rows of g] for each row group g (the gradient of `ragged_dot`
     with respect to its stacked weights), through jax's Mosaic GPU `transposed_ragged_dot`. Groups
     with no rows give zeros (the kernel skips them and leaves their output unwritten)."""
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-
     M, Kd = lhs_MK.shape
     N = g_MN.shape[1]
     # The row (contraction) axis is cut in block_k blocks at the groups' edges, masked inside the
@@ -275,8 +275,6 @@ ragged_dot_mgpu.defvjp(_mgpu_fwd, _mgpu_bwd)
 def _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, expert_offset, kernel_impl):
     """silu(x W_g) * (x W_u) W_d per row's expert through `pallas_kernels.moe_decode` -> f32 [M, D]; the
     gradient is `lax.ragged_dot`'s (the kernel is forward only)."""
-    from pallas_kernels.moe_decode import moe_decode
-
     return moe_decode(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset=expert_offset, impl=kernel_impl)
 
 
@@ -285,8 +283,6 @@ def _experts_decode_fwd(x, g, u, d, gs, off, kernel_impl):
 
 
 def _experts_decode_bwd(kernel_impl, res, ct):
-    from pallas_kernels.moe_decode import moe_decode_reference
-
     x, g, u, d, gs, off = res
     _, vjp = jax.vjp(lambda *w: moe_decode_reference(w[0], gs, *w[1:], expert_offset=off), x, g, u, d)
     return (*vjp(ct.astype(jnp.float32)), None, None)
@@ -296,24 +292,34 @@ _experts_decode.defvjp(_experts_decode_fwd, _experts_decode_bwd)
 
 
 def resolve_moe_impl(
-    impl: str, dtype, rows: int | None = None, num_experts: int | None = None, widths: tuple[int, int] | None = None
+    impl: str,
+    dtype,
+    rows: int | None = None,
+    num_experts: int | None = None,
+    widths: tuple[int, int] | None = None,
+    *,
+    training: bool = False,
 ) -> str:
     """Map `impl` ("auto" included) to "ragged_dot" | "mgpu" | "decode" | "dense"; ValueError on an unknown
-    name. `rows` (assignments, T·K), `num_experts` and `widths` (D, I) let "auto" pick the decode kernel."""
-    if impl not in MOE_IMPLS:
-        raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {impl!r}")
-    if impl == "auto":
-        from pallas_kernels._platform import default_backend_is_hopper  # the one Hopper check
+    name. `rows` (assignments, T·K), `num_experts` and `widths` (D, I) let "auto" pick the decode kernel.
 
-        if not (jnp.dtype(dtype) == jnp.bfloat16 and default_backend_is_hopper()):
-            return "ragged_dot"
-        if rows is not None and num_experts and rows <= DECODE_ROWS_PER_EXPERT * num_experts:
-            from pallas_kernels.moe_decode import moe_decode_problems
-
-            if widths is None or not moe_decode_problems(*widths):
-                return "decode"
-        return "mgpu"
-    return impl
+    "auto": on a Hopper GPU with bf16 compute, "decode" for calls of at most `DECODE_ROWS_PER_EXPERT` rows
+    an expert on average that `moe_decode` serves, else "mgpu"; elsewhere "ragged_dot", except for training
+    (`training=True`, the names of `MOE_TRAINING_IMPLS`) on a CPU: "dense", whose gradient XLA:CPU runs
+    faster than `ragged_dot`'s at the small expert counts trained there."""
+    names = MOE_TRAINING_IMPLS if training else MOE_IMPLS
+    if impl not in names:
+        raise ValueError(f"MoE impl must be one of {names}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    if training and jax.default_backend() == "cpu":
+        return "dense"
+    if not (jnp.dtype(dtype) == jnp.bfloat16 and backend.on_hopper()):
+        return "ragged_dot"
+    if not training and rows is not None and num_experts and rows <= DECODE_ROWS_PER_EXPERT * num_experts:
+        if widths is None or not moe_decode_problems(*widths):
+            return "decode"
+    return "mgpu"
 
 
 def moe_grouped(

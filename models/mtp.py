@@ -24,6 +24,7 @@ from flax import nnx
 from mla_jax import initializers
 from mla_jax.config import ModelConfig
 from mla_jax.norm import RMSNorm
+from models.layer import DecoderLayer
 
 HIDDEN_SOURCES = ("post_norm", "pre_norm")
 
@@ -32,7 +33,7 @@ class MTP(nnx.Module):
     """One MTP module: `mtp(h [B,T,D], emb [B,T,D], positions int32 [B,T]) -> block output o [B,T,D]`.
 
     Attributes (HF names in brackets): `enorm`, `hnorm` (RMSNorm), `eh_proj` (Linear 2D -> D,
-    kernel [2D, D]), `block` (a `models.deepseek.DecoderLayer`, MoE kind when the model has
+    kernel [2D, D]), `block` (a `models.layer.DecoderLayer`, MoE kind when the model has
     routed experts; HF keys `model.layers.{L+k}.self_attn...`), `shared_head_norm`
     [`shared_head.norm`]. `head_hidden(o)` applies `shared_head_norm`.
     """
@@ -48,8 +49,6 @@ class MTP(nnx.Module):
         moe_impl: str = "auto",
         hidden_source: str = "post_norm",
     ):
-        from models.deepseek import DecoderLayer  # deepseek.py imports this module; import lazily
-
         if hidden_source not in HIDDEN_SOURCES:
             raise ValueError(f"MTP hidden_source must be one of {HIDDEN_SOURCES}, got {hidden_source!r}")
         D = cfg.hidden_size

@@ -19,7 +19,9 @@ import dataclasses
 import os
 import sys
 
-from models.trainer import ATTN_IMPLS, DTYPES, MOE_IMPLS, PRESETS, SettingError, TrainerError, TrainSettings, train
+from mla_jax.attention import DECOMPRESSED_IMPLS
+from models.moe import MOE_TRAINING_IMPLS
+from models.trainer import DTYPES, PRESETS, SettingError, TrainerError, TrainSettings, train
 
 
 class UsageError(TrainerError):
@@ -76,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--moe-impl",
         default=d.moe_impl,
-        choices=MOE_IMPLS,
+        choices=MOE_TRAINING_IMPLS,
         help="expert computation; auto = dense on CPU (faster for a few small experts), else models.moe's auto",
     )
     a(
@@ -100,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--attn-impl",
         default=d.attn_impl,
-        choices=ATTN_IMPLS,
+        choices=DECOMPRESSED_IMPLS,
         help="the decompressed attention: xla (jnp), cudnn (cuDNN flash attention, forward and backward; a GPU "
         "only; the trainer's windows are unpadded, as it needs) or mgpu (this project's Mosaic GPU flash attention "
         "kernels; a Hopper GPU only, the same contract); auto (default) = mgpu with --dtype bf16 on one Hopper GPU "

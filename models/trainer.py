@@ -59,17 +59,17 @@ import sys
 import time
 from typing import Any, ClassVar
 
+import jax.numpy as jnp
 import numpy as np
 
+from mla_jax.attention import DECOMPRESSED_IMPLS, resolve_decompressed_impl
 from models.data import CORPUS_PATH
+from models.moe import MOE_TRAINING_IMPLS, resolve_moe_impl
 
 HELDOUT_FRACTION = 0.05
 DEFAULT_CORPUS = CORPUS_PATH  # inside the package (models/data), so an installed wheel trains with no arguments
 PRESETS = ("tiny", "builtin", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
 DTYPES = ("fp32", "bf16")
-MOE_IMPLS = ("auto", "ragged_dot", "mgpu", "dense")
-# "auto", then mla_jax.attention.NAIVE_ATTENTION_IMPLS (a test keeps them equal; no jax import here)
-ATTN_IMPLS = ("auto", "xla", "cudnn", "mgpu")
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -111,13 +111,13 @@ class TrainSettings:
     mtp_weight: float = 0.3  # λ of the MTP loss
     balance_alpha: float = 1e-4  # α of the sequence-wise balance loss
     bias_update_rate: float = 1e-2  # γ of the aux-loss-free router-bias update
-    moe_impl: str = "auto"  # expert computation (MOE_IMPLS); auto = dense on CPU, else models.moe's auto
+    moe_impl: str = "auto"  # expert computation (models.moe.MOE_TRAINING_IMPLS, resolve_moe_impl)
     # Not part of the trajectory: a resumed run may change them.
     remat: str = "none"  # rematerialisation of each scanned layer (models.deepseek.REMAT_POLICIES)
     ce_chunk: int = 0  # tokens per LM-head cross-entropy chunk (0 = the whole logits at once)
     attn_q_block: int = 0  # queries per block of the decompressed attention (0 = all at once)
     attn_impl: str = "auto"  # the decompressed attention: xla (jnp), cudnn or mgpu (flash; a GPU);
-    #                                 auto = mgpu for bf16 on one Hopper GPU, no mesh; else xla (auto_attn_impl)
+    #                                 auto: mla_jax.attention.resolve_decompressed_impl
     mesh: str | None = None  # a device mesh, "data=2,tensor=2" (mla_jax.sharding.parse_mesh; FSDP over data)
     corpus: str = DEFAULT_CORPUS  # UTF-8 text, paragraphs separated by blank lines
     eval_every: int = 100  # held-out evaluation period in steps (0 = only at the end)
@@ -167,8 +167,8 @@ class TrainSettings:
                 raise SettingError("{0} must be >= 0, got {v}", name, v=getattr(self, name))
         if self.dtype not in DTYPES:
             raise SettingError("{0} must be one of {c}, got {v!r}", "dtype", c=DTYPES, v=self.dtype)
-        if self.moe_impl not in MOE_IMPLS:
-            raise SettingError("{0} must be one of {c}, got {v!r}", "moe_impl", c=MOE_IMPLS, v=self.moe_impl)
+        if self.moe_impl not in MOE_TRAINING_IMPLS:
+            raise SettingError("{0} must be one of {c}, got {v!r}", "moe_impl", c=MOE_TRAINING_IMPLS, v=self.moe_impl)
         if self.remat != "none":
             from models.deepseek import REMAT_POLICIES  # jax, only when asked for
 
@@ -180,8 +180,8 @@ class TrainSettings:
             raise SettingError(
                 "{0} must be >= 0 (0 = all queries at once), got {v}", "attn_q_block", v=self.attn_q_block
             )
-        if self.attn_impl not in ATTN_IMPLS:
-            raise SettingError("{0} must be one of {c}, got {v!r}", "attn_impl", c=ATTN_IMPLS, v=self.attn_impl)
+        if self.attn_impl not in DECOMPRESSED_IMPLS:
+            raise SettingError("{0} must be one of {c}, got {v!r}", "attn_impl", c=DECOMPRESSED_IMPLS, v=self.attn_impl)
         if self.mesh is not None:
             data = self.mesh_sizes().get("data", 1)
             if self.batch_size % data:
@@ -342,22 +342,15 @@ def _optimizer(lr, min_lr_ratio, warmup, steps, weight_decay, clip):
     return tx, schedule
 
 
-def auto_attn_impl(dtype: str, on_mesh: bool) -> str:
-    """What the training attention "auto" means: "mgpu" (`pallas_kernels.flash_attention`, the flash attention
-    of the 64 K-token training step in docs/BENCHMARKS.md) when the compute `dtype` is "bf16" on one Hopper GPU and
-    no mesh is used (the kernels are not partitioned over a mesh), else "xla" (the jnp attention: fp32 compute
-    keeps fp32 scores, which the bf16 kernel would not). mla-train's windows and mla-bench train's batches are
-    unpadded, as the flash attentions need."""
-    if dtype != "bf16" or on_mesh:
-        return "xla"
-    from pallas_kernels._platform import default_backend_is_hopper  # the one Hopper check
-
-    return "mgpu" if default_backend_is_hopper() else "xla"
+def compute_dtype(s: TrainSettings):
+    """The jnp compute dtype of `s.dtype` ("fp32" | "bf16")."""
+    return jnp.bfloat16 if s.dtype == "bf16" else jnp.float32
 
 
 def resolve_attn_impl(s: TrainSettings) -> str:
-    """`s.attn_impl`, with "auto" made concrete by `auto_attn_impl`."""
-    return auto_attn_impl(s.dtype, s.mesh is not None) if s.attn_impl == "auto" else s.attn_impl
+    """`s.attn_impl` made concrete (`mla_jax.attention.resolve_decompressed_impl`; mla-train's windows are
+    unpadded, as the flash attentions need)."""
+    return resolve_decompressed_impl(s.attn_impl, dtype=compute_dtype(s), on_mesh=s.mesh is not None)
 
 
 def train_config(s: TrainSettings):
@@ -417,14 +410,6 @@ def make_eval_step(tc, mesh=None):
     return jax.jit(eval_step, static_argnums=(0,), out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def resolve_moe_impl(name: str) -> str:
-    import jax
-
-    if name == "auto" and jax.default_backend() == "cpu":
-        return "dense"
-    return name
-
-
 def build_model(cfg, s: TrainSettings):
     """The DeepSeekModel of a fresh run: initialised from `s.seed`, fp32 parameters, `s.dtype` compute."""
     import jax.numpy as jnp
@@ -432,10 +417,9 @@ def build_model(cfg, s: TrainSettings):
 
     from models.deepseek import DeepSeekModel
 
-    dtype = jnp.bfloat16 if s.dtype == "bf16" else jnp.float32
-    return DeepSeekModel(
-        cfg, rngs=nnx.Rngs(s.seed), dtype=dtype, param_dtype=jnp.float32, moe_impl=resolve_moe_impl(s.moe_impl)
-    )
+    dtype = compute_dtype(s)
+    moe_impl = resolve_moe_impl(s.moe_impl, dtype, training=True)
+    return DeepSeekModel(cfg, rngs=nnx.Rngs(s.seed), dtype=dtype, param_dtype=jnp.float32, moe_impl=moe_impl)
 
 
 def initial_state(s: TrainSettings, cfg=None, mesh=None):

@@ -49,7 +49,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mla_jax.attention import NAIVE_ATTENTION_IMPLS
+from mla_jax.attention import DECOMPRESSED_IMPLS
 from models.deepseek import REMAT_POLICIES, DeepSeekModel, ModelOutput
 from models.moe import RouterOutput
 
@@ -81,8 +81,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.ce_chunk={self.ce_chunk!r}: must be an integer >= 0 (0 = unchunked)")
         if not isinstance(self.attn_q_block, int) or self.attn_q_block < 0:
             raise ValueError(f"TrainConfig.attn_q_block={self.attn_q_block!r}: must be an integer >= 0 (0 = whole)")
-        if self.attn_impl not in NAIVE_ATTENTION_IMPLS:
-            raise ValueError(f"TrainConfig.attn_impl={self.attn_impl!r}: must be one of {NAIVE_ATTENTION_IMPLS}")
+        if self.attn_impl not in DECOMPRESSED_IMPLS[1:]:  # resolved: "auto" is the caller's to resolve
+            raise ValueError(f"TrainConfig.attn_impl={self.attn_impl!r}: must be one of {DECOMPRESSED_IMPLS[1:]}")
 
 
 # ------------------------------------------------------------------------------------------

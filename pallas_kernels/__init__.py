@@ -1,10 +1,13 @@
 """Pallas kernels for Hopper (Mosaic GPU, sm_90; `moe_decode` on Pallas' Triton backend) with their
-plain-jnp references, and the one "which implementation" vocabulary (`_platform.IMPLS`: kernel /
-interpret / reference, with the one Hopper check).
+plain-jnp references; `backend`, the one "which implementation" vocabulary (auto / kernel / interpret /
+reference) with the one Hopper check; `page_format`, the one page-format type.
 
-Imports nothing from the rest of the project.
+Each kernel takes its pages' format explicitly (a `PageFormat`, or read from the pages) and says what it
+serves (`mla_decode_problems`, `paged_gather_problems`, `moe_decode_problems`). Imports nothing from the
+rest of the project.
 """
 
+from pallas_kernels import backend
 from pallas_kernels.flash_attention import FlashAttentionConfig, flash_attention, flash_attention_reference
 from pallas_kernels.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_problems, mla_decode_reference
 from pallas_kernels.moe_decode import MoeDecodeConfig, moe_decode, moe_decode_problems, moe_decode_reference
@@ -18,8 +21,9 @@ from pallas_kernels.page_format import (
     page_format_of,
     quantize_latent_fp4,
     quantize_latent_fp8,
+    resolve_page_format,
 )
-from pallas_kernels.paged_gather import PagedGatherConfig, paged_gather, paged_gather_reference
+from pallas_kernels.paged_gather import PagedGatherConfig, paged_gather, paged_gather_problems, paged_gather_reference
 
 __all__ = [
     "BF16_PAGES",
@@ -29,20 +33,23 @@ __all__ = [
     "MlaDecodeConfig",
     "MoeDecodeConfig",
     "PageFormat",
+    "PagedGatherConfig",
+    "backend",
     "dequantize_latent_fp4",
     "dequantize_latent_fp8",
     "flash_attention",
     "flash_attention_reference",
-    "page_format_of",
-    "quantize_latent_fp4",
-    "quantize_latent_fp8",
-    "PagedGatherConfig",
     "mla_decode",
     "mla_decode_problems",
     "mla_decode_reference",
     "moe_decode",
     "moe_decode_problems",
     "moe_decode_reference",
+    "page_format_of",
     "paged_gather",
+    "paged_gather_problems",
     "paged_gather_reference",
+    "quantize_latent_fp4",
+    "quantize_latent_fp8",
+    "resolve_page_format",
 ]

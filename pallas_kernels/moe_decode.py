@@ -26,10 +26,11 @@ import functools
 
 import jax
 import jax.experimental.pallas as pl
+import jax.experimental.pallas.triton as plt
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _platform
+from pallas_kernels import backend
 
 ROW_TILE = 16  # rows a tile: the smallest M of a tensor-core dot
 
@@ -113,8 +114,6 @@ def _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config):
 
 
 def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, wg_ref, wu_ref, h_ref, *, block_i, block_d, D):
-    from jax.experimental.pallas import triton as plgpu
-
     j = pl.program_id(1)
     start, n = start_ref[pl.program_id(0)], size_ref[pl.program_id(0)]
     e = off_ref[0] + pl.program_id(0)  # the expert's index in the weights (a layer stack, flattened)
@@ -127,23 +126,21 @@ def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, wg_ref, wu_ref, h_ref, 
         def chunk(k, accs):
             acc_g, acc_u = accs
             d = pl.ds(k * block_d, block_d)
-            x = plgpu.load(x_ref.at[pl.ds(r0, ROW_TILE), d], mask=rmask, other=0.0)  # [R, block_d]
-            acc_g += plgpu.dot(x, plgpu.load(wg_ref.at[e, d, cols]))  # [R, block_i]
-            acc_u += plgpu.dot(x, plgpu.load(wu_ref.at[e, d, cols]))
+            x = plt.load(x_ref.at[pl.ds(r0, ROW_TILE), d], mask=rmask, other=0.0)  # [R, block_d]
+            acc_g += plt.dot(x, plt.load(wg_ref.at[e, d, cols]))  # [R, block_i]
+            acc_u += plt.dot(x, plt.load(wu_ref.at[e, d, cols]))
             return acc_g, acc_u
 
         zero = jnp.zeros((ROW_TILE, block_i), jnp.float32)
         acc_g, acc_u = lax.fori_loop(0, D // block_d, chunk, (zero, zero))
         h = jax.nn.silu(acc_g) * acc_u
-        plgpu.store(h_ref.at[pl.ds(r0, ROW_TILE), cols], h.astype(h_ref.dtype), mask=rmask)
+        plt.store(h_ref.at[pl.ds(r0, ROW_TILE), cols], h.astype(h_ref.dtype), mask=rmask)
         return carry
 
     lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
 
 
 def _down_kernel(start_ref, size_ref, off_ref, h_ref, wd_ref, y_ref, *, block_o, block_k, I):
-    from jax.experimental.pallas import triton as plgpu
-
     j = pl.program_id(1)
     start, n = start_ref[pl.program_id(0)], size_ref[pl.program_id(0)]
     e = off_ref[0] + pl.program_id(0)
@@ -155,26 +152,24 @@ def _down_kernel(start_ref, size_ref, off_ref, h_ref, wd_ref, y_ref, *, block_o,
 
         def chunk(k, acc):
             i = pl.ds(k * block_k, block_k)
-            h = plgpu.load(h_ref.at[pl.ds(r0, ROW_TILE), i], mask=rmask, other=0.0)  # [R, block_k]
-            return acc + plgpu.dot(h, plgpu.load(wd_ref.at[e, i, cols]))  # [R, block_o]
+            h = plt.load(h_ref.at[pl.ds(r0, ROW_TILE), i], mask=rmask, other=0.0)  # [R, block_k]
+            return acc + plt.dot(h, plt.load(wd_ref.at[e, i, cols]))  # [R, block_o]
 
         acc = lax.fori_loop(0, I // block_k, chunk, jnp.zeros((ROW_TILE, block_o), jnp.float32))
-        plgpu.store(y_ref.at[pl.ds(r0, ROW_TILE), cols], acc, mask=rmask)
+        plt.store(y_ref.at[pl.ds(r0, ROW_TILE), cols], acc, mask=rmask)
         return carry
 
     lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
 
 
 def _moe_decode_kernel(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset, *, config, interpret):
-    from jax.experimental.pallas import triton as plgpu
-
     M, D = x_MD.shape
     E, I = group_sizes_E.shape[0], gate_EDI.shape[2]
     dt = x_MD.dtype
     sizes = group_sizes_E.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
     off = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))
-    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     # The row tiles may read past M (masked); pad so that no address leaves the buffers.
     x = jnp.pad(x_MD, ((0, ROW_TILE), (0, 0)))
     h = pl.pallas_call(
@@ -206,7 +201,7 @@ def moe_decode(
     *,
     expert_offset=0,
     config: MoeDecodeConfig | None = None,
-    impl: str | None = None,
+    impl: str | None = "auto",
 ):
     """The routed experts of sorted assignment rows -> f32 [M, D].
 
@@ -218,12 +213,12 @@ def moe_decode(
         scanned stack's [L, E, ...]); group e then uses weights `expert_offset + e` (an int scalar,
         may be traced: layer · E). The kernel reads them in place: no per-layer copy.
       config: `MoeDecodeConfig`; D and I must be multiples of its blocks (`moe_decode_problems`).
-      impl: None (the kernel on a GPU, else the reference), "kernel", "interpret" or "reference".
+      impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
     Fast while every expert has at most 16 rows (weights read once); correct for any sizes.
     """
     config = MoeDecodeConfig() if config is None else config
     _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config)
-    impl = _platform.resolve_impl(impl)
+    impl = backend.resolve(impl)
     if impl == "reference":
         return moe_decode_reference(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset)
     return _moe_decode_kernel(

@@ -60,14 +60,12 @@ class PageFormat:
     """How one cache page stores its tokens (hashable: a static argument of jitted code).
 
     Attributes:
-      name: "bf16", "fp16", "fp32", "fp8" or "fp4" (see the module docstring for the byte layouts).
-      kernel_supported: whether `paged_gather`'s Mosaic GPU kernel has a body for this format.
+      name: "bf16", "fp16", "fp32", "fp8" or "fp4" (`NAMES`; the module docstring has the byte layouts).
       latent_dim: L, the latent values per token (a multiple of 128 for "fp8", of 32 for "fp4").
       rope_dim: R, the rope values per token, stored after the latent.
     """
 
     name: str
-    kernel_supported: bool = True
     latent_dim: int = 512
     rope_dim: int = 64
 
@@ -145,7 +143,7 @@ class PageFormat:
             stored = dequantize(stored, rope_dim=self.rope_dim)
         return stored if dtype is None else stored.astype(dtype)
 
-    # --- the hooks `paged_gather` uses (kernel shapes: 64-token pages, L=512, R=64) --------------
+    # --- what the kernels ask of a format ---------------------------------------------------------
     def validate(self, kv_pages, page_size: int = 64) -> None:
         """Raises ValueError unless ``kv_pages`` is [num_pages, page_size, W] of `storage_dtype`."""
         want = (page_size, self.width)
@@ -162,9 +160,46 @@ class PageFormat:
         return self.decode(pages, jnp.bfloat16)
 
 
-BF16_PAGES = PageFormat(name="bf16", kernel_supported=True)
-FP8_PAGES = PageFormat(name="fp8", kernel_supported=True)
-FP4_PAGES = PageFormat(name="fp4", kernel_supported=True)
+BF16_PAGES = PageFormat(name="bf16")
+FP8_PAGES = PageFormat(name="fp8")
+FP4_PAGES = PageFormat(name="fp4")
+
+
+def resolve_page_format(spec, *, value_dim: int | None = None, rope_dim: int = 64) -> PageFormat:
+    """The one way a page format is named: `spec` is a name of `NAMES` ("bf16", "fp8", ...), a `PageFormat`,
+    or the jnp dtype of a plain format (bfloat16, float16, float32) -> its `PageFormat`.
+
+    value_dim: C = L + R, the values a token holds (None: 512 + 64 for a name or a dtype, a `PageFormat`'s
+    own). rope_dim: R, the last values of a token, stored after the latent. Plain formats store every value
+    alike, so for them the split only names the widths (a rope wider than the token is read as all of it).
+    ValueError, naming the value, for an unknown format, uint8 (the dtype of both fp8 and fp4 pages: name
+    the format), or widths a quantized format cannot store (fp8: L a positive multiple of 128; fp4: of 32).
+    """
+    if isinstance(spec, PageFormat):
+        if value_dim is None:
+            return spec
+        name = spec.name
+    elif isinstance(spec, str) and spec in NAMES:
+        name = spec
+    else:
+        try:
+            dt = jnp.dtype(spec)
+        except TypeError:
+            raise ValueError(f"page format {spec!r} is unknown; known: {', '.join(NAMES)}") from None
+        if dt == jnp.uint8:
+            raise ValueError(f"uint8 is the storage of both quantized page formats; name one of {QUANTIZED}")
+        name = next((n for n, d in _PLAIN.items() if dt == jnp.dtype(d)), None)
+        if name is None:
+            raise ValueError(f"page format {dt.name} is unknown; known: {', '.join(NAMES)}")
+    if value_dim is None:
+        return PageFormat(name)
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 0:
+        raise ValueError(f"rope_dim must be a non-negative integer, got {rope_dim!r}")
+    if name not in QUANTIZED:
+        rope_dim = min(rope_dim, value_dim)
+    elif rope_dim >= value_dim:
+        raise ValueError(f"{name} pages need a latent part: rope_dim={rope_dim} >= the token's {value_dim} values")
+    return PageFormat(name, latent_dim=value_dim - rope_dim, rope_dim=rope_dim)
 
 
 def _quantized_latent_dim(name: str, width: int, rope_dim: int) -> int | None:
@@ -194,14 +229,24 @@ def page_format_of(pages, *, rope_dim: int = 64) -> PageFormat:
                 f"pages with rope_dim={rope_dim}; pass the PageFormat explicitly"
             )
         ((name, lat),) = fits.items()
-        base = FP8_PAGES if name == "fp8" else FP4_PAGES
-        # paged_gather's quantized kernel bodies read DeepSeek's 512 + 64 tokens only
-        kernel = base.kernel_supported and (lat, rope_dim) == (base.latent_dim, base.rope_dim)
-        return PageFormat(name, kernel_supported=kernel, latent_dim=lat, rope_dim=rope_dim)
+        return PageFormat(name, latent_dim=lat, rope_dim=rope_dim)
     for name, d in _PLAIN.items():
-        if dt == jnp.dtype(d):
-            return PageFormat(name, latent_dim=pages.shape[-1] - rope_dim, rope_dim=rope_dim)
+        if dt == jnp.dtype(d):  # plain values: the split only names the widths (as in `resolve_page_format`)
+            rope = min(rope_dim, pages.shape[-1])
+            return PageFormat(name, latent_dim=pages.shape[-1] - rope, rope_dim=rope)
     raise ValueError(f"pages of dtype {dt.name} are in no known page format; known: {', '.join(NAMES)}")
+
+
+def check_pages(kv_pages, page_format: PageFormat | None = None, *, page_size: int) -> PageFormat:
+    """The format of the pages array ``kv_pages`` [num_pages, page_size, W], as every kernel takes it:
+    ``page_format`` checked against the pages' dtype and width, or (None) read from them (`page_format_of`).
+    ValueError, naming the value, when they disagree or name no format."""
+    if page_format is None:
+        page_format = page_format_of(kv_pages)
+    elif not isinstance(page_format, PageFormat):
+        raise ValueError(f"page_format must be a PageFormat or None, got {page_format!r}")
+    page_format.validate(kv_pages, page_size)
+    return page_format
 
 
 def _divide(a, b):

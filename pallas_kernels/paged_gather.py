@@ -3,13 +3,12 @@
 Dimension letters: B batch, P pages, T tokens gathered per sequence, K = 576 (512 latent ; 64 rope).
 
 The prefill path attends with decompressed K/V over the cached prefix, which wants the prefix as a
-dense [B, T, 576] array. XLA's ``kv_pages[block_table]`` does this at ~3 TB/s; the kernel streams
-pages through SMEM with TMA (one bulk load and one bulk store per 73.7 KB page, several pages in
-flight per CTA) and aims at the device-to-device copy rate.
+dense [B, T, 576] array. The kernel streams pages through SMEM with TMA (one bulk load and one bulk store
+per page, several pages in flight per CTA); its aim is the device-to-device copy rate (docs/BENCHMARKS.md
+has what it reaches).
 
-Page formats hook in through `PageFormat`: a format says what one cached page is (``validate``),
-how the reference turns pages into bf16 (``dequantize_reference``) and whether the kernel has a
-body for it (``kernel_supported``). Two bodies:
+The pages' format is a `PageFormat` (given, or read from the pages' dtype and width); the kernel serves
+`KERNEL_FORMATS` (`paged_gather_problems` says why not), the reference every format. Three bodies:
 
 * bf16 pages: a copy. Each page goes GMEM -> SMEM -> GMEM untouched.
 * fp8 pages (`FP8_PAGES`, uint8 [N, 64, 656]: 512 e4m3 | 4 fp32 scales | 64 bf16 rope a token):
@@ -19,18 +18,15 @@ body for it (``kernel_supported``). Two bodies:
   of a token), the rope as one 64 x 64 bf16 box (elements 264..327). Registers dequantise
   (e4m3 -> f16 -> f32, times the block's scale broadcast along the row, -> bf16, rounded to
   nearest: the reference's arithmetic, so the result is bit-exact), write the bf16 page into
-  one SMEM staging buffer, and one bulk store per page writes it out. SMEM: 41 KB a stage (up to
-  3 in flight) + 72 KB of staging; the staging buffer is rewritten once the previous page's store
-  has read it. On an H200: 3.5 TB/s of fp8 read + bf16 written at B=128, 1.8x XLA (docs/NOTES.md).
+  an SMEM staging buffer, and one bulk store per page writes it out; a staging buffer is rewritten
+  once the store of the page before has read it.
 * fp4 pages (`FP4_PAGES`, uint8 [N, 64, 416]: 256 bytes of e2m1 pairs | 32 e4m3 scales | 64 bf16
   rope a token): the same pipeline with three boxes (the packed codes 64 x 256 bytes at byte 0, the
   scales 64 x 32 bytes at byte 256, the rope 64 x 64 bf16 at element 144 of the pages as bf16
   [N, 64, 208]). Registers split each byte into its two nibbles (value j low, j + 256 high, so no
   interleave), turn a code into its value with integer ops and one f16 multiply (sm_90 has no e2m1
   conversion), multiply by the block's e4m3 scale (-> f32, broadcast along the row) and round to bf16
-  (exact: 2 x 4 significant bits). SMEM: 26 KB a stage + the staging buffers. Checked bit-exact in
-  interpret mode, lowered for sm_90 on CPU, and bit-exact on an H200, where it runs at ~60 % of the
-  copy rate (fp8: ~83 %): its (64, 16) tiles conflict on the SMEM banks (docs/NOTES.md).
+  (exact: 2 x 4 significant bits).
 """
 
 from __future__ import annotations
@@ -45,13 +41,30 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.mosaic.gpu.fragmented_array import Tiling
 
-from pallas_kernels import _platform
+from pallas_kernels import backend
 from pallas_kernels._page_table import check_page_table
-from pallas_kernels.page_format import BF16_PAGES, FP4_PAGES, FP8_PAGES, PageFormat  # noqa: F401  (re-exported)
+from pallas_kernels.page_format import PageFormat, check_pages
 
 PAGE_SIZE = 64
 KEY_DIM = 576
 ROPE_DIM = 64
+KERNEL_FORMATS = ("bf16", "fp8", "fp4")  # the page formats the kernel has a body for (at 512 + 64 values)
+
+
+def paged_gather_problems(page_format: PageFormat, page_size: int = PAGE_SIZE) -> list[str]:
+    """Why the gather kernel cannot read pages of ``page_format`` and ``page_size`` tokens: [] when it can,
+    else one line per broken limit (the reference reads every format at 512 + 64 values)."""
+    problems = []
+    if page_format.name not in KERNEL_FORMATS:
+        problems.append(f"page format {page_format.name} (the gather kernel reads {', '.join(KERNEL_FORMATS)} pages)")
+    if (page_format.latent_dim, page_format.rope_dim) != (KEY_DIM - ROPE_DIM, ROPE_DIM):
+        problems.append(
+            f"{page_format.latent_dim} latent + {page_format.rope_dim} rope values a token (the gather kernel "
+            f"reads {KEY_DIM - ROPE_DIM} + {ROPE_DIM})"
+        )
+    if page_size != PAGE_SIZE:
+        problems.append(f"page_size = {page_size} (the gather kernel reads {PAGE_SIZE}-token pages)")
+    return problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +80,7 @@ class PagedGatherConfig:
       staging_buffers: fp8 / fp4 pages only: bf16 staging buffers (72 KB each) the dequantised pages are
         stored from. With 2, a page is dequantised into one while the previous page's store still
         reads the other; they and the 41 KB input stages must fit the 227 KB of SMEM, so 2 buffers
-        take at most 2 steps in flight. None = 2 (on an H200, 2026-12-01: 1-3 % faster than one
-        buffer with 3 steps in every cell of `mla-bench paged_gather --kv-dtype fp8`).
+        take at most 2 steps in flight. None = 2 (the faster on an H200: docs/BENCHMARKS.md).
     """
 
     chunks: int | None = None
@@ -105,15 +117,14 @@ class PagedGatherConfig:
         )
 
 
-def _validate(kv_pages, block_table, num_tokens, page_format, checked=False):
-    if not isinstance(page_format, PageFormat):
-        raise ValueError(f"page_format must be a PageFormat, got {page_format!r}")
-    if (page_format.latent_dim, page_format.rope_dim) != (KEY_DIM - ROPE_DIM, ROPE_DIM):
+def _validate(kv_pages, block_table, num_tokens, page_format, checked=False) -> PageFormat:
+    """Checks every argument; -> the pages' `PageFormat`."""
+    fmt = check_pages(kv_pages, page_format, page_size=PAGE_SIZE)
+    if (fmt.latent_dim, fmt.rope_dim) != (KEY_DIM - ROPE_DIM, ROPE_DIM):
         raise ValueError(
             f"paged_gather reads tokens of {KEY_DIM - ROPE_DIM} latent + {ROPE_DIM} rope values, "
-            f"got {page_format.latent_dim} + {page_format.rope_dim} ({page_format.name} pages)"
+            f"got {fmt.latent_dim} + {fmt.rope_dim} ({fmt.name} pages)"
         )
-    page_format.validate(kv_pages)
     if block_table.ndim != 2 or min(block_table.shape) < 1:
         raise ValueError(f"block_table must be [B >= 1, max_pages >= 1], got {block_table.shape}")
     if block_table.dtype != jnp.int32:
@@ -134,17 +145,18 @@ def _validate(kv_pages, block_table, num_tokens, page_format, checked=False):
         lengths_name="num_tokens",
         checked=checked,
     )
+    return fmt
 
 
 def paged_gather_reference(
-    kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, config=None, impl=None, checked=False
+    kv_pages, block_table, *, num_tokens, page_format=None, config=None, impl=None, checked=False
 ):
     """Plain-jnp paged gather; same contract (and checks) as `paged_gather`."""
     del config, impl
-    _validate(kv_pages, block_table, num_tokens, page_format, checked)
+    fmt = _validate(kv_pages, block_table, num_tokens, page_format, checked)
     B = block_table.shape[0]
     n_pages = pl.cdiv(num_tokens, PAGE_SIZE)
-    pages_BPtK = page_format.dequantize_reference(kv_pages[block_table[:, :n_pages]])
+    pages_BPtK = fmt.dequantize_reference(kv_pages[block_table[:, :n_pages]])
     return pages_BPtK.reshape(B, n_pages * PAGE_SIZE, KEY_DIM)[:, :num_tokens]
 
 
@@ -403,21 +415,23 @@ def _paged_gather_fp4_kernel(kv_pages, block_table, *, num_tokens, config, inter
     )
 
 
-def paged_gather(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, config=None, impl=None, checked=False):
+def paged_gather(kv_pages, block_table, *, num_tokens, page_format=None, config=None, impl="auto", checked=False):
     """Gathers the first ``num_tokens`` cached tokens of every sequence into a dense buffer.
 
     Args:
-      kv_pages: [num_pages, 64, 576] cache pages in ``page_format`` (bf16: the array itself).
+      kv_pages: [num_pages, 64, W] cache pages in ``page_format`` (bf16: [num_pages, 64, 576]).
       block_table: int32 [B, max_pages]: page ids of each sequence in token order; the first
         cdiv(num_tokens, 64) entries of every row must be page ids in [0, num_pages), the rest are
         never read.
       num_tokens: Python int in [1, 64 * max_pages]: tokens gathered per sequence. Tokens past a
         sequence's length are copied as they are in the page (the caller masks them).
-      page_format: a `PageFormat`: `BF16_PAGES`, `FP8_PAGES` for uint8 [num_pages, 64, 656] pages or
-        `FP4_PAGES` for uint8 [num_pages, 64, 416] pages (both dequantised, as
-        `PageFormat.dequantize_reference` does, bit for bit).
+      page_format: the pages' `PageFormat`, checked against their dtype and width; None reads it from them
+        (`page_format_of`: bf16 [.., 576], fp8 uint8 [.., 656], fp4 uint8 [.., 416]). Quantized pages are
+        dequantised to bf16 as `PageFormat.dequantize_reference` does, bit for bit. The kernel reads
+        `KERNEL_FORMATS` (`paged_gather_problems`).
       config: `PagedGatherConfig` (static); None = defaults.
-      impl: None (kernel on a Hopper GPU, else reference), "kernel", "interpret" or "reference".
+      impl: one of `pallas_kernels.backend.IMPLS`: "auto" (the kernel on a Hopper GPU where it serves the
+        format, else the reference), "kernel", "interpret" or "reference".
       checked: also check a traced block table, with `jax.experimental.checkify` (the caller wraps
         the jitted function in `checkify.checkify`); a concrete one is always checked.
 
@@ -428,25 +442,19 @@ def paged_gather(kv_pages, block_table, *, num_tokens, page_format=BF16_PAGES, c
       ValueError naming the argument and the limit, for a bad shape or dtype, num_tokens outside
       [1, 64 * max_pages], or a concrete block-table entry it reads outside [0, num_pages).
     """
-    _validate(kv_pages, block_table, num_tokens, page_format, checked)
+    fmt = _validate(kv_pages, block_table, num_tokens, page_format, checked)
     if config is None:
         config = PagedGatherConfig()
     if not isinstance(config, PagedGatherConfig):
         raise ValueError(f"config must be a PagedGatherConfig or None, got {type(config).__name__}")
-    impl = _platform.resolve_impl(impl)
-    if impl != "reference" and not page_format.kernel_supported:
-        raise ValueError(f"page format {page_format.name!r} has no kernel yet, got impl={impl!r}; use impl='reference'")
+    impl = backend.choose(impl, paged_gather_problems(fmt))
     if impl == "reference":
-        return paged_gather_reference(
-            kv_pages, block_table, num_tokens=num_tokens, page_format=page_format, checked=checked
-        )
-    kernel = {"fp8": _paged_gather_fp8_kernel, "fp4": _paged_gather_fp4_kernel}.get(
-        page_format.name, _paged_gather_kernel
-    )
+        return paged_gather_reference(kv_pages, block_table, num_tokens=num_tokens, page_format=fmt, checked=checked)
+    kernel = {"fp8": _paged_gather_fp8_kernel, "fp4": _paged_gather_fp4_kernel}.get(fmt.name, _paged_gather_kernel)
     return kernel(
         kv_pages,
         block_table,
         num_tokens=num_tokens,
-        config=config.for_format(page_format),
+        config=config.for_format(fmt),
         interpret=impl == "interpret",
     )

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mla_jax import MLA, ModelConfig, mla_absorbed_attention, mla_naive_attention
+from mla_jax import MLA, ModelConfig, mla_absorbed_attention, mla_decompressed_attention
 
 
 def _randomize(module, seed):
@@ -42,16 +42,16 @@ CFGS = {
 @pytest.mark.parametrize("name", list(CFGS))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("T", [1, 5, 33])
-def test_naive_equals_absorbed(name, seed, T):
+def test_decompressed_equals_absorbed(name, seed, T):
     cfg = CFGS[name]
     mla = _randomize(MLA(cfg, rngs=nnx.Rngs(seed)), seed)
     x = jax.random.normal(jax.random.key(100 + seed), (2, T, cfg.hidden_size))
     pos = _positions(2, T) + seed * 7  # any start offset
-    naive = _call(mla, x, pos, absorbed=False)
+    decomp = _call(mla, x, pos, absorbed=False)
     absorbed = _call(mla, x, pos, absorbed=True)
-    assert naive.shape == (2, T, cfg.hidden_size)
-    chex.assert_trees_all_close(absorbed, naive, rtol=2e-5, atol=2e-5)
-    assert float(jnp.abs(naive).max()) > 1e-3  # a real signal, not zeros
+    assert decomp.shape == (2, T, cfg.hidden_size)
+    chex.assert_trees_all_close(absorbed, decomp, rtol=2e-5, atol=2e-5)
+    assert float(jnp.abs(decomp).max()) > 1e-3  # a real signal, not zeros
 
 
 def test_ragged_batch_with_padding_positions():
@@ -78,7 +78,7 @@ def test_causal():
     assert not np.allclose(np.asarray(y[:, 5:]), np.asarray(y2[:, 5:]))
 
 
-def test_naive_matches_per_head_numpy():
+def test_decompressed_matches_per_head_numpy():
     """The decompressed reference against a plain float64 NumPy loop over heads."""
     rng = np.random.default_rng(7)
     B, T, S, H, N, R, V, L = 1, 3, 6, 2, 8, 4, 8, 16
@@ -98,7 +98,7 @@ def test_naive_matches_per_head_numpy():
         p = np.exp(s - s.max(-1, keepdims=True))
         out[0, :, h] = (p / p.sum(-1, keepdims=True)) @ v
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    got = mla_naive_attention(
+    got = mla_decompressed_attention(
         f32(q_nope), f32(q_pe), f32(lat), f32(w), jnp.asarray(qpos), jnp.asarray(kpos), softmax_scale=0.3
     )
     np.testing.assert_allclose(np.asarray(got), out, rtol=1e-5, atol=1e-5)
@@ -117,14 +117,14 @@ def test_query_blocks_equal_one_block_and_their_gradients():
     pos = jnp.asarray(np.stack([np.arange(T), np.r_[[-1, -1, -1], np.arange(T - 3)]]), jnp.int32)
 
     def loss(q_block, qn, qp, lat, w):
-        o = mla_naive_attention(qn, qp, lat, w, pos, pos, softmax_scale=0.3, q_block=q_block)
+        o = mla_decompressed_attention(qn, qp, lat, w, pos, pos, softmax_scale=0.3, q_block=q_block)
         return jnp.sum(jnp.sin(o) * jnp.arange(o.size, dtype=o.dtype).reshape(o.shape) / o.size), o
 
     (l1, o1), g1 = jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True)(None, *args, w)
     (l4, o4), g4 = jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True)(4, *args, w)
     chex.assert_trees_all_close((o4, g4), (o1, g1), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="q_block=5 must be >= 1 and divide the 12 queries"):
-        mla_naive_attention(*args, w, pos, pos, softmax_scale=0.3, q_block=5)
+        mla_decompressed_attention(*args, w, pos, pos, softmax_scale=0.3, q_block=5)
 
 
 def _cosine(a, b):
@@ -133,7 +133,7 @@ def _cosine(a, b):
 
 
 def test_absorption_identity_at_deepseek_v3_sizes():
-    """128 heads, nope 128, latent 512, rope 64, 512 keys: naive vs absorbed cosine > 0.999999 in fp32.
+    """128 heads, nope 128, latent 512, rope 64, 512 keys: decompressed vs absorbed cosine > 0.999999 in fp32.
 
     In bf16 (inputs and weights rounded to bf16, both paths with fp32 accumulation) the two
     paths differ by rounding of different intermediates; the stated bound is rel. L2 < 2e-2.
@@ -150,20 +150,20 @@ def test_absorption_identity_at_deepseek_v3_sizes():
 
     def both(dtype):
         qn, qp, lt, wt = (a.astype(dtype) for a in (q_nope, q_pe, lat, w))
-        naive = mla_naive_attention(qn, qp, lt, wt, qpos, kpos, softmax_scale=scale)
+        decomp = mla_decompressed_attention(qn, qp, lt, wt, qpos, kpos, softmax_scale=scale)
         q_lat = jnp.einsum("bthn,lhn->bthl", qn, wt[..., :N], preferred_element_type=jnp.float32).astype(dtype)
         o_lat, lse = mla_absorbed_attention(
             jnp.concatenate([q_lat, qp], -1), lt, qpos, kpos, softmax_scale=scale, kv_lora_rank=L
         )
         absorbed = jnp.einsum("bthl,lhv->bthv", o_lat, wt[..., N:], preferred_element_type=jnp.float32)
-        return naive.astype(jnp.float32), absorbed, lse
+        return decomp.astype(jnp.float32), absorbed, lse
 
-    naive, absorbed, lse = both(jnp.float32)
-    assert _cosine(naive, absorbed) > 0.999999
+    decomp, absorbed, lse = both(jnp.float32)
+    assert _cosine(decomp, absorbed) > 0.999999
     assert bool(jnp.all(jnp.isfinite(lse)))
-    ref = naive
-    naive16, absorbed16, _ = both(jnp.bfloat16)
-    for got in (naive16, absorbed16):
+    ref = decomp
+    decomp16, absorbed16, _ = both(jnp.bfloat16)
+    for got in (decomp16, absorbed16):
         rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
         assert rel < 2e-2, rel
 
@@ -192,7 +192,7 @@ def test_unknown_attention_impl_is_refused():
     """A misspelt implementation raises instead of silently taking the jnp path."""
     z = jnp.zeros((1, 2, 1, 4))
     with pytest.raises(ValueError, match="impl='flash': must be one of"):
-        mla_naive_attention(
+        mla_decompressed_attention(
             z,
             z,
             jnp.zeros((1, 2, 8)),
@@ -215,9 +215,9 @@ def test_flash_attention_impls_equal_the_jnp_form_with_gradients(N, R, V, impl):
     Guards: a wrong scale, the causal mask off or shifted, padding keys visible, the v/k halves of wkv_b
     swapped, the mgpu wrapper's padding feeding real values wrong. Left padding (which a by-index mask
     cannot express) gives NaN, not a different attention."""
-    from pallas_kernels._platform import default_backend_is_hopper
+    from pallas_kernels.backend import on_hopper
 
-    if impl == "mgpu" and not default_backend_is_hopper():
+    if impl == "mgpu" and not on_hopper():
         pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
     if jax.default_backend() != "gpu":
         pytest.skip("cuDNN needs a CUDA GPU")
@@ -232,7 +232,7 @@ def test_flash_attention_impls_equal_the_jnp_form_with_gradients(N, R, V, impl):
     weights = jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.float32) * valid
 
     def loss(impl, qn, qp, lat, w, pos=pos):
-        o = mla_naive_attention(qn, qp, lat, w, pos, pos, softmax_scale=N**-0.5, impl=impl).astype(jnp.float32)
+        o = mla_decompressed_attention(qn, qp, lat, w, pos, pos, softmax_scale=N**-0.5, impl=impl).astype(jnp.float32)
         return jnp.sum(o * weights), o * valid
 
     grad = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True), static_argnums=0)
@@ -243,7 +243,7 @@ def test_flash_attention_impls_equal_the_jnp_form_with_gradients(N, R, V, impl):
     for got, ref in zip(f32(g_got), f32(g_ref)):
         assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 2e-2
     left = jnp.asarray(np.stack([np.arange(T), np.r_[[-1] * 5, np.arange(T - 5)]]), jnp.int32)
-    o_left = mla_naive_attention(*args, w, left, left, softmax_scale=N**-0.5, impl=impl)
+    o_left = mla_decompressed_attention(*args, w, left, left, softmax_scale=N**-0.5, impl=impl)
     assert bool(jnp.all(jnp.isnan(o_left.astype(jnp.float32))))
 
 
@@ -253,7 +253,7 @@ def test_cudnn_path_outside_a_gpu_is_one_line_error():
         pytest.skip("this checks the refusal off a GPU")
     z = jnp.zeros((1, 2, 1, 4))
     with pytest.raises(ValueError, match="impl='cudnn' needs a CUDA GPU .*the backend is cpu: use impl='xla'"):
-        mla_naive_attention(
+        mla_decompressed_attention(
             z,
             z,
             jnp.zeros((1, 2, 8)),
@@ -263,14 +263,6 @@ def test_cudnn_path_outside_a_gpu_is_one_line_error():
             softmax_scale=1.0,
             impl="cudnn",
         )
-
-
-def test_trainer_and_attention_name_the_same_implementations():
-    """mla-train's --attn-impl choices (kept free of a jax import) are the attention's own, after "auto"."""
-    from mla_jax.attention import NAIVE_ATTENTION_IMPLS
-    from models.trainer import ATTN_IMPLS
-
-    assert ATTN_IMPLS == ("auto", *NAIVE_ATTENTION_IMPLS)
 
 
 def test_einsum_f32_widens_bf16_on_the_cpu_only():

@@ -21,7 +21,17 @@ import pytest
 from jax.experimental import checkify
 
 from models.builtin import BUILTIN_DIR
-from pallas_kernels import mla_decode, mla_decode_problems, mla_decode_reference, paged_gather, paged_gather_reference
+from pallas_kernels import (
+    BF16_PAGES,
+    FP4_PAGES,
+    FP8_PAGES,
+    PageFormat,
+    mla_decode,
+    mla_decode_problems,
+    mla_decode_reference,
+    paged_gather,
+    paged_gather_reference,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(os.path.join(BUILTIN_DIR, "config.json")) as _f:
@@ -148,37 +158,62 @@ def test_kernel_checked_mode_seq_lens():
 @pytest.mark.parametrize(
     "args,problems",
     [
-        pytest.param((128, 576, 64, "bf16"), [], id="supported"),
-        pytest.param((16, 576, 64, jnp.bfloat16), [], id="supported-jnp-dtype"),
+        pytest.param((128, 64, BF16_PAGES), [], id="supported"),
+        pytest.param((16, 64, FP8_PAGES, 4), [], id="fp8-verify"),
         pytest.param(
-            (8, 576, 64, "bf16"), [r"heads = 8 \(the decode kernel supports H in \(16, 32, 64, 128\)\)"], id="heads"
+            (8, 64, BF16_PAGES), [r"heads = 8 \(the decode kernel supports H in \(16, 32, 64, 128\)\)"], id="heads"
         ),
         pytest.param(
-            (16, 192, 32, "fp32"),
+            (16, 32, PageFormat("fp32", latent_dim=128, rope_dim=64)),
             [
-                r"latent_dim = 192 \(.* needs 576",
-                r"page_size = 32 \(.* needs 64\)",
-                r"dtype = float32 \(the decode kernel reads bfloat16 pages\)",
+                r"page_size = 32 \(the decode kernel reads 64-token pages\)",
+                r"128 latent \+ 64 rope values a token \(the decode kernel reads 512 \+ 64\)",
+                r"page format fp32 \(the decode kernel reads bf16, fp8 pages\)",
             ],
-            id="latent-page-dtype",
+            id="page-widths-format",
         ),
-        pytest.param((16, 576, 64, "fp4"), [r"dtype = 'fp4'"], id="unknown-dtype-name"),
-        pytest.param(
-            (16, 576, 64, "fp8"),
-            []
-            if getattr(importlib.import_module("pallas_kernels.mla_decode"), "FP8_KERNEL", False)
-            else [r"dtype = fp8 \(the decode kernel has no fp8 body yet"],
-            id="fp8-until-its-kernel",
-        ),
+        pytest.param((16, 64, FP4_PAGES), [r"page format fp4 \(the decode kernel reads bf16, fp8 pages\)"], id="fp4"),
+        pytest.param((16, 64, BF16_PAGES, 5), [r"s_q = 5 \(the decode kernel takes 1 to 4"], id="query-len"),
     ],
 )
 def test_mla_decode_problems(args, problems):
-    """One function says what the kernel supports (the engine copied the limits before)."""
+    """One function says what the decode kernel serves (the engine and the model's layer ask it; they copied
+    the limits before, and a module flag said whether the fp8 body existed)."""
     got = mla_decode_problems(*args)
     assert len(got) == len(problems), got
     for line, pattern in zip(got, problems):
         assert "\n" not in line
         assert re.search(pattern, line), (pattern, line)
+
+
+def test_kernels_take_quantized_pages_the_same_way():
+    """mla_decode and paged_gather read the same pages the same way (they differed: mla_decode inferred fp8
+    from the width, paged_gather refused uint8 pages without page_format=): a format read from the pages'
+    dtype and width, or given and checked against them, and one message for pages in no format."""
+    from pallas_kernels import quantize_latent_fp8
+
+    rng = np.random.default_rng(0)
+    pages = quantize_latent_fp8(jnp.asarray(rng.standard_normal((4, 64, 576)), jnp.float32))
+    bt, sl = jnp.asarray([[2, 0]], jnp.int32), jnp.asarray([100], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((1, 1, 16, 576)), jnp.bfloat16)
+    want = paged_gather(pages, bt, num_tokens=100, page_format=FP8_PAGES, impl="reference")
+    np.testing.assert_array_equal(np.asarray(paged_gather(pages, bt, num_tokens=100, impl="reference")), want)
+    out_given = mla_decode(q, pages, bt, sl, softmax_scale=0.1, page_format=FP8_PAGES, impl="reference")[0]
+    out_read = mla_decode(q, pages, bt, sl, softmax_scale=0.1, impl="reference")[0]
+    np.testing.assert_array_equal(np.asarray(out_given), np.asarray(out_read))
+    odd = jnp.zeros((4, 64, 600), jnp.uint8)
+    for call in (
+        lambda: paged_gather(odd, bt, num_tokens=100),
+        lambda: mla_decode(q, odd, bt, sl, softmax_scale=0.1),
+    ):
+        with pytest.raises(ValueError, match=r"^uint8 pages of last dim 600 are not fp8 or fp4 pages"):
+            call()
+    for call in (
+        lambda: paged_gather(pages, bt, num_tokens=100, page_format=FP4_PAGES),
+        lambda: mla_decode(q, pages, bt, sl, softmax_scale=0.1, page_format=FP4_PAGES),
+    ):
+        with pytest.raises(ValueError, match=r"^fp4 kv_pages must be \[num_pages, 64, 416\]"):
+            call()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,8 +262,7 @@ def _gather_other_widths():
     [
         pytest.param(
             lambda: _cache("fp6"),
-            r"^cache dtype 'fp6' is not a supported page format; known: bf16, fp16, "
-            r"fp32, fp8, fp4$",
+            r"^page format 'fp6' is unknown; known: bf16, fp16, fp32, fp8, fp4$",
             id="unknown-format-name",
         ),
         pytest.param(
@@ -237,7 +271,7 @@ def _gather_other_widths():
             r"bytes\), got 48$",
             id="fp4-latent",
         ),
-        pytest.param(lambda: _cache(jnp.int8), r"^cache dtype int8 is not a supported page format", id="int8-pages"),
+        pytest.param(lambda: _cache(jnp.int8), r"^page format int8 is unknown; known: bf16", id="int8-pages"),
         pytest.param(
             lambda: _cache("fp8", latent_dim=80, rope_dim=16),
             r"^fp8 pages need latent_dim a positive multiple of 128 \(one fp32 scale per 128 values\), "

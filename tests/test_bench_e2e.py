@@ -119,9 +119,12 @@ def test_quantized_formats_plumb_through_the_e2e_bench(fmt, token_bytes, latent)
     assert e2e.kv_dtype_arg(fmt) == fmt
     tiny = e2e.model_config("v2-lite", config="tiny", layers=1, kv_dtype=fmt)
     assert tiny.kv_lora_rank == latent
-    from mla_jax.kv_cache import page_format_for
+    from pallas_kernels import resolve_page_format
 
-    assert page_format_for(e2e.kv_dtype_arg(fmt), tiny.latent_dim, tiny.qk_rope_head_dim).name == fmt
+    assert (
+        resolve_page_format(e2e.kv_dtype_arg(fmt), value_dim=tiny.latent_dim, rope_dim=tiny.qk_rope_head_dim).name
+        == fmt
+    )
 
 
 def test_mesh_flags_and_token_agreement():

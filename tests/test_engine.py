@@ -38,7 +38,7 @@ def _forward_argmax(graphdef, state, ids_BT):
 
 
 def _full_argmax(model, seqs, width=128) -> np.ndarray:
-    """argmax of the full forward (naive attention, no cache) of each sequence, right-padded to one
+    """argmax of the full forward (decompressed attention, no cache) of each sequence, right-padded to one
     shape (causal: padding after a token cannot change it) -> [len(seqs), width]."""
     ids = np.zeros((8, width), np.int32)
     for i, s in enumerate(seqs):
@@ -228,7 +228,9 @@ def test_sampled_generation_reproduces_and_ignores_batching(wide_engine):
 
 def _layer_cache(pool_NGC, table, lengths, absorbed: bool) -> KVCache:
     """A one-layer cache over `pool` whose threshold makes T-token chunks take the asked-for path."""
-    return KVCache.create(pool_NGC[None], table, lengths, impl="reference", naive_threshold=1000 if absorbed else 1)
+    return KVCache.create(
+        pool_NGC[None], table, lengths, impl="reference", decompressed_threshold=1000 if absorbed else 1
+    )
 
 
 @pytest.mark.parametrize("absorbed", [True, False])
@@ -343,7 +345,7 @@ def test_chunked_prefill_equals_one_shot(model, chunk, threshold):
     prompt = _prompts(7, [27])
 
     def run(c, t):
-        e = Engine(model, **{**STD, "prefill_chunk": c, "naive_threshold": t})
+        e = Engine(model, **{**STD, "prefill_chunk": c, "decompressed_threshold": t})
         res = e.generate(prompt, max_new_tokens=3)
         rows = [np.asarray(p).reshape(-1, CFG.latent_dim)[:27] for p in e.cache.pages]
         return res, rows
@@ -497,9 +499,10 @@ def test_bad_engine_arguments(model):
         Engine(model, attention_impl="fast")
     with pytest.raises(ValueError, match=r"max_context must be an integer in \[1, max_position_embeddings=2048\]"):
         Engine(model, max_context=4096)
-    # The Pallas kernels serve the 576-wide latent, page 64, H in {16,32,64,128}, bf16 only.
-    with pytest.raises(ValueError, match=r"heads = 4 .*latent_dim = 80 .*page_size = 4"):
-        Engine(model, page_size=4, attention_impl="kernel")
+    # The Pallas kernels serve the 576-wide latent, page 64, H in {16,32,64,128}; the message names each
+    # limit the model breaks (the interpreter runs them, so no GPU is needed to be refused this way).
+    with pytest.raises(ValueError, match=r"attention_impl='interpret': .*heads = 4 .*page_size = 4 .*64 latent"):
+        Engine(model, page_size=4, attention_impl="interpret")
     no_mtp = DeepSeekModel(CFG.replace(num_mtp_layers=0), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="no MTP module"):
         Engine(no_mtp, **STD).generate([[1, 2]], use_mtp=True)
@@ -546,7 +549,7 @@ def _kernel_vs_reference(impl, prompts, max_new_tokens, max_batch, plain=True, k
     m = DeepSeekModel(KERNEL_CFG, rngs=nnx.Rngs(0))
     runs = {}
     for name in ("reference", impl):
-        # naive_threshold 32: a 64-token chunk takes the decompressed path (paged_gather kernel),
+        # decompressed_threshold 32: a 64-token chunk takes the decompressed path (paged_gather kernel),
         # shorter ones the absorbed path; decode and MTP verify (s_q = 2) call mla_decode.
         e = Engine(
             m,
@@ -554,12 +557,12 @@ def _kernel_vs_reference(impl, prompts, max_new_tokens, max_batch, plain=True, k
             num_pages=4 * max_batch,
             max_batch=max_batch,
             prefill_chunk=64,
-            naive_threshold=32,
+            decompressed_threshold=32,
             attention_impl=name,
             kv_dtype=kv_dtype,
             mesh=mesh,
         )
-        assert e.kernel_impl == (None if name == "reference" else impl)
+        assert e.backend == name
         is_ref = name == "reference"
         runs[name] = (
             e.generate(prompts, max_new_tokens=max_new_tokens) if plain or is_ref else None,
@@ -586,9 +589,9 @@ def test_interpret_kernels_match_reference():
 
 @pytest.mark.gpu
 def test_gpu_kernels_match_reference():
-    from pallas_kernels._platform import default_backend_is_hopper
+    from pallas_kernels.backend import on_hopper
 
-    if not default_backend_is_hopper():
+    if not on_hopper():
         pytest.skip("needs a Hopper GPU")
     prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
     _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4)
@@ -601,9 +604,9 @@ def test_gpu_quantized_kernels_match_reference(kv_dtype):
     """fp8 / fp4 pages on the GPU: paged_gather's quantized bodies (prefill prefixes; fp4 decode too) and
     mla_decode's fp8 body against the jnp path over the same bytes. Catches a body that is bit-exact in
     the interpreter but wrong compiled (the fp4 body's first GPU run was this test's)."""
-    from pallas_kernels._platform import default_backend_is_hopper
+    from pallas_kernels.backend import on_hopper
 
-    if not default_backend_is_hopper():
+    if not on_hopper():
         pytest.skip("needs a Hopper GPU")
     prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
     _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, kv_dtype=kv_dtype)
@@ -616,9 +619,9 @@ def test_gpu_kernels_on_data_ranks_match_reference():
     (`KVCache.map_pages`, the gather's shard_map) give the jnp path's tokens on the same mesh, bf16 and
     fp8 pages. Catches what the CPU maps cannot run: the compiled kernels inside a map manual over
     every mesh axis, fed local page ids."""
-    from pallas_kernels._platform import default_backend_is_hopper
+    from pallas_kernels.backend import on_hopper
 
-    if not default_backend_is_hopper() or jax.device_count() < 2:
+    if not on_hopper() or jax.device_count() < 2:
         pytest.skip("needs two Hopper GPUs")
     from mla_jax.sharding import make_mesh
 
@@ -650,7 +653,7 @@ def test_fp8_pages_through_the_interpret_kernels_match_the_jnp_path():
         e = Engine(
             m, page_size=64, num_pages=4, max_batch=2, attention_impl=impl, kv_dtype="fp8", cache_fill=float("nan")
         )
-        assert e.cache.pages.dtype == jnp.uint8 and e.cache.kv_dtype == "fp8"
+        assert e.cache.pages.dtype == jnp.uint8 and e.cache.page_format.name == "fp8"
         assert e.backend == impl
         runs[impl] = e.generate(prompts, max_new_tokens=2).tokens
     assert runs["interpret"] == runs["reference"]
@@ -659,16 +662,16 @@ def test_fp8_pages_through_the_interpret_kernels_match_the_jnp_path():
 def test_fp4_decode_routes_through_paged_gather_never_mla_decode(monkeypatch):
     """The cached decode step on fp4 pages with a kernel backend gathers them through `paged_gather`
     (fp4 format, the kernel backend's impl) and attends in jnp; `mla_decode` is never called (it has no
-    fp4 body: `decode_kernel_reads` says no). Its output equals the jnp backend's, bit for bit (fp4
-    values are exact in bf16). paged_gather's fp4 body itself: tests/test_paged_gather.py. Guards: fp4
-    pages handed to mla_decode (its fp8 body would read 416-byte rows as 656-byte ones), the format or
-    the backend lost on the way to the gather."""
+    fp4 body: `mla_decode_problems` says so, and `MLA.cached_path` asks it). Its output equals the jnp
+    backend's, bit for bit (fp4 values are exact in bf16). paged_gather's fp4 body itself:
+    tests/test_paged_gather.py. Guards: fp4 pages handed to mla_decode (its fp8 body would read 416-byte
+    rows as 656-byte ones), the format or the backend lost on the way to the gather."""
     import pallas_kernels
+    from mla_jax import attention, kv_cache
     from mla_jax.attention import MLA
-    from mla_jax.kv_cache import PagedLatentCache, decode_kernel_reads
+    from mla_jax.kv_cache import PagedLatentCache
     from pallas_kernels import FP4_PAGES
 
-    assert not decode_kernel_reads(FP4_PAGES) and decode_kernel_reads(None)
     calls = []
 
     def fake_decode(*args, **kw):
@@ -681,11 +684,11 @@ def test_fp4_decode_routes_through_paged_gather_never_mla_decode(monkeypatch):
             kv_pages, block_table, num_tokens=num_tokens, page_format=page_format
         )
 
-    monkeypatch.setattr(pallas_kernels, "mla_decode", fake_decode)
-    monkeypatch.setattr(pallas_kernels, "paged_gather", fake_gather)
+    monkeypatch.setattr(attention, "mla_decode", fake_decode)
+    monkeypatch.setattr(kv_cache, "paged_gather", fake_gather)
     mla = MLA(KERNEL_CFG, rngs=nnx.Rngs(0))
     c = PagedLatentCache(
-        num_layers=1, num_pages=2, page_size=64, latent_dim=576, max_seqs=1, max_pages_per_seq=2, dtype="fp4"
+        num_layers=1, num_pages=2, page_size=64, latent_dim=576, max_seqs=1, max_pages_per_seq=2, page_format="fp4"
     )
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 41, KERNEL_CFG.hidden_size))
     step = nnx.jit(lambda m, x, p, c: m(x, p, cache=c))
@@ -697,77 +700,67 @@ def test_fp4_decode_routes_through_paged_gather_never_mla_decode(monkeypatch):
     np.testing.assert_array_equal(np.asarray(outs["interpret"]), np.asarray(outs["reference"]))
 
 
-def test_fp8_decode_routes_through_mla_decode_only_when_it_reads_fp8(monkeypatch):
-    """The cached decode step on fp8 pages calls `mla_decode` only when `pallas_kernels.mla_decode`
-    sets FP8_KERNEL = True; without it, gather + jnp. Both routes give the same output (the decode
-    kernel stood in for by its reference, which dequantises to bf16 as the kernel will)."""
-    import importlib
-
+def test_fp8_decode_routes_through_mla_decode_on_a_kernel_backend(monkeypatch):
+    """The cached decode step on fp8 pages with a kernel backend calls `mla_decode` on the pages (with their
+    `PageFormat`), and gives the output of the gather + jnp route of the "reference" backend (the decode
+    kernel stood in for by its reference, which dequantises to bf16 as the kernel does). Guards: fp8
+    pages routed away from the decode kernel that reads them, or handed to it without their format."""
     import pallas_kernels
+    from mla_jax import attention
+    from mla_jax.attention import MLA
     from mla_jax.kv_cache import PagedLatentCache
+    from pallas_kernels import FP8_PAGES
 
-    module = importlib.import_module("pallas_kernels.mla_decode")
     calls = []
 
     def fake_decode(q, kv_pages, *args, **kw):
-        calls.append(kv_pages.dtype)
+        calls.append((kv_pages.dtype, kw.get("page_format")))
         kw.pop("impl", None)
         return pallas_kernels.mla_decode_reference(q, kv_pages, *args, **kw)
 
-    def fake_gather(kv_pages, block_table, *, num_tokens, impl=None, page_format=None, **kw):
-        return pallas_kernels.paged_gather_reference(
-            kv_pages, block_table, num_tokens=num_tokens, page_format=page_format
-        )
-
-    monkeypatch.setattr(pallas_kernels, "mla_decode", fake_decode)
-    monkeypatch.setattr(pallas_kernels, "paged_gather", fake_gather)
-    from mla_jax.attention import MLA
-
+    monkeypatch.setattr(attention, "mla_decode", fake_decode)
     mla = MLA(KERNEL_CFG, rngs=nnx.Rngs(0))  # the layer that picks the route
     c = PagedLatentCache(
-        num_layers=1, num_pages=2, page_size=64, latent_dim=576, max_seqs=1, max_pages_per_seq=2, dtype="fp8"
+        num_layers=1, num_pages=2, page_size=64, latent_dim=576, max_seqs=1, max_pages_per_seq=2, page_format="fp8"
     )
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 41, KERNEL_CFG.hidden_size))
     kv = KVCache.create(c.pages, [[1, 0]], [40], page_format=c.page_format)
-    # jitted, one compile a call instead of one an op; a fresh wrapper each time, so that each call is traced
-    # again (the route is chosen, and the fakes record, at trace time)
+    # a fresh jitted wrapper each time, so that each call is traced again (the route is chosen, and the
+    # fake records, at trace time)
     run = lambda: nnx.jit(lambda m, x, p, c: m(x, p, cache=c))  # noqa: E731
     _, kv = run()(mla, x[:, :40], jnp.arange(40)[None], kv)  # 40 tokens: gather + jnp, no decode call
+    assert calls == []
     outs = {}
-    for flag in (False, True):
-        monkeypatch.setattr(module, "FP8_KERNEL", flag, raising=False)
-        step = dataclasses.replace(kv.with_lengths([41]), impl="interpret")
-        outs[flag], _ = run()(mla, x[:, 40:], jnp.asarray([[40]]), step)
-        assert calls == ([jnp.uint8] if flag else []), (flag, calls)
-    a, b = (np.asarray(outs[f], np.float32) for f in (False, True))
+    for impl in ("reference", "interpret"):
+        step = dataclasses.replace(kv.with_lengths([41]), impl=impl)
+        outs[impl], _ = run()(mla, x[:, 40:], jnp.asarray([[40]]), step)
+    assert calls == [(jnp.uint8, FP8_PAGES)], calls
+    a, b = (np.asarray(outs[f], np.float32) for f in ("reference", "interpret"))
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 1e-2  # bf16 queries in the kernel route
 
 
 def test_engine_kv_dtype_names_and_errors(model):
     """Engine(kv_dtype=...) takes the format names as well as dtypes; fp8 needs a latent width the
     format can store, and names the limit."""
-    assert Engine(model, **{**STD, "kv_dtype": "fp32"}).cache.kv_dtype == "fp32"
+    assert Engine(model, **{**STD, "kv_dtype": "fp32"}).cache.page_format.name == "fp32"
     assert Engine(model, **{**STD, "kv_dtype": "bf16"}).cache.dtype == jnp.bfloat16
-    assert Engine(model, **{**STD, "kv_dtype": jnp.float16}).cache.kv_dtype == "fp16"
+    assert Engine(model, **{**STD, "kv_dtype": jnp.float16}).cache.page_format.name == "fp16"
     with pytest.raises(ValueError, match="fp8 pages need latent_dim a positive multiple of 128.* got 64"):
         Engine(model, **{**STD, "kv_dtype": "fp8"})  # tiny: kv_lora_rank 64
     fp4 = Engine(model, **{**STD, "kv_dtype": "fp4"})  # tiny: kv_lora_rank 64, a multiple of 32
-    assert fp4.cache.kv_dtype == "fp4" and fp4.cache.pages.shape[-2:] == (4, 32 + 4 + 32)
-    with pytest.raises(ValueError, match="cache dtype 'fp6' is not a supported page format"):
+    assert fp4.cache.page_format.name == "fp4" and fp4.cache.pages.shape[-2:] == (4, 32 + 4 + 32)
+    with pytest.raises(ValueError, match="page format 'fp6' is unknown"):
         Engine(model, **{**STD, "kv_dtype": "fp6"})
-    import importlib
-
     from models.engine import kernel_problems
-    from pallas_kernels.mla_decode import mla_decode_problems
+    from pallas_kernels import BF16_PAGES, FP8_PAGES, mla_decode_problems
 
-    fp8_kernel = getattr(importlib.import_module("pallas_kernels.mla_decode"), "FP8_KERNEL", False)
-    # the decode kernel's own limits say whether it reads fp8 pages
-    assert kernel_problems(KERNEL_CFG, 64, "fp8") == (
-        []
-        if fp8_kernel
-        else ["dtype = fp8 (the decode kernel has no fp8 body yet, FP8_KERNEL is unset; it reads bfloat16 pages)"]
-    )
-    assert mla_decode_problems(16, 576, 64, jnp.uint8) == kernel_problems(KERNEL_CFG, 64, "fp8")
+    # the kernels' own limits decide: the decode kernel reads fp8 pages of the 512 + 64 latent
+    assert kernel_problems(KERNEL_CFG, 64, "fp8") == [] == mla_decode_problems(16, 64, FP8_PAGES)
+    assert kernel_problems(KERNEL_CFG, 32, "bf16") == [
+        "page_size = 32 (the decode kernel reads 64-token pages)",
+        "page_size = 32 (the gather kernel reads 64-token pages)",
+    ]
+    assert mla_decode_problems(16, 32, BF16_PAGES) == kernel_problems(KERNEL_CFG, 32, "bf16")[:1]
 
 
 def test_verify_step_table_covers_the_kernel_seq_len(monkeypatch):
@@ -780,18 +773,20 @@ def test_verify_step_table_covers_the_kernel_seq_len(monkeypatch):
 
     seen = []
 
-    def fake_decode(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal, impl=None, config=None):
+    def fake_decode(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal, impl=None, **kw):
         width = block_table.shape[1]
         jax.debug.callback(lambda s: seen.append((np.asarray(s).tolist(), width)), seq_lens)
         return pallas_kernels.mla_decode_reference(
-            q, kv_pages, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal
+            q, kv_pages, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal, **kw
         )
 
     def fake_gather(kv_pages, block_table, *, num_tokens, impl=None, **kw):
         return pallas_kernels.paged_gather_reference(kv_pages, block_table, num_tokens=num_tokens)
 
-    monkeypatch.setattr(pallas_kernels, "mla_decode", fake_decode)
-    monkeypatch.setattr(pallas_kernels, "paged_gather", fake_gather)
+    from mla_jax import attention, kv_cache
+
+    monkeypatch.setattr(attention, "mla_decode", fake_decode)
+    monkeypatch.setattr(kv_cache, "paged_gather", fake_gather)
     # The steps must be traced with the fakes in place: a config no other test uses (its dense MLP's
     # width) has steps of its own (`compiled_steps` is per graphdef), jitted anew here, so neither
     # another test's compiled steps nor, later, another test gets the fakes (no jax.clear_caches,
@@ -881,7 +876,7 @@ def _cached_logits_through(model, impl: str, ids, table) -> list[np.ndarray]:
     step = nnx.jit(lambda m, ids, pos, cache: m(ids, pos, cache=cache))  # one compile a shape, not one an op
     for T in (64, 1, 3):
         pos = jnp.arange(start, start + T, dtype=jnp.int32)[None]
-        cache = KVCache.create(pages, table, np.array([start + T], np.int32), impl=impl, naive_threshold=64)
+        cache = KVCache.create(pages, table, np.array([start + T], np.int32), impl=impl, decompressed_threshold=64)
         logits, cache = step(model, jnp.asarray(ids[None, start : start + T]), pos, cache)
         pages, start = cache.pages, start + T
         out.append(np.asarray(logits[0], np.float32))

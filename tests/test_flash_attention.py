@@ -4,7 +4,7 @@ CPU (default): the reference against an independent numpy loop; the kernels in t
 GPU interpreter against the reference (forward and dq, dk, dv); cross-lowering of the forward and
 of ``jax.grad`` for sm_90 at the training shape (B=16, T=4096, H=16, 192/128), which checks SMEM,
 TMA boxes, wgmma shapes and layouts (the interpreter checks none of those); input validation; the
-``mla_naive_attention(impl="mgpu")`` wiring. GPU (``-m gpu``, Hopper only): kernel against
+``mla_decompressed_attention(impl="mgpu")`` wiring. GPU (``-m gpu``, Hopper only): kernel against
 reference at a medium shape; the ``impl="mgpu"`` wiring on the GPU is checked beside cuDNN's in
 ``tests/test_attention.py::test_flash_attention_impls_equal_the_jnp_form_with_gradients``.
 """
@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _platform
+from pallas_kernels import backend
 from pallas_kernels.flash_attention import FlashAttentionConfig, flash_attention, flash_attention_reference, smem_bytes
 
 D, V = 192, 128  # MLA's decompressed widths (128 nope + 64 rope; v 128)
 SCALE = D**-0.5
 
-requires_hopper = pytest.mark.skipif(not _platform.default_backend_is_hopper(), reason="needs a Hopper (sm_90) GPU")
+requires_hopper = pytest.mark.skipif(not backend.on_hopper(), reason="needs a Hopper (sm_90) GPU")
 
 
 def make_inputs(B, T, H, d=D, v=V, *, seed=0):
@@ -247,17 +247,17 @@ def test_bad_config_is_refused(kw, message):
 
 
 # ------------------------------------------------------------------------------------------------
-# Wiring: mla_naive_attention(impl="mgpu")
+# Wiring: mla_decompressed_attention(impl="mgpu")
 # ------------------------------------------------------------------------------------------------
 
 
-def test_mla_naive_attention_mgpu_path_matches_the_jnp_form():
-    """`_mgpu_causal_attention` (the kernel in the interpreter) against mla_naive_attention's jnp form
+def test_mla_decompressed_attention_mgpu_path_matches_the_jnp_form():
+    """`_mgpu_causal_attention` (the kernel in the interpreter) against mla_decompressed_attention's jnp form
     on right-padded rows with T=100 and widths qk 96 / v 40 (padded up to the kernel's 128 block and
     multiples of 64 inside): catches the wrong q/k/v assembly being passed, the T or width padding
     leaking into real values, padding queries not zeroed, and non-right-padded positions (left
     padding) not turned into NaN."""
-    from mla_jax.attention import _mgpu_causal_attention, mla_naive_attention
+    from mla_jax.attention import _mgpu_causal_attention, mla_decompressed_attention
 
     B, T, H, N, R, L, V = 1, 100, 1, 80, 16, 64, 40  # qk 96 and v 40: padded to 128 / 64 inside
     rng = np.random.default_rng(5)
@@ -266,7 +266,7 @@ def test_mla_naive_attention_mgpu_path_matches_the_jnp_form():
     n = np.array([70])  # 30 padding queries, and T padded from 100 to 128 inside
     idx = np.arange(T)[None]
     pos = jnp.asarray(np.where(idx < n[:, None], idx, -1), jnp.int32)
-    want = mla_naive_attention(q_nope, q_pe, kv_latent, w, pos, pos, softmax_scale=SCALE)
+    want = mla_decompressed_attention(q_nope, q_pe, kv_latent, w, pos, pos, softmax_scale=SCALE)
 
     def via_kernel(q_BTHD, k, v, q_positions, kv_positions, softmax_scale):
         return _mgpu_causal_attention(q_BTHD, k, v, q_positions, kv_positions, softmax_scale, kernel_impl="interpret")
@@ -276,7 +276,7 @@ def test_mla_naive_attention_mgpu_path_matches_the_jnp_form():
     original = attention._mgpu_causal_attention
     attention._mgpu_causal_attention = via_kernel
     try:
-        f = jax.jit(lambda *a: mla_naive_attention(*a, softmax_scale=SCALE, impl="mgpu"))  # one compile
+        f = jax.jit(lambda *a: mla_decompressed_attention(*a, softmax_scale=SCALE, impl="mgpu"))  # one compile
         got = f(q_nope, q_pe, kv_latent, w, pos, pos)
         left = jnp.asarray(np.where(idx >= T - n[:, None], idx - (T - n[:, None]), -1), jnp.int32)
         bad = f(q_nope, q_pe, kv_latent, w, left, left)
@@ -317,12 +317,12 @@ def test_mgpu_path_outside_a_gpu_is_one_line_error():
     """impl="mgpu" on a CPU says what it needs instead of a Mosaic GPU error from inside jit."""
     if jax.default_backend() == "gpu":
         pytest.skip("this checks the refusal off a GPU")
-    from mla_jax.attention import mla_naive_attention
+    from mla_jax.attention import mla_decompressed_attention
 
     z = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
     pos = jnp.arange(128, dtype=jnp.int32)[None]
     with pytest.raises(ValueError, match="impl='mgpu' needs a Hopper GPU .*the backend is cpu: use impl='xla'"):
-        mla_naive_attention(
+        mla_decompressed_attention(
             z,
             z,
             jnp.zeros((1, 128, 72), jnp.bfloat16),

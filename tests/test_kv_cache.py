@@ -9,6 +9,7 @@ import pytest
 from mla_jax.capacity import mla_kv_bytes, plan_kv_cache
 from mla_jax.config import ModelConfig
 from mla_jax.kv_cache import CacheFullError, PagedLatentCache, gather_latents, next_pow2, write_latents
+from pallas_kernels import paged_gather_problems
 
 
 def _cache(**kw):
@@ -93,10 +94,10 @@ def test_a_pool_per_data_rank():
 
 
 def test_dtype_is_a_property_of_the_cache():
-    assert _cache().dtype == jnp.bfloat16 and _cache().kv_dtype == "bf16"
+    assert _cache().dtype == jnp.bfloat16 and _cache().page_format.name == "bf16"
     c = _cache(dtype=jnp.float32)
-    assert c.kv_dtype == "fp32" and all(p.dtype == jnp.float32 for p in c.pages)
-    with pytest.raises(ValueError, match="not a supported page format"):
+    assert c.page_format.name == "fp32" and all(p.dtype == jnp.float32 for p in c.pages)
+    with pytest.raises(ValueError, match="page format int8 is unknown"):
         _cache(dtype=jnp.int8)
     with pytest.raises(ValueError, match="num_pages must be a positive integer"):
         _cache(num_pages=0)
@@ -199,18 +200,20 @@ def test_fp8_cache_format_shape_and_bytes():
     from pallas_kernels import FP8_PAGES, PageFormat
 
     c = _cache(dtype="fp8", latent_dim=576, rope_dim=64)
-    assert c.kv_dtype == "fp8" and c.dtype == jnp.uint8 and c.rope_dim == 64
-    assert c.page_format == FP8_PAGES and c.page_format.kernel_supported
+    assert c.page_format.name == "fp8" and c.dtype == jnp.uint8 and c.rope_dim == 64
+    assert c.page_format == FP8_PAGES
     assert c.pages.shape == (2, 8, 4, 656) and c.pages.dtype == jnp.uint8
     assert c.nbytes == 2 * 8 * 4 * 656 == 41_984
-    assert _cache(dtype=FP8_PAGES, latent_dim=576).kv_dtype == "fp8"
-    assert _cache(dtype=jnp.uint8, latent_dim=576).kv_dtype == "fp8"  # uint8 pages are fp8 pages
+    assert _cache(dtype=FP8_PAGES, latent_dim=576).page_format.name == "fp8"
+    with pytest.raises(ValueError, match="uint8 is the storage of both quantized page formats"):
+        _cache(dtype=jnp.uint8, latent_dim=576)  # fp8 or fp4? a dtype does not say
     # other widths: L = 256, R = 32 -> 256 + 8 + 64 bytes; not the kernels' shape
     odd = _cache(dtype="fp8", latent_dim=288, rope_dim=32)
-    assert odd.page_format == PageFormat("fp8", kernel_supported=False, latent_dim=256, rope_dim=32)
+    assert odd.page_format == PageFormat("fp8", latent_dim=256, rope_dim=32)
+    assert paged_gather_problems(odd.page_format) and not paged_gather_problems(c.page_format)
     assert odd.pages.shape[-1] == 328 and odd.nbytes == 2 * 8 * 4 * 328
     for name, dt in (("bf16", jnp.bfloat16), ("fp16", jnp.float16), ("fp32", jnp.float32)):
-        assert _cache(dtype=name).dtype == dt and _cache(dtype=name).kv_dtype == name
+        assert _cache(dtype=name).dtype == dt and _cache(dtype=name).page_format.name == name
     with pytest.raises(ValueError, match="fp8 pages need latent_dim a positive multiple of 128.* got 64"):
         _cache(dtype="fp8", latent_dim=80, rope_dim=16)  # ModelConfig.tiny()'s latent
 
@@ -236,12 +239,12 @@ def test_fp4_cache_format_shape_bytes_and_the_planner():
     from pallas_kernels import FP4_PAGES
 
     c = _cache(dtype="fp4", latent_dim=576, rope_dim=64)
-    assert c.kv_dtype == "fp4" and c.dtype == jnp.uint8 and c.page_format == FP4_PAGES
+    assert c.page_format.name == "fp4" and c.dtype == jnp.uint8 and c.page_format == FP4_PAGES
     assert c.pages.shape == (2, 8, 4, 416) and c.nbytes == 2 * 8 * 4 * 416
-    assert _cache(dtype=FP4_PAGES, latent_dim=576).kv_dtype == "fp4"
+    assert _cache(dtype=FP4_PAGES, latent_dim=576).page_format.name == "fp4"
     assert KVCache.create(c.pages, np.zeros((1, 1)), [0]).page_format == FP4_PAGES  # told from fp8 by width
     tiny = _cache(dtype="fp4", latent_dim=80, rope_dim=16)  # ModelConfig.tiny()'s latent: 64 + 16
-    assert tiny.pages.shape[-1] == 32 + 4 + 32 and not tiny.page_format.kernel_supported
+    assert tiny.pages.shape[-1] == 32 + 4 + 32 and paged_gather_problems(tiny.page_format)
     kw = dict(num_layers=3, page_size=64, latent_dim=576, max_seqs=1, max_pages_per_seq=4)
     bf16 = PagedLatentCache(num_pages=100, **kw)
     fp4 = PagedLatentCache(num_pages=100 * 1152 // 416, dtype="fp4", **kw)

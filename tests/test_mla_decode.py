@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import MlaDecodeConfig, _platform, mla_decode, mla_decode_reference
+from pallas_kernels import MlaDecodeConfig, backend, mla_decode, mla_decode_reference
 from pallas_kernels.mla_decode import balanced_schedule, num_piece_slots, plan, sequence_of_page
 
 SCALE = 192**-0.5
@@ -433,7 +433,7 @@ def test_plan_body_defaults():
     assert not plan(8, 1, 16, 64, balanced).scorer and plan(8, 1, 64, 64, balanced).split_qk
 
 
-@pytest.mark.skipif(_platform.default_backend_is_hopper(), reason="checks the non-Hopper default")
+@pytest.mark.skipif(backend.on_hopper(), reason="checks the non-Hopper default")
 def test_default_impl_off_hopper_is_the_reference():
     args = make_inputs(1, 1, 16, [10], 1)
     out, lse = mla_decode(*args, softmax_scale=SCALE)
@@ -454,12 +454,21 @@ def _shapes_ok():
 @pytest.mark.parametrize(
     "mutate,match",
     [
-        (lambda q, kv, bt, sl: (q[:, :, :8], kv, bt, sl), "heads H must be one of .* got 8"),
-        (lambda q, kv, bt, sl: (jnp.concatenate([q] * 5, 1), kv, bt, sl), r"s_q .* \[1, 4\], got 5"),
+        (
+            lambda q, kv, bt, sl: (q[:, :, :8], kv, bt, sl),
+            r"impl=\'interpret\': .*heads = 8 \(the decode kernel supports H in \(16, 32, 64, 128\)\)",
+        ),
+        (
+            lambda q, kv, bt, sl: (jnp.concatenate([q] * 5, 1), kv, bt, sl),
+            r"s_q = 5 \(the decode kernel takes 1 to 4 query tokens",
+        ),
         (lambda q, kv, bt, sl: (q.astype(jnp.float32), kv, bt, sl), "q must be bfloat16, got float32"),
         (lambda q, kv, bt, sl: (q[..., :512], kv, bt, sl), "last dim must be 576.* got 512"),
-        (lambda q, kv, bt, sl: (q, kv[:, :32], bt, sl), r"page size 64\), got \(4, 32, 576\)"),
-        (lambda q, kv, bt, sl: (q, kv.astype(jnp.float16), bt, sl), "kv_pages must be bfloat16, got float16"),
+        (lambda q, kv, bt, sl: (q, kv[:, :32], bt, sl), r"page_size = 32 \(the decode kernel reads 64-token pages\)"),
+        (
+            lambda q, kv, bt, sl: (q, kv.astype(jnp.float16), bt, sl),
+            r"page format fp16 \(the decode kernel reads bf16, fp8 pages\)",
+        ),
         (
             lambda q, kv, bt, sl: (q, kv, bt.astype(jnp.int64 if jax.config.x64_enabled else jnp.int16), sl),
             "block_table must be int32",
@@ -492,7 +501,7 @@ def test_invalid_scale_and_impl_raise():
 # GPU (Hopper): the production kernel at larger sizes
 # ------------------------------------------------------------------------------------------------
 
-requires_hopper = pytest.mark.skipif(not _platform.default_backend_is_hopper(), reason="needs a Hopper (sm_90) GPU")
+requires_hopper = pytest.mark.skipif(not backend.on_hopper(), reason="needs a Hopper (sm_90) GPU")
 
 
 def _ragged_lengths(rng, batch, mean, s_q):

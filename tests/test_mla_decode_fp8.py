@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import MlaDecodeConfig, _platform, mla_decode, mla_decode_reference, quantize_latent_fp8
+from pallas_kernels import MlaDecodeConfig, backend, mla_decode, mla_decode_reference, quantize_latent_fp8
 from pallas_kernels.mla_decode import plan
 
 SCALE = 192**-0.5
@@ -154,7 +154,7 @@ def test_balanced_cross_lowers_for_sm90(heads, s_q):
     assert len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text())) == 2
 
 
-requires_hopper = pytest.mark.skipif(not _platform.default_backend_is_hopper(), reason="needs a Hopper (sm_90) GPU")
+requires_hopper = pytest.mark.skipif(not backend.on_hopper(), reason="needs a Hopper (sm_90) GPU")
 
 
 @pytest.mark.gpu

@@ -279,9 +279,9 @@ def test_mgpu_kernel_gradients_in_interpret_mode_match_the_dense_reference(monke
 
 
 def _hopper() -> bool:
-    from pallas_kernels._platform import default_backend_is_hopper
+    from pallas_kernels.backend import on_hopper
 
-    return default_backend_is_hopper()
+    return on_hopper()
 
 
 @pytest.mark.gpu

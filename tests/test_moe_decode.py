@@ -83,7 +83,7 @@ def test_widths_the_blocks_do_not_divide_are_refused():
 
 
 def test_auto_takes_the_decode_kernel_only_for_decode_shaped_calls(monkeypatch):
-    monkeypatch.setattr("pallas_kernels._platform.default_backend_is_hopper", lambda: True)
+    monkeypatch.setattr("pallas_kernels.backend.on_hopper", lambda: True)
     bf16 = jnp.bfloat16
     assert resolve_moe_impl("auto", bf16, rows=6, num_experts=64, widths=(2048, 1408)) == "decode"
     assert resolve_moe_impl("auto", bf16, rows=768, num_experts=64, widths=(2048, 1408)) == "decode"  # B=128
@@ -96,9 +96,9 @@ def test_auto_takes_the_decode_kernel_only_for_decode_shaped_calls(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 32, 128])
 def test_gpu_kernel_matches_reference_at_v2_lite_widths(tokens):
-    from pallas_kernels._platform import default_backend_is_hopper
+    from pallas_kernels.backend import on_hopper
 
-    if not default_backend_is_hopper():
+    if not on_hopper():
         pytest.skip("needs a Hopper GPU")
     rng = np.random.default_rng(tokens)
     E, K = 64, 6

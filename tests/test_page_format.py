@@ -211,17 +211,17 @@ def test_formats_are_static_values():
     """A format is a static argument of jitted code: hashable and compared by value."""
     assert FP8_PAGES.storage_dtype == jnp.uint8 and FP8_PAGES.width == 656 and FP8_PAGES.quantized
     assert BF16_PAGES.storage_dtype == jnp.bfloat16 and BF16_PAGES.width == 576 and not BF16_PAGES.quantized
-    assert hash(PageFormat("fp8", kernel_supported=FP8_PAGES.kernel_supported)) == hash(FP8_PAGES)
-    assert FP8_PAGES.with_dims(256, 32) == PageFormat("fp8", FP8_PAGES.kernel_supported, 256, 32)
+    assert hash(PageFormat("fp8")) == hash(FP8_PAGES)
+    assert FP8_PAGES.with_dims(256, 32) == PageFormat("fp8", 256, 32)
 
 
 def test_page_format_of():
     assert page_format_of(jnp.zeros((2, 64, 656), jnp.uint8)).name == "fp8"
     assert page_format_of(jnp.zeros((2, 64, 656), jnp.uint8)).latent_dim == 512
-    assert page_format_of(jnp.zeros((2, 4, 80), jnp.float32), rope_dim=16) == PageFormat("fp32", True, 64, 16)
+    assert page_format_of(jnp.zeros((2, 4, 80), jnp.float32), rope_dim=16) == PageFormat("fp32", 64, 16)
     assert page_format_of(jnp.zeros((3, 576), jnp.bfloat16)).name == "bf16"
     assert page_format_of(jnp.zeros((2, 64, 416), jnp.uint8)) == FP4_PAGES
-    assert page_format_of(jnp.zeros((2, 50), jnp.uint8), rope_dim=16) == PageFormat("fp4", False, 32, 16)
+    assert page_format_of(jnp.zeros((2, 50), jnp.uint8), rope_dim=16) == PageFormat("fp4", 32, 16)
 
 
 @pytest.mark.parametrize(

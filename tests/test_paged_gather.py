@@ -1,8 +1,6 @@
 """Tests of pallas_kernels.paged_gather: interpret mode and cross-lowering on CPU, the real kernel
 on a Hopper GPU (``-m gpu``). The gather is a copy, so results must be bit-exact."""
 
-import dataclasses
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -18,7 +16,7 @@ from pallas_kernels import (
     FP8_PAGES,
     PagedGatherConfig,
     PageFormat,
-    _platform,
+    backend,
     paged_gather,
     paged_gather_reference,
     quantize_latent_fp4,
@@ -265,7 +263,7 @@ def test_invalid_inputs_raise():
         paged_gather(kv, table, num_tokens=jnp.int32(3), impl="interpret")
     with pytest.raises(ValueError, match=r"page size 64\), got \(4, 32, 576\)"):
         paged_gather(kv[:, :32], table, num_tokens=10, impl="interpret")
-    with pytest.raises(ValueError, match="must be bfloat16, got float32"):
+    with pytest.raises(ValueError, match=r"impl='interpret': .*page format fp32 \(the gather kernel reads bf16"):
         paged_gather(kv.astype(jnp.float32), table, num_tokens=10, impl="interpret")
     with pytest.raises(ValueError, match="block_table must be int32"):
         paged_gather(kv, table.astype(jnp.int16), num_tokens=10, impl="interpret")
@@ -279,29 +277,28 @@ def test_invalid_inputs_raise():
 
 def test_page_format_hook():
     """Guards: a format given where its pages are not (bf16 pages read as fp8), a string accepted as
-    a format, and an unknown format name accepted."""
+    a format, an unknown format name accepted, widths the gather does not read, and a format the kernel
+    has no body for: refused for "interpret" / "kernel", read by the reference under "auto"."""
     kv, table = make_inputs(1, 2)
     with pytest.raises(ValueError, match="page format 'fp8_e4m3' is unknown"):
-        PageFormat(name="fp8_e4m3", kernel_supported=False)
+        PageFormat(name="fp8_e4m3")
     with pytest.raises(ValueError, match=r"fp8 kv_pages must be \[num_pages, 64, 656\]"):
         paged_gather(kv, table, num_tokens=10, page_format=FP8_PAGES, impl="reference")
     with pytest.raises(ValueError, match="page_format must be a PageFormat"):
         paged_gather(kv, table, num_tokens=10, page_format="bf16", impl="reference")
     got = paged_gather(kv, table, num_tokens=10, page_format=BF16_PAGES, impl="reference")
     np.testing.assert_array_equal(np.asarray(got), numpy_gather(kv, table, 10))
+    narrow = FP8_PAGES.with_dims(256, 32)
     with pytest.raises(ValueError, match="reads tokens of 512 latent . 64 rope values, got 256 . 32 .fp8 pages."):
-        paged_gather(kv, table, num_tokens=10, page_format=FP8_PAGES.with_dims(256, 32), impl="reference")
-    with pytest.raises(ValueError, match="page format 'fp8' has no kernel yet"):
-        paged_gather(
-            jnp.zeros((4, 64, 656), jnp.uint8),
-            table,
-            num_tokens=10,
-            page_format=dataclasses.replace(FP8_PAGES, kernel_supported=False),
-            impl="interpret",
-        )
+        paged_gather(jnp.zeros((4, 64, narrow.width), jnp.uint8), table, num_tokens=10, page_format=narrow)
+    fp32 = kv.astype(jnp.float32)
+    with pytest.raises(ValueError, match=r"impl='interpret': .*page format fp32 \(the gather kernel reads bf16, fp8"):
+        paged_gather(fp32, table, num_tokens=10, impl="interpret")
+    got = paged_gather(fp32, table, num_tokens=10, impl="auto")  # the reference reads every format
+    np.testing.assert_array_equal(np.asarray(got), numpy_gather(kv, table, 10))
 
 
-requires_hopper = pytest.mark.skipif(not _platform.default_backend_is_hopper(), reason="needs a Hopper (sm_90) GPU")
+requires_hopper = pytest.mark.skipif(not backend.on_hopper(), reason="needs a Hopper (sm_90) GPU")
 
 
 @pytest.mark.gpu

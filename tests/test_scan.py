@@ -66,9 +66,9 @@ def test_gpu_decode_step_through_the_kernels_copies_no_pool_and_no_experts():
     """The same on a Hopper GPU, with the decode kernel reading the stacked pools in place (bf16
     pages of 64 x 576, a kernel-shaped narrow model), and the MoE decode kernel reading each
     layer's experts out of the whole stack (no per-layer slice of the [L, E, D, I] weights)."""
-    from pallas_kernels._platform import default_backend_is_hopper
+    from pallas_kernels.backend import on_hopper
 
-    if not default_backend_is_hopper():
+    if not on_hopper():
         pytest.skip("needs a Hopper GPU")
     cfg = narrow_v2_lite(6).replace(
         kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16, hidden_size=128, moe_intermediate_size=64

@@ -64,7 +64,7 @@ def test_rope_cos_sin_scale_is_the_mscale_ratio(mscale, mscale_all_dim, _, facto
     np.testing.assert_allclose(np.sqrt(np.asarray(cos) ** 2 + np.asarray(sin) ** 2), factor, rtol=1e-6)
 
 
-@pytest.mark.parametrize("absorbed", [False, True], ids=["naive", "absorbed"])
+@pytest.mark.parametrize("absorbed", [False, True], ids=["decompressed", "absorbed"])
 def test_mla_layer_scales_scores_by_the_config_property(absorbed):
     """Guards the mutation: an attention path that computes its own scale (e.g. from `cfg.mscale`) instead of
     using `cfg.softmax_scale`, whose value the tests above check by hand. A config whose property is

@@ -463,10 +463,10 @@ def test_auto_attention_picks_the_flash_kernel_only_for_bf16_on_one_hopper(monke
     """`--attn-impl auto` (the default): our Mosaic GPU flash attention for bf16 on one Hopper GPU without a
     mesh, else the jnp attention; an explicit choice is kept. Catches auto choosing the kernel in fp32, on a
     mesh or off Hopper (the trace would fail there), and the resolved choice not reaching the step's config."""
-    import pallas_kernels._platform as platform
     from models.trainer import TrainSettings, resolve_attn_impl, train_config
+    from pallas_kernels import backend
 
-    monkeypatch.setattr(platform, "default_backend_is_hopper", lambda: hopper)
+    monkeypatch.setattr(backend, "on_hopper", lambda: hopper)
     s = TrainSettings(dtype=dtype, mesh=mesh)
     assert s.attn_impl == "auto"
     assert resolve_attn_impl(s) == want

@@ -36,10 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mla_jax.kv_cache import KVCache, PagedLatentCache, page_format_for
+from mla_jax.kv_cache import KVCache, PagedLatentCache
 from models import Engine, SamplingParams, load_hf_checkpoint
 from models.builtin import BUILTIN_DIR, BUILTIN_PROMPT
 from models.tokenizer import load_tokenizer
+from pallas_kernels import resolve_page_format
 
 PAGE = 64
 
@@ -121,7 +122,7 @@ def main(argv=None):
     quant = []
     for q in args.formats:
         try:
-            page_format_for(q, model.cfg.latent_dim, model.cfg.qk_rope_head_dim)
+            resolve_page_format(q, value_dim=model.cfg.latent_dim, rope_dim=model.cfg.qk_rope_head_dim)
             quant.append(q)
         except ValueError as e:
             print(f"# {q}: left out: {e}")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one script the GPU call runs: GPU tests, register report, benchmarks; results under $OUT.
-#   scripts/lab/gpu_run.sh [quick] # GPU tests + the --quick cells (kernel, XLA, naive) + gather grid
+#   scripts/lab/gpu_run.sh [quick] # GPU tests + the --quick cells (kernel, XLA, decompressed) + gather grid
 #   scripts/lab/gpu_run.sh tests   # every GPU test (kernels, engine, MoE) + ptxas register report
-#   scripts/lab/gpu_run.sh grid    # the full mla_decode grid (kernel + XLA, no naive)
+#   scripts/lab/gpu_run.sh grid    # the full mla_decode grid (kernel + XLA, no decompressed)
 #   scripts/lab/gpu_run.sh variants # kernel GPU tests (boundaries, B=256), ptxas report, then
 #                              #   the FlashMLA cells with the $VARIANTS configs (XLA autotuner off)
 #   scripts/lab/gpu_run.sh fairxla  # the FlashMLA cells, default config, XLA autotuner ON (fair baseline)
@@ -144,13 +144,13 @@ esac
 case "$MODE" in
   quick) bench mla_decode 330 --quick
          bench paged_gather 60 ;;
-  grid)  bench mla_decode 560 --no-naive ;;
+  grid)  bench mla_decode 560 --no-decompressed ;;
   gather) bench paged_gather 170 --quick --sweep --kv-dtype fp8 ;;
   profile8) stage "profile_fp8_decode"
        timeout 300 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" ${CELLS:+--cells $CELLS} ${CONFIGS:+--configs $CONFIGS} 2>&1 | tee -a "$LOG" ;;
   fp8) stage "probe_fp8_decode"
        timeout 300 $PY scripts/lab/probe_fp8_decode.py --out "$R/fp8" 2>&1 | tee -a "$LOG" ;;
-  peers|scorer) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${BENCH_LIMIT:-330}" --peers .peers --no-naive \
+  peers|scorer) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${BENCH_LIMIT:-330}" --peers .peers --no-decompressed \
            --variants "${VARIANTS:-balanced}" --cell-list "${CELLS:-128,1,8192,16;128,1,8192,32;128,1,8192,64;128,1,32768,64;\
 128,1,4096,128;128,1,8192,128;128,2,8192,128;64,1,8192,128;32,2,4096,128;128,1,256-16384,64;1,1,4096,128;8,1,4096,128}" ;;
   train) for a in mgpu cudnn; do
@@ -164,9 +164,9 @@ case "$MODE" in
          stage "probe_flash_attention --sweep"
          timeout 200 $PY scripts/lab/probe_flash_attention.py --out "$R/flash" --sweep 2>&1 | tee -a "$LOG" ;;
   variants) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
-         bench mla_decode 300 --only-flashmla --quick --no-naive \
+         bench mla_decode 300 --only-flashmla --quick --no-decompressed \
            --variants "${VARIANTS:-plain,split_qk}" ;;
-  fairxla) bench mla_decode 330 --only-flashmla --quick --no-naive ;;
+  fairxla) bench mla_decode 330 --only-flashmla --quick --no-decompressed ;;
   sweep) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode 320 --quick --sweep --then-grid
          ptxas_report ;;
 esac

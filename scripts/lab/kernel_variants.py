@@ -19,28 +19,45 @@ import inspect
 import time
 
 md = importlib.import_module("pallas_kernels.mla_decode")
+# the package's files, where a body or step lives
+PARTS = [
+    importlib.import_module(f"pallas_kernels.mla_decode.{n}") for n in ("bf16", "fp8", "steps", "schedule", "combine")
+]
+
+
+def home(fn_name: str):
+    """The module of the package that defines `fn_name`."""
+    return next(
+        m for m in PARTS + [md] if fn_name in vars(m) and getattr(vars(m)[fn_name], "__module__", "") == m.__name__
+    )
 
 
 def build(fn_name: str, transforms, label: str = "variant"):
-    """`md.<fn_name>` rebuilt from its source with the (old, new) replacements applied."""
-    src = inspect.getsource(getattr(md, fn_name))
+    """`<fn_name>` of the mla_decode package rebuilt from its source with the (old, new) replacements applied."""
+    mod = home(fn_name)
+    src = inspect.getsource(getattr(mod, fn_name))
     for old, new in transforms:
         assert old in src, (label, old)
         src = src.replace(old, new)
-    namespace = dict(vars(md))
+    namespace = dict(vars(mod))
     exec(compile(src, f"<{label}>", "exec"), namespace)  # noqa: S102 - our own source, transformed
     return namespace[fn_name]
 
 
 @contextlib.contextmanager
 def patched(fn_name: str, transforms, label: str = "variant"):
-    """Within the block, `mla_decode` traces the variant (None: the unmodified function)."""
-    original = getattr(md, fn_name)
-    setattr(md, fn_name, original if transforms is None else build(fn_name, transforms, label))
+    """Within the block, `mla_decode` traces the variant (None: the unmodified function): every module of the
+    package that holds the name gets it."""
+    original = getattr(home(fn_name), fn_name)
+    variant = original if transforms is None else build(fn_name, transforms, label)
+    holders = [m for m in PARTS + [md] if vars(m).get(fn_name) is original]
+    for m in holders:
+        setattr(m, fn_name, variant)
     try:
         yield
     finally:
-        setattr(md, fn_name, original)
+        for m in holders:
+            setattr(m, fn_name, original)
 
 
 def decode_cell(batch: int, seq: int, heads: int, seed: int = 0):

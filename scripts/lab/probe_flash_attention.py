@@ -83,7 +83,7 @@ def make(B, T, H, seed=0):
 
 
 def jnp_attention(q, k, v):
-    """mla_naive_attention's "xla" form: bf16 einsums with fp32 accumulation, fp32 masked softmax."""
+    """mla_decompressed_attention's "xla" form: bf16 einsums with fp32 accumulation, fp32 masked softmax."""
     T = q.shape[1]
     s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * SCALE
     s = jnp.where(jnp.arange(T)[None, :] <= jnp.arange(T)[:, None], s, -jnp.inf)

@@ -7,7 +7,7 @@ For each cell (`--cells B x T : remat : CE chunk : attention q block : attention
 `--iterations` steps with every kernel's CUPTI time. Reported per cell: the step's kernel time, MFU by
 `mla-bench train`'s arithmetic, the time per kernel category (matmuls through cuBLAS, the Mosaic GPU grouped
 GEMMs, cuDNN attention, XLA fusions, copies) and the top kernels. Then, with `--attention`, the
-decompressed attention alone (forward + backward of `mla_naive_attention` at V2-Lite's widths, one layer)
+decompressed attention alone (forward + backward of `mla_decompressed_attention` at V2-Lite's widths, one layer)
 for each implementation: CUPTI time and TFLOP/s.
 
     PYTHONPATH=. python3 scripts/lab/profile_train_step.py --out $OUT/prof [--cells ...] [--attention]
@@ -150,7 +150,7 @@ def attention_alone(args) -> list[dict]:
 
     sys.path.insert(0, ".")
     import benchmarks as bm
-    from mla_jax.attention import mla_naive_attention
+    from mla_jax.attention import mla_decompressed_attention
 
     rows = []
     H, N, R, V, L = 16, 128, 64, 128, 512
@@ -164,7 +164,7 @@ def attention_alone(args) -> list[dict]:
         for impl, qb in (("xla", 512), ("cudnn", None)):
 
             def loss(qn, qp, lat, w, impl=impl, qb=qb):
-                o = mla_naive_attention(qn, qp, lat, w, pos, pos, softmax_scale=0.1, q_block=qb, impl=impl)
+                o = mla_decompressed_attention(qn, qp, lat, w, pos, pos, softmax_scale=0.1, q_block=qb, impl=impl)
                 return jnp.sum(o.astype(jnp.float32) ** 2)
 
             g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))

@@ -1,0 +1,423 @@
+"""Absorbed Multi-head Latent Attention decode over a paged latent KV cache (Mosaic GPU, sm_90).
+
+Dimension letters: B batch, T query tokens per sequence (s_q), H heads, R = T*H query rows,
+P pages, S cached tokens, L latent width 512, K key width 576 = 512 latent + 64 rope.
+
+The absorbed form (DeepSeek-V2 §2.1.2): with q_lat = q_nope·W_UK folded into the query, every head
+attends over the same 576-wide cached latents, and V is the first 512 columns of the same rows.
+So one KV page tile in shared memory serves Q·Kᵀ (576 wide) and P·V (512 wide), and the kernel is a
+flash-decoding loop over pages.
+
+This package: this file is the public face (`mla_decode`, its validation, what it serves
+(`mla_decode_problems`), the reference, the choice of body); `config` the tuning knobs and limits,
+`schedule` how pages are dealt to CTAs and where partial results go, `steps` the per-page softmax and
+P·V steps every body shares, `bf16` the bodies over bf16 pages, `fp8` those over fp8 pages, `combine`
+the kernel that merges split partials.
+
+* Query rows: the (T, H) pairs of a sequence are packed row-major into R = T·H rows (row = t·H + h)
+  and padded to a multiple of 64, the wgmma M tile. A CTA owns one 64-row block, so H=16, T=1 pads
+  16 rows to 64, and H=128 uses two CTAs (row blocks) per sequence and KV split.
+* Split-KV: each sequence's pages are cut into ``num_splits`` contiguous ranges so that
+  B·row_blocks·num_splits fills about one wave of the GPU's SMs. With one split, the kernel
+  writes the final bf16 output and natural-log LSE itself. With more, it writes fp32 partials and a
+  second, small Mosaic GPU kernel combines them (still a single jitted call; no XLA math).
+* Token-balanced schedule (`MlaDecodeConfig.schedule="balanced"`, FlashMLA's tile scheduler):
+  instead of cutting each sequence on its own, the batch's pages (Σ cdiv(seq_len, 64)) are laid
+  end to end and cut into equal contiguous runs, one per CTA (and row block). A run may cross
+  sequence boundaries: the CTA reloads Q when the sequence changes and writes one fp32 partial per
+  sequence piece, into piece slot ``cta + b`` (unique: slots grow along the runs). The combine
+  reduces each sequence's pieces (``piece_start[b]``, ``num_pieces[b]``). `balanced_schedule`
+  computes the (B-sized) metadata on the device from ``seq_lens``; a page's sequence is a binary
+  search of the page prefix sums (`sequence_of_page`).
+* Warp specialisation: warpgroup 2 streams pages through the block table with TMA
+  (two 73.7 KB stages; with Q resident that is 221 KB of the 227 KB of SMEM); warpgroups 0 and 1
+  each own 256 of the 512 output columns (a 64x512 fp32 accumulator in one warpgroup spills).
+  Per page, S = Q·Kᵀ, an online softmax in fp32 in the exp2 domain, then O += P·V with P (bf16)
+  from registers. Two bodies: the plain one has both warpgroups compute all of S (redundant
+  tensor work, no synchronisation); the split-QK one has each compute S for 32 of the 64 tokens
+  and exchange row maxima, P halves and row sums through SMEM (two CTA barriers per page).
+  `MlaDecodeConfig.split_qk` picks; by default split-QK when all 64 rows of a CTA are real.
+* The scorer body (`_decode_partials_scorer`, the default on bf16 pages with the per_sequence
+  schedule): four warpgroups with loops of their own. The TMA one streams the pages; warpgroup 0
+  computes each page's S = Q·Kᵀ once and the softmax, writes P to SMEM and accumulates P·V over
+  128 columns; warpgroups 1 and 2 accumulate P·V over 192 columns each, reading P from SMEM, so
+  their P·V of page i runs under the scorer's Q·Kᵀ of page i + 1.
+* Ragged lengths: keys at positions >= the row's limit get -inf scores; the V rows of a partial
+  last page are zeroed in SMEM first, because P=0 times a garbage (even NaN) V row is still NaN.
+* fp8 pages (`pallas_kernels.page_format.FP8_PAGES`): for R = s_q·H <= 32 query rows a transposed
+  body (`_decode_partials_fp8_t`: Sᵀ = K·Qᵀ with the page's 64 tokens as the wgmma M and the R rows
+  as N, the scales folded into the scores and P), else the padded body above over a bf16 key
+  buffer the two warpgroups dequantise into (`_decode_partials_fp8`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import backend
+from pallas_kernels._page_table import check_page_table
+from pallas_kernels.mla_decode.bf16 import SCORER_MEMORY_REGISTERS, _decode_partials, _decode_partials_scorer
+from pallas_kernels.mla_decode.combine import _combine
+from pallas_kernels.mla_decode.config import (
+    KERNEL_FORMATS,
+    KEY_DIM,
+    LATENT_DIM,
+    MAX_QUERY_LEN,
+    PAGE_SIZE,
+    ROWS,
+    SCHEDULES,
+    SUPPORTED_HEADS,
+    MlaDecodeConfig,
+)
+from pallas_kernels.mla_decode.fp8 import NARROW_ROWS, _decode_partials_fp8, _decode_partials_fp8_t, _use_transposed_fp8
+from pallas_kernels.mla_decode.schedule import (
+    BalancedSchedule,
+    balanced_schedule,
+    num_piece_slots,
+    plan,
+    sequence_of_page,
+)
+from pallas_kernels.page_format import PageFormat, check_pages
+
+__all__ = [
+    "KERNEL_FORMATS",
+    "KEY_DIM",
+    "LATENT_DIM",
+    "MAX_QUERY_LEN",
+    "NARROW_ROWS",
+    "PAGE_SIZE",
+    "ROWS",
+    "SCHEDULES",
+    "SCORER_MEMORY_REGISTERS",
+    "SUPPORTED_HEADS",
+    "BalancedSchedule",
+    "MlaDecodeConfig",
+    "balanced_schedule",
+    "mla_decode",
+    "mla_decode_problems",
+    "mla_decode_reference",
+    "num_piece_slots",
+    "plan",
+    "sequence_of_page",
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# What the kernel serves
+# ------------------------------------------------------------------------------------------------
+
+
+def mla_decode_problems(heads: int, page_size: int, page_format: PageFormat, query_len: int = 1) -> list[str]:
+    """Why the decode kernel cannot serve these inputs: [] when it can, else one line per broken limit.
+
+    Args:
+      heads: query heads of one call (H of q; per device under tensor parallelism).
+      page_size: tokens a cache page.
+      page_format: the pages' `PageFormat` (its latent and rope widths included).
+      query_len: s_q, the query tokens a sequence has in the call.
+
+    The limits: H in `SUPPORTED_HEADS`, `PAGE_SIZE`-token pages, tokens of `LATENT_DIM` latent + 64 rope
+    values in a format of `KERNEL_FORMATS`, s_q <= `MAX_QUERY_LEN`. The reference serves every one of them.
+    """
+    if not isinstance(page_format, PageFormat):
+        raise ValueError(f"page_format must be a PageFormat, got {page_format!r}")
+    problems = []
+    if heads not in SUPPORTED_HEADS:
+        problems.append(f"heads = {heads!r} (the decode kernel supports H in {SUPPORTED_HEADS})")
+    if page_size != PAGE_SIZE:
+        problems.append(f"page_size = {page_size!r} (the decode kernel reads {PAGE_SIZE}-token pages)")
+    if (page_format.latent_dim, page_format.rope_dim) != (LATENT_DIM, KEY_DIM - LATENT_DIM):
+        problems.append(
+            f"{page_format.latent_dim} latent + {page_format.rope_dim} rope values a token (the decode kernel "
+            f"reads {LATENT_DIM} + {KEY_DIM - LATENT_DIM})"
+        )
+    if page_format.name not in KERNEL_FORMATS:
+        problems.append(f"page format {page_format.name} (the decode kernel reads {', '.join(KERNEL_FORMATS)} pages)")
+    if not 1 <= query_len <= MAX_QUERY_LEN:
+        problems.append(f"s_q = {query_len} (the decode kernel takes 1 to {MAX_QUERY_LEN} query tokens a sequence)")
+    return problems
+
+
+def _validate(q, kv_pages, block_table, seq_lens, softmax_scale, page_format, *, checked=False) -> PageFormat:
+    """Checks what both the kernel and the reference need; -> the pages' `PageFormat`."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, s_q, H, {KEY_DIM}], got shape {q.shape}")
+    B, s_q, H, D = q.shape
+    if D != KEY_DIM:
+        raise ValueError(f"q's last dim must be {KEY_DIM} (512 latent + 64 rope), got {D}")
+    if q.dtype != jnp.bfloat16:
+        raise ValueError(f"q must be bfloat16, got {q.dtype}")
+    if min(B, s_q, H) < 1:
+        raise ValueError(f"q must have B, s_q and H >= 1, got shape {q.shape}")
+    if kv_pages.ndim != 3:
+        raise ValueError(f"kv_pages must be [num_pages, page_size, W], got shape {kv_pages.shape}")
+    fmt = check_pages(kv_pages, page_format, page_size=kv_pages.shape[1])
+    if fmt.value_dim != KEY_DIM:
+        raise ValueError(
+            f"kv_pages hold {fmt.latent_dim} latent + {fmt.rope_dim} rope values a token ({fmt.name} pages of "
+            f"width {fmt.width}); q's {KEY_DIM} columns need {LATENT_DIM} + {KEY_DIM - LATENT_DIM}"
+        )
+    if block_table.ndim != 2 or block_table.shape[0] != B or block_table.shape[1] < 1:
+        raise ValueError(f"block_table must be [B={B}, max_pages >= 1], got {block_table.shape}")
+    if block_table.dtype != jnp.int32:
+        raise ValueError(f"block_table must be int32, got {block_table.dtype}")
+    if seq_lens.shape != (B,):
+        raise ValueError(f"seq_lens must be [B={B}], got {seq_lens.shape}")
+    if seq_lens.dtype != jnp.int32:
+        raise ValueError(f"seq_lens must be int32, got {seq_lens.dtype}")
+    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
+        raise ValueError(f"softmax_scale must be a Python float (it is baked into the kernel), got {softmax_scale!r}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    check_page_table(block_table, seq_lens, num_pages=kv_pages.shape[0], page_size=kv_pages.shape[1], checked=checked)
+    return fmt
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference
+# ------------------------------------------------------------------------------------------------
+
+
+def _key_limits(seq_lens, s_q: int, causal: bool):
+    """Exclusive key bound per (sequence, query token): int32 [B, T]."""
+    j = jnp.arange(s_q, dtype=jnp.int32)[None, :]
+    lens = seq_lens.astype(jnp.int32)[:, None]
+    if causal:
+        return lens - s_q + 1 + j  # query j sits at position seq_len - s_q + j
+    return jnp.broadcast_to(lens, (lens.shape[0], s_q))
+
+
+def mla_decode_reference(
+    q,
+    kv_pages,
+    block_table,
+    seq_lens,
+    *,
+    softmax_scale,
+    causal=False,
+    page_format=None,
+    config=None,
+    impl=None,
+    checked=False,
+):
+    """Plain-jnp absorbed MLA decode with fp32 math; same contract (and checks) as `mla_decode`, for any
+    head count, query length, page size and page format (quantized pages are dequantised to bf16 first,
+    what the kernel's tensor cores see).
+
+    ``config`` and ``impl`` are accepted (and ignored) so the two functions are interchangeable.
+    A query with no visible key (only possible when causal and seq_len < s_q) gets out = 0 and
+    lse = -inf, as in the kernel.
+    """
+    del config, impl
+    fmt = _validate(q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked)
+    B, s_q, H, _ = q.shape
+    pages = kv_pages[block_table]
+    if fmt.quantized:
+        pages = fmt.dequantize_reference(pages)
+    kv_BSK = pages.reshape(B, -1, KEY_DIM).astype(jnp.float32)  # (B, S, K)
+    keys = jnp.arange(kv_BSK.shape[1], dtype=jnp.int32)
+    valid_BS = keys[None, :] < seq_lens.astype(jnp.int32)[:, None]
+    # Zero rows past the sequence: unused slots may hold anything (NaN), and 0 * NaN = NaN.
+    kv_BSK = jnp.where(valid_BS[..., None], kv_BSK, 0.0)
+    scores_BTHS = (
+        jnp.einsum("bthk,bsk->bths", q.astype(jnp.float32), kv_BSK, precision=lax.Precision.HIGHEST) * softmax_scale
+    )
+    visible_BTS = keys[None, None, :] < _key_limits(seq_lens, s_q, causal)[..., None]
+    scores_BTHS = jnp.where(visible_BTS[:, :, None, :], scores_BTHS, -jnp.inf)
+    m_BTH = scores_BTHS.max(axis=-1)
+    m_BTH = jnp.where(jnp.isfinite(m_BTH), m_BTH, 0.0)
+    p_BTHS = jnp.exp(scores_BTHS - m_BTH[..., None])
+    l_BTH = p_BTHS.sum(axis=-1)
+    out_BTHL = jnp.einsum("bths,bsl->bthl", p_BTHS, kv_BSK[..., :LATENT_DIM], precision=lax.Precision.HIGHEST)
+    out_BTHL = out_BTHL / jnp.where(l_BTH == 0, 1.0, l_BTH)[..., None]
+    lse_BTH = jnp.where(l_BTH == 0, -jnp.inf, m_BTH + jnp.log(l_BTH))
+    return out_BTHL.astype(q.dtype), lse_BTH
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel: the choice of body, then its launch (and the combine)
+# ------------------------------------------------------------------------------------------------
+
+
+def _body(page_format: PageFormat, plan_, s_q: int, heads: int, config: MlaDecodeConfig):
+    """The partials function that serves these pages, query rows and config."""
+    if page_format.name == "fp8":
+        return _decode_partials_fp8_t if _use_transposed_fp8(plan_, s_q, heads, config) else _decode_partials_fp8
+    return _decode_partials_scorer if plan_.scorer else _decode_partials
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "page_format", "config", "interpret"))
+def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal, page_format, config, interpret):
+    B, s_q, H, _ = q.shape
+    R = s_q * H
+    plan_ = plan(B, s_q, H, block_table.shape[1], config)
+    Rp = plan_.row_blocks * ROWS
+    q_rows = q.reshape(B, R, KEY_DIM)  # (B, R, K), row = t*H + h
+    # TMA needs 16-byte GMEM strides: pad the table to a multiple of 4 int32 columns. The kernel
+    # never reads past cdiv(seq_len, 64) pages, so the padding value is irrelevant.
+    pad = -block_table.shape[1] % 4
+    if pad:
+        block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
+    interpret_params = plgpu.InterpretGPUParams() if interpret else None
+    partials = _body(page_format, plan_, s_q, H, config)
+    if partials is _decode_partials_fp8_t:
+        # Unpadded rows in; the outputs come out transposed ([..., 512, R]).
+        out_t, lse = partials(
+            q_rows,
+            kv_pages,
+            block_table,
+            seq_lens,
+            s_q=s_q,
+            heads=H,
+            causal=causal,
+            scale=float(softmax_scale),
+            plan_=plan_,
+            config=config,
+            interpret=interpret_params,
+        )
+        if plan_.num_splits == 1:
+            out = jnp.swapaxes(out_t, 1, 2)
+        else:  # the combine takes 64-row blocks: pad rows with empty partials (lse -inf)
+            o_part = jnp.pad(jnp.swapaxes(out_t, 2, 3), ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
+            lse_part = jnp.pad(lse, ((0, 0), (0, 0), (0, Rp - R)), constant_values=-jnp.inf)
+            out, lse = _combine(o_part, lse_part, out_dtype=q.dtype, config=config, interpret=interpret_params)
+            out, lse = out[:, :R], lse[:, :R]
+        return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
+    if Rp != R:  # the 64-row bodies take whole row blocks
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))
+    if plan_.schedule == "balanced":
+        sched = balanced_schedule(seq_lens, num_ctas=plan_.num_ctas, min_pages_per_cta=config.min_pages_per_split)
+        o_part, lse_part = partials(
+            q_rows,
+            kv_pages,
+            block_table,
+            seq_lens,
+            s_q=s_q,
+            heads=H,
+            causal=causal,
+            scale=float(softmax_scale),
+            plan_=plan_,
+            config=config,
+            interpret=interpret_params,
+            schedule=sched[:3],
+        )
+        out, lse = _combine(
+            o_part,
+            lse_part,
+            out_dtype=q.dtype,
+            config=config,
+            interpret=interpret_params,
+            pieces=(sched.piece_start, sched.num_pieces),
+        )
+        if Rp != R:
+            out, lse = out[:, :R], lse[:, :R]
+        return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
+    out, lse = partials(
+        q_rows,
+        kv_pages,
+        block_table,
+        seq_lens,
+        s_q=s_q,
+        heads=H,
+        causal=causal,
+        scale=float(softmax_scale),
+        plan_=plan_,
+        config=config,
+        interpret=interpret_params,
+    )
+    if plan_.num_splits > 1:
+        out, lse = _combine(out, lse, out_dtype=q.dtype, config=config, interpret=interpret_params)
+    if Rp != R:
+        out, lse = out[:, :R], lse[:, :R]
+    return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
+
+
+def mla_decode(
+    q,
+    kv_pages,
+    block_table,
+    seq_lens,
+    *,
+    softmax_scale,
+    causal=False,
+    page_format=None,
+    config=None,
+    impl="auto",
+    checked=False,
+):
+    """Absorbed MLA decode attention over a paged latent cache.
+
+    Args:
+      q: bf16 [B, s_q, H, 576]: absorbed latent query (512) ; rope query (64). The kernel takes H in
+        `SUPPORTED_HEADS` and s_q in [1, 4]; the reference any.
+      kv_pages: [num_pages, page_size, W]: one layer's cache pages, rows = tokens. bf16 pages are
+        [num_pages, 64, 576]: normalised latent (512) ; roped key (64), and V is the first 512 columns of
+        the same rows. fp8 pages are uint8 [num_pages, 64, 656] (`pallas_kernels.page_format`: 512 e4m3
+        bytes, 4 fp32 scales, 64 bf16 rope values a token), dequantised to bf16 inside the kernel.
+      block_table: int32 [B, max_pages]: page ids of each sequence in token order. Entries past
+        cdiv(seq_len, page_size) are never read (may be anything); the ones before must be page ids in
+        [0, num_pages).
+      seq_lens: int32 [B]: cached tokens per sequence, including the s_q new ones, in
+        [0, page_size * max_pages] (0: an idle row, out = 0, lse = -inf). When causal, a query with no
+        visible key (seq_len < s_q) returns out = 0, lse = -inf.
+      softmax_scale: Python float multiplying Q·Kᵀ (e.g. 192**-0.5 * mscale**2).
+      causal: query j of s_q sits at position seq_len - s_q + j and sees keys <= that position;
+        non-causal queries see all seq_len keys.
+      page_format: the pages' `PageFormat`, checked against their dtype and width; None reads it from
+        them (`pallas_kernels.page_format_of`), as `paged_gather` does.
+      config: `MlaDecodeConfig` (static); None = defaults.
+      impl: one of `pallas_kernels.backend.IMPLS`: "auto" (the kernel on a Hopper GPU where it serves the
+        inputs, `mla_decode_problems`; else the reference), "kernel", "interpret" or "reference".
+      checked: also check traced block tables and lengths, with `jax.experimental.checkify`
+        (the caller wraps the jitted function in `checkify.checkify`; see `_page_table`).
+        Concrete ones are always checked.
+
+    Returns:
+      out: [B, s_q, H, 512] in q's dtype (bf16); lse: float32 [B, s_q, H], natural log of the
+      softmax denominator (scaled scores).
+
+    Raises:
+      ValueError naming the argument and the limit: shapes or dtypes that disagree, pages that are in no
+      format or not in ``page_format``, "kernel" / "interpret" on inputs the kernel does not serve
+      (`mla_decode_problems`), a concrete seq_len outside [0, page_size * max_pages] or a concrete
+      block-table entry it reads outside [0, num_pages).
+    """
+    fmt = _validate(q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked)
+    if config is None:
+        config = MlaDecodeConfig()
+    if not isinstance(config, MlaDecodeConfig):
+        raise ValueError(f"config must be an MlaDecodeConfig or None, got {type(config).__name__}")
+    B, s_q, H, _ = q.shape
+    impl = backend.choose(impl, mla_decode_problems(H, kv_pages.shape[1], fmt, s_q))
+    if impl == "reference":
+        return mla_decode_reference(
+            q,
+            kv_pages,
+            block_table,
+            seq_lens,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            page_format=fmt,
+            checked=checked,
+        )
+    interpret = impl == "interpret"
+    if interpret and not config.interpretable:
+        config = dataclasses.replace(config, interpretable=True)
+    return _mla_decode_kernel(
+        q,
+        kv_pages,
+        block_table,
+        seq_lens,
+        softmax_scale=float(softmax_scale),
+        causal=bool(causal),
+        page_format=fmt,
+        config=config,
+        interpret=interpret,
+    )

@@ -1,0 +1,312 @@
+"""How `mla_decode` deals pages to CTAs: the static launch plan (row blocks, KV splits, which body), the
+token-balanced schedule computed on the device from the lengths, the shapes of the partial outputs, and
+the page walk each body runs (`_schedule_steps`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.mla_decode.config import LATENT_DIM, PAGE_SIZE, ROWS, MlaDecodeConfig
+from pallas_kernels.mla_decode.steps import _LN2, _init_carry, _normalise
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static launch geometry derived from the shapes and the config."""
+
+    row_blocks: int  # G: 64-row query blocks per sequence
+    num_splits: int  # KV splits per sequence (after dropping splits that are always empty)
+    pages_per_split: int
+    split_qk: bool  # the Q·Kᵀ-split body (see MlaDecodeConfig.split_qk)
+    schedule: str = "per_sequence"
+    num_ctas: int = 0  # balanced: CTAs (page runs) per row block; 0 for per_sequence
+    scorer: bool = False  # the scorer body (see MlaDecodeConfig.scorer; bf16 pages only)
+
+    @property
+    def balanced(self) -> bool:
+        return self.schedule == "balanced"
+
+
+def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConfig) -> _Plan:
+    """The launch geometry `mla_decode` uses for these shapes (exposed for the benchmark)."""
+    row_blocks = pl.cdiv(s_q * heads, ROWS)
+    if config.num_splits is not None:
+        splits = config.num_splits
+    else:
+        splits = max(1, config.target_ctas // (batch * row_blocks))
+        splits = min(splits, max(1, max_pages // config.min_pages_per_split), config.max_splits)
+    splits = max(1, min(splits, max_pages))
+    pages_per_split = pl.cdiv(max_pages, splits)
+    split_qk = config.split_qk if config.split_qk is not None else s_q * heads >= ROWS
+    scorer = config.scorer is None or config.scorer
+    scorer = scorer and config.schedule == "per_sequence"
+    split_qk = split_qk and not scorer
+    if config.schedule == "balanced":
+        return _Plan(
+            row_blocks, 1, pages_per_split, split_qk, "balanced", max(1, config.target_ctas // row_blocks), scorer
+        )
+    return _Plan(row_blocks, pl.cdiv(max_pages, pages_per_split), pages_per_split, split_qk, scorer=scorer)
+
+
+class BalancedSchedule(NamedTuple):
+    """Token-balanced work split (`balanced_schedule`); every field int32.
+
+    The batch's pages in order (sequence 0's, then 1's, ...) are "global pages" g in [0, total);
+    CTA c takes the run [min(c * ppc, total), min((c + 1) * ppc, total)). Global page g belongs to
+    sequence `sequence_of_page(g, ends, 0, B - 1)`, as its page g - (ends[b] - cdiv(seq_lens[b], 64)).
+    """
+
+    scalars: jax.Array  # [2]: (ppc = pages per CTA, total pages)
+    ends: jax.Array  # [B]: pages of sequences 0..b (inclusive prefix sum of cdiv(len, 64))
+    cta_seqs: jax.Array  # [C, 2]: sequences of run c's first and last page (clipped to
+    # [0, B-1]; a run without pages gets the last sequence twice)
+    piece_start: jax.Array  # [B]: piece slot of sequence b's first piece (= its first CTA + b)
+    num_pieces: jax.Array  # [B]: pieces (CTAs) sequence b's pages fall into; 0 for an empty one
+
+
+def num_piece_slots(batch: int, num_ctas: int) -> int:
+    """Piece slots of the partials buffer: slot = cta + b grows strictly along the runs, and both
+    are below their counts."""
+    return num_ctas + batch - 1
+
+
+def balanced_schedule(seq_lens, *, num_ctas: int, min_pages_per_cta: int = 1) -> BalancedSchedule:
+    """FlashMLA-style scheduler metadata, on the device (jit-friendly: static shapes, B-sized).
+
+    Args:
+      seq_lens: int32 [B] (0 allowed: an idle row gets no pages).
+      num_ctas: CTAs to share the pages (static).
+      min_pages_per_cta: a run is at least this long (each CTA pays a Q load and a partial write).
+
+    Returns:
+      `BalancedSchedule`. Pieces: CTA c's run meets sequence b in at most one contiguous piece,
+      written to slot c + b; sequence b's pieces are slots [piece_start[b], piece_start[b] +
+      num_pieces[b]), in key order.
+    """
+    B = seq_lens.shape[0]
+    pages = (seq_lens.astype(jnp.int32) + PAGE_SIZE - 1) // PAGE_SIZE  # [B]
+    ends = jnp.cumsum(pages).astype(jnp.int32)
+    total = ends[-1]
+    ppc = jnp.maximum((total + num_ctas - 1) // num_ctas, min_pages_per_cta)
+    first_cta = (ends - pages) // ppc
+    num_pieces = jnp.where(pages > 0, (ends - 1) // ppc - first_cta + 1, 0)
+    piece_start = first_cta + jnp.arange(B, dtype=jnp.int32)
+    # Per CTA, the sequences of its run's first and last page: the first b with ends[b] > g.
+    run_start = jnp.minimum(jnp.arange(num_ctas, dtype=jnp.int32) * ppc, total)
+    run_last = jnp.maximum(jnp.minimum(run_start + ppc, total) - 1, run_start)
+    seq_of = lambda g: jnp.minimum((ends[None, :] <= g[:, None]).sum(1, dtype=jnp.int32), B - 1)
+    cta_seqs = jnp.stack([seq_of(run_start), seq_of(run_last)], 1)
+    return BalancedSchedule(
+        jnp.stack([ppc, total]).astype(jnp.int32),
+        ends,
+        cta_seqs,
+        piece_start.astype(jnp.int32),
+        num_pieces.astype(jnp.int32),
+    )
+
+
+def sequence_of_page(g, ends, lo, hi):
+    """The sequence holding global page g < total, known to be in [lo, hi]: the first b with
+    ends[b] > g, by binary search (a while loop: no step when lo == hi). ``ends`` is read as
+    ``ends[k]``: a kernel ref or an array."""
+
+    def step(bounds):
+        lo, hi = bounds
+        mid = lax.shift_right_logical(lo + hi, 1)
+        left = ends[mid] > g
+        return jnp.where(left, lo, mid + 1), jnp.where(left, mid, hi)
+
+    lo, _ = lax.while_loop(
+        lambda bounds: bounds[0] < bounds[1], step, (jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32))
+    )
+    return lo
+
+
+def _partials_out_type(B, S, Rp, dtype):
+    """Outputs of a main kernel: with one split the final (out [B, Rp, 512] in q's dtype, lse
+    [B, Rp] f32, natural log); with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in
+    log2) for `_combine`."""
+    if S == 1:
+        return (jax.ShapeDtypeStruct((B, Rp, LATENT_DIM), dtype), jax.ShapeDtypeStruct((B, Rp), jnp.float32))
+    return (jax.ShapeDtypeStruct((B, S, Rp, LATENT_DIM), jnp.float32), jax.ShapeDtypeStruct((B, S, Rp), jnp.float32))
+
+
+def _main_out_geometry(B, Rp, plan_: _Plan, dtype):
+    """(out_type, grid, grid_names) of a main kernel. per_sequence: `_partials_out_type` over the grid
+    (row block g, split s, batch b). balanced: fp32 partials by piece slot (o [NS, Rp, 512], lse
+    [NS, Rp] in log2, NS = `num_piece_slots`; slots no piece takes are never written) over the grid
+    (row block g, CTA c)."""
+    if plan_.schedule == "balanced":
+        NS = num_piece_slots(B, plan_.num_ctas)
+        return (
+            (jax.ShapeDtypeStruct((NS, Rp, LATENT_DIM), jnp.float32), jax.ShapeDtypeStruct((NS, Rp), jnp.float32)),
+            (plan_.row_blocks, plan_.num_ctas),
+            ("g", "c"),
+        )
+    return (
+        _partials_out_type(B, plan_.num_splits, Rp, dtype),
+        (plan_.row_blocks, plan_.num_splits, B),
+        ("g", "s", "b"),
+    )
+
+
+def _split_pages(seq_len, first_page, pages_per_split):
+    """Pages a split starting at page ``first_page`` of a sequence of seq_len tokens reads (0 for
+    a split past the sequence's end)."""
+    return jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pages_per_split)
+
+
+class _At(NamedTuple):
+    """Where a pipeline step is: sequence b, first key of the page, seq_len; balanced only: whether
+    the page ends the CTA's piece of b, and the sequence of the run's next page."""
+
+    b: jax.Array
+    page_start: jax.Array
+    seq_len: jax.Array
+    last: jax.Array | None = None
+    next_b: jax.Array | None = None
+
+
+class _Steps(NamedTuple):
+    """What a main kernel's page pipeline takes from its schedule (`_schedule_steps`)."""
+
+    n_steps: jax.Array  # pages this CTA reads (its pipeline's dynamic grid)
+    page_of: object  # step i -> physical page id (the TMA's index map)
+    begin: object  # (i, carry) -> ((acc, m, l), _At): the body's first call
+    after_qk: object  # (i, at): called once both warpgroups' Q·Kᵀ of step i is done
+    end_step: object  # ((acc, m, l), at) -> the next carry
+    compute_context: object  # the pipeline's compute context
+
+
+def _schedule_steps(
+    plan_: _Plan,
+    *,
+    q_ref,
+    o_ref,
+    lse_ref,
+    bt_ref,
+    lens_ref,
+    q_smem,
+    q_bar,
+    q_free_bar,
+    rows,
+    cols,
+    final,
+    sched_refs=None,
+) -> _Steps:
+    """The schedule's side of a main kernel (either body, either page format).
+
+    per_sequence: CTA (g, s, b) reads split s of sequence b; Q is loaded once; the context writes
+    the result (final or the split's partial) after the pipeline.
+    balanced (``sched_refs`` = a `BalancedSchedule`'s scalars, ends, cta_seqs): CTA (g, c) reads
+    run c of the batch's pages, carrying the current sequence b next to (acc, m, l). The TMA
+    warpgroup finds each page's sequence by `sequence_of_page` among the run's sequences, the
+    compute warpgroups only at a piece's end. On the last page of each piece the body writes the
+    piece's partial to slot c + b and restarts the softmax state; after that page's Q·Kᵀ (both
+    warpgroups done with Q) warpgroup 0 starts loading the next sequence's Q, which the first page
+    of the next piece waits for.
+    """
+    wg = lax.axis_index("wg")
+    if plan_.schedule == "balanced":
+        sc_ref, ends_ref, cta_ref = sched_refs
+        c = lax.axis_index("c")
+        ppc, total = sc_ref[0], sc_ref[1]
+        run_start = jnp.minimum(c * ppc, total)
+        n_steps = jnp.minimum(run_start + ppc, total) - run_start
+        # The run's first and last sequences: every search is between them, so it takes no step
+        # while the run stays in one sequence.
+        b_first, b_last = cta_ref[c, 0], cta_ref[c, 1]
+        seq_start = lambda b, seq_len: ends_ref[b] - pl.cdiv(seq_len, PAGE_SIZE)
+
+        def page_of(i):
+            gp = run_start + i
+            b = sequence_of_page(gp, ends_ref, b_first, b_last)
+            return bt_ref[b, gp - seq_start(b, lens_ref[b])]
+
+        def begin(i, carry):
+            *core, b = carry
+            gp = run_start + i
+            seq_len = lens_ref[b]
+            pos = gp - seq_start(b, seq_len)
+
+            @pl.when((i == 0) | (pos == 0))
+            def _():
+                plgpu.barrier_wait(q_bar)
+
+            last = (i == n_steps - 1) | (gp + 1 >= ends_ref[b])
+            next_b = lax.cond(last, lambda: sequence_of_page(gp + 1, ends_ref, b, b_last), lambda: b)
+            return tuple(core), _At(b, pos * PAGE_SIZE, seq_len, last, next_b)
+
+        def after_qk(i, at):
+            @pl.when(at.last & (i + 1 < n_steps))
+            def _():
+                plgpu.barrier_arrive(q_free_bar)
+                plgpu.barrier_wait(q_free_bar)
+
+                @pl.when(wg == 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(q_ref.at[at.next_b, rows], q_smem, q_bar)
+
+        def end_step(core, at):
+            @pl.when(at.last)
+            def _():
+                o, lse2 = _normalise(*core)
+                o_ref[c + at.b, rows, cols] = o
+
+                @pl.when(wg == 0)
+                def _():
+                    lse_ref[c + at.b, rows] = lse2
+
+            # (A scalar predicate does not broadcast implicitly under warpgroup semantics.)
+            restart = lambda x0, x: jnp.where(jnp.broadcast_to(at.last, x.shape), x0, x)
+            return (*map(restart, _init_carry(), core), at.next_b)
+
+        def compute_context(pipeline):
+            @pl.when((wg == 0) & (n_steps > 0))
+            def _():
+                plgpu.copy_gmem_to_smem(q_ref.at[b_first, rows], q_smem, q_bar)
+
+            pipeline((*_init_carry(), b_first))  # every piece is written by the body
+
+        return _Steps(n_steps, page_of, begin, after_qk, end_step, compute_context)
+
+    pps = plan_.pages_per_split
+    s, b = lax.axis_index("s"), lax.axis_index("b")
+    seq_len = lens_ref[b]
+    first_page = s * pps
+    table = bt_ref.at[b]
+
+    def compute_context(pipeline):
+        @pl.when(wg == 0)
+        def _():
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+
+        plgpu.barrier_wait(q_bar)  # one completion releases both compute warpgroups
+        o, lse2 = _normalise(*pipeline(_init_carry()))
+        if final:
+            o_ref[b, rows, cols] = o.astype(o_ref.dtype)
+        else:
+            o_ref[b, s, rows, cols] = o
+
+        @pl.when(wg == 0)
+        def _():
+            if final:
+                lse_ref[b, rows] = lse2 * _LN2
+            else:
+                lse_ref[b, s, rows] = lse2
+
+    return _Steps(
+        _split_pages(seq_len, first_page, pps),
+        lambda i: table[first_page + i],
+        lambda i, carry: (carry, _At(b, (first_page + i) * PAGE_SIZE, seq_len)),
+        lambda i, at: None,
+        lambda core, at: core,
+        compute_context,
+    )
