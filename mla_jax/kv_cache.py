@@ -259,10 +259,14 @@ class PagedLatentCache:
 # Pure functions used inside jitted steps
 # ------------------------------------------------------------------------------------------
 def write_latents(
-    pages_NGC: jax.Array, latent_BTC: jax.Array, positions_BT: jax.Array, block_table_BP: jax.Array
+    pages_NGC: jax.Array, latent_BTC: jax.Array, positions_BT: jax.Array, block_table_BP: jax.Array, layer=None
 ) -> jax.Array:
-    """Scatter the latents of T tokens per sequence into their pages -> the updated pool [N,G,C].
+    """Scatter the latents of T tokens per sequence into their pages -> the updated pages.
 
+    pages_NGC: one pool [N,G,C], or with `layer` (a Python int or a traced scalar) the stacked pools
+    [L,N,G,C], of which pool `layer` is written, indexed in place: never through a flattened view, which
+    made XLA copy every pool of the stack at every layer of a step (a step's cost then grew with the pool,
+    not with the tokens in it).
     positions_BT int32: the token's position in its sequence; negative = padding, not written
     (its update is sent out of bounds and dropped, so padding never touches a page).
     Positions beyond the block table are dropped as well. `latent_BTC` holds rows as the pool stores
@@ -274,13 +278,14 @@ def write_latents(
             f"uint8 (fp8 / fp4) pages take encoded rows (PageFormat.encode the latents first), "
             f"got {latent_BTC.dtype} {latent_BTC.shape}"
         )
-    N, G, _ = pages_NGC.shape
+    N, G = pages_NGC.shape[-3:-1]
     P = block_table_BP.shape[1]
     valid = (positions_BT >= 0) & (positions_BT < P * G)
     pos = jnp.where(valid, positions_BT, 0)
     page_BT = jnp.take_along_axis(block_table_BP, pos // G, axis=1)
     page_BT = jnp.where(valid, page_BT, N)  # N is out of bounds: mode="drop" discards it
-    return pages_NGC.at[page_BT, pos % G].set(latent_BTC.astype(pages_NGC.dtype), mode="drop")
+    index = (page_BT, pos % G) if layer is None else (layer, page_BT, pos % G)
+    return pages_NGC.at[index].set(latent_BTC.astype(pages_NGC.dtype), mode="drop")
 
 
 def gather_latents(
@@ -291,8 +296,11 @@ def gather_latents(
     impl: str = "reference",
     page_format: PageFormat | None = None,
     dtype=None,
+    layer=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Each sequence's cached tokens as a dense array, with their positions.
+
+    pages_NGC: one pool [N,G,C], or with `layer` the stacked pools [L,N,G,C] (pool `layer` is read).
 
     Returns (latent [B, P*G, C], positions int32 [B, P*G]: s for s < length, else -1, the padding
     mark of `mla_jax.attention`). Rows at or past a sequence's length are zeroed: they may hold
@@ -304,15 +312,17 @@ def gather_latents(
     impl: "reference" (`pages[block_table]`, decoded in jnp) or "kernel" / "interpret"
     (`pallas_kernels.paged_gather` where it serves the pages, `paged_gather_problems`; else the jnp path).
     """
-    N, G, _ = pages_NGC.shape
+    N, G = pages_NGC.shape[-3:-1]
     B, P = block_table_BP.shape
     fmt = page_format_of(pages_NGC) if page_format is None else page_format
     if fmt.quantized and pages_NGC.dtype != fmt.storage_dtype:
         raise ValueError(f"{fmt.name} pages are {jnp.dtype(fmt.storage_dtype).name}, got {pages_NGC.dtype}")
     if impl != "reference" and not paged_gather_problems(fmt, G):
-        dense = paged_gather(pages_NGC, block_table_BP, num_tokens=P * G, impl=impl, page_format=fmt)
+        pool, table = (pages_NGC, block_table_BP) if layer is None else _flat(pages_NGC, block_table_BP, layer)
+        dense = paged_gather(pool, table, num_tokens=P * G, impl=impl, page_format=fmt)
     else:
-        dense = pages_NGC[block_table_BP].reshape(B, P * G, pages_NGC.shape[-1])
+        rows = pages_NGC[block_table_BP] if layer is None else pages_NGC[layer, block_table_BP]
+        dense = rows.reshape(B, P * G, pages_NGC.shape[-1])
         if fmt.quantized:
             dense = fmt.decode(dense, dtype or jnp.float32)
     if dtype is not None:
@@ -496,13 +506,13 @@ def _flat(pages, block_table, layer):
 
 
 def _write_pool(pages, rows_BTC, positions_BT, block_table_BP, layer):
-    flat, table = _flat(pages, block_table_BP, layer)
-    return write_latents(flat, rows_BTC, positions_BT, table).reshape(pages.shape)
+    return write_latents(pages, rows_BTC, positions_BT, block_table_BP, layer)
 
 
 def _gather_pool(pages, block_table_BP, lengths_B, layer, *, impl, page_format, dtype):
-    flat, table = _flat(pages, block_table_BP, layer)
-    return gather_latents(flat, table, lengths_B, impl=impl, page_format=page_format, dtype=dtype)
+    return gather_latents(
+        pages, block_table_BP, lengths_B, impl=impl, page_format=page_format, dtype=dtype, layer=layer
+    )
 
 
 jax.tree_util.register_dataclass(
