@@ -2,7 +2,8 @@
 weights) through the public engine, against its weight-read floor, with Hugging Face transformers as a peer.
 
 Usage: ``python -m benchmarks e2e [--quick] [--model v2-lite,v3-cut] [--batch 1,8] [--prompt 1024] [--out DIR]``
-(``--help`` for every option; ``--config tiny`` runs the whole path on a CPU in seconds).
+(``--help`` for every option; ``--config tiny`` runs the whole path on a CPU in under a minute: its cells are
+`tiny_cells`, from the tiny models' context, unless ``--batch`` / ``--prompt`` / ``--cells`` name others).
 
 Models (no download; `DeepSeekModel` with its default init, std 0.02, so routing is roughly uniform):
 * ``v2-lite``: `ModelConfig.deepseek_v2_lite()` (27 layers, 64 experts top-6, 15.7B parameters, 31 GB bf16).
@@ -86,6 +87,7 @@ EXIT_NO_GPU = 3
 
 # The reference run (about 8 minutes on an H200): V2-Lite at 1K context over the batches, the V3 cut, then
 # V2-Lite at 8K. In this order so that a cut-short run still has a bit of each.
+DEFAULT_BATCHES, DEFAULT_PROMPTS = "1,8,32,128", "1024,8192"  # the full grid (--batch / --prompt)
 QUICK_CELLS = [
     ("v2-lite", 1, 1024),
     ("v2-lite", 8, 1024),
@@ -96,6 +98,15 @@ QUICK_CELLS = [
     ("v2-lite", 1, 8192),
     ("v2-lite", 8, 8192),
 ]
+
+# --config tiny's cells (`tiny_cells`): (model, B, prompt as a fraction of the model's context). Three cells, each
+# compiling its own prefill and decode steps (~5 s each on a busy 2-core CPU), so that the run stays under a minute.
+TINY_CELLS = [
+    ("v2-lite", 1, 1 / 8),
+    ("v2-lite", 4, 1 / 2),
+    ("v3-cut", 1, 1 / 8),
+]
+TINY_CELLS_TEXT = "v2-lite B=1 at 1/8 of the context, v2-lite B=4 at 1/2, v3-cut B=1 at 1/8 (256, 1024, 256 tokens)"
 
 # Columns of e2e.csv, in order (a row may leave any of them empty).
 COLUMNS = [
@@ -445,17 +456,33 @@ def format_cells(cells) -> str:
     )
 
 
+def tiny_cells(models, *, layers=None, kv_dtype: str = "bf16", new_tokens: int = 128) -> list[tuple[str, int, int]]:
+    """--config tiny's cells of `models`: TINY_CELLS with each prompt a fraction of that tiny model's context C
+    (`max_position_embeddings`, 2048), at most C - new_tokens - 3 (the engine's draft room), so that every
+    cell's prompt and new tokens fit the model (the full grid's 8192-token prompts do not)."""
+    cells = []
+    for name, b, frac in TINY_CELLS:
+        if name in models:
+            C = model_config(name, config="tiny", layers=layers, kv_dtype=kv_dtype).max_position_embeddings
+            cells.append((name, b, max(1, min(int(C * frac), C - new_tokens - 3))))
+    return cells
+
+
 def grid(args) -> list[tuple[str, int, int]]:
-    """The cells of this run: --cells, else --quick, else models x --batch x --prompt."""
+    """The cells of this run: --cells, else (--config tiny without --batch / --prompt) `tiny_cells`, else
+    --quick, else models x --batch x --prompt."""
     if args.cells:
         return parse_cells(args.cells)
     models = args.model.split(",")
     for m in models:
         if m not in MODELS:
             raise SystemExit(f"e2e: error: unknown model {m!r}; known: {', '.join(MODELS)}")
+    if args.config == "tiny" and args.batch is None and args.prompt is None:
+        return tiny_cells(models, layers=args.layers, kv_dtype=args.kv_dtype, new_tokens=args.new_tokens)
     if args.quick:
         return [c for c in QUICK_CELLS if c[0] in models]
-    return [(m, b, t) for m in models for t in parse_ints(args.prompt) for b in parse_ints(args.batch)]
+    prompts, batches = parse_ints(args.prompt or DEFAULT_PROMPTS), parse_ints(args.batch or DEFAULT_BATCHES)
+    return [(m, b, t) for m in models for t in prompts for b in batches]
 
 
 def segments(cells):
@@ -794,7 +821,8 @@ def run_ours_worker(args) -> None:
                     gc.collect()
             del model
             gc.collect()
-            jax.clear_caches()
+            if not tiny:  # the tiny models' runs keep the eager build's compiled initializers
+                jax.clear_caches()
 
 
 def token_agreement(tokens, reference) -> float:
@@ -1177,7 +1205,8 @@ def drive(args, argv) -> list[dict]:
     deadline = time.time() + args.time_budget if args.time_budget else None
     ours_deadline = deadline - (args.hf_reserve if hf_models else 0) if deadline else None
     print(f"# e2e: {len(cells)} cells ({format_cells(cells)}); HF peer: {', '.join(hf_models) or 'off'}", flush=True)
-    for i, seg in enumerate(segments(cells)):
+    # A worker per run of same-model cells (clean GPU memory); the tiny models share one (each start costs seconds).
+    for i, seg in enumerate([cells] if args.config == "tiny" else segments(cells)):
         extra = ["--reuse-ceilings"] if i else []
         rc = run_worker(args, argv, "ours", format_cells(seg), extra, ours_deadline)
         if rc == EXIT_NO_GPU:
@@ -1332,8 +1361,13 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks e2e", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", default="v2-lite,v3-cut", help=f"comma-separated, of {', '.join(MODELS)}")
-    p.add_argument("--batch", default="1,8,32,128", help="comma-separated batch sizes")
-    p.add_argument("--prompt", default="1024,8192", help="comma-separated prompt lengths (tokens)")
+    p.add_argument(
+        "--batch", help=f"comma-separated batch sizes (default: {DEFAULT_BATCHES}; --config tiny: its cells)"
+    )
+    p.add_argument(
+        "--prompt",
+        help=f"comma-separated prompt lengths in tokens (default: {DEFAULT_PROMPTS}; --config tiny: its cells)",
+    )
     p.add_argument(
         "--cells",
         default="",
@@ -1351,7 +1385,8 @@ def parser() -> argparse.ArgumentParser:
         "--config",
         choices=("full", "tiny"),
         default="full",
-        help="tiny: ModelConfig.tiny()-sized models, runs on a CPU in seconds (no GPU ceilings)",
+        help="tiny: ModelConfig.tiny()-sized models on a CPU (no GPU ceilings), in one worker process; without "
+        f"--batch / --prompt / --cells its cells are {TINY_CELLS_TEXT}",
     )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights and compute")
     p.add_argument(

@@ -155,6 +155,7 @@ class KVPlan:
     tp: int
     dp_attention: bool
     gqa_groups: int  # groups of the GQA row (the requested number, capped at H)
+    layers: int  # cached layers: cfg.num_hidden_layers, + cfg.num_mtp_layers with include_mtp
     pages_per_sequence: int
     allocated_tokens_per_sequence: int  # pages_per_sequence * page_size
     sequences_per_device: int  # of the latent cache: all of them, or ceil(S / tp) under DP attention
@@ -287,6 +288,7 @@ def plan_kv_cache(
         tp=tp,
         dp_attention=dp_attention,
         gqa_groups=groups,
+        layers=layers,
         pages_per_sequence=pages,
         allocated_tokens_per_sequence=alloc_tokens,
         sequences_per_device=seqs_per_device,
@@ -323,8 +325,10 @@ def format_bytes(n: int) -> str:
     return f"{text} {_UNITS[exp - 1]}"
 
 
-def format_plan(plan: KVPlan) -> str:
-    """A readable table of `plan`: latent MLA, MHA and GQA rows, then MLA's saving in percent."""
+def format_plan(plan: KVPlan, name: str | None = None) -> str:
+    """A readable table of `plan`: latent MLA, MHA and GQA rows, then MLA's saving in percent. The header
+    names the model `name` (a preset's, e.g. "deepseek-v3"; default: the config's `model_type`) and its
+    cached layers (the MTP layers among them when the plan counts them)."""
     cfg = plan.cfg
     s = "" if plan.num_sequences == 1 else "s"
     if plan.dp_attention:
@@ -334,8 +338,12 @@ def format_plan(plan: KVPlan) -> str:
         )
     else:
         mla_split = "latent replicated on every device (it has no head axis)"
+    mtp = plan.layers - cfg.num_hidden_layers
+    layers = f"{cfg.num_hidden_layers} layers" + (
+        f" + {mtp} MTP layer{'s' if mtp > 1 else ''} (speculative decoding)" if mtp else ""
+    )
     lines = [
-        f"model: {cfg.model_type}, {cfg.num_hidden_layers} layers, H={cfg.num_attention_heads}, "
+        f"model: {name or cfg.model_type}, {layers}, H={cfg.num_attention_heads}, "
         f"latent {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim}, "
         f"qk_head_dim {cfg.qk_head_dim}, v_head_dim {cfg.v_head_dim}",
         f"cache: {plan.kv_dtype} ({KV_DTYPES[plan.kv_dtype][2]}), context {plan.context_len:,} tokens "
@@ -415,6 +423,13 @@ def _build_parser() -> _Parser:
         default=DEFAULT_GQA_GROUPS,
         help=f"KV groups of the GQA comparison row (default: {DEFAULT_GQA_GROUPS})",
     )
+    p.add_argument(
+        "--mtp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="count the MTP layers' latent cache (speculative decoding keeps one a layer; default: on for a "
+        "model that has MTP layers, e.g. deepseek-v3's 62nd layer)",
+    )
     return p
 
 
@@ -428,6 +443,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--config {args.config}: config.json lacks the field {e}")
     except (OSError, ValueError, TypeError) as e:  # missing file, bad JSON, invalid values
         parser.error(f"--config {args.config}: {e}")
+    name = args.config if args.config else args.preset
+    if args.mtp and not cfg.num_mtp_layers:
+        parser.error(f"--mtp: {name} has no MTP layers (num_nextn_predict_layers=0); drop --mtp")
     try:
         plan = plan_kv_cache(
             cfg,
@@ -438,6 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tp=args.tp,
             dp_attention=args.dp_attention,
             gqa_groups=args.gqa_groups,
+            include_mtp=cfg.num_mtp_layers > 0 if args.mtp is None else args.mtp,
         )
     except ValueError as e:
         # Name the flag the user typed, not the keyword argument.
@@ -455,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break
         parser.error(msg)
     try:
-        print(format_plan(plan))
+        print(format_plan(plan, name if args.config is None else f"{name} ({cfg.model_type})"))
         sys.stdout.flush()
     except BrokenPipeError:  # `mla-capacity | head`: the reader left; exit without a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

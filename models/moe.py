@@ -481,13 +481,19 @@ class MoE(nnx.Module):
         # (x's cotangent off by about its own size; caught by the sharded training step of
         # tests/test_sharding.py).
         out = PartitionSpec(expert_axes or None, batch_axes or None) if expert_axes else rows
-        mapped = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(rows, rows, rows, experts, experts, experts),
-            out_specs=out,
-            axis_names=set(batch_axes) | set(expert_axes),
-            check_vma=False,
+        # Under jax.jit even when called eagerly (the MTP layer's MoE is not inside the layers' scan): jax
+        # 0.11's eager path of a shard_map manual over only some axes, with check_vma off, raised
+        # "out_specs argument must refer to an axis marked as manual" (tests/test_sharding.py, eager MTP).
+        # Inside a traced caller the jit is inlined.
+        mapped = jax.jit(
+            jax.shard_map(
+                local,
+                mesh=mesh,
+                in_specs=(rows, rows, rows, experts, experts, experts),
+                out_specs=out,
+                axis_names=set(batch_axes) | set(expert_axes),
+                check_vma=False,
+            )
         )
         if not expert_axes:
             return lambda x_TD, w_TK, idx_TK, gate, up, down, off: mapped(x_TD, w_TK, idx_TK, gate, up, down)

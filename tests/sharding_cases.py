@@ -3,8 +3,9 @@
 rest of the suite keeps its one device).
 
 For each mesh in MESHES it shards a micro model (`mla_jax.sharding.shard_model`) and an input batch
-(`shard_batch`), runs the same jitted forward (logits and MTP logits) and, for the meshes in
-TRAIN_MESHES, one training step (`models.training.make_train_step`, AdamW), and prints one JSON line
+(`shard_batch`), runs the same jitted forward (logits and MTP logits), on EAGER_MESHES the same forward
+eagerly (`model(ids, with_mtp=True)`, no jit: the MTP layer's MoE then runs outside any trace) and, for
+the meshes in TRAIN_MESHES, one training step (`models.training.make_train_step`, AdamW), and prints one JSON line
 a mesh: the largest differences from the single-device run and the shard shapes of a few
 parameters as `addressable_shards` hold them. On FSDP_MESH it also runs the step of fully sharded
 data parallelism (`shard_model(..., fsdp=True)`, the state's shardings pinned). The tests assert on
@@ -54,7 +55,8 @@ from models.training import TrainConfig, init_train_state, make_train_step  # no
 from tests.micro_configs import MICRO_V3  # noqa: E402
 
 # Eight heads and eight experts, so that tensor=8 and expert=8 still give every device whole heads and
-# whole experts; 1 dense layer then 2 MoE layers (a scan of more than one), and the MTP module.
+# whole experts; 1 dense layer then 2 MoE layers (a scan of more than one), and the MTP module, an MoE
+# layer as in DeepSeek-V3.
 CFG = MICRO_V3.replace(num_hidden_layers=3, num_attention_heads=8, n_routed_experts=8)
 B, T = 4, 8
 MESHES = {  # name: (data, expert, tensor)
@@ -65,6 +67,8 @@ MESHES = {  # name: (data, expert, tensor)
     "ep4": (1, 4, 1),
     "ep8": (1, 8, 1),
     "dp2": (2, 1, 1),
+    "dp2ep2": (2, 2, 1),
+    "ep2tp2": (1, 2, 2),
     "mixed": (2, 2, 2),
 }
 # A step compiles in ~12 s of CPU, a forward in ~3: the test runs the step on the mixed mesh alone
@@ -72,6 +76,10 @@ MESHES = {  # name: (data, expert, tensor)
 # `python tests/sharding_cases.py --train-all` runs it on every mesh.
 TRAIN_MESHES = ("mixed",)
 FSDP_MESH = "mixed"  # the same step under FSDP: every variable and AdamW moment also split over data
+# The eager forward (`model(ids, with_mtp=True)`, no jit; ~6 s of CPU a mesh, its ops compiled one by one) on
+# every combination of the axes MoE.parallel maps over: expert alone, data alone, data + expert, expert +
+# tensor, all three. (On tensor alone MoE.parallel is off: the eager path is GSPMD's, as under jit.)
+EAGER_MESHES = ("ep4", "dp2", "dp2ep2", "ep2tp2", "mixed")
 PROMPT_LEN = 3  # greedy decoding fills positions PROMPT_LEN..T-1
 # The paged-cache engine, greedy with MTP speculation (~6 s of CPU a mesh); on a data > 1 mesh a pool
 # per data rank. On DP_FULL_MESH also the case of one rank out of pages (DP_FULL_PROMPTS), on the same
@@ -144,6 +152,22 @@ def _collectives(graphdef, state, ids) -> list[list[str]]:
     compile); a tuple result (several arrays reduced at once) is one entry per array."""
     hlo = FORWARD.lower(graphdef, state, ids).compile().as_text()
     return [[m.group(2), t] for m in COLLECTIVE.finditer(hlo) for t in re.findall(r"[a-z]+\d*\[[\d,]*\]", m.group(1))]
+
+
+def _eager(model, ids, ref_logits, ref_mtp) -> dict:
+    """`model(ids, with_mtp=True)` outside any jit: the largest differences from the single-device
+    (jitted) logits and MTP logits, or the error it raised (one line)."""
+    t0 = time.process_time()
+    try:
+        logits, mtp = model(ids, with_mtp=True)
+    except Exception as e:  # the test prints it
+        return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    return dict(
+        error=None,
+        logits_diff=_max_diff(logits, ref_logits),
+        mtp_diff=_max_diff(mtp, ref_mtp),
+        cpu_s=time.process_time() - t0,
+    )
 
 
 def _greedy(graphdef, state, ids, place):
@@ -426,6 +450,8 @@ def main(names, train=TRAIN_MESHES):
             collectives=_collectives(g, s_state, s_ids),
             untouched=all(len(a.sharding.device_set) == 1 for a in jax.tree.leaves(nnx.state(model))),
         )
+        if name in EAGER_MESHES:
+            out["eager"] = _eager(sharded, s_ids, ref_logits, ref_mtp)
         if data > 1:
             try:
                 shard_batch(ids[: data + 1], mesh)

@@ -469,6 +469,19 @@ def test_capacity_cli_tp(capsys):
     assert "--tp" in line and "tp=3 does not divide num_attention_heads=128" in line
 
 
+def test_capacity_cli_mtp_on_a_model_without_mtp_layers(capsys):
+    """`mla-capacity --mtp` on a model with no MTP layer (V2-Lite) would print a plan that counts none and
+    looks like one that does; it is one line naming the flag and the model. (--mtp is new: it counts the
+    MTP layers' latent cache, on by default for a model that has them.)"""
+    from mla_jax.capacity import main
+
+    line = _one_line_exit_2(main, ["--preset", "deepseek-v2-lite", "--mtp"], capsys, "mla-capacity")
+    assert line == (
+        "mla-capacity: error: --mtp: deepseek-v2-lite has no MTP layers (num_nextn_predict_layers=0); "
+        "drop --mtp (see --help)"
+    )
+
+
 # ------------------------------------------------------------------------------------------------
 # Device mesh and sharding (mla_jax.sharding: make_mesh, shard_model)
 # ------------------------------------------------------------------------------------------------

@@ -141,3 +141,53 @@ def test_mesh_flags_and_token_agreement():
         e2e.main(["--mesh", "data2", "--config", "tiny"])
     assert e2e.token_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]]) == 4 / 6
     assert e2e.token_agreement([[1, 2]], [[1, 2, 3]]) == 2 / 3
+
+
+def _args(*argv):
+    return e2e.parser().parse_args(list(argv))
+
+
+def test_tiny_config_cells_fit_the_tiny_models_context():
+    """`mla-bench e2e --config tiny` ran the full grid (2 models x B 1..128 x 1024- and 8192-token prompts, 16
+    cells, 128 new tokens): it did not finish in 200 s on a CPU, and its 8192-token cells failed in the engine's
+    pool planner with "context_len=8320 exceeds the model's max_position_embeddings=2048". Its default cells now
+    come from the tiny models' context (TINY_CELLS; the planner that refused them accepts every one), an
+    explicit --batch / --prompt / --cells still wins, and the full grid is unchanged."""
+    args = _args("--config", "tiny")
+    cells = e2e.grid(args)
+    assert cells == [("v2-lite", 1, 256), ("v2-lite", 4, 1024), ("v3-cut", 1, 256)]
+    for name, b, t in cells:
+        cfg = e2e.model_config(name, config="tiny")
+        assert e2e.kv_pages(cfg, b, t, args.new_tokens) == b * -(-(t + args.new_tokens + 3 * cfg.num_mtp_layers) // 64)
+    assert e2e.grid(_args("--config", "tiny", "--quick", "--model", "v3-cut")) == [("v3-cut", 1, 256)]
+    assert e2e.grid(_args("--config", "tiny", "--new-tokens", "1900", "--model", "v3-cut")) == [("v3-cut", 1, 145)]
+    assert e2e.grid(_args("--config", "tiny", "--batch", "2", "--prompt", "16", "--model", "v2-lite")) == [
+        ("v2-lite", 2, 16)
+    ]
+    full = e2e.grid(_args())
+    assert len(full) == 16 and full[0] == ("v2-lite", 1, 1024) and full[-1] == ("v3-cut", 128, 8192)
+    assert e2e.grid(_args("--quick")) == e2e.QUICK_CELLS
+    assert "v2-lite B=1 at 1/8 of the context" in " ".join(e2e.parser().format_help().split())  # --help says
+
+
+def test_tiny_config_runs_its_cells_in_one_worker(tmp_path, monkeypatch):
+    """The driver started a worker process per model (for a clean GPU): on a CPU each start cost seconds of
+    imports and an eager model build. With --config tiny one worker gets every cell, both models'."""
+    calls = []
+    monkeypatch.setattr(e2e, "run_worker", lambda args, argv, kind, cells, extra, deadline: calls.append(cells) or 0)
+    monkeypatch.setattr(e2e, "report", lambda csv_path, out_dir: [])
+    e2e.drive(_args("--config", "tiny", "--no-hf", "--out", str(tmp_path)), [])
+    assert calls == ["v2-lite:1x256,4x1024;v3-cut:1x256"]
+    calls.clear()
+    e2e.drive(_args("--no-hf", "--quick", "--out", str(tmp_path)), [])
+    assert calls == ["v2-lite:1x1024,8x1024,32x1024,128x1024", "v3-cut:1x1024,8x1024", "v2-lite:1x8192,8x8192"]
+
+
+def test_tiny_config_cell_end_to_end(tmp_path):
+    """`mla-bench e2e --config tiny` with one model (v3-cut: one cell, 256 tokens = 1/8 of its context; 4 new
+    tokens, one layer), in this process: the row the full run's cells give, no error. Its 8192-token cell failed
+    ("context_len=8320 exceeds ... 2048"). The full three-cell run (README) is timed by hand."""
+    argv = ["--config", "tiny", "--model", "v3-cut", "--layers", "1", "--new-tokens", "4", "--no-hf", "--in-process"]
+    rows = e2e.main(argv + ["--out", str(tmp_path)])
+    assert [(r["model"], r["B"], r["prompt"], r["new_tokens"], r["error"]) for r in rows] == [("v3-cut", 1, 256, 4, "")]
+    assert rows[0]["decode_steps"] == 3 and rows[0]["same_tokens"] is True

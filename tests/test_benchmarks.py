@@ -91,3 +91,24 @@ def test_mla_decode_fp8_cells_on_a_cpu():
     o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.linalg.norm(o - r) / np.linalg.norm(r) < 1e-2
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-3)
+
+
+def test_mla_bench_help_lists_the_benchmarks(capsys):
+    """`mla-bench --help` printed one usage line on stderr and exited 2; it now lists every benchmark with
+    what it measures on stdout and exits 0. No name, or an unknown one, is one error line naming the
+    choices, exit 2 (docs/ERRORS.md)."""
+    from benchmarks.__main__ import BENCHMARKS, main
+
+    assert main(["--help"]) == 0 and main(["-h"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("usage: mla-bench {mla_decode,")
+    for name in BENCHMARKS:
+        assert f"\n  {name} " in out
+    assert "--config tiny" in out
+    for argv, what in (([], "no benchmark named"), (["mla_decod"], "unknown benchmark 'mla_decod'")):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == (
+            f"mla-bench: error: {what}; choose from mla_decode, paged_gather, moe, e2e, compile_depth, train "
+            "(see --help)\n"
+        )

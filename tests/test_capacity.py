@@ -296,7 +296,28 @@ def test_plan_is_frozen_and_table_has_every_row():
 def test_cli_default_prints_table(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
-    assert "GiB" in out and "latent MLA" in out and "8.578125 GiB" in out
+    # V3 with its MTP layer: 62 layers x 1,152 B x 131,072 tokens
+    assert "GiB" in out and "latent MLA" in out and "8.71875 GiB" in out
+
+
+def test_cli_counts_the_mtp_layer_and_names_the_preset(capsys):
+    """`mla-capacity` did not count V3's MTP layer (the 62nd layer's latent cache the engine keeps when it
+    speculates): 61 x 1,152 B a token, 8.578125 GiB at 128K; and its header printed the config's
+    model_type (deepseek_v3), not the preset asked for. Now --mtp is on for a model with MTP layers
+    (--no-mtp: plain decoding) and the header names the preset."""
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: deepseek-v3, 61 layers + 1 MTP layer (speculative decoding), H=128,")
+    assert "71,424 B" in out and "8.71875 GiB" in out  # 62 x 1,152 B a token
+    assert main(["--no-mtp"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: deepseek-v3, 61 layers, H=128,") and "8.578125 GiB" in out
+    assert main(["--preset", "deepseek-v2-lite"]) == 0  # no MTP layers: nothing to count, no error
+    out = capsys.readouterr().out
+    assert out.startswith("model: deepseek-v2-lite, 27 layers, H=16,")
+    assert main(["--preset", "tiny", "--context", "2048", "--mtp"]) == 0
+    assert "4 layers + 1 MTP layer" in capsys.readouterr().out
+    assert format_plan(plan_kv_cache(V3, context_len=64)).startswith("model: deepseek_v3, 61 layers,")  # library
 
 
 def test_cli_all_flags(capsys):
@@ -325,8 +346,11 @@ def test_cli_all_flags(capsys):
 def test_cli_config_file(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(ModelConfig.tiny().to_hf_dict()))
     assert main(["--config", str(tmp_path), "--context", "2048"]) == 0
-    # tiny: 4 layers * (64 + 16) values * 2 B * 2048 tokens = 1,310,720 B.
-    assert "1.25 MiB" in capsys.readouterr().out
+    # tiny: (4 layers + its MTP layer) * (64 + 16) values * 2 B * 2048 tokens = 1,638,400 B.
+    out = capsys.readouterr().out
+    assert "1.5625 MiB" in out and out.startswith(f"model: {tmp_path} (deepseek_v3), 4 layers + 1 MTP layer (")
+    assert main(["--config", str(tmp_path), "--context", "2048", "--no-mtp"]) == 0
+    assert "1.25 MiB" in capsys.readouterr().out  # 4 layers
 
 
 @pytest.mark.parametrize(

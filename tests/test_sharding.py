@@ -25,7 +25,7 @@ from mla_jax.sharding import DEFAULT_RULES, MESH_AXES, make_mesh, model_specs, s
 from models import DeepSeekModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MESHES = ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8", "dp2", "mixed")
+MESHES = ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8", "dp2", "dp2ep2", "ep2tp2", "mixed")
 TRAIN_MESHES = ("mixed",)  # sharding_cases.TRAIN_MESHES
 FSDP_MESH = "mixed"  # sharding_cases.FSDP_MESH
 ATOL = 1e-5
@@ -164,6 +164,22 @@ def test_forward_equals_one_device(cases, mesh):
     assert c["logits_diff"] <= ATOL and c["mtp_diff"] <= ATOL, c
     assert c["logits_scale"] > 100 * ATOL  # logits of all zeros would agree trivially
     assert c["untouched"], "shard_model moved the model it was given"
+
+
+EAGER_MESHES = ("ep4", "dp2", "dp2ep2", "ep2tp2", "mixed")  # sharding_cases.EAGER_MESHES
+
+
+@pytest.mark.parametrize("mesh", EAGER_MESHES)
+def test_eager_forward_with_mtp_equals_one_device(cases, mesh):
+    """`model(ids, with_mtp=True)` called eagerly (no jax.jit) on the sharded model equals the single-device
+    logits and MTP logits. The MTP layer is an MoE layer (DeepSeek-V3's layout) and, unlike the main
+    layers, is not inside a scan: eagerly its routed experts' partial-manual shard_map (MoE.parallel) ran
+    through jax's eager shard_map path, which raised `shard_map out_specs argument must refer to an axis
+    marked as manual ({'expert'}) ... refers to 'data' ... 'tensor'` on every mesh with an expert or data
+    axis (expert=4, data=2, data=2,expert=2, expert=2,tensor=2, data=2,expert=2,tensor=2)."""
+    e = cases[mesh]["eager"]
+    assert e["error"] is None, e["error"]
+    assert e["logits_diff"] <= ATOL and e["mtp_diff"] <= ATOL, e
 
 
 @pytest.mark.parametrize("mesh", ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8"))
