@@ -119,9 +119,9 @@ class GenerationStats(collections.abc.Mapping):
     traces: dict = dataclasses.field(default_factory=dict)
     failed: int = 0
 
-    def record(self, kind: str, n_tokens: int, seconds: float, compiled: bool) -> None:
+    def record(self, kind: str, n_tokens: int, seconds: float, compiled: bool, steps: int = 1) -> None:
         setattr(self, f"{kind}_tokens", getattr(self, f"{kind}_tokens") + n_tokens)
-        setattr(self, f"{kind}_steps", getattr(self, f"{kind}_steps") + 1)
+        setattr(self, f"{kind}_steps", getattr(self, f"{kind}_steps") + steps)
         self._all[kind][0] += n_tokens
         self._all[kind][1] += seconds
         if compiled:
@@ -243,6 +243,9 @@ class Engine:
       min_table_tokens: the smallest block-table width, in tokens (rounded up to whole pages);
         widths are powers of two of pages. Larger minimums mean fewer compilations and a little
         padded work on short sequences.
+      decode_steps: plain decode steps (no MTP) one device call runs, sampling, feeding tokens back and
+        finding stops on the device (`models.steps.decode_loop`); the host sees the tokens once a call.
+        Pages for them are reserved up front; a row that stops early idles until the call ends.
       mesh: a `jax.sharding.Mesh` (`mla_jax.sharding.make_mesh`): the weights are placed by
         `mla_jax.sharding.shard_model`; the steps are partitioned by GSPMD. With `data` = 1 the page pools
         are replicated on every device. With `data` = D > 1 (the batch's mesh axes), a page pool per data
@@ -272,6 +275,7 @@ class Engine:
         min_table_tokens: int = 256,
         mesh=None,
         naive_threshold: int | None = None,
+        decode_steps: int = 8,
     ):
         cfg = model.cfg
         if naive_threshold is not None:  # the earlier name
@@ -283,6 +287,7 @@ class Engine:
             ("decompressed_threshold", decompressed_threshold, 1),
             ("min_chunk_bucket", min_chunk_bucket, 1),
             ("min_table_tokens", min_table_tokens, 1),
+            ("decode_steps", decode_steps, 1),
         ):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"Engine {name} must be an integer >= {lo}, got {v!r}")
@@ -328,6 +333,7 @@ class Engine:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.decompressed_threshold = decompressed_threshold
+        self.decode_steps = decode_steps
         self.max_context = max_context
         self.min_chunk_bucket = min_chunk_bucket
         self.min_table_pages = -(-min_table_tokens // page_size)
@@ -511,7 +517,7 @@ class _Generation:
         spec = self.reserve_decode(live)
         live = self.live()
         if live:
-            self.run_verify(live, spec) if self.k else self.run_decode(live)
+            self.run_verify(live, spec) if self.k else self.run_decode(live, spec)
         return True
 
     def live(self) -> list[int]:
@@ -547,27 +553,30 @@ class _Generation:
                 self.fail(b, err)
 
     def reserve_decode(self, live: list[int]) -> dict[int, int]:
-        """Pages for every decoding row's next step -> {slot: drafts it verifies}. A row that cannot
-        get its pages verifies no draft if t_n alone fits, else fails alone."""
-        spec = {}
+        """Pages for every decoding row's next device call, up front -> {slot: its budget}: with MTP the
+        drafts it verifies, else the decode steps it may take (up to the engine's `decode_steps`, within its
+        token and context budget). A row that cannot get those pages takes one token's worth (no draft, one
+        step) if that fits, else fails alone."""
+        budget = {}
         for b in live:
             seq = self.slots[b]
-            n_spec = 0
             if self.k:  # drafts only where their tokens could be kept (draft j is new token out + j)
-                n_spec = max(0, min(self.k, self.max_new_tokens - len(seq.out), self.e.max_context - seq.cached - 1))
+                n = max(0, min(self.k, self.max_new_tokens - len(seq.out), self.e.max_context - seq.cached - 1))
+                need, fallback, least = rows_needed(seq.cached, self.k, n), rows_needed(seq.cached, self.k, 0), 0
+            else:  # step i writes position cached + i and makes the token at cached + i + 1 <= max_context
+                n = min(self.e.decode_steps, self.max_new_tokens - len(seq.out), self.e.max_context - seq.cached)
+                need, fallback, least = seq.cached + n, seq.cached + 1, 1
             try:
-                self.cache.reserve(b, rows_needed(seq.cached, self.k, n_spec))
-                spec[b] = n_spec
+                self.cache.reserve(b, need)
+                budget[b] = n
             except CacheFullError as err:
-                fallback = rows_needed(seq.cached, self.k, 0)
-                if n_spec and self.cache.pages_for(fallback) - len(self.cache.pages_of(b)) <= self.cache.free_pages_for(
-                    b
-                ):
+                extra = self.cache.pages_for(fallback) - len(self.cache.pages_of(b))
+                if need != fallback and extra <= self.cache.free_pages_for(b):
                     self.cache.reserve(b, fallback)
-                    spec[b] = 0
+                    budget[b] = least
                 else:
                     self.fail(b, err)
-        return spec
+        return budget
 
     # --- emission and the end of a request ----------------------------------------------------
     def emit(self, b: int, tok: int, position: int) -> bool:
@@ -713,18 +722,39 @@ class _Generation:
             if ends[b]:
                 self.emit(b, int(toks[b]), seq.cached)
 
-    def run_decode(self, rows: list[int]) -> None:
-        ids, pos, lengths, last, keys, sp, bt = self._inputs(rows, 1, max(self.slots[b].cached + 1 for b in rows))
+    def run_decode(self, rows: list[int], steps: dict[int, int]) -> None:
+        """Up to `steps[b]` decode steps for each row in one device call (`models.steps.decode_loop`): the
+        loop's length is a power of two <= the engine's `decode_steps` (a bounded number of compilations),
+        the table covers every row's pages for its steps, stops are found on the device."""
+        B = self.e.max_batch
+        num_steps = min(self.e.decode_steps, next_pow2(max(steps[b] for b in rows)))
+        ids, pos, lengths, last, keys, sp, bt = self._inputs(
+            rows, 1, max(self.slots[b].cached + steps[b] for b in rows)
+        )
+        steps_B = np.zeros((B,), np.int32)
+        stop_ids = np.full((B, max(1, len(self.stops))), -1, np.int32)
         for b in rows:
             seq = self.slots[b]
             ids[b, 0] = seq.pending
             pos[b, 0] = seq.cached
             lengths[b] = seq.cached + 1
+            steps_B[b] = steps[b]
+            stop_ids[b, : len(self.stops)] = sorted(self.stops)
         inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
-        (toks,), dt, compiled = self._call("decode", self.e.steps.decode, inp, sampler=self.sampler)
-        self.stats.record("decode", len(rows), dt, compiled)
+        (toks, count), dt, compiled = self._call(
+            "decode",
+            self.e.steps.decode_loop,
+            inp,
+            steps_B,
+            stop_ids,
+            n_host=2,
+            sampler=self.sampler,
+            num_steps=num_steps,
+        )
+        self.stats.record("decode", int(count.sum()), dt, compiled, steps=int(count.max()))
         for b in rows:
-            self._advance(b, [int(toks[b])], 0)
+            n = int(count[b])
+            self._advance(b, [int(t) for t in toks[b, :n]], n - 1)
 
     def run_verify(self, rows: list[int], spec: dict[int, int]) -> None:
         k = self.k
@@ -752,8 +782,9 @@ class _Generation:
             self._advance(b, [int(t) for t in toks[b, : 1 + int(acc[b])]], int(acc[b]))
 
     def _advance(self, b: int, toks: list[int], accepted: int) -> None:
-        """A decode / verify step's new tokens for slot b: the cache keeps t_n and the accepted drafts
-        (a rejected draft's row is rewound, its page freed if emptied), then the tokens are emitted."""
+        """A decode / verify call's new tokens for slot b: the cache keeps t_n and the `accepted` tokens after
+        it (accepted drafts, or the later tokens of a multi-step decode; the rows reserved past them are
+        rewound, a page freed if emptied), then the tokens are emitted."""
         seq = self.slots[b]
         first = seq.cached + 1  # position of the first new token
         seq.cached += 1 + accepted

@@ -146,6 +146,48 @@ def decode_step(model, cache: KVCache, inp: StepInputs, *, sampler: str):
     return cache, tokens
 
 
+def decode_loop(model, cache: KVCache, inp: StepInputs, steps_B, stop_ids_BS, *, sampler: str, num_steps: int):
+    """Up to `num_steps` plain decode steps in one device program (a loop of static trip count): each row
+    feeds its token back, advances its position and length, and stops on the device.
+
+    inp: the first step's inputs (ids [B,1] = each row's last sampled token, not yet cached; positions [B,1]
+    = where it goes; a block table covering every row's positions + `steps_B` - 1; lengths, last_idx are
+    recomputed). steps_B int32 [B]: steps row b may take (its token and context budget; 0: an idle row).
+    stop_ids_BS int32 [B,S]: tokens that end row b once sampled (-1: none). A row stops after its
+    `steps_B` steps, after sampling a stop token (kept), or on non-finite logits (token `NON_FINITE`);
+    a stopped row is padding for the rest of the loop (position -1: no write, no attention).
+    Draws use the same keys as `decode_step` (the row's key folded with the token's position), so the tokens
+    equal `num_steps` calls of it. -> (cache, tokens int32 [B, num_steps] (-1 past a row's last), count [B]).
+    """
+    B = inp.ids.shape[0]
+    zero_B = jnp.zeros((B,), jnp.int32)
+
+    def step(i, carry):
+        cache, ids_B, pos_B, done_B, out_BK, count_B = carry
+        active = (i < steps_B) & ~done_B
+        positions = jnp.where(active, pos_B, -1)
+        lengths = jnp.where(active, pos_B + 1, 0)
+        step_inp = inp._replace(ids=ids_B[:, None], positions=positions[:, None], lengths=lengths, last_idx=zero_B)
+        cache, tok_B, _, _ = prefill_step(
+            model, cache.with_lengths(lengths), step_inp, None, None, None, None, use_mtp=False, sampler=sampler
+        )
+        tok_B = jnp.where(active, tok_B, -1)
+        stop = jnp.any(tok_B[:, None] == stop_ids_BS, axis=1) | (tok_B == NON_FINITE)
+        out_BK = jax.lax.dynamic_update_slice_in_dim(out_BK, tok_B[:, None], i, axis=1)
+        return (
+            cache,
+            jnp.where(active, tok_B, ids_B),
+            pos_B + active,
+            done_B | (active & stop),
+            out_BK,
+            count_B + active,
+        )
+
+    init = (cache, inp.ids[:, 0], inp.positions[:, 0], jnp.zeros((B,), bool), jnp.full((B, num_steps), -1, jnp.int32), zero_B)
+    cache, _, _, _, tokens, count = jax.lax.fori_loop(0, num_steps, step, init)
+    return cache, tokens, count
+
+
 def verify_step(model, cache: KVCache, inp: StepInputs, drafts, draft_probs, n_spec, *, sampler: str):
     """MTP decode step: verify [t_n, d_1 .. d_k] (T = k + 1, causal) and draft again.
 
@@ -222,11 +264,13 @@ def trace_counts() -> dict[str, int]:
 class Steps(NamedTuple):
     """The jitted steps of one model structure: `prefill(state, cache, inp, mtp_next_ids, prompt_ends,
     drafts, draft_probs, *, use_mtp, sampler)`, `decode(state, cache, inp, *, sampler)`,
+    `decode_loop(state, cache, inp, steps_B, stop_ids_BS, *, sampler, num_steps)`,
     `verify(state, cache, inp, drafts, draft_probs, n_spec, *, sampler)`; the cache (and the draft
     state) donated."""
 
     prefill: object
     decode: object
+    decode_loop: object
     verify: object
 
 
@@ -247,5 +291,8 @@ def compiled_steps(graphdef) -> Steps:
             _bind("prefill", prefill_step, graphdef), static_argnames=("use_mtp", "sampler"), donate_argnums=(1, 5, 6)
         ),
         decode=jax.jit(_bind("decode", decode_step, graphdef), static_argnames=("sampler",), donate_argnums=(1,)),
+        decode_loop=jax.jit(
+            _bind("decode", decode_loop, graphdef), static_argnames=("sampler", "num_steps"), donate_argnums=(1,)
+        ),
         verify=jax.jit(_bind("verify", verify_step, graphdef), static_argnames=("sampler",), donate_argnums=(1, 3, 4)),
     )

@@ -359,8 +359,12 @@ def test_chunked_prefill_equals_one_shot(model, chunk, threshold):
 
 
 # --- cache pressure --------------------------------------------------------------------------------
-def test_out_of_pages_fails_one_request_and_spares_the_others(model):
-    small = {**STD, "num_pages": 14, "max_context": 64}
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_out_of_pages_fails_one_request_and_spares_the_others(model, decode_steps):
+    """Three requests need 17 pages, the pool has 11: the middle one fails alone, the others' tokens are those
+    they make alone; with 8 decode steps a call (pages reserved for them up front, one step's worth when short)
+    as with one."""
+    small = {**STD, "num_pages": 11, "max_context": 64, "decode_steps": decode_steps}
     a_b = _prompts(8, [2, 3])
     greedy_c = _prompts(9, [12])
     e = Engine(model, **small)
@@ -372,7 +376,7 @@ def test_out_of_pages_fails_one_request_and_spares_the_others(model):
     assert mixed.finish_reasons[1] == "error"
     assert "KV cache full" in mixed.errors[1] and "free" in mixed.errors[1]
     assert 0 < len(mixed.tokens[1]) < 16  # it ran, then stopped where the pool ran out
-    assert mixed.stats["failed"] == 1 and mixed.stats["pages_used_peak"] == 14
+    assert mixed.stats["failed"] == 1 and mixed.stats["pages_used_peak"] == 11
     assert e.cache.pages_used == 0
     with pytest.raises(CacheFullError, match="KV cache full") as err:
         e.generate([a_b[0], greedy_c[0], a_b[1]], max_new_tokens=16, on_cache_full="raise")
@@ -522,8 +526,9 @@ def test_long_generation_compiles_a_bounded_number_of_times(model):
     assert [len(t) for t in res.tokens] == [56, 56]
     _assert_teacher_forced(model, prompts, res.tokens)
     new = {k: v - before.get(k, 0) for k, v in trace_counts().items()}
-    # 55 decode steps over 6..61 cached tokens = 2..16 pages of 4: table widths 2, 4, 8, 16 -> 4 compilations.
-    assert new.get("decode", 0) == 4 and new.get("prefill", 0) == 1, new
+    # 55 decode steps, 8 a call (the last 7, in a loop of 8), each call's table covering its 8 steps: 13..60
+    # tokens = 4..15 pages of 4: table widths 4, 8, 16 -> 3 compilations.
+    assert new.get("decode", 0) == 3 and new.get("prefill", 0) == 1, new
     again = e.generate(_prompts(12, [7, 3]), max_new_tokens=56)
     assert trace_counts() == {k: before.get(k, 0) + new.get(k, 0) for k in trace_counts()}  # nothing new
     assert again.stats["decode_steps"] == 55
