@@ -27,6 +27,7 @@ from fractions import Fraction
 from typing import NoReturn, Sequence
 
 from mla_jax.config import ModelConfig
+from pallas_kernels.page_format import FP4_BLOCK, FP8_BLOCK, PageFormat
 
 
 # Page formats of the latent cache. For each: (bytes of one token's latent in one layer as a
@@ -45,8 +46,6 @@ from mla_jax.config import ModelConfig
 # with a per-tensor scale (1 B a value), fp4 as e2m1 pairs with an e4m3 scale per 16 values.
 def _page_format_bytes(name: str):
     def latent_bytes(L: int, R: int) -> int:
-        from pallas_kernels.page_format import FP4_BLOCK, FP8_BLOCK, PageFormat
-
         if name == "fp8" and L % FP8_BLOCK:
             return L + _ceil_div(L, FP8_BLOCK) * 4 + R * 2
         if name == "fp4" and L % (2 * FP4_BLOCK):
