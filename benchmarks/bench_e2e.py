@@ -90,6 +90,7 @@ from mla_jax.capacity import latent_bytes_per_token_layer, plan_kv_cache
 from mla_jax.sharding import make_mesh, model_shardings, parse_mesh, shard_model
 from models import DeepSeekModel, Engine, SamplingParams, compile_cache
 from models.engine import trace_counts
+from pallas_kernels.page_format import NAMES as PAGE_FORMAT_NAMES
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -588,7 +589,7 @@ def worker_ceilings(args, tiny: bool) -> tuple[dict, dict]:
 # ------------------------------------------------------------------------------------------
 # Our engine
 # ------------------------------------------------------------------------------------------
-KV_DTYPES = ("bf16", "fp16", "fp32", "fp8", "fp4")  # what the engine's cache allocates
+KV_DTYPES = PAGE_FORMAT_NAMES  # what the engine's cache allocates
 
 
 def kv_dtype_arg(name: str):
