@@ -52,7 +52,6 @@ PAGE = 64
 D_QK, D_V = 576, 512
 INT32_ELEMS = 2**31 - 1
 BUILD_LOG = "flashmla_build_log.txt"
-STATUSES = ("ok", "unavailable", "disagrees", "failed", "no reference")
 
 
 def page_groups(B: int, max_pages: int, limit: int = INT32_ELEMS):
