@@ -2,8 +2,7 @@
 
 Method (shared/BENCHMARKING.md): CUPTI kernel time via ``profiler.measure`` (median over >= 30
 iterations after a warm-up), a correctness check before every timed cell, and ceilings measured in
-the same run. Plotting (matplotlib) and the progress bar (tqdm) are optional: without them the
-benchmarks still print the table and write the CSV.
+the same run.
 """
 
 from __future__ import annotations
@@ -19,6 +18,11 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
+from jax.experimental.mosaic.gpu import profiler
+from tqdm import tqdm
+
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad argument as one line on stderr and exit status 2 (as mla-capacity does)."""
@@ -29,8 +33,6 @@ class OneLineParser(argparse.ArgumentParser):
 
 def require_gpu(prog: str) -> None:
     """Exit with one line, not a CUPTI traceback, when there is no CUDA GPU to time on."""
-    import jax
-
     if jax.default_backend() != "gpu":
         raise SystemExit(
             f"{prog}: error: timing needs a CUDA GPU (jax backend is {jax.default_backend()!r}); "
@@ -39,8 +41,6 @@ def require_gpu(prog: str) -> None:
 
 
 def gpu_name() -> str:
-    import jax
-
     return jax.devices()[0].device_kind
 
 
@@ -66,8 +66,6 @@ def begin_run(name: str, out_dir: str, iters: int):
 
 
 def run_header() -> dict:
-    import jax
-
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         device=gpu_name(),
@@ -83,9 +81,6 @@ def cupti_median_us(fn, *args, iterations=30, per_kernel=False):
     With ``per_kernel`` also returns {"<i>:<kernel name>": median µs} for the parts of the call,
     keyed by the kernel's index within the call (two kernels of one call may share a name).
     """
-    import jax
-    from jax.experimental.mosaic.gpu import profiler
-
     jax.block_until_ready(fn(*args))
     if not per_kernel:
         _, times_ms = profiler.measure(fn, iterations=iterations)(*args)
@@ -108,7 +103,7 @@ def cupti_call_us(call, *, sync, iterations=30, warmup=2):
     it), the same arguments every call, L2 not flushed. ``sync`` waits for the callable's device
     work (e.g. ``torch.cuda.synchronize``). Every call must launch the same number of kernels.
     """
-    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # noqa: PLC0415 (optional: GPU only, fails on a CPU)
 
     ext = mosaic_gpu_lib._mosaic_gpu_ext
     for _ in range(warmup):
@@ -138,9 +133,6 @@ def measure_ceilings(iterations=30) -> dict:
     * ``xla_matmul_tflops``: XLA bf16 8192^3 matmul.
     ``bandwidth_gbps`` = the larger copy figure; ``matmul_tflops`` = the matmul figure.
     """
-    import jax
-    import jax.numpy as jnp
-
     n = 1 << 30  # 2 GiB of bf16
     x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.bfloat16)
     t = cupti_median_us(jax.jit(lambda a: a * 2), x, iterations=iterations)
@@ -177,20 +169,11 @@ def _torch_copy_gbps():
 
 
 def progress(iterable, **kwargs):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return iterable
     return tqdm(iterable, **kwargs)
 
 
 def log(msg: str) -> None:
     """Prints a line without tearing an active tqdm progress bar."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        print(msg, flush=True)
-        return
     tqdm.write(msg)
     sys.stdout.flush()
 

@@ -13,7 +13,9 @@ BENCHMARKS = {
     "compile_depth": "benchmarks.bench_compile_depth",
     "train": "benchmarks.bench_train",
 }
-# One line each for --help (the modules' docstrings say the rest; importing them here would import jax).
+# One line each for --help (the modules' docstrings say the rest). `main` imports only the benchmark it runs
+# (`importlib.import_module`, a dispatch by name): importing all six would import the models, the kernels and
+# matplotlib, seconds more for --help (the package itself imports jax, ~1-2 s).
 SUMMARIES = {
     "mla_decode": "the absorbed paged MLA decode kernel beside XLA and the naive path (GPU; --peers DIR: "
     "FlashMLA and vLLM's Triton MLA decode in the same process)",

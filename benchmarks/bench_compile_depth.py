@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 
+import jax
+
 import benchmarks as bm
 
 _CHILD = r"""
@@ -40,8 +42,6 @@ print(json.dumps(dict(layers=layers, first_s=first, warm_s=warm, compile_s=first
 
 
 def run(args):
-    import jax
-
     rows = []
     for layers in [int(x) for x in args.layers.split(",")]:
         env = dict(os.environ, MLA_JAX_COMPILE_CACHE="off")

@@ -72,12 +72,28 @@ import itertools
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+from flax import nnx
+
 import benchmarks as bm
+from mla_jax import ModelConfig
+from mla_jax.capacity import latent_bytes_per_token_layer, plan_kv_cache
+from mla_jax.sharding import make_mesh, model_shardings, parse_mesh, shard_model
+from models import DeepSeekModel, Engine, SamplingParams, compile_cache
+from models.engine import trace_counts
+from pallas_kernels.page_format import NAMES as PAGE_FORMAT_NAMES
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 
 PAGE = 64
 MODELS = ("v2-lite", "v3-cut")
@@ -164,8 +180,6 @@ def model_config(name: str, *, config: str = "full", layers: int | None = None, 
     is 128 wide (fp8 pages scale the latent in blocks of 128; tiny()'s is 64). ``layers`` cuts the V3 model
     (and the tiny ones); the first min(3, layers - 1) layers stay dense so that at least one MoE layer remains.
     """
-    from mla_jax import ModelConfig
-
     if config == "tiny":
         cfg = ModelConfig.tiny()
         if kv_dtype == "fp8":
@@ -207,12 +221,6 @@ def build_model(cfg, dtype, mesh=None):
     and then `shard_model` sets the MoE's parallel attributes. The values are the eager build's (the
     same keys), so the mesh's tokens can be compared with one device's.
     """
-    import jax
-    from flax import nnx
-
-    from mla_jax.sharding import model_shardings, shard_model
-    from models import DeepSeekModel
-
     t0 = time.perf_counter()
     make = lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)  # noqa: E731
     if mesh is None:
@@ -230,8 +238,6 @@ def build_model(cfg, dtype, mesh=None):
 def parse_meshes(specs) -> list:
     """`--mesh` values -> [None (one device) | {axis: size}], in order; "1" is one device. ValueError (one
     line, `mla_jax.sharding.parse_mesh`'s) for a bad spec or a spec given twice."""
-    from mla_jax.sharding import parse_mesh
-
     out, seen = [], set()
     for spec in specs or ["1"]:
         sizes = None if spec.strip() == "1" else parse_mesh(spec)
@@ -249,16 +255,11 @@ def mesh_label(sizes) -> str:
 
 
 def weights_bytes(model) -> int:
-    import jax
-    from flax import nnx
-
     return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
 
 
 def make_prompts(vocab: int, batch: int, prompt: int, seed: int = 0) -> list[list[int]]:
     """B random prompts of T token ids, the same for ours and the HF peer."""
-    import numpy as np
-
     rng = np.random.default_rng((seed, batch, prompt))
     return rng.integers(0, vocab, (batch, prompt)).tolist()
 
@@ -351,8 +352,6 @@ def decode_floor_bytes(
 
     ``context`` is the mean cached length of a row (after the step's write), so B * context = sum(seq_lens).
     """
-    from mla_jax.capacity import latent_bytes_per_token_layer
-
     c = param_counts(cfg)
     tokens = batch * queries
     touched = expected_experts_touched(cfg, tokens)
@@ -397,8 +396,6 @@ def prefill_flops(cfg, batch: int, prompt: int) -> float:
 
 def kv_pages(cfg, batch: int, prompt: int, new_tokens: int) -> int:
     """Pages of a pool that holds every row's prompt + new tokens (+ the engine's draft room with an MTP head)."""
-    from mla_jax.capacity import plan_kv_cache
-
     draft = 3 if cfg.num_mtp_layers else 0  # models.engine.MAX_DRAFT_TOKENS: room the engine keeps
     plan = plan_kv_cache(cfg, context_len=prompt + new_tokens, num_sequences=batch, page_size=PAGE, draft_tokens=draft)
     return batch * plan.pages_per_sequence
@@ -545,10 +542,6 @@ def warm_seconds(stats, kind: str):
 def cpu_ceilings(iterations: int = 5) -> dict:
     """Rough wall-clock stand-ins for the GPU ceilings on a CPU (x * 2 over 32 MiB, a 512^3 matmul), so the
     ratio columns of a CPU run are filled; their figures mean nothing beyond that."""
-    import statistics
-
-    import jax
-    import jax.numpy as jnp
 
     def wall(fn, *a):
         jax.block_until_ready(fn(*a))
@@ -587,8 +580,6 @@ def worker_ceilings(args, tiny: bool) -> tuple[dict, dict]:
         header, ceil = bm.begin_run("e2e", args.out, args.ceiling_iters)
     header["command"] = args.header_command or header["command"]
     # With the persistent cache on, a "cold" generate may load its executables from disk instead of compiling.
-    import jax
-
     header["compile_cache"] = jax.config.jax_compilation_cache_dir or ""
     meta.update(header, ceilings=ceil)
     write_meta(args.out, meta)
@@ -598,42 +589,30 @@ def worker_ceilings(args, tiny: bool) -> tuple[dict, dict]:
 # ------------------------------------------------------------------------------------------
 # Our engine
 # ------------------------------------------------------------------------------------------
-KV_DTYPES = ("bf16", "fp16", "fp32", "fp8", "fp4")  # what the engine's cache allocates
+KV_DTYPES = PAGE_FORMAT_NAMES  # what the engine's cache allocates
 
 
 def kv_dtype_arg(name: str):
     """--kv-dtype -> the Engine's kv_dtype (a jnp dtype for the plain formats; "fp8" / "fp4" pass through as names)."""
-    import jax.numpy as jnp
-
     return {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}.get(name, name)
 
 
 def enable_compile_cache(path: str) -> None:
     """JAX's persistent compilation cache in `path`, for every compilation, as the CLIs turn it on."""
-    from models import compile_cache
-
     compile_cache.enable(path)
 
 
 def _trace_total():
-    try:
-        from models.engine import trace_counts
-    except ImportError:
-        return None
     return sum(trace_counts().values())
 
 
 def _sync(engine) -> None:
-    import jax
-
     pages = getattr(getattr(engine, "cache", None), "pages", None)
     if pages is not None:
         jax.block_until_ready(pages)
 
 
 def _peak_mem_gb():
-    import jax
-
     try:
         s = jax.devices()[0].memory_stats() or {}
     except Exception:  # noqa: BLE001 - not every backend reports memory
@@ -658,8 +637,6 @@ def _compile_buckets(entries) -> str:
 def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp: bool, mesh=None, sizes=None) -> dict:
     """One cell through the public engine API: a cold then a warm generate -> a row (see COLUMNS); on
     `mesh` (`sizes` its {axis: size}) when given. The row keeps the warm tokens under "tokens"."""
-    from models import Engine, SamplingParams
-
     N = args.new_tokens
     row = dict(
         model=name,
@@ -700,8 +677,7 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
     _check_result(cold, batch, N)
     row["compile_s"] = stat(cold.stats, "compile_s")
     traces1 = _trace_total()
-    if traces0 is not None:
-        row["compiles"] = traces1 - traces0
+    row["compiles"] = traces1 - traces0
     log = getattr(engine, "compile_log", None)
     if log is not None:
         row["compile_log"] = [dict(e) for e in log[log0:]]
@@ -723,7 +699,7 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
     row["cold_compile_s"] = row["cold_wall_s"] - row["warm_wall_s"]
     row["ttft_s"] = first[0] - t0 if first else None
     row["ttft_stats_s"] = stat(warm.stats, "ttft_s")
-    if traces0 is not None and _trace_total() != traces1:
+    if _trace_total() != traces1:
         row["note"] = "the warm generate compiled again"
     row["same_tokens"] = warm.tokens == cold.tokens
     st = warm.stats
@@ -748,9 +724,6 @@ def run_ours_worker(args) -> None:
     """Our cells (one model's run of cells, usually) in this process; rows appended as they finish."""
     if args.compile_cache:
         enable_compile_cache(args.compile_cache)
-    import jax
-    import jax.numpy as jnp
-
     tiny = args.config == "tiny"
     if not tiny:
         try:
@@ -777,8 +750,6 @@ def run_ours_worker(args) -> None:
         for sizes in parse_meshes(args.mesh):
             mesh = None
             if sizes:
-                from mla_jax.sharding import make_mesh
-
                 mesh = make_mesh(**sizes)
             base = dict(base, impl=mesh_label(sizes))
             where = f" on {mesh_label(sizes)[5:]}" if sizes else ""
@@ -892,8 +863,8 @@ def build_hf_model(cfg, attn: str):
     The config goes the way of a real checkpoint: `cfg.to_hf_dict()` written as config.json and read by
     `AutoConfig.from_pretrained` (what the project's HF fixtures are loaded through, legacy rope keys included).
     """
-    import torch
-    import transformers
+    import torch  # noqa: PLC0415 (optional: the HF peer's, not a dependency)
+    import transformers  # noqa: PLC0415 (optional: the HF peer's, not a dependency)
 
     d = cfg.to_hf_dict()
     d.pop("torch_dtype", None)
@@ -917,7 +888,7 @@ def build_hf_model(cfg, attn: str):
 def hf_timed_generate(model, ids, new_tokens: int, limit_s: float):
     """Greedy generation with HF's cache: one forward over the prompt (last-position logits), then cached steps
     until `new_tokens` tokens or `limit_s` seconds -> (prefill s, decode s, decode steps)."""
-    import torch
+    import torch  # noqa: PLC0415 (optional: the HF peer's, not a dependency)
 
     with torch.no_grad():
         torch.cuda.synchronize()
@@ -959,8 +930,8 @@ def run_hf_worker(args) -> None:
         bm.log(f"# HF peer {name}: skipped ({reason})")
 
     try:
-        import torch
-        import transformers
+        import torch  # noqa: PLC0415 (optional: the HF peer's, not a dependency; skipped without it)
+        import transformers  # noqa: PLC0415 (optional: as torch)
     except ImportError as e:
         return skip_all(f"not importable: {e}")
     if not torch.cuda.is_available():
@@ -1038,10 +1009,6 @@ def run_ttft_worker(args) -> None:
     --result-file as JSON."""
     t_start = time.time()
     enable_compile_cache(args.compile_cache)
-    import jax.numpy as jnp
-
-    from models import Engine, SamplingParams
-
     name, b, t = grid(args)[0]
     cfg = model_config(name, config=args.config, layers=args.layers, kv_dtype=args.kv_dtype)
     model, build_s = build_model(cfg, jnp.float32 if args.dtype == "fp32" else jnp.bfloat16)
@@ -1300,14 +1267,6 @@ def report(csv_path: str, out_dir: str) -> list[dict]:
 
 
 def plot(rows, path, meta):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# matplotlib missing: no plot")
-        return
     fig, (ax_d, ax_p) = plt.subplots(1, 2, figsize=(13, 5))
     num = lambda r, k: isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)  # noqa: E731
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

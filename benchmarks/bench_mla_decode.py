@@ -29,7 +29,18 @@ from __future__ import annotations
 import argparse
 import os
 
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+
 import benchmarks as bm
+from benchmarks import peers
+from pallas_kernels import BF16_PAGES, FP8_PAGES, MlaDecodeConfig, mla_decode, page_format_of, quantize_latent_fp8
+from pallas_kernels.mla_decode import plan
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 
 SCALE = 192**-0.5
 PAGE = 64
@@ -73,8 +84,6 @@ QUICK_CELLS = [
 
 def variants():
     """Named kernel configurations that ``--variants`` can time beside the default."""
-    from pallas_kernels import MlaDecodeConfig
-
     return {
         # The bodies before the scorer body (MlaDecodeConfig.scorer, the default on bf16 pages).
         "plain": MlaDecodeConfig(scorer=False, split_qk=False),
@@ -131,15 +140,11 @@ def lengths_name(ragged) -> str:
 
 def token_bytes(kv_dtype: str) -> int:
     """Bytes of one cached token in one layer (`pallas_kernels.PageFormat`: 1152 bf16, 656 fp8)."""
-    from pallas_kernels import BF16_PAGES, FP8_PAGES
-
     return (FP8_PAGES if kv_dtype == "fp8" else BF16_PAGES).token_bytes
 
 
 def dense_pages(kv_pages):
     """The pages as bf16 values [N, 64, 576] (fp8 pages dequantised, as the kernel's tensor cores see them)."""
-    from pallas_kernels import page_format_of
-
     return page_format_of(kv_pages).dequantize_reference(kv_pages)
 
 
@@ -152,10 +157,6 @@ def make_cell(B, s_q, seq, H, ragged, seed=0, kv_dtype="bf16", group_pages=False
     batch groups whose pages span < 2^31 cache elements (`peers.page_groups`; vLLM's Triton kernel
     computes offsets in int32); the same table as without it unless the cache exceeds 4 GiB.
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     if isinstance(ragged, tuple):
         lens = rng.integers(ragged[0], ragged[1] + 1, B).astype(np.int32)
@@ -168,9 +169,7 @@ def make_cell(B, s_q, seq, H, ragged, seed=0, kv_dtype="bf16", group_pages=False
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     groups = [(0, B, 0, num_pages)]
     if group_pages:
-        from benchmarks.peers import page_groups
-
-        groups = page_groups(B, max_pages)
+        groups = peers.page_groups(B, max_pages)
     if len(groups) == 1:
         table = jax.random.permutation(k1, num_pages).astype(jnp.int32).reshape(B, max_pages)
     else:
@@ -186,8 +185,6 @@ def make_cell(B, s_q, seq, H, ragged, seed=0, kv_dtype="bf16", group_pages=False
         )
     kv = jax.random.normal(k2, (num_pages, PAGE, 576), jnp.bfloat16)
     if kv_dtype == "fp8":
-        from pallas_kernels import quantize_latent_fp8
-
         kv = jax.jit(quantize_latent_fp8)(kv)
     q = jax.random.normal(k3, (B, s_q, H, 576), jnp.bfloat16)
     return q, kv, table, jnp.asarray(lens), int(lens.sum())
@@ -196,8 +193,6 @@ def make_cell(B, s_q, seq, H, ragged, seed=0, kv_dtype="bf16", group_pages=False
 def xla_absorbed(q, kv_pages, block_table, seq_lens, *, causal):
     """Absorbed decode in plain XLA: bf16 operands, fp32 accumulation and softmax (fp8 pages: the
     gathered pages dequantised first)."""
-    import jax.numpy as jnp
-
     B, s_q, H, _ = q.shape
     kv_BSK = dense_pages(kv_pages[block_table]).reshape(B, -1, 576)
     S = kv_BSK.shape[1]
@@ -221,8 +216,6 @@ def decompressed_reference(q_nope, q_pe, kv_pages, block_table, seq_lens, w_uk, 
     q_nope [B,T,H,128], q_pe [B,T,H,64], w_uk/w_uv [H,128,512] -> out [B,T,H,128] (pre-o_proj).
     Non-causal (timing baseline only).
     """
-    import jax.numpy as jnp
-
     B = q_nope.shape[0]
     kv_BSK = dense_pages(kv_pages[block_table]).reshape(B, -1, 576)
     c_BSL, k_pe_BSR = kv_BSK[..., :512], kv_BSK[..., 512:]
@@ -239,19 +232,10 @@ def decompressed_reference(q_nope, q_pe, kv_pages, block_table, seq_lens, w_uk, 
 
 
 def jax_softmax(s):
-    import jax
-
     return jax.nn.softmax(s, axis=-1)
 
 
 def run(args):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from pallas_kernels import MlaDecodeConfig, mla_decode
-    from pallas_kernels.mla_decode import plan
-
     bundle = getattr(args, "bundle", None)
     header, ceil = bm.begin_run("mla_decode", args.out, args.iters)
     if bundle is not None:
@@ -453,8 +437,6 @@ def attach_peers(row, cols, bundle):
 def late_peers(pending, peer_cols, rows_of, bundle, xla_jit):
     """Measures the peers left "pending" (a build still running) of the cells in ``pending``, on the same
     inputs regenerated (`make_cell` is deterministic), and attaches them to those cells' rows."""
-    import numpy as np
-
     while pending:
         key = pending.pop(0)
         B, s_q, seq, H, ragged = key
@@ -527,8 +509,8 @@ def report(rows, ceil, header, out_dir):
         ("rel_err", "rel err", "{:.1e}"),
         ("note", "note", "{}"),
     ]
-    peers = any(r.get("fmla_status") or r.get("triton_status") for r in rows)
-    if peers:
+    with_peers = any(r.get("fmla_status") or r.get("triton_status") for r in rows)
+    if with_peers:
         at = [k for k, _, _ in columns].index("note")
         columns[at:at] = [
             ("schedule", "schedule", "{}"),
@@ -539,8 +521,8 @@ def report(rows, ceil, header, out_dir):
         ]
         columns = [(k, {"flashmla_us": "FM pub. µs", "vs_flashmla": "FMpub/ours"}.get(k, h), f) for k, h, f in columns]
     print()
-    bm.print_table(_peer_display(rows) if peers else rows, columns)
-    if peers:
+    bm.print_table(_peer_display(rows) if with_peers else rows, columns)
+    if with_peers:
         print(
             "# FlashMLA µs, Triton µs: measured now, in this process, on the same arrays; ours/FM and ours/Tr ="
             " our µs / theirs (< 1: ours faster), CUPTI kernel sum to CUPTI kernel sum (the CSV's *_method"
@@ -557,14 +539,6 @@ def report(rows, ceil, header, out_dir):
 
 
 def plot_roofline(rows, ceil, path, header):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# matplotlib missing: no plot")
-        return
     bw, peak = ceil["bandwidth_gbps"], ceil["matmul_tflops"]
     fig, ax = plt.subplots(figsize=(8, 5.5))
     xs = [10 ** (i / 20) for i in range(0, 81)]
@@ -697,8 +671,6 @@ def main(argv=None):
         except ValueError as e:
             p.error(f"--cell-list: {e}")
     if args.peers:
-        from benchmarks import peers
-
         if args.from_csv:
             p.error("--peers times the peers now, on a GPU: not with --from-csv")
         if args.kv_dtype != "bf16":
@@ -726,8 +698,6 @@ def main(argv=None):
             if isinstance(r.get("us"), float):
                 r["bw_frac"] = r["gbps"] / ceil["bandwidth_gbps"]
                 r["flop_frac"] = r["tflops"] / ceil["matmul_tflops"]
-        import jax
-
         os.makedirs(args.out, exist_ok=True)
         report(rows, ceil, dict(device=args.device, jax=jax.__version__, source=args.from_csv), args.out)
         return rows

@@ -16,19 +16,18 @@ from __future__ import annotations
 import argparse
 import os
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 import benchmarks as bm
+from mla_jax import ModelConfig
+from models.moe import moe_grouped
 
 IMPLS = ("decode", "mgpu", "ragged_dot")
 
 
 def run(args):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from mla_jax import ModelConfig
-    from models.moe import moe_grouped
-
     cfg = ModelConfig.deepseek_v2_lite() if args.model == "v2-lite" else ModelConfig.deepseek_v3()
     E, K, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     header, ceil = bm.begin_run(f"moe ({args.model}: E={E} K={K} D={D} I={I})", args.out, args.iters)

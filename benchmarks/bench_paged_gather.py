@@ -14,7 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 
+import jax
+import numpy as np
+
 import benchmarks as bm
+from pallas_kernels import BF16_PAGES, FP4_PAGES, FP8_PAGES, PagedGatherConfig, paged_gather
+from pallas_kernels.paged_gather import plan_chunks
 
 
 def grid(quick: bool):
@@ -25,12 +30,6 @@ def grid(quick: bool):
 
 
 def run(args):
-    import jax
-    import numpy as np
-
-    from pallas_kernels import BF16_PAGES, FP4_PAGES, FP8_PAGES, PagedGatherConfig, paged_gather
-    from pallas_kernels.paged_gather import plan_chunks
-
     fmt = {"fp8": FP8_PAGES, "fp4": FP4_PAGES}.get(args.kv_dtype, BF16_PAGES)
 
     header, ceil = bm.begin_run("paged_gather", args.out, args.iters)

@@ -37,7 +37,19 @@ import statistics
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
 import benchmarks as bm
+from benchmarks.bench_e2e import layer_counts, param_counts
+from mla_jax import ModelConfig
+from mla_jax.attention import DECOMPRESSED_IMPLS, resolve_decompressed_impl
+from models import DeepSeekModel
+from models.deepseek import REMAT_POLICIES
+from models.moe import MOE_TRAINING_IMPLS, resolve_moe_impl
+from models.trainer import TrainSettings, make_optimizer
+from models.training import TrainConfig, init_train_state, make_train_step
 
 MODELS = ("v2-lite", "builtin", "tiny")
 H200_BF16_TFLOPS = 790.0
@@ -83,8 +95,6 @@ COLUMNS = [
 # ------------------------------------------------------------------------------------------
 def model_config(name: str, layers: int | None = None):
     """The ModelConfig of a benchmark model (see the module docstring), cut to `layers` main layers."""
-    from mla_jax import ModelConfig
-
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     cfg = {"v2-lite": ModelConfig.deepseek_v2_lite, "builtin": ModelConfig.builtin, "tiny": ModelConfig.tiny}[name]()
@@ -98,8 +108,6 @@ def model_config(name: str, layers: int | None = None):
 def active_params(cfg) -> dict[str, int]:
     """Matmul parameters one token passes through: {"main": main layers + LM head, "mtp": one MTP module's
     eh_proj + layer + the LM head again, "total": main + the MTP modules'}."""
-    from benchmarks.bench_e2e import layer_counts, param_counts
-
     c = param_counts(cfg)
     dense, moe = layer_counts(cfg)
     moe_layer = c["attention"] + c["shared"] + c["router"] + cfg.num_experts_per_tok * c["expert"]
@@ -131,8 +139,6 @@ def train_flops(cfg, batch: int, seq: int, *, with_mtp: bool = True) -> float:
 
 
 def total_params(state) -> int:
-    import jax
-
     return sum(int(x.size) for x in jax.tree.leaves(state))
 
 
@@ -163,9 +169,6 @@ def memory_columns(compiled) -> dict:
 
 def make_step(tc_kwargs: dict):
     """(jitted train step, optimizer) of mla-train's recipe with TrainConfig(**tc_kwargs)."""
-    from models.trainer import TrainSettings, make_optimizer
-    from models.training import TrainConfig, make_train_step
-
     tx, _ = make_optimizer(TrainSettings(steps=1000, warmup=10, lr=3e-4))
     return make_train_step(tx, TrainConfig(**tc_kwargs)), tx
 
@@ -181,14 +184,6 @@ def lower_and_compile(step, *args):
 
 def build_state(cfg, tx, *, dtype: str, param_dtype: str, moe_impl: str, abstract: bool = False):
     """(graphdef, state, opt_state) of a fresh model; `abstract`: shapes only (jax.ShapeDtypeStruct leaves)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from models import DeepSeekModel
-    from models.moe import resolve_moe_impl
-    from models.training import init_train_state
-
     dt = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
     make = lambda: DeepSeekModel(
         cfg,
@@ -204,9 +199,6 @@ def build_state(cfg, tx, *, dtype: str, param_dtype: str, moe_impl: str, abstrac
 
 
 def random_batch(cfg, batch: int, seq: int, seed: int = 0, abstract: bool = False):
-    import jax
-    import jax.numpy as jnp
-
     if abstract:
         return {"input_ids": jax.ShapeDtypeStruct((batch, seq), jnp.int32)}
     ids = jax.random.randint(jax.random.key(seed), (batch, seq), 0, cfg.vocab_size, dtype=jnp.int32)
@@ -216,8 +208,6 @@ def random_batch(cfg, batch: int, seq: int, seed: int = 0, abstract: bool = Fals
 def time_steps(compiled, state, opt_state, batch, warmup: int, steps: int):
     """Runs `warmup` + `steps` steps of a compiled step -> (seconds of each timed step, first and last loss,
     state, opt_state)."""
-    import jax
-
     times, losses = [], []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -231,8 +221,6 @@ def time_steps(compiled, state, opt_state, batch, warmup: int, steps: int):
 
 def run_cell(args) -> dict:
     """One benchmark cell -> its row (COLUMNS); exceptions propagate."""
-    import jax
-
     cfg = model_config(args.model, args.layers)
     row = dict(
         model=args.model,
@@ -256,8 +244,6 @@ def run_cell(args) -> dict:
     graphdef, state, opt_state = build_state(
         cfg, tx, dtype=args.dtype, param_dtype=args.param_dtype, moe_impl=args.moe_impl
     )
-    from flax import nnx
-
     row["params"] = total_params(nnx.split_state(state, nnx.Param, ...)[0])
     flops = train_flops(cfg, args.batch, args.seq)
     row["active_params"] = active_params(cfg)["total"]
@@ -330,10 +316,6 @@ def _positive_float(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    from mla_jax.attention import DECOMPRESSED_IMPLS
-    from models.deepseek import REMAT_POLICIES
-    from models.moe import MOE_TRAINING_IMPLS
-
     p = bm.OneLineParser(
         prog="python -m benchmarks train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -397,8 +379,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.attn_impl == "auto":
-        from mla_jax.attention import resolve_decompressed_impl
-
         args.attn_impl = resolve_decompressed_impl("auto", dtype={"bf16": "bfloat16", "fp32": "float32"}[args.dtype])
     try:
         row = run_cell(args)

@@ -43,11 +43,15 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
+
+import benchmarks as bm
+
 PAGE = 64
 D_QK, D_V = 576, 512
 INT32_ELEMS = 2**31 - 1
 BUILD_LOG = "flashmla_build_log.txt"
-STATUSES = ("ok", "unavailable", "disagrees", "failed", "no reference")
 
 
 def page_groups(B: int, max_pages: int, limit: int = INT32_ELEMS):
@@ -102,15 +106,14 @@ class TorchBridge(Bridge):
     name = "torch"
 
     def __init__(self):
-        import torch  # a failure here makes both peers unavailable (see open_bundle)
+        # a failure here makes both peers unavailable (see open_bundle)
+        import torch  # noqa: PLC0415 (optional: the peers' runtime, not a dependency)
 
         if not torch.cuda.is_available():
             raise RuntimeError(f"torch {torch.__version__} sees no CUDA device")
         self.torch = torch
 
     def from_jax(self, x):
-        import jax
-
         jax.block_until_ready(x)
         return self.torch.utils.dlpack.from_dlpack(x)
 
@@ -127,8 +130,6 @@ class TorchBridge(Bridge):
         self.torch.cuda.synchronize()
 
     def kernel_sum_us(self, fn, iterations, peer):
-        import benchmarks as bm
-
         try:
             us, kernels = bm.cupti_call_us(fn, sync=self.sync, iterations=iterations)
             return us, f"cupti_kernel_sum (median of {iterations} calls, {kernels} kernels a call)"
@@ -162,7 +163,7 @@ class TorchBridge(Bridge):
     def versions(self):
         out = {"torch": self.torch.__version__, "torch_cuda": self.torch.version.cuda}
         try:
-            import triton
+            import triton  # noqa: PLC0415 (optional: the Triton peer's, GPU only, not a dependency)
 
             out["triton"] = triton.__version__
         except Exception:  # noqa: BLE001
@@ -361,15 +362,13 @@ class TritonMLA(Peer):
 
     def version(self):
         try:
-            import triton
+            import triton  # noqa: PLC0415 (optional: the Triton peer's, GPU only, not a dependency)
 
             return f"triton {triton.__version__}"
         except Exception:  # noqa: BLE001
             return ""
 
     def candidates(self, x, bridge):
-        import numpy as np
-
         B, s_q, H, _ = x.q.shape
         n = x.kv.shape[0]
         rows = B * s_q
@@ -454,8 +453,6 @@ class Bundle:
         ``ref``: the benchmark's reference output as a float32 numpy array (None: nothing to check
         against, so nothing is timed). ``wait`` False: a peer still building is left "pending" (the
         caller measures it later, ``only=[its key]``)."""
-        import numpy as np
-
         cols = {}
         peers = [p for p in self.peers if only is None or p.key in only]
         for p in peers:
@@ -497,8 +494,6 @@ class Bundle:
         return cols
 
     def _measure_peer(self, p, x, ref):
-        import numpy as np
-
         k, br = p.key, self.bridge
         try:
             cands = p.candidates(x, br)
@@ -586,8 +581,6 @@ def check_bundle_dir(path) -> str | None:
 
 
 def rel_err(got, ref) -> float:
-    import numpy as np
-
     if not np.isfinite(got).all():
         return float("inf")
     return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))

@@ -27,11 +27,13 @@ from fractions import Fraction
 from typing import NoReturn, Sequence
 
 from mla_jax.config import ModelConfig
+from pallas_kernels.page_format import FP4_BLOCK, FP8_BLOCK, NAMES, PageFormat
 
 
-# Page formats of the latent cache. For each: (bytes of one token's latent in one layer as a
-# function of L and R, bytes of one cached K or V head vector of width w in the MHA/GQA
-# comparison rows, a one-line description).
+# Page formats of the latent cache, one entry for each name of `pallas_kernels.page_format.NAMES`
+# (the one list of formats; a format added there and not here fails the import). For each: (bytes
+# of one token's latent in one layer as a function of L and R, bytes of one cached K or V head
+# vector of width w in the MHA/GQA comparison rows, a one-line description).
 #
 # bf16 / fp16 / fp32 / fp8 / fp4 are the formats the cache allocates: their latent bytes are
 # `pallas_kernels.PageFormat.token_bytes`, the number the cache's pools are sized by, so a plan and
@@ -45,8 +47,6 @@ from mla_jax.config import ModelConfig
 # with a per-tensor scale (1 B a value), fp4 as e2m1 pairs with an e4m3 scale per 16 values.
 def _page_format_bytes(name: str):
     def latent_bytes(L: int, R: int) -> int:
-        from pallas_kernels.page_format import FP4_BLOCK, FP8_BLOCK, PageFormat
-
         if name == "fp8" and L % FP8_BLOCK:
             return L + _ceil_div(L, FP8_BLOCK) * 4 + R * 2
         if name == "fp4" and L % (2 * FP4_BLOCK):
@@ -56,16 +56,19 @@ def _page_format_bytes(name: str):
     return latent_bytes
 
 
+_COMPARISON_BYTES_AND_DESCRIPTION = {
+    "bf16": (lambda w: 2 * w, "bfloat16, 2 B a value"),
+    "fp16": (lambda w: 2 * w, "float16, 2 B a value"),
+    "fp32": (lambda w: 4 * w, "float32, 4 B a value"),
+    "fp8": (lambda w: w, "e4m3 latent + fp32 scale per 128 + bf16 rope"),
+    "fp4": (lambda w: _ceil_div(w, 2) + _ceil_div(w, 16), "e2m1 pairs + e4m3 scale per 16 + bf16 rope"),
+}
+assert set(_COMPARISON_BYTES_AND_DESCRIPTION) == set(NAMES), (
+    f"mla_jax.capacity prices the page formats {sorted(_COMPARISON_BYTES_AND_DESCRIPTION)}, "
+    f"pallas_kernels.page_format.NAMES is {NAMES}"
+)
 KV_DTYPES: dict[str, tuple] = {
-    "bf16": (_page_format_bytes("bf16"), lambda w: 2 * w, "bfloat16, 2 B a value"),
-    "fp16": (_page_format_bytes("fp16"), lambda w: 2 * w, "float16, 2 B a value"),
-    "fp32": (_page_format_bytes("fp32"), lambda w: 4 * w, "float32, 4 B a value"),
-    "fp8": (_page_format_bytes("fp8"), lambda w: w, "e4m3 latent + fp32 scale per 128 + bf16 rope"),
-    "fp4": (
-        _page_format_bytes("fp4"),
-        lambda w: _ceil_div(w, 2) + _ceil_div(w, 16),
-        "e2m1 pairs + e4m3 scale per 16 + bf16 rope",
-    ),
+    name: (_page_format_bytes(name), *_COMPARISON_BYTES_AND_DESCRIPTION[name]) for name in NAMES
 }
 
 DEFAULT_GQA_GROUPS = 8

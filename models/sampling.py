@@ -105,9 +105,6 @@ class SamplingArrays(NamedTuple):
 
 
 # ------------------------------------------------------------------------------------------
-SAMPLER_KINDS = ("greedy", "random", "filtered")
-
-
 def sampler_kind(params: list[SamplingParams]) -> str:
     """The cheapest sampler that serves every row: "greedy" (all rows greedy: argmax only),
     "random" (no top-k / top-p / min-p anywhere: no sort) or "filtered". A static choice, so

@@ -41,7 +41,6 @@ the training-at-scale issue) has bf16 gradients and bf16 AdamW moments.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -349,13 +348,3 @@ def make_train_step(
         state_sh, opt_sh = shardings
         placed["out_shardings"] = (state_sh, opt_sh, NamedSharding(jax.tree.leaves(state_sh)[0].mesh, PartitionSpec()))
     return jax.jit(train_step, static_argnums=(0,), donate_argnums=(1, 2) if donate else (), **placed)
-
-
-def grads_of(model: DeepSeekModel, batch: dict[str, Any], tc: TrainConfig = TrainConfig()):
-    """(metrics, grads over the Params as an nnx.State) of `loss_fn`, for inspection and tests."""
-    graphdef, state = nnx.split(model)
-    params, rest = nnx.split_state(state, nnx.Param, ...)
-    (_, metrics), grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch, tc), has_aux=True)(
-        params
-    )
-    return metrics, grads
