@@ -123,6 +123,23 @@ def cupti_call_us(call, *, sync, iterations=30, warmup=2):
     return statistics.median(sums) * 1e3, per
 
 
+def cupti_kernels(call, *, sync) -> list[tuple[str, float]]:
+    """(kernel name, ms) of every kernel the device ran during ``call()`` (in launch order), by the Mosaic GPU
+    extension's CUPTI activity hooks (every kernel of the process, whichever library launched it); ``sync``
+    waits for the call's device work. A GPU only."""
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # noqa: PLC0415 (optional: GPU only, fails on a CPU)
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    sync()
+    ext._cupti_init()
+    try:
+        call()
+        sync()
+    finally:
+        timings = ext._cupti_get_timings(True)
+    return list(timings or [])
+
+
 def measure_ceilings(iterations=30) -> dict:
     """Bandwidth and matrix-rate ceilings measured now, on this GPU.
 

@@ -151,6 +151,12 @@ COLUMNS = [
     "decode_ms_step",
     "decode_tok_s",
     "mtp_acceptance",
+    "decode_calls",
+    "steps_per_call",
+    "kernels_step",
+    "device_ms_step",
+    "host_gap_ms_step",
+    "top_kernels",
     "floor_gb",
     "floor_ms",
     "x_floor",
@@ -634,6 +640,53 @@ def _compile_buckets(entries) -> str:
     return "; ".join(f"{e.get('step')}[{e.get('bucket')}] {float(e.get('seconds', 0)):.2f}s" for e in entries)
 
 
+# --kernels: two generations of the warm cell, of KERNEL_TOKENS[0] and KERNEL_TOKENS[1] new tokens, recorded with
+# CUPTI; their difference is decode steps alone (the same prompts, prefill and first token in both).
+KERNEL_TOKENS = (17, 81)
+TOP_KERNELS = 8
+
+
+def kernel_profile(engine, prompts, kw, out_dir: str, label: str) -> dict:
+    """Per decode step of a warm engine: kernels launched, their device time (CUPTI sum), the host gap (wall
+    time less device time) and the kernels that take the most device time, from the difference of two
+    generations (`KERNEL_TOKENS`); the whole table goes to `<out_dir>/kernels_<label>.json`."""
+    runs = []
+    for n in KERNEL_TOKENS:
+        box = {}
+
+        def call(n=n, box=box):
+            box["res"] = engine.generate(prompts, **{**kw, "max_new_tokens": n})
+
+        timings = bm.cupti_kernels(call, sync=lambda: _sync(engine))
+        st = box["res"].stats
+        runs.append((timings, stat(st, "decode_steps"), stat(st, "decode_s"), stat(st, "decode_calls")))
+    (k1, s1, w1, c1), (k2, s2, w2, c2) = runs
+    steps = s2 - s1
+    if steps <= 0:
+        return dict(note="--kernels: no decode steps between the two generations")
+    per = {}
+    for sign, timings in ((-1, k1), (1, k2)):
+        for name, ms in timings:
+            n_ms = per.setdefault(name, [0, 0.0])
+            n_ms[0] += sign
+            n_ms[1] += sign * ms
+    device_ms = (sum(ms for _, ms in k2) - sum(ms for _, ms in k1)) / steps
+    table = sorted(
+        ({"kernel": k, "count_step": c / steps, "us_step": 1e3 * ms / steps} for k, (c, ms) in per.items()),
+        key=lambda r: -r["us_step"],
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"kernels_{label}.json"), "w") as f:
+        json.dump(dict(steps=steps, calls=c2 - c1, device_ms_step=device_ms, kernels=table), f, indent=1)
+    top = "; ".join(f"{r['kernel'][:48]} {r['us_step']:.1f}us x{r['count_step']:.1f}" for r in table[:TOP_KERNELS])
+    return dict(
+        kernels_step=(len(k2) - len(k1)) / steps,
+        device_ms_step=device_ms,
+        host_gap_ms_step=1e3 * (w2 - w1) / steps - device_ms,
+        top_kernels=top,
+    )
+
+
 def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp: bool, mesh=None, sizes=None) -> dict:
     """One cell through the public engine API: a cold then a warm generate -> a row (see COLUMNS); on
     `mesh` (`sizes` its {axis: size}) when given. The row keeps the warm tokens under "tokens"."""
@@ -661,6 +714,7 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
         attention_impl=args.attention_impl,
         kv_dtype=kv_dtype_arg(args.kv_dtype),
         mesh=mesh,
+        decode_steps=args.decode_steps,
     )
     kw = dict(max_new_tokens=N, sampling=SamplingParams(temperature=0.0))
     if mtp:
@@ -707,6 +761,8 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
     decode_s = warm_seconds(st, "decode")
     steps = stat(st, "decode_steps")
     row["decode_steps"] = steps
+    row["decode_calls"] = stat(st, "decode_calls")
+    row["steps_per_call"] = args.decode_steps
     if decode_s and steps:
         row["decode_ms_step"] = decode_s / steps * 1e3
         row["decode_tok_s"] = stat(st, "decode_tokens") / decode_s
@@ -716,6 +772,13 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
     row["peak_mem_gb"] = _peak_mem_gb()
     row["tokens"] = warm.tokens
     row["pool_devices"] = len(engine.cache.pages.sharding.device_set)
+    if args.kernels:
+        if jax.default_backend() != "gpu":
+            row["note"] = "--kernels: CUPTI needs a CUDA GPU"
+        else:
+            bm.log(f"  {name} B={batch} T={prompt}: --kernels: two recorded generations ...")
+            label = f"{name}_B{batch}_T{prompt}_{mesh_label(sizes)}_{args.kv_dtype}_k{args.decode_steps}"
+            row.update(kernel_profile(engine, prompts, kw, args.out, label.replace("=", "").replace(",", "-")))
     del engine
     return derive(row, cfg, ceil, dtype_bytes=4 if args.dtype == "fp32" else 2, kv_dtype=args.kv_dtype, mtp=mtp)
 
@@ -1362,6 +1425,15 @@ def parser() -> argparse.ArgumentParser:
         help="speculative decoding with the MTP head, for models that have one",
     )
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens a row prefills per step")
+    p.add_argument(
+        "--decode-steps", type=int, default=8, help="the engine's decode_steps: plain decode steps a device call runs"
+    )
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help=f"per decode step: kernels, CUPTI device time, host gap and the top kernels (a GPU; two more "
+        f"generations of {KERNEL_TOKENS[0]} and {KERNEL_TOKENS[1]} new tokens a cell; kernels_<cell>.json)",
+    )
     p.add_argument("--attention-impl", default="auto", help="the engine's attention_impl")
     p.add_argument(
         "--mesh",

@@ -98,13 +98,16 @@ class GenerationStats(collections.abc.Mapping):
     Times are wall clock on the host. Steps that compiled are kept apart (`compile_s`); `prefill_s`
     and `decode_s` sum the steps that did not, and the tokens/s figures are over those (over all
     steps when every step compiled). `ttft_s`: from the call to the first new token of any request.
-    decode_tokens counts tokens computed by decode steps, including tokens cut off by a stop.
+    decode_tokens counts tokens computed by decode steps, including tokens cut off by a stop;
+    decode_steps the model steps (a device call of several steps counts its longest row's), decode_calls
+    the device calls.
     """
 
     prefill_tokens: int = 0
     decode_tokens: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    decode_calls: int = 0
     mtp_drafted: int = 0
     mtp_accepted: int = 0
     use_mtp: bool = False
@@ -122,6 +125,8 @@ class GenerationStats(collections.abc.Mapping):
     def record(self, kind: str, n_tokens: int, seconds: float, compiled: bool, steps: int = 1) -> None:
         setattr(self, f"{kind}_tokens", getattr(self, f"{kind}_tokens") + n_tokens)
         setattr(self, f"{kind}_steps", getattr(self, f"{kind}_steps") + steps)
+        if kind == "decode":
+            self.decode_calls += 1
         self._all[kind][0] += n_tokens
         self._all[kind][1] += seconds
         if compiled:
@@ -161,6 +166,7 @@ class GenerationStats(collections.abc.Mapping):
         "decode_tokens",
         "prefill_steps",
         "decode_steps",
+        "decode_calls",
         "mtp_drafted",
         "mtp_accepted",
         "mtp_acceptance",

@@ -18,6 +18,7 @@ from models import Engine, load_hf_checkpoint
 from models.builtin import BUILTIN_DIR
 from models.sampling import SamplingArrays, SamplingParams
 from models.steps import StepInputs
+from tests import hlo
 
 
 @pytest.fixture(scope="module")
@@ -60,29 +61,24 @@ def test_compiled_decode_step_copies_no_pool(builtin):
 
 def test_decode_step_time_follows_the_tokens_not_the_pool(builtin):
     """Per-step decode time at the same position, an engine sized for 48 new tokens against one sized for
-    1 500: within 1.3x (the fastest of several steps each, so that a busy machine does not decide)."""
-
-    def fastest_step_ms(new_tokens: int) -> float:
+    1 500: within 1.3x. The two engines' steps alternate, so that both see the same load on a busy machine,
+    and the fastest of 16 steps each is compared."""
+    runs = []
+    for new_tokens in (48, 1500):
         e = Engine(builtin, page_size=64, max_batch=1, max_context=16 + new_tokens, kv_dtype="fp32")
         cache, inp = _decode_call(e, 15)
-        pages, times = e.cache.pages, []
-        for _ in range(12):
+        runs.append(dict(engine=e, cache=cache, inp=inp, pages=e.cache.pages, times=[]))
+    for i in range(18):
+        for r in runs:
+            e = r["engine"]
             t0 = time.perf_counter()
-            out, tok = e.steps.decode(e.state, cache(pages), inp, sampler="greedy")
+            out, tok = e.steps.decode(e.state, r["cache"](r["pages"]), r["inp"], sampler="greedy")
             np.asarray(tok)
-            times.append(time.perf_counter() - t0)
-            pages = out.pages
-        return 1e3 * min(times[2:])
-
-    small, large = fastest_step_ms(48), fastest_step_ms(1500)
+            if i >= 2:  # the first calls compile
+                r["times"].append(time.perf_counter() - t0)
+            r["pages"] = out.pages
+    small, large = (1e3 * min(r["times"]) for r in runs)
     assert large <= 1.3 * small, f"decode step {large:.1f} ms with room for 1500 tokens, {small:.1f} ms for 48"
-
-
-def _bytes(shape: str) -> int:
-    """Bytes of an HLO shape like `f32[5,25,64,576]`."""
-    dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", shape).groups()
-    n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-    return n * {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "u8": 1, "s8": 1, "pred": 1}.get(dtype, 8)
 
 
 @pytest.mark.parametrize("sampler", ["greedy", "filtered"])
@@ -106,9 +102,6 @@ def test_decode_loop_program_has_static_loops_no_conditional_and_no_big_copy(bui
         num_steps=8,
     )
     text = lowered.compile().as_text()
-    whiles = [line for line in text.splitlines() if re.search(r" while\(", line)]
-    assert len(whiles) >= 2  # the decode loop and the layer scan, at least
-    assert all('known_trip_count":{"n":"' in w for w in whiles), [w[:120] for w in whiles]
-    assert " conditional(" not in text
-    copies = re.findall(r"= (\w+\[[\d,]*\])\{[\d,]*\} copy\(", text)
-    assert not [c for c in copies if _bytes(c) > 1 << 20], copies
+    assert len(re.findall(r" while\(", text)) >= 2  # the decode loop and the layer scan, at least
+    assert hlo.host_round_trips(text) == []
+    assert hlo.big_copies(text) == []

@@ -22,6 +22,8 @@
 #                              #   (below), then scripts/lab/probe_fp8_decode.py (bf16 / fp8 transposed / shared)
 #   scripts/lab/gpu_run.sh profile8 # scripts/lab/profile_fp8_decode.py (Mosaic GPU profiler phases of the
 #                              #   fp8 decode body)
+#   scripts/lab/gpu_run.sh decode  # the engine / scan / decode-kernel GPU tests, then mla-bench e2e --kernels on
+#                              #   V2-Lite (1024-token prompts; B=1, 32, 128 at decode_steps 8, B=1 at 1; no HF)
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -124,6 +126,7 @@ case "$MODE" in
          gpu_tests 200 tests/test_moe.py tests/test_moe_decode.py tests/test_training.py tests/test_scan.py
          stage "waiting for the FlashMLA build"; wait $BUILD; tail -3 "$R/flashmla_prebuild_log.txt" | tee -a "$LOG" ;;
   gather) gpu_tests 130 tests/test_engine.py -k quantized ;;
+  decode) gpu_tests 230 tests/test_engine.py tests/test_scan.py tests/test_mla_decode.py ${TESTS_K:+-k "$TESTS_K"} ;;
   scorer) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
              $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
          BUILD=$!
@@ -145,6 +148,9 @@ case "$MODE" in
   quick) bench mla_decode 330 --quick
          bench paged_gather 60 ;;
   grid)  bench mla_decode 560 --no-decompressed ;;
+  decode) bench e2e "${E2E_LIMIT:-250}" --model v2-lite --batch "${BATCHES:-1,32,128}" --prompt 1024 --new-tokens 128 \
+            --kernels --no-hf ${E2E_EXTRA:-}
+          bench e2e 110 --model v2-lite --batch 1 --prompt 1024 --new-tokens 128 --kernels --no-hf --decode-steps 1 --out "$R/k1" ;;
   gather) bench paged_gather 170 --quick --sweep --kv-dtype fp8 ;;
   profile8) stage "profile_fp8_decode"
        timeout 300 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" ${CELLS:+--cells $CELLS} ${CONFIGS:+--configs $CONFIGS} 2>&1 | tee -a "$LOG" ;;
