@@ -866,10 +866,35 @@ BAD_TOKENIZER_DIRS = [
     pytest.param(
         "tokenizer.json",
         '{"version": "1.0", "model": 3}',
-        r"cannot read tokenizer .*tokenizer\.json: data did not match any variant",
+        r"cannot read tokenizer .*tokenizer\.json: valid JSON, but not a Hugging Face tokenizer\.json: its "
+        r'"model" must be an object \(BPE, WordLevel, \.\.\.\), got 3$',
         id="tokenizer.json-malformed-bare-Exception",
     ),
-    pytest.param("tokenizer.json", "[1, 2", r"cannot read tokenizer .*tokenizer\.json: ", id="tokenizer.json-invalid"),
+    pytest.param(
+        "tokenizer.json",
+        "[1, 2",
+        r"cannot read tokenizer .*tokenizer\.json: not valid JSON: Expecting ',' delimiter: line 1 column 6",
+        id="tokenizer.json-invalid-read-as-a-type-error",
+    ),
+    pytest.param(
+        "tokenizer.json",
+        '{"a": 1}',
+        r"cannot read tokenizer .*tokenizer\.json: valid JSON, but not a Hugging Face tokenizer\.json: it has no "
+        r"\"model\" entry \(its keys: 'a'\)$",
+        id="valid-json-not-a-tokenizer-read-as-a-syntax-error",
+    ),
+    pytest.param(
+        "tokenizer.json",
+        json.dumps(BUILTIN_CONFIG),
+        r"valid JSON, but not a Hugging Face tokenizer\.json: it has no \"model\" entry \(its keys: 'architectures'",
+        id="config.json-as-tokenizer.json-read-as-a-syntax-error",
+    ),
+    pytest.param(
+        "tokenizer.json",
+        '{"model": {"type": "BPE"}}',
+        r"valid JSON, but not a Hugging Face tokenizer\.json: Missing vocab/merges",
+        id="tokenizer-library-reason-kept",
+    ),
     pytest.param(
         "tokenizer_config.json", "{", r"tokenizer_config\.json: not valid JSON", id="tokenizer_config-invalid"
     ),
@@ -994,6 +1019,11 @@ BAD_CHECKPOINTS = [
         lambda d: (d / "tokenizer.json").write_text('{"model": 3}'),
         r"cannot read tokenizer .*tokenizer\.json",
         id="tokenizer-malformed-traceback",
+    ),
+    pytest.param(
+        lambda d: (d / "tokenizer.json").write_text('{"a": 1}'),
+        r"cannot read tokenizer .*tokenizer\.json: valid JSON, but not a Hugging Face tokenizer\.json: it has no ",
+        id="tokenizer-valid-json-read-as-a-syntax-error",
     ),
     *BAD_HF_TENSORS,
 ]
