@@ -153,9 +153,13 @@ class TrainSettings:
             )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise SettingError("{0} must be a positive number, got {v}", "lr", v=self.lr)
-        for name in ("warmup", "eval_every", "save_every", "eval_windows"):
+        for name in ("warmup", "eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise SettingError("{0} must be >= 0, got {v}", name, v=getattr(self, name))
+        if self.eval_windows < 1:  # every evaluation (the final one at least) reads held-out windows
+            raise SettingError(
+                "{0} must be >= 1 (held-out windows per evaluation), got {v}", "eval_windows", v=self.eval_windows
+            )
         if self.warmup >= self.steps:
             raise SettingError(
                 "{0} ({w}) must be smaller than {1} ({s})", "warmup", "steps", w=self.warmup, s=self.steps
@@ -220,7 +224,7 @@ def load_config(spec: str):
     elif os.path.exists(spec):
         try:
             cfg = ModelConfig.from_hf(spec)
-        except (ValueError, KeyError, json.JSONDecodeError) as e:
+        except (ValueError, KeyError, json.JSONDecodeError, OSError) as e:  # OSError: a directory without one
             raise SettingError("{0} {spec!r}: {e}", "config", spec=spec, e=e) from e
     else:
         raise SettingError(
@@ -291,6 +295,8 @@ def load_corpus(path: str, seq_len: int, max_windows: int) -> CorpusData:
     """Read, split and tokenize a corpus (TrainerError when it is missing, not UTF-8 or too short)."""
     from models.tokenizer import ByteTokenizer
 
+    if os.path.isdir(path):
+        raise SettingError("{0} {p!r} is a directory, not a text file", "corpus", p=path)
     if not os.path.isfile(path):
         raise SettingError("{0} {p!r}: no such file", "corpus", p=path)
     with open(path, encoding="utf-8", errors="strict") as f:
@@ -843,6 +849,17 @@ class TrainState:
     step: int = 0
 
 
+def _directory_problem(path: str) -> str | None:
+    """Why `path` cannot be a directory to write in (it, or a folder on the way to it, is a file); None when
+    it is a directory or can be made one."""
+    p = os.path.normpath(path)
+    while p and not os.path.exists(p):
+        p = os.path.dirname(p)
+    if not p or os.path.isdir(p):
+        return None
+    return "is a file, not a directory" if p == os.path.normpath(path) else f"{p!r} is a file, not a directory"
+
+
 @dataclasses.dataclass
 class RunResult:
     step: int
@@ -1003,8 +1020,15 @@ def train(
             "attn_impl",
             b=jax.default_backend(),
         )
+    for name, d in (("out", out), ("export", export_dir)):
+        why = None if d is None else _directory_problem(d)
+        if why:
+            raise SettingError("{0} {d!r}: {why}", name, d=d, why=why)
     trainer = Trainer(settings, cfg)  # config, memory and corpus are checked before anything is written
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise SettingError("{0} {d!r}: cannot create it: {e}", "out", d=out, e=e.strerror or e) from None
     mgr = checkpoint_manager(out)
     try:
         if resume:
@@ -1105,7 +1129,16 @@ def train(
                 "corpus_sha256": trainer.data.fingerprint,
                 "args": {k: _portable(v) for k, v in run_args.items()},
             }
-            export(ts.graphdef, ts.state, done_dir, summary)
+            try:
+                export(ts.graphdef, ts.state, done_dir, summary)
+            except OSError as e:  # a full disk: the checkpoint of the last step is saved
+                raise SettingError(
+                    "{0} {d!r}: cannot write the exported model: {e} (the checkpoint of step {n} is saved)",
+                    "export",
+                    d=done_dir,
+                    e=e.strerror or e,
+                    n=ts.step,
+                ) from None
             say(f"mla-train: exported to {done_dir}")
         return RunResult(ts.step, train_ce, ev, out, done_dir)
     finally:

@@ -126,6 +126,8 @@ def test_resume_refuses_other_arguments_and_clobbering(tmp_path, capsys):
         (["--warmup", "900"], "--warmup (900) must be smaller than --steps"),
         (["--bogus"], "unrecognized arguments"),
         (["--seq-len", "2"], "--seq-len must be >= 3"),
+        # was "the held-out split has 20047 tokens, fewer than one --seq-len window (64)"
+        (["--eval-windows", "0"], "--eval-windows must be >= 1 (held-out windows per evaluation), got 0"),
         (
             ["--remat", "dots"],
             "--remat must be one of ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'), got 'dots'",
@@ -184,6 +186,42 @@ def test_bad_arguments_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, need
     err = capsys.readouterr().err
     assert err.startswith("mla-train: error: ") and err.count("\n") == 1, err
     assert needle in err, err
+    assert not os.path.exists(tmp_path / "o" / "checkpoints")  # nothing was started
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        pytest.param(["--out", "{file}"], "--out '{file}': is a file, not a directory", id="out-a-file-Errno-17"),
+        pytest.param(
+            ["--out", "{file}/run"],
+            "--out '{file}/run': '{file}' is a file, not a directory",
+            id="out-in-a-file-Errno-20",
+        ),
+        pytest.param(
+            ["--export", "{file}"],
+            "--export '{file}': is a file, not a directory",
+            id="export-a-file-Errno-17-after-the-whole-run",
+        ),
+        pytest.param(
+            ["--config", "{dir}"], "--config '{dir}': no config.json at '{dir}'", id="config-dir-flag-unnamed"
+        ),
+        pytest.param(
+            ["--corpus", "{dir}"], "--corpus '{dir}' is a directory, not a text file", id="corpus-dir-no-such-file"
+        ),
+    ],
+)
+def test_paths_name_their_flag(tmp_path, capsys, argv, needle):
+    """A path that cannot serve is one line naming its flag, before anything is written (`--out` a file said
+    `[Errno 17] File exists: 'f'`, `--out f/run` `[Errno 20] Not a directory: 'f/run'`, naming no flag; `--export`
+    a file trained the whole run first)."""
+    names = {"file": str(tmp_path / "f"), "dir": str(tmp_path / "d")}
+    (tmp_path / "f").write_text("a file\n")
+    (tmp_path / "d").mkdir()
+    args = ["--out", str(tmp_path / "o"), *FAST, *(a.format(**names) for a in argv)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err == f"mla-train: error: {needle.format(**names)}\n", err
     assert not os.path.exists(tmp_path / "o" / "checkpoints")  # nothing was started
 
 
