@@ -25,7 +25,8 @@ a JSON record: the step, the data-order seed, the settings that shape the trajec
 config, the corpus fingerprint and a sha256 of each array tree. Resuming refuses different
 settings, another corpus or another model config, and a checkpoint whose files do not read back
 exactly as they were saved (truncated, edited, renamed, half written): each is one `TrainerError`
-naming the checkpoint directory.
+naming the checkpoint directory. A save that fails (a full disk, no permission) is one `TrainerError`
+naming the step directory and the cause; its partial files are removed and the earlier checkpoints stay.
 
 Precision: fp32 parameters (the master copy), compute in `TrainSettings.dtype` (bf16 casts each weight
 at use), fp32 gradients and fp32 AdamW moments (they follow the parameters); see `models.training`.
@@ -51,10 +52,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import hashlib
 import json
+import logging
 import math
 import os
+import re
+import shutil
 import sys
 import time
 from typing import Any, ClassVar
@@ -714,18 +719,111 @@ def host_array(x) -> np.ndarray:
 
 
 def save_checkpoint(mgr, step: int, state, opt_state, meta: dict) -> None:
-    """Write step `step`: both array trees and `meta` plus their checksums (`tree_sha256`), then wait."""
+    """Write step `step`: both array trees and `meta` plus their checksums (`tree_sha256`), then wait.
+
+    A save that fails (a full disk, no permission) is one TrainerError naming the step directory and the
+    cause; its partial files are removed and the earlier checkpoints stay as they were. A KeyboardInterrupt
+    during the save removes them too, once orbax's threads have ended, and goes on."""
     import orbax.checkpoint as ocp
 
     meta = {**meta, "step": step, "sha256": {"state": tree_sha256(state), "opt_state": tree_sha256(opt_state)}}
-    mgr.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), opt_state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta)
-        ),
-        force=True,
-    )
-    mgr.wait_until_finished()
+    directory = str(mgr.directory)
+    where = os.path.join(directory, str(step))
+    existed = os.path.exists(where)
+    try:
+        with _OrbaxNoiseHeld():
+            try:
+                mgr.save(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(state),
+                        opt_state=ocp.args.StandardSave(opt_state),
+                        meta=ocp.args.JsonSave(meta),
+                    ),
+                    force=True,
+                )
+                mgr.wait_until_finished()
+            except BaseException:
+                try:  # orbax's threads write into the folder removed below: let them end first
+                    mgr.wait_until_finished()
+                except Exception:  # noqa: BLE001 - their error is the one being reported
+                    pass
+                raise
+    except BaseException as e:
+        for name in os.listdir(directory) if os.path.isdir(directory) else ():
+            if name.startswith(f"{step}.orbax-checkpoint-tmp") or (name == str(step) and not existed):
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        try:
+            mgr.reload()  # forget the step it did not finish
+            last = mgr.latest_step()
+        except Exception:  # noqa: BLE001
+            last = None
+        if not isinstance(e, Exception):  # an interruption: `train` says what there is
+            raise
+        kept = (
+            "there is no earlier checkpoint"
+            if last is None
+            else f"the last checkpoint, {os.path.join(directory, str(last))}, is intact (--resume continues from it)"
+        )
+        raise TrainerError(
+            f"cannot save checkpoint {where}: {_save_failure(e)}; its partial files were removed; {kept}"
+        ) from None
+
+
+class _OrbaxNoiseHeld:
+    """Holds back what orbax and its threads print while a save runs. A failed save logs the traceback of each
+    thread that saw the error, tensorstore's callbacks report theirs ("Event loop is closed") and asyncio reports
+    every failed write as its task is collected: about a thousand lines, where one line says it all. What a
+    save that succeeds logs at WARNING or above is passed on at the end."""
+
+    LOGGERS = ("absl", "asyncio")
+
+    def __enter__(self):
+        self.held: list = []
+        self.unraisablehook, sys.unraisablehook = sys.unraisablehook, self.held.append
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self._hold)
+        return self
+
+    def _hold(self, record) -> bool:
+        self.held.append(record)
+        return False
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is not None:
+            gc.collect()  # the failed write tasks go now, while asyncio's reports of them are held
+        sys.unraisablehook = self.unraisablehook
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self._hold)
+        if exc_type is not None:  # and those collected later (at exit) are dropped
+            logging.getLogger("asyncio").addFilter(_not_an_orbax_orphan)
+        if exc_type is None:
+            for item in self.held:
+                if not isinstance(item, logging.LogRecord):
+                    self.unraisablehook(item)
+                elif item.levelno >= logging.WARNING:
+                    logging.getLogger(item.name).handle(item)
+
+
+def _not_an_orbax_orphan(record) -> bool:
+    """False for asyncio's report of an orbax write task whose error nobody read: the error of a save that
+    failed, already said in one line."""
+    text = record.getMessage()
+    return not (text.startswith("Task exception was never retrieved") and "orbax" in text)
+
+
+def _save_failure(e: BaseException) -> str:
+    """Why a save failed, in words: the operating system's reason where there is one ("No space left on
+    device"; tensorstore reports it as os_error_code=28 inside its message), else the exception's first line."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return os.strerror(seen.errno)
+        code = re.search(r"os_error_code='?(\d+)", str(seen))
+        if code:
+            return os.strerror(int(code.group(1)))
+        seen = seen.__cause__ or seen.__context__
+    return _reason(e)
 
 
 def _reason(e: BaseException) -> str:
@@ -1001,7 +1099,8 @@ def train(
     stop_at: stop after this step with a checkpoint, as if interrupted (an unfinished run is not exported).
     export_dir: where the finished model goes in HF layout (default `<out>/export`).
     progress: a tqdm bar on stderr; without it, a log line at each evaluation.
-    Raises TrainerError on a bad input, setting or checkpoint, FloatingPointError on a diverged loss.
+    Raises TrainerError on a bad input, setting or checkpoint (or a checkpoint that cannot be saved),
+    FloatingPointError on a diverged loss.
     """
     import jax
     from tqdm import tqdm

@@ -1,9 +1,12 @@
 """mla-train: a short CPU run learns, an interrupted + resumed run equals an uninterrupted one bit for bit,
 the export loads, and bad arguments give one clear line and exit status 2."""
 
+import contextlib
+import errno
 import json
 import math
 import os
+import signal
 
 import chex
 import jax
@@ -510,3 +513,85 @@ def test_auto_attention_picks_the_flash_kernel_only_for_bf16_on_one_hopper(monke
     assert resolve_attn_impl(s) == want
     assert train_config(s).attn_impl == want
     assert train_config(TrainSettings(dtype=dtype, mesh=mesh, attn_impl="cudnn")).attn_impl == "cudnn"
+
+
+# ------------------------------------------------------------------------------------------
+# Faults while saving: one line naming the checkpoint and the cause, partial files removed
+# ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _file_size_limit(monkeypatch):
+    """Real orbax writes fail: no file may grow past 256 KiB (RLIMIT_FSIZE; SIGXFSZ ignored, so a write fails
+    with EFBIG, "File too large", as one fails with ENOSPC on a full disk)."""
+    import resource
+
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, old_limit[1]))
+    try:
+        yield errno.EFBIG
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def _failing_writer(code):
+    """orbax's save writes part of the step's temporary folder, then fails with OSError `code`."""
+
+    @contextlib.contextmanager
+    def fail(monkeypatch):
+        def save(self, step, *args, **kwargs):
+            part = os.path.join(str(self.directory), f"{step}.orbax-checkpoint-tmp", "state.orbax-checkpoint-tmp")
+            os.makedirs(part)
+            with open(os.path.join(part, "d"), "wb") as f:
+                f.write(bytes(4096))
+            raise OSError(code, os.strerror(code), part)
+
+        monkeypatch.setattr("orbax.checkpoint.CheckpointManager.save", save)
+        yield code
+
+    return fail
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A run directory with the checkpoint of step 2 (no evaluation before the end, no periodic saves)."""
+    out = tmp_path_factory.mktemp("two_steps") / "run"
+    assert main(["--out", str(out), "--eval-every", "0", "--save-every", "0", *FAST, "--stop-at", "2"]) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        pytest.param(_file_size_limit, id="real-orbax-write-fails-2500-lines-of-tracebacks-tmp-folder-left"),
+        pytest.param(_failing_writer(errno.ENOSPC), id="disk-full-no-one-line-error"),
+        pytest.param(_failing_writer(errno.EACCES), id="permission-denied-no-one-line-error"),
+    ],
+)
+def test_failed_save_is_one_line_and_the_last_checkpoint_still_loads(
+    two_steps, tmp_path, capfd, caplog, monkeypatch, fault
+):
+    """Guards: a full disk while saving printed about 2 500 lines of orbax/asyncio tracebacks, no one-line error,
+    and left a `*.orbax-checkpoint-tmp` folder behind. Now: one line naming the checkpoint and the cause, exit 2,
+    the partial files removed, and `--resume` continues from the last good checkpoint."""
+    import shutil
+
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    shutil.copytree(two_steps, out)
+    args = ["--out", str(out), "--eval-every", "0", "--save-every", "0", *FAST]
+    capfd.readouterr()
+    caplog.clear()
+    with fault(monkeypatch) as code:
+        rc = main([*args, "--resume", "--stop-at", "4"])
+    monkeypatch.undo()
+    err = capfd.readouterr().err
+    assert rc == 2, err
+    assert err.splitlines()[1:] == [
+        f"mla-train: error: cannot save checkpoint {ckpts / '4'}: {os.strerror(code)}; its partial files were "
+        f"removed; the last checkpoint, {ckpts / '2'}, is intact (--resume continues from it)"
+    ], err
+    assert not [r for r in caplog.records if r.name in ("absl", "asyncio")], caplog.text  # orbax's tracebacks
+    assert os.listdir(ckpts) == ["2"]
+    assert main([*args, "--resume", "--stop-at", "3"]) == 0
+    assert "steps 2->3" in capfd.readouterr().err
