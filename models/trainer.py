@@ -27,6 +27,8 @@ settings, another corpus or another model config, and a checkpoint whose files d
 exactly as they were saved (truncated, edited, renamed, half written): each is one `TrainerError`
 naming the checkpoint directory. A save that fails (a full disk, no permission) is one `TrainerError`
 naming the step directory and the cause; its partial files are removed and the earlier checkpoints stay.
+SIGINT / SIGTERM during `train`: the current step ends, its checkpoint is saved (even before the first
+periodic one), then `Interrupted` (a KeyboardInterrupt) says where; `resume=True` continues from it.
 
 Precision: fp32 parameters (the master copy), compute in `TrainSettings.dtype` (bf16 casts each weight
 at use), fp32 gradients and fp32 AdamW moments (they follow the parameters); see `models.training`.
@@ -60,7 +62,9 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 from typing import Any, ClassVar
 
@@ -686,11 +690,13 @@ def plot_losses(rows: list[dict], path: str) -> None:
 _ITEMS = ("state", "opt_state")
 
 
-def checkpoint_manager(out: str, create: bool = True):
-    """The orbax CheckpointManager of `<out>/checkpoints` (the last two steps are kept)."""
+def checkpoint_manager(out: str, create: bool = True, tidy: bool = False):
+    """The orbax CheckpointManager of `<out>/checkpoints` (the last two steps are kept). `tidy`: first remove
+    the unfinished saves (`*.orbax-checkpoint-tmp*`) a killed run left behind (a run's own manager only: never
+    while another process may be saving there)."""
     import orbax.checkpoint as ocp
 
-    opts = ocp.CheckpointManagerOptions(max_to_keep=2, create=create)
+    opts = ocp.CheckpointManagerOptions(max_to_keep=2, create=create, cleanup_tmp_directories=tidy)
     return ocp.CheckpointManager(os.path.abspath(os.path.join(out, "checkpoints")), options=opts)
 
 
@@ -947,6 +953,85 @@ class TrainState:
     step: int = 0
 
 
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT or SIGTERM (`train`): `str()` is the one line to print; `step` the step reached,
+    `checkpoint` the directory of the last checkpoint (None when there is none)."""
+
+    def __init__(self, message: str, step: int | None, checkpoint: str | None):
+        super().__init__(message)
+        self.step, self.checkpoint = step, checkpoint
+
+
+class _StopRequest:
+    """SIGINT and SIGTERM while a run trains: the first sets `signal` (the loop stops after the current step
+    and saves a checkpoint) and says so in one line; a second gives both signals back to their old handlers
+    and stops at once (`forced`): KeyboardInterrupt, or, while a checkpoint is being saved (`saving`, the step),
+    one line and the process's exit with status 130 (orbax's writer threads cannot be stopped halfway; the
+    next run's `checkpoint_manager(tidy=True)` removes what they left). A signal ignored by whoever started
+    the process stays ignored, and off the main thread (where Python runs signal handlers) nothing is
+    installed. `speak`: print those lines (process 0 of several); `bar`: a progress bar holds the line."""
+
+    def __init__(self, speak: bool = True, bar: bool = False):
+        self.signal: int | None = None
+        self.forced = False
+        self.saving: int | None = None
+        self.speak, self.bar = speak, bar
+        self._old: dict = {}
+
+    def _say(self, line: str) -> None:
+        if self.speak:  # os.write: a handler may run while the main thread is inside a print to stderr
+            os.write(2, (("\n" if self.bar else "") + "mla-train: " + line + "\n").encode())
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old = signal.getsignal(sig)
+            if old is not None and old != signal.SIG_IGN:  # None: a handler not set from Python, left alone
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is None:
+            self.signal = signum
+            self._say(
+                f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint (a second signal "
+                "quits at once, without it)"
+            )
+            return
+        self.forced = True
+        self.restore()
+        if self.saving is not None:
+            self._say(
+                f"interrupted again while saving the checkpoint of step {self.saving}: quit at once without it (the "
+                "next run removes its partial files; the earlier checkpoints are kept)"
+            )
+            try:
+                sys.stdout.flush()
+            finally:
+                os._exit(130)
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+
+def _interrupted(mgr, ts: TrainState | None, forced: bool) -> Interrupted:
+    """The Interrupted of a run stopped at once (a second signal, or one outside the loop): where it got to
+    and the last checkpoint there is."""
+    try:
+        last = mgr.latest_step()
+    except Exception:  # noqa: BLE001
+        last = None
+    where = None if last is None else os.path.join(str(mgr.directory), str(last))
+    what = ("interrupted again" if forced else "interrupted") + ("" if ts is None else f" at step {ts.step}")
+    if forced:
+        what += ": stopped at once"
+    tail = "no checkpoint was saved" if where is None else f"the last checkpoint is {where}; continue with --resume"
+    return Interrupted(f"{what}; {tail}", None if ts is None else ts.step, where)
+
+
 def _directory_problem(path: str) -> str | None:
     """Why `path` cannot be a directory to write in (it, or a folder on the way to it, is a file); None when
     it is a directory or can be made one."""
@@ -1100,7 +1185,10 @@ def train(
     export_dir: where the finished model goes in HF layout (default `<out>/export`).
     progress: a tqdm bar on stderr; without it, a log line at each evaluation.
     Raises TrainerError on a bad input, setting or checkpoint (or a checkpoint that cannot be saved),
-    FloatingPointError on a diverged loss.
+    FloatingPointError on a diverged loss, and `Interrupted` on SIGINT / SIGTERM: called from the main thread,
+    the first signal ends the current step, saves its checkpoint and then raises it (`--resume` continues from
+    there); a second one stops at once. Of several processes, each must receive the signal (as launchers send
+    it): the processes stop together only then.
     """
     import jax
     from tqdm import tqdm
@@ -1128,7 +1216,20 @@ def train(
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise SettingError("{0} {d!r}: cannot create it: {e}", "out", d=out, e=e.strerror or e) from None
-    mgr = checkpoint_manager(out)
+    mgr = checkpoint_manager(out, tidy=True)
+    primary = jax.process_index() == 0  # of several processes, one writes the log, the plot and the export
+    # SIGINT / SIGTERM: stop after the current step, with a checkpoint
+    stop_request = _StopRequest(speak=primary, bar=progress and primary)
+    stop_request.install()
+    ts = None
+
+    def save(ts: TrainState) -> None:
+        stop_request.saving = ts.step
+        try:
+            trainer.save(mgr, ts)
+        finally:
+            stop_request.saving = None
+
     try:
         if resume:
             ts = trainer.restore(mgr)
@@ -1138,7 +1239,6 @@ def train(
             )
         else:
             ts = trainer.init()
-        primary = jax.process_index() == 0  # of several processes, one writes the log, the plot and the export
         say = functools.partial(print, file=sys.stderr) if primary else lambda *a: None
         log = MetricsLog(os.path.join(out, "metrics.jsonl"), upto_step=ts.step if resume else None, write=primary)
         s = settings
@@ -1171,7 +1271,7 @@ def train(
         train_ce = None
         t_start = time.perf_counter()
         try:
-            while ts.step < stop:
+            while ts.step < stop and stop_request.signal is None:
                 first = ts.step == start
                 ts, row = trainer.step(ts)
                 # the step alone (not evaluation or checkpoints); a session's first step includes compiling it
@@ -1187,6 +1287,8 @@ def train(
                     load=f"{row['load_max_over_mean']:.2f}",
                     refresh=False,
                 )
+                if stop_request.signal is not None:  # no evaluation, no export: the checkpoint below, then stop
+                    break
                 if s.eval_every and ts.step % s.eval_every == 0 and ts.step != stop:
                     ev = run_eval(ts)
                     msg = f"step {ts.step}: train CE {train_ce:.4f}, held-out CE {ev['eval_ce']:.4f} nats/token"
@@ -1195,11 +1297,19 @@ def train(
                     elif not progress:
                         say("mla-train: " + msg)
                 if s.save_every and ts.step % s.save_every == 0 and ts.step != stop:
-                    trainer.save(mgr, ts)
+                    save(ts)
         finally:
             bar.close()
-        if mgr.latest_step() != ts.step:
-            trainer.save(mgr, ts)
+        if mgr.latest_step() != ts.step and ts.step > 0:
+            save(ts)
+        stop_request.restore()  # from here on (evaluation, export) a signal interrupts as it would anywhere
+        if stop_request.signal is not None:
+            if ts.step == 0:
+                raise Interrupted("interrupted before the first step: nothing to save", 0, None)
+            where = os.path.join(str(mgr.directory), str(ts.step))
+            raise Interrupted(
+                f"interrupted at step {ts.step}: checkpoint saved to {where}; continue with --resume", ts.step, where
+            )
         ev = run_eval(ts)
         last_ce = float("nan") if train_ce is None else train_ce
         say(
@@ -1240,5 +1350,10 @@ def train(
                 ) from None
             say(f"mla-train: exported to {done_dir}")
         return RunResult(ts.step, train_ce, ev, out, done_dir)
+    except KeyboardInterrupt as e:
+        if isinstance(e, Interrupted):
+            raise
+        raise _interrupted(mgr, ts, stop_request.forced) from None
     finally:
+        stop_request.restore()
         mgr.close()

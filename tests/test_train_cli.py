@@ -7,6 +7,9 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import chex
 import jax
@@ -513,6 +516,154 @@ def test_auto_attention_picks_the_flash_kernel_only_for_bf16_on_one_hopper(monke
     assert resolve_attn_impl(s) == want
     assert train_config(s).attn_impl == want
     assert train_config(TrainSettings(dtype=dtype, mesh=mesh, attn_impl="cudnn")).attn_impl == "cudnn"
+
+
+# ------------------------------------------------------------------------------------------
+# Interruptions: SIGINT / SIGTERM end the step, save it, say where, exit 130; --resume continues
+# ------------------------------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _signal_after_step(monkeypatch, sig, at, times=1):
+    """Trainer.step sends this process `sig` (`times` times) once it has finished step `at`."""
+    from models.trainer import Trainer
+
+    real_step = Trainer.step
+
+    def step(self, ts):
+        ts, row = real_step(self, ts)
+        if ts.step == at:
+            for _ in range(times):
+                os.kill(os.getpid(), sig)
+        return ts, row
+
+    monkeypatch.setattr(Trainer, "step", step)
+
+
+def test_sigterm_before_the_first_checkpoint_saves_it_and_resume_continues(tmp_path, capfd, monkeypatch):
+    """Guards: Ctrl-C / SIGTERM before the first periodic checkpoint (step 200 by default) lost every step and
+    then said "resume from the last checkpoint with --resume" when there was none. The first signal ends the
+    step, saves its checkpoint, says where in one line, exit 130; the old handler is back afterwards."""
+    caught = []
+
+    def handler(signum, frame):  # stands in for SIGTERM's default (the end of pytest) should `train` install none
+        caught.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    _signal_after_step(monkeypatch, signal.SIGTERM, at=3)
+    out = tmp_path / "run"
+    args = ["--out", str(out), "--eval-every", "0", *FAST]  # --save-every: the default 200
+    try:
+        rc = main(args)
+        after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    err = capfd.readouterr().err
+    assert rc == 130 and not caught, err
+    assert after is handler  # the handler `train` found is back
+    assert err.splitlines()[1:] == [
+        "mla-train: SIGTERM: stopping after this step, with a checkpoint (a second signal quits at once, without it)",
+        f"mla-train: interrupted at step 3: checkpoint saved to {out / 'checkpoints' / '3'}; continue with --resume",
+    ], err
+    assert os.listdir(out / "checkpoints") == ["3"] and not (out / "export").exists()
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3]
+    assert main([*args, "--resume", "--stop-at", "5"]) == 0
+    assert "steps 3->5" in capfd.readouterr().err
+    assert [r["step"] for r in _rows(out) if "ce" in r] == [1, 2, 3, 4, 5]
+
+
+def test_second_signal_between_saves_stops_at_once(tmp_path, capfd, monkeypatch):
+    """A second signal outside a save stops at once (KeyboardInterrupt) and says which checkpoint is the last."""
+    _signal_after_step(monkeypatch, signal.SIGINT, at=2, times=2)
+    out = tmp_path / "run"
+    args = ["--out", str(out), "--eval-every", "0", "--save-every", "1", *FAST]
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever the test runner set
+    try:
+        rc = main(args)
+    except KeyboardInterrupt:  # caught here: escaping, it would end the pytest session
+        rc = "KeyboardInterrupt escaped"
+    finally:
+        after = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, previous)
+    last = capfd.readouterr().err.splitlines()[-1]
+    assert rc == 130 and after is signal.default_int_handler, rc
+    # step 2 was computed, but the second signal came before `train` had it: the run holds step 1
+    assert last == (
+        f"mla-train: interrupted again at step 1: stopped at once; the last checkpoint is "
+        f"{out / 'checkpoints' / '1'}; continue with --resume"
+    ), last
+
+
+def _child(code: str, args: list[str]) -> subprocess.Popen:
+    """`mla-train args` in a process of its own, after `code` (test hooks); SIGINT raises KeyboardInterrupt
+    there whatever the test runner did with it."""
+    prelude = "import os, signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    main_call = "from models.train_cli import main; sys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    return subprocess.Popen(
+        [sys.executable, "-c", prelude + code + "; " + main_call, *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def test_ctrl_c_in_a_real_process_saves_and_exits_130(tmp_path):
+    """The console path: SIGINT from outside once the first step is logged. Guards: no checkpoint before step
+    200, a false "resume from the last checkpoint", a KeyboardInterrupt traceback, and the abort "terminate
+    called without an active exception" (exit 134) of an orbax thread killed mid-save."""
+    out = tmp_path / "run"
+    slow = (
+        "from models import trainer; step = trainer.Trainer.step; "  # 0.2 s a step: the run cannot end first
+        "trainer.Trainer.step = lambda self, ts: (time.sleep(0.2), step(self, ts))[1]"
+    )
+    p = _child(slow, ["--out", str(out), "--eval-every", "0", *FAST])
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    err = err.decode()
+    step = _rows(out)[-1]["step"]
+    assert p.returncode == 130, err
+    assert err.splitlines()[-2:] == [
+        "mla-train: SIGINT: stopping after this step, with a checkpoint (a second signal quits at once, without it)",
+        f"mla-train: interrupted at step {step}: checkpoint saved to {out / 'checkpoints' / str(step)}; "
+        "continue with --resume",
+    ], err
+    assert "Traceback" not in err and "terminate called" not in err
+    assert os.listdir(out / "checkpoints") == [str(step)]
+    assert main(["--out", str(out), "--eval-every", "0", *FAST, "--resume", "--stop-at", str(step + 1)]) == 0
+    assert [r["step"] for r in _rows(out) if "ce" in r] == list(range(1, step + 2))
+
+
+def test_second_ctrl_c_during_the_save_quits_at_once(tmp_path, capfd):
+    """A second signal while the checkpoint is written quits at once, says so in one line, exit 130 (not orbax's
+    tracebacks, not "terminate called without an active exception"); the next run removes the partial save."""
+    out = tmp_path / "run"
+    hooks = (  # the first signal after step 1, the second once orbax's threads write its checkpoint
+        "import orbax.checkpoint as ocp; from models import trainer; pid = os.getpid(); "
+        "step, save = trainer.Trainer.step, ocp.CheckpointManager.save; "
+        "trainer.Trainer.step = lambda self, ts: (lambda r: (os.kill(pid, signal.SIGINT), r)[1])(step(self, ts)); "
+        "ocp.CheckpointManager.save = lambda self, *a, **k: (save(self, *a, **k), os.kill(pid, signal.SIGINT))[0]"
+    )
+    p = _child(hooks, ["--out", str(out), "--eval-every", "0", *FAST])
+    _, err = p.communicate(timeout=300)
+    err = err.decode()
+    assert p.returncode == 130, err
+    assert err.splitlines()[-1] == (
+        "mla-train: interrupted again while saving the checkpoint of step 1: quit at once without it (the next run "
+        "removes its partial files; the earlier checkpoints are kept)"
+    ), err
+    assert "Traceback" not in err and "terminate called" not in err
+    assert [n for n in os.listdir(out / "checkpoints") if not n.startswith("1.orbax-checkpoint-tmp")] == []
+    assert main(["--out", str(out), "--eval-every", "0", *FAST, "--stop-at", "1"]) == 0  # a run may start there
+    assert os.listdir(out / "checkpoints") == ["1"]  # and the partial save is gone
 
 
 # ------------------------------------------------------------------------------------------
