@@ -354,8 +354,9 @@ def load_hf_checkpoint(
     and keep the MoE off its Mosaic GPU kernel), fp32 elsewhere. param_dtype: storage dtype
     (default `dtype`). The router kernel and
     `e_score_correction_bias` are kept in fp32 whatever the dtype. Raises ValueError naming the
-    tensor for a missing, unexpected or mis-shaped tensor, an fp8 weight without scales, an MTP
-    copy of the embedding/head that differs from the main one, or a pickle checkpoint.
+    tensor for a missing, unexpected or mis-shaped tensor, a floating-point weight stored with an integer
+    dtype, an fp8 weight without scales, an MTP copy of the embedding/head that differs from the main one,
+    or a pickle checkpoint.
     """
     from models.deepseek import DeepSeekModel
 
@@ -395,6 +396,21 @@ def load_hf_checkpoint(
             f"checkpoint {path!r} has {len(unexpected)} unexpected tensor(s): {unexpected[:8]}"
             + (" ..." if len(unexpected) > 8 else "")
         )
+    # Every mapped tensor's shape and dtype first: a bad main tensor must be named as such, not through
+    # the MTP copy that no longer matches it.
+    for mpath, index, kind, names in entries:
+        var = _variable(model, mpath)
+        shape = tuple(var.shape) if index is None else tuple(var.shape[1:])
+        want = _hf_shape(shape, kind)
+        for n in [names] if isinstance(names, str) else names:
+            if tuple(tensors[n].shape) != want:
+                raise ValueError(f"tensor {n!r} has shape {tuple(tensors[n].shape)}, expected {want} for this config")
+            stored = tensors[n].dtype
+            if stored.kind in "iub" and jnp.issubdtype(var.dtype, jnp.floating):
+                raise ValueError(
+                    f"tensor {n!r} is stored as {stored}, but it is a floating-point weight ({np.dtype(var.dtype)} "
+                    "here): a float tensor written with an integer dtype has lost its fractions"
+                )
     for copy, main in copies.items():
         if copy in tensors:
             a, b = tensors[copy], tensors[main]
@@ -410,11 +426,6 @@ def load_hf_checkpoint(
     stacked: dict[tuple, np.ndarray] = {}  # a stacked variable's host buffer, filled layer by layer
     for mpath, index, kind, names in entries:
         var = _variable(model, mpath)
-        shape = tuple(var.shape) if index is None else tuple(var.shape[1:])
-        want = _hf_shape(shape, kind)
-        for n in [names] if isinstance(names, str) else names:
-            if tuple(tensors[n].shape) != want:
-                raise ValueError(f"tensor {n!r} has shape {tuple(tensors[n].shape)}, expected {want} for this config")
         if kind == "T":
             arr = np.asarray(tensors[names]).T
         elif kind == "stackT":

@@ -10,7 +10,8 @@ acceptance, cache pages used). Steps that compiled are left out of the tokens/s 
 reported as compile time. Compiled steps are kept in jax's persistent compilation cache
 (`--compile-cache`, see `models.compile_cache`), so a second run starts warm. `--mesh` places the
 weights on a device mesh; `--coordinator/--num-processes/--process-id` join several processes first
-(`models.distributed`). Errors in arguments or inputs: one line on stderr, exit status 2.
+(`models.distributed`). Errors in arguments or inputs: one line on stderr, exit status 2. Ctrl-C: the
+text stops where it got to and ends its line, then `mla-generate: interrupted` on stderr, exit status 130.
 """
 
 from __future__ import annotations
@@ -212,8 +213,10 @@ def format_stats(stats: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `mla-generate` console script: returns 0, or exits with status 2 and a one-line error."""
+    """The `mla-generate` console script: returns 0, or exits with status 2 and a one-line error (130 when
+    interrupted)."""
     out, err = sys.stdout, sys.stderr
+    mid_line = False  # text printed since the last newline: an interruption ends its line
     try:
         args = _build_parser().parse_args(argv)
         from models import distributed
@@ -312,6 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise _UsageError(warm.errors[0])
             out.write(prompt_text)
             out.flush()
+            mid_line = True
             stream = _TextStream(tok, out)
             res = engine.generate(
                 [ids],
@@ -327,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(str(e)) from None
         stream.close()
         out.write("\n")
+        mid_line = False
         if res.errors[0] is not None:
             raise _UsageError(res.errors[0])
         print(format_stats(dict(res.stats, compile_s=res.stats["compile_s"] + compile_s)), file=out)
@@ -344,6 +349,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # anything else the inputs can cause, still one line
         print(f"mla-generate: error: {e}", file=err)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C: the text so far, its line ended, then one line
+        if mid_line:
+            out.write("\n")
+            out.flush()
+        print("mla-generate: interrupted", file=err)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -183,7 +183,14 @@ def decode_loop(model, cache: KVCache, inp: StepInputs, steps_B, stop_ids_BS, *,
             count_B + active,
         )
 
-    init = (cache, inp.ids[:, 0], inp.positions[:, 0], jnp.zeros((B,), bool), jnp.full((B, num_steps), -1, jnp.int32), zero_B)
+    init = (
+        cache,
+        inp.ids[:, 0],
+        inp.positions[:, 0],
+        jnp.zeros((B,), bool),
+        jnp.full((B, num_steps), -1, jnp.int32),
+        zero_B,
+    )
     cache, _, _, _, tokens, count = jax.lax.fori_loop(0, num_steps, step, init)
     return cache, tokens, count
 

@@ -129,16 +129,28 @@ def _utf8(text: str) -> bytes:
 
 
 def _read_hf_tokenizer(path: str):
-    """`tokenizers.Tokenizer` of a tokenizer.json; FileNotFoundError / ValueError naming the file."""
+    """`tokenizers.Tokenizer` of a tokenizer.json; FileNotFoundError / ValueError naming the file. The JSON is
+    checked first: the library reports a JSON object that is no tokenizer (`{"a": 1}`) as if it were a syntax
+    error ("expected `,` or `}` at line 1 column 5"), and a syntax error as a type error."""
     from tokenizers import Tokenizer
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no tokenizer file at {path!r}")
     try:
+        spec = read_json_object(path)
+    except ValueError as e:  # "<path>: not valid JSON: ..." / "<path>: expected a JSON object ..."
+        raise ValueError(f"cannot read tokenizer {e}") from None
+    not_hf = f"cannot read tokenizer {path}: valid JSON, but not a Hugging Face tokenizer.json"
+    if "model" not in spec:
+        keys = ", ".join(map(repr, list(spec)[:6])) + (", ..." if len(spec) > 6 else "")
+        raise ValueError(f'{not_hf}: it has no "model" entry (its keys: {keys or "none"})')
+    if not isinstance(spec["model"], dict):
+        raise ValueError(f'{not_hf}: its "model" must be an object (BPE, WordLevel, ...), got {spec["model"]!r:.40}')
+    try:
         return Tokenizer.from_file(path)
     except Exception as e:  # the library raises a bare Exception on a malformed file
         reason = " ".join(str(e).split())
-        raise ValueError(f"cannot read tokenizer {path}: {reason}") from None
+        raise ValueError(f"{not_hf}: {reason}") from None
 
 
 def save_byte_tokenizer(directory: str | os.PathLike, tok: ByteTokenizer | None = None) -> str:

@@ -8,8 +8,10 @@
 
 The command line over `models.trainer` (the data, the loop, evaluation, checkpoints, resume and export
 are there; the flags are `TrainSettings`' fields; `--coordinator/--num-processes/--process-id` join
-several processes first, `models.distributed`). Errors in arguments, inputs or checkpoints: one line
-on stderr, exit status 2; a diverged run: one line, exit status 1.
+several processes first, `models.distributed`). Errors in arguments, inputs or checkpoints (also a
+checkpoint that cannot be saved: a full disk): one line on stderr, exit status 2; a diverged run: one line,
+exit status 1. Ctrl-C (SIGINT) or SIGTERM: the current step ends, its checkpoint is saved, one line says
+where, exit status 130 (`--resume` continues from it); a second one stops at once.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 
 from mla_jax.attention import DECOMPRESSED_IMPLS
 from models.moe import MOE_TRAINING_IMPLS
-from models.trainer import DTYPES, PRESETS, SettingError, TrainerError, TrainSettings, train
+from models.trainer import DTYPES, PRESETS, Interrupted, SettingError, TrainerError, TrainSettings, train
 
 
 class UsageError(TrainerError):
@@ -183,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # e.g. a compile-cache or output directory that cannot be created
         print(f"mla-train: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("mla-train: interrupted (resume from the last checkpoint with --resume)", file=sys.stderr)
+    except Interrupted as e:  # "interrupted at step N: checkpoint saved to DIR; continue with --resume"
+        print(f"mla-train: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # before `train` began: nothing was written
+        print("mla-train: interrupted before training started; nothing was written", file=sys.stderr)
         return 130
     return 0
 

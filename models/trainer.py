@@ -25,7 +25,10 @@ a JSON record: the step, the data-order seed, the settings that shape the trajec
 config, the corpus fingerprint and a sha256 of each array tree. Resuming refuses different
 settings, another corpus or another model config, and a checkpoint whose files do not read back
 exactly as they were saved (truncated, edited, renamed, half written): each is one `TrainerError`
-naming the checkpoint directory.
+naming the checkpoint directory. A save that fails (a full disk, no permission) is one `TrainerError`
+naming the step directory and the cause; its partial files are removed and the earlier checkpoints stay.
+SIGINT / SIGTERM during `train`: the current step ends, its checkpoint is saved (even before the first
+periodic one), then `Interrupted` (a KeyboardInterrupt) says where; `resume=True` continues from it.
 
 Precision: fp32 parameters (the master copy), compute in `TrainSettings.dtype` (bf16 casts each weight
 at use), fp32 gradients and fp32 AdamW moments (they follow the parameters); see `models.training`.
@@ -51,11 +54,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import hashlib
 import json
+import logging
 import math
 import os
+import re
+import shutil
+import signal
 import sys
+import threading
 import time
 from typing import Any, ClassVar
 
@@ -153,9 +162,13 @@ class TrainSettings:
             )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise SettingError("{0} must be a positive number, got {v}", "lr", v=self.lr)
-        for name in ("warmup", "eval_every", "save_every", "eval_windows"):
+        for name in ("warmup", "eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise SettingError("{0} must be >= 0, got {v}", name, v=getattr(self, name))
+        if self.eval_windows < 1:  # every evaluation (the final one at least) reads held-out windows
+            raise SettingError(
+                "{0} must be >= 1 (held-out windows per evaluation), got {v}", "eval_windows", v=self.eval_windows
+            )
         if self.warmup >= self.steps:
             raise SettingError(
                 "{0} ({w}) must be smaller than {1} ({s})", "warmup", "steps", w=self.warmup, s=self.steps
@@ -220,7 +233,7 @@ def load_config(spec: str):
     elif os.path.exists(spec):
         try:
             cfg = ModelConfig.from_hf(spec)
-        except (ValueError, KeyError, json.JSONDecodeError) as e:
+        except (ValueError, KeyError, json.JSONDecodeError, OSError) as e:  # OSError: a directory without one
             raise SettingError("{0} {spec!r}: {e}", "config", spec=spec, e=e) from e
     else:
         raise SettingError(
@@ -291,6 +304,8 @@ def load_corpus(path: str, seq_len: int, max_windows: int) -> CorpusData:
     """Read, split and tokenize a corpus (TrainerError when it is missing, not UTF-8 or too short)."""
     from models.tokenizer import ByteTokenizer
 
+    if os.path.isdir(path):
+        raise SettingError("{0} {p!r} is a directory, not a text file", "corpus", p=path)
     if not os.path.isfile(path):
         raise SettingError("{0} {p!r}: no such file", "corpus", p=path)
     with open(path, encoding="utf-8", errors="strict") as f:
@@ -659,11 +674,13 @@ def plot_losses(rows: list[dict], path: str) -> None:
 _ITEMS = ("state", "opt_state")
 
 
-def checkpoint_manager(out: str, create: bool = True):
-    """The orbax CheckpointManager of `<out>/checkpoints` (the last two steps are kept)."""
+def checkpoint_manager(out: str, create: bool = True, tidy: bool = False):
+    """The orbax CheckpointManager of `<out>/checkpoints` (the last two steps are kept). `tidy`: first remove
+    the unfinished saves (`*.orbax-checkpoint-tmp*`) a killed run left behind (a run's own manager only: never
+    while another process may be saving there)."""
     import orbax.checkpoint as ocp
 
-    opts = ocp.CheckpointManagerOptions(max_to_keep=2, create=create)
+    opts = ocp.CheckpointManagerOptions(max_to_keep=2, create=create, cleanup_tmp_directories=tidy)
     return ocp.CheckpointManager(os.path.abspath(os.path.join(out, "checkpoints")), options=opts)
 
 
@@ -692,18 +709,111 @@ def host_array(x) -> np.ndarray:
 
 
 def save_checkpoint(mgr, step: int, state, opt_state, meta: dict) -> None:
-    """Write step `step`: both array trees and `meta` plus their checksums (`tree_sha256`), then wait."""
+    """Write step `step`: both array trees and `meta` plus their checksums (`tree_sha256`), then wait.
+
+    A save that fails (a full disk, no permission) is one TrainerError naming the step directory and the
+    cause; its partial files are removed and the earlier checkpoints stay as they were. A KeyboardInterrupt
+    during the save removes them too, once orbax's threads have ended, and goes on."""
     import orbax.checkpoint as ocp
 
     meta = {**meta, "step": step, "sha256": {"state": tree_sha256(state), "opt_state": tree_sha256(opt_state)}}
-    mgr.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), opt_state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta)
-        ),
-        force=True,
-    )
-    mgr.wait_until_finished()
+    directory = str(mgr.directory)
+    where = os.path.join(directory, str(step))
+    existed = os.path.exists(where)
+    try:
+        with _OrbaxNoiseHeld():
+            try:
+                mgr.save(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(state),
+                        opt_state=ocp.args.StandardSave(opt_state),
+                        meta=ocp.args.JsonSave(meta),
+                    ),
+                    force=True,
+                )
+                mgr.wait_until_finished()
+            except BaseException:
+                try:  # orbax's threads write into the folder removed below: let them end first
+                    mgr.wait_until_finished()
+                except Exception:  # noqa: BLE001 - their error is the one being reported
+                    pass
+                raise
+    except BaseException as e:
+        for name in os.listdir(directory) if os.path.isdir(directory) else ():
+            if name.startswith(f"{step}.orbax-checkpoint-tmp") or (name == str(step) and not existed):
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        try:
+            mgr.reload()  # forget the step it did not finish
+            last = mgr.latest_step()
+        except Exception:  # noqa: BLE001
+            last = None
+        if not isinstance(e, Exception):  # an interruption: `train` says what there is
+            raise
+        kept = (
+            "there is no earlier checkpoint"
+            if last is None
+            else f"the last checkpoint, {os.path.join(directory, str(last))}, is intact (--resume continues from it)"
+        )
+        raise TrainerError(
+            f"cannot save checkpoint {where}: {_save_failure(e)}; its partial files were removed; {kept}"
+        ) from None
+
+
+class _OrbaxNoiseHeld:
+    """Holds back what orbax and its threads print while a save runs. A failed save logs the traceback of each
+    thread that saw the error, tensorstore's callbacks report theirs ("Event loop is closed") and asyncio reports
+    every failed write as its task is collected: about a thousand lines, where one line says it all. What a
+    save that succeeds logs at WARNING or above is passed on at the end."""
+
+    LOGGERS = ("absl", "asyncio")
+
+    def __enter__(self):
+        self.held: list = []
+        self.unraisablehook, sys.unraisablehook = sys.unraisablehook, self.held.append
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self._hold)
+        return self
+
+    def _hold(self, record) -> bool:
+        self.held.append(record)
+        return False
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is not None:
+            gc.collect()  # the failed write tasks go now, while asyncio's reports of them are held
+        sys.unraisablehook = self.unraisablehook
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self._hold)
+        if exc_type is not None:  # and those collected later (at exit) are dropped
+            logging.getLogger("asyncio").addFilter(_not_an_orbax_orphan)
+        if exc_type is None:
+            for item in self.held:
+                if not isinstance(item, logging.LogRecord):
+                    self.unraisablehook(item)
+                elif item.levelno >= logging.WARNING:
+                    logging.getLogger(item.name).handle(item)
+
+
+def _not_an_orbax_orphan(record) -> bool:
+    """False for asyncio's report of an orbax write task whose error nobody read: the error of a save that
+    failed, already said in one line."""
+    text = record.getMessage()
+    return not (text.startswith("Task exception was never retrieved") and "orbax" in text)
+
+
+def _save_failure(e: BaseException) -> str:
+    """Why a save failed, in words: the operating system's reason where there is one ("No space left on
+    device"; tensorstore reports it as os_error_code=28 inside its message), else the exception's first line."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return os.strerror(seen.errno)
+        code = re.search(r"os_error_code='?(\d+)", str(seen))
+        if code:
+            return os.strerror(int(code.group(1)))
+        seen = seen.__cause__ or seen.__context__
+    return _reason(e)
 
 
 def _reason(e: BaseException) -> str:
@@ -825,6 +935,96 @@ class TrainState:
     state: Any
     opt_state: Any
     step: int = 0
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT or SIGTERM (`train`): `str()` is the one line to print; `step` the step reached,
+    `checkpoint` the directory of the last checkpoint (None when there is none)."""
+
+    def __init__(self, message: str, step: int | None, checkpoint: str | None):
+        super().__init__(message)
+        self.step, self.checkpoint = step, checkpoint
+
+
+class _StopRequest:
+    """SIGINT and SIGTERM while a run trains: the first sets `signal` (the loop stops after the current step
+    and saves a checkpoint) and says so in one line; a second gives both signals back to their old handlers
+    and stops at once (`forced`): KeyboardInterrupt, or, while a checkpoint is being saved (`saving`, the step),
+    one line and the process's exit with status 130 (orbax's writer threads cannot be stopped halfway; the
+    next run's `checkpoint_manager(tidy=True)` removes what they left). A signal ignored by whoever started
+    the process stays ignored, and off the main thread (where Python runs signal handlers) nothing is
+    installed. `speak`: print those lines (process 0 of several); `bar`: a progress bar holds the line."""
+
+    def __init__(self, speak: bool = True, bar: bool = False):
+        self.signal: int | None = None
+        self.forced = False
+        self.saving: int | None = None
+        self.speak, self.bar = speak, bar
+        self._old: dict = {}
+
+    def _say(self, line: str) -> None:
+        if self.speak:  # os.write: a handler may run while the main thread is inside a print to stderr
+            os.write(2, (("\n" if self.bar else "") + "mla-train: " + line + "\n").encode())
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old = signal.getsignal(sig)
+            if old is not None and old != signal.SIG_IGN:  # None: a handler not set from Python, left alone
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is None:
+            self.signal = signum
+            self._say(
+                f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint (a second signal "
+                "quits at once, without it)"
+            )
+            return
+        self.forced = True
+        self.restore()
+        if self.saving is not None:
+            self._say(
+                f"interrupted again while saving the checkpoint of step {self.saving}: quit at once without it (the "
+                "next run removes its partial files; the earlier checkpoints are kept)"
+            )
+            try:
+                sys.stdout.flush()
+            finally:
+                os._exit(130)
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+
+def _interrupted(mgr, ts: TrainState | None, forced: bool) -> Interrupted:
+    """The Interrupted of a run stopped at once (a second signal, or one outside the loop): where it got to
+    and the last checkpoint there is."""
+    try:
+        last = mgr.latest_step()
+    except Exception:  # noqa: BLE001
+        last = None
+    where = None if last is None else os.path.join(str(mgr.directory), str(last))
+    what = ("interrupted again" if forced else "interrupted") + ("" if ts is None else f" at step {ts.step}")
+    if forced:
+        what += ": stopped at once"
+    tail = "no checkpoint was saved" if where is None else f"the last checkpoint is {where}; continue with --resume"
+    return Interrupted(f"{what}; {tail}", None if ts is None else ts.step, where)
+
+
+def _directory_problem(path: str) -> str | None:
+    """Why `path` cannot be a directory to write in (it, or a folder on the way to it, is a file); None when
+    it is a directory or can be made one."""
+    p = os.path.normpath(path)
+    while p and not os.path.exists(p):
+        p = os.path.dirname(p)
+    if not p or os.path.isdir(p):
+        return None
+    return "is a file, not a directory" if p == os.path.normpath(path) else f"{p!r} is a file, not a directory"
 
 
 @dataclasses.dataclass
@@ -968,7 +1168,11 @@ def train(
     stop_at: stop after this step with a checkpoint, as if interrupted (an unfinished run is not exported).
     export_dir: where the finished model goes in HF layout (default `<out>/export`).
     progress: a tqdm bar on stderr; without it, a log line at each evaluation.
-    Raises TrainerError on a bad input, setting or checkpoint, FloatingPointError on a diverged loss.
+    Raises TrainerError on a bad input, setting or checkpoint (or a checkpoint that cannot be saved),
+    FloatingPointError on a diverged loss, and `Interrupted` on SIGINT / SIGTERM: called from the main thread,
+    the first signal ends the current step, saves its checkpoint and then raises it (`--resume` continues from
+    there); a second one stops at once. Of several processes, each must receive the signal (as launchers send
+    it): the processes stop together only then.
     """
     import jax
     from tqdm import tqdm
@@ -987,9 +1191,29 @@ def train(
             "attn_impl",
             b=jax.default_backend(),
         )
+    for name, d in (("out", out), ("export", export_dir)):
+        why = None if d is None else _directory_problem(d)
+        if why:
+            raise SettingError("{0} {d!r}: {why}", name, d=d, why=why)
     trainer = Trainer(settings, cfg)  # config, memory and corpus are checked before anything is written
-    os.makedirs(out, exist_ok=True)
-    mgr = checkpoint_manager(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise SettingError("{0} {d!r}: cannot create it: {e}", "out", d=out, e=e.strerror or e) from None
+    mgr = checkpoint_manager(out, tidy=True)
+    primary = jax.process_index() == 0  # of several processes, one writes the log, the plot and the export
+    # SIGINT / SIGTERM: stop after the current step, with a checkpoint
+    stop_request = _StopRequest(speak=primary, bar=progress and primary)
+    stop_request.install()
+    ts = None
+
+    def save(ts: TrainState) -> None:
+        stop_request.saving = ts.step
+        try:
+            trainer.save(mgr, ts)
+        finally:
+            stop_request.saving = None
+
     try:
         if resume:
             ts = trainer.restore(mgr)
@@ -999,7 +1223,6 @@ def train(
             )
         else:
             ts = trainer.init()
-        primary = jax.process_index() == 0  # of several processes, one writes the log, the plot and the export
         say = functools.partial(print, file=sys.stderr) if primary else lambda *a: None
         log = MetricsLog(os.path.join(out, "metrics.jsonl"), upto_step=ts.step if resume else None, write=primary)
         s = settings
@@ -1032,7 +1255,7 @@ def train(
         train_ce = None
         t_start = time.perf_counter()
         try:
-            while ts.step < stop:
+            while ts.step < stop and stop_request.signal is None:
                 first = ts.step == start
                 ts, row = trainer.step(ts)
                 # the step alone (not evaluation or checkpoints); a session's first step includes compiling it
@@ -1048,6 +1271,8 @@ def train(
                     load=f"{row['load_max_over_mean']:.2f}",
                     refresh=False,
                 )
+                if stop_request.signal is not None:  # no evaluation, no export: the checkpoint below, then stop
+                    break
                 if s.eval_every and ts.step % s.eval_every == 0 and ts.step != stop:
                     ev = run_eval(ts)
                     msg = f"step {ts.step}: train CE {train_ce:.4f}, held-out CE {ev['eval_ce']:.4f} nats/token"
@@ -1056,11 +1281,19 @@ def train(
                     elif not progress:
                         say("mla-train: " + msg)
                 if s.save_every and ts.step % s.save_every == 0 and ts.step != stop:
-                    trainer.save(mgr, ts)
+                    save(ts)
         finally:
             bar.close()
-        if mgr.latest_step() != ts.step:
-            trainer.save(mgr, ts)
+        if mgr.latest_step() != ts.step and ts.step > 0:
+            save(ts)
+        stop_request.restore()  # from here on (evaluation, export) a signal interrupts as it would anywhere
+        if stop_request.signal is not None:
+            if ts.step == 0:
+                raise Interrupted("interrupted before the first step: nothing to save", 0, None)
+            where = os.path.join(str(mgr.directory), str(ts.step))
+            raise Interrupted(
+                f"interrupted at step {ts.step}: checkpoint saved to {where}; continue with --resume", ts.step, where
+            )
         ev = run_eval(ts)
         last_ce = float("nan") if train_ce is None else train_ce
         say(
@@ -1089,8 +1322,22 @@ def train(
                 "corpus_sha256": trainer.data.fingerprint,
                 "args": {k: _portable(v) for k, v in run_args.items()},
             }
-            export(ts.graphdef, ts.state, done_dir, summary)
+            try:
+                export(ts.graphdef, ts.state, done_dir, summary)
+            except OSError as e:  # a full disk: the checkpoint of the last step is saved
+                raise SettingError(
+                    "{0} {d!r}: cannot write the exported model: {e} (the checkpoint of step {n} is saved)",
+                    "export",
+                    d=done_dir,
+                    e=e.strerror or e,
+                    n=ts.step,
+                ) from None
             say(f"mla-train: exported to {done_dir}")
         return RunResult(ts.step, train_ce, ev, out, done_dir)
+    except KeyboardInterrupt as e:
+        if isinstance(e, Interrupted):
+            raise
+        raise _interrupted(mgr, ts, stop_request.forced) from None
     finally:
+        stop_request.restore()
         mgr.close()

@@ -841,6 +841,61 @@ def test_fp8_scales_must_be_2d():
         dequantize_fp8_blocks(np.zeros(4, np.float32), np.ones((1, 1), np.float32))
 
 
+def _rewrite_tensor(d, name, change):
+    """Rewrite one tensor of the checkpoint directory `d`'s model.safetensors as `change(array)`."""
+    from models.checkpoint import read_safetensors, write_safetensors
+
+    tensors = {k: np.array(v) for k, v in read_safetensors(str(d / "model.safetensors")).items()}
+    tensors[name] = change(tensors[name])
+    write_safetensors(str(d / "model.safetensors"), tensors)
+
+
+# (the change, the message); the id says what happened before the fix
+BAD_HF_TENSORS = [
+    pytest.param(
+        lambda d: _rewrite_tensor(d, "model.norm.weight", lambda a: a.astype(np.int32)),
+        r"tensor 'model\.norm\.weight' is stored as int32, but it is a floating-point weight \(float32 here\): "
+        r"a float tensor written with an integer dtype has lost its fractions$",
+        id="int32-float-weight-loaded-silently-logits-moved",
+    ),
+    pytest.param(
+        lambda d: _rewrite_tensor(d, "model.layers.1.self_attn.kv_a_proj_with_mqa.weight", lambda a: a != 0),
+        r"tensor 'model\.layers\.1\.self_attn\.kv_a_proj_with_mqa\.weight' is stored as bool, but it is a "
+        r"floating-point weight",
+        id="bool-float-weight-loaded-silently",
+    ),
+    pytest.param(
+        lambda d: _rewrite_tensor(d, "lm_head.weight", lambda a: a.reshape(-1)),
+        r"tensor 'lm_head\.weight' has shape \(\d+,\), expected \(\d+, \d+\) for this config$",
+        id="flattened-lm_head-blamed-the-intact-mtp-copy",
+    ),
+]
+
+
+@pytest.mark.parametrize("change,match", BAD_HF_TENSORS)
+def test_hf_checkpoint_tensors(tmp_path, change, match):
+    """`load_hf_checkpoint`: a tensor of the wrong dtype or shape is named itself, in one line."""
+    from models.checkpoint import load_hf_checkpoint
+
+    d = _byte_checkpoint(tmp_path)
+    change(d)
+    with pytest.raises(ValueError) as e:
+        load_hf_checkpoint(d)
+    assert re.match(match, str(e.value)), str(e.value)  # the message starts with the tensor
+
+
+def test_hf_checkpoint_float_dtypes_still_load(tmp_path):
+    """The control of the dtype check: bf16 / fp16 weights (floating, narrower than the model's) still load."""
+    import ml_dtypes
+
+    from models.checkpoint import load_hf_checkpoint
+
+    d = _byte_checkpoint(tmp_path)
+    _rewrite_tensor(d, "model.norm.weight", lambda a: a.astype(ml_dtypes.bfloat16))
+    _rewrite_tensor(d, "model.layers.0.self_attn.o_proj.weight", lambda a: a.astype(np.float16))
+    load_hf_checkpoint(d)
+
+
 # ------------------------------------------------------------------------------------------------
 # Tokenizers (models.tokenizer)
 # ------------------------------------------------------------------------------------------------
@@ -858,10 +913,35 @@ BAD_TOKENIZER_DIRS = [
     pytest.param(
         "tokenizer.json",
         '{"version": "1.0", "model": 3}',
-        r"cannot read tokenizer .*tokenizer\.json: data did not match any variant",
+        r"cannot read tokenizer .*tokenizer\.json: valid JSON, but not a Hugging Face tokenizer\.json: its "
+        r'"model" must be an object \(BPE, WordLevel, \.\.\.\), got 3$',
         id="tokenizer.json-malformed-bare-Exception",
     ),
-    pytest.param("tokenizer.json", "[1, 2", r"cannot read tokenizer .*tokenizer\.json: ", id="tokenizer.json-invalid"),
+    pytest.param(
+        "tokenizer.json",
+        "[1, 2",
+        r"cannot read tokenizer .*tokenizer\.json: not valid JSON: Expecting ',' delimiter: line 1 column 6",
+        id="tokenizer.json-invalid-read-as-a-type-error",
+    ),
+    pytest.param(
+        "tokenizer.json",
+        '{"a": 1}',
+        r"cannot read tokenizer .*tokenizer\.json: valid JSON, but not a Hugging Face tokenizer\.json: it has no "
+        r"\"model\" entry \(its keys: 'a'\)$",
+        id="valid-json-not-a-tokenizer-read-as-a-syntax-error",
+    ),
+    pytest.param(
+        "tokenizer.json",
+        json.dumps(BUILTIN_CONFIG),
+        r"valid JSON, but not a Hugging Face tokenizer\.json: it has no \"model\" entry \(its keys: 'architectures'",
+        id="config.json-as-tokenizer.json-read-as-a-syntax-error",
+    ),
+    pytest.param(
+        "tokenizer.json",
+        '{"model": {"type": "BPE"}}',
+        r"valid JSON, but not a Hugging Face tokenizer\.json: Missing vocab/merges",
+        id="tokenizer-library-reason-kept",
+    ),
     pytest.param(
         "tokenizer_config.json", "{", r"tokenizer_config\.json: not valid JSON", id="tokenizer_config-invalid"
     ),
@@ -987,6 +1067,12 @@ BAD_CHECKPOINTS = [
         r"cannot read tokenizer .*tokenizer\.json",
         id="tokenizer-malformed-traceback",
     ),
+    pytest.param(
+        lambda d: (d / "tokenizer.json").write_text('{"a": 1}'),
+        r"cannot read tokenizer .*tokenizer\.json: valid JSON, but not a Hugging Face tokenizer\.json: it has no ",
+        id="tokenizer-valid-json-read-as-a-syntax-error",
+    ),
+    *BAD_HF_TENSORS,
 ]
 
 

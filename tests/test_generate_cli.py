@@ -179,3 +179,54 @@ def test_distributed_flags_and_environment(capsys, monkeypatch):
         "mla-generate: error: MLA_JAX_PROCESS_ID=5: must be an integer in [0, 2) (MLA_JAX_NUM_PROCESSES=2)"
     ), err
     assert len(calls) == 1
+
+
+def _interrupt_the_stream(monkeypatch):
+    """Ctrl-C after the third generated token (the KeyboardInterrupt Python raises for SIGINT)."""
+    from models import generate_cli
+
+    real = generate_cli._TextStream.__call__
+
+    def call(self, request, token):
+        real(self, request, token)
+        if len(self.ids) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate_cli._TextStream, "__call__", call)
+
+
+def _interrupt_the_load(monkeypatch):
+    """Ctrl-C while the model loads, before anything is printed."""
+
+    def load(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("models.generate_cli._load", load)
+
+
+@pytest.mark.parametrize(
+    "interrupt, printed",
+    [
+        pytest.param(_interrupt_the_stream, True, id="mid-stream-20-line-KeyboardInterrupt-traceback"),
+        pytest.param(_interrupt_the_load, False, id="while-loading-traceback"),
+    ],
+)
+def test_ctrl_c_ends_the_text_in_one_line_exit_130(capsys, monkeypatch, interrupt, printed):
+    """Ctrl-C in `mla-generate` printed a 20-line KeyboardInterrupt traceback. Now the text printed so far ends
+    its line, then one line `mla-generate: interrupted` on stderr, exit status 130, no stats line."""
+    interrupt(monkeypatch)
+    try:
+        main(["--prompt", "Once upon", "--max-new-tokens", "12", "--no-warmup"])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    except KeyboardInterrupt:  # caught here: escaping, it would end the pytest session
+        code = "KeyboardInterrupt escaped (its traceback on the console)"
+    out, err = capsys.readouterr()
+    assert code == 130, code
+    assert [ln for ln in err.splitlines() if not ln.startswith("warning:")] == ["mla-generate: interrupted"], err
+    if printed:  # the prompt and the three tokens, the line ended
+        assert out.startswith("Once upon") and out.endswith("\n") and out.count("\n") == 1, repr(out)
+        assert len(out) > len("Once upon\n")
+    else:
+        assert out == ""

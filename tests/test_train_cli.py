@@ -1,9 +1,15 @@
 """mla-train: a short CPU run learns, an interrupted + resumed run equals an uninterrupted one bit for bit,
 the export loads, and bad arguments give one clear line and exit status 2."""
 
+import contextlib
+import errno
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import chex
 import jax
@@ -126,6 +132,8 @@ def test_resume_refuses_other_arguments_and_clobbering(tmp_path, capsys):
         (["--warmup", "900"], "--warmup (900) must be smaller than --steps"),
         (["--bogus"], "unrecognized arguments"),
         (["--seq-len", "2"], "--seq-len must be >= 3"),
+        # was "the held-out split has 20047 tokens, fewer than one --seq-len window (64)"
+        (["--eval-windows", "0"], "--eval-windows must be >= 1 (held-out windows per evaluation), got 0"),
         (
             ["--remat", "dots"],
             "--remat must be one of ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'), got 'dots'",
@@ -184,6 +192,42 @@ def test_bad_arguments_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, need
     err = capsys.readouterr().err
     assert err.startswith("mla-train: error: ") and err.count("\n") == 1, err
     assert needle in err, err
+    assert not os.path.exists(tmp_path / "o" / "checkpoints")  # nothing was started
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        pytest.param(["--out", "{file}"], "--out '{file}': is a file, not a directory", id="out-a-file-Errno-17"),
+        pytest.param(
+            ["--out", "{file}/run"],
+            "--out '{file}/run': '{file}' is a file, not a directory",
+            id="out-in-a-file-Errno-20",
+        ),
+        pytest.param(
+            ["--export", "{file}"],
+            "--export '{file}': is a file, not a directory",
+            id="export-a-file-Errno-17-after-the-whole-run",
+        ),
+        pytest.param(
+            ["--config", "{dir}"], "--config '{dir}': no config.json at '{dir}'", id="config-dir-flag-unnamed"
+        ),
+        pytest.param(
+            ["--corpus", "{dir}"], "--corpus '{dir}' is a directory, not a text file", id="corpus-dir-no-such-file"
+        ),
+    ],
+)
+def test_paths_name_their_flag(tmp_path, capsys, argv, needle):
+    """A path that cannot serve is one line naming its flag, before anything is written (`--out` a file said
+    `[Errno 17] File exists: 'f'`, `--out f/run` `[Errno 20] Not a directory: 'f/run'`, naming no flag; `--export`
+    a file trained the whole run first)."""
+    names = {"file": str(tmp_path / "f"), "dir": str(tmp_path / "d")}
+    (tmp_path / "f").write_text("a file\n")
+    (tmp_path / "d").mkdir()
+    args = ["--out", str(tmp_path / "o"), *FAST, *(a.format(**names) for a in argv)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err == f"mla-train: error: {needle.format(**names)}\n", err
     assert not os.path.exists(tmp_path / "o" / "checkpoints")  # nothing was started
 
 
@@ -472,3 +516,233 @@ def test_auto_attention_picks_the_flash_kernel_only_for_bf16_on_one_hopper(monke
     assert resolve_attn_impl(s) == want
     assert train_config(s).attn_impl == want
     assert train_config(TrainSettings(dtype=dtype, mesh=mesh, attn_impl="cudnn")).attn_impl == "cudnn"
+
+
+# ------------------------------------------------------------------------------------------
+# Interruptions: SIGINT / SIGTERM end the step, save it, say where, exit 130; --resume continues
+# ------------------------------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _signal_after_step(monkeypatch, sig, at, times=1):
+    """Trainer.step sends this process `sig` (`times` times) once it has finished step `at`."""
+    from models.trainer import Trainer
+
+    real_step = Trainer.step
+
+    def step(self, ts):
+        ts, row = real_step(self, ts)
+        if ts.step == at:
+            for _ in range(times):
+                os.kill(os.getpid(), sig)
+        return ts, row
+
+    monkeypatch.setattr(Trainer, "step", step)
+
+
+def test_sigterm_before_the_first_checkpoint_saves_it_and_resume_continues(tmp_path, capfd, monkeypatch):
+    """Guards: Ctrl-C / SIGTERM before the first periodic checkpoint (step 200 by default) lost every step and
+    then said "resume from the last checkpoint with --resume" when there was none. The first signal ends the
+    step, saves its checkpoint, says where in one line, exit 130; the old handler is back afterwards."""
+    caught = []
+
+    def handler(signum, frame):  # stands in for SIGTERM's default (the end of pytest) should `train` install none
+        caught.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    _signal_after_step(monkeypatch, signal.SIGTERM, at=3)
+    out = tmp_path / "run"
+    args = ["--out", str(out), "--eval-every", "0", *FAST]  # --save-every: the default 200
+    try:
+        rc = main(args)
+        after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    err = capfd.readouterr().err
+    assert rc == 130 and not caught, err
+    assert after is handler  # the handler `train` found is back
+    assert err.splitlines()[1:] == [
+        "mla-train: SIGTERM: stopping after this step, with a checkpoint (a second signal quits at once, without it)",
+        f"mla-train: interrupted at step 3: checkpoint saved to {out / 'checkpoints' / '3'}; continue with --resume",
+    ], err
+    assert os.listdir(out / "checkpoints") == ["3"] and not (out / "export").exists()
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3]
+    assert main([*args, "--resume", "--stop-at", "5"]) == 0
+    assert "steps 3->5" in capfd.readouterr().err
+    assert [r["step"] for r in _rows(out) if "ce" in r] == [1, 2, 3, 4, 5]
+
+
+def test_second_signal_between_saves_stops_at_once(tmp_path, capfd, monkeypatch):
+    """A second signal outside a save stops at once (KeyboardInterrupt) and says which checkpoint is the last."""
+    _signal_after_step(monkeypatch, signal.SIGINT, at=2, times=2)
+    out = tmp_path / "run"
+    args = ["--out", str(out), "--eval-every", "0", "--save-every", "1", *FAST]
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever the test runner set
+    try:
+        rc = main(args)
+    except KeyboardInterrupt:  # caught here: escaping, it would end the pytest session
+        rc = "KeyboardInterrupt escaped"
+    finally:
+        after = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, previous)
+    last = capfd.readouterr().err.splitlines()[-1]
+    assert rc == 130 and after is signal.default_int_handler, rc
+    # step 2 was computed, but the second signal came before `train` had it: the run holds step 1
+    assert last == (
+        f"mla-train: interrupted again at step 1: stopped at once; the last checkpoint is "
+        f"{out / 'checkpoints' / '1'}; continue with --resume"
+    ), last
+
+
+def _child(code: str, args: list[str]) -> subprocess.Popen:
+    """`mla-train args` in a process of its own, after `code` (test hooks); SIGINT raises KeyboardInterrupt
+    there whatever the test runner did with it."""
+    prelude = "import os, signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    main_call = "from models.train_cli import main; sys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    return subprocess.Popen(
+        [sys.executable, "-c", prelude + code + "; " + main_call, *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def test_ctrl_c_in_a_real_process_saves_and_exits_130(tmp_path):
+    """The console path: SIGINT from outside once the first step is logged. Guards: no checkpoint before step
+    200, a false "resume from the last checkpoint", a KeyboardInterrupt traceback, and the abort "terminate
+    called without an active exception" (exit 134) of an orbax thread killed mid-save."""
+    out = tmp_path / "run"
+    slow = (
+        "from models import trainer; step = trainer.Trainer.step; "  # 0.2 s a step: the run cannot end first
+        "trainer.Trainer.step = lambda self, ts: (time.sleep(0.2), step(self, ts))[1]"
+    )
+    p = _child(slow, ["--out", str(out), "--eval-every", "0", *FAST])
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    err = err.decode()
+    step = _rows(out)[-1]["step"]
+    assert p.returncode == 130, err
+    assert err.splitlines()[-2:] == [
+        "mla-train: SIGINT: stopping after this step, with a checkpoint (a second signal quits at once, without it)",
+        f"mla-train: interrupted at step {step}: checkpoint saved to {out / 'checkpoints' / str(step)}; "
+        "continue with --resume",
+    ], err
+    assert "Traceback" not in err and "terminate called" not in err
+    assert os.listdir(out / "checkpoints") == [str(step)]
+    assert main(["--out", str(out), "--eval-every", "0", *FAST, "--resume", "--stop-at", str(step + 1)]) == 0
+    assert [r["step"] for r in _rows(out) if "ce" in r] == list(range(1, step + 2))
+
+
+def test_second_ctrl_c_during_the_save_quits_at_once(tmp_path, capfd):
+    """A second signal while the checkpoint is written quits at once, says so in one line, exit 130 (not orbax's
+    tracebacks, not "terminate called without an active exception"); the next run removes the partial save."""
+    out = tmp_path / "run"
+    hooks = (  # the first signal after step 1, the second once orbax's threads write its checkpoint
+        "import orbax.checkpoint as ocp; from models import trainer; pid = os.getpid(); "
+        "step, save = trainer.Trainer.step, ocp.CheckpointManager.save; "
+        "trainer.Trainer.step = lambda self, ts: (lambda r: (os.kill(pid, signal.SIGINT), r)[1])(step(self, ts)); "
+        "ocp.CheckpointManager.save = lambda self, *a, **k: (save(self, *a, **k), os.kill(pid, signal.SIGINT))[0]"
+    )
+    p = _child(hooks, ["--out", str(out), "--eval-every", "0", *FAST])
+    _, err = p.communicate(timeout=300)
+    err = err.decode()
+    assert p.returncode == 130, err
+    assert err.splitlines()[-1] == (
+        "mla-train: interrupted again while saving the checkpoint of step 1: quit at once without it (the next run "
+        "removes its partial files; the earlier checkpoints are kept)"
+    ), err
+    assert "Traceback" not in err and "terminate called" not in err
+    assert [n for n in os.listdir(out / "checkpoints") if not n.startswith("1.orbax-checkpoint-tmp")] == []
+    assert main(["--out", str(out), "--eval-every", "0", *FAST, "--stop-at", "1"]) == 0  # a run may start there
+    assert os.listdir(out / "checkpoints") == ["1"]  # and the partial save is gone
+
+
+# ------------------------------------------------------------------------------------------
+# Faults while saving: one line naming the checkpoint and the cause, partial files removed
+# ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _file_size_limit(monkeypatch):
+    """Real orbax writes fail: no file may grow past 256 KiB (RLIMIT_FSIZE; SIGXFSZ ignored, so a write fails
+    with EFBIG, "File too large", as one fails with ENOSPC on a full disk)."""
+    import resource
+
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, old_limit[1]))
+    try:
+        yield errno.EFBIG
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def _failing_writer(code):
+    """orbax's save writes part of the step's temporary folder, then fails with OSError `code`."""
+
+    @contextlib.contextmanager
+    def fail(monkeypatch):
+        def save(self, step, *args, **kwargs):
+            part = os.path.join(str(self.directory), f"{step}.orbax-checkpoint-tmp", "state.orbax-checkpoint-tmp")
+            os.makedirs(part)
+            with open(os.path.join(part, "d"), "wb") as f:
+                f.write(bytes(4096))
+            raise OSError(code, os.strerror(code), part)
+
+        monkeypatch.setattr("orbax.checkpoint.CheckpointManager.save", save)
+        yield code
+
+    return fail
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A run directory with the checkpoint of step 2 (no evaluation before the end, no periodic saves)."""
+    out = tmp_path_factory.mktemp("two_steps") / "run"
+    assert main(["--out", str(out), "--eval-every", "0", "--save-every", "0", *FAST, "--stop-at", "2"]) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        pytest.param(_file_size_limit, id="real-orbax-write-fails-2500-lines-of-tracebacks-tmp-folder-left"),
+        pytest.param(_failing_writer(errno.ENOSPC), id="disk-full-no-one-line-error"),
+        pytest.param(_failing_writer(errno.EACCES), id="permission-denied-no-one-line-error"),
+    ],
+)
+def test_failed_save_is_one_line_and_the_last_checkpoint_still_loads(
+    two_steps, tmp_path, capfd, caplog, monkeypatch, fault
+):
+    """Guards: a full disk while saving printed about 2 500 lines of orbax/asyncio tracebacks, no one-line error,
+    and left a `*.orbax-checkpoint-tmp` folder behind. Now: one line naming the checkpoint and the cause, exit 2,
+    the partial files removed, and `--resume` continues from the last good checkpoint."""
+    import shutil
+
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    shutil.copytree(two_steps, out)
+    args = ["--out", str(out), "--eval-every", "0", "--save-every", "0", *FAST]
+    capfd.readouterr()
+    caplog.clear()
+    with fault(monkeypatch) as code:
+        rc = main([*args, "--resume", "--stop-at", "4"])
+    monkeypatch.undo()
+    err = capfd.readouterr().err
+    assert rc == 2, err
+    assert err.splitlines()[1:] == [
+        f"mla-train: error: cannot save checkpoint {ckpts / '4'}: {os.strerror(code)}; its partial files were "
+        f"removed; the last checkpoint, {ckpts / '2'}, is intact (--resume continues from it)"
+    ], err
+    assert not [r for r in caplog.records if r.name in ("absl", "asyncio")], caplog.text  # orbax's tracebacks
+    assert os.listdir(ckpts) == ["2"]
+    assert main([*args, "--resume", "--stop-at", "3"]) == 0
+    assert "steps 2->3" in capfd.readouterr().err
