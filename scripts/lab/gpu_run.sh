@@ -24,6 +24,8 @@
 #                              #   fp8 decode body)
 #   scripts/lab/gpu_run.sh decode  # the engine / scan / decode-kernel GPU tests, then mla-bench e2e --kernels on
 #                              #   V2-Lite (1024-token prompts; B=1, 32, 128 at decode_steps 8, B=1 at 1; no HF)
+#   scripts/lab/gpu_run.sh gemv    # scripts/lab/probe_gemv.py: batch-1..32 projections over stacked layers (and again
+#                              #   with XLA's dynamic-slice fusion), the decode program's optimized HLO
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -148,6 +150,11 @@ case "$MODE" in
   quick) bench mla_decode 330 --quick
          bench paged_gather 60 ;;
   grid)  bench mla_decode 560 --no-decompressed ;;
+  gemv) stage "probe_gemv"
+        timeout 300 $PY scripts/lab/probe_gemv.py --out "$R/gemv" 2>&1 | tee -a "$LOG"
+        stage "probe_gemv, dynamic-slice fusion on"
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" timeout 150 \
+          $PY scripts/lab/probe_gemv.py --out "$R/gemv" --no-hlo 2>&1 | tee -a "$LOG" ;;
   decode) bench e2e "${E2E_LIMIT:-250}" --model v2-lite --batch "${BATCHES:-1,32,128}" --prompt 1024 --new-tokens 128 \
             --kernels --no-hf ${E2E_EXTRA:-}
           bench e2e 110 --model v2-lite --batch 1 --prompt 1024 --new-tokens 128 --kernels --no-hf --decode-steps 1 --out "$R/k1" ;;
