@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from mla_jax.config import ModelConfig, read_json_object
+from models.deepseek import DeepSeekModel
 
 _ST_TO_NP = {
     "F64": np.dtype(np.float64),
@@ -358,7 +359,6 @@ def load_hf_checkpoint(
     dtype, an fp8 weight without scales, an MTP copy of the embedding/head that differs from the main one,
     or a pickle checkpoint.
     """
-    from models.deepseek import DeepSeekModel
 
     path = os.fspath(path)
     if os.path.isfile(path) and path.endswith(_PICKLE_SUFFIXES):

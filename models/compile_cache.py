@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 ENV = "MLA_JAX_COMPILE_CACHE"
 _OFF = ("", "0", "off", "none", "false")
 
@@ -41,7 +43,6 @@ def enable(flag: str | None = None) -> str | None:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise OSError(f"compile cache directory {path!r} cannot be created: {e.strerror or e}") from None
-    import jax
 
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

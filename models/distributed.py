@@ -17,6 +17,8 @@ import dataclasses
 import os
 from typing import Mapping
 
+import jax
+
 # field -> (flag, environment variable)
 SOURCES = {
     "coordinator": ("--coordinator", "MLA_JAX_COORDINATOR"),
@@ -97,7 +99,6 @@ def initialize(args, environ: Mapping[str, str] | None = None) -> Cluster | None
     cluster = resolve(args, environ)
     if cluster is None:
         return None
-    import jax
 
     try:
         jax.distributed.initialize(

@@ -22,9 +22,22 @@ import sys
 from typing import NoReturn, Sequence
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
-from models.engine import ATTENTION_IMPLS
+from mla_jax import ModelConfig
+from mla_jax.attention import resolve_cache_impl
+from mla_jax.kv_cache import CacheFullError
+from mla_jax.sharding import make_mesh, parse_mesh, shard_model
+from models import compile_cache, distributed
+from models.builtin import BUILTIN_DIR, BUILTIN_PROMPT
+from models.checkpoint import load_hf_checkpoint
+from models.deepseek import DeepSeekModel
+from models.engine import ATTENTION_IMPLS, Engine
+from models.sampling import SamplingParams
+from models.tokenizer import ByteTokenizer, load_tokenizer
 from pallas_kernels.page_format import NAMES as PAGE_FORMAT_NAMES
+from pallas_kernels.page_format import resolve_page_format
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_DTYPES = ("auto", *PAGE_FORMAT_NAMES)  # "auto": `cache_dtype`
@@ -77,7 +90,7 @@ def _build_parser() -> _Parser:
         "--kv-dtype",
         choices=KV_DTYPES,
         default="auto",
-        help="latent cache format; auto = bf16 on a GPU (what the Pallas kernels read), fp32 "
+        help="latent cache format; auto = bf16 on a GPU (the decode kernel's fastest), fp32 "
         "elsewhere, where the jnp path keeps the latents exact; fp8 = 656-byte tokens (e4m3 "
         "latent + fp32 scale per 128 + bf16 rope), 1.76x the tokens of bf16; fp4 = 416-byte "
         "tokens (e2m1 pairs + e4m3 scale per 16 + bf16 rope), 2.77x (default: auto)",
@@ -101,7 +114,6 @@ def _build_parser() -> _Parser:
         "placed by mla_jax.sharding's table (heads and MLP width over tensor, routed experts "
         "over expert), the cache replicated on every device (default: one device)",
     )
-    from models import compile_cache, distributed
 
     compile_cache.add_argument(p)
     distributed.add_arguments(p)
@@ -120,8 +132,6 @@ def cache_dtype(name: str) -> str:
 def compute_dtype(name: str):
     """The jnp dtype of `--dtype` ("auto": bf16 on a GPU, where fp32 would double the weight bytes
     a decode step reads, fp32 on a CPU)."""
-    import jax
-    import jax.numpy as jnp
 
     if name == "auto":
         return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -129,15 +139,12 @@ def compute_dtype(name: str):
 
 
 def _builtin_available() -> bool:
-    from models.builtin import BUILTIN_DIR
 
     return os.path.isfile(os.path.join(BUILTIN_DIR, "config.json"))
 
 
 def _load(args):
     """-> (model, tokenizer, default prompt, a warning or None)."""
-    from models.checkpoint import load_hf_checkpoint
-    from models.tokenizer import load_tokenizer
 
     dtype = compute_dtype(args.dtype)
     if args.checkpoint is not None:
@@ -155,17 +162,11 @@ def _load(args):
         except (OSError, ValueError, KeyError) as e:
             raise _UsageError(f"--checkpoint {d}: {e}") from None
         return model, tok, FALLBACK_PROMPT, None
-    from models.builtin import BUILTIN_DIR, BUILTIN_PROMPT
 
     if _builtin_available():
         return load_hf_checkpoint(BUILTIN_DIR, dtype=dtype), load_tokenizer(BUILTIN_DIR), BUILTIN_PROMPT, None
     # The built-in weights are not there (not trained yet): a random model of the same shape, so
     # the command still exercises the whole path; its text is noise.
-    from flax import nnx
-
-    from mla_jax import ModelConfig
-    from models.deepseek import DeepSeekModel
-    from models.tokenizer import ByteTokenizer
 
     model = DeepSeekModel(ModelConfig.tiny(), rngs=nnx.Rngs(0), dtype=dtype)
     warning = (
@@ -219,8 +220,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     mid_line = False  # text printed since the last newline: an interruption ends its line
     try:
         args = _build_parser().parse_args(argv)
-        from models import distributed
-
         try:
             distributed.initialize(args)  # before anything else touches jax
         except (ValueError, RuntimeError) as e:
@@ -230,13 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 1 <= args.mtp_draft_tokens <= 3:
             raise _UsageError(f"--mtp-draft-tokens must be in [1, 3], got {args.mtp_draft_tokens}")
 
-        from models import compile_cache
-
         compile_cache.enable(args.compile_cache)
-        from mla_jax.kv_cache import CacheFullError
-        from models.engine import Engine
-        from models.sampling import SamplingParams
-
         try:
             sampling = SamplingParams(
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed
@@ -246,8 +239,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(msg) from None
         mesh = None
         if args.mesh is not None:
-            from mla_jax.sharding import make_mesh, parse_mesh
-
             try:
                 sizes = parse_mesh(args.mesh)
             except ValueError as e:  # the message quotes the spec
@@ -258,8 +249,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise _UsageError(f"--mesh {args.mesh}: {e}") from None
         model, tok, default_prompt, warning = _load(args)
         if mesh is not None:
-            from mla_jax.sharding import shard_model
-
             try:
                 model = shard_model(model, mesh)
             except ValueError as e:  # a head count or width the mesh does not divide
@@ -282,6 +271,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The engine sizes its own pool for one sequence of max_context tokens (and the MTP draft room);
         # with data ranks a slot a rank (a pool per data rank: the slots must split evenly), the prompt in one.
         slots = dict(zip(mesh.axis_names, mesh.axis_sizes)).get("data", 1) if mesh is not None else 1
+        page_format = cache_dtype(args.kv_dtype)
+        try:  # the format first (its message names --kv-dtype), then whether the kernels serve this model
+            page_format = resolve_page_format(page_format, value_dim=cfg.latent_dim, rope_dim=cfg.qk_rope_head_dim)
+        except ValueError as e:
+            raise _UsageError(f"--kv-dtype {args.kv_dtype}: {e}") from None
+        try:
+            resolve_cache_impl(args.attention_impl, cfg, 64, page_format, name="--attention-impl")
+        except ValueError as e:
+            raise _UsageError(str(e)) from None
         try:
             engine = Engine(
                 model,
@@ -289,12 +287,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_batch=slots,
                 max_context=max_context,
                 attention_impl=args.attention_impl,
-                kv_dtype=cache_dtype(args.kv_dtype),
+                kv_dtype=page_format,
                 mesh=mesh,
             )
-        except ValueError as e:  # a format this model's latent cannot be stored in, a kernel limit
-            quantized = args.kv_dtype in ("fp8", "fp4")
-            raise _UsageError(f"--kv-dtype {args.kv_dtype}: {e}" if quantized else str(e)) from None
+        except ValueError as e:
+            raise _UsageError(str(e)) from None
         stops = () if tok.eos_id is None else (tok.eos_id,)
         compile_s = 0.0
         try:

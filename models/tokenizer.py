@@ -20,6 +20,8 @@ import json
 import os
 from typing import Iterable
 
+from tokenizers import Tokenizer
+
 from mla_jax.config import read_json_object
 
 BYTE_TOKENIZER_FILE = "byte_tokenizer.json"  # the marker a byte-level checkpoint carries
@@ -132,7 +134,6 @@ def _read_hf_tokenizer(path: str):
     """`tokenizers.Tokenizer` of a tokenizer.json; FileNotFoundError / ValueError naming the file. The JSON is
     checked first: the library reports a JSON object that is no tokenizer (`{"a": 1}`) as if it were a syntax
     error ("expected `,` or `}` at line 1 column 5"), and a syntax error as a type error."""
-    from tokenizers import Tokenizer
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no tokenizer file at {path!r}")

@@ -22,6 +22,7 @@ import os
 import sys
 
 from mla_jax.attention import DECOMPRESSED_IMPLS
+from models import compile_cache, distributed
 from models.moe import MOE_TRAINING_IMPLS
 from models.trainer import DTYPES, PRESETS, Interrupted, SettingError, TrainerError, TrainSettings, train
 
@@ -136,7 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
         "marker) here at the end (by default <out>/export)",
     )
     a("--no-progress", action="store_true", help="no progress bar (log lines at each evaluation instead)")
-    from models import compile_cache, distributed
 
     compile_cache.add_argument(p)
     distributed.add_arguments(p)
@@ -158,8 +158,6 @@ def _flag(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        from models import compile_cache, distributed
-
         try:
             distributed.initialize(args)  # before anything else touches jax
         except (ValueError, RuntimeError) as e:  # a bad flag set, or jax could not join the other processes

@@ -68,12 +68,29 @@ import threading
 import time
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
+import matplotlib
 import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from tqdm import tqdm
 
 from mla_jax.attention import DECOMPRESSED_IMPLS, resolve_decompressed_impl
+from mla_jax.config import ModelConfig
+from mla_jax.sharding import MESH_AXES, make_mesh, model_shardings, model_specs, parse_mesh, shard_batch, shard_model
+from models.checkpoint import save_hf_checkpoint
 from models.data import CORPUS_PATH
+from models.deepseek import REMAT_POLICIES, DeepSeekModel
 from models.moe import MOE_TRAINING_IMPLS, resolve_moe_impl
+from models.tokenizer import ByteTokenizer, save_byte_tokenizer
+from models.training import TrainConfig, init_train_state, loss_fn, make_train_step, optimizer_shardings
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 
 HELDOUT_FRACTION = 0.05
 DEFAULT_CORPUS = CORPUS_PATH  # inside the package (models/data), so an installed wheel trains with no arguments
@@ -183,8 +200,6 @@ class TrainSettings:
         if self.moe_impl not in MOE_TRAINING_IMPLS:
             raise SettingError("{0} must be one of {c}, got {v!r}", "moe_impl", c=MOE_TRAINING_IMPLS, v=self.moe_impl)
         if self.remat != "none":
-            from models.deepseek import REMAT_POLICIES  # jax, only when asked for
-
             if self.remat not in REMAT_POLICIES:
                 raise SettingError("{0} must be one of {c}, got {v!r}", "remat", c=REMAT_POLICIES, v=self.remat)
         if self.ce_chunk < 0:
@@ -211,7 +226,6 @@ class TrainSettings:
         """{axis: size} of `mesh` ({} without one); SettingError on a spec `parse_mesh` refuses."""
         if self.mesh is None:
             return {}
-        from mla_jax.sharding import parse_mesh  # jax, only when asked for
 
         try:
             return parse_mesh(self.mesh)
@@ -225,7 +239,6 @@ class TrainSettings:
 def load_config(spec: str):
     """A ModelConfig from a preset name or a config.json path, with the byte tokenizer's specials
     (SettingError on anything else)."""
-    from mla_jax.config import ModelConfig
 
     key = spec.replace("-", "_")
     if key in PRESETS:
@@ -302,7 +315,6 @@ class CorpusData:
 
 def load_corpus(path: str, seq_len: int, max_windows: int) -> CorpusData:
     """Read, split and tokenize a corpus (TrainerError when it is missing, not UTF-8 or too short)."""
-    from models.tokenizer import ByteTokenizer
 
     if os.path.isdir(path):
         raise SettingError("{0} {p!r} is a directory, not a text file", "corpus", p=path)
@@ -338,8 +350,6 @@ def make_optimizer(s: TrainSettings):
 
 @functools.lru_cache(maxsize=8)
 def _optimizer(lr, min_lr_ratio, warmup, steps, weight_decay, clip):
-    import jax
-    import optax
 
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=steps, end_value=lr * min_lr_ratio
@@ -369,7 +379,6 @@ def resolve_attn_impl(s: TrainSettings) -> str:
 
 
 def train_config(s: TrainSettings):
-    from models.training import TrainConfig
 
     return TrainConfig(
         mtp_weight=s.mtp_weight,
@@ -386,7 +395,6 @@ def train_config(s: TrainSettings):
 def _steps(tx, tc):
     """The jitted (train_step, eval_step), one pair per (optimizer, loss weights): a second run in the
     same process (a resumed run, a test) reuses the compiled steps instead of compiling again."""
-    from models.training import make_train_step
 
     return make_train_step(tx, tc), make_eval_step(tc)
 
@@ -394,10 +402,6 @@ def _steps(tx, tc):
 def _mesh_steps(tx, tc, state_shardings, params_like):
     """(train_step, eval_step) on a mesh: the step returns the state and the AdamW state placed as
     `state_shardings` and `models.training.optimizer_shardings` say (not cached: a new Trainer compiles)."""
-    import jax
-    from flax import nnx
-
-    from models.training import make_train_step, optimizer_shardings
 
     params_sh = nnx.split_state(state_shardings, nnx.Param, ...)[0]
     opt_sh = optimizer_shardings(tx, params_like, params_sh)
@@ -409,10 +413,6 @@ def _mesh_steps(tx, tc, state_shardings, params_like):
 def make_eval_step(tc, mesh=None):
     """A jitted `eval_step(graphdef, state, ids [W,T]) -> metrics` (loss_fn without the update); on `mesh`
     the metrics come back replicated (readable on every host)."""
-    import jax
-    from flax import nnx
-
-    from models.training import loss_fn
 
     def eval_step(graphdef, state, ids):
         _, metrics = loss_fn(nnx.merge(graphdef, state), {"input_ids": ids}, tc)
@@ -420,17 +420,12 @@ def make_eval_step(tc, mesh=None):
 
     if mesh is None:
         return jax.jit(eval_step, static_argnums=(0,))
-    from jax.sharding import NamedSharding, PartitionSpec
 
     return jax.jit(eval_step, static_argnums=(0,), out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def build_model(cfg, s: TrainSettings):
     """The DeepSeekModel of a fresh run: initialised from `s.seed`, fp32 parameters, `s.dtype` compute."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from models.deepseek import DeepSeekModel
 
     dtype = compute_dtype(s)
     moe_impl = resolve_moe_impl(s.moe_impl, dtype, training=True)
@@ -440,14 +435,11 @@ def build_model(cfg, s: TrainSettings):
 def initial_state(s: TrainSettings, cfg=None, mesh=None):
     """(graphdef, state, opt_state) of a fresh run: the model initialised from the seed, AdamW's zero state;
     with `mesh` (`make_train_mesh`), placed on it (FSDP). Also the template a checkpoint is restored into."""
-    from models.training import init_train_state
 
     cfg = load_config(s.config) if cfg is None else cfg
     tx, _ = make_optimizer(s)
     model = build_model(cfg, s)
     if mesh is not None:
-        from mla_jax.sharding import shard_model
-
         model = shard_model(model, mesh, fsdp=True)
     return init_train_state(model, tx)
 
@@ -458,9 +450,6 @@ def make_train_mesh(s: TrainSettings, cfg):
     devices, a head count or width it does not divide). None without a mesh."""
     if s.mesh is None:
         return None
-    from flax import nnx
-
-    from mla_jax.sharding import make_mesh, model_shardings
 
     sizes = s.mesh_sizes()
     try:
@@ -475,8 +464,6 @@ def training_memory(cfg, s: TrainSettings) -> dict[str, int]:
     variables, a gradient per parameter and the optimizer state; activations come on top.
     -> {"parameters": count, "variables", "gradients", "optimizer", "total": bytes}; with `s.mesh`, also
     "per_device": the same four figures for the largest shard one device holds (the FSDP layout)."""
-    import jax
-    from flax import nnx
 
     abstract = nnx.eval_shape(lambda: build_model(cfg, s))
     variables = nnx.state(abstract)
@@ -495,10 +482,6 @@ def training_memory(cfg, s: TrainSettings) -> dict[str, int]:
     }
     out["total"] = out["variables"] + out["gradients"] + out["optimizer"]
     if s.mesh is not None:
-        from jax.sharding import AbstractMesh
-
-        from mla_jax.sharding import MESH_AXES, model_specs
-
         sizes = s.mesh_sizes()
         specs = model_specs(abstract, AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES), fsdp=True)
 
@@ -523,7 +506,6 @@ def training_memory(cfg, s: TrainSettings) -> dict[str, int]:
 
 
 def _is_spec(x) -> bool:
-    from jax.sharding import PartitionSpec
 
     return isinstance(x, PartitionSpec)
 
@@ -531,7 +513,6 @@ def _is_spec(x) -> bool:
 def available_memory() -> tuple[int, str]:
     """(bytes free for training, where): the accelerator's free memory when jax runs on one, else the
     host's available memory."""
-    import jax
 
     dev = jax.local_devices()[0]
     if dev.platform != "cpu":
@@ -539,7 +520,7 @@ def available_memory() -> tuple[int, str]:
         if "bytes_limit" in stats:
             return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"free on the {dev.device_kind}"
     try:
-        import psutil  # a dependency of orbax-checkpoint
+        import psutil  # noqa: PLC0415 (optional: orbax-checkpoint's dependency, not ours)
 
         return int(psutil.virtual_memory().available), "of available host memory"
     except ImportError:
@@ -547,7 +528,6 @@ def available_memory() -> tuple[int, str]:
 
 
 def _on_accelerator() -> bool:
-    import jax
 
     return jax.local_devices()[0].platform != "cpu"
 
@@ -589,7 +569,6 @@ def check_memory(cfg, s: TrainSettings) -> None:
 def evaluate(eval_step, graphdef, state, windows: np.ndarray, batch_size: int, place=None) -> dict[str, float]:
     """Token-weighted mean CE and MTP loss over the held-out windows (every window has T tokens);
     `place(ids)` puts each chunk where the step wants it (default: `jnp.asarray`)."""
-    import jax.numpy as jnp
 
     place = jnp.asarray if place is None else place
     ce = mtp = 0.0
@@ -637,11 +616,6 @@ class MetricsLog:
 
 def plot_losses(rows: list[dict], path: str) -> None:
     """The loss curve (train and held-out CE, main and MTP head, log scale) as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     train = [r for r in rows if "ce" in r]
     ev = [r for r in rows if "eval_ce" in r]
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -678,7 +652,6 @@ def checkpoint_manager(out: str, create: bool = True, tidy: bool = False):
     """The orbax CheckpointManager of `<out>/checkpoints` (the last two steps are kept). `tidy`: first remove
     the unfinished saves (`*.orbax-checkpoint-tmp*`) a killed run left behind (a run's own manager only: never
     while another process may be saving there)."""
-    import orbax.checkpoint as ocp
 
     opts = ocp.CheckpointManagerOptions(max_to_keep=2, create=create, cleanup_tmp_directories=tidy)
     return ocp.CheckpointManager(os.path.abspath(os.path.join(out, "checkpoints")), options=opts)
@@ -686,7 +659,6 @@ def checkpoint_manager(out: str, create: bool = True, tidy: bool = False):
 
 def tree_sha256(tree) -> str:
     """sha256 over every leaf's key path, dtype, shape and bytes, in tree order."""
-    import jax
 
     h = hashlib.sha256()
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -699,11 +671,8 @@ def tree_sha256(tree) -> str:
 def host_array(x) -> np.ndarray:
     """The whole of a (global) array in this process's memory: sharded over other processes' devices, it
     is gathered from them (a collective: every process must call it, in the same order)."""
-    import jax
 
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 
@@ -714,7 +683,6 @@ def save_checkpoint(mgr, step: int, state, opt_state, meta: dict) -> None:
     A save that fails (a full disk, no permission) is one TrainerError naming the step directory and the
     cause; its partial files are removed and the earlier checkpoints stay as they were. A KeyboardInterrupt
     during the save removes them too, once orbax's threads have ended, and goes on."""
-    import orbax.checkpoint as ocp
 
     meta = {**meta, "step": step, "sha256": {"state": tree_sha256(state), "opt_state": tree_sha256(opt_state)}}
     directory = str(mgr.directory)
@@ -826,7 +794,6 @@ def _reason(e: BaseException) -> str:
 def checkpoint_record(mgr, step: int | None = None) -> tuple[int, str, dict]:
     """(step, its directory, its JSON record) of `step` (default the latest), checked to belong to that
     directory; TrainerError when there is none or it cannot be read."""
-    import orbax.checkpoint as ocp
 
     try:
         steps = mgr.all_steps()
@@ -854,10 +821,6 @@ def restore_checkpoint(mgr, state_template, opt_template, step: int | None = Non
     """(state, opt_state, meta) of `step` (default the latest), restored into the templates' structure and
     checked against the checksums saved with them. TrainerError, naming the step directory and what is
     wrong, on a missing, truncated, altered or mismatched checkpoint."""
-    import jax
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
-    from jax.sharding import NamedSharding
 
     step, where, meta = checkpoint_record(mgr, step)
     abstract = lambda t: jax.tree.map(ocp.utils.to_shape_dtype_struct, t)  # noqa: E731
@@ -898,11 +861,6 @@ def export(graphdef, state, directory: str, summary: dict | None = None) -> None
     """HF layout (config.json + model.safetensors) plus the byte-tokenizer marker, loadable by
     `load_hf_checkpoint` / `load_tokenizer` / `mla-generate --checkpoint`; `summary` -> training.json.
     Of several processes every one calls it (the arrays are gathered from all) and process 0 writes."""
-    import jax
-    from flax import nnx
-
-    from models.checkpoint import save_hf_checkpoint
-    from models.tokenizer import save_byte_tokenizer
 
     state = jax.tree.map(host_array, state)  # from every process's devices (a collective)
     if jax.process_index() != 0:
@@ -1057,8 +1015,6 @@ class Trainer:
         if layout is None:
             self.train_step, self.eval_step = _steps(self.tx, train_config(settings))
         else:
-            from flax import nnx
-
             params = nnx.state(nnx.eval_shape(lambda: build_model(self.cfg, settings)), nnx.Param)
             self.train_step, self.eval_step = _mesh_steps(self.tx, train_config(settings), layout[1], params)
 
@@ -1068,14 +1024,9 @@ class Trainer:
     def place(self, ids: np.ndarray):
         """int32 [B, T] ids where the steps want them: on the mesh split over `data` (replicated when
         B does not divide, e.g. the last held-out chunk), else as a plain array."""
-        import jax
-        import jax.numpy as jnp
 
         if self.mesh is None:
             return jnp.asarray(ids)
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        from mla_jax.sharding import shard_batch
 
         if len(ids) % self.mesh.shape["data"] == 0:
             return shard_batch(ids, self.mesh)
@@ -1121,7 +1072,6 @@ class Trainer:
     def step(self, ts: TrainState) -> tuple[TrainState, dict[str, float]]:
         """One optimizer step on batch `ts.step` -> (the next state, its metrics row). FloatingPointError when
         the loss is not finite."""
-        import jax
 
         s = self.settings
         batch = {"input_ids": self.place(train_batch(self.data.train_ids, ts.step, s.seed, s.batch_size, s.seq_len))}
@@ -1174,8 +1124,6 @@ def train(
     there); a second one stops at once. Of several processes, each must receive the signal (as launchers send
     it): the processes stop together only then.
     """
-    import jax
-    from tqdm import tqdm
 
     if stop_at is not None and stop_at < 1:
         raise SettingError("{0} must be >= 1, got {v}", "stop_at", v=stop_at)

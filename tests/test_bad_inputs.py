@@ -26,6 +26,7 @@ from pallas_kernels import (
     FP4_PAGES,
     FP8_PAGES,
     PageFormat,
+    backend,
     mla_decode,
     mla_decode_problems,
     mla_decode_reference,
@@ -299,6 +300,18 @@ def test_page_format_errors(call, match):
     with pytest.raises(ValueError) as e:
         call()
     assert "\n" not in str(e.value) and re.search(match, str(e.value)), str(e.value)
+
+
+@pytest.mark.skipif(backend.on_hopper(), reason="checks the refusal off a Hopper GPU")
+def test_generate_attention_impl_kernel_without_a_gpu_says_so(capsys):
+    """`mla-generate --attention-impl kernel` on a CPU: one line naming the flag and "no Hopper GPU" (it never
+    said so; the kernels were tried and failed far from the flag)."""
+    from models.generate_cli import main
+
+    line = _one_line_exit_2(main, ["--attention-impl", "kernel", "--max-new-tokens", "2"], capsys, "mla-generate")
+    assert line.startswith(
+        "mla-generate: error: --attention-impl='kernel': the kernels cannot serve this: no Hopper GPU"
+    )
 
 
 def test_generate_kv_dtype_fp8_on_a_narrow_latent(tmp_path, capsys):
