@@ -289,17 +289,27 @@ def _bind(kind: str, step, graphdef):
     return traced
 
 
+# XLA options the steps' programs compile with on a GPU (none elsewhere); docs/NOTES.md says what each measured.
+GPU_COMPILER_OPTIONS: dict = {}
+
+
+def compiler_options() -> dict:
+    """The XLA options of the steps' programs on this backend (`GPU_COMPILER_OPTIONS` on a GPU)."""
+    return dict(GPU_COMPILER_OPTIONS) if jax.default_backend() == "gpu" else {}
+
+
 @functools.lru_cache(maxsize=16)
 def compiled_steps(graphdef) -> Steps:
     """The steps of models with this graphdef, jitted with the graphdef closed over: a step call
     hashes only its small static choices, and engines over equal model structures share compilations."""
+    jit = functools.partial(jax.jit, compiler_options=compiler_options() or None)
     return Steps(
-        prefill=jax.jit(
+        prefill=jit(
             _bind("prefill", prefill_step, graphdef), static_argnames=("use_mtp", "sampler"), donate_argnums=(1, 5, 6)
         ),
-        decode=jax.jit(_bind("decode", decode_step, graphdef), static_argnames=("sampler",), donate_argnums=(1,)),
-        decode_loop=jax.jit(
+        decode=jit(_bind("decode", decode_step, graphdef), static_argnames=("sampler",), donate_argnums=(1,)),
+        decode_loop=jit(
             _bind("decode", decode_loop, graphdef), static_argnames=("sampler", "num_steps"), donate_argnums=(1,)
         ),
-        verify=jax.jit(_bind("verify", verify_step, graphdef), static_argnames=("sampler",), donate_argnums=(1, 3, 4)),
+        verify=jit(_bind("verify", verify_step, graphdef), static_argnames=("sampler",), donate_argnums=(1, 3, 4)),
     )

@@ -25,7 +25,8 @@
 #   scripts/lab/gpu_run.sh decode  # the engine / scan / decode-kernel GPU tests, then mla-bench e2e --kernels on
 #                              #   V2-Lite (1024-token prompts; B=1, 32, 128 at decode_steps 8, B=1 at 1; no HF)
 #   scripts/lab/gpu_run.sh gemv    # scripts/lab/probe_gemv.py: batch-1..32 projections over stacked layers (and again
-#                              #   with XLA's dynamic-slice fusion), the decode program's optimized HLO
+#                              #   with XLA's dynamic-slice fusion); probe_decode_variants.py (rows padded, dynamic-
+#                              #   slice fusion); e2e --kernels with command buffers (WHILE, unrolled)
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -151,10 +152,16 @@ case "$MODE" in
          bench paged_gather 60 ;;
   grid)  bench mla_decode 560 --no-decompressed ;;
   gemv) stage "probe_gemv"
-        timeout 300 $PY scripts/lab/probe_gemv.py --out "$R/gemv" 2>&1 | tee -a "$LOG"
+        timeout 90 $PY scripts/lab/probe_gemv.py --out "$R/gemv" --no-hlo 2>&1 | tee -a "$LOG"
         stage "probe_gemv, dynamic-slice fusion on"
-        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" timeout 150 \
-          $PY scripts/lab/probe_gemv.py --out "$R/gemv" --no-hlo 2>&1 | tee -a "$LOG" ;;
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" timeout 90 \
+          $PY scripts/lab/probe_gemv.py --out "$R/gemv" --no-hlo 2>&1 | tee -a "$LOG"
+        stage "probe_decode_variants"
+        timeout 300 $PY scripts/lab/probe_decode_variants.py --out "$R/variants" --batches "${BATCHES:-1,32}" 2>&1 \
+          | grep -v "it/s\]" | tee -a "$LOG"
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE \
+          --xla_gpu_command_buffer_unroll_loops=true --xla_gpu_graph_min_graph_size=1" bench e2e 100 --model v2-lite \
+          --batch 1 --prompt 1024 --new-tokens 128 --kernels --no-hf --out "$R/cmdbuf" ;;
   decode) bench e2e "${E2E_LIMIT:-250}" --model v2-lite --batch "${BATCHES:-1,32,128}" --prompt 1024 --new-tokens 128 \
             --kernels --no-hf ${E2E_EXTRA:-}
           bench e2e 110 --model v2-lite --batch 1 --prompt 1024 --new-tokens 128 --kernels --no-hf --decode-steps 1 --out "$R/k1" ;;
