@@ -27,6 +27,8 @@
 #   scripts/lab/gpu_run.sh gemv    # scripts/lab/probe_gemv.py: batch-1..32 projections over stacked layers (and again
 #                              #   with XLA's dynamic-slice fusion); probe_decode_variants.py (rows padded, dynamic-
 #                              #   slice fusion); e2e --kernels with command buffers (WHILE, unrolled)
+#   scripts/lab/gpu_run.sh hlo     # decode-kernel and scan GPU tests, then the optimized HLO of V2-Lite's decode
+#                              #   program in the $VARIANTS of probe_decode_variants.py (default: pad, B=1)
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -129,6 +131,7 @@ case "$MODE" in
          gpu_tests 200 tests/test_moe.py tests/test_moe_decode.py tests/test_training.py tests/test_scan.py
          stage "waiting for the FlashMLA build"; wait $BUILD; tail -3 "$R/flashmla_prebuild_log.txt" | tee -a "$LOG" ;;
   gather) gpu_tests 130 tests/test_engine.py -k quantized ;;
+  hlo) gpu_tests 170 tests/test_mla_decode.py tests/test_scan.py -k "gpu_kernel_matches_reference or large_batch or scan" ;;
   decode) gpu_tests 230 tests/test_engine.py tests/test_scan.py tests/test_mla_decode.py ${TESTS_K:+-k "$TESTS_K"} ;;
   scorer) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
              $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
@@ -162,6 +165,9 @@ case "$MODE" in
         XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE \
           --xla_gpu_command_buffer_unroll_loops=true --xla_gpu_graph_min_graph_size=1" bench e2e 100 --model v2-lite \
           --batch 1 --prompt 1024 --new-tokens 128 --kernels --no-hf --out "$R/cmdbuf" ;;
+  hlo) stage "probe_decode_variants --hlo"
+       timeout 200 $PY scripts/lab/probe_decode_variants.py --out "$R/hlo" --batches "${BATCHES:-1}" \
+         --variants "${VARIANTS:-pad}" --hlo --no-kernels 2>&1 | tee -a "$LOG" ;;
   decode) bench e2e "${E2E_LIMIT:-250}" --model v2-lite --batch "${BATCHES:-1,32,128}" --prompt 1024 --new-tokens 128 \
             --kernels --no-hf ${E2E_EXTRA:-}
           bench e2e 110 --model v2-lite --batch 1 --prompt 1024 --new-tokens 128 --kernels --no-hf --decode-steps 1 --out "$R/k1" ;;

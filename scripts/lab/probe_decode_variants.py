@@ -9,6 +9,7 @@ generation, and the per-step kernel table of `mla-bench e2e --kernels`.
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 
@@ -20,9 +21,13 @@ from flax import nnx
 import benchmarks as bm
 from benchmarks.bench_e2e import build_model, decode_floor_bytes, kernel_profile, kv_pages, make_prompts, model_config
 from mla_jax import attention
+from mla_jax.kv_cache import KVCache
 from models import Engine, SamplingParams, steps
+from models.sampling import SamplingArrays
+from models.steps import StepInputs
 
 DSF = {"xla_gpu_enable_dynamic_slice_fusion": True}
+NO_KERNELS = False
 
 
 def _pad_rows(call, x, *args, rows=2, **kw):
@@ -65,7 +70,26 @@ def padded_projections():
         nnx.Linear.__call__, attention.MLA.absorb_query, attention.MLA.output_from_latent = lin, absorb, out
 
 
-def run(model, cfg, batch, name, options, pad, out_dir, new_tokens=128, prompt=1024):
+def dump_hlo(e, batch: int, prompt: int, path: str) -> None:
+    """The optimized HLO of the engine's 8-step decode program at this batch and prompt, gzipped."""
+    P = e.cache.max_pages_per_seq
+    inp = StepInputs(
+        np.zeros((batch, 1), np.int32),
+        np.full((batch, 1), prompt, np.int32),
+        np.zeros((batch, P), np.int32),
+        np.full((batch,), prompt + 1, np.int32),
+        np.zeros((batch,), np.int32),
+        np.zeros((batch, 2), np.uint32),
+        SamplingArrays.from_params([SamplingParams(temperature=0.0)] * batch),
+    )
+    cache = KVCache.create(e.cache.pages, inp.block_table, inp.lengths, impl=e.backend, page_format=e.cache.page_format)
+    steps_B, stops = np.full((batch,), 8, np.int32), np.full((batch, 1), -1, np.int32)
+    lowered = e.steps.decode_loop.lower(e.state, cache, inp, steps_B, stops, sampler="greedy", num_steps=8)
+    with gzip.open(path, "wt") as f:
+        f.write(lowered.compile().as_text())
+
+
+def run(model, cfg, batch, name, options, pad, out_dir, new_tokens=128, prompt=1024, hlo=False):
     steps.GPU_COMPILER_OPTIONS.clear()
     steps.GPU_COMPILER_OPTIONS.update(options)
     steps.compiled_steps.cache_clear()
@@ -78,10 +102,12 @@ def run(model, cfg, batch, name, options, pad, out_dir, new_tokens=128, prompt=1
         st = warm.stats
         row = dict(variant=name, B=batch, decode_ms_step=1e3 * st["decode_s"] / st["decode_steps"])
         row["same_tokens"] = warm.tokens == cold.tokens
-        if jax.default_backend() == "gpu":
+        if jax.default_backend() == "gpu" and not NO_KERNELS:
             row.update(kernel_profile(e, prompts, kw, out_dir, f"{name}_B{batch}"))
         row["floor_ms"] = decode_floor_bytes(cfg, batch, prompt + new_tokens // 2) / 4.1e12 * 1e3
         row["tokens"] = warm.tokens
+        if hlo:
+            dump_hlo(e, batch, prompt, os.path.join(out_dir, f"decode_loop_{name}_B{batch}.hlo.txt.gz"))
     del e
     return row
 
@@ -92,7 +118,11 @@ def main():
     p.add_argument("--batches", default="1,32")
     p.add_argument("--variants", default="base,pad,dsf,pad+dsf")
     p.add_argument("--config", default="full", help="tiny: a CPU smoke run")
+    p.add_argument("--hlo", action="store_true", help="also write each variant's optimized decode program")
+    p.add_argument("--no-kernels", action="store_true", help="no CUPTI tables (faster)")
     args = p.parse_args()
+    global NO_KERNELS
+    NO_KERNELS = args.no_kernels
     os.makedirs(args.out, exist_ok=True)
     cfg = model_config("v2-lite", config=args.config)
     prompt = 1024 if args.config == "full" else 64
@@ -103,7 +133,7 @@ def main():
         for name in args.variants.split(","):
             options, pad = table[name]
             try:
-                row = run(model, cfg, batch, name, options, pad, args.out, prompt=prompt)
+                row = run(model, cfg, batch, name, options, pad, args.out, prompt=prompt, hlo=args.hlo)
             except Exception as e:  # noqa: BLE001 - a variant that fails is a row
                 row = dict(variant=name, B=batch, error=f"{type(e).__name__}: {str(e)[:300]}")
             toks = row.pop("tokens", None)
