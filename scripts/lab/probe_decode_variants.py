@@ -27,6 +27,9 @@ from models.sampling import SamplingArrays
 from models.steps import StepInputs
 
 DSF = {"xla_gpu_enable_dynamic_slice_fusion": True}
+# cuBLAS GEMMs instead of Triton gemm fusions: dynamic-slice fusion reads a scanned layer's weights in place
+# only for cuBLAS calls (the Triton fusions took a copy of each layer's weights, an async dynamic-slice)
+CUBLAS_DSF = {"xla_gpu_enable_triton_gemm": False, **DSF}
 NO_KERNELS = False
 
 
@@ -127,7 +130,14 @@ def main():
     cfg = model_config("v2-lite", config=args.config)
     prompt = 1024 if args.config == "full" else 64
     model, _ = build_model(cfg, jnp.bfloat16)
-    table = {"base": ({}, False), "pad": ({}, True), "dsf": (DSF, False), "pad+dsf": (DSF, True)}
+    table = {
+        "base": ({}, False),
+        "pad": ({}, True),
+        "dsf": (DSF, False),
+        "pad+dsf": (DSF, True),
+        "cublas+dsf": (CUBLAS_DSF, False),
+        "pad+cublas+dsf": (CUBLAS_DSF, True),
+    }
     rows, ref = [], {}
     for batch in (int(b) for b in args.batches.split(",")):
         for name in args.variants.split(","):
