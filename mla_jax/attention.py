@@ -31,6 +31,7 @@ from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cu
 
 from mla_jax import initializers
 from mla_jax.config import ModelConfig
+from mla_jax.linear import Stacked, project
 from mla_jax.norm import RMSNorm
 from mla_jax.rope import apply_rope, rope_cos_sin
 from pallas_kernels import backend, flash_attention, mla_decode, mla_decode_problems, paged_gather_problems
@@ -336,19 +337,24 @@ class MLA(nnx.Module):
         self.wo = lin(H * cfg.v_head_dim, D)
 
     # --- projections --------------------------------------------------------------------
-    def project_q(self, x_BTD: jax.Array, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """-> q_nope [B,T,H,N], q_pe [B,T,H,R] (roped)."""
+    def project_q(
+        self, x_BTD: jax.Array, positions_BT: jax.Array, stacked: Stacked | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """-> q_nope [B,T,H,N], q_pe [B,T,H,R] (roped). `stacked`: see `mla_jax.linear`."""
         cfg = self.cfg
-        q = self.wq(x_BTD) if cfg.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x_BTD)))
+        if cfg.q_lora_rank is None:
+            q = project(self.wq, x_BTD, stacked)
+        else:
+            q = project(self.wq_b, self.q_norm(project(self.wq_a, x_BTD, stacked)), stacked)
         q_BTHK = q.reshape(q.shape[:2] + (cfg.num_attention_heads, cfg.qk_head_dim))
         q_nope, q_pe = q_BTHK[..., : cfg.qk_nope_head_dim], q_BTHK[..., cfg.qk_nope_head_dim :]
         cos, sin = rope_cos_sin(cfg, positions_BT)
         return q_nope, apply_rope(q_pe, cos, sin, interleave=cfg.rope_interleave)
 
-    def project_kv(self, x_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    def project_kv(self, x_BTD: jax.Array, positions_BT: jax.Array, stacked: Stacked | None = None) -> jax.Array:
         """-> the cached latent [B,T,L+R] = [kv_norm(c_kv) ; rope(k_pe)]."""
         cfg = self.cfg
-        kv = self.wkv_a(x_BTD)
+        kv = project(self.wkv_a, x_BTD, stacked)
         c_BTL, k_pe_BTR = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
         cos, sin = rope_cos_sin(cfg, positions_BT)
         k_pe_BTR = apply_rope(k_pe_BTR, cos, sin, interleave=cfg.rope_interleave)
@@ -368,11 +374,11 @@ class MLA(nnx.Module):
         q_lat = einsum_f32("bthn,lhn->bthl", q_nope, w_uk_LHN.astype(q_nope.dtype))
         return jnp.concatenate([q_lat.astype(q_pe.dtype), q_pe], axis=-1)
 
-    def output_from_latent(self, o_lat_BTHL: jax.Array) -> jax.Array:
+    def output_from_latent(self, o_lat_BTHL: jax.Array, stacked: Stacked | None = None) -> jax.Array:
         """Un-absorb W_UV and apply the output projection: [B,T,H,L] -> [B,T,D]."""
         w_uv_LHV = self.wkv_b_LHK()[..., self.cfg.qk_nope_head_dim :]
         o = einsum_f32("bthl,lhv->bthv", o_lat_BTHL, w_uv_LHV.astype(o_lat_BTHL.dtype))
-        return self.wo(o.astype(o_lat_BTHL.dtype).reshape(o.shape[:2] + (-1,)))
+        return project(self.wo, o.astype(o_lat_BTHL.dtype).reshape(o.shape[:2] + (-1,)), stacked)
 
     # --- attention ----------------------------------------------------------------------
     def attend(
@@ -386,6 +392,7 @@ class MLA(nnx.Module):
         absorbed: bool,
         q_block: int | None = None,
         attn_impl: str = "xla",
+        stacked: Stacked | None = None,
     ) -> jax.Array:
         """Attend queries over a latent context (this chunk and/or a cached prefix) -> [B,T,D]."""
         cfg = self.cfg
@@ -398,7 +405,7 @@ class MLA(nnx.Module):
                 softmax_scale=cfg.softmax_scale,
                 kv_lora_rank=cfg.kv_lora_rank,
             )
-            return self.output_from_latent(o_lat)
+            return self.output_from_latent(o_lat, stacked)
         o_BTHV = mla_decompressed_attention(
             q_nope,
             q_pe,
@@ -410,7 +417,7 @@ class MLA(nnx.Module):
             q_block=q_block,
             impl=attn_impl,
         )
-        return self.wo(o_BTHV.reshape(o_BTHV.shape[:2] + (-1,)))
+        return project(self.wo, o_BTHV.reshape(o_BTHV.shape[:2] + (-1,)), stacked)
 
     def cached_path(self, T: int, cache) -> str:
         """The path a cached call of T query tokens a row takes (one of `CACHED_PATHS`):
@@ -429,13 +436,13 @@ class MLA(nnx.Module):
             return "decode_kernel"
         return "absorbed"
 
-    def cached_attention(self, x_BTD: jax.Array, positions_BT: jax.Array, cache):
+    def cached_attention(self, x_BTD: jax.Array, positions_BT: jax.Array, cache, stacked: Stacked | None = None):
         """Write this step's latents into the cache, then attend over it -> (out [B,T,D], cache)."""
         cfg = self.cfg
         T = x_BTD.shape[1]
         rope_pos = jnp.maximum(positions_BT, 0)  # padding rows get any valid rope position; never seen
-        q_nope, q_pe = self.project_q(x_BTD, rope_pos)
-        cache = cache.write(self.project_kv(x_BTD, rope_pos), positions_BT)
+        q_nope, q_pe = self.project_q(x_BTD, rope_pos, stacked)
+        cache = cache.write(self.project_kv(x_BTD, rope_pos, stacked), positions_BT)
         path = self.cached_path(T, cache)
         if path == "decode_kernel":
             # The kernel places query j at seq_len - T + j. Valid tokens are a prefix of T here
@@ -458,9 +465,9 @@ class MLA(nnx.Module):
                 )[0]
 
             o_lat = cache.map_pages(decode, q_BTHC, cache.lengths + T - n_valid)
-            return self.output_from_latent(o_lat.astype(x_BTD.dtype)), cache
+            return self.output_from_latent(o_lat.astype(x_BTD.dtype), stacked), cache
         ctx_BSC, kv_pos_BS = cache.gather(dtype=x_BTD.dtype)
-        out = self.attend(q_nope, q_pe, ctx_BSC, positions_BT, kv_pos_BS, absorbed=path == "absorbed")
+        out = self.attend(q_nope, q_pe, ctx_BSC, positions_BT, kv_pos_BS, absorbed=path == "absorbed", stacked=stacked)
         return out, cache
 
     def __call__(
@@ -472,15 +479,24 @@ class MLA(nnx.Module):
         cache=None,
         q_block: int | None = None,
         attn_impl: str = "xla",
+        stacked: Stacked | None = None,
     ):
         if x_BTD.ndim != 3 or x_BTD.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"MLA expects x [B, T, {self.cfg.hidden_size}], got {x_BTD.shape}")
         if positions_BT.shape != x_BTD.shape[:2]:
             raise ValueError(f"positions must be [B, T] = {x_BTD.shape[:2]}, got {positions_BT.shape}")
         if cache is not None:
-            return self.cached_attention(x_BTD, positions_BT, cache)
-        q_nope, q_pe = self.project_q(x_BTD, positions_BT)
-        kv_latent = self.project_kv(x_BTD, positions_BT)
+            return self.cached_attention(x_BTD, positions_BT, cache, stacked)
+        q_nope, q_pe = self.project_q(x_BTD, positions_BT, stacked)
+        kv_latent = self.project_kv(x_BTD, positions_BT, stacked)
         return self.attend(
-            q_nope, q_pe, kv_latent, positions_BT, positions_BT, absorbed=absorbed, q_block=q_block, attn_impl=attn_impl
+            q_nope,
+            q_pe,
+            kv_latent,
+            positions_BT,
+            positions_BT,
+            absorbed=absorbed,
+            q_block=q_block,
+            attn_impl=attn_impl,
+            stacked=stacked,
         )

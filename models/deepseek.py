@@ -22,6 +22,7 @@ from flax import nnx
 
 from mla_jax import initializers
 from mla_jax.config import ModelConfig
+from mla_jax.linear import Stacked, stacked_filter, stacked_impl
 from mla_jax.norm import RMSNorm
 from models.layer import DecoderLayer
 from models.mtp import MTP
@@ -104,7 +105,9 @@ def _scan_layers(
     as a constant and the kernel reads its layer's experts in place (`MoE(stack_index=...)`).
     Training keeps them scanned (sliced): the gradient of a whole-stack constant would be
     accumulated at full size in every iteration; so do prefill-sized calls, whose grouped GEMM
-    takes one layer's experts.
+    takes one layer's experts. The same holds for the layer's projections (`mla_jax.linear`): a
+    decode-sized cached call on a kernel backend passes them whole and `pallas_kernels.stacked_matmul`
+    reads each layer's weights in place.
 
     `remat` (REMAT_POLICIES, training only; a cached call must leave it "none") wraps the layer body in
     `jax.checkpoint` with that policy, so the backward of the scan keeps per layer only what the policy
@@ -119,22 +122,27 @@ def _scan_layers(
         and stack.is_moe
         and stack.mlp.resolved_impl(h_BTD.shape[0] * h_BTD.shape[1]) in ("decode", "decode_interpret")
     )
+    rows = h_BTD.shape[0] * h_BTD.shape[1]
+    proj_impl = None if cache is None else stacked_impl(cache.impl, rows)
+    constant = nnx.Nothing()  # what goes in whole (the rest is sliced by the scan)
     if whole:
-        graphdef, experts, state = nnx.split(stack, nnx.PathContains("experts"), ...)
-    else:
-        graphdef, state = nnx.split(stack)
+        constant = nnx.PathContains("experts")
+    if proj_impl is not None:
+        constant = nnx.Any(constant, stacked_filter(rows))
+    graphdef, whole_state, state = nnx.split(stack, constant, ...)
     n = jax.tree.leaves(state)[0].shape[0]
 
     def body(carry, xs):
         h, c = carry
         layer_state, idx = xs
-        layer = nnx.merge(graphdef, experts, layer_state) if whole else nnx.merge(graphdef, layer_state)
+        layer = nnx.merge(graphdef, whole_state, layer_state)
         h, r, c = layer.forward(
             h,
             positions_BT,
             None if c is None else c.at_layer(first_layer + idx),
             absorbed=absorbed,
             stack_index=idx if whole else None,
+            stacked=None if proj_impl is None else Stacked(idx, proj_impl),
             q_block=q_block,
             attn_impl=attn_impl,
         )

@@ -14,6 +14,7 @@ from flax import nnx
 
 from mla_jax.attention import MLA
 from mla_jax.config import ModelConfig
+from mla_jax.linear import Stacked
 from mla_jax.norm import RMSNorm
 from models.mlp import MLP
 from models.moe import MoE
@@ -66,9 +67,11 @@ class DecoderLayer(nnx.Module):
         stack_index=None,
         q_block: int | None = None,
         attn_impl: str = "xla",
+        stacked: Stacked | None = None,
     ):
         """-> (out [B,T,D], RouterOutput or None for a dense layer, cache or None). `stack_index`: the
-        routed experts' variables are the whole stack's and this is its layer `stack_index`."""
+        routed experts' variables are the whole stack's and this is its layer `stack_index`. `stacked`:
+        projections may hold the whole stack's kernels (`mla_jax.linear`)."""
         a = self.self_attn(
             self.input_layernorm(x_BTD),
             positions_BT,
@@ -76,6 +79,7 @@ class DecoderLayer(nnx.Module):
             cache=cache,
             q_block=q_block,
             attn_impl=attn_impl,
+            stacked=stacked,
         )
         if cache is not None:
             a, cache = a
@@ -83,9 +87,9 @@ class DecoderLayer(nnx.Module):
         y = self.post_attention_layernorm(h)
         r = None
         if self.is_moe:
-            y, r = self.mlp(y, return_router=True, stack_index=stack_index)
+            y, r = self.mlp(y, return_router=True, stack_index=stack_index, stacked=stacked)
         else:
-            y = self.mlp(y)
+            y = self.mlp(y, stacked)
         return h + y.astype(h.dtype), r, cache
 
     def __call__(

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax import initializers
+from mla_jax.linear import Stacked, project
 
 
 class MLP(nnx.Module):
@@ -42,5 +43,7 @@ class MLP(nnx.Module):
         self.up_proj = lin(dim, inter_dim)
         self.down_proj = lin(inter_dim, dim)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, stacked: Stacked | None = None) -> jax.Array:
+        """`stacked`: see `mla_jax.linear`."""
+        h = jax.nn.silu(project(self.gate_proj, x, stacked)) * project(self.up_proj, x, stacked)
+        return project(self.down_proj, h, stacked)

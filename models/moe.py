@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec
 
 from mla_jax import initializers
 from mla_jax.config import ModelConfig
+from mla_jax.linear import Stacked
 from models.mlp import MLP
 from pallas_kernels import backend, moe_decode, moe_decode_problems, moe_decode_reference
 
@@ -510,9 +511,10 @@ class MoE(nnx.Module):
             widths=(cfg.hidden_size, cfg.moe_intermediate_size),
         )
 
-    def __call__(self, x: jax.Array, *, return_router: bool = False, stack_index=None):
+    def __call__(self, x: jax.Array, *, return_router: bool = False, stack_index=None, stacked: Stacked | None = None):
         """`stack_index` (a scalar, may be traced): the routed experts' variables are a whole scanned
-        stack, [L, E, ...], and this call is layer `stack_index` of it (see `models.deepseek`)."""
+        stack, [L, E, ...], and this call is layer `stack_index` of it (see `models.deepseek`).
+        `stacked`: the shared experts' projections may be whole too (`mla_jax.linear`)."""
         lead, D = x.shape[:-1], x.shape[-1]
         x_TD = x.reshape(-1, D).astype(self.dtype)
         r = self.gate(x_TD)
@@ -547,6 +549,6 @@ class MoE(nnx.Module):
             routed = self._parallel(routed, x_TD.shape[0])
         y_TD = routed(x_TD, r.weights, r.indices, gate, up, down, off)
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+            y_TD = y_TD + self.shared_experts(x_TD, stacked)
         y = y_TD.reshape(lead + (D,))
         return (y, r) if return_router else y

@@ -1,0 +1,116 @@
+"""Decode-shaped projections over a stack of layers (`pallas_kernels.stacked_matmul`, Pallas Triton backend) against
+their reference, and the model's decode step with its projections passed whole (`mla_jax.linear`)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mla_jax.kv_cache import KVCache
+from mla_jax.linear import stacked_filter
+from models import DeepSeekModel, Engine
+from pallas_kernels.stacked_matmul import (
+    StackedMatmulConfig,
+    stacked_matmul,
+    stacked_matmul_problems,
+    stacked_matmul_reference,
+)
+from tests.micro_configs import narrow_v2_lite
+
+SMALL = StackedMatmulConfig(block_n=32, block_k=32)
+
+
+def _stack(M, K=96, N=64, L=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((L, K, N)) / np.sqrt(K), jnp.float32)
+    return x, w
+
+
+@pytest.mark.parametrize("M, split_k", [(1, None), (19, 3), (32, 1)])
+def test_kernel_reads_the_named_layer_of_the_stack(M, split_k):
+    """Every layer of the stack through the interpreter equals x · w[layer] computed in numpy (catches a wrong
+    layer offset, the split-K partials summed wrongly or not at all, rows past M leaking from the padding)."""
+    x, w = _stack(M)
+    config = StackedMatmulConfig(block_n=32, block_k=32, split_k=split_k)
+    f = jax.jit(lambda x, w, layer: stacked_matmul(x, w, layer, config=config, impl="interpret"))
+    for layer in range(w.shape[0]):
+        want = np.asarray(x, np.float64) @ np.asarray(w[layer], np.float64)
+        chex.assert_trees_all_close(np.asarray(f(x, w, jnp.int32(layer)), np.float64), want, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(f(x, w, jnp.int32(2)), stacked_matmul_reference(x, w, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_what_it_cannot_serve_is_one_line_each():
+    assert stacked_matmul_problems(1, 2048, 3072) == []  # V2-Lite's wq
+    assert stacked_matmul_problems(128, 2048, 576) == []  # V2-Lite's wkv_a at batch 128
+    assert stacked_matmul_problems(129, 100, 48) == [
+        "M = 129 rows is more than the 128 a decode-shaped call takes",
+        "K = 100 is not a multiple of the block 128",
+        "N = 48 is not a multiple of the block 64",
+    ]
+    x, w = _stack(2)
+    with pytest.raises(ValueError, match=r"^stacked_matmul: K = 96 is not a multiple of the block 128$"):
+        stacked_matmul(x, w, 0, impl="interpret")
+    with pytest.raises(ValueError, match=r"^w must be a stack \[L, K=96, N\], got shape \(96, 64\)$"):
+        stacked_matmul(x, w[0], 0, config=SMALL, impl="interpret")
+
+
+def test_cross_lowers_for_sm90():
+    from jax._src import mesh as mesh_lib
+
+    x, w = jnp.zeros((1, 2048), jnp.bfloat16), jnp.zeros((26, 2048, 3072), jnp.bfloat16)
+    layer = jnp.int32(3)  # made outside the abstract mesh, where no eager op can run
+    h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        traced = jax.jit(lambda x, w, i: stacked_matmul(x, w, i, impl="kernel")).trace(x, w, layer)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1
+
+
+# A narrow V2-Lite whose attention output and shared-expert projections are multiples of the kernel's blocks
+# (wq 128 -> 128, wo 128 -> 128, shared experts 128 <-> 128), while wkv_a (128 -> 48) and the dense MLP
+# (width 96) are not: those stay sliced by the scan.
+SERVED = narrow_v2_lite(3).replace(hidden_size=128, v_head_dim=32, moe_intermediate_size=64, n_routed_experts=8)
+
+
+def test_decode_step_with_whole_stack_projections_equals_the_sliced_one():
+    """A cached decode call on the interpret backend passes the served projections whole and reads each layer's
+    in place: its logits equal the reference backend's (sliced by the scan; catches a projection reading another
+    layer's weights or skipping the stacked path), and the program holds one stacked_matmul a served projection
+    (wq and wo in the dense stack; wq, wo and the three shared-expert ones in the MoE stack)."""
+    model = DeepSeekModel(SERVED, rngs=nnx.Rngs(0))
+    e = Engine(model, page_size=16, num_pages=8, max_batch=2, kv_dtype=jnp.float32)
+    B, S = 2, 5
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, SERVED.vocab_size, (B, S)), jnp.int32)
+    table = jnp.asarray([[0], [1]], jnp.int32)
+
+    fwd = jax.jit(lambda ids, positions, cache: model(ids, positions, cache=cache))
+
+    def run(impl):
+        cache = KVCache.create(e.cache.pages, table, jnp.zeros((B,), jnp.int32), impl=impl)
+        _, cache = fwd(ids[:, :-1], jnp.broadcast_to(jnp.arange(S - 1), (B, S - 1)), cache)
+        last = (ids[:, -1:], jnp.full((B, 1), S - 1, jnp.int32), cache)
+        return fwd(*last)[0], jax.make_jaxpr(fwd)(*last)
+
+    (got, jaxpr), (want, ref_jaxpr) = run("interpret"), run("reference")
+    chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
+    assert str(jaxpr).count("name=stacked_matmul") == 7
+    assert "name=stacked_matmul" not in str(ref_jaxpr)
+
+
+def test_the_filter_takes_served_projections_only():
+    """Only `STACKED_PROJECTIONS` kernels of served shapes go whole: not the router, not wkv_b (the absorbed
+    einsums read it per head), not a projection whose widths the blocks do not divide."""
+    stack = nnx.eval_shape(lambda: DeepSeekModel(SERVED, rngs=nnx.Rngs(0))).moe_layers
+    _, whole, _ = nnx.split(stack, stacked_filter(2), ...)
+    paths = sorted("/".join(map(str, p)) for p, _ in nnx.to_flat_state(whole))
+    assert paths == [
+        "mlp/shared_experts/down_proj/kernel",
+        "mlp/shared_experts/gate_proj/kernel",
+        "mlp/shared_experts/up_proj/kernel",
+        "self_attn/wo/kernel",
+        "self_attn/wq/kernel",
+    ]
