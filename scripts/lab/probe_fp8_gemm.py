@@ -39,7 +39,7 @@ SWEEP_CONFIGS = {  # the default (128x128, 5 stages) is in the rows already
         block_m=64, block_n=128, max_concurrent_steps=4, grid_minor_dim=0, grid_tile_width=16
     ),
     "256x64": Fp8MatmulConfig(block_m=128, block_n=64, max_concurrent_steps=4),
-    "64x256 (wgs side by side)": Fp8MatmulConfig(block_m=64, block_n=128, wg_split="n", max_concurrent_steps=5),
+    "64x256 (wgs side by side)": Fp8MatmulConfig(block_m=64, block_n=128, wg_split="n", max_concurrent_steps=4),
 }
 
 
