@@ -35,7 +35,7 @@ V3_SHAPES = {  # (N, K)
 }
 SWEEP_SHAPES = ("gate_up", "wo", "q_b")
 SWEEP_CONFIGS = {  # the default (128x128, 5 stages) is in the rows already
-    "128x128 4 stages, N-major snake 16": Fp8MatmulConfig(
+    "128x128 4 stages, snake M-fastest width 16": Fp8MatmulConfig(
         block_m=64, block_n=128, max_concurrent_steps=4, grid_minor_dim=0, grid_tile_width=16
     ),
     "256x64": Fp8MatmulConfig(block_m=128, block_n=64, max_concurrent_steps=4),
