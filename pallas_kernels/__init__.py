@@ -3,12 +3,13 @@ plain-jnp references; `backend`, the one "which implementation" vocabulary (auto
 reference) with the one Hopper check; `page_format`, the one page-format type.
 
 Each kernel takes its pages' format explicitly (a `PageFormat`, or read from the pages) and says what it
-serves (`mla_decode_problems`, `paged_gather_problems`, `moe_decode_problems`). Imports nothing from the
-rest of the project.
+serves (`mla_decode_problems`, `paged_gather_problems`, `moe_decode_problems`, `fp8_matmul_problems`).
+Imports nothing from the rest of the project.
 """
 
 from pallas_kernels import backend
 from pallas_kernels.flash_attention import FlashAttentionConfig, flash_attention, flash_attention_reference
+from pallas_kernels.fp8_gemm import Fp8MatmulConfig, fp8_matmul, fp8_matmul_problems, fp8_matmul_reference
 from pallas_kernels.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_problems, mla_decode_reference
 from pallas_kernels.moe_decode import MoeDecodeConfig, moe_decode, moe_decode_problems, moe_decode_reference
 from pallas_kernels.page_format import (
@@ -30,6 +31,7 @@ __all__ = [
     "FP4_PAGES",
     "FP8_PAGES",
     "FlashAttentionConfig",
+    "Fp8MatmulConfig",
     "MlaDecodeConfig",
     "MoeDecodeConfig",
     "PageFormat",
@@ -39,6 +41,9 @@ __all__ = [
     "dequantize_latent_fp8",
     "flash_attention",
     "flash_attention_reference",
+    "fp8_matmul",
+    "fp8_matmul_problems",
+    "fp8_matmul_reference",
     "mla_decode",
     "mla_decode_problems",
     "mla_decode_reference",
