@@ -114,3 +114,20 @@ def test_the_filter_takes_served_projections_only():
         "self_attn/wo/kernel",
         "self_attn/wq/kernel",
     ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 32, 128])
+@pytest.mark.parametrize("K, N", [(2048, 3072), (2048, 576), (2048, 2816), (2816, 2048)])  # V2-Lite wq, wkv_a, MLP
+def test_gpu_kernel_equals_the_reference_at_v2_lite_shapes(M, K, N):
+    """The compiled kernel (bf16, a 26-layer stack, a traced layer) against XLA's GEMM of the same layer."""
+    from pallas_kernels.backend import on_hopper
+
+    if not on_hopper():
+        pytest.skip("needs a Hopper GPU")
+    rng = np.random.default_rng(M + K + N)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((26, K, N)) / np.sqrt(K), jnp.bfloat16)
+    got = jax.jit(lambda x, w, i: stacked_matmul(x, w, i, impl="kernel"))(x, w, jnp.int32(17))
+    want = jax.jit(stacked_matmul_reference)(x, w, jnp.int32(17))
+    chex.assert_trees_all_close(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)

@@ -29,6 +29,8 @@
 #                              #   slice fusion); e2e --kernels with command buffers (WHILE, unrolled)
 #   scripts/lab/gpu_run.sh hlo     # decode-kernel and scan GPU tests, then the optimized HLO of V2-Lite's decode
 #                              #   program in the $VARIANTS of probe_decode_variants.py (default: pad, B=1)
+#   scripts/lab/gpu_run.sh stacked # stacked_matmul + scan GPU tests; V2-Lite decode with projections sliced by the
+#                              #   scan and read whole by stacked_matmul (B=1, 32, 128); fp8_gemm GPU tests + probe
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -145,6 +147,7 @@ case "$MODE" in
        stage "profile_fp8_decode"
        timeout 120 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" 2>&1 | tee -a "$LOG" ;;
   train) gpu_tests 200 tests/test_engine.py tests/test_moe.py tests/test_moe_decode.py tests/test_training.py tests/test_scan.py ;;
+  stacked) gpu_tests 130 tests/test_stacked_matmul.py tests/test_scan.py ;;
   flash) gpu_tests 200 tests/test_flash_attention.py tests/test_attention.py
          flash_ptxas_report
          stage "probe_flash_attention --sweep"
@@ -172,6 +175,14 @@ case "$MODE" in
             --kernels --no-hf ${E2E_EXTRA:-}
           bench e2e 110 --model v2-lite --batch 1 --prompt 1024 --new-tokens 128 --kernels --no-hf --decode-steps 1 --out "$R/k1" ;;
   gather) bench paged_gather 170 --quick --sweep --kv-dtype fp8 ;;
+  stacked) stage "probe_decode_variants: sliced / stacked projections"
+           timeout "${VARIANTS_LIMIT:-280}" $PY scripts/lab/probe_decode_variants.py --out "$R/variants" \
+             --batches "${BATCHES:-1,32,128}" --variants "${VARIANTS:-sliced,base}" --no-kernels 2>&1 \
+             | grep -v "it/s\]" | tee -a "$LOG"
+           stage "fp8_gemm GPU tests and probe"
+           gpu_tests 60 tests/test_fp8_gemm.py
+           timeout 120 $PY scripts/lab/probe_fp8_gemm.py --out "$R/fp8_gemm.json" --budget-s 90 2>&1 | tail -40 \
+             | tee -a "$LOG" ;;
   profile8) stage "profile_fp8_decode"
        timeout 300 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" ${CELLS:+--cells $CELLS} ${CONFIGS:+--configs $CONFIGS} 2>&1 | tee -a "$LOG" ;;
   fp8) stage "probe_fp8_decode"

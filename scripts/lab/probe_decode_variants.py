@@ -2,7 +2,9 @@
 with the batch-1 projections' rows padded to 2 (so XLA's matrix-vector strength reduction, a weight-sized
 multiply fusion plus a reduce, cannot apply), with XLA's dynamic-slice fusion (GEMMs read a scanned layer's
 weights in place instead of copying them), and both. Per variant and batch: decode ms/step from a warm 128-token
-generation, and the per-step kernel table of `mla-bench e2e --kernels`.
+generation, and the per-step kernel table of `mla-bench e2e --kernels`. "sliced" is the step before
+`pallas_kernels.stacked_matmul` (every projection sliced out of its stack by the scan, as XLA computes it);
+the other variants keep the stacked projections (the engine as it is).
 
     PYTHONPATH=. python scripts/lab/probe_decode_variants.py --out $OUT/variants [--batches 1,32]
 """
@@ -22,7 +24,7 @@ import benchmarks as bm
 from benchmarks.bench_e2e import build_model, decode_floor_bytes, kernel_profile, kv_pages, make_prompts, model_config
 from mla_jax import attention
 from mla_jax.kv_cache import KVCache
-from models import Engine, SamplingParams, steps
+from models import Engine, SamplingParams, deepseek, steps
 from models.sampling import SamplingArrays
 from models.steps import StepInputs
 
@@ -92,13 +94,27 @@ def dump_hlo(e, batch: int, prompt: int, path: str) -> None:
         f.write(lowered.compile().as_text())
 
 
-def run(model, cfg, batch, name, options, pad, out_dir, new_tokens=128, prompt=1024, hlo=False):
+@contextlib.contextmanager
+def sliced_projections():
+    """The scan slices every projection (no `stacked_matmul`): the decode step before it."""
+    keep = deepseek.stacked_impl
+    deepseek.stacked_impl = lambda *a: None
+    try:
+        yield
+    finally:
+        deepseek.stacked_impl = keep
+
+
+def run(model, cfg, batch, name, options, pad, out_dir, new_tokens=128, prompt=1024, hlo=False, sliced=False):
     steps.GPU_COMPILER_OPTIONS.clear()
     steps.GPU_COMPILER_OPTIONS.update(options)
     steps.compiled_steps.cache_clear()
     prompts = make_prompts(cfg.vocab_size, batch, prompt)
     kw = dict(max_new_tokens=new_tokens, sampling=SamplingParams(temperature=0.0))
-    with padded_projections() if pad else contextlib.nullcontext():
+    with (
+        padded_projections() if pad else contextlib.nullcontext(),
+        sliced_projections() if sliced else contextlib.nullcontext(),
+    ):
         e = Engine(model, page_size=64, num_pages=kv_pages(cfg, batch, prompt, new_tokens), max_batch=batch)
         cold = e.generate(prompts, **kw)
         warm = e.generate(prompts, **kw)
@@ -132,6 +148,7 @@ def main():
     model, _ = build_model(cfg, jnp.bfloat16)
     table = {
         "base": ({}, False),
+        "sliced": ({}, False),
         "pad": ({}, True),
         "dsf": (DSF, False),
         "pad+dsf": (DSF, True),
@@ -143,7 +160,18 @@ def main():
         for name in args.variants.split(","):
             options, pad = table[name]
             try:
-                row = run(model, cfg, batch, name, options, pad, args.out, prompt=prompt, hlo=args.hlo)
+                row = run(
+                    model,
+                    cfg,
+                    batch,
+                    name,
+                    options,
+                    pad,
+                    args.out,
+                    prompt=prompt,
+                    hlo=args.hlo,
+                    sliced=name == "sliced",
+                )
             except Exception as e:  # noqa: BLE001 - a variant that fails is a row
                 row = dict(variant=name, B=batch, error=f"{type(e).__name__}: {str(e)[:300]}")
             toks = row.pop("tokens", None)
