@@ -919,3 +919,16 @@ def test_interpret_kernels_match_reference_logits_on_the_builtin_model():
     full = np.asarray(model(jnp.asarray(ids[None]))[0], np.float32)
     rel = np.linalg.norm(ref[1][0] - full[64]) / np.linalg.norm(full[64])
     assert rel < 2e-2, rel  # the cache holds bf16 latents; the plain forward keeps them fp32
+
+
+def test_default_prefill_chunk_rule(model):
+    """`Engine(prefill_chunk=None)`'s rule: 512 with the jnp attention (what a CPU engine gets, fp32 or
+    reference backend); with the flash prefill a 16384-token step budget over max_batch rows, a power of two
+    in [512, 8192]. Catches the flash chunk given to the jnp attention (its fp32 scores grow with T x S) and
+    the budget dropped (B=8 x 8192-token chunks: 65536 tokens a step)."""
+    from models.engine import default_prefill_chunk
+
+    assert [default_prefill_chunk(True, b) for b in (1, 2, 3, 8, 32, 64)] == [8192, 8192, 4096, 2048, 512, 512]
+    assert default_prefill_chunk(False, 1) == 512
+    e = Engine(model, **{**STD, "prefill_chunk": None})
+    assert (e.prefill_attention, e.prefill_chunk) == ("xla", 512)
