@@ -22,6 +22,10 @@ as wgmma wants them; fp32 softmax in the exp2 domain; running max starts at -1e3
   stages, only up to the diagonal (causal loop bound: cdiv(128 (q + 1), block_kv) blocks). Per
   block: S = Q·Kᵀ (wgmma, fp32), mask key > query to -inf, online softmax, O += P·V (P bf16 from
   registers). Writes O (bf16) and the log-sum-exp (log2 domain, [B, H, T] fp32) for the backward.
+* forward with offsets (`flash_attention_prefill`, inference): the same kernel with per-row query
+  offsets and key lengths (int32 [B] each, read from GMEM per CTA): queries at positions p0..p0+T-1 over
+  S keys, the key loop stopping at the CTA's last visible key, the mask on blocks straddling the offset
+  diagonal or the key length (`forward._forward`'s ``offsets``; the training kernel is unchanged).
 * delta = rowsum(dO ∘ O) in jnp (fp32, [B, H, T]).
 * dK/dV: CTA = (128 keys, head, batch); warpgroup w owns keys [128 k + 64 w, +64), K and V tiles
   resident. Q, dO, lse and delta blocks of 64 queries stream from the diagonal (query block 2 k) to
