@@ -147,6 +147,7 @@ COLUMNS = [
     "prefill_gflop",
     "prefill_tflops",
     "prefill_mfu",
+    "prefill_chunk",
     "decode_steps",
     "decode_ms_step",
     "decode_tok_s",
@@ -710,7 +711,7 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
         page_size=PAGE,
         num_pages=kv_pages(cfg, batch, prompt, N),
         max_batch=batch,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=args.prefill_chunk or None,
         attention_impl=args.attention_impl,
         kv_dtype=kv_dtype_arg(args.kv_dtype),
         mesh=mesh,
@@ -758,6 +759,7 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
     row["same_tokens"] = warm.tokens == cold.tokens
     st = warm.stats
     row["prefill_s"] = warm_seconds(st, "prefill")
+    row["prefill_chunk"] = engine.prefill_chunk
     decode_s = warm_seconds(st, "decode")
     steps = stat(st, "decode_steps")
     row["decode_steps"] = steps
@@ -1080,7 +1082,7 @@ def run_ttft_worker(args) -> None:
         page_size=PAGE,
         num_pages=kv_pages(cfg, b, t, args.new_tokens),
         max_batch=b,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=args.prefill_chunk or None,
         attention_impl=args.attention_impl,
         kv_dtype=kv_dtype_arg(args.kv_dtype),
     )
@@ -1424,7 +1426,12 @@ def parser() -> argparse.ArgumentParser:
         default="off",
         help="speculative decoding with the MTP head, for models that have one",
     )
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens a row prefills per step")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=0,
+        help="prompt tokens a row prefills per step (0: the engine's default, models.engine.default_prefill_chunk)",
+    )
     p.add_argument(
         "--decode-steps", type=int, default=8, help="the engine's decode_steps: plain decode steps a device call runs"
     )

@@ -34,7 +34,14 @@ from mla_jax.config import ModelConfig
 from mla_jax.linear import Stacked, project
 from mla_jax.norm import RMSNorm
 from mla_jax.rope import apply_rope, rope_cos_sin
-from pallas_kernels import backend, flash_attention, mla_decode, mla_decode_problems, paged_gather_problems
+from pallas_kernels import (
+    backend,
+    flash_attention,
+    flash_attention_prefill,
+    mla_decode,
+    mla_decode_problems,
+    paged_gather_problems,
+)
 from pallas_kernels.flash_attention import CTA_ROWS
 from pallas_kernels.page_format import PageFormat, resolve_page_format
 
@@ -92,6 +99,7 @@ def mla_decompressed_attention(
     softmax_scale: float,
     q_block: int | None = None,
     impl: str = "xla",
+    cache_impl: str | None = None,
 ) -> jax.Array:
     """Decompressed MLA attention.
 
@@ -110,9 +118,18 @@ def mla_decompressed_attention(
     right-padded mask): any other positions make the output NaN rather than silently wrong. "mgpu": the same
     contract with this project's Mosaic GPU flash attention (`pallas_kernels.flash_attention`, forward and
     backward kernels; a Hopper GPU); its padding queries give 0, as in the jnp form.
+
+    cache_impl (the cached path): None, or the backend ("kernel" | "interpret" | "reference", a
+    `pallas_kernels.backend` name) of a row's gathered cache: the keys are the row's cache, positions 0..n-1
+    then -1, and the queries a chunk at consecutive positions p0.. then -1 (a prefill chunk after a cached
+    prefix). impl="mgpu" then runs `pallas_kernels.flash_attention_prefill` (query offsets p0, key lengths n;
+    forward only) with that backend; other positions give NaN; padding queries give 0. "cudnn" is refused
+    there (its mask cannot be offset).
     """
     if impl not in DECOMPRESSED_IMPLS[1:]:
         raise ValueError(f"impl={impl!r}: must be one of {DECOMPRESSED_IMPLS[1:]} (resolve 'auto' first)")
+    if cache_impl is not None and impl == "cudnn":
+        raise ValueError("impl='cudnn' cannot attend over a cache (its causal mask has no query offset): use 'mgpu'")
     n = q_nope.shape[-1]
     L = wkv_b_LHK.shape[0]
     c_BSL, k_pe_BSR = kv_latent[..., :L], kv_latent[..., L:]
@@ -127,6 +144,8 @@ def mla_decompressed_attention(
 
     if impl == "cudnn":
         return _cudnn_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale)
+    if impl == "mgpu" and cache_impl is not None:
+        return _mgpu_prefill_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale, cache_impl)
     if impl == "mgpu":
         return _mgpu_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale)
 
@@ -151,16 +170,24 @@ def mla_decompressed_attention(
 DECOMPRESSED_IMPLS = ("auto", "xla", "cudnn", "mgpu")
 
 
-def resolve_decompressed_impl(impl: str, *, dtype, on_mesh: bool = False) -> str:
+def resolve_decompressed_impl(impl: str, *, dtype, on_mesh: bool = False, cache_impl: str | None = None) -> str:
     """`impl` of `DECOMPRESSED_IMPLS` -> "xla" | "cudnn" | "mgpu"; ValueError for another name.
 
     "auto": "mgpu" (`pallas_kernels.flash_attention`) when the compute `dtype` is bf16 on one Hopper GPU and
     no mesh is used (the kernels are not partitioned over a mesh), else "xla" (the jnp attention: fp32
-    compute keeps fp32 scores, which the bf16 kernel would not). The flash forms need right-padded rows."""
+    compute keeps fp32 scores, which the bf16 kernel would not). The flash forms need right-padded rows.
+
+    `cache_impl` (the cached path's long chunks): the backend the cache is read with ("kernel" | "interpret"
+    | "reference"). "auto" is then "mgpu" (`flash_attention_prefill`, run by that backend: the kernel, also
+    when cross-lowered, or the interpreter) when the backend is a kernel one, the compute `dtype` bf16 and
+    the pool not split over data ranks (`on_mesh`), else "xla"."""
     if impl not in DECOMPRESSED_IMPLS:
         raise ValueError(f"attention impl must be one of {DECOMPRESSED_IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
+    if cache_impl is not None:
+        kernels = cache_impl in ("kernel", "interpret")
+        return "mgpu" if kernels and jnp.dtype(dtype) == jnp.bfloat16 and not on_mesh else "xla"
     return "mgpu" if jnp.dtype(dtype) == jnp.bfloat16 and not on_mesh and backend.on_hopper() else "xla"
 
 
@@ -210,6 +237,36 @@ def _mgpu_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, so
     o = flash_attention(q, k, v, softmax_scale=float(softmax_scale), causal=True, impl=kernel_impl)[:, :T, :, :V]
     o = jnp.where(valid_BT[:, :, None, None], o, 0)
     return jnp.where(ok, o, jnp.nan).astype(dtype)
+
+
+def _pad_widths(q_BTHD, k_BSHD, v_BSHV):
+    """q, k zero-padded to a multiple of 64 columns (no score changes) and v likewise (sliced off after), bf16."""
+    pad = lambda x, c: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, c))) if c else x  # noqa: E731
+    d_pad, v_pad = -q_BTHD.shape[3] % 64, -v_BSHV.shape[3] % 64
+    return tuple(pad(x, c).astype(jnp.bfloat16) for x, c in ((q_BTHD, d_pad), (k_BSHD, d_pad), (v_BSHV, v_pad)))
+
+
+def _mgpu_prefill_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale, kernel_impl):
+    """`pallas_kernels.flash_attention_prefill` over a row's gathered cache: queries at positions p0..p0+m-1
+    then -1, keys at 0..n-1 then -1 (what `KVCache.gather` and a prefill chunk give), so row b's query
+    offset is its first position and its key length its valid keys. Rows of other positions give NaN;
+    padding queries give 0 (as the jnp form). Inputs are cast to bf16, widths padded to multiples of 64.
+    ``kernel_impl``: the `pallas_kernels.backend` name the kernel runs with."""
+    B, T = q_positions.shape
+    S = kv_positions.shape[1]
+    n_q_B = jnp.sum(q_positions >= 0, axis=1).astype(jnp.int32)
+    off_B = jnp.where(n_q_B > 0, q_positions[:, 0], 0).astype(jnp.int32)
+    kv_len_B = jnp.sum(kv_positions >= 0, axis=1).astype(jnp.int32)
+    t, s = jnp.arange(T, dtype=jnp.int32)[None], jnp.arange(S, dtype=jnp.int32)[None]
+    valid_BT = t < n_q_B[:, None]
+    ok = jnp.all(q_positions == jnp.where(valid_BT, off_B[:, None] + t, -1))
+    ok &= jnp.all(kv_positions == jnp.where(s < kv_len_B[:, None], s, -1))
+    q, k, v = _pad_widths(q_BTHD, k_BSHD, v_BSHV)
+    o = flash_attention_prefill(
+        q, k, v, off_B, kv_len_B, softmax_scale=float(softmax_scale), causal=True, impl=kernel_impl
+    )[..., : v_BSHV.shape[3]]
+    o = jnp.where(valid_BT[:, :, None, None], o, 0)
+    return jnp.where(ok, o, jnp.nan).astype(q_BTHD.dtype)
 
 
 def _cudnn_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale):
@@ -393,8 +450,10 @@ class MLA(nnx.Module):
         q_block: int | None = None,
         attn_impl: str = "xla",
         stacked: Stacked | None = None,
+        cache_impl: str | None = None,
     ) -> jax.Array:
-        """Attend queries over a latent context (this chunk and/or a cached prefix) -> [B,T,D]."""
+        """Attend queries over a latent context (this chunk and/or a cached prefix) -> [B,T,D]; `attn_impl`
+        and `cache_impl`: `mla_decompressed_attention`'s `impl` and `cache_impl` (absorbed=False)."""
         cfg = self.cfg
         if absorbed:
             o_lat, _ = mla_absorbed_attention(
@@ -416,13 +475,16 @@ class MLA(nnx.Module):
             softmax_scale=cfg.softmax_scale,
             q_block=q_block,
             impl=attn_impl,
+            cache_impl=cache_impl,
         )
         return project(self.wo, o_BTHV.reshape(o_BTHV.shape[:2] + (-1,)), stacked)
 
     def cached_path(self, T: int, cache) -> str:
         """The path a cached call of T query tokens a row takes (one of `CACHED_PATHS`):
         - "decompressed": T >= cache.decompressed_threshold (long prefill chunks): gather the prefix
-          (`paged_gather` unless the backend is "reference") and attend decompressed;
+          (`paged_gather` unless the backend is "reference") and attend decompressed, with the flash
+          forward over the prefix (`flash_attention_prefill`) where `resolve_decompressed_impl` picks it
+          for the cache's backend (a kernel backend, bf16 compute, one pool), else the jnp attention;
         - "decode_kernel": a kernel backend and a call the decode kernel serves (decode, MTP verify:
           T <= `MAX_QUERY_LEN`; the model's heads, the cache's pages and format: `mla_decode_problems`):
           absorbed attention by `pallas_kernels.mla_decode` straight on the pages;
@@ -467,7 +529,21 @@ class MLA(nnx.Module):
             o_lat = cache.map_pages(decode, q_BTHC, cache.lengths + T - n_valid)
             return self.output_from_latent(o_lat.astype(x_BTD.dtype), stacked), cache
         ctx_BSC, kv_pos_BS = cache.gather(dtype=x_BTD.dtype)
-        out = self.attend(q_nope, q_pe, ctx_BSC, positions_BT, kv_pos_BS, absorbed=path == "absorbed", stacked=stacked)
+        attn_impl = "xla"
+        if path == "decompressed":
+            on_mesh = cache.data_parallel is not None
+            attn_impl = resolve_decompressed_impl("auto", dtype=x_BTD.dtype, on_mesh=on_mesh, cache_impl=cache.impl)
+        out = self.attend(
+            q_nope,
+            q_pe,
+            ctx_BSC,
+            positions_BT,
+            kv_pos_BS,
+            absorbed=path == "absorbed",
+            attn_impl=attn_impl,
+            cache_impl=cache.impl,
+            stacked=stacked,
+        )
         return out, cache
 
     def __call__(

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mla_jax.attention import CACHE_IMPLS, cache_kernel_problems, resolve_cache_impl
+from mla_jax.attention import CACHE_IMPLS, cache_kernel_problems, resolve_cache_impl, resolve_decompressed_impl
 from mla_jax.kv_cache import INTERPRET_ON_DATA_RANKS, CacheFullError, KVCache, PagedLatentCache, next_pow2
 from mla_jax.sharding import batch_axes, shard_batch, shard_model
 from models.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
@@ -48,6 +48,14 @@ from models.steps import (
 
 ATTENTION_IMPLS = CACHE_IMPLS  # "auto" | "kernel" | "interpret" | "reference" (`pallas_kernels.backend`)
 ON_CACHE_FULL = ("fail_request", "raise")
+# The default prefill chunk (docs/NOTES.md "Flash prefill over the cached prefix"). With the jnp attention a
+# chunk's fp32 scores are B x H x T x S, so chunks stay at PREFILL_CHUNK. With the flash forward over the prefix
+# nothing grows with T x S, and a step's matmuls want many rows: every chunk reads every weight once, and a
+# routed expert gets about tokens * K / E of the step's rows. So a step's tokens get a budget,
+# FLASH_PREFILL_TOKENS over max_batch rows, a power of two per row within [PREFILL_CHUNK, FLASH_PREFILL_CHUNK].
+PREFILL_CHUNK = 512
+FLASH_PREFILL_TOKENS = 16384
+FLASH_PREFILL_CHUNK = 8192
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -58,6 +66,7 @@ __all__ = [
     "SamplingParams",
     "StepInputs",
     "decode_step",
+    "default_prefill_chunk",
     "kernel_problems",
     "prefill_step",
     "rows_needed",
@@ -79,6 +88,16 @@ def rows_needed(cached: int, k: int, n_spec: int = 0) -> int:
     if k == 0:
         return cached + 1
     return max(cached + n_spec + k, cached + 1 + k)
+
+
+def default_prefill_chunk(flash_prefill: bool, max_batch: int) -> int:
+    """Prompt tokens a row prefills per step by default: `PREFILL_CHUNK` with the jnp attention; with the flash
+    forward over the cached prefix (`flash_prefill`), the largest power of two <= FLASH_PREFILL_TOKENS /
+    max_batch, clipped to [PREFILL_CHUNK, FLASH_PREFILL_CHUNK] (8192 at max_batch 1 and 2, 2048 at 8)."""
+    if not flash_prefill:
+        return PREFILL_CHUNK
+    per_row = 1 << max(0, (FLASH_PREFILL_TOKENS // max(1, max_batch)).bit_length() - 1)
+    return min(FLASH_PREFILL_CHUNK, max(PREFILL_CHUNK, per_row))
 
 
 def kernel_problems(cfg, page_size: int, page_format) -> list[str]:
@@ -231,7 +250,8 @@ class Engine:
       num_pages: pages in the pool; None = enough for max_batch sequences of max_context tokens
         (plus the MTP draft room), what `mla_jax.capacity.plan_kv_cache` predicts.
       max_batch: slots decoded together (B of every step).
-      prefill_chunk: prompt tokens a row prefills per step.
+      prefill_chunk: prompt tokens a row prefills per step; None = `default_prefill_chunk` (512 with the jnp
+        attention; up to 8192 when long chunks run the flash forward over the prefix: a Hopper GPU, bf16).
       decompressed_threshold: prefill chunks of at least this many tokens use the decompressed path
         (`naive_threshold` is its earlier name, still accepted).
       attention_impl: how attention reads the cache, one of `ATTENTION_IMPLS` (`mla_jax.attention.
@@ -271,7 +291,7 @@ class Engine:
         page_size: int = 64,
         num_pages: int | None = None,
         max_batch: int = 8,
-        prefill_chunk: int = 512,
+        prefill_chunk: int | None = None,
         decompressed_threshold: int = 256,
         attention_impl: str = "auto",
         max_context: int | None = None,
@@ -289,7 +309,7 @@ class Engine:
         for name, v, lo in (
             ("page_size", page_size, 1),
             ("max_batch", max_batch, 1),
-            ("prefill_chunk", prefill_chunk, 1),
+            ("prefill_chunk", 1 if prefill_chunk is None else prefill_chunk, 1),
             ("decompressed_threshold", decompressed_threshold, 1),
             ("min_chunk_bucket", min_chunk_bucket, 1),
             ("min_table_tokens", min_table_tokens, 1),
@@ -322,6 +342,12 @@ class Engine:
             raise ValueError(f"Engine attention_impl='interpret' with data ranks ({D}): " + INTERPRET_ON_DATA_RANKS)
         # how attention reads the cache: "kernel" | "interpret" | "reference"
         self.backend = resolve_cache_impl(attention_impl, cfg, page_size, kv_dtype, name="Engine attention_impl")
+        # What the cached path's long chunks attend with (the layer asks the same question per call).
+        self.prefill_attention = resolve_decompressed_impl(
+            "auto", dtype=getattr(model, "dtype", jnp.float32), on_mesh=D > 1, cache_impl=self.backend
+        )
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk(self.prefill_attention == "mgpu", max_batch)
         if max_context is None:
             cap = 2048 if num_pages is None else num_pages // D * page_size  # a sequence holds its rank's pages
             max_context = min(cfg.max_position_embeddings, cap)

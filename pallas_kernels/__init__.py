@@ -8,7 +8,13 @@ Imports nothing from the rest of the project.
 """
 
 from pallas_kernels import backend
-from pallas_kernels.flash_attention import FlashAttentionConfig, flash_attention, flash_attention_reference
+from pallas_kernels.flash_attention import (
+    FlashAttentionConfig,
+    flash_attention,
+    flash_attention_prefill,
+    flash_attention_prefill_reference,
+    flash_attention_reference,
+)
 from pallas_kernels.fp8_gemm import Fp8MatmulConfig, fp8_matmul, fp8_matmul_problems, fp8_matmul_reference
 from pallas_kernels.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_problems, mla_decode_reference
 from pallas_kernels.moe_decode import MoeDecodeConfig, moe_decode, moe_decode_problems, moe_decode_reference
@@ -40,6 +46,8 @@ __all__ = [
     "dequantize_latent_fp4",
     "dequantize_latent_fp8",
     "flash_attention",
+    "flash_attention_prefill",
+    "flash_attention_prefill_reference",
     "flash_attention_reference",
     "fp8_matmul",
     "fp8_matmul_problems",

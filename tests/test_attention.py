@@ -1,5 +1,6 @@
 """MLA: the decompressed and the absorbed forms agree; the absorption identity holds at DeepSeek-V3 sizes."""
 
+import functools
 import re
 
 import chex
@@ -286,3 +287,165 @@ def test_einsum_f32_widens_bf16_on_the_cpu_only():
     cuda = dots(f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text())
     assert cpu and all("bf16" not in d for d in cpu), cpu
     assert cuda and all("bf16" in d for d in cuda), cuda
+
+
+# ------------------------------------------------------------------------------------------
+# The cached path's long chunks through the flash forward with query offsets
+# ------------------------------------------------------------------------------------------
+def test_cached_prefill_attention_resolves_to_the_flash_kernel_on_kernel_backends():
+    """`resolve_decompressed_impl("auto", cache_impl=...)`, the cached path's choice: the flash forward over
+    the prefix ("mgpu") on a kernel backend ("kernel", also when cross-lowered on a CPU, or "interpret") with
+    bf16 compute and one pool; the jnp attention on the reference backend, in fp32, or with a pool per data
+    rank; cuDNN refused over a cache. Catches the cached path asking the Hopper check (never the kernel in
+    the interpreter or in a cross-lowered step) or taking the kernel on fp32 models / split pools."""
+    from mla_jax.attention import resolve_decompressed_impl
+
+    r = lambda cache_impl, dtype=jnp.bfloat16, **kw: resolve_decompressed_impl(  # noqa: E731
+        "auto", dtype=dtype, cache_impl=cache_impl, **kw
+    )
+    assert (r("kernel"), r("interpret"), r("reference")) == ("mgpu", "mgpu", "xla")
+    assert (r("kernel", jnp.float32), r("kernel", on_mesh=True)) == ("xla", "xla")
+    assert resolve_decompressed_impl("xla", dtype=jnp.bfloat16, cache_impl="kernel") == "xla"
+    z = jnp.zeros((1, 2, 1, 4))
+    with pytest.raises(ValueError, match="impl='cudnn' cannot attend over a cache"):
+        mla_decompressed_attention(
+            z, z, jnp.zeros((1, 2, 8)), jnp.zeros((4, 1, 8)), _positions(1, 2), _positions(1, 2),
+            softmax_scale=1.0, impl="cudnn", cache_impl="kernel",
+        )  # fmt: skip
+
+
+def test_cached_mgpu_wrapper_derives_offsets_and_refuses_other_positions():
+    """`mla_decompressed_attention(impl="mgpu", cache_impl=...)` with the kernel stood in for by its jnp
+    reference (`cache_impl="reference"`): rows of a gathered cache (keys 0..n-1 then -1) and chunks at
+    p0.. then -1, with prefixes 0, 5 (mid-page of any page size) and 11 and an empty row, equal the jnp
+    form; padding queries give 0; positions that are not consecutive give NaN. Catches the query offset
+    taken from the wrong column, the key length counted wrong, padding queries not zeroed, and a gap in
+    the positions attended as if the chunk were contiguous."""
+    B, T, S, H, N, R, L, V = 4, 6, 16, 2, 24, 8, 16, 16  # widths padded to 64 inside
+    rng = np.random.default_rng(7)
+    f32 = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.5)  # noqa: E731
+    args = (f32(B, T, H, N), f32(B, T, H, R), f32(B, S, L + R), f32(L, H, N + V))
+    prefix, chunk = np.array([0, 5, 11, 0]), np.array([6, 4, 5, 0])
+    t, s = np.arange(T)[None], np.arange(S)[None]
+    q_pos = jnp.asarray(np.where(t < chunk[:, None], prefix[:, None] + t, -1), jnp.int32)
+    kv_pos = jnp.asarray(np.where(s < (prefix + chunk)[:, None], s, -1), jnp.int32)
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def attend(q_pos, impl):
+        return mla_decompressed_attention(
+            *args, q_pos, kv_pos, softmax_scale=0.3, impl=impl, cache_impl="reference" if impl == "mgpu" else None
+        )
+
+    want = np.asarray(attend(q_pos, "xla"))
+    got = np.asarray(attend(q_pos, "mgpu"))
+    assert np.abs(want).max() > 0.1 and not got[3].any() and not got[1, 4:].any()
+    np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)  # bf16 inputs in the kernel form
+    gap = q_pos.at[1, 2].set(9)
+    assert np.isnan(np.asarray(attend(gap, "mgpu"))).all()
+
+
+def _cached_chunks(heads, impls, calls):
+    """The tiny config's MLA layer (bf16, `heads` heads), cached call of a chunk after a prefix, as the
+    model's layer scan makes it: 3 rows on 16-token pages of a NaN-filled pool: a prefix of 37 tokens (2.3
+    pages) then 40, no prefix and 25 tokens, an idle row. The prefix is written by the jnp path; the chunk
+    runs on each backend of `impls` -> {impl: out float32 [3, 40, D]}. `calls` collects the flash kernel's
+    trace-time calls."""
+    import dataclasses
+
+    from mla_jax import attention
+    from mla_jax.kv_cache import KVCache, PagedLatentCache
+
+    cfg = ModelConfig.tiny().replace(num_attention_heads=heads)
+    mla = _randomize(MLA(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16), 0)
+    prefix, chunk, T = [37, 0, 0], [40, 25, 0], 40
+    pool = PagedLatentCache(
+        num_layers=1, num_pages=24, page_size=16, latent_dim=cfg.latent_dim, max_seqs=3, max_pages_per_seq=8,
+        rope_dim=cfg.qk_rope_head_dim, fill_value=float("nan"),
+    )  # fmt: skip
+    for b in range(3):
+        pool.reserve(b, prefix[b] + chunk[b])
+    x = jax.random.normal(jax.random.key(1), (3, 2 * T, cfg.hidden_size), jnp.bfloat16)
+    pos = np.full((2, 3, T), -1, np.int32)
+    for b in range(3):
+        pos[0, b, : prefix[b]] = np.arange(prefix[b])
+        pos[1, b, : chunk[b]] = prefix[b] + np.arange(chunk[b])
+    original = attention.flash_attention_prefill
+
+    def counted(*a, **kw):
+        calls.append(kw["impl"])
+        return original(*a, **kw)
+
+    step = nnx.jit(lambda m, x, pos, c: m(x, pos, cache=c))
+    cache = KVCache.create(pool.pages, pool.block_tables, prefix, decompressed_threshold=16)
+    _, cache = step(mla, x[:, :T], jnp.asarray(pos[0]), cache)
+    cache = cache.with_lengths([p + c for p, c in zip(prefix, chunk)])
+    outs = {}
+    attention.flash_attention_prefill = counted
+    try:
+        for impl in impls:
+            out, _ = step(mla, x[:, T:], jnp.asarray(pos[1]), dataclasses.replace(cache, impl=impl))
+            outs[impl] = np.asarray(out, np.float32)
+    finally:
+        attention.flash_attention_prefill = original
+    return outs
+
+
+@pytest.mark.parametrize(
+    "impl, heads",
+    [
+        ("interpret", 1),
+        pytest.param("kernel", 4, marks=pytest.mark.gpu),
+    ],
+)
+def test_cached_prefill_chunk_through_the_flash_kernel_equals_the_jnp_path(impl, heads):
+    """A prefill chunk of the cached path (the decompressed path: 40 >= the threshold 16) on a kernel
+    backend runs `flash_attention_prefill` (the interpreter on a CPU with 1 head; the compiled kernel on a
+    Hopper GPU with the tiny config's 4) and gives the jnp path's output over the same cache: a row after
+    a 37-token prefix (mid-page), a row with no prefix, an idle row. Catches the chunk attending only to
+    itself or from position 0 (the prefix ignored or the offset dropped), the offset of one row applied to
+    another, never-written NaN rows past a row's length read, and the kernel never reached (or reached on
+    the reference backend)."""
+    if impl == "kernel":
+        from pallas_kernels.backend import on_hopper
+
+        if not on_hopper():
+            pytest.skip("needs a Hopper GPU")
+    calls = []
+    outs = _cached_chunks(heads, ("reference", impl), calls)
+    assert calls == [impl]
+    got, want = outs[impl], outs["reference"]
+    assert np.isfinite(got).all() and np.abs(want).max() > 1e-2
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < 1e-2, rel
+
+
+def test_model_cached_prefill_lowers_with_the_offset_kernel():
+    """The tiny model's cached prefill step (bf16, a 256-token chunk: the decompressed path) on the "kernel"
+    backend, cross-lowered for sm_90: the offset flash kernel runs in its layer scans (the reference backend
+    never calls it: the test above). Catches the model's cached forward not reaching
+    the kernel on the GPU backend (the layer's resolver, or the scan dropping the cache's backend)."""
+    from mla_jax.kv_cache import KVCache
+    from models import DeepSeekModel
+    from pallas_kernels import resolve_page_format
+
+    cfg = ModelConfig.tiny()
+    model = nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+    graphdef, state = nnx.split(model)
+    B, T, P, G = 1, 256, 8, 64
+    pages = jax.ShapeDtypeStruct((cfg.num_hidden_layers + 1, 16, G, cfg.latent_dim), jnp.bfloat16)
+    fmt = resolve_page_format("bf16", value_dim=cfg.latent_dim, rope_dim=cfg.qk_rope_head_dim)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+
+    def lowered(impl):
+        def step(state, ids, pos, pages, table, lens):
+            cache = KVCache(pages, table, lens, jnp.zeros((), jnp.int32), impl, 256, fmt)
+            h, cache = nnx.merge(graphdef, state).hidden_states(ids, pos, cache=cache)
+            return h, cache.pages
+
+        return (
+            jax.jit(step)
+            .trace(state, i32(B, T), i32(B, T), pages, i32(B, P), i32(B))
+            .lower(lowering_platforms=("cuda",))
+        )
+
+    assert "flash_attention_fwd_offset" in lowered("kernel").as_text()

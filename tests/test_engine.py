@@ -604,6 +604,27 @@ def test_gpu_kernels_match_reference():
 
 
 @pytest.mark.gpu
+def test_gpu_flash_prefill_engine_matches_reference():
+    """A bf16 model on a Hopper GPU: the engine's long prefill chunks (256 tokens, the decompressed path) run
+    the flash forward with query offsets (`Engine.prefill_attention == "mgpu"`): chunks after prefixes of 256
+    and 512 tokens, a last chunk of 188, rows of different prefixes in one step, an idle row; the greedy
+    tokens equal the jnp engine's (`attention_impl="reference"`). Catches the offset kernel's output wrong in
+    the compiled engine step (the prefix ignored, rows mixed), which the layer test checks at one chunk."""
+    from pallas_kernels.backend import on_hopper
+
+    if not on_hopper():
+        pytest.skip("needs a Hopper GPU")
+    m = DeepSeekModel(KERNEL_CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    prompts = _prompts(17, [700, 300, 5])
+    tokens = {}
+    for impl in ("reference", "kernel"):
+        e = Engine(m, page_size=64, num_pages=64, max_batch=4, prefill_chunk=256, attention_impl=impl)
+        assert e.prefill_attention == ("mgpu" if impl == "kernel" else "xla")
+        tokens[impl] = e.generate(prompts, max_new_tokens=8).tokens
+    assert tokens["kernel"] == tokens["reference"]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp4"])
 def test_gpu_quantized_kernels_match_reference(kv_dtype):
     """fp8 / fp4 pages on the GPU: paged_gather's quantized bodies (prefill prefixes; fp4 decode too) and
@@ -919,3 +940,16 @@ def test_interpret_kernels_match_reference_logits_on_the_builtin_model():
     full = np.asarray(model(jnp.asarray(ids[None]))[0], np.float32)
     rel = np.linalg.norm(ref[1][0] - full[64]) / np.linalg.norm(full[64])
     assert rel < 2e-2, rel  # the cache holds bf16 latents; the plain forward keeps them fp32
+
+
+def test_default_prefill_chunk_rule(model):
+    """`Engine(prefill_chunk=None)`'s rule: 512 with the jnp attention (what a CPU engine gets, fp32 or
+    reference backend); with the flash prefill a 16384-token step budget over max_batch rows, a power of two
+    in [512, 8192]. Catches the flash chunk given to the jnp attention (its fp32 scores grow with T x S) and
+    the budget dropped (B=8 x 8192-token chunks: 65536 tokens a step)."""
+    from models.engine import default_prefill_chunk
+
+    assert [default_prefill_chunk(True, b) for b in (1, 2, 3, 8, 32, 64)] == [8192, 8192, 4096, 2048, 512, 512]
+    assert default_prefill_chunk(False, 1) == 512
+    e = Engine(model, **{**STD, "prefill_chunk": None})
+    assert (e.prefill_attention, e.prefill_chunk) == ("xla", 512)

@@ -7,6 +7,12 @@ TMA boxes, wgmma shapes and layouts (the interpreter checks none of those); inpu
 ``mla_decompressed_attention(impl="mgpu")`` wiring. GPU (``-m gpu``, Hopper only): kernel against
 reference at a medium shape; the ``impl="mgpu"`` wiring on the GPU is checked beside cuDNN's in
 ``tests/test_attention.py::test_flash_attention_impls_equal_the_jnp_form_with_gradients``.
+
+`flash_attention_prefill` (the forward with per-row query offsets and key lengths, for prefill chunks over
+a cached prefix): its reference against a numpy loop, the kernel in the interpreter (offsets off the block
+and page grid, several rows, an empty row, keys past the bounds poisoned with NaN), cross-lowering at a
+V2-Lite prefill chunk, validation; on the GPU the kernel at larger shapes and T = 1. The layer and model wiring:
+``tests/test_attention.py``.
 """
 
 import re
@@ -19,7 +25,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels import backend
-from pallas_kernels.flash_attention import FlashAttentionConfig, flash_attention, flash_attention_reference, smem_bytes
+from pallas_kernels.flash_attention import (
+    FlashAttentionConfig,
+    flash_attention,
+    flash_attention_prefill,
+    flash_attention_prefill_reference,
+    flash_attention_reference,
+    smem_bytes,
+)
 
 D, V = 192, 128  # MLA's decompressed widths (128 nope + 64 rope; v 128)
 SCALE = D**-0.5
@@ -335,6 +348,127 @@ def test_mgpu_path_outside_a_gpu_is_one_line_error():
 
 
 # ------------------------------------------------------------------------------------------------
+# flash_attention_prefill: query offsets and key lengths
+# ------------------------------------------------------------------------------------------------
+
+
+def prefill_inputs(offsets, kv_lens, T, S, H, d, v, *, block=64, seed=0):
+    """(q, k, v) bf16 and the key/value copies the kernel gets: keys and values in blocks wholly past a
+    row's kv_len (from kv_len rounded up to `block`) are NaN there, zeros in the reference's copy. A kernel
+    that fetches and multiplies such a block (a loop bound past kv_len) turns the row's output NaN; keys
+    in the block that straddles kv_len stay finite (the kernel multiplies them by p = 0)."""
+    rng = np.random.default_rng(seed)
+    B = len(offsets)
+    q = rng.standard_normal((B, T, H, d), dtype=np.float32)
+    k = rng.standard_normal((B, S, H, d), dtype=np.float32)
+    vv = rng.standard_normal((B, S, H, v), dtype=np.float32)
+    k_nan, v_nan = k.copy(), vv.copy()
+    for b, n in enumerate(kv_lens):
+        end = -(-n // block) * block
+        k[b, n:], vv[b, n:] = 0.0, 0.0
+        k_nan[b, end:], v_nan[b, end:] = np.nan, np.nan
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    return bf(q), (bf(k), bf(vv)), (bf(k_nan), bf(v_nan)), i32(offsets), i32(kv_lens)
+
+
+def test_prefill_reference_matches_a_numpy_loop():
+    """The prefill oracle against a float64 loop over rows, queries and heads: row b's query t at position
+    offsets[b] + t sees keys s <= that position and s < kv_lens[b]. Catches the causal mask taken by index
+    instead of by position (offset ignored or subtracted), kv_len off by one, a row that sees no key giving
+    NaN instead of 0, and causal=False still applying the diagonal."""
+    offsets, kv_lens = [0, 3, 9, 2], [4, 6, 13, 0]
+    q, (k, v), _, off, lens = prefill_inputs(offsets, kv_lens, 4, 13, 2, 64, 64, seed=2)
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    ref = jax.jit(flash_attention_prefill_reference, static_argnames=("softmax_scale", "causal"))
+    for causal in (True, False):
+        got = np.asarray(ref(q, k, v, off, lens, softmax_scale=0.3, causal=causal), np.float32)
+        want = np.zeros(got.shape)
+        for b, (p0, n) in enumerate(zip(offsets, kv_lens)):
+            for t in range(4):
+                seen = min(n, p0 + t + 1) if causal else n
+                for h in range(2):
+                    if seen <= 0:
+                        continue
+                    s = kn[b, :seen, h] @ qn[b, t, h] * 0.3
+                    p = np.exp(s - s.max())
+                    want[b, t, h] = p @ vn[b, :seen, h] / p.sum()
+        np.testing.assert_allclose(got, want, atol=2e-2, rtol=1e-2)
+
+
+def test_interpret_prefill_matches_reference(monkeypatch):
+    """The offset forward kernel (interpretable variant, race detector on) against the reference: 4 rows
+    of a 100-query chunk over 300 keys (T and S padded inside to 128 and 320), block_kv 64, q·k 128 / v 64.
+    Row 0 has no prefix (the training case), row 1 a prefix of 37 (not a multiple of the block or of a
+    page: the diagonal crosses two blocks), row 2 a prefix of 200 with kv_len 290 < 200 + 100 (its last
+    queries see fewer keys than their position: the kv_len mask), row 3 is empty (kv_len 0: a pipeline of
+    no steps, output 0). Catches the offset or kv_len read from the wrong row, the mask skipped on a
+    block that straddles the offset diagonal, a loop bound past kv_len or past the CTA's last query
+    (fetched NaN blocks poison the row), 0/0 on an empty row, widths swapped, a padded query or key
+    leaking into real outputs, and unordered SMEM accesses."""
+    import importlib
+
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    fa = importlib.import_module("pallas_kernels.flash_attention")
+    monkeypatch.setattr(fa, "INTERPRET_PARAMS", plgpu.InterpretGPUParams(detect_races=True))
+    q, kv, kv_nan, off, lens = prefill_inputs([0, 37, 200, 0], [100, 137, 290, 0], 100, 300, 1, 128, 64)
+    kw = dict(softmax_scale=128**-0.5, config=FlashAttentionConfig(block_kv=64))
+    got = np.asarray(flash_attention_prefill(q, *kv_nan, off, lens, impl="interpret", **kw), np.float32)
+    assert not interpret_pallas_call.get_races().races_found
+    want = np.asarray(flash_attention_prefill_reference(q, *kv, off, lens, **kw), np.float32)
+    assert_close(got, want, "o")
+    assert not got[3].any()
+
+
+def test_prefill_cross_lowers_at_a_v2_lite_chunk():
+    """The production offset kernel lowers for sm_90 at a V2-Lite prefill chunk: B=1, T=2048 queries after a
+    6144-token prefix (S = 8192 keys), 16 heads, q·k 192 / v 128: one Mosaic GPU kernel, the offset one.
+    Catches the scalar reads of the offsets or the dynamic loop bound breaking the warp-specialized
+    pipeline's lowering, and SMEM/TMA/wgmma limits at these shapes."""
+
+    def f(q, k, v, off, lens):
+        return flash_attention_prefill(q, k, v, off, lens, softmax_scale=SCALE, impl="kernel")
+
+    shapes = (
+        jax.ShapeDtypeStruct((1, 2048, 16, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, 8192, 16, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, 8192, 16, V), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    )
+    text = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    assert "flash_attention_fwd_offset" in text
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(off=_arr(2, dtype=jnp.int32)), r"q_offsets must be int32 \[B=1\], got int32 \(2,\)"),
+        (dict(lens=_arr(1, dtype=jnp.float32)), r"kv_lens must be int32 \[B=1\], got float32"),
+        (dict(k=_arr(1, 256, 2, 192)), r"k must be \[B=1, S, H=1, D=192\]"),
+        (dict(v=_arr(1, 200, 1, 128)), r"v must be \[B=1, S=256, H=1, V\]"),
+        (dict(q=_arr(1, 128, 1, 96), k=_arr(1, 256, 1, 96)), r"q/k width D must be a multiple of 64 .* got 96"),
+        (dict(q=_arr(1, 0, 1, 192)), "B, T, S and H must be >= 1, got B=1, T=0"),
+    ],
+)
+def test_prefill_bad_inputs_are_one_line_value_errors(change, message):
+    """Each limit of `flash_attention_prefill` named in one line up front (not an error from the lowering)."""
+    args = dict(
+        q=_arr(1, 128, 1, 192),
+        k=_arr(1, 256, 1, 192),
+        v=_arr(1, 256, 1, 128),
+        off=_arr(1, dtype=jnp.int32),
+        lens=_arr(1, dtype=jnp.int32),
+    )
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        order = [args[name] for name in ("q", "k", "v", "off", "lens")]
+        jax.eval_shape(lambda *a: flash_attention_prefill(*a, softmax_scale=SCALE, impl="kernel"), *order)
+
+
+# ------------------------------------------------------------------------------------------------
 # GPU
 # ------------------------------------------------------------------------------------------------
 
@@ -357,3 +491,24 @@ def test_gpu_kernel_matches_reference(B, T, H, causal):
     assert_close(o, o_ref, "o")
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
         assert_close(g, g_ref, name)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize(
+    "offsets, kv_lens, T", [([0, 1000, 1536, 0], [512, 1512, 2048, 0], 512), ([5, 70, 2047], [6, 71, 2048], 1)]
+)
+def test_gpu_prefill_matches_reference(offsets, kv_lens, T):
+    """The production offset kernel on the GPU against the reference at 192/128 over 2048 keys, keys past
+    the bounds NaN. T=512: rows with no prefix, a prefix of 1000 (mid-page, mid-block), a full table, and an
+    empty row (a pipeline of no steps on real barriers: a hang or garbage shows here, not in the
+    interpreter). T=1 (one query per row, 127 padded rows in its CTA). Catches async wgmma/TMA races under
+    the dynamic loop bound, the empty pipeline, and the one real row of a CTA taken from the wrong place."""
+    q, kv, kv_nan, off, lens = prefill_inputs(offsets, kv_lens, T, 2048, 2, D, V, block=128, seed=9)
+    f = jax.jit(lambda *a: flash_attention_prefill(*a, softmax_scale=SCALE, impl="kernel"))
+    got = np.asarray(f(q, *kv_nan, off, lens), np.float32)
+    want = np.asarray(flash_attention_prefill_reference(q, *kv, off, lens, softmax_scale=SCALE), np.float32)
+    assert_close(got, want, "o")
+    for b, n in enumerate(kv_lens):
+        if n == 0:
+            assert not got[b].any()

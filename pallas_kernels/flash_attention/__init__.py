@@ -9,7 +9,9 @@ attention by token index, q·k width D != v width V. cuDNN does the same (`mla_j
 "cudnn" impl) but has no CPU interpreter; this kernel runs in the Pallas Mosaic GPU interpreter.
 
 This package: this file is the public face (`flash_attention`, its validation, the reference, the custom
-VJP), `config` the limits and knobs, `steps` what the kernels share, `forward` and `backward` the kernels.
+VJP; `flash_attention_prefill`), `config` the limits and knobs, `steps` what the kernels share, `forward` and
+`backward` the kernels, `prefill` the forward with per-row query offsets and key lengths (a prefill chunk
+over a cached prefix: its reference, validation and padding).
 
 Kernels (each a `plgpu.kernel` with 2 compute warpgroups x 64 rows and a TMA producer warpgroup,
 `plgpu.emit_pipeline_warp_specialized`; bf16 tiles in SMEM with 8x64 tiling and a 128-byte swizzle,
@@ -20,6 +22,10 @@ as wgmma wants them; fp32 softmax in the exp2 domain; running max starts at -1e3
   stages, only up to the diagonal (causal loop bound: cdiv(128 (q + 1), block_kv) blocks). Per
   block: S = Q·Kᵀ (wgmma, fp32), mask key > query to -inf, online softmax, O += P·V (P bf16 from
   registers). Writes O (bf16) and the log-sum-exp (log2 domain, [B, H, T] fp32) for the backward.
+* forward with offsets (`flash_attention_prefill`, inference): the same kernel with per-row query
+  offsets and key lengths (int32 [B] each, read from GMEM per CTA): queries at positions p0..p0+T-1 over
+  S keys, the key loop stopping at the CTA's last visible key, the mask on blocks straddling the offset
+  diagonal or the key length (`forward._forward`'s ``offsets``; the training kernel is unchanged).
 * delta = rowsum(dO ∘ O) in jnp (fp32, [B, H, T]).
 * dK/dV: CTA = (128 keys, head, batch); warpgroup w owns keys [128 k + 64 w, +64), K and V tiles
   resident. Q, dO, lse and delta blocks of 64 queries stream from the diagonal (query block 2 k) to
@@ -64,6 +70,8 @@ from pallas_kernels import backend
 from pallas_kernels.flash_attention.backward import _backward_dkv, _backward_dq
 from pallas_kernels.flash_attention.config import CTA_ROWS, MAX_WIDTH, SMEM_BYTES, FlashAttentionConfig, smem_bytes
 from pallas_kernels.flash_attention.forward import _forward
+from pallas_kernels.flash_attention.prefill import _prefill_forward, flash_attention_prefill_reference
+from pallas_kernels.flash_attention.prefill import _validate as _validate_prefill
 
 __all__ = [
     "CTA_ROWS",
@@ -71,6 +79,8 @@ __all__ = [
     "SMEM_BYTES",
     "FlashAttentionConfig",
     "flash_attention",
+    "flash_attention_prefill",
+    "flash_attention_prefill_reference",
     "flash_attention_reference",
     "smem_bytes",
 ]
@@ -197,15 +207,72 @@ def flash_attention(q_BTHD, k_BTHD, v_BTHV, *, softmax_scale, causal=True, impl=
     impl = backend.resolve(impl)
     if impl == "reference":
         return flash_attention_reference(q_BTHD, k_BTHD, v_BTHV, softmax_scale=softmax_scale, causal=causal)
-    interpret = impl == "interpret"
-    if not interpret:  # (the interpreter has no SMEM limit, and its staging tiles add to it)
-        for kernel, size in smem_bytes(q_BTHD.shape[3], v_BTHV.shape[3], config).items():
-            if size > SMEM_BYTES:
+    config, params = _kernel_setup(impl, q_BTHD.shape[3], v_BTHV.shape[3], config, ("forward", "dkv", "dq"))
+    return _flash(q_BTHD, k_BTHD, v_BTHV, float(softmax_scale), causal, config, params)
+
+
+def _kernel_setup(impl, D, V, config, kernels):
+    """(config, interpreter params or None) for a resolved kernel ``impl``: the SMEM of ``kernels`` checked
+    against sm_90 (the compiled kernels only: the interpreter has no SMEM limit, and its staging tiles add to
+    it), the interpretable variant for the interpreter."""
+    if impl != "interpret":
+        for kernel, size in smem_bytes(D, V, config).items():
+            if kernel in kernels and size > SMEM_BYTES:
                 raise ValueError(
                     f"config {config} needs {size} bytes of SMEM in the {kernel} kernel "
-                    f"(D={q_BTHD.shape[3]}, V={v_BTHV.shape[3]}), over the {SMEM_BYTES} of sm_90"
+                    f"(D={D}, V={V}), over the {SMEM_BYTES} of sm_90"
                 )
-    if interpret and not config.interpretable:
+        return config, None
+    if not config.interpretable:
         config = dataclasses.replace(config, interpretable=True)
-    params = INTERPRET_PARAMS if interpret else None
-    return _flash(q_BTHD, k_BTHD, v_BTHV, float(softmax_scale), causal, config, params)
+    return config, INTERPRET_PARAMS
+
+
+def flash_attention_prefill(
+    q_BTHD, k_BSHD, v_BSHV, q_offsets_B, kv_lens_B, *, softmax_scale, causal=True, impl="auto", config=None
+):
+    """Flash attention forward of a chunk of queries over keys that start before it (a cached prefix plus
+    the chunk): `flash_attention`'s forward kernel with per-row query offsets and key lengths.
+
+    Args:
+      q_BTHD: bf16 [B, T, H, D], any T >= 1; D a multiple of 64 in [64, 256] (192 for MLA).
+      k_BSHD: bf16 [B, S, H, D], any S >= 1 (one K/V head per query head).
+      v_BSHV: bf16 [B, S, H, V]; V a multiple of 64 in [64, 256] (128 for MLA).
+      q_offsets_B: int32 [B]: row b's query t sits at position q_offsets[b] + t (a query at a negative
+        position sees no key).
+      kv_lens_B: int32 [B]: row b's keys 0..kv_lens[b]-1 are valid (clipped to [0, S]).
+      softmax_scale: Python float multiplying q·k.
+      causal: a query at position p sees the valid keys s <= p; False: every valid key.
+      impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
+      config: `FlashAttentionConfig` (static; its forward knobs: block_kv, max_concurrent_steps,
+        memory_registers, schedule_barrier); None = defaults.
+
+    Returns:
+      o [B, T, H, V] bf16 (scores and softmax in fp32); a query that sees no key gives 0. Forward only
+      (no VJP). T and S need no block multiple: the kernel call pads both with zero rows.
+
+    Raises:
+      ValueError naming the bad value and the limit (dtype, shapes, widths, softmax_scale, config, SMEM).
+    """
+    if config is None:
+        config = FlashAttentionConfig()
+    if not isinstance(config, FlashAttentionConfig):
+        raise ValueError(f"config must be a FlashAttentionConfig or None, got {type(config).__name__}")
+    _validate_prefill(q_BTHD, k_BSHD, v_BSHV, q_offsets_B, kv_lens_B, softmax_scale, causal)
+    impl = backend.resolve(impl)
+    if impl == "reference":
+        return flash_attention_prefill_reference(
+            q_BTHD, k_BSHD, v_BSHV, q_offsets_B, kv_lens_B, softmax_scale=softmax_scale, causal=causal
+        )
+    config, params = _kernel_setup(impl, q_BTHD.shape[3], v_BSHV.shape[3], config, ("forward",))
+    return _prefill_forward(
+        q_BTHD,
+        k_BSHD,
+        v_BSHV,
+        q_offsets_B,
+        kv_lens_B,
+        scale=float(softmax_scale),
+        causal=causal,
+        config=config,
+        interpret=params,
+    )

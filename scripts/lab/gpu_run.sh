@@ -31,6 +31,10 @@
 #                              #   program in the $VARIANTS of probe_decode_variants.py (default: pad, B=1)
 #   scripts/lab/gpu_run.sh stacked # stacked_matmul + scan GPU tests; V2-Lite decode with projections sliced by the
 #                              #   scan and read whole by stacked_matmul (B=1, 32, 128); fp8_gemm GPU tests + probe
+#   scripts/lab/gpu_run.sh prefill # the flash prefill's GPU tests (offset kernel, layer, engine), its ptxas report,
+#                              #   then scripts/lab/probe_flash_prefill.py (V2-Lite chunks after prefixes)
+#   scripts/lab/gpu_run.sh prefill_e2e # mla-bench e2e, V2-Lite, 8192-token prompts at B=1 and 8: the engine's
+#                              #   chunk rule (flash prefill), then --prefill-chunk 512 (the old chunking)
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -94,6 +98,18 @@ PY
   grep -E "Compiling|registers|spill" "$R/ptxas_flash.txt" | head -40 | tee -a "$LOG"
 }
 
+prefill_ptxas_report() {
+  stage "ptxas registers/spills: flash attention forward with offsets"
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 90 $PY - <<'PY' > "$R/ptxas_prefill.txt" 2>&1
+import jax, jax.numpy as jnp
+from pallas_kernels import flash_attention_prefill
+q = jnp.ones((1, 256, 2, 192), jnp.bfloat16); k = jnp.ones((1, 768, 2, 192), jnp.bfloat16)
+v = jnp.ones((1, 768, 2, 128), jnp.bfloat16); off = jnp.array([500], jnp.int32); n = jnp.array([756], jnp.int32)
+jax.block_until_ready(flash_attention_prefill(q, k, v, off, n, softmax_scale=0.1, impl="kernel"))
+PY
+  grep -E "Compiling|registers|spill" "$R/ptxas_prefill.txt" | head -20 | tee -a "$LOG"
+}
+
 fp8_ptxas_report() {
   stage "ptxas registers/spills: mla_decode on fp8 pages (transposed R=16, 32; shared R=64)"
   MOSAIC_GPU_DUMP_PTXAS=1 timeout 90 $PY - <<'PY' > "$R/ptxas_fp8.txt" 2>&1
@@ -148,6 +164,11 @@ case "$MODE" in
        timeout 120 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" 2>&1 | tee -a "$LOG" ;;
   train) gpu_tests 200 tests/test_engine.py tests/test_moe.py tests/test_moe_decode.py tests/test_training.py tests/test_scan.py ;;
   stacked) gpu_tests 130 tests/test_stacked_matmul.py tests/test_scan.py ;;
+  prefill) gpu_tests 200 tests/test_flash_attention.py tests/test_attention.py tests/test_engine.py \
+           -k "prefill or cached"
+         prefill_ptxas_report
+         stage "probe_flash_prefill"
+         timeout 240 $PY scripts/lab/probe_flash_prefill.py --out "$R/flash_prefill" 2>&1 | tee -a "$LOG" ;;
   flash) gpu_tests 200 tests/test_flash_attention.py tests/test_attention.py
          flash_ptxas_report
          stage "probe_flash_attention --sweep"
@@ -183,6 +204,9 @@ case "$MODE" in
            gpu_tests 60 tests/test_fp8_gemm.py
            timeout 120 $PY scripts/lab/probe_fp8_gemm.py --out "$R/fp8_gemm.json" --budget-s 90 2>&1 | tail -40 \
              | tee -a "$LOG" ;;
+  prefill_e2e) bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf
+         bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf --prefill-chunk 512 \
+           --out "$R/chunk512" ;;
   profile8) stage "profile_fp8_decode"
        timeout 300 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" ${CELLS:+--cells $CELLS} ${CONFIGS:+--configs $CONFIGS} 2>&1 | tee -a "$LOG" ;;
   fp8) stage "probe_fp8_decode"

@@ -19,6 +19,7 @@ from pallas_kernels import (  # noqa: E402
     FP8_PAGES,
     MlaDecodeConfig,
     flash_attention,
+    flash_attention_prefill,
     mla_decode,
     paged_gather,
 )
@@ -86,6 +87,12 @@ CASES = {
         )(q),
         *(sds((1, 256, 2, 192), jnp.bfloat16),) * 2,
         sds((1, 256, 2, 128), jnp.bfloat16),
+    ),
+    "flash_prefill": lambda: lower(
+        lambda q, k, v, off, lens: flash_attention_prefill(q, k, v, off, lens, softmax_scale=0.1, impl="kernel"),
+        sds((2, 256, 2, 192), jnp.bfloat16),
+        *(sds((2, 768, 2, w), jnp.bfloat16) for w in (192, 128)),
+        *(sds((2,), jnp.int32),) * 2,
     ),
 }
 
