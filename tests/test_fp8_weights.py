@@ -5,8 +5,8 @@ from the format's definition) and from HF transformers' outputs stored with the 
 hf_v3_tiny_fp8's references are HF's fp32 forward on the weights dequantized by hand, W = fp8 * scale per
 128x128 block with partial edge blocks; HF's own CPU FP8 path does not read partial blocks that way, see the
 README). The FP8 tolerance on logits: the jnp path dequantizes the weights exactly (fp32 products) and does
-not quantize activations, so in fp32 it is the fp32 port's 3e-5 against HF; in bf16 compute the FP8 model equals
-the model loaded dequantized into bf16 (the same rounded weights, the same dots).
+not quantize activations, so in fp32 it is the fp32 port's 3e-5 against HF (in bf16 compute an FP8 projection
+rounds its dequantized weight to bf16 once, as a dense bf16 load does).
 """
 
 from __future__ import annotations
@@ -147,24 +147,20 @@ def test_fp8_fixture_gives_hf_logits(fixture_models):
     np.testing.assert_allclose(np.asarray(out.mtp_logits[0]), ref["mtp_logits"], rtol=RTOL, atol=ATOL)
 
 
-def test_fp8_bf16_greedy_tokens_are_the_dequantized_models():
-    """bf16 compute: the FP8 model's greedy tokens through the engine (cached; the absorbed decode reads
-    W_UK / W_UV out of the FP8 wkv_b) are the greedy choices of the model loaded dequantized into bf16
-    (its full forward over each prompt + the tokens before). Catches: an FP8 path that rounds differently
-    from the bf16 load (e.g. the scale applied after the cast to bf16), a cached or absorbed path that reads
-    the FP8 weights wrongly."""
-    if not os.path.isfile(os.path.join(FIXTURE, "reference.npz")):
-        pytest.skip("fixture hf_v3_tiny_fp8 not generated")
-    ref = dict(np.load(os.path.join(FIXTURE, "reference.npz")))
-    fp8 = load_hf_checkpoint(FIXTURE, dtype=jnp.bfloat16, weights="fp8")
-    dense = load_hf_checkpoint(FIXTURE, dtype=jnp.bfloat16)
+def test_fp8_greedy_tokens_are_the_dequantized_models(fixture_models):
+    """The FP8 model's greedy tokens through the engine (cached; the absorbed decode reads W_UK / W_UV out
+    of the FP8 wkv_b) are the greedy choices of the model loaded dequantized (its full forward over each
+    prompt + the tokens before). Catches: a cached or absorbed path that reads the FP8 weights wrongly
+    (wkv_b's halves swapped, its scales ignored), an engine step that bypasses the FP8 projections."""
+    fp8, ref = fixture_models
+    dense = load_hf_checkpoint(FIXTURE, dtype=jnp.float32)
     prompts = [list(map(int, ref["input_ids"][0][:7])), list(map(int, ref["input_ids"][1][:4]))]
     kw = dict(page_size=8, num_pages=16, max_batch=2, prefill_chunk=8)
     outs = Engine(fp8, **kw).generate(prompts, max_new_tokens=5, sampling=SamplingParams(temperature=0.0)).tokens
-    ids = np.zeros((2, 12), np.int32)
+    ids = np.zeros(ref["input_ids"].shape, np.int32)  # the fixture's [2, 12]: the shape the HF test runs
     for i, (p, o) in enumerate(zip(prompts, outs)):
         ids[i, : len(p) + len(o)] = p + o
-    logits = np.asarray(dense(jnp.asarray(ids)), np.float32)
+    logits = np.asarray(dense(jnp.asarray(ids)))
     for i, (p, o) in enumerate(zip(prompts, outs)):
         assert len(o) == 5 and logits[i, len(p) - 1 : len(p) + 4].argmax(-1).tolist() == o, f"request {i}"
 
@@ -214,3 +210,10 @@ def test_dense_checkpoint_with_weights_fp8_is_one_line(tmp_path):
     ):
         load_hf_checkpoint(tmp_path, weights="fp8")
     load_hf_checkpoint(tmp_path)  # without weights= it loads (dense)
+    config = json.load(open(tmp_path / "config.json"))
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"^weights='fp8' reads e4m3 weights in 128x128 blocks; .* weight_block_size=\[64, 64\]"
+    ):
+        load_hf_checkpoint(tmp_path, weights="fp8")
