@@ -14,7 +14,9 @@ shared by every head. Two ways to attend over it, equal up to rounding:
 
 Parameter names are the official code's (`wq_a`, `q_norm`, `wq_b` | `wq`, `wkv_a`, `kv_norm`,
 `wkv_b`, `wo`); `models.checkpoint` maps the HF names onto them one to one. Kernels are
-`nnx.Linear` kernels, i.e. the transpose [in, out] of torch's weight.
+`nnx.Linear` kernels, i.e. the transpose [in, out] of torch's weight; with `weights="fp8"` each projection
+is an `mla_jax.fp8_weights.Fp8Linear` (torch's [out, in] e4m3 + block scales; `wkv_b` dequantized where it
+is used whole, `MLA.wkv_b_LHK`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from flax import nnx
 from jax._src.cudnn.fused_attention_stablehlo import MaskType
 from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
 
-from mla_jax import initializers
+from mla_jax import fp8_weights, initializers
 from mla_jax.config import ModelConfig
 from mla_jax.linear import Stacked, project
 from mla_jax.norm import RMSNorm
@@ -369,14 +371,16 @@ class MLA(nnx.Module):
     absorbed or decompressed.
     `absorbed` is ignored with a cache (the cache's threshold decides). The pieces are public:
     `project_q`, `project_kv` (what the cache stores), `absorb_query`, `output_from_latent`, `attend`.
+    `weights`: the projections' format (`mla_jax.fp8_weights.WEIGHT_FORMATS`: None = `nnx.Linear` in
+    `param_dtype`, "fp8" = `Fp8Linear`); norms stay in `param_dtype`.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, weights=None):
         self.cfg = cfg
         H, D = cfg.num_attention_heads, cfg.hidden_size
         lin = partial(
-            nnx.Linear,
-            use_bias=False,
+            fp8_weights.linear,
+            weights=weights,
             dtype=dtype,
             param_dtype=param_dtype,
             kernel_init=initializers.normal(cfg.initializer_range),
@@ -419,9 +423,10 @@ class MLA(nnx.Module):
         return jnp.concatenate([c_BTL.astype(k_pe_BTR.dtype), k_pe_BTR], axis=-1)
 
     def wkv_b_LHK(self) -> jax.Array:
-        """wkv_b as [L, H, N+V]: per head, the K_nope columns then the V columns (W_UK ; W_UV)."""
+        """wkv_b as [L, H, N+V]: per head, the K_nope columns then the V columns (W_UK ; W_UV); an FP8 wkv_b
+        dequantized to the compute dtype."""
         cfg = self.cfg
-        return self.wkv_b.kernel[...].reshape(
+        return fp8_weights.dense_kernel(self.wkv_b).reshape(
             cfg.kv_lora_rank, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim
         )
 

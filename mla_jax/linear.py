@@ -69,12 +69,13 @@ def stacked_filter(rows: int):
     return keep
 
 
-def project(lin: nnx.Linear, x: jax.Array, stacked: Stacked | None = None) -> jax.Array:
-    """`lin(x)`; with `stacked` and a whole-stack kernel [L, K, N], x · kernel[stacked.index] read in place.
-    x [..., K] -> [..., N] in `lin.dtype` (x's and the kernel's promoted dtype when None)."""
-    kernel = lin.kernel[...]
-    if stacked is None or kernel.ndim == 2:
+def project(lin, x: jax.Array, stacked: Stacked | None = None) -> jax.Array:
+    """`lin(x)`; with `stacked` and an `nnx.Linear` holding a whole-stack kernel [L, K, N], x · kernel[stacked.index]
+    read in place. x [..., K] -> [..., N] in `lin.dtype` (x's and the kernel's promoted dtype when None). Other
+    projections (`mla_jax.fp8_weights.Fp8Linear`) are called as they are."""
+    if stacked is None or not isinstance(lin, nnx.Linear) or lin.kernel[...].ndim == 2:
         return lin(x)
+    kernel = lin.kernel[...]
     dtype = lin.dtype or jnp.result_type(x.dtype, kernel.dtype)
     y = stacked_matmul(x.reshape(-1, x.shape[-1]).astype(dtype), kernel, stacked.index, impl=stacked.impl)
     return y.reshape(x.shape[:-1] + (kernel.shape[-1],))

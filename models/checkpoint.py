@@ -11,7 +11,12 @@ as copies, as the release does.
 
 FP8 releases: a weight stored as F8_E4M3 with a `<name>_scale_inv` companion
 (`weight_scale_inv` fp32 [ceil(out/128), ceil(in/128)]) is dequantized on load, W = q · s per
-128×128 block (edge blocks partial). safetensors 0.8 cannot read F8_E4M3 through numpy/flax, so
+128×128 block (edge blocks partial). With `load_hf_checkpoint(..., weights="fp8")` they are kept as
+released instead (`mla_jax.fp8_weights`): each quantized projection's e4m3 values [out, in] and fp32
+scales go into the model's `Fp8Linear` / `Fp8Experts` variables unchanged (no transpose, no rounding);
+the checkpoint must then say so (`quantization_config`: quant_method "fp8", fmt "e4m3", weight_block_size
+[128, 128]) and store every projection the release quantizes in e4m3 with its scales: a dense checkpoint
+is refused in one line, never quantized on the way in. safetensors 0.8 cannot read F8_E4M3 through numpy/flax, so
 this module parses the file format itself (8-byte header length, JSON header, raw bytes) and
 views the bytes with `ml_dtypes` (§5.4). Pickle formats (.bin/.pt/...) are refused.
 """
@@ -29,6 +34,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from mla_jax import fp8_weights
 from mla_jax.config import ModelConfig, read_json_object
 from models.deepseek import DeepSeekModel
 
@@ -148,8 +154,8 @@ def write_safetensors(file: str, tensors: dict[str, np.ndarray], metadata: dict[
             f.write(a.tobytes())
 
 
-def dequantize_fp8_blocks(q: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
-    """fp8 [out, in] · scale_inv [ceil(out/block), ceil(in/block)] per block -> float32 [out, in]."""
+def check_fp8_scales(q: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> None:
+    """ValueError unless q is 2-D [out, in] and scale_inv is [ceil(out/block), ceil(in/block)]."""
     if q.ndim != 2 or scale_inv.ndim != 2:
         raise ValueError(
             f"fp8 block scaling needs a 2-D weight and 2-D scales, got weight {q.shape} and "
@@ -162,6 +168,12 @@ def dequantize_fp8_blocks(q: np.ndarray, scale_inv: np.ndarray, block: int = FP8
             f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight {q.shape} "
             f"in {block}x{block} blocks (expected {want})"
         )
+
+
+def dequantize_fp8_blocks(q: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
+    """fp8 [out, in] · scale_inv [ceil(out/block), ceil(in/block)] per block -> float32 [out, in]."""
+    check_fp8_scales(q, scale_inv, block)
+    o, i = q.shape
     s = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block, axis=0), block, axis=1)[:o, :i]
     return np.asarray(q).astype(np.float32) * s
 
@@ -205,8 +217,9 @@ def checkpoint_files(path: str) -> list[str]:
     return files
 
 
-def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
-    """Every tensor of a checkpoint, HF names, fp8 block-scaled weights dequantized to float32.
+def read_hf_tensors(path: str, *, dequantize: bool = True) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint, HF names, fp8 block-scaled weights dequantized to float32
+    (`dequantize=False`: kept as stored, e4m3 beside its `<name>_scale_inv`, the pairs checked the same way).
 
     ValueErrors name the file and the tensor (see `read_safetensors`, `checkpoint_files`).
     """
@@ -224,6 +237,8 @@ def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
                 raise ValueError(
                     f"{origin[k]}: unexpected tensor {k!r}: scale without its weight {k[: -len('_scale_inv')]!r}"
                 )
+            if not dequantize:
+                out[k] = v
             continue
         if v.dtype in (_ST_TO_NP["F8_E4M3"], _ST_TO_NP["F8_E5M2"]):
             s = raw.get(k + "_scale_inv")
@@ -232,7 +247,8 @@ def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
             if v.ndim != 2:
                 raise ValueError(f"{origin[k]}: fp8 tensor {k!r} must be 2-D, got shape {v.shape}")
             try:
-                out[k] = dequantize_fp8_blocks(v, s)
+                check_fp8_scales(v, s)
+                out[k] = dequantize_fp8_blocks(v, s) if dequantize else v
             except ValueError as e:
                 raise ValueError(f"{origin[k]}: tensor {k + '_scale_inv'!r}: {e}") from None
         elif k + "_scale_inv" in raw:
@@ -248,49 +264,64 @@ def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
 # The name map: HF tensor name(s) <-> a variable of DeepSeekModel
 # ------------------------------------------------------------------------------------------
 # kind "T": torch [out, in] <-> kernel [in, out]; "id": as is; "stackT": E per-expert tensors,
-# each transposed, stacked along a new leading axis. Main layer i lives at index j of one of the
+# each transposed, stacked along a new leading axis; "stack": the same without the transpose (FP8 experts
+# and their scales keep torch's layout). Main layer i lives at index j of one of the
 # model's two scanned stacks (`dense_layers` / `moe_layers`, variables [n, ...]): its entries carry
 # that index and fill (load) or read (save) slice j; every other entry has index None.
 Entry = tuple[tuple, "int | None", str, object]  # (path in the model, stack index, kind, hf name | list)
+SCALE_SUFFIX = "_scale_inv"
 
 
-def _layer_entries(cfg: ModelConfig, prefix: str, base: tuple, is_moe: bool, index: int | None) -> Iterator[Entry]:
+def _projection(path: tuple, index: int | None, name: str, weights) -> Iterator[Entry]:
+    """A quantizable projection: its dense kernel (kind "T"), or with weights="fp8" its `Fp8Linear`'s e4m3
+    weight and scales as stored."""
+    if weights == "fp8":
+        yield path + ("weight_fp8",), index, "id", name
+        yield path + ("scale_inv",), index, "id", name + SCALE_SUFFIX
+    else:
+        yield path + ("kernel",), index, "T", name
+
+
+def _layer_entries(
+    cfg: ModelConfig, prefix: str, base: tuple, is_moe: bool, index: int | None, weights=None
+) -> Iterator[Entry]:
     yield base + ("input_layernorm", "weight"), index, "id", prefix + "input_layernorm.weight"
     yield base + ("post_attention_layernorm", "weight"), index, "id", prefix + "post_attention_layernorm.weight"
     a, sa = base + ("self_attn",), prefix + "self_attn."
     if cfg.q_lora_rank is None:
-        yield a + ("wq", "kernel"), index, "T", sa + "q_proj.weight"
+        yield from _projection(a + ("wq",), index, sa + "q_proj.weight", weights)
     else:
-        yield a + ("wq_a", "kernel"), index, "T", sa + "q_a_proj.weight"
+        yield from _projection(a + ("wq_a",), index, sa + "q_a_proj.weight", weights)
         yield a + ("q_norm", "weight"), index, "id", sa + "q_a_layernorm.weight"
-        yield a + ("wq_b", "kernel"), index, "T", sa + "q_b_proj.weight"
-    yield a + ("wkv_a", "kernel"), index, "T", sa + "kv_a_proj_with_mqa.weight"
+        yield from _projection(a + ("wq_b",), index, sa + "q_b_proj.weight", weights)
+    yield from _projection(a + ("wkv_a",), index, sa + "kv_a_proj_with_mqa.weight", weights)
     yield a + ("kv_norm", "weight"), index, "id", sa + "kv_a_layernorm.weight"
-    yield a + ("wkv_b", "kernel"), index, "T", sa + "kv_b_proj.weight"
-    yield a + ("wo", "kernel"), index, "T", sa + "o_proj.weight"
+    yield from _projection(a + ("wkv_b",), index, sa + "kv_b_proj.weight", weights)
+    yield from _projection(a + ("wo",), index, sa + "o_proj.weight", weights)
     m, sm = base + ("mlp",), prefix + "mlp."
     if not is_moe:
         for p in ("gate_proj", "up_proj", "down_proj"):
-            yield m + (p, "kernel"), index, "T", sm + p + ".weight"
+            yield from _projection(m + (p,), index, sm + p + ".weight", weights)
         return
     yield m + ("gate", "kernel"), index, "T", sm + "gate.weight"
     if cfg.topk_method == "noaux_tc":
         yield m + ("gate", "e_score_correction_bias"), index, "id", sm + "gate.e_score_correction_bias"
     for p in ("gate_proj", "up_proj", "down_proj"):
-        yield (
-            m + ("experts", p),
-            index,
-            "stackT",
-            [f"{sm}experts.{e}.{p}.weight" for e in range(cfg.n_routed_experts)],
-        )
+        names = [f"{sm}experts.{e}.{p}.weight" for e in range(cfg.n_routed_experts)]
+        if weights == "fp8":
+            yield m + ("experts", p + "_fp8"), index, "stack", names
+            yield m + ("experts", p + SCALE_SUFFIX), index, "stack", [n + SCALE_SUFFIX for n in names]
+        else:
+            yield m + ("experts", p), index, "stackT", names
     if cfg.n_shared_experts > 0:
         for p in ("gate_proj", "up_proj", "down_proj"):
-            yield m + ("shared_experts", p, "kernel"), index, "T", f"{sm}shared_experts.{p}.weight"
+            yield from _projection(m + ("shared_experts", p), index, f"{sm}shared_experts.{p}.weight", weights)
 
 
-def hf_entries(cfg: ModelConfig) -> list[Entry]:
-    """Every (model path, stack index, kind, HF name(s)) of a `DeepSeekModel(cfg)`; covers each
-    variable (each layer's slice of a stacked one) exactly once."""
+def hf_entries(cfg: ModelConfig, weights=None) -> list[Entry]:
+    """Every (model path, stack index, kind, HF name(s)) of a `DeepSeekModel(cfg, weights=weights)`; covers
+    each variable (each layer's slice of a stacked one) exactly once. With weights="fp8" a quantized
+    projection is two entries, its e4m3 weight and its `_scale_inv`."""
     out: list[Entry] = [
         (("embed_tokens", "embedding"), None, "id", "model.embed_tokens.weight"),
         (("norm", "weight"), None, "id", "model.norm.weight"),
@@ -301,7 +332,7 @@ def hf_entries(cfg: ModelConfig) -> list[Entry]:
     for i in range(cfg.num_hidden_layers):
         moe = i >= n_dense
         stack, j = ("moe_layers", i - n_dense) if moe else ("dense_layers", i)
-        out += _layer_entries(cfg, f"model.layers.{i}.", (stack,), moe, j)
+        out += _layer_entries(cfg, f"model.layers.{i}.", (stack,), moe, j, weights)
     for k in range(cfg.num_mtp_layers):
         p, b = f"model.layers.{cfg.num_hidden_layers + k}.", ("mtp", k)
         out += [
@@ -310,7 +341,7 @@ def hf_entries(cfg: ModelConfig) -> list[Entry]:
             (b + ("eh_proj", "kernel"), None, "T", p + "eh_proj.weight"),
             (b + ("shared_head_norm", "weight"), None, "id", p + "shared_head.norm.weight"),
         ]
-        out += _layer_entries(cfg, p, b + ("block",), cfg.n_routed_experts > 0, None)
+        out += _layer_entries(cfg, p, b + ("block",), cfg.n_routed_experts > 0, None, weights)
     return out
 
 
@@ -335,12 +366,52 @@ def _variable(model, path: tuple) -> nnx.Variable:
 
 
 def _hf_shape(shape: tuple, kind: str) -> tuple:
-    return tuple(shape[::-1]) if kind == "T" else tuple(shape[1:][::-1]) if kind == "stackT" else tuple(shape)
+    if kind == "T":
+        return tuple(shape[::-1])
+    if kind == "stackT":
+        return tuple(shape[1:][::-1])
+    return tuple(shape[1:]) if kind == "stack" else tuple(shape)
 
 
 # ------------------------------------------------------------------------------------------
 # Load / save
 # ------------------------------------------------------------------------------------------
+def _check_fp8_release(config_dir: str) -> None:
+    """ValueError (one line) unless config.json declares the release's FP8 format."""
+    file = os.path.join(config_dir, "config.json")
+    qc = read_json_object(file).get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+        raise ValueError(
+            f"weights='fp8' keeps FP8 weights as released, but {file} has no fp8 quantization_config "
+            f"(quantization_config={qc!r:.80}): load this checkpoint without weights="
+        )
+    block = qc.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
+    if block != [FP8_BLOCK, FP8_BLOCK] or qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(
+            f"weights='fp8' reads e4m3 weights in {FP8_BLOCK}x{FP8_BLOCK} blocks; {file} has "
+            f"weight_block_size={block!r}, fmt={qc.get('fmt')!r}: load this checkpoint without weights="
+        )
+
+
+def _keep_fp8_projections(model, entries: list[Entry], tensors: dict[str, np.ndarray], path: str) -> None:
+    """For `load_hf_checkpoint(weights="fp8")`: check that every weight the model keeps in FP8 is stored
+    in e4m3 (ValueError naming the first that is not), and dequantize, in `tensors`, the FP8-stored
+    weights the model keeps dense (their scales dropped)."""
+    kept = set()
+    for mpath, _, _, names in entries:
+        if not isinstance(_variable(model, mpath), fp8_weights.Fp8Weight):
+            continue
+        for n in [names] if isinstance(names, str) else names:
+            kept.add(n)
+            if n in tensors and tensors[n].dtype != fp8_weights.FP8_DTYPE:
+                raise ValueError(
+                    f"weights='fp8' keeps FP8 weights as released, but checkpoint {path!r} stores {n!r} as "
+                    f"{tensors[n].dtype}, not float8_e4m3fn with a weight_scale_inv: load it without weights="
+                )
+    for n in [k for k in tensors if k not in kept and k + SCALE_SUFFIX in tensors]:
+        tensors[n] = dequantize_fp8_blocks(tensors[n], tensors.pop(n + SCALE_SUFFIX))
+
+
 def load_hf_checkpoint(
     path: str | os.PathLike,
     dtype=None,
@@ -348,8 +419,16 @@ def load_hf_checkpoint(
     param_dtype=None,
     moe_impl: str = "auto",
     mtp_hidden_source: str = "post_norm",
+    weights=None,
 ):
     """A `DeepSeekModel` with the weights of an HF-layout checkpoint directory.
+
+    weights (`mla_jax.fp8_weights.WEIGHT_FORMATS`): None dequantizes an FP8 release into `param_dtype`;
+    "fp8" keeps its projections as released, e4m3 [out, in] with fp32 block scales, in the model's
+    `Fp8Linear` / `Fp8Experts` variables (see the module docstring; the other weights go to `param_dtype`,
+    an FP8-stored one among them dequantized). With "fp8", a checkpoint whose config.json has no fp8
+    `quantization_config` (e4m3, 128x128 blocks), or that stores a quantized projection in another dtype,
+    raises ValueError in one line.
 
     dtype: compute dtype; None = bf16 on a GPU (fp32 would double the bytes every decode step reads
     and keep the MoE off its Mosaic GPU kernel), fp32 elsewhere. param_dtype: storage dtype
@@ -364,8 +443,12 @@ def load_hf_checkpoint(
     if os.path.isfile(path) and path.endswith(_PICKLE_SUFFIXES):
         _refuse_pickle(path)
     # config.json sits beside the weights when `path` names one .safetensors file.
-    cfg = ModelConfig.from_hf(os.path.dirname(path) if os.path.isfile(path) else path)
-    tensors = read_hf_tensors(path)
+    config_dir = os.path.dirname(path) if os.path.isfile(path) else path
+    cfg = ModelConfig.from_hf(config_dir)
+    fp8_weights.check_weights(weights)
+    if weights == "fp8":
+        _check_fp8_release(config_dir)
+    tensors = read_hf_tensors(path, dequantize=weights != "fp8")
     if dtype is None:
         dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     param_dtype = dtype if param_dtype is None else param_dtype
@@ -377,9 +460,12 @@ def load_hf_checkpoint(
             param_dtype=param_dtype,
             moe_impl=moe_impl,
             mtp_hidden_source=mtp_hidden_source,
+            weights=weights,
         )
     )
-    entries = hf_entries(cfg)
+    entries = hf_entries(cfg, weights)
+    if weights == "fp8":
+        _keep_fp8_projections(model, entries, tensors, path)
     copies = _mtp_copies(cfg)
     expected = {n for _, _, _, names in entries for n in ([names] if isinstance(names, str) else names)}
     missing = sorted(expected - tensors.keys())
@@ -430,9 +516,12 @@ def load_hf_checkpoint(
             arr = np.asarray(tensors[names]).T
         elif kind == "stackT":
             arr = np.stack([np.asarray(tensors[n]).T for n in names])
+        elif kind == "stack":
+            arr = np.stack([np.asarray(tensors[n]) for n in names])
         else:
             arr = np.asarray(tensors[names])
-        arr = arr.astype(np.float32) if arr.dtype.itemsize < 2 else arr
+        if arr.dtype.itemsize < 2 and var.dtype != fp8_weights.FP8_DTYPE:
+            arr = arr.astype(np.float32)
         if index is None:
             var.set_value(jnp.asarray(arr, dtype=var.dtype))
         else:
@@ -453,11 +542,12 @@ def load_hf_checkpoint(
 
 
 def to_hf_tensors(model) -> dict[str, np.ndarray]:
-    """The model's weights under HF names as numpy arrays (torch layout), MTP copies included."""
+    """The model's weights under HF names as numpy arrays (torch layout), MTP copies included; an FP8
+    model's (`weights="fp8"`) projections as e4m3 with their `_scale_inv`, as released."""
     cfg = model.cfg
     out: dict[str, np.ndarray] = {}
     host: dict[tuple, np.ndarray] = {}  # each (stacked) variable copied to the host once
-    for mpath, index, kind, names in hf_entries(cfg):
+    for mpath, index, kind, names in hf_entries(cfg, getattr(model, "weights", None)):
         if mpath not in host:
             host[mpath] = np.asarray(jax.device_get(_variable(model, mpath)[...]))
         a = host[mpath] if index is None else host[mpath][index]
@@ -466,6 +556,9 @@ def to_hf_tensors(model) -> dict[str, np.ndarray]:
         elif kind == "stackT":
             for e, n in enumerate(names):
                 out[n] = np.ascontiguousarray(a[e].T)
+        elif kind == "stack":
+            for e, n in enumerate(names):
+                out[n] = np.ascontiguousarray(a[e])
         else:
             out[names] = a
     for copy, main in _mtp_copies(cfg).items():
@@ -476,7 +569,8 @@ def to_hf_tensors(model) -> dict[str, np.ndarray]:
 def save_hf_checkpoint(model, path: str | os.PathLike, *, max_shard_bytes: int | None = None) -> None:
     """Write `config.json` (cfg.to_hf_dict()) and safetensors in HF naming (per-expert keys, MTP at layer L).
 
-    Tensors keep the model's parameter dtypes (fp32/bf16; router and bias fp32). With
+    Tensors keep the model's parameter dtypes (fp32/bf16; router and bias fp32; an FP8 model's projections
+    e4m3 + fp32 scales, with the release's `quantization_config` in config.json). With
     `max_shard_bytes`, tensors are split over `model-0000i-of-0000n.safetensors` files plus
     `model.safetensors.index.json`; otherwise one `model.safetensors`.
     """
@@ -485,6 +579,13 @@ def save_hf_checkpoint(model, path: str | os.PathLike, *, max_shard_bytes: int |
     tensors = to_hf_tensors(model)
     d = model.cfg.to_hf_dict()
     d["torch_dtype"] = "float32"
+    if getattr(model, "weights", None) == "fp8":
+        d["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+        }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(d, f, indent=2)
         f.write("\n")

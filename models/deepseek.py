@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mla_jax import initializers
+from mla_jax import fp8_weights, initializers
 from mla_jax.config import ModelConfig
 from mla_jax.linear import Stacked, stacked_filter, stacked_impl
 from mla_jax.norm import RMSNorm
@@ -182,6 +182,10 @@ class DeepSeekModel(nnx.Module):
     (nnx.Linear D -> V, no bias; None when tie_word_embeddings), `mtp` (list of
     `cfg.num_mtp_layers` MTP modules). `dtype` is the compute dtype, `param_dtype` the storage
     dtype (the router kernel and bias are fp32 always). `moe_impl` is `models.moe.MOE_IMPLS`.
+    `weights` (`mla_jax.fp8_weights.WEIGHT_FORMATS`): None = every weight in `param_dtype`; "fp8" = the
+    projections of every decoder layer and MTP block (attention, dense MLP, shared and routed experts) in FP8
+    with 128x128 block scales, as DeepSeek-V3 releases them (`mla_jax.fp8_weights`); embeddings, norms,
+    router, `eh_proj` and LM head stay in `param_dtype`. An FP8 model serves; it does not train.
     """
 
     def __init__(
@@ -193,16 +197,19 @@ class DeepSeekModel(nnx.Module):
         param_dtype=jnp.float32,
         moe_impl: str = "auto",
         mtp_hidden_source: str = "post_norm",
+        weights=None,
     ):
+        fp8_weights.check_weights(weights)
         self.cfg = cfg
         self.dtype = dtype
+        self.weights = weights
         init = initializers.normal(cfg.initializer_range)
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, embedding_init=init, rngs=rngs
         )
         n_moe = cfg.num_moe_layers
         self.num_dense_layers = cfg.num_hidden_layers - n_moe
-        layer = partial(DecoderLayer, cfg, dtype=dtype, param_dtype=param_dtype, moe_impl=moe_impl)
+        layer = partial(DecoderLayer, cfg, dtype=dtype, param_dtype=param_dtype, moe_impl=moe_impl, weights=weights)
         self.dense_layers = _stacked_layers(self.num_dense_layers, lambda r: layer(rngs=r, moe=False), rngs)
         self.moe_layers = _stacked_layers(n_moe, lambda r: layer(rngs=r, moe=True), rngs)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
@@ -228,6 +235,7 @@ class DeepSeekModel(nnx.Module):
                     param_dtype=param_dtype,
                     moe_impl=moe_impl,
                     hidden_source=mtp_hidden_source,
+                    weights=weights,
                 )
                 for k in range(cfg.num_mtp_layers)
             ]

@@ -27,6 +27,7 @@ class DecoderLayer(nnx.Module):
     `layer(x, positions)` -> out [B,T,D] (`return_router=True`: (out, RouterOutput or None));
     `layer(x, positions, cache=cache)` -> (out, cache): the attention writes and reads the latent
     cache (pool `cache.layer`, see `mla_jax.attention.MLA`). `forward` is the one body both use.
+    `weights` (`mla_jax.fp8_weights.WEIGHT_FORMATS`): the projections' and experts' format.
     """
 
     def __init__(
@@ -39,14 +40,15 @@ class DecoderLayer(nnx.Module):
         param_dtype=jnp.float32,
         moe: bool | None = None,
         moe_impl: str = "auto",
+        weights=None,
     ):
         self.is_moe = cfg.is_moe_layer(layer_idx) if moe is None else bool(moe)
         norm = partial(RMSNorm, cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
         self.input_layernorm = norm()
-        self.self_attn = MLA(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.self_attn = MLA(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, weights=weights)
         self.post_attention_layernorm = norm()
         if self.is_moe:
-            self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, impl=moe_impl)
+            self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, impl=moe_impl, weights=weights)
         else:
             self.mlp = MLP(
                 cfg.hidden_size,
@@ -55,6 +57,7 @@ class DecoderLayer(nnx.Module):
                 dtype=dtype,
                 param_dtype=param_dtype,
                 init_std=cfg.initializer_range,
+                weights=weights,
             )
 
     def forward(

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mla_jax import initializers
+from mla_jax import fp8_weights, initializers
 from mla_jax.linear import Stacked, project
 
 
@@ -19,6 +19,7 @@ class MLP(nnx.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)): [..., D] -> [..., D] in `dtype`.
 
     HF names `gate_proj`/`up_proj`/`down_proj` (official `w1`/`w3`/`w2`); kernels are [in, out].
+    `weights` (`mla_jax.fp8_weights.WEIGHT_FORMATS`): "fp8" makes each projection an `Fp8Linear`.
     """
 
     def __init__(
@@ -30,10 +31,11 @@ class MLP(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         init_std: float = 0.02,
+        weights=None,
     ):
         lin = partial(
-            nnx.Linear,
-            use_bias=False,
+            fp8_weights.linear,
+            weights=weights,
             dtype=dtype,
             param_dtype=param_dtype,
             kernel_init=initializers.normal(init_std),

@@ -39,7 +39,7 @@ from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as jax_ragged_dot_mg
 from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 from jax.sharding import PartitionSpec
 
-from mla_jax import initializers
+from mla_jax import fp8_weights, initializers
 from mla_jax.config import ModelConfig
 from mla_jax.linear import Stacked
 from models.mlp import MLP
@@ -403,12 +403,43 @@ class Experts(nnx.Module):
         self.up_proj = nnx.Param(init(rngs.params(), (E, D, I), param_dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (E, I, D), param_dtype))
 
+    def stacked(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(gate [E, D, I], up [E, D, I], down [E, I, D]) as stored."""
+        return self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+
+
+class Fp8Experts(nnx.Module):
+    """The E routed experts in FP8 as released (`mla_jax.fp8_weights`): per projection p of gate_proj / up_proj
+    [E, I, D] and down_proj [E, D, I] (torch's [out, in] per expert), `p_fp8` (`Fp8Weight`, e4m3) and
+    `p_scale_inv` (`Fp8Scale`, fp32 [E, ceil(out/128), ceil(in/128)]). `stacked(dtype)` dequantizes them into
+    `Experts`' layout for the grouped GEMM (the jnp reference recipe: dequantize, then matmul)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        init = initializers.normal(cfg.initializer_range)
+        for name, shape in (("gate_proj", (E, I, D)), ("up_proj", (E, I, D)), ("down_proj", (E, D, I))):
+            q, s = fp8_weights.quantize_blocks(init(rngs.params(), shape, _F32))
+            setattr(self, name + "_fp8", fp8_weights.Fp8Weight(q))
+            setattr(self, name + "_scale_inv", fp8_weights.Fp8Scale(s))
+
+    def stacked(self, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(gate [E, D, I], up [E, D, I], down [E, I, D]) dequantized to `dtype`."""
+        return tuple(
+            fp8_weights.dequantize_blocks(
+                getattr(self, p + "_fp8")[...], getattr(self, p + "_scale_inv")[...], dtype
+            ).swapaxes(-1, -2)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        )
+
 
 class MoE(nnx.Module):
     """Routed experts + shared experts: `moe(x [..., D]) -> [..., D]` in `dtype`.
 
-    Attributes: `gate` (Router), `experts` (Experts), `shared_experts` (an MLP of width
-    n_shared·I, or None when n_shared_experts == 0). `impl` selects the expert computation
+    Attributes: `gate` (Router), `experts` (Experts; `Fp8Experts` with `weights="fp8"`), `shared_experts`
+    (an MLP of width n_shared·I, or None when n_shared_experts == 0). `weights`
+    (`mla_jax.fp8_weights.WEIGHT_FORMATS`): "fp8" keeps the routed and shared experts in FP8; the router
+    stays fp32. FP8 experts are dequantized per call and run by the grouped GEMM ("decode", whose kernel
+    reads bf16 experts in place, is not used for them). `impl` selects the expert computation
     (see the module docstring); `return_router=True` also returns the RouterOutput over the
     flattened tokens (leading axes of x flattened into T).
 
@@ -432,6 +463,7 @@ class MoE(nnx.Module):
         param_dtype=jnp.float32,
         impl: str = "auto",
         tuning: MgpuTuning = MgpuTuning(),
+        weights=None,
     ):
         if cfg.n_routed_experts <= 0:
             raise ValueError(f"MoE needs n_routed_experts > 0, got {cfg.n_routed_experts}")
@@ -443,7 +475,13 @@ class MoE(nnx.Module):
         self.tuning = tuning
         self.parallel = None
         self.gate = Router(cfg, rngs=rngs)
-        self.experts = Experts(cfg, rngs=rngs, param_dtype=param_dtype)
+        fp8_weights.check_weights(weights)
+        if weights == "fp8" and impl == "decode":
+            raise ValueError("MoE impl='decode' reads bf16 experts in place; FP8 experts (weights='fp8') take another")
+        if weights == "fp8":
+            self.experts = Fp8Experts(cfg, rngs=rngs)
+        else:
+            self.experts = Experts(cfg, rngs=rngs, param_dtype=param_dtype)
         if cfg.n_shared_experts > 0:
             self.shared_experts = MLP(
                 cfg.hidden_size,
@@ -452,6 +490,7 @@ class MoE(nnx.Module):
                 dtype=dtype,
                 param_dtype=param_dtype,
                 init_std=cfg.initializer_range,
+                weights=weights,
             )
         else:
             self.shared_experts = None
@@ -501,12 +540,14 @@ class MoE(nnx.Module):
         return lambda x_TD, w_TK, idx_TK, gate, up, down, off: mapped(x_TD, w_TK, idx_TK, gate, up, down).sum(0)
 
     def resolved_impl(self, num_tokens: int) -> str:
-        """The expert implementation a call over `num_tokens` tokens runs (`impl` with "auto" resolved)."""
+        """The expert implementation a call over `num_tokens` tokens runs (`impl` with "auto" resolved; FP8
+        experts never "decode": the constructor refuses it, and "auto" picks among the others)."""
         cfg = self.cfg
+        fp8 = isinstance(self.experts, Fp8Experts)
         return resolve_moe_impl(
             self.impl,
             self.dtype,
-            rows=num_tokens * cfg.num_experts_per_tok,
+            rows=None if fp8 else num_tokens * cfg.num_experts_per_tok,
             num_experts=cfg.n_routed_experts,
             widths=(cfg.hidden_size, cfg.moe_intermediate_size),
         )
@@ -521,7 +562,7 @@ class MoE(nnx.Module):
         ex = self.experts
         impl = self.resolved_impl(x_TD.shape[0])
         E = self.cfg.n_routed_experts
-        gate, up, down = ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...]
+        gate, up, down = ex.stacked(self.dtype) if isinstance(ex, Fp8Experts) else ex.stacked()
         off = None
         if stack_index is not None:  # [L, E, ...] -> [L·E, ...]: a free reshape, no copy
             gate, up, down = (w.reshape((-1,) + w.shape[2:]) for w in (gate, up, down))

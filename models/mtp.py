@@ -48,6 +48,7 @@ class MTP(nnx.Module):
         param_dtype=jnp.float32,
         moe_impl: str = "auto",
         hidden_source: str = "post_norm",
+        weights=None,
     ):
         if hidden_source not in HIDDEN_SOURCES:
             raise ValueError(f"MTP hidden_source must be one of {HIDDEN_SOURCES}, got {hidden_source!r}")
@@ -75,6 +76,7 @@ class MTP(nnx.Module):
             param_dtype=param_dtype,
             moe=cfg.n_routed_experts > 0,
             moe_impl=moe_impl,
+            weights=weights,
         )
         self.shared_head_norm = norm()
 

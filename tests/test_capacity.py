@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 from mla_jax.capacity import (
@@ -15,6 +16,7 @@ from mla_jax.capacity import (
     main,
     mla_kv_bytes,
     plan_kv_cache,
+    weight_bytes,
 )
 from mla_jax.config import ModelConfig
 from pallas_kernels import PageFormat
@@ -367,6 +369,8 @@ def test_cli_config_file(tmp_path, capsys):
         (["--preset", "gpt2"], "--preset"),
         (["--preset", "tiny", "--config", "x"], "--config"),
         (["--config", "/no/such/dir"], "--config"),
+        (["--weights", "int4"], "--weights"),
+        (["--weights", "fp8", "--device-memory", "0"], "--device-memory: must be a positive number of GiB, got 0.0"),
     ],
 )
 def test_cli_errors_exit_2_with_one_line(argv, needle, capsys):
@@ -412,3 +416,47 @@ def test_mtp_layers_and_draft_room():
         plan_kv_cache(cfg, context_len=4096, draft_tokens=-1)
     with pytest.raises(ValueError, match="include_mtp"):
         plan_kv_cache(cfg, context_len=4096, include_mtp=1)
+
+
+# --- weights by format (--weights) ---------------------------------------------------------------
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_weight_bytes_count_every_variable_of_the_model(weights):
+    """The planner's arithmetic against the model itself: the bytes of every variable of an abstract
+    DeepSeekModel in that format (bf16 params, fp32 router; fp8: e4m3 projections and fp32 scales). Catches a
+    projection the planner forgets or prices in the wrong format (e.g. the MTP block's, or wkv_b's scales)."""
+    import jax
+    from flax import nnx
+    from micro_configs import MICRO_V3
+
+    from models import DeepSeekModel
+
+    cfg = MICRO_V3.replace(hidden_size=160)  # a width past one 128-block: partial scale blocks in both dims
+    model = nnx.eval_shape(
+        lambda: DeepSeekModel(
+            cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, weights=weights.replace("bf16", "") or None
+        )
+    )
+    want = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+    assert weight_bytes(cfg, weights) == want
+
+
+def test_weight_bytes_per_device_split_the_routed_experts_over_expert():
+    """Two expert ranks hold half of every routed expert (58 MoE layers + the MTP block's, 256 experts of
+    3 x 2048 x 7168 values) and all the rest: the difference is half the experts' bytes."""
+    experts = 59 * 256 * 3 * 2048 * 7168
+    assert weight_bytes(V3, "bf16") - weight_bytes(V3, "bf16", expert=2) == experts * 2 // 2
+    scales = 59 * 256 * 3 * 16 * 56  # one fp32 per 128 x 128 block of each [2048, 7168] expert matrix
+    assert weight_bytes(V3, "fp8") - weight_bytes(V3, "fp8", expert=2) == (experts + 4 * scales) // 2
+
+
+def test_cli_weights_names_the_mesh_that_holds_v3_in_fp8(capsys):
+    """V3 in FP8 (685 GB, the release's 688.6 GB less the MTP layer's copies of the embedding and head)
+    fits 8 H200s, in bf16 it needs 16; the line says how much room is left for the cache."""
+    assert main(["--weights", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "weights: fp8 (projections e4m3 + fp32 scale per 128x128 block" in out
+    assert "smallest mesh that holds the fp8 weights: 8 device(s), expert=1 tensor=8:" in out
+    assert "tokens of bf16 latent cache (71,424 B a token over 62 layers)" in out
+    assert main(["--weights", "bf16"]) == 0
+    assert "smallest mesh that holds the bf16 weights: 16 device(s)" in capsys.readouterr().out
+    assert round(weight_bytes(V3, "fp8") / 1e9, 1) == 685.1

@@ -1,0 +1,216 @@
+"""FP8 linear weights as DeepSeek-V3/R1 release them: e4m3 values with one fp32 scale per 128x128 block.
+
+Dimension letters: M rows of activations (tokens), K a projection's input width, N its output width,
+E routed experts; nb = ceil(N/128), kb = ceil(K/128) blocks.
+
+The format (`quantization_config` of the release: `quant_method "fp8"`, `fmt "e4m3"`,
+`weight_block_size [128, 128]`): a weight is kept in torch's layout, w [N, K] (K contiguous, what Hopper's
+FP8 tensor-core instructions read), as `float8_e4m3fn` values q, with `scale_inv` float32 [nb, kb]:
+
+    W[n, k] = q[n, k] * scale_inv[n // 128, k // 128]
+
+Edge blocks are partial (a width that is not a multiple of 128 gets ceil blocks, the last one covering the
+remainder), as in the release. Stacked weights (the routed experts, [E, N, K] with scales [E, nb, kb]) carry
+the leading axes through every function here.
+
+What is quantized (the release's choice, mirrored by `models.checkpoint`): every projection of the decoder
+layers and of the MTP block: the attention's `wq` | `wq_a`, `wq_b`, `wkv_a`, `wkv_b`, `wo`; the dense MLP's
+and the shared experts' `gate_proj` / `up_proj` / `down_proj`; the routed experts. Embeddings, norms, the
+router gate and its bias, the LM head and the MTP `eh_proj` stay as released (dense, in `param_dtype`).
+
+The one computation (`fp8_linear`, what `Fp8Linear` and every FP8 projection call): y = x · Wᵀ. Its jnp
+reference (`fp8_linear_reference`) is the DeepSeek-V3 inference code's `gemm_impl="bf16"` recipe: the weight
+blocks dequantized to the compute dtype (fp32 products q · scale, rounded once), then the same dot as a dense
+`nnx.Linear` (on a GPU, bf16 operands accumulate in fp32). Activations are NOT quantized there: the 1x128
+activation tiles of the recipe's `gemm_impl="fp8"` belong to the FP8 GEMM kernel, whose error budget is its
+own. `impl` (`pallas_kernels.backend.IMPLS`) is resolved in one place, `resolve_fp8_gemm_impl`; the Pallas
+Mosaic GPU FP8 GEMM plugs in there and in the one branch of `fp8_linear` that calls it.
+
+`wkv_b` is kept in FP8 like the others and dequantized where MLA uses it as a whole matrix (the absorbed
+W_UK / W_UV einsums and the decompressed attention read `MLA.wkv_b_LHK()`), as the reference `MLA.forward`
+does with `weight_dequant`.
+
+FP8 variables are `Fp8Weight` / `Fp8Scale` (`nnx.Variable`s, not `nnx.Param`): an FP8 model serves; it
+does not train.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels import backend
+
+FP8_BLOCK = 128  # the release's weight_block_size, both dims
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+WEIGHT_FORMATS = (None, "fp8")  # `weights=` of the model and the loader: None = dense in param_dtype
+FP8_GEMM_IMPLS = backend.IMPLS
+_F32 = jnp.float32
+
+
+def check_weights(weights) -> None:
+    """ValueError (one line) unless `weights` is one of `WEIGHT_FORMATS`."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be None (dense, in param_dtype) or 'fp8', got {weights!r}")
+
+
+def scale_shape(n: int, k: int, block: int = FP8_BLOCK) -> tuple[int, int]:
+    """(ceil(n / block), ceil(k / block)): the scales of an [n, k] weight."""
+    return -(-n // block), -(-k // block)
+
+
+# ------------------------------------------------------------------------------------------
+# Quantize / dequantize (jnp)
+# ------------------------------------------------------------------------------------------
+def _check_pair(q_NK, scale, block: int) -> None:
+    if q_NK.ndim < 2 or scale.ndim != q_NK.ndim:
+        raise ValueError(
+            f"fp8 blocks: a weight [..., N, K] and scales [..., nb, kb] of its rank, got {q_NK.shape} and {scale.shape}"
+        )
+    want = q_NK.shape[:-2] + scale_shape(*q_NK.shape[-2:], block)
+    if tuple(scale.shape) != want:
+        raise ValueError(
+            f"fp8 blocks: scales {tuple(scale.shape)} do not match weight {tuple(q_NK.shape)} in {block}x{block} "
+            f"blocks (expected {want})"
+        )
+
+
+def quantize_blocks(w_NK: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.Array]:
+    """float [..., N, K] -> (e4m3 [..., N, K], fp32 scale_inv [..., nb, kb]) with W ≈ q · scale per block.
+
+    scale = max(amax of the block, 1e-12) / 448 (the release's convention), q = w / scale rounded to
+    nearest e4m3. Partial edge blocks take the amax of the values they hold.
+    """
+    if w_NK.ndim < 2:
+        raise ValueError(f"quantize_blocks needs a weight [..., N, K], got shape {w_NK.shape}")
+    *lead, n, k = w_NK.shape
+    nb, kb = scale_shape(n, k, block)
+    w = jnp.asarray(w_NK, _F32)
+    pad = [(0, 0)] * len(lead) + [(0, nb * block - n), (0, kb * block - k)]
+    blocks = jnp.pad(w, pad).reshape(*lead, nb, block, kb, block)
+    scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(-3, -1)), 1e-12) / FP8_MAX  # [..., nb, kb]
+    q = jnp.clip(blocks / scale[..., :, None, :, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    q = q.reshape(*lead, nb * block, kb * block)[..., :n, :k]
+    return q, scale.astype(_F32)
+
+
+def dequantize_blocks(q_NK: jax.Array, scale: jax.Array, dtype=_F32, block: int = FP8_BLOCK) -> jax.Array:
+    """e4m3 [..., N, K] · fp32 scale_inv [..., nb, kb] -> [..., N, K] in `dtype` (fp32 products, rounded once).
+
+    ValueError (one line) when the scales' shape is not the weight's in `block` x `block` blocks."""
+    _check_pair(q_NK, scale, block)
+    n, k = q_NK.shape[-2:]
+    s = jnp.repeat(jnp.repeat(scale.astype(_F32), block, axis=-2), block, axis=-1)[..., :n, :k]
+    return (q_NK.astype(_F32) * s).astype(dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# The one FP8 matmul: which implementation, and the jnp reference
+# ------------------------------------------------------------------------------------------
+def fp8_gemm_problems(m: int, n: int, k: int) -> list[str]:
+    """Why the Pallas FP8 GEMM cannot serve an [m, k] x [n, k]ᵀ product ([] when it can).
+
+    The kernel (`pallas_kernels.fp8_gemm.fp8_matmul`) is not wired in yet: every shape reports that, so
+    "auto" resolves to the reference and "kernel" / "interpret" are refused in one line. When it lands, this
+    returns its `fp8_matmul_problems(m, n, k)`."""
+    del m, n, k
+    return ["the Pallas FP8 GEMM (pallas_kernels.fp8_gemm.fp8_matmul) is not wired in yet"]
+
+
+def resolve_fp8_gemm_impl(impl: str | None, m: int, n: int, k: int) -> str:
+    """`impl` of `FP8_GEMM_IMPLS` -> "kernel" | "interpret" | "reference" for an [m, k] x [n, k]ᵀ product:
+    `pallas_kernels.backend.choose` over `fp8_gemm_problems` ("auto": the kernel on a Hopper GPU where it
+    serves, else the reference; "kernel" / "interpret" that it cannot serve: ValueError naming why)."""
+    return backend.choose(impl, fp8_gemm_problems(m, n, k), name="fp8_gemm_impl")
+
+
+def fp8_linear_reference(x_MK: jax.Array, w_NK: jax.Array, scale: jax.Array, *, dtype) -> jax.Array:
+    """x [..., K] · dequantize(w [N, K], scale)ᵀ -> [..., N] in `dtype`: the weight dequantized to `dtype`,
+    then a dense `nnx.Linear`'s dot (activations not quantized)."""
+    w = dequantize_blocks(w_NK, scale, dtype)
+    x = jnp.asarray(x_MK, dtype)
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def fp8_linear(x: jax.Array, w_NK: jax.Array, scale: jax.Array, *, dtype, impl: str | None = "auto") -> jax.Array:
+    """y = x · Wᵀ for an FP8 block-scaled W: x [..., K] (any float), w [N, K] e4m3, scale fp32 [nb, kb] ->
+    [..., N] in `dtype`. Every FP8 projection of the model computes through here.
+
+    `impl` (`FP8_GEMM_IMPLS`) is resolved by `resolve_fp8_gemm_impl`; "reference" is `fp8_linear_reference`.
+    ValueError (one line) for a weight that is not e4m3, or scales that do not match it."""
+    if w_NK.ndim != 2 or w_NK.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8_linear: the weight must be float8_e4m3fn [N, K], got {w_NK.dtype} {w_NK.shape}")
+    if x.shape[-1] != w_NK.shape[1]:
+        raise ValueError(f"fp8_linear: x [..., {x.shape[-1]}] does not match the weight [N, K] = {w_NK.shape}")
+    _check_pair(w_NK, scale, FP8_BLOCK)
+    n, k = w_NK.shape
+    resolved = resolve_fp8_gemm_impl(impl, math.prod(x.shape[:-1]), n, k)
+    if resolved != "reference":
+        # The kernel's call site, once `fp8_gemm_problems` lets it through:
+        #   y_MN = fp8_matmul(x.reshape(-1, k).astype(jnp.bfloat16), w_NK, scale, impl=resolved)
+        #   return y_MN.reshape(x.shape[:-1] + (n,)).astype(dtype)
+        raise AssertionError(f"internal: fp8_gemm_problems let {resolved!r} through, but no kernel is wired")
+    return fp8_linear_reference(x, w_NK, scale, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# The model's FP8 variables and projection
+# ------------------------------------------------------------------------------------------
+class Fp8Weight(nnx.Variable):
+    """The e4m3 values of a block-scaled weight, [N, K] (stacked: [E, N, K]), in the release's layout."""
+
+
+class Fp8Scale(nnx.Variable):
+    """The fp32 `weight_scale_inv` of an `Fp8Weight`, [nb, kb] (stacked: [E, nb, kb])."""
+
+
+class Fp8Linear(nnx.Module):
+    """A bias-free projection [..., K] -> [..., N] with an FP8 weight: `weight_fp8` (`Fp8Weight` [N, K]) and
+    `scale_inv` (`Fp8Scale` [nb, kb]). Built from a random dense init quantized with `quantize_blocks` (a
+    loader overwrites both). `dtype`: the compute and output dtype; `impl`: `fp8_linear`'s."""
+
+    def __init__(
+        self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=_F32, kernel_init=None, impl="auto"
+    ):
+        init = kernel_init or nnx.initializers.lecun_normal()
+        q, s = quantize_blocks(init(rngs.params(), (out_features, in_features), _F32))
+        self.weight_fp8 = Fp8Weight(q)
+        self.scale_inv = Fp8Scale(s)
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = dtype
+        self.impl = impl
+
+    def dense_kernel(self, dtype=None) -> jax.Array:
+        """The dequantized weight as a dense kernel [K, N] (nnx.Linear's layout) in `dtype` (default: the
+        compute dtype)."""
+        return dequantize_blocks(self.weight_fp8[...], self.scale_inv[...], dtype or self.dtype).T
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return fp8_linear(x, self.weight_fp8[...], self.scale_inv[...], dtype=self.dtype, impl=self.impl)
+
+
+def linear(in_features: int, out_features: int, *, weights, rngs, dtype, param_dtype, kernel_init):
+    """The projection layer of a `weights` format (`WEIGHT_FORMATS`): a bias-free `nnx.Linear` (kernel
+    [in, out] in `param_dtype`) for None, an `Fp8Linear` for "fp8"."""
+    check_weights(weights)
+    if weights == "fp8":
+        return Fp8Linear(in_features, out_features, rngs=rngs, dtype=dtype, kernel_init=kernel_init)
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=False,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=kernel_init,
+        rngs=rngs,
+    )
+
+
+def dense_kernel(layer) -> jax.Array:
+    """A projection's weight as a dense kernel [in, out]: an `nnx.Linear`'s kernel as stored, an
+    `Fp8Linear`'s dequantized to its compute dtype."""
+    return layer.dense_kernel() if isinstance(layer, Fp8Linear) else layer.kernel[...]
