@@ -196,6 +196,22 @@ case "$MODE" in
             --kernels --no-hf ${E2E_EXTRA:-}
           bench e2e 110 --model v2-lite --batch 1 --prompt 1024 --new-tokens 128 --kernels --no-hf --decode-steps 1 --out "$R/k1" ;;
   gather) bench paged_gather 170 --quick --sweep --kv-dtype fp8 ;;
+  session11b) stage "fp8_gemm under compute-sanitizer (q_a at M = 32), SASS dumped"
+         XLA_PYTHON_CLIENT_PREALLOCATE=false MOSAIC_GPU_DUMP_SASS=1 timeout 120 compute-sanitizer --tool memcheck \
+           --show-backtrace no $PY - > "$R/sanitizer_fp8.txt" 2>&1 <<'PY'
+import jax, jax.numpy as jnp
+from pallas_kernels.fp8_gemm import fp8_matmul
+M, N, K = 32, 1536, 7168
+x, w = jnp.ones((M, K), jnp.bfloat16), jnp.ones((N, K), jnp.float8_e4m3fn)
+s = jnp.ones((N // 128, K // 128), jnp.float32)
+print("sum", float(jax.block_until_ready(fp8_matmul(x, w, s, impl="kernel")).astype(jnp.float32).sum()))
+PY
+         grep -n -B2 -A12 "Invalid\|misaligned\|ERROR SUMMARY" "$R/sanitizer_fp8.txt" | head -60 | tee -a "$LOG"
+         gpu_tests 170 tests/test_flash_attention.py tests/test_attention.py tests/test_engine.py -k "prefill or cached"
+         stage "probe_flash_prefill"
+         timeout 110 $PY scripts/lab/probe_flash_prefill.py --out "$R/flash_prefill" --time-budget 80 2>&1 | tail -30 \
+           | tee -a "$LOG"
+         bench e2e 200 --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf ;;
   stacked) stage "probe_decode_variants: sliced / stacked projections"
            timeout "${VARIANTS_LIMIT:-280}" $PY scripts/lab/probe_decode_variants.py --out "$R/variants" \
              --batches "${BATCHES:-1,32,128}" --variants "${VARIANTS:-sliced,base}" --no-kernels 2>&1 \
