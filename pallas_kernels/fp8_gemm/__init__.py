@@ -41,6 +41,7 @@ from pallas_kernels.fp8_gemm.config import (
     SMEM_BYTES,
     Fp8MatmulConfig,
     default_config,
+    scale_slot,
     smem_bytes,
 )
 from pallas_kernels.fp8_gemm.gemm import _fp8_gemm
@@ -132,6 +133,9 @@ def fp8_matmul(x_MK, w_NK, w_scale, *, impl="auto", config: Fp8MatmulConfig | No
     xq = jnp.pad(xq, ((0, M_pad - M), (0, 0)))
     xs_KbM = jnp.pad(xs.T, ((0, 0), (0, M_pad - M)))
     ws_KbC = jnp.repeat(w_scale.T, QUANT_BLOCK // SCALE_COLUMNS, axis=1)[:, : N // SCALE_COLUMNS]
+    per_cta = config.cta_n // SCALE_COLUMNS  # a CTA column tile's scales, padded to an aligned TMA row
+    ws_KbC = ws_KbC.reshape(ws_KbC.shape[0], N // config.cta_n, per_cta)
+    ws_KbC = jnp.pad(ws_KbC, ((0, 0), (0, 0), (0, scale_slot(config.cta_n) - per_cta))).reshape(ws_KbC.shape[0], -1)
     y = _fp8_gemm(
         xq,
         xs_KbM,

@@ -10,7 +10,18 @@ QUANT_BLOCK = 128  # DeepSeek-V3's scaling block: 1x128 activation tiles, 128x12
 COMPUTE_WGS = 2
 SMEM_BYTES = 232448  # sm_90's SMEM per CTA (checked again by the lowering)
 BARRIER_BYTES = 1024  # the pipeline's barriers and allocation alignment (measured: under 1 KB)
-SCALE_COLUMNS = 16  # the weight scales reach the kernel repeated once per 16 output columns (a 64-byte TMA row)
+SCALE_COLUMNS = 16  # the weight scales reach the kernel repeated once per 16 output columns
+# A TMA copy's SMEM destination must be 128-byte aligned, and a pipeline stage's slot of a buffer sits at
+# stage x slot size: a CTA's weight scales travel as a row of a multiple of 32 fp32 (padded), so that every
+# stage's slot is aligned (8 floats a slot was a misaligned-address fault on the H200).
+SCALE_SLOT_FLOATS = 32
+
+
+def scale_slot(cta_n: int) -> int:
+    """fp32 entries a CTA's weight scales take a K block: cta_n / SCALE_COLUMNS, padded to SCALE_SLOT_FLOATS."""
+    return -(-(cta_n // SCALE_COLUMNS) // SCALE_SLOT_FLOATS) * SCALE_SLOT_FLOATS
+
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # 8-bit WGMMA operands: K-major, 128-byte swizzle = 128 elements a row (one scaling block of K).
 FP8_TRANSFORMS = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
@@ -92,7 +103,7 @@ def smem_bytes(config: Fp8MatmulConfig) -> int:
         config.cta_m * QUANT_BLOCK  # x tile, e4m3
         + config.cta_n * QUANT_BLOCK  # w tile, e4m3
         + config.cta_m * 4  # x scales, fp32
-        + config.cta_n // SCALE_COLUMNS * 4  # w scales, fp32
+        + scale_slot(config.cta_n) * 4  # w scales, fp32
     )
     epilogue = COMPUTE_WGS * config.block_m * config.block_n * 2  # bf16 output staging
     return config.max_concurrent_steps * stage + epilogue + BARRIER_BYTES

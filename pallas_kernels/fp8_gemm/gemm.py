@@ -18,6 +18,7 @@ from pallas_kernels.fp8_gemm.config import (
     QUANT_BLOCK,
     SCALE_COLUMNS,
     Fp8MatmulConfig,
+    scale_slot,
 )
 
 
@@ -28,13 +29,15 @@ def _fp8_gemm(xq_MK, xs_KbM, w_NK, ws_KbC, *, config: Fp8MatmulConfig, num_sms: 
       xq_MK: e4m3 [M, K], M a multiple of ``config.cta_m``, K of 128.
       xs_KbM: fp32 [K / 128, M], the activation scales (transposed: a K block's scales are one TMA row).
       w_NK: e4m3 [N, K], N a multiple of ``config.cta_n``.
-      ws_KbC: fp32 [K / 128, N / 16], the weight scales repeated per 16 output columns.
+      ws_KbC: fp32 [K / 128, N / cta_n · scale_slot(cta_n)], per CTA column tile its weight scales repeated per
+        16 output columns, padded to `scale_slot`.
     """
     M, K = xq_MK.shape
     N = w_NK.shape[0]
     bm, bn, cta_m, cta_n = config.block_m, config.block_n, config.cta_m, config.cta_n
     m_iters, n_iters, k_iters = M // cta_m, N // cta_n, K // QUANT_BLOCK
     split_m = config.wg_split == "m"
+    slot = scale_slot(cta_n)
 
     def get_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -45,7 +48,7 @@ def _fp8_gemm(xq_MK, xs_KbM, w_NK, ws_KbC, *, config: Fp8MatmulConfig, num_sms: 
                 plgpu.BlockSpec((cta_m, QUANT_BLOCK), lambda k: (0, k), transforms=FP8_TRANSFORMS),
                 plgpu.BlockSpec((cta_n, QUANT_BLOCK), lambda k: (0, k), transforms=FP8_TRANSFORMS),
                 plgpu.BlockSpec((None, cta_m), lambda k: (k, 0)),
-                plgpu.BlockSpec((None, cta_n // SCALE_COLUMNS), lambda k: (k, 0)),
+                plgpu.BlockSpec((None, slot), lambda k: (k, 0)),
             ],
             wg_axis="wg",
             num_compute_wgs=COMPUTE_WGS,
@@ -100,7 +103,7 @@ def _fp8_gemm(xq_MK, xs_KbM, w_NK, ws_KbC, *, config: Fp8MatmulConfig, num_sms: 
                     x_gmem.at[cta_rows],
                     w_gmem.at[cta_cols],
                     xs_gmem.at[:, cta_rows],
-                    ws_gmem.at[:, pl.ds(ni * (cta_n // SCALE_COLUMNS), cta_n // SCALE_COLUMNS)],
+                    ws_gmem.at[:, pl.ds(ni * slot, slot)],
                     allocations=allocs,
                 )
 
