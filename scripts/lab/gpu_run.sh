@@ -196,6 +196,12 @@ case "$MODE" in
             --kernels --no-hf ${E2E_EXTRA:-}
           bench e2e 110 --model v2-lite --batch 1 --prompt 1024 --new-tokens 128 --kernels --no-hf --decode-steps 1 --out "$R/k1" ;;
   gather) bench paged_gather 170 --quick --sweep --kv-dtype fp8 ;;
+  session11c) gpu_tests 80 tests/test_fp8_gemm.py
+         stage "probe_fp8_gemm"
+         timeout 150 $PY scripts/lab/probe_fp8_gemm.py --out "$R/fp8_gemm.json" --budget-s 100 2>&1 | tail -45 \
+           | tee -a "$LOG"
+         bench e2e "${E2E_LIMIT:-260}" --model v2-lite --batch "${BATCHES:-1,32,128}" --prompt 1024 --new-tokens 128 \
+           --kernels --no-hf ;;
   session11b) stage "fp8_gemm under compute-sanitizer (q_a at M = 32), SASS dumped"
          XLA_PYTHON_CLIENT_PREALLOCATE=false MOSAIC_GPU_DUMP_SASS=1 timeout 120 compute-sanitizer --tool memcheck \
            --show-backtrace no $PY - > "$R/sanitizer_fp8.txt" 2>&1 <<'PY'
