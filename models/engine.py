@@ -153,13 +153,17 @@ class RequestHandle:
                 i += 1
             if self._r.done:
                 return
-            self._engine.step()
+            self._step()
 
     def result(self) -> RequestResult:
         """Run engine steps until the request ends -> its `RequestResult`."""
         while not self._r.done:
-            self._engine.step()
+            self._step()
         return RequestResult(list(self._r.tokens), self._r.finish_reason, self._r.error)
+
+    def _step(self) -> None:
+        if not self._engine.step() and not self._r.done:  # the scheduler lost it: never wait forever
+            raise RuntimeError(f"request {self.id} neither waits nor runs, yet has not ended")
 
     def cancel(self) -> bool:
         """End the request now (finish reason "cancelled", its tokens so far kept, its pages back to the

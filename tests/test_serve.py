@@ -226,8 +226,8 @@ def test_soak_arrivals_and_departures(engine, alone):
     free0 = engine.cache.pages_used
     reqs = []  # (handle, prompt, max_new_tokens, stops)
     steps = 0
-    while len(reqs) < 24 or engine.num_requests:
-        for _ in range(rng.poisson(0.35) if len(reqs) < 24 else 0):
+    while len(reqs) < 20 or engine.num_requests:
+        for _ in range(rng.poisson(0.35) if len(reqs) < 20 else 0):
             p = _prompt(rng, int(rng.integers(1, 24)))
             n = int(rng.integers(1, 24))
             stops = (int(rng.integers(0, VOCAB)),) if rng.random() < 0.5 else ()
