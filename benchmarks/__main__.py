@@ -12,9 +12,10 @@ BENCHMARKS = {
     "e2e": "benchmarks.bench_e2e",
     "compile_depth": "benchmarks.bench_compile_depth",
     "train": "benchmarks.bench_train",
+    "serve": "benchmarks.bench_serve",
 }
 # One line each for --help (the modules' docstrings say the rest). `main` imports only the benchmark it runs
-# (`importlib.import_module`, a dispatch by name): importing all six would import the models, the kernels and
+# (`importlib.import_module`, a dispatch by name): importing all seven would import the models, the kernels and
 # matplotlib, seconds more for --help (the package itself imports jax, ~1-2 s).
 SUMMARIES = {
     "mla_decode": "the absorbed paged MLA decode kernel beside XLA and the naive path (GPU; --peers DIR: "
@@ -25,6 +26,8 @@ SUMMARIES = {
     "reference cells; --config tiny: tiny models on a CPU in under a minute)",
     "compile_depth": "compile time of a generation at 4 and 27 layers (CPU or GPU)",
     "train": "one training step: compile time, peak memory, step time, tok/s and MFU (GPU; --model tiny on a CPU)",
+    "serve": "the engine online under Poisson arrivals: throughput, TTFT and inter-token latency per rate (GPU; "
+    "--config tiny on a CPU)",
 }
 PROG = "mla-bench"
 

@@ -1,29 +1,26 @@
-"""Generation engine: a host scheduler over the jitted steps of `models.steps`, with a paged
-latent KV cache, continuous batching, stop tokens, streaming and MTP speculative decoding.
+"""Generation engine: continuous batching over the jitted steps of `models.steps`, with a paged latent
+KV cache, stop tokens, streaming, MTP speculative decoding, and an online API.
 
 Dimension letters: B slots (max_batch), T tokens a step, P block-table width (pages), G page size.
 
 The engine never opens a layer: the forward pass (cache writes, attention path, MTP block) is the
-model's (`model(ids, positions, cache=cache)`), the steps are pure functions in `models.steps`.
-What lives here is scheduling, on the host:
-- admission: a waiting prompt takes a free slot when its whole prompt fits in the page pool (on a
-  mesh with data ranks: the pool of the slot's rank, see `Engine`'s `mesh`);
-- reservation: before each step every row holds pages for the rows the step may write
-  (`rows_needed`, the one draft-room function); a row that cannot get them fails alone;
-- a step: the rows' inputs as bucketed arrays (B is always max_batch, idle rows padding; T and the
-  block-table width P powers of two, so a long generation compiles a bounded number of times),
-  the jitted step, its tokens back on the host;
-- emission: new tokens to the request's output and the stream, then stop / length / context;
-- finishing: the slot's pages back to the pool (rejected drafts' rows are rewound after each step).
+model's (`model(ids, positions, cache=cache)`), the steps are pure functions in `models.steps`, and the
+host scheduler around them (admission, page reservation, steps, emission, stops) is `models.scheduler`.
+What lives here is the public face:
+- `Engine.generate(prompts, ...)`: a batch of prompts to their outputs;
+- the online API it is built on: `Engine.submit(prompt, ...)` -> a `RequestHandle` at any time (its tokens
+  as they come: `handle.tokens()` or an `on_token` callback; `handle.cancel()`; `handle.result()`), and
+  `Engine.step()`, one engine step for every running request (`handle.tokens()` / `.result()` step the
+  engine themselves while they wait). One thread drives an engine.
 """
 
 from __future__ import annotations
 
-import collections
 import collections.abc
+import contextlib
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +29,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mla_jax.attention import CACHE_IMPLS, cache_kernel_problems, resolve_cache_impl, resolve_decompressed_impl
-from mla_jax.kv_cache import INTERPRET_ON_DATA_RANKS, CacheFullError, KVCache, PagedLatentCache, next_pow2
-from mla_jax.sharding import batch_axes, shard_batch, shard_model
-from models.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
+from mla_jax.kv_cache import INTERPRET_ON_DATA_RANKS, CacheFullError, PagedLatentCache, next_pow2
+from mla_jax.sharding import batch_axes, shard_model
+from models.sampling import SamplingParams
+from models.scheduler import FINISH_REASONS, GenerationStats, _Generation, _Request, rows_needed
 from models.steps import (
     MAX_DRAFT_TOKENS,
-    NON_FINITE,
     StepInputs,
     compiled_steps,
     decode_step,
@@ -61,8 +58,11 @@ __all__ = [
     "ATTENTION_IMPLS",
     "CacheFullError",
     "Engine",
+    "FINISH_REASONS",
     "GenerationResult",
     "GenerationStats",
+    "RequestHandle",
+    "RequestResult",
     "SamplingParams",
     "StepInputs",
     "decode_step",
@@ -73,21 +73,6 @@ __all__ = [
     "trace_counts",
     "verify_step",
 ]
-
-
-def rows_needed(cached: int, k: int, n_spec: int = 0) -> int:
-    """The draft-room arithmetic, in one place: cache rows (positions 0 .. n-1) a step over a
-    sequence of `cached` tokens may address, with `k` MTP drafts a step (0 without MTP) of which
-    `n_spec` are verified.
-
-    Without MTP a step writes t_n at `cached`: cached + 1. With MTP it keeps tokens up to
-    cached + n_spec, and its draft chain writes k - 1 rows past the last kept one; a verify step's
-    k + 1 queries also reach cached + k (the decode kernel counts the padding ones in). A prefill
-    whose last prompt token is at position p needs `rows_needed(p, k)`.
-    """
-    if k == 0:
-        return cached + 1
-    return max(cached + n_spec + k, cached + 1 + k)
 
 
 def default_prefill_chunk(flash_prefill: bool, max_batch: int) -> int:
@@ -107,106 +92,8 @@ def kernel_problems(cfg, page_size: int, page_format) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------
-# Results
+# Results and handles
 # ------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class GenerationStats(collections.abc.Mapping):
-    """Counters and timings of one `generate` call (also a read-only mapping: `stats["name"]`,
-    `dict(stats)`).
-
-    Times are wall clock on the host. Steps that compiled are kept apart (`compile_s`); `prefill_s`
-    and `decode_s` sum the steps that did not, and the tokens/s figures are over those (over all
-    steps when every step compiled). `ttft_s`: from the call to the first new token of any request.
-    decode_tokens counts tokens computed by decode steps, including tokens cut off by a stop;
-    decode_steps the model steps (a device call of several steps counts its longest row's), decode_calls
-    the device calls.
-    """
-
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    decode_calls: int = 0
-    mtp_drafted: int = 0
-    mtp_accepted: int = 0
-    use_mtp: bool = False
-    compile_s: float = 0.0
-    ttft_s: float | None = None
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    _warm_tokens: dict = dataclasses.field(default_factory=lambda: {"prefill": 0, "decode": 0}, repr=False)
-    _all: dict = dataclasses.field(default_factory=lambda: {"prefill": [0, 0.0], "decode": [0, 0.0]}, repr=False)
-    pages_used_peak: int = 0
-    pages_total: int = 0
-    traces: dict = dataclasses.field(default_factory=dict)
-    failed: int = 0
-
-    def record(self, kind: str, n_tokens: int, seconds: float, compiled: bool, steps: int = 1) -> None:
-        setattr(self, f"{kind}_tokens", getattr(self, f"{kind}_tokens") + n_tokens)
-        setattr(self, f"{kind}_steps", getattr(self, f"{kind}_steps") + steps)
-        if kind == "decode":
-            self.decode_calls += 1
-        self._all[kind][0] += n_tokens
-        self._all[kind][1] += seconds
-        if compiled:
-            self.compile_s += seconds
-        else:
-            self._warm_tokens[kind] += n_tokens
-            setattr(self, f"{kind}_s", getattr(self, f"{kind}_s") + seconds)
-
-    def _rate(self, kind: str) -> float:
-        n, t = self._warm_tokens[kind], getattr(self, f"{kind}_s")
-        if t <= 0:
-            n, t = self._all[kind]
-        return n / t if t > 0 else 0.0
-
-    @property
-    def prefill_tok_s(self) -> float:
-        return self._rate("prefill")
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self._rate("decode")
-
-    @property
-    def mtp_acceptance(self) -> float | None:
-        if not self.use_mtp:
-            return None
-        return self.mtp_accepted / self.mtp_drafted if self.mtp_drafted else 0.0
-
-    _KEYS = (
-        "prefill_tok_s",
-        "decode_tok_s",
-        "compile_s",
-        "ttft_s",
-        "prefill_s",
-        "decode_s",
-        "prefill_tokens",
-        "decode_tokens",
-        "prefill_steps",
-        "decode_steps",
-        "decode_calls",
-        "mtp_drafted",
-        "mtp_accepted",
-        "mtp_acceptance",
-        "pages_used_peak",
-        "pages_total",
-        "traces",
-        "failed",
-    )
-
-    def __getitem__(self, key: str):
-        if key not in self._KEYS:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self):
-        return iter(self._KEYS)
-
-    def __len__(self) -> int:
-        return len(self._KEYS)
-
-
 @dataclasses.dataclass
 class GenerationResult:
     """tokens: the new tokens of each prompt (stop token included when one ended it).
@@ -221,21 +108,90 @@ class GenerationResult:
 
 
 @dataclasses.dataclass
-class _Seq:
-    """Host state of one running request."""
+class RequestResult:
+    """One submitted request, ended. tokens: its new tokens (the stop token included when one ended it);
+    finish_reason: one of `FINISH_REASONS` ("stop", "length", "context", "error", "cancelled"); error: None,
+    or the message of what ended it with "error" (a `CacheFullError`, non-finite logits, a callback that
+    raised)."""
 
-    req: int
-    prompt: list[int]
-    params: SamplingParams
-    key: np.ndarray  # uint32 [2]
-    prefilled: int = 0  # prompt tokens in the cache
-    cached: int = 0  # tokens in the cache
-    pending: int = -1  # last sampled token, not yet in the cache
-    out: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[int]
+    finish_reason: str
+    error: str | None
+
+
+class RequestHandle:
+    """A request submitted with `Engine.submit`: its tokens so far, its end, its cancellation.
+
+    `tokens()` iterates over its new tokens as they come, running engine steps (for every running request)
+    while none is ready; `result()` runs steps until it ends. Neither may be called from an `on_token`
+    callback (a step is running then). Timing: `submitted_at` and `token_times` are `time.perf_counter()`
+    values (when it was submitted; when each token reached the host).
+    """
+
+    def __init__(self, engine: Engine, request: _Request):
+        self._engine = engine
+        self._r = request
 
     @property
-    def decoding(self) -> bool:
-        return self.prefilled == len(self.prompt)
+    def id(self) -> int:
+        return self._r.id
+
+    @property
+    def output(self) -> list[int]:
+        """Its new tokens so far (a copy)."""
+        return list(self._r.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self._r.done
+
+    @property
+    def finish_reason(self) -> str | None:
+        """None while it waits or runs, then one of `FINISH_REASONS`."""
+        return self._r.finish_reason
+
+    @property
+    def error(self) -> str | None:
+        return self._r.error
+
+    @property
+    def submitted_at(self) -> float:
+        return self._r.submitted_at
+
+    @property
+    def token_times(self) -> list[float]:
+        return list(self._r.token_times)
+
+    def tokens(self) -> Iterator[int]:
+        """Every new token of the request, in order, as it comes (engine steps run while none is ready);
+        ends when the request does (whatever the reason: see `finish_reason`)."""
+        i = 0
+        while True:
+            while i < len(self._r.tokens):
+                yield self._r.tokens[i]
+                i += 1
+            if self._r.done:
+                return
+            self._step()
+
+    def result(self) -> RequestResult:
+        """Run engine steps until the request ends -> its `RequestResult`."""
+        while not self._r.done:
+            self._step()
+        return RequestResult(list(self._r.tokens), self._r.finish_reason, self._r.error)
+
+    def _step(self) -> None:
+        if not self._engine.step() and not self._r.done:  # the scheduler lost it: never wait forever
+            raise RuntimeError(f"request {self.id} neither waits nor runs, yet has not ended")
+
+    def cancel(self) -> bool:
+        """End the request now (finish reason "cancelled", its tokens so far kept, its pages back to the
+        pool; no other request is touched); False when it had already ended."""
+        return self._engine._sched.abort(self._r.id)
+
+    def __repr__(self) -> str:
+        state = self._r.finish_reason or "running"
+        return f"RequestHandle(id={self.id}, tokens={len(self._r.tokens)}, {state})"
 
 
 # ------------------------------------------------------------------------------------------
@@ -393,46 +349,30 @@ class Engine:
             self.cache.pages = jax.device_put(self.cache.pages, NamedSharding(mesh, pool))
         self.attention_impl = attention_impl
         self.compile_log: list[dict] = []
+        self._sched = _Generation(self)  # the one scheduler: generate() and submit() both queue into it
 
     # --- input checking ---------------------------------------------------------------------
-    def _check_request(
-        self, prompts, max_new_tokens, sampling, use_mtp, stop_tokens, stream, on_cache_full, mtp_draft_tokens
-    ):
+    def _check_prompt(self, p, name: str) -> list[int]:
         V = self.cfg.vocab_size
-        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-            raise ValueError(
-                f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__} "
-                f"of length {len(prompts) if hasattr(prompts, '__len__') else '?'}"
-            )
-        clean = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, (str, bytes)) or not hasattr(p, "__len__"):
-                raise ValueError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
-            if len(p) > self.max_context:
-                raise ValueError(f"prompt {i} has {len(p)} tokens, beyond max_context={self.max_context}")
-            ids = []
-            for t in p:
-                if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-                    raise ValueError(f"prompt {i} holds a non-integer token {t!r}")
-                if not 0 <= int(t) < V:
-                    raise ValueError(f"prompt {i} holds token id {int(t)} outside the vocabulary [0, {V})")
-                ids.append(int(t))
-            clean.append(ids)
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__len__"):
+            raise ValueError(f"{name} must be a list of token ids, got {type(p).__name__}")
+        if len(p) == 0:
+            raise ValueError(f"{name} is empty; a prompt needs at least one token")
+        if len(p) > self.max_context:
+            raise ValueError(f"{name} has {len(p)} tokens, beyond max_context={self.max_context}")
+        ids = []
+        for t in p:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"{name} holds a non-integer token {t!r}")
+            if not 0 <= int(t) < V:
+                raise ValueError(f"{name} holds token id {int(t)} outside the vocabulary [0, {V})")
+            ids.append(int(t))
+        return ids
+
+    def _check_options(self, max_new_tokens, use_mtp, mtp_draft_tokens, stop_tokens) -> tuple[int, frozenset]:
+        """-> (k, the stop ids): the arguments generate() and submit() share."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if isinstance(sampling, SamplingParams):
-            params = [sampling] * len(clean)
-            keys = [jax.random.fold_in(jax.random.PRNGKey(sampling.seed), i) for i in range(len(clean))]
-        else:
-            params = list(sampling) if isinstance(sampling, (list, tuple)) else None
-            if params is None or len(params) != len(clean) or not all(isinstance(s, SamplingParams) for s in params):
-                raise ValueError(
-                    "sampling must be a SamplingParams or a list of one SamplingParams per prompt "
-                    f"({len(clean)}), got {sampling!r}"
-                )
-            keys = [jax.random.PRNGKey(s.seed) for s in params]
         if use_mtp and not self.has_mtp:
             raise ValueError("use_mtp=True but the model has no MTP module (cfg.num_mtp_layers == 0)")
         if (
@@ -444,16 +384,49 @@ class Engine:
                 f"mtp_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}] (a verify step "
                 f"attends with s_q = k + 1 <= 4 queries), got {mtp_draft_tokens!r}"
             )
+        if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, collections.abc.Iterable):
+            raise ValueError(f"stop_tokens must be a sequence of token ids, got {stop_tokens!r}")
         stops = set()
         for t in stop_tokens:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
                 raise ValueError(f"stop_tokens must be integers, got {t!r}")
             stops.add(int(t))
+        k = mtp_draft_tokens if use_mtp else 0
+        sched = self._sched
+        if k != sched.k and sched.requests:
+            raise ValueError(
+                f"use_mtp={bool(k)}, mtp_draft_tokens={mtp_draft_tokens} while {len(sched.requests)} request(s) "
+                f"run with {'MTP, ' + str(sched.k) + ' draft(s) a step' if sched.k else 'no MTP'}: one MTP setting "
+                "for every running request"
+            )
+        return k, frozenset(stops)
+
+    def _check_request(
+        self, prompts, max_new_tokens, sampling, use_mtp, stop_tokens, stream, on_cache_full, mtp_draft_tokens
+    ):
+        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+            raise ValueError(
+                f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__} "
+                f"of length {len(prompts) if hasattr(prompts, '__len__') else '?'}"
+            )
+        clean = [self._check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        if isinstance(sampling, SamplingParams):
+            params = [sampling] * len(clean)
+            keys = [jax.random.fold_in(jax.random.PRNGKey(sampling.seed), i) for i in range(len(clean))]
+        else:
+            params = list(sampling) if isinstance(sampling, (list, tuple)) else None
+            if params is None or len(params) != len(clean) or not all(isinstance(s, SamplingParams) for s in params):
+                raise ValueError(
+                    "sampling must be a SamplingParams or a list of one SamplingParams per prompt "
+                    f"({len(clean)}), got {sampling!r}"
+                )
+            keys = [jax.random.PRNGKey(s.seed) for s in params]
+        k, stops = self._check_options(max_new_tokens, use_mtp, mtp_draft_tokens, stop_tokens)
         if stream is not None and not callable(stream):
             raise ValueError(f"stream must be a callable stream(request_index, token_id), got {stream!r}")
         if on_cache_full not in ON_CACHE_FULL:
             raise ValueError(f"on_cache_full must be one of {ON_CACHE_FULL}, got {on_cache_full!r}")
-        return clean, params, [np.asarray(k, np.uint32) for k in keys], stops
+        return clean, params, [np.asarray(key, np.uint32) for key in keys], k, stops
 
     # --- generation -------------------------------------------------------------------------
     def generate(
@@ -484,343 +457,127 @@ class Engine:
         request (finish reason "error", the message in `errors`) and the others go on untouched;
         "raise" raises the `CacheFullError` (with `.partial_result`). A request whose logits turn
         NaN / infinite ends the same way (error, no token emitted). Bad arguments raise ValueError.
+
+        The prompts are submitted as online requests (`submit`) and the engine steps until they end;
+        requests submitted before (and still running) advance with them, and the stats count those
+        steps. Whatever ends the call early (an exception, a `stream` that raises), its requests are
+        cancelled and their pages freed.
         """
-        prompts, params, keys, stops = self._check_request(
+        prompts, params, keys, k, stops = self._check_request(
             prompts, max_new_tokens, sampling, use_mtp, stop_tokens, stream, on_cache_full, mtp_draft_tokens
         )
-        run = _Generation(
-            self,
-            prompts,
-            params,
-            keys,
-            stops,
-            max_new_tokens,
-            mtp_draft_tokens if use_mtp else 0,
-            stream,
-            on_cache_full,
-        )
-        try:
-            while run.step():
-                pass
-        finally:
-            # Whatever ended the loop (an error raised, a stream callback that threw), no slot keeps
-            # its pages: the next call starts from a clean pool.
-            run.release_all()
-        return run.result()
-
-
-class _Generation:
-    """The host scheduler of one `Engine.generate` call: explicit state and one method per act."""
-
-    def __init__(
-        self, engine: Engine, prompts, params, keys, stops, max_new_tokens: int, k: int, stream, on_cache_full: str
-    ):
-        self.e = engine
-        self.cache = engine.cache
-        self.prompts, self.params, self.keys, self.stops = prompts, params, keys, stops
-        self.max_new_tokens, self.k, self.stream, self.on_cache_full = max_new_tokens, k, stream, on_cache_full
-        n, B = len(prompts), engine.max_batch
-        self.tokens: list[list[int]] = [[] for _ in range(n)]
-        self.reasons = [""] * n
-        self.errors: list[str | None] = [None] * n
-        self.waiting = collections.deque(range(n))
-        self.slots: list[_Seq | None] = [None] * B
-        self.stats = GenerationStats(use_mtp=k > 0, pages_total=engine.num_pages)
-        self.sampler = sampler_kind(params)
-        self.t_start = time.perf_counter()
+        sched = self._sched
+        if not sched.requests:
+            sched.configure(k)
         self.cache.peak_pages_used = self.cache.pages_used
-        # The MTP draft state lives on the device between steps. Greedy drafts need no
-        # distribution: a [B,k,1] placeholder keeps the steps' signature.
-        V = engine.cfg.vocab_size if self.sampler != "greedy" else 1
-        self.drafts = jnp.zeros((B, k), jnp.int32) if k else None
-        self.draft_probs = jnp.zeros((B, k, V), jnp.float32) if k else None
-
-    # --- the loop ---------------------------------------------------------------------------
-    def step(self) -> bool:
-        """Admit, then run one prefill or decode step; False when every request has ended."""
-        self.admit()
-        live = self.live()
-        if not live:
-            return bool(self.waiting)
-        prefilling = [b for b in live if not self.slots[b].decoding]
-        if prefilling:
-            self.run_prefill(prefilling)
-            return True
-        spec = self.reserve_decode(live)
-        live = self.live()
-        if live:
-            self.run_verify(live, spec) if self.k else self.run_decode(live, spec)
-        return True
-
-    def live(self) -> list[int]:
-        return [b for b, s in enumerate(self.slots) if s is not None]
-
-    def admit(self) -> None:
-        """Waiting prompts, in order, into free slots while their whole prompt (and draft chain) fits the
-        pool of the slot's data rank: the first free slot of each rank with a free slot, the ranks with
-        the most free pages first (one rank: the first free slot). A prompt that fits no rank waits for a
-        running request to free pages, or fails when none runs."""
-        while self.waiting:
-            first: dict[int, int] = {}
-            for b, seq in enumerate(self.slots):
-                if seq is None:
-                    first.setdefault(self.cache.rank_of(b), b)
-            if not first:
-                return
-            r = self.waiting[0]
-            placed, err = None, None
-            for b in sorted(first.values(), key=lambda b: -self.cache.free_pages_for(b)):
-                try:
-                    self.cache.reserve(b, rows_needed(len(self.prompts[r]) - 1, self.k))
-                    placed = b
-                    break
-                except CacheFullError as e:
-                    err = err or e
-            if placed is None and self.live():
-                return  # wait for a running request to free pages
-            b = placed if placed is not None else min(first.values())
-            self.waiting.popleft()
-            self.slots[b] = _Seq(r, self.prompts[r], self.params[r], self.keys[r])
-            if placed is None:
-                self.fail(b, err)
-
-    def reserve_decode(self, live: list[int]) -> dict[int, int]:
-        """Pages for every decoding row's next device call, up front -> {slot: its budget}: with MTP the
-        drafts it verifies, else the decode steps it may take (up to the engine's `decode_steps`, within its
-        token and context budget). A row that cannot get those pages takes one token's worth (no draft, one
-        step) if that fits, else fails alone."""
-        budget = {}
-        for b in live:
-            seq = self.slots[b]
-            if self.k:  # drafts only where their tokens could be kept (draft j is new token out + j)
-                n = max(0, min(self.k, self.max_new_tokens - len(seq.out), self.e.max_context - seq.cached - 1))
-                need, fallback, least = rows_needed(seq.cached, self.k, n), rows_needed(seq.cached, self.k, 0), 0
-            else:  # step i writes position cached + i and makes the token at cached + i + 1 <= max_context
-                n = min(self.e.decode_steps, self.max_new_tokens - len(seq.out), self.e.max_context - seq.cached)
-                need, fallback, least = seq.cached + n, seq.cached + 1, 1
-            try:
-                self.cache.reserve(b, need)
-                budget[b] = n
-            except CacheFullError as err:
-                extra = self.cache.pages_for(fallback) - len(self.cache.pages_of(b))
-                if need != fallback and extra <= self.cache.free_pages_for(b):
-                    self.cache.reserve(b, fallback)
-                    budget[b] = least
-                else:
-                    self.fail(b, err)
-        return budget
-
-    # --- emission and the end of a request ----------------------------------------------------
-    def emit(self, b: int, tok: int, position: int) -> bool:
-        """Record slot b's new token (at `position` of its sequence); True when the request is done
-        (and its slot freed). A `NON_FINITE` token ends the request with an error, emitting nothing."""
-        seq = self.slots[b]
-        if tok == NON_FINITE:
-            err = NonFiniteLogitsError(
-                f"request {seq.req}: the model produced NaN or infinite logits at position {position} (its weights "
-                "or activations are not finite: a corrupt or mis-converted checkpoint, or a dtype that overflows)"
-            )
-            self.errors[seq.req] = str(err)
-            self.finish(b, "error")
-            return True
-        if self.stats.ttft_s is None:
-            self.stats.ttft_s = time.perf_counter() - self.t_start
-        seq.out.append(tok)
-        self.tokens[seq.req].append(tok)
-        if self.stream is not None:
-            self.stream(seq.req, tok)
-        if tok in self.stops:
-            self.finish(b, "stop")
-        elif len(seq.out) >= self.max_new_tokens:
-            self.finish(b, "length")
-        elif position >= self.e.max_context:  # the new token could not be fed back
-            self.finish(b, "context")
-        else:
-            seq.pending = tok
-            return False
-        return True
-
-    def finish(self, b: int, reason: str) -> None:
-        self.reasons[self.slots[b].req] = reason
-        self.cache.release(b)
-        self.slots[b] = None
-
-    def fail(self, b: int, err: CacheFullError) -> None:
-        self.errors[self.slots[b].req] = str(err)
-        self.finish(b, "error")
-        if self.on_cache_full == "raise":
-            err.partial_result = self.result()
-            raise err
-
-    def release_all(self) -> None:
-        for b, seq in enumerate(self.slots):
-            if seq is not None:
-                self.cache.release(b)
-                self.slots[b] = None
-
-    def result(self) -> GenerationResult:
-        st = self.stats
-        st.pages_used_peak = self.cache.peak_pages_used
-        st.traces = trace_counts()
-        st.failed = sum(e is not None for e in self.errors)
-        return GenerationResult(self.tokens, st, self.reasons, self.errors)
-
-    # --- steps: host arrays in, the jitted step, host results out ------------------------------
-    def _inputs(self, rows, T: int, table_tokens: int):
-        """Padding inputs for every slot (idle rows: position -1) and the cache over a block table
-        covering `table_tokens` tokens (bucketed to a power of two of pages)."""
-        B, c = self.e.max_batch, self.cache
-        P = min(next_pow2(max(self.e.min_table_pages, c.pages_for(table_tokens))), c.max_pages_per_seq)
-        ids = np.zeros((B, T), np.int32)
-        pos = np.full((B, T), -1, np.int32)
-        lengths = np.zeros((B,), np.int32)
-        last = np.zeros((B,), np.int32)
-        keys = np.zeros((B, 2), np.uint32)
-        sp = [SamplingParams(temperature=0.0)] * B
-        for b in rows:
-            keys[b] = self.slots[b].key
-            sp[b] = self.slots[b].params
-        return ids, pos, lengths, last, keys, sp, c.block_tables[:, :P].copy()
-
-    def _call(self, kind: str, fn, inp: StepInputs, *args, n_host: int = 1, **static):
-        """Run one step on the device cache; the cache comes back updated, its first `n_host`
-        outputs as numpy (the rest, the MTP draft state, stays on the device)."""
-        traces0 = sum(trace_counts().values())
         t0 = time.perf_counter()
-        dp = None
-        if self.e.data_ranks > 1:  # the rows (and their local block tables) to their data ranks
-            dp = (self.e.mesh, self.e.data_axes)
-            inp, args = shard_batch((inp, args), self.e.mesh)
-        cache = KVCache.create(
-            self.cache.pages,
-            inp.block_table,
-            inp.lengths,
-            impl=self.e.backend,
-            decompressed_threshold=self.e.decompressed_threshold,
-            page_format=self.cache.page_format,
-            data_parallel=dp,
-        )
-        cache, *outs = fn(self.e.state, cache, inp, *args, **static)
-        self.cache.pages = cache.pages
-        host = [np.asarray(o) if i < n_host else o for i, o in enumerate(outs)]
-        dt = time.perf_counter() - t0
-        compiled = sum(trace_counts().values()) != traces0
-        if compiled:
-            B, T = inp.ids.shape
-            self.e.compile_log.append(dict(step=kind, bucket=f"B={B} T={T} P={inp.block_table.shape[1]}", seconds=dt))
-        return host, dt, compiled
+        with self.recording(use_mtp=k > 0) as stats:
+            reqs = [
+                sched.add(
+                    p,
+                    sp,
+                    key,
+                    stops,
+                    max_new_tokens,
+                    on_token=None if stream is None else (lambda t, i=i: stream(i, t)),
+                    raise_on_full=on_cache_full == "raise",
+                )
+                for i, (p, sp, key) in enumerate(zip(prompts, params, keys))
+            ]
+            try:
+                while not all(r.done for r in reqs) and sched.step():
+                    pass
+            except CacheFullError as err:
+                err.partial_result = self._result(reqs, stats, t0)
+                raise
+            finally:
+                for r in reqs:  # no-op for those that ended
+                    sched.abort(r.id)
+        return self._result(reqs, stats, t0)
 
-    def run_prefill(self, rows: list[int]) -> None:
-        slots = self.slots
-        chunk = {b: min(self.e.prefill_chunk, len(slots[b].prompt) - slots[b].prefilled) for b in rows}
-        T = next_pow2(max(self.e.min_chunk_bucket, *chunk.values()))
-        # The table covers every page a row holds: its whole prompt (and the draft chain's rows).
-        need = max(len(self.cache.pages_of(b)) for b in rows) * self.cache.page_size
-        ids, pos, lengths, last, keys, sp, bt = self._inputs(rows, T, need)
-        nxt = np.zeros_like(ids)
-        ends = np.zeros((self.e.max_batch,), bool)
-        for b in rows:
-            seq, c = slots[b], chunk[b]
-            a = seq.prefilled
-            ids[b, :c] = seq.prompt[a : a + c]
-            pos[b, :c] = np.arange(a, a + c)
-            follow = seq.prompt[a + 1 : a + c + 1]
-            nxt[b, : len(follow)] = follow
-            lengths[b] = a + c
-            last[b] = c - 1
-            ends[b] = a + c == len(seq.prompt)
-        inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
-        if self.k:
-            (toks, self.drafts, self.draft_probs), dt, compiled = self._call(
-                "prefill",
-                self.e.steps.prefill,
-                inp,
-                nxt,
-                ends,
-                self.drafts,
-                self.draft_probs,
-                use_mtp=True,
-                sampler=self.sampler,
-            )
-        else:
-            (toks, _, _), dt, compiled = self._call(
-                "prefill", self.e.steps.prefill, inp, None, None, None, None, use_mtp=False, sampler=self.sampler
-            )
-        self.stats.record("prefill", sum(chunk.values()), dt, compiled)
-        for b in rows:
-            seq = slots[b]
-            seq.prefilled += chunk[b]
-            seq.cached = seq.prefilled
-            if ends[b]:
-                self.emit(b, int(toks[b]), seq.cached)
+    def _result(self, reqs: list[_Request], stats: GenerationStats, t0: float) -> GenerationResult:
+        firsts = [r.token_times[0] for r in reqs if r.token_times]
+        stats.ttft_s = min(firsts) - t0 if firsts else None
+        stats.pages_used_peak = self.cache.peak_pages_used
+        stats.traces = trace_counts()
+        stats.failed = sum(r.error is not None for r in reqs)
+        return GenerationResult(
+            [list(r.tokens) for r in reqs], stats, [r.finish_reason or "" for r in reqs], [r.error for r in reqs]
+        )
 
-    def run_decode(self, rows: list[int], steps: dict[int, int]) -> None:
-        """Up to `steps[b]` decode steps for each row in one device call (`models.steps.decode_loop`): the
-        loop's length is a power of two <= the engine's `decode_steps` (a bounded number of compilations),
-        the table covers every row's pages for its steps, stops are found on the device."""
-        B = self.e.max_batch
-        num_steps = min(self.e.decode_steps, next_pow2(max(steps[b] for b in rows)))
-        ids, pos, lengths, last, keys, sp, bt = self._inputs(
-            rows, 1, max(self.slots[b].cached + steps[b] for b in rows)
-        )
-        steps_B = np.zeros((B,), np.int32)
-        stop_ids = np.full((B, max(1, len(self.stops))), -1, np.int32)
-        for b in rows:
-            seq = self.slots[b]
-            ids[b, 0] = seq.pending
-            pos[b, 0] = seq.cached
-            lengths[b] = seq.cached + 1
-            steps_B[b] = steps[b]
-            stop_ids[b, : len(self.stops)] = sorted(self.stops)
-        inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
-        (toks, count), dt, compiled = self._call(
-            "decode",
-            self.e.steps.decode_loop,
-            inp,
-            steps_B,
-            stop_ids,
-            n_host=2,
-            sampler=self.sampler,
-            num_steps=num_steps,
-        )
-        self.stats.record("decode", int(count.sum()), dt, compiled, steps=int(count.max()))
-        for b in rows:
-            n = int(count[b])
-            self._advance(b, [int(t) for t in toks[b, :n]], n - 1)
+    # --- online use -------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int = 32,
+        sampling: SamplingParams = SamplingParams(temperature=0.0),
+        stop_tokens: Sequence[int] = (),
+        on_token: Callable[[int], None] | None = None,
+        use_mtp: bool = False,
+        mtp_draft_tokens: int = 1,
+    ) -> RequestHandle:
+        """Queue one request now -> its `RequestHandle`; it is admitted by a later `step` (in submission order,
+        when a slot and its prompt's pages are free) and runs alongside the others.
 
-    def run_verify(self, rows: list[int], spec: dict[int, int]) -> None:
-        k = self.k
-        # The table covers what the step addresses (`rows_needed`): the kernel sees seq_len =
-        # cached + 1 + k with the padding queries counted in, even where fewer drafts are verified.
-        need = max(
-            max(len(self.cache.pages_of(b)) * self.cache.page_size, rows_needed(self.slots[b].cached, k)) for b in rows
-        )
-        ids, pos, lengths, last, keys, sp, bt = self._inputs(rows, k + 1, need)
-        n_spec = np.zeros((self.e.max_batch,), np.int32)
-        for b in rows:
-            seq = self.slots[b]
-            ids[b, 0] = seq.pending
-            pos[b, : 1 + spec[b]] = np.arange(seq.cached, seq.cached + 1 + spec[b])
-            lengths[b] = seq.cached + 1 + spec[b]
-            n_spec[b] = spec[b]
-        inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
-        (toks, acc, self.drafts, self.draft_probs), dt, compiled = self._call(
-            "verify", self.e.steps.verify, inp, self.drafts, self.draft_probs, n_spec, n_host=2, sampler=self.sampler
-        )
-        self.stats.record("decode", sum(1 + int(acc[b]) for b in rows), dt, compiled)
-        for b in rows:
-            self.stats.mtp_drafted += spec[b]
-            self.stats.mtp_accepted += int(acc[b])
-            self._advance(b, [int(t) for t in toks[b, : 1 + int(acc[b])]], int(acc[b]))
+        prompt: token ids (1 .. max_context of them); it ends as in `generate` (a stop token, included;
+        `max_new_tokens`; `max_context`; an error). Its draws use the key PRNGKey(sampling.seed), folded with
+        each token's position (its tokens do not depend on what else runs). `on_token(token_id)` is called for
+        each new token, in order, at the end of the step that made it; a callback that raises ends its own
+        request ("error") and the exception comes out of that `step`. `use_mtp` / `mtp_draft_tokens` as in
+        `generate`: one setting for all running requests (ValueError naming both otherwise). Bad arguments
+        raise ValueError naming the value.
+        """
+        ids = self._check_prompt(prompt, "prompt")
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {sampling!r}")
+        if on_token is not None and not callable(on_token):
+            raise ValueError(f"on_token must be a callable on_token(token_id), got {on_token!r}")
+        k, stops = self._check_options(max_new_tokens, use_mtp, mtp_draft_tokens, stop_tokens)
+        if not self._sched.requests:
+            self._sched.configure(k)
+        key = np.asarray(jax.random.PRNGKey(sampling.seed), np.uint32)
+        return RequestHandle(self, self._sched.add(ids, sampling, key, stops, max_new_tokens, on_token=on_token))
 
-    def _advance(self, b: int, toks: list[int], accepted: int) -> None:
-        """A decode / verify call's new tokens for slot b: the cache keeps t_n and the `accepted` tokens after
-        it (accepted drafts, or the later tokens of a multi-step decode; the rows reserved past them are
-        rewound, a page freed if emptied), then the tokens are emitted."""
-        seq = self.slots[b]
-        first = seq.cached + 1  # position of the first new token
-        seq.cached += 1 + accepted
-        self.cache.truncate(b, seq.cached)
-        for i, tok in enumerate(toks):
-            if self.emit(b, tok, first + i):
-                break
+    def step(self) -> bool:
+        """One engine step for every running request (admission first: waiting requests take free slots):
+        one prefill chunk for the rows still in their prompts, else up to `decode_steps` decode steps (or
+        one MTP verify) for every row; then their new tokens to their `on_token` callbacks. -> whether any
+        request still waits or runs (False: nothing was done)."""
+        return self._sched.step()
+
+    def run_until_idle(self) -> None:
+        """`step` until no request waits or runs."""
+        while self.step():
+            pass
+
+    def warm_up(self, max_tokens: int | None = None, use_mtp: bool = False, mtp_draft_tokens: int = 1) -> int:
+        """Compile, ahead of any request, the steps of every shape a request of up to `max_tokens` tokens
+        (prompt + new; default `max_context`) can meet: each prefill chunk bucket and each decode-loop length
+        (with `use_mtp`: the MTP verify) at each block-table width, greedy sampling (another sampler compiles
+        on first use). Each runs once on idle rows, which write and read nothing. Only while no request waits
+        or runs (ValueError otherwise). -> the step compilations it caused (0 when all were compiled)."""
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+        if self._sched.requests:
+            raise ValueError(f"warm_up needs an idle engine; {len(self._sched.requests)} request(s) wait or run")
+        k, _ = self._check_options(1, use_mtp, mtp_draft_tokens, ())
+        self._sched.configure(k)
+        return self._sched.warm_up(self.max_context if max_tokens is None else max_tokens)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests that wait or run."""
+        return len(self._sched.requests)
+
+    @contextlib.contextmanager
+    def recording(self, use_mtp: bool = False) -> Iterator[GenerationStats]:
+        """`with engine.recording() as stats:` counts every step run inside the block (whichever requests
+        it serves) into a fresh `GenerationStats`."""
+        stats = GenerationStats(use_mtp=use_mtp, pages_total=self.num_pages)
+        self._sched.sinks.append(stats)
+        try:
+            yield stats
+        finally:
+            self._sched.sinks.remove(stats)

@@ -109,6 +109,6 @@ def test_mla_bench_help_lists_the_benchmarks(capsys):
         assert main(argv) == 2
         out, err = capsys.readouterr()
         assert out == "" and err == (
-            f"mla-bench: error: {what}; choose from mla_decode, paged_gather, moe, e2e, compile_depth, train "
+            f"mla-bench: error: {what}; choose from mla_decode, paged_gather, moe, e2e, compile_depth, train, serve "
             "(see --help)\n"
         )

@@ -1,0 +1,398 @@
+"""Serving benchmark: the engine online (`Engine.submit` / `Engine.step`) under Poisson arrivals, per rate.
+
+Usage: ``mla-bench serve [--rates 1,2,4,8] [--requests 40] [--out DIR]`` (``--help`` for every option;
+``--config tiny`` runs the whole path on a CPU in well under a minute: a tiny float32 V2-Lite-kind model,
+small lengths and batch, two rates).
+
+Model: DeepSeek-V2-Lite's shape with random bf16 weights, as ``mla-bench e2e`` builds it (no download).
+
+Workload (one set of requests, ``--seed``; every rate serves the same requests, only their arrival times
+differ):
+* arrivals: a Poisson process of ``rate`` requests/s (exponential gaps), ``--requests`` N of them;
+* prompt lengths: log-normal, median ``--prompt-median`` (512), sigma ``--prompt-sigma`` (1.0) of the log,
+  rounded, clipped to [1, ``--prompt-max``] (8192); random token ids;
+* output lengths (``max_new_tokens``, greedy, no stop ids, so each request makes exactly that many): log-normal,
+  median ``--output-median`` (128), sigma ``--output-sigma`` (0.6), clipped to [1, ``--output-max``] (512).
+The ``--config tiny`` defaults: prompts median 24 (max 96), outputs median 8 (max 24), max batch 4, 2 decode steps
+a call, 12 requests per rate at 4 and 16 requests/s.
+
+The engine: ``Engine(model, page_size, max_batch, prefill_chunk, decode_steps, max_context = prompt max +
+output max, min_chunk_bucket = prefill_chunk, min_table_tokens)``: every prefill step is one T bucket (a row's
+chunk of up to ``--prefill-chunk`` tokens, all rows padded to it) and block tables come in a few power-of-two
+widths, so the steps compile a handful of times. `Engine.warm_up` compiles every step shape the workload's
+lengths can meet before the measured rates (a program per block-table width for prefill, and per width and
+decode-loop length for decode; JAX's persistent compilation cache, ``--compile-cache``, keeps them for the next
+run); the ``compiles`` column counts step compilations during a measured rate (0 expected).
+
+The driver: one thread; at each turn it submits every request whose arrival time has passed, then runs one
+engine step (or sleeps until the next arrival when nothing runs). Times are host wall clock; a token's time
+is when its step's results reached the host.
+
+Per rate (a row of serve.csv; serve.json holds the rows, the run's settings and every request's lengths,
+TTFT and token count):
+* ``req_s``: requests / (last token time - first arrival); ``out_tok_s``: output tokens over the same time;
+* ``ttft_p50_s`` / ``ttft_p99_s``: first token time - the request's scheduled arrival;
+* ``itl_p50_ms`` / ``itl_p99_ms``: the gaps between consecutive tokens of a request, over all requests. A
+  decode call makes up to ``--decode-steps`` tokens a row that reach the host together, so most gaps are ~0
+  and the p99 shows the stalls (a call's wall time, prefill steps that decode rows wait behind);
+* ``tpot_p50_ms`` / ``tpot_p99_ms``: per request, (last token time - first token time) / (tokens - 1);
+* ``decode_ms_step``: the median over the rate's decode calls of wall time / model steps of the call;
+* ``prefill_steps``, ``decode_calls``, ``max_running`` (requests in slots at once, sampled each turn);
+* ``lost``: requests that did not end with exactly their ``max_new_tokens`` tokens (0 expected; the run
+  exits with status 1 otherwise).
+Greedy check: the first ``--check`` requests of the workload are run alone (``Engine.generate`` on the idle
+engine) and their tokens compared with those each rate produced: ``alone_match`` (requests equal / checked)
+and ``alone_agree`` (the fraction of tokens equal up to each request's first difference). In float32 (the
+tiny config) they must be equal; with random bf16 weights the logits are nearly flat, so a different batch
+make-up (another MoE grouping, another reduction order) may flip a near-tie: a mismatch is reported, not fatal.
+serve.png: latency (TTFT p50 / p99, TPOT p50) against output throughput, one point per rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+
+import benchmarks as bm
+from benchmarks.bench_e2e import build_model, kv_dtype_arg, model_config
+from models import Engine, compile_cache
+from models.engine import trace_counts
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+CSV_NAME, JSON_NAME, PNG_NAME = "serve.csv", "serve.json", "serve.png"
+
+# Options whose default differs with --config (full, tiny).
+DEFAULTS = {
+    "rates": ("1,2,4,8", "4,16"),
+    "requests": (40, 12),
+    "prompt_median": (512, 24),
+    "prompt_max": (8192, 96),
+    "output_median": (128, 8),
+    "output_max": (512, 24),
+    "max_batch": (32, 4),
+    "page_size": (64, 16),
+    "prefill_chunk": (512, 32),
+    "min_table_tokens": (1024, 128),
+    "decode_steps": (8, 2),
+    "dtype": ("bf16", "fp32"),
+    "kv_dtype": ("bf16", "fp32"),
+}
+
+COLUMNS = [
+    "rate",
+    "requests",
+    "req_s",
+    "out_tok_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p99_ms",
+    "decode_ms_step",
+    "prefill_steps",
+    "decode_calls",
+    "max_running",
+    "compiles",
+    "lost",
+    "alone_match",
+    "alone_agree",
+    "wall_s",
+]
+
+
+# ------------------------------------------------------------------------------------------
+# The workload
+# ------------------------------------------------------------------------------------------
+def lognormal_lengths(rng, n: int, median: float, sigma: float, cap: int) -> list[int]:
+    """n lengths, log-normal with `median` and `sigma` (of the log), rounded, clipped to [1, cap]."""
+    x = np.exp(rng.normal(math.log(median), sigma, n))
+    return [int(v) for v in np.clip(np.rint(x), 1, cap)]
+
+
+def workload(args, vocab: int) -> list[dict]:
+    """The requests: [{"prompt": ids, "max_new_tokens": n}], one fixed set for every rate."""
+    rng = np.random.default_rng(args.seed)
+    prompts = lognormal_lengths(rng, args.requests, args.prompt_median, args.prompt_sigma, args.prompt_max)
+    outputs = lognormal_lengths(rng, args.requests, args.output_median, args.output_sigma, args.output_max)
+    return [
+        dict(prompt=[int(t) for t in rng.integers(0, vocab, p)], max_new_tokens=o) for p, o in zip(prompts, outputs)
+    ]
+
+
+def arrival_offsets(rng, n: int, rate: float) -> np.ndarray:
+    """Seconds from the start at which each of n requests arrives: a Poisson process of `rate` per second."""
+    return np.cumsum(rng.exponential(1.0 / rate, n))
+
+
+# ------------------------------------------------------------------------------------------
+# Serving one rate
+# ------------------------------------------------------------------------------------------
+def pct(values, q: float):
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def serve(engine: Engine, reqs: list[dict], offsets: np.ndarray) -> tuple[list, dict]:
+    """Serve `reqs`, request i submitted once `offsets[i]` seconds have passed -> (handles, counters)."""
+    traces0 = sum(trace_counts().values())
+    handles, i, max_running = [], 0, 0
+    with engine.recording() as stats:
+        t0 = time.perf_counter()
+        arrive = t0 + offsets
+        while i < len(reqs) or engine.num_requests:
+            now = time.perf_counter()
+            while i < len(reqs) and arrive[i] <= now:
+                r = reqs[i]
+                handles.append(engine.submit(r["prompt"], max_new_tokens=r["max_new_tokens"]))
+                i += 1
+            if engine.num_requests:
+                engine.step()
+                max_running = max(max_running, sum(s is not None for s in engine._sched.slots))
+            elif i < len(reqs):
+                time.sleep(max(0.0, arrive[i] - time.perf_counter()))
+    counters = dict(
+        t0=t0,
+        arrive=arrive,
+        prefill_steps=stats.prefill_steps,
+        decode_calls=stats.decode_calls,
+        decode_ms_step=statistics.median(stats.decode_call_ms_per_step) if stats.decode_call_ms_per_step else None,
+        max_running=max_running,
+        compiles=sum(trace_counts().values()) - traces0,
+    )
+    return handles, counters
+
+
+def summarize(rate: float, reqs, handles, c: dict) -> dict:
+    """The row of one rate (see the module docstring for each column)."""
+    ttft, itl, tpot = [], [], []
+    lost = 0
+    for h, r, a in zip(handles, reqs, c["arrive"]):
+        t = h.token_times
+        if h.finish_reason != "length" or len(t) != r["max_new_tokens"]:
+            lost += 1
+        if t:
+            ttft.append(t[0] - a)
+            itl += [(y - x) * 1e3 for x, y in zip(t, t[1:])]
+            if len(t) > 1:
+                tpot.append((t[-1] - t[0]) * 1e3 / (len(t) - 1))
+    lost += len(reqs) - len(handles)
+    ends = [h.token_times[-1] for h in handles if h.token_times]
+    span = max(ends) - c["t0"] if ends else float("nan")
+    out_tokens = sum(len(h.token_times) for h in handles)
+    return dict(
+        rate=rate,
+        requests=len(reqs),
+        req_s=len(handles) / span,
+        out_tok_s=out_tokens / span,
+        ttft_p50_s=pct(ttft, 50),
+        ttft_p99_s=pct(ttft, 99),
+        itl_p50_ms=pct(itl, 50),
+        itl_p99_ms=pct(itl, 99),
+        tpot_p50_ms=pct(tpot, 50),
+        tpot_p99_ms=pct(tpot, 99),
+        decode_ms_step=c["decode_ms_step"],
+        prefill_steps=c["prefill_steps"],
+        decode_calls=c["decode_calls"],
+        max_running=c["max_running"],
+        compiles=c["compiles"],
+        lost=lost,
+        wall_s=span,
+    )
+
+
+def agreement(tokens: list[int], ref: list[int]) -> float:
+    """Fraction of `ref` equal in `tokens` up to the first difference."""
+    n = 0
+    for a, b in zip(tokens, ref):
+        if a != b:
+            break
+        n += 1
+    return n / len(ref) if ref else 1.0
+
+
+# ------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------
+def plot(rows: list[dict], path: str, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(7, 5))
+    xs = [r["out_tok_s"] for r in rows]
+    for key, label, scale, style in (
+        ("ttft_p50_s", "TTFT p50", 1e3, "o-"),
+        ("ttft_p99_s", "TTFT p99", 1e3, "o--"),
+        ("tpot_p50_ms", "TPOT p50", 1.0, "s-"),
+        ("itl_p99_ms", "ITL p99", 1.0, "^:"),
+    ):
+        pts = [(x, r[key] * scale) for x, r in zip(xs, rows) if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), style, label=label)
+    for x, r in zip(xs, rows):
+        if r.get("ttft_p50_s") is not None:
+            ax.annotate(
+                f"{r['rate']:g}/s", (x, r["ttft_p50_s"] * 1e3), fontsize=7, xytext=(3, 3), textcoords="offset points"
+            )
+    ax.set_yscale("log")
+    ax.set_xlabel("output tokens / s")
+    ax.set_ylabel("ms")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = bm.OneLineParser(
+        prog="mla-bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--config", choices=("full", "tiny"), default="full", help="tiny: a CPU-sized run")
+    p.add_argument("--model", choices=("v2-lite", "v3-cut"), default="v2-lite")
+    p.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
+    p.add_argument("--rates", help="comma-separated arrival rates, requests/s (full 1,2,4,8; tiny 4,16)")
+    p.add_argument("--requests", type=int, help="requests per rate (full 40; tiny 12)")
+    p.add_argument("--prompt-median", type=float, help="median prompt length (full 512; tiny 24)")
+    p.add_argument("--prompt-sigma", type=float, default=1.0, help="sigma of the log of the prompt length")
+    p.add_argument("--prompt-max", type=int, help="longest prompt (full 8192; tiny 96)")
+    p.add_argument("--output-median", type=float, help="median max_new_tokens (full 128; tiny 8)")
+    p.add_argument("--output-sigma", type=float, default=0.6, help="sigma of the log of max_new_tokens")
+    p.add_argument("--output-max", type=int, help="largest max_new_tokens (full 512; tiny 24)")
+    p.add_argument("--max-batch", type=int, help="the engine's slots (full 32; tiny 4)")
+    p.add_argument("--page-size", type=int, help="tokens a page (full 64; tiny 16)")
+    p.add_argument("--prefill-chunk", type=int, help="prompt tokens a row prefills per step (full 512; tiny 32)")
+    p.add_argument("--min-table-tokens", type=int, help="the smallest block-table width (full 1024; tiny 128)")
+    p.add_argument("--decode-steps", type=int, help="decode steps a device call (full 8; tiny 2)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), help="weights and compute (full bf16; tiny fp32)")
+    p.add_argument("--kv-dtype", help="page format (full bf16; tiny fp32)")
+    p.add_argument("--attention-impl", default="auto", help="the engine's attention_impl")
+    p.add_argument("--check", type=int, default=4, help="requests checked against their runs alone")
+    p.add_argument("--no-warmup", action="store_true", help="no Engine.warm_up: the first rates compile")
+    p.add_argument("--compile-cache", default=None, help="JAX's persistent compilation cache DIR ('off': none)")
+    p.add_argument("--seed", type=int, default=0, help="of the workload and the arrivals")
+    p.add_argument("--out", default="runs/bench_serve", help="directory for serve.csv / serve.json / serve.png")
+    return p
+
+
+def resolve(args) -> argparse.Namespace:
+    """Fill the options left unset with their --config default; exit with one line on a bad value."""
+    tiny = args.config == "tiny"
+    for name, pair in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, pair[tiny])
+    try:
+        args.rate_list = [float(x) for x in str(args.rates).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"serve: error: --rates must be comma-separated numbers, got {args.rates!r}") from None
+    if not args.rate_list or any(r <= 0 for r in args.rate_list):
+        raise SystemExit(f"serve: error: --rates must be positive, got {args.rates!r}")
+    for name in ("requests", "prompt_max", "output_max", "max_batch", "page_size", "prefill_chunk", "decode_steps"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"serve: error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.check < 0 or args.check > args.requests:
+        raise SystemExit(f"serve: error: --check must be in [0, --requests={args.requests}], got {args.check}")
+    return args
+
+
+def build_engine(args, cache_fill: float = 0.0) -> tuple[Engine, object, float]:
+    """The model (random weights) and the engine the run serves with -> (engine, its ModelConfig, build seconds);
+    `cache_fill`: the value of never-written cache rows (tests poison them with NaN)."""
+    cfg = model_config(args.model, config=args.config, layers=args.layers, kv_dtype=args.kv_dtype)
+    model, build_s = build_model(cfg, jnp.bfloat16 if args.dtype == "bf16" else jnp.float32)
+    engine = Engine(
+        model,
+        page_size=args.page_size,
+        max_batch=args.max_batch,
+        prefill_chunk=args.prefill_chunk,
+        decode_steps=args.decode_steps,
+        max_context=min(cfg.max_position_embeddings, args.prompt_max + args.output_max),
+        min_chunk_bucket=args.prefill_chunk,
+        min_table_tokens=args.min_table_tokens,
+        kv_dtype=kv_dtype_arg(args.kv_dtype),
+        attention_impl=args.attention_impl,
+        cache_fill=cache_fill,
+    )
+    return engine, cfg, build_s
+
+
+def main(argv=None):
+    args = resolve(parser().parse_args(argv))
+    os.makedirs(args.out, exist_ok=True)
+    compile_cache.enable(args.compile_cache)
+    header = dict(bm.run_header() if jax.default_backend() == "gpu" else {}, backend=jax.default_backend())
+    engine, cfg, build_s = build_engine(args)
+    reqs = workload(args, cfg.vocab_size)
+    bm.log(
+        f"# serve: {args.model} ({args.config}, {args.dtype}), {len(reqs)} requests a rate, prompts "
+        f"{min(len(r['prompt']) for r in reqs)}..{max(len(r['prompt']) for r in reqs)} tokens, outputs "
+        f"{min(r['max_new_tokens'] for r in reqs)}..{max(r['max_new_tokens'] for r in reqs)}; engine B="
+        f"{args.max_batch}, {engine.num_pages} pages of {args.page_size}, backend {engine.backend}; "
+        f"model built in {build_s:.1f} s"
+    )
+    rng = np.random.default_rng(args.seed + 1)
+    offsets = {rate: arrival_offsets(rng, len(reqs), rate) for rate in args.rate_list}
+    t_warm = time.perf_counter()
+    warm_compiles = 0
+    if not args.no_warmup:
+        warm_compiles = engine.warm_up(max(len(r["prompt"]) + r["max_new_tokens"] for r in reqs))
+        bm.log(f"# warm-up: {warm_compiles} step compilations, {time.perf_counter() - t_warm:.1f} s")
+    rows, outputs = [], {}
+    for rate in args.rate_list:
+        handles, counters = serve(engine, reqs, offsets[rate])
+        row = summarize(rate, reqs, handles, counters)
+        outputs[rate] = [h.output for h in handles]
+        rows.append(row)
+        bm.log(
+            f"rate {rate:g}/s: {row['req_s']:.2f} req/s, {row['out_tok_s']:.0f} tok/s, TTFT p50 "
+            f"{row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s, ITL p99 {row['itl_p99_ms']:.1f} ms, TPOT p50 "
+            f"{row['tpot_p50_ms']:.1f} ms, decode {row['decode_ms_step'] or float('nan'):.2f} ms/step, "
+            f"{row['compiles']} compiles, {row['lost']} lost"
+        )
+    # Greedy check: the first requests alone on the idle engine.
+    alone = [engine.generate([r["prompt"]], max_new_tokens=r["max_new_tokens"]).tokens[0] for r in reqs[: args.check]]
+    for row in rows:
+        got = outputs[row["rate"]][: args.check]
+        row["alone_match"] = f"{sum(g == a for g, a in zip(got, alone))}/{len(alone)}"
+        row["alone_agree"] = statistics.mean(agreement(g, a) for g, a in zip(got, alone)) if alone else None
+    bm.print_table(rows, [(k, k, "{:.4g}" if k not in ("rate", "alone_match") else "{}") for k in COLUMNS])
+    bm.write_csv(os.path.join(args.out, CSV_NAME), [{k: r.get(k, "") for k in COLUMNS} for r in rows])
+    settings = {k: v for k, v in vars(args).items() if k != "rate_list"}
+    bm.write_json(
+        os.path.join(args.out, JSON_NAME),
+        dict(
+            header=header,
+            settings=settings,
+            engine=dict(num_pages=engine.num_pages, max_context=engine.max_context, backend=engine.backend),
+            build_s=build_s,
+            warm_up=dict(compiles=warm_compiles, seconds=time.perf_counter() - t_warm if not args.no_warmup else 0),
+            requests=[dict(prompt=len(r["prompt"]), max_new_tokens=r["max_new_tokens"]) for r in reqs],
+            rows=rows,
+            compile_log=engine.compile_log,
+        ),
+    )
+    title = (
+        f"serve: {args.model} ({args.config}), B={args.max_batch}, {len(reqs)} requests a rate, "
+        f"{header.get('device', jax.default_backend())}"
+    )
+    plot(rows, os.path.join(args.out, PNG_NAME), title)
+    bm.log(f"# wrote {CSV_NAME}, {JSON_NAME}, {PNG_NAME} in {args.out}")
+    mismatched = [r["rate"] for r in rows if r["alone_match"] != f"{len(alone)}/{len(alone)}"]
+    if mismatched:
+        bm.log(f"# NOTE: at rates {mismatched} some checked requests differ from their runs alone (alone_agree)")
+    if any(r["lost"] for r in rows):
+        bm.log("# ERROR: requests lost (the lost column)")
+        sys.exit(1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

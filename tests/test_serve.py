@@ -1,0 +1,268 @@
+"""The online engine API (`Engine.submit` / `step` / `RequestHandle` / `warm_up`), a soak of it (requests that
+arrive, stop and are cancelled while others run: each one's greedy tokens equal to running it alone, every
+page back, no compilation after warm-up), and `mla-bench serve --config tiny`.
+
+One engine for the module, the one `mla-bench serve --config tiny` builds (a tiny float32 V2-Lite-kind model,
+4 slots, 16-token pages, 32-token prefill chunks, 2 decode steps a call, max_context 120): one prefill bucket,
+one block-table width, decode loops of 1 and 2 steps, so the module compiles three step programs and the
+benchmark's run (last) finds them compiled. A request out of pages fails alone through the same scheduler code
+as in `generate` (tests/test_engine.py::test_out_of_pages_fails_one_request_and_spares_the_others).
+"""
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from benchmarks import bench_serve
+from mla_jax import ModelConfig
+from models import DeepSeekModel
+from models.engine import Engine, RequestHandle, trace_counts
+
+TINY_ARGS = ["--config", "tiny"]
+
+
+def _args(extra=()):
+    return bench_serve.resolve(bench_serve.parser().parse_args(TINY_ARGS + list(extra)))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # NaN in never-written cache rows: a row read by the wrong request, or past its length, would show.
+    return bench_serve.build_engine(_args(), cache_fill=float("nan"))[0]
+
+
+VOCAB = ModelConfig.tiny().vocab_size
+
+
+def _prompt(rng, n: int) -> list[int]:
+    return [int(t) for t in rng.integers(0, VOCAB, n)]
+
+
+@pytest.fixture(autouse=True)
+def _no_request_left(engine):
+    """A failed test leaves no request running into the next."""
+    yield
+    for rid in list(engine._sched.requests):
+        engine._sched.abort(rid)
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+    """Tokens of one request run alone through `engine.generate` (memoised per request)."""
+    memo = {}
+
+    def run(prompt, max_new_tokens, stops=()):
+        key = (tuple(prompt), max_new_tokens, tuple(stops))
+        if key not in memo:
+            res = engine.generate([prompt], max_new_tokens=max_new_tokens, stop_tokens=stops)
+            memo[key] = res.tokens[0]
+        return memo[key]
+
+    return run
+
+
+def _pages_consistent(e: Engine) -> bool:
+    """Every slot holds exactly the pages of a request in it (none for a free slot), and the pool's count
+    agrees."""
+    c, sched = e.cache, e._sched
+    held = [len(c.pages_of(b)) for b in range(c.max_seqs)]
+    return all(h == 0 for h, s in zip(held, sched.slots) if s is None) and sum(held) == c.pages_used
+
+
+def test_requests_arriving_mid_batch_equal_their_runs_alone(engine, alone):
+    """Requests submitted while others decode, each with its own length and stop ids, read three ways
+    (iterator, callback, result()). Two copies of one prompt decode side by side, one with a stop id taken
+    from their common output, and two copies of another with different lengths. Catches: one row's stop ids
+    or token budget applied to another (the decode loop's per-row stops), a row admitted mid-batch writing
+    over another's pages, a token delivered to the wrong callback or twice."""
+    rng = np.random.default_rng(0)
+    p0, p2, p3, p4, p5 = (_prompt(rng, n) for n in (5, 3, 9, 14, 2))
+    stop = alone(p2, 16)[4]
+    prompts = [p2, p2, p0, p0, p3, p4, p5]
+    news = [16, 16, 12, 5, 9, 5, 20]
+    stops = [(), (stop,), (), (), (), (), ()]
+    want = [alone(p, n, s) for p, n, s in zip(prompts, news, stops)]
+    assert want[1] == want[0][: want[0].index(stop) + 1] and len(want[0]) == 16 and want[3] == want[2][:5]
+    seen = {}
+    handles: list[RequestHandle] = []
+
+    def submit(i):
+        cb = seen.setdefault(i, []).append
+        handles.append(engine.submit(prompts[i], max_new_tokens=news[i], stop_tokens=stops[i], on_token=cb))
+
+    for i in range(4):
+        submit(i)
+    engine.step()  # prefill of the first four
+    engine.step()  # a decode call: they are past their first token when the next arrive
+    assert all(len(h.output) > 1 for h in handles)
+    for i in range(4, 7):  # they wait for slots, then run beside the first wave's survivors
+        submit(i)
+    assert engine.num_requests == 7 - sum(h.done for h in handles)
+    streamed = list(handles[6].tokens())  # steps the engine until request 6 ends (it waited for a slot)
+    results = [h.result() for h in handles]
+    assert [r.tokens for r in results] == want
+    assert streamed == want[6] and [seen[i] for i in range(7)] == want
+    assert [r.finish_reason for r in results] == ["length", "stop"] + ["length"] * 5
+    assert engine.num_requests == 0 and engine.cache.pages_used == 0 and not engine.step()
+
+
+def test_cancel_frees_its_pages_and_spares_the_others(engine, alone):
+    """A running request and a waiting one cancelled; a request stopped from its own callback. Catches: a
+    cancelled slot keeping its pages (or its slot), a waiting request left in the queue, the next occupant of
+    a cancelled slot reading the old request's state, a cancel that touched another request."""
+    rng = np.random.default_rng(1)
+    prompts = [_prompt(rng, n) for n in (6, 13, 4, 8, 10, 7)]
+    n_new = 14
+    h = [engine.submit(p, max_new_tokens=n_new) for p in prompts]  # 4 run, 2 wait
+    while len(h[1].output) < 2:  # prefill (two chunks for the 13 tokens), then a decode call
+        engine.step()
+    running, waiting = h[1], h[5]
+    held = len(engine.cache.pages_of(1))
+    used = engine.cache.pages_used
+    assert held > 0 and engine._sched.slots[1].request is running._r
+    assert running.cancel() and waiting.cancel() and not running.cancel()
+    assert engine.cache.pages_used == used - held and engine._sched.slots[1] is None
+    assert running.finish_reason == waiting.finish_reason == "cancelled" and waiting.output == []
+    cut = []
+
+    def stop_after_3(tok):
+        cut.append(tok)
+        if len(cut) == 3:
+            late.cancel()
+
+    late = engine.submit(prompts[2], max_new_tokens=n_new, on_token=stop_after_3)
+    engine.run_until_idle()
+    ref = {i: alone(prompts[i], n_new) for i in range(6)}
+    for i in (0, 2, 3, 4):
+        assert h[i].result().tokens == ref[i], i
+    assert running.output == ref[1][: len(running.output)] and 1 < len(running.output) < n_new
+    assert late.finish_reason == "cancelled" and cut == ref[2][:3] and late.output[:3] == ref[2][:3]
+    assert engine.cache.pages_used == 0 and _pages_consistent(engine)
+
+
+def test_a_request_whose_callback_raises_ends_alone(engine, alone):
+    """Catches: an exception from one request's callback that leaves the other rows of that step un-advanced
+    (their tokens lost or repeated) or the failed request's pages held."""
+    rng = np.random.default_rng(2)
+    pa, pb = _prompt(rng, 5), _prompt(rng, 7)
+    want = alone(pa, 6)
+
+    def boom(tok):
+        raise RuntimeError("consumer gone")
+
+    a = engine.submit(pa, max_new_tokens=6)
+    b = engine.submit(pb, max_new_tokens=6, on_token=boom)
+    with pytest.raises(RuntimeError, match="consumer gone"):
+        engine.run_until_idle()
+    assert b.finish_reason == "error" and b.error == "on_token raised RuntimeError: consumer gone"
+    assert len(b.output) == 1 and engine.cache.pages_of(1) == []
+    assert a.result().tokens == want
+    assert engine.cache.pages_used == 0
+
+
+def test_generate_runs_beside_online_requests(engine, alone):
+    """generate() queues into the same batch: an online request submitted before it advances during the call
+    and both give their alone tokens. Catches: generate() resetting the scheduler (or the pool) under a
+    running request."""
+    rng = np.random.default_rng(3)
+    p_online, p_batch = _prompt(rng, 9), [_prompt(rng, n) for n in (4, 6)]
+    want_online, want_batch = alone(p_online, 20), [alone(p, 5) for p in p_batch]
+    h = engine.submit(p_online, max_new_tokens=20)
+    engine.step()
+    res = engine.generate(p_batch, max_new_tokens=5)
+    assert res.tokens == want_batch
+    assert not h.done and len(h.output) > 1
+    assert h.result().tokens == want_online and engine.cache.pages_used == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompt=[]), r"^prompt is empty"),
+        (dict(prompt=[1, VOCAB]), rf"^prompt holds token id {VOCAB} outside the vocabulary"),
+        (dict(prompt="hi"), r"^prompt must be a list of token ids, got str$"),
+        (dict(prompt=[1] * 121), r"^prompt has 121 tokens, beyond max_context=120$"),
+        (dict(prompt=[1], max_new_tokens=0), r"^max_new_tokens must be an integer >= 1, got 0$"),
+        (dict(prompt=[1], sampling=0.5), r"^sampling must be a SamplingParams, got 0.5$"),
+        (dict(prompt=[1], stop_tokens=[1.5]), r"^stop_tokens must be integers, got 1.5$"),
+        (dict(prompt=[1], stop_tokens=3), r"^stop_tokens must be a sequence of token ids, got 3$"),
+        (dict(prompt=[1], on_token=3), r"^on_token must be a callable on_token\(token_id\), got 3$"),
+        (dict(prompt=[1], mtp_draft_tokens=5), r"^mtp_draft_tokens must be an integer in \[1, 3\]"),
+        (dict(prompt=[1], use_mtp=True), r"^use_mtp=True but the model has no MTP module"),
+    ],
+)
+def test_bad_submit_arguments_are_one_line_naming_the_value(engine, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        engine.submit(**kwargs)
+    assert engine.num_requests == 0
+
+
+def test_one_mtp_setting_while_requests_run():
+    """MTP drafts live per slot in one [B, k] state: a request with another k while others wait or run is
+    refused (naming both), and accepted once the engine is idle. Catches: draft state reshaped under running
+    rows. (A model with an MTP module, abstract: nothing runs.)"""
+    model = nnx.eval_shape(lambda: DeepSeekModel(ModelConfig.tiny().replace(num_hidden_layers=2), rngs=nnx.Rngs(0)))
+    e = Engine(model, page_size=4, num_pages=8, max_batch=2)
+    h = e.submit([1, 2, 3], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"^use_mtp=True, mtp_draft_tokens=2 while 1 request\(s\) run with no MTP"):
+        e.submit([1, 2], use_mtp=True, mtp_draft_tokens=2)
+    with pytest.raises(ValueError, match="one MTP setting"):
+        e.generate([[1, 2]], use_mtp=True)
+    assert h.cancel() and e.num_requests == 0 and e.cache.pages_used == 0
+    assert e.submit([1, 2], use_mtp=True, mtp_draft_tokens=2)._engine._sched.k == 2
+
+
+def test_soak_arrivals_and_departures(engine, alone):
+    """Engine steps with requests arriving (a random number each step), stopping and being cancelled through the
+    online API, after `Engine.warm_up`. Catches: a step shape warm_up misses or one that drifts with the batch's
+    make-up (a compilation after warm-up), a request whose tokens depend on what else runs (a slot's stale
+    state, a page shared or freed early), a page lost (the pool shrinking over time)."""
+    rng = np.random.default_rng(4)
+    engine.warm_up()  # every step shape, run on idle rows
+    assert engine.warm_up() == 0 and engine.cache.pages_used == 0
+    before = trace_counts()
+    free0 = engine.cache.pages_used
+    reqs = []  # (handle, prompt, max_new_tokens, stops)
+    steps = 0
+    while len(reqs) < 20 or engine.num_requests:
+        for _ in range(rng.poisson(0.35) if len(reqs) < 20 else 0):
+            p = _prompt(rng, int(rng.integers(1, 24)))
+            n = int(rng.integers(1, 24))
+            stops = (int(rng.integers(0, VOCAB)),) if rng.random() < 0.5 else ()
+            reqs.append((engine.submit(p, max_new_tokens=n, stop_tokens=stops), p, n, stops))
+        if rng.random() < 0.04:
+            running = [h for h, *_ in reqs if not h.done]
+            if running:
+                running[int(rng.integers(len(running)))].cancel()
+        engine.step()
+        steps += 1
+        assert _pages_consistent(engine)
+    assert trace_counts() == before, "a step compiled after warm-up"
+    assert engine.cache.pages_used == free0 == 0
+    cancelled = 0
+    for h, p, n, stops in reqs:
+        ref = alone(p, n, stops)
+        if h.finish_reason == "cancelled":
+            cancelled += 1
+            assert h.output == ref[: len(h.output)]
+        else:
+            assert h.finish_reason in ("length", "stop") and h.output == ref, (h, p, n, stops)
+    assert cancelled >= 1 and steps > 40
+    print(f"soak: {steps} engine steps, {len(reqs)} requests, {cancelled} cancelled")
+
+
+def test_mla_bench_serve_tiny(tmp_path, engine):
+    """`mla-bench serve --config tiny` end to end (after the tests above: its steps are compiled). Catches: a
+    request lost, a request whose float32 greedy tokens differ from its run alone, a measured rate that
+    compiled, a percentile or rate computed wrong (TTFT p50 > p99, no tokens), a missing output file."""
+    rows = bench_serve.main(TINY_ARGS + ["--out", str(tmp_path), "--compile-cache", "off"])
+    assert [r["rate"] for r in rows] == [4.0, 16.0]
+    for r in rows:
+        assert r["lost"] == 0 and r["compiles"] == 0 and r["alone_match"] == "4/4" and r["alone_agree"] == 1.0, r
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and 0 <= r["itl_p50_ms"] <= r["itl_p99_ms"], r
+        assert r["req_s"] > 0 and r["out_tok_s"] > r["req_s"] and r["decode_ms_step"] > 0, r
+    report = json.loads((tmp_path / "serve.json").read_text())
+    assert len(report["requests"]) == 12 and report["rows"][0]["requests"] == 12
+    assert (tmp_path / "serve.csv").read_text().count("\n") == 3 and (tmp_path / "serve.png").stat().st_size > 0
