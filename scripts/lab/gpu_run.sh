@@ -202,6 +202,11 @@ case "$MODE" in
            | tee -a "$LOG"
          bench e2e "${E2E_LIMIT:-260}" --model v2-lite --batch "${BATCHES:-1,32,128}" --prompt 1024 --new-tokens 128 \
            --kernels --no-hf ;;
+  session11d) stage "probe_fp8_gemm_errors"
+         timeout 130 $PY scripts/lab/probe_fp8_gemm_errors.py --out "$R/fp8_errors.json" 2>&1 | tail -12 | tee -a "$LOG"
+         stage "mla-bench serve"
+         timeout "${SERVE_LIMIT:-380}" $PY -m benchmarks serve --out "$R/serve" --rates "${RATES:-2,8}" \
+           --requests "${REQUESTS:-24}" 2>&1 | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -40 | tee -a "$LOG" ;;
   session11b) stage "fp8_gemm under compute-sanitizer (q_a at M = 32), SASS dumped"
          XLA_PYTHON_CLIENT_PREALLOCATE=false MOSAIC_GPU_DUMP_SASS=1 timeout 120 compute-sanitizer --tool memcheck \
            --show-backtrace no $PY - > "$R/sanitizer_fp8.txt" 2>&1 <<'PY'
