@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import backend
-from pallas_kernels.stacked_matmul import stacked_matmul, stacked_matmul_problems
+from pallas_kernels.stacked_matmul import MAX_ROWS, stacked_matmul, stacked_matmul_problems
 
 # A decoder layer's projections (module paths inside `models.layer.DecoderLayer`) that may be passed whole.
 # Not `wkv_b` (read as [L, H, N+V] by the absorbed einsums) nor the router (fp32, HIGHEST precision).
@@ -51,7 +51,7 @@ def stacked_impl(cache_impl: str | None, rows: int) -> str | None:
     cache runs its kernels by `cache_impl`, or None when the projections stay sliced (the reference
     backend, or more rows than a decode-shaped call)."""
     impl = backend.resolve(cache_impl)
-    if impl == "reference" or stacked_matmul_problems(rows, 128, 128):
+    if impl == "reference" or rows > MAX_ROWS:
         return None
     return impl
 

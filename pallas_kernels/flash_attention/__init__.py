@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -68,7 +67,14 @@ from jax import lax
 
 from pallas_kernels import backend
 from pallas_kernels.flash_attention.backward import _backward_dkv, _backward_dq
-from pallas_kernels.flash_attention.config import CTA_ROWS, MAX_WIDTH, SMEM_BYTES, FlashAttentionConfig, smem_bytes
+from pallas_kernels.flash_attention.config import (
+    CTA_ROWS,
+    MAX_WIDTH,
+    SMEM_BYTES,
+    FlashAttentionConfig,
+    check_widths_and_scalars,
+    smem_bytes,
+)
 from pallas_kernels.flash_attention.forward import _forward
 from pallas_kernels.flash_attention.prefill import _prefill_forward, flash_attention_prefill_reference
 from pallas_kernels.flash_attention.prefill import _validate as _validate_prefill
@@ -137,20 +143,12 @@ def _validate(q, k, v, softmax_scale, causal, config=None, *, kernel=True):
     if v.shape[:3] != (B, T, H):
         raise ValueError(f"v must be [B={B}, T={T}, H={H}, V], got {v.shape}")
     V = v.shape[3]
-    for name, width in (("q/k width D", D), ("v width V", V)) if kernel else ():
-        if width % 64 or not 64 <= width <= MAX_WIDTH:
-            raise ValueError(f"{name} must be a multiple of 64 in [64, {MAX_WIDTH}], got {width}")
+    check_widths_and_scalars(D, V, softmax_scale, causal, kernel=kernel)
     block = max(CTA_ROWS, config.block_kv, config.block_kv_dq) if config is not None else CTA_ROWS
     if T < 1 or (kernel and T % block):
         raise ValueError(f"T (tokens) must be a positive multiple of {block} (the kernel's blocks), got {T}")
     if B < 1 or H < 1:
         raise ValueError(f"batch and heads must be >= 1, got B={B}, H={H}")
-    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
-        raise ValueError(f"softmax_scale must be a Python float (it is baked into the kernel), got {softmax_scale!r}")
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool, got {causal!r}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -74,3 +74,17 @@ def smem_bytes(D: int, V: int, config: FlashAttentionConfig) -> dict[str, int]:
         + (COMPUTE_WGS * ROWS * config.block_kv_dq * bf if config.interpretable else 0)
     )
     return dict(forward=fwd, dkv=dkv, dq=dq)
+
+
+def check_widths_and_scalars(D: int, V: int, softmax_scale, causal, *, kernel: bool) -> None:
+    """The checks every flash attention entry point makes (ValueError, one line): the q/k and v widths the kernel
+    holds (only when it runs: `kernel`), a finite positive Python-float `softmax_scale`, a bool `causal`."""
+    for name, width in (("q/k width D", D), ("v width V", V)) if kernel else ():
+        if width % 64 or not 64 <= width <= MAX_WIDTH:
+            raise ValueError(f"{name} must be a multiple of 64 in [64, {MAX_WIDTH}], got {width}")
+    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
+        raise ValueError(f"softmax_scale must be a Python float (it is baked into the kernel), got {softmax_scale!r}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")

@@ -15,12 +15,10 @@ the mask runs only on blocks that straddle the offset diagonal or kv_len.
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.flash_attention.config import CTA_ROWS, MAX_WIDTH
+from pallas_kernels.flash_attention.config import CTA_ROWS, check_widths_and_scalars
 from pallas_kernels.flash_attention.forward import _forward
 
 # ------------------------------------------------------------------------------------------------
@@ -75,15 +73,7 @@ def _validate(q, k, v, q_offsets, kv_lens, softmax_scale, causal, *, kernel=True
     for name, x in (("q_offsets", q_offsets), ("kv_lens", kv_lens)):
         if x.shape != (B,) or x.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32 [B={B}], got {x.dtype} {x.shape}")
-    for name, width in (("q/k width D", D), ("v width V", v.shape[3])) if kernel else ():
-        if width % 64 or not 64 <= width <= MAX_WIDTH:
-            raise ValueError(f"{name} must be a multiple of 64 in [64, {MAX_WIDTH}], got {width}")
-    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
-        raise ValueError(f"softmax_scale must be a Python float (it is baked into the kernel), got {softmax_scale!r}")
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool, got {causal!r}")
+    check_widths_and_scalars(D, v.shape[3], softmax_scale, causal, kernel=kernel)
 
 
 # ------------------------------------------------------------------------------------------------

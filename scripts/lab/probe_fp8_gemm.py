@@ -22,17 +22,8 @@ import jax.numpy as jnp
 
 import benchmarks as bm
 from pallas_kernels.fp8_gemm import Fp8MatmulConfig, default_config, fp8_matmul, fp8_matmul_reference
+from tests.test_fp8_gemm import V3_SHAPES  # (N, K) of DeepSeek-V3's projections: the tests' table
 
-V3_SHAPES = {  # (N, K)
-    "q_a": (1536, 7168),
-    "q_b": (24576, 1536),
-    "kv_a": (576, 7168),
-    "wo": (7168, 16384),
-    "gate_up": (18432, 7168),
-    "down": (7168, 18432),
-    "expert_up": (2048, 7168),
-    "expert_down": (7168, 2048),
-}
 SWEEP_SHAPES = ("gate_up", "wo", "q_b")
 SWEEP_CONFIGS = {  # the default (128x128, 5 stages) is in the rows already
     "128x128 4 stages, snake M-fastest width 16": Fp8MatmulConfig(
