@@ -43,10 +43,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import backend
+from pallas_kernels.fp8_gemm import dequantize_blocks as kernel_dequantize_blocks
+from pallas_kernels.fp8_gemm.config import FP8_MAX, QUANT_BLOCK
 
-FP8_BLOCK = 128  # the release's weight_block_size, both dims
+FP8_BLOCK = QUANT_BLOCK  # the release's weight_block_size, both dims (the FP8 GEMM's scaling block)
 FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite e4m3fn value
 WEIGHT_FORMATS = (None, "fp8")  # `weights=` of the model and the loader: None = dense in param_dtype
 FP8_GEMM_IMPLS = backend.IMPLS
 _F32 = jnp.float32
@@ -98,14 +99,13 @@ def quantize_blocks(w_NK: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array,
     return q, scale.astype(_F32)
 
 
-def dequantize_blocks(q_NK: jax.Array, scale: jax.Array, dtype=_F32, block: int = FP8_BLOCK) -> jax.Array:
-    """e4m3 [..., N, K] · fp32 scale_inv [..., nb, kb] -> [..., N, K] in `dtype` (fp32 products, rounded once).
+def dequantize_blocks(q_NK: jax.Array, scale: jax.Array, dtype=_F32) -> jax.Array:
+    """e4m3 [..., N, K] · fp32 scale_inv [..., nb, kb] -> [..., N, K] in `dtype` (fp32 products, rounded once;
+    `pallas_kernels.fp8_gemm.dequantize_blocks`, the FP8 GEMM's own).
 
-    ValueError (one line) when the scales' shape is not the weight's in `block` x `block` blocks."""
-    _check_pair(q_NK, scale, block)
-    n, k = q_NK.shape[-2:]
-    s = jnp.repeat(jnp.repeat(scale.astype(_F32), block, axis=-2), block, axis=-1)[..., :n, :k]
-    return (q_NK.astype(_F32) * s).astype(dtype)
+    ValueError (one line) when the scales' shape is not the weight's in FP8_BLOCK x FP8_BLOCK blocks."""
+    _check_pair(q_NK, scale, FP8_BLOCK)
+    return kernel_dequantize_blocks(q_NK, scale).astype(dtype)
 
 
 # ------------------------------------------------------------------------------------------

@@ -30,12 +30,13 @@ def quantize_activations(x_MK):
 
 
 def dequantize_blocks(q_RC, scale):
-    """fp32 [R, C] = q * scale[r // 128, c // 128] (weights: 128x128 blocks) or, with a scale of R rows,
-    q * scale[r, c // 128] (activations: 1x128 tiles)."""
-    R, C = q_RC.shape
-    s = jnp.repeat(scale, QUANT_BLOCK, axis=1)[:, :C]
-    if scale.shape[0] != R:
-        s = jnp.repeat(s, QUANT_BLOCK, axis=0)[:R]
+    """fp32 [..., R, C] = q * scale[..., r // 128, c // 128] (weights: 128x128 blocks, the last ones partial) or,
+    with a scale of R rows, q * scale[..., r, c // 128] (activations: 1x128 tiles). Leading axes (a stack of
+    experts) are carried through."""
+    R, C = q_RC.shape[-2:]
+    s = jnp.repeat(scale.astype(jnp.float32), QUANT_BLOCK, axis=-1)[..., :C]
+    if scale.shape[-2] != R:
+        s = jnp.repeat(s, QUANT_BLOCK, axis=-2)[..., :R, :]
     return q_RC.astype(jnp.float32) * s
 
 
