@@ -267,6 +267,15 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
         block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
     interpret_params = plgpu.InterpretGPUParams() if interpret else None
     partials = _body(page_format, plan_, s_q, H, config)
+    body_args = dict(  # what every body takes besides the arrays
+        s_q=s_q,
+        heads=H,
+        causal=causal,
+        scale=float(softmax_scale),
+        plan_=plan_,
+        config=config,
+        interpret=interpret_params,
+    )
     if partials is _decode_partials_fp8_t:
         # Unpadded rows in; the outputs come out transposed ([..., 512, R]).
         out_t, lse = partials(
@@ -274,13 +283,7 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
             kv_pages,
             block_table,
             seq_lens,
-            s_q=s_q,
-            heads=H,
-            causal=causal,
-            scale=float(softmax_scale),
-            plan_=plan_,
-            config=config,
-            interpret=interpret_params,
+            **body_args,
         )
         if plan_.num_splits == 1:
             out = jnp.swapaxes(out_t, 1, 2)
@@ -299,13 +302,7 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
             kv_pages,
             block_table,
             seq_lens,
-            s_q=s_q,
-            heads=H,
-            causal=causal,
-            scale=float(softmax_scale),
-            plan_=plan_,
-            config=config,
-            interpret=interpret_params,
+            **body_args,
             schedule=sched[:3],
         )
         out, lse = _combine(
@@ -324,13 +321,7 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
         kv_pages,
         block_table,
         seq_lens,
-        s_q=s_q,
-        heads=H,
-        causal=causal,
-        scale=float(softmax_scale),
-        plan_=plan_,
-        config=config,
-        interpret=interpret_params,
+        **body_args,
     )
     if plan_.num_splits > 1:
         out, lse = _combine(out, lse, out_dtype=q.dtype, config=config, interpret=interpret_params)
