@@ -223,6 +223,11 @@ PY
          timeout 110 $PY scripts/lab/probe_flash_prefill.py --out "$R/flash_prefill" --time-budget 80 2>&1 | tail -30 \
            | tee -a "$LOG"
          bench e2e 200 --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf ;;
+  session12a) stage "fp8_gemm GPU tests (reference behind an optimization barrier) and probe"
+         gpu_tests 90 tests/test_fp8_gemm.py
+         timeout 130 $PY scripts/lab/probe_fp8_gemm.py --out "$R/fp8_gemm.json" --budget-s 100 2>&1 | tail -40 \
+           | tee -a "$LOG"
+         bench e2e "${E2E_LIMIT:-320}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --hf-reserve 150 ;;
   stacked) stage "probe_decode_variants: sliced / stacked projections"
            timeout "${VARIANTS_LIMIT:-280}" $PY scripts/lab/probe_decode_variants.py --out "$R/variants" \
              --batches "${BATCHES:-1,32,128}" --variants "${VARIANTS:-sliced,base}" --no-kernels 2>&1 \
