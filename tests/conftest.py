@@ -95,3 +95,25 @@ def pytest_xdist_make_scheduler(config, log):
             return module if os.path.basename(module) in WHOLE_MODULES else nodeid
 
     return ModulesWhole(config, log)
+
+
+# Two tiers (tests/tiers.py): the default run (the README's command, CI) and `pytest --full`.
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False, help="also run the full tier (tests marked `full`)")
+
+
+def pytest_collection_modifyitems(config, items):
+    from tests.tiers import full_tier
+
+    if full_tier(config):
+        return
+    dropped = [item for item in items if item.get_closest_marker("full") is not None]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item.get_closest_marker("full") is None]
+
+
+def pytest_report_header(config):
+    from tests.tiers import full_tier
+
+    return f"test tier: {'full' if full_tier(config) else 'CI (pytest --full adds the tests marked full)'}"

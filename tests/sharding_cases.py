@@ -11,7 +11,8 @@ parameters as `addressable_shards` hold them. On FSDP_MESH it also runs the step
 data parallelism (`shard_model(..., fsdp=True)`, the state's shardings pinned). The tests assert on
 those lines.
 
-    python tests/sharding_cases.py [mesh ...]      # default: every mesh of MESHES
+    python tests/sharding_cases.py [--ci] [mesh ...]   # default: every mesh of MESHES (--ci: CI_MESHES,
+                                                       # the eager forward on CI_EAGER_MESHES only)
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ FSDP_MESH = "mixed"  # the same step under FSDP: every variable and AdamW moment
 # every combination of the axes MoE.parallel maps over: expert alone, data alone, data + expert, expert +
 # tensor, all three. (On tensor alone MoE.parallel is off: the eager path is GSPMD's, as under jit.)
 EAGER_MESHES = ("ep4", "dp2", "dp2ep2", "ep2tp2", "mixed")
+# The suite's default tier (tests/tiers.py; test_sharding.CI_MESHES): one- and eight-way tensor and expert
+# parallelism, data alone, every axis at once; the eager forward on expert alone and every axis at once.
+CI_MESHES = ("tp2", "tp8", "ep4", "ep8", "dp2", "mixed")
+CI_EAGER_MESHES = ("ep4", "mixed")
 PROMPT_LEN = 3  # greedy decoding fills positions PROMPT_LEN..T-1
 # The paged-cache engine, greedy with MTP speculation (~6 s of CPU a mesh); on a data > 1 mesh a pool
 # per data rank. On DP_FULL_MESH also the case of one rank out of pages (DP_FULL_PROMPTS), on the same
@@ -416,7 +421,7 @@ def micro_model(cfg=CFG) -> DeepSeekModel:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def main(names, train=TRAIN_MESHES):
+def main(names, train=TRAIN_MESHES, eager=EAGER_MESHES):
     model = micro_model()
     ids = jax.random.randint(jax.random.key(1), (B, T), 0, CFG.vocab_size, dtype=jnp.int32)
     mask = jnp.ones((B, T), jnp.int32).at[1, :3].set(0)  # one left-padded row
@@ -450,7 +455,7 @@ def main(names, train=TRAIN_MESHES):
             collectives=_collectives(g, s_state, s_ids),
             untouched=all(len(a.sharding.device_set) == 1 for a in jax.tree.leaves(nnx.state(model))),
         )
-        if name in EAGER_MESHES:
+        if name in eager:
             out["eager"] = _eager(sharded, s_ids, ref_logits, ref_mtp)
         if data > 1:
             try:
@@ -531,5 +536,10 @@ def main(names, train=TRAIN_MESHES):
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--train-all"]
-    main(args or list(MESHES), train=list(MESHES) if "--train-all" in sys.argv else TRAIN_MESHES)
+    args = [a for a in sys.argv[1:] if a not in ("--train-all", "--ci")]
+    ci = "--ci" in sys.argv
+    main(
+        args or list(CI_MESHES if ci else MESHES),
+        train=list(MESHES) if "--train-all" in sys.argv else TRAIN_MESHES,
+        eager=CI_EAGER_MESHES if ci else EAGER_MESHES,
+    )

@@ -153,7 +153,7 @@ def test_max_context_ends_a_sequence(model):
 # --- MTP speculative decoding ----------------------------------------------------------------------
 # k = 1 (one draft) and k = 3 (a chain: the middle draft is both drafted from a draft and drafts the next);
 # k = 2 runs the same code with a shorter chain; dropped for the suite's time (24 + 9 s of CPU).
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.full("k = 3 (a chain) by default")), 3])
 def test_mtp_greedy_equals_plain_greedy(spec_model, k):
     """k drafts a step (k > 1 chains the MTP module), verified with s_q = k + 1."""
     e = Engine(spec_model, **STD)
@@ -303,7 +303,8 @@ def plain_draws(wide_engine):
 
 
 @pytest.mark.xla_optimized  # 2000 requests a case
-@pytest.mark.parametrize("k", [1, 3])  # k = 2: the same chain code as k = 3, shorter (see above)
+# k = 2: the same chain code as k = 3, shorter (see above); k = 1 in the full tier (tests/tiers.py)
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.full("k = 3 (a chain) by default")), 3])
 def test_mtp_sampling_keeps_the_output_distribution(wide_engine, plain_draws, k):
     """With temperature > 0, accepting drafts by rejection sampling (k > 1: a prefix of the MTP
     module's chain on its own drafts) must keep plain sampling's distribution: the joint

@@ -22,6 +22,7 @@ import pytest
 
 from pallas_kernels import MlaDecodeConfig, backend, mla_decode, mla_decode_reference
 from pallas_kernels.mla_decode import balanced_schedule, num_piece_slots, plan, sequence_of_page
+from tests.tiers import full
 
 SCALE = 192**-0.5
 # The kernel bodies: plain (both warpgroups score the whole page), split-QK, the scorer body (one
@@ -135,7 +136,11 @@ INTERPRET_CASES = [
 ]
 
 
-@pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,num_splits", INTERPRET_CASES)
+# The plain body (not the default on bf16 pages): two cases by default, every case under --full.
+@pytest.mark.parametrize(
+    "heads,s_q,causal,seq_lens,max_pages,num_splits",
+    full(INTERPRET_CASES, [INTERPRET_CASES[i] for i in (2, 6)], "the scorer body (the default) runs these cases"),
+)
 def test_interpret_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits):
     args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q)
     config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1, scorer=False, split_qk=False)
@@ -143,7 +148,10 @@ def test_interpret_matches_reference(heads, s_q, causal, seq_lens, max_pages, nu
 
 
 # The split-QK variant (two rendezvous barriers per page) over a subset of the cases.
-@pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,num_splits", [INTERPRET_CASES[i] for i in (1, 3, 4, 6)])
+@pytest.mark.parametrize(
+    "heads,s_q,causal,seq_lens,max_pages,num_splits",
+    full([INTERPRET_CASES[i] for i in (1, 3, 4, 6)], [INTERPRET_CASES[1]], "one split-QK case; the scorer's"),
+)
 def test_interpret_split_qk_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits):
     args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 1)
     config = MlaDecodeConfig(num_splits=num_splits, min_pages_per_split=1, scorer=False, split_qk=True)
@@ -157,7 +165,12 @@ def test_interpret_split_qk_matches_reference(heads, s_q, causal, seq_lens, max_
 # page slot refilled while a warpgroup still reads it; a V tail (NaN-poisoned) reaching P·V in
 # any of the three column ranges; the lse or a column range of the output written wrongly.
 @pytest.mark.parametrize(
-    "heads,s_q,causal,seq_lens,max_pages,num_splits", [INTERPRET_CASES[i] for i in (0, 1, 2, 4, 5, 6)]
+    "heads,s_q,causal,seq_lens,max_pages,num_splits",
+    full(
+        [INTERPRET_CASES[i] for i in (0, 1, 2, 4, 5, 6)],
+        [INTERPRET_CASES[i] for i in (0, 2, 4, 5)],
+        "the scorer's other cases (s_q = 4 exactly one block; four row blocks) run under --full",
+    ),
 )
 def test_interpret_scorer_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits):
     args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 3)
@@ -165,7 +178,11 @@ def test_interpret_scorer_matches_reference(heads, s_q, causal, seq_lens, max_pa
     assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize(
+    "variant",
+    [VARIANTS[2], *(pytest.param(v, marks=pytest.mark.full("the scorer body's case")) for v in VARIANTS[:2])],
+    ids=[VARIANT_IDS[2], *VARIANT_IDS[:2]],
+)
 def test_interpret_query_without_keys_gives_zero_and_minus_inf(variant):
     # seq_len = 1 < s_q = 2, causal: query 0 sits at position -1 and sees no key. Documented
     # result: out = 0, lse = -inf (the reference agrees); query 1 is ordinary.
@@ -261,7 +278,10 @@ BALANCED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,target_ctas,variant", BALANCED_CASES)
+@pytest.mark.parametrize(
+    "heads,s_q,causal,seq_lens,max_pages,target_ctas,variant",
+    [pytest.param(*BALANCED_CASES[0], marks=pytest.mark.full("the split-QK balanced case")), BALANCED_CASES[1]],
+)
 def test_interpret_balanced_matches_reference(heads, s_q, causal, seq_lens, max_pages, target_ctas, variant):
     """Catches, with runs that cross sequence boundaries: Q not reloaded (or reloaded too early)
     for the next sequence; softmax state carried from one sequence into the next; a partial flushed
@@ -342,7 +362,10 @@ def test_cross_lowering_cases_cover_every_shape_pairing():
     assert len({(c[0], c[1]) for c in CROSS_LOWERING_CASES}) == 16
 
 
-@pytest.mark.parametrize("heads,s_q,batch,max_pages,causal", CROSS_LOWERING_CASES)
+@pytest.mark.parametrize(
+    "heads,s_q,batch,max_pages,causal",
+    full(CROSS_LOWERING_CASES, [c for c in CROSS_LOWERING_CASES if c[1] in (1, 2)], "s_q 1 and 2 at every H"),
+)
 def test_cross_lowers_for_sm90(heads, s_q, batch, max_pages, causal):
     lowered = lower_for_sm90(batch, s_q, heads, max_pages, causal=causal)
     # one Mosaic GPU call for the main kernel, and one more for the combine when KV is split
@@ -365,8 +388,14 @@ def test_variant_cases_cover_every_head_count_and_query_length():
         assert sorted(c[2] for c in VARIANT_CASES if c[0] == v) == [1, 2, 3, 4]
 
 
+# By default every scorer case (the default body) and one of each other body; all under --full.
+_CI_VARIANT_CASES = [c for c in VARIANT_CASES if c[0] is VARIANTS[2]] + [VARIANT_CASES[0], VARIANT_CASES[4]]
+
+
 @pytest.mark.parametrize(
-    "variant,heads,s_q", VARIANT_CASES, ids=[f"{VARIANT_IDS[VARIANTS.index(v)]}-{h}-{q}" for v, h, q in VARIANT_CASES]
+    "variant,heads,s_q",
+    full(VARIANT_CASES, _CI_VARIANT_CASES, "the scorer body at every H, one case of the others"),
+    ids=[f"{VARIANT_IDS[VARIANTS.index(v)]}-{h}-{q}" for v, h, q in VARIANT_CASES],
 )
 def test_cross_lowers_every_kernel_variant_for_sm90(variant, heads, s_q):
     config = MlaDecodeConfig(**variant)

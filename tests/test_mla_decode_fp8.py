@@ -19,6 +19,7 @@ import pytest
 
 from pallas_kernels import MlaDecodeConfig, backend, mla_decode, mla_decode_reference, quantize_latent_fp8
 from pallas_kernels.mla_decode import plan
+from tests.tiers import full
 
 SCALE = 192**-0.5
 BLOCK_MAGNITUDES = np.repeat([1.0, 4.0, 16.0, 64.0], 128)
@@ -86,7 +87,14 @@ INTERPRET_CASES = [
 ]
 
 
-@pytest.mark.parametrize("heads,s_q,causal,seq_lens,max_pages,num_splits", INTERPRET_CASES)
+@pytest.mark.parametrize(
+    "heads,s_q,causal,seq_lens,max_pages,num_splits",
+    full(
+        INTERPRET_CASES,
+        [INTERPRET_CASES[i] for i in (1, 3, 5)],
+        "both bodies, causal, page boundaries, split combine and two row blocks run by default",
+    ),
+)
 def test_interpret_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits):
     """Guards: a scale applied to the wrong 128-column block, the rope columns not copied into the
     key buffer (or, transposed, their scores not added), page-tail rows not zeroed (NaN through
@@ -136,8 +144,13 @@ def _lower(batch, s_q, heads, max_pages, *, causal, config=None):
     return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("heads", [16, 32, 64, 128])
-@pytest.mark.parametrize("s_q,batch,max_pages", [(1, 128, 128), (2, 1, 512), (4, 8, 65)])
+_CROSS = [(h, *shape) for shape in [(1, 128, 128), (2, 1, 512), (4, 8, 65)] for h in (16, 32, 64, 128)]
+
+
+@pytest.mark.parametrize(
+    "heads,s_q,batch,max_pages",
+    full(_CROSS, [c for c in _CROSS if c[1] == 4] + [(16, 1, 128, 128), (128, 2, 1, 512)], "s_q = 4 at every H"),
+)
 def test_cross_lowers_for_sm90(heads, s_q, batch, max_pages):
     """Guards: an fp8 body that does not compile for sm_90 (SMEM over 227 KB, a TMA box or
     register layout the 656-byte rows break) at any supported head count and query length."""

@@ -23,9 +23,14 @@ from micro_configs import MICRO_V3, narrow_v2_lite
 
 from mla_jax.sharding import DEFAULT_RULES, MESH_AXES, make_mesh, model_specs, spec_for
 from models import DeepSeekModel
+from tests.tiers import full, full_tier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8", "dp2", "dp2ep2", "ep2tp2", "mixed")
+# The default tier (tests/tiers.py): one and eight ways of tensor and of expert parallelism, data alone, and
+# the mixed mesh with every axis at once (sharding_cases.CI_MESHES); `--full` adds the rest.
+CI_MESHES = ("tp2", "tp8", "ep4", "ep8", "dp2", "mixed")
+_WHY = "the mixed mesh (every axis at once) and the one- and eight-way meshes of each axis run in the default tier"
 TRAIN_MESHES = ("mixed",)  # sharding_cases.TRAIN_MESHES
 FSDP_MESH = "mixed"  # sharding_cases.FSDP_MESH
 ATOL = 1e-5
@@ -44,11 +49,13 @@ def _flat_specs(model, mesh, rules=DEFAULT_RULES, fsdp=False):
 
 
 @pytest.fixture(scope="module")
-def cases():
-    """{mesh name: the JSON line sharding_cases.py printed for it}; one subprocess for the module."""
+def cases(request):
+    """{mesh name: the JSON line sharding_cases.py printed for it}; one subprocess for the module (the
+    default tier's meshes, or every mesh under `--full`)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    tier = [] if full_tier(request.config) else ["--ci"]
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "sharding_cases.py")],
+        [sys.executable, os.path.join(ROOT, "tests", "sharding_cases.py"), *tier],
         capture_output=True,
         text=True,
         env=env,
@@ -151,10 +158,10 @@ def test_the_subprocess_has_eight_devices(cases):
     """The flag was set too late (after jax started): every 'mesh' would hold one device and every
     case below would compare the single-device model with itself."""
     assert cases["devices"]["count"] == 8
-    assert set(MESHES) <= cases.keys()
+    assert set(CI_MESHES) <= cases.keys()
 
 
-@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("mesh", full(MESHES, CI_MESHES, _WHY))
 def test_forward_equals_one_device(cases, mesh):
     """Logits and MTP logits of the sharded model, inputs split over `data`, equal the single-device
     model (fp32): catches a partitioning that sums partial heads twice or not at all (a missing or
@@ -167,9 +174,10 @@ def test_forward_equals_one_device(cases, mesh):
 
 
 EAGER_MESHES = ("ep4", "dp2", "dp2ep2", "ep2tp2", "mixed")  # sharding_cases.EAGER_MESHES
+CI_EAGER_MESHES = ("ep4", "mixed")  # sharding_cases.CI_EAGER_MESHES: expert alone, and every axis at once
 
 
-@pytest.mark.parametrize("mesh", EAGER_MESHES)
+@pytest.mark.parametrize("mesh", full(EAGER_MESHES, CI_EAGER_MESHES, "the eager forward on ep4 and mixed"))
 def test_eager_forward_with_mtp_equals_one_device(cases, mesh):
     """`model(ids, with_mtp=True)` called eagerly (no jax.jit) on the sharded model equals the single-device
     logits and MTP logits. The MTP layer is an MoE layer (DeepSeek-V3's layout) and, unlike the main
@@ -182,7 +190,7 @@ def test_eager_forward_with_mtp_equals_one_device(cases, mesh):
     assert e["logits_diff"] <= ATOL and e["mtp_diff"] <= ATOL, e
 
 
-@pytest.mark.parametrize("mesh", ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8"))
+@pytest.mark.parametrize("mesh", full(("tp2", "tp4", "tp8", "ep2", "ep4", "ep8"), CI_MESHES, _WHY))
 def test_only_activations_move(cases, mesh):
     """Under tensor or expert parallelism alone the compiled forward moves only activations: all-reduces
     of float arrays shaped like tokens ([B, T, D] after wo / down_proj, [T·K, ...] assignment rows of
@@ -211,7 +219,7 @@ def test_each_data_rank_routes_its_own_tokens(cases, mesh):
             assert dims[-1] != D and not (t.startswith("s32") and dims[0] in TK), (op, t)
 
 
-@pytest.mark.parametrize("mesh", ("ep2", "ep4", "ep8"))
+@pytest.mark.parametrize("mesh", full(("ep2", "ep4", "ep8"), CI_MESHES, _WHY))
 def test_expert_parallelism_sums_once(cases, mesh):
     """Under `expert` alone each rank computes the assignments to its own experts (MoE.parallel, a
     shard_map over `expert`) and the one collective of a MoE block is the all-reduce of its [B·T, D]
@@ -220,14 +228,14 @@ def test_expert_parallelism_sums_once(cases, mesh):
     assert cases[mesh]["collectives"] == [["all-reduce", "f32[32,32]"], ["all-reduce", "f32[28,32]"]]
 
 
-@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("mesh", full(MESHES, CI_MESHES, _WHY))
 def test_greedy_tokens_equal_one_device(cases, mesh):
     """Greedy decoding (recomputing the causal forward each step) gives the single-device tokens."""
     c = cases[mesh]
     assert c["tokens"] == c["ref_tokens"]
 
 
-@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("mesh", full(MESHES, CI_MESHES, _WHY))
 def test_placements_read_from_addressable_shards(cases, mesh):
     """Each device holds 1/tensor of wq_b's and wkv_b's head columns and of wo's head rows,
     1/expert of the routed experts (1/tensor of their width), its vocab slice of the embedding and
