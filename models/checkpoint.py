@@ -19,10 +19,16 @@ the checkpoint must then say so (`quantization_config`: quant_method "fp8", fmt 
 is refused in one line, never quantized on the way in. safetensors 0.8 cannot read F8_E4M3 through numpy/flax, so
 this module parses the file format itself (8-byte header length, JSON header, raw bytes) and
 views the bytes with `ml_dtypes` (§5.4). Pickle formats (.bin/.pt/...) are refused.
+
+Loading streams: every check (names, shapes, dtypes, scale pairs) reads only the files' headers; then the
+files are read one at a time, memory-mapped, each tensor converted on its own and put on the device (a
+scanned layer stack is a device buffer written slice by slice, in place), so the host allocates about one
+tensor's conversion at a time, never a whole stack or the whole checkpoint; a progress bar on a terminal.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -33,6 +39,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax import lax
+from tqdm import tqdm
 
 from mla_jax import fp8_weights
 from mla_jax.config import ModelConfig, read_json_object
@@ -55,6 +63,7 @@ _ST_TO_NP = {
 _NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 FP8_BLOCK = 128
+SCALE_SUFFIX = "_scale_inv"
 # Buffers some exporters write that carry no parameters (recomputed from the config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -217,44 +226,69 @@ def checkpoint_files(path: str) -> list[str]:
     return files
 
 
+class _Stored:
+    """A tensor as a checkpoint stores it: its file, shape and dtype (read from the header; no data)."""
+
+    __slots__ = ("file", "shape", "dtype")
+
+    def __init__(self, file: str, shape: tuple, dtype: np.dtype):
+        self.file, self.shape, self.dtype = file, shape, dtype
+
+
+def _stored_tensors(path: str) -> dict[str, _Stored]:
+    """Every tensor of a checkpoint by HF name -> where and how it is stored, from the files' headers (the
+    data stays on disk), with the fp8 weight / `_scale_inv` pairs checked as `read_hf_tensors` does."""
+    stored: dict[str, _Stored] = {}
+    for file in checkpoint_files(path):
+        for k, v in read_safetensors(file).items():  # memory-mapped views: only the header is read
+            if k in stored:
+                raise ValueError(f"tensor {k!r} appears in more than one shard: {stored[k].file} and {file}")
+            stored[k] = _Stored(file, tuple(v.shape), v.dtype)
+    for k, v in stored.items():
+        if k.endswith(SCALE_SUFFIX):
+            if k[: -len(SCALE_SUFFIX)] not in stored:
+                raise ValueError(
+                    f"{v.file}: unexpected tensor {k!r}: scale without its weight {k[: -len(SCALE_SUFFIX)]!r}"
+                )
+            continue
+        if v.dtype in (_ST_TO_NP["F8_E4M3"], _ST_TO_NP["F8_E5M2"]):
+            s = stored.get(k + SCALE_SUFFIX)
+            if s is None:
+                raise ValueError(f"{v.file}: fp8 tensor {k!r} has no {k + SCALE_SUFFIX!r} block scales")
+            if len(v.shape) != 2:
+                raise ValueError(f"{v.file}: fp8 tensor {k!r} must be 2-D, got shape {v.shape}")
+            try:
+                check_fp8_scales(np.empty(v.shape, np.uint8), np.empty(s.shape, np.uint8))
+            except ValueError as e:
+                raise ValueError(f"{v.file}: tensor {k + SCALE_SUFFIX!r}: {e}") from None
+        elif k + SCALE_SUFFIX in stored:
+            raise ValueError(f"{v.file}: tensor {k!r} has block scales {k + SCALE_SUFFIX!r} but is {v.dtype}, not fp8")
+    return stored
+
+
+def _is_fp8(dtype) -> bool:
+    return dtype in (_ST_TO_NP["F8_E4M3"], _ST_TO_NP["F8_E5M2"])
+
+
 def read_hf_tensors(path: str, *, dequantize: bool = True) -> dict[str, np.ndarray]:
     """Every tensor of a checkpoint, HF names, fp8 block-scaled weights dequantized to float32
     (`dequantize=False`: kept as stored, e4m3 beside its `<name>_scale_inv`, the pairs checked the same way).
+    The whole checkpoint in host memory (memory-mapped where kept as stored); `load_hf_checkpoint` streams
+    instead.
 
     ValueErrors name the file and the tensor (see `read_safetensors`, `checkpoint_files`).
     """
+    stored = _stored_tensors(path)
     raw: dict[str, np.ndarray] = {}
-    origin: dict[str, str] = {}  # tensor -> the file it came from, for messages
-    for file in checkpoint_files(path):
-        for k, v in read_safetensors(file).items():
-            if k in raw:
-                raise ValueError(f"tensor {k!r} appears in more than one shard: {origin[k]} and {file}")
-            raw[k], origin[k] = v, file
+    for file in sorted({v.file for v in stored.values()}):
+        raw.update(read_safetensors(file))
     out = {}
     for k, v in raw.items():
-        if k.endswith("_scale_inv"):
-            if k[: -len("_scale_inv")] not in raw:
-                raise ValueError(
-                    f"{origin[k]}: unexpected tensor {k!r}: scale without its weight {k[: -len('_scale_inv')]!r}"
-                )
+        if k.endswith(SCALE_SUFFIX):
             if not dequantize:
                 out[k] = v
-            continue
-        if v.dtype in (_ST_TO_NP["F8_E4M3"], _ST_TO_NP["F8_E5M2"]):
-            s = raw.get(k + "_scale_inv")
-            if s is None:
-                raise ValueError(f"{origin[k]}: fp8 tensor {k!r} has no {k + '_scale_inv'!r} block scales")
-            if v.ndim != 2:
-                raise ValueError(f"{origin[k]}: fp8 tensor {k!r} must be 2-D, got shape {v.shape}")
-            try:
-                check_fp8_scales(v, s)
-                out[k] = dequantize_fp8_blocks(v, s) if dequantize else v
-            except ValueError as e:
-                raise ValueError(f"{origin[k]}: tensor {k + '_scale_inv'!r}: {e}") from None
-        elif k + "_scale_inv" in raw:
-            raise ValueError(
-                f"{origin[k]}: tensor {k!r} has block scales {k + '_scale_inv'!r} but is {v.dtype}, not fp8"
-            )
+        elif _is_fp8(v.dtype) and dequantize:
+            out[k] = dequantize_fp8_blocks(v, raw[k + SCALE_SUFFIX])
         else:
             out[k] = v
     return out
@@ -269,7 +303,6 @@ def read_hf_tensors(path: str, *, dequantize: bool = True) -> dict[str, np.ndarr
 # model's two scanned stacks (`dense_layers` / `moe_layers`, variables [n, ...]): its entries carry
 # that index and fill (load) or read (save) slice j; every other entry has index None.
 Entry = tuple[tuple, "int | None", str, object]  # (path in the model, stack index, kind, hf name | list)
-SCALE_SUFFIX = "_scale_inv"
 
 
 def _projection(path: tuple, index: int | None, name: str, weights) -> Iterator[Entry]:
@@ -393,23 +426,31 @@ def _check_fp8_release(config_dir: str) -> None:
         )
 
 
-def _keep_fp8_projections(model, entries: list[Entry], tensors: dict[str, np.ndarray], path: str) -> None:
-    """For `load_hf_checkpoint(weights="fp8")`: check that every weight the model keeps in FP8 is stored
-    in e4m3 (ValueError naming the first that is not), and dequantize, in `tensors`, the FP8-stored
-    weights the model keeps dense (their scales dropped)."""
+def _dequantized_on_load(model, entries: list[Entry], stored: dict[str, _Stored], path: str, weights) -> set[str]:
+    """The FP8-stored weights to dequantize while loading: all of them, or with weights="fp8" those the model
+    keeps dense (the others must be stored in e4m3: ValueError naming the first that is not)."""
+    fp8 = {k for k, v in stored.items() if _is_fp8(v.dtype)}
+    if weights != "fp8":
+        return fp8
     kept = set()
     for mpath, _, _, names in entries:
         if not isinstance(_variable(model, mpath), fp8_weights.Fp8Weight):
             continue
         for n in [names] if isinstance(names, str) else names:
             kept.add(n)
-            if n in tensors and tensors[n].dtype != fp8_weights.FP8_DTYPE:
+            if n in stored and stored[n].dtype != fp8_weights.FP8_DTYPE:
                 raise ValueError(
                     f"weights='fp8' keeps FP8 weights as released, but checkpoint {path!r} stores {n!r} as "
-                    f"{tensors[n].dtype}, not float8_e4m3fn with a weight_scale_inv: load it without weights="
+                    f"{stored[n].dtype}, not float8_e4m3fn with a weight_scale_inv: load it without weights="
                 )
-    for n in [k for k in tensors if k not in kept and k + SCALE_SUFFIX in tensors]:
-        tensors[n] = dequantize_fp8_blocks(tensors[n], tensors.pop(n + SCALE_SUFFIX))
+    return fp8 - kept
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put(buf, value, start):
+    """buf with `value` written at `start` (leading indices; the rest from 0), in place (donated)."""
+    value = value.reshape((1,) * len(start) + value.shape)
+    return lax.dynamic_update_slice(buf, value.astype(buf.dtype), (*start, *(0,) * (buf.ndim - len(start))))
 
 
 def load_hf_checkpoint(
@@ -448,7 +489,7 @@ def load_hf_checkpoint(
     fp8_weights.check_weights(weights)
     if weights == "fp8":
         _check_fp8_release(config_dir)
-    tensors = read_hf_tensors(path, dequantize=weights != "fp8")
+    stored = _stored_tensors(path)
     if dtype is None:
         dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     param_dtype = dtype if param_dtype is None else param_dtype
@@ -464,18 +505,22 @@ def load_hf_checkpoint(
         )
     )
     entries = hf_entries(cfg, weights)
-    if weights == "fp8":
-        _keep_fp8_projections(model, entries, tensors, path)
+    dequantized = _dequantized_on_load(model, entries, stored, path, weights)
     copies = _mtp_copies(cfg)
     expected = {n for _, _, _, names in entries for n in ([names] if isinstance(names, str) else names)}
-    missing = sorted(expected - tensors.keys())
+    missing = sorted(expected - stored.keys())
     if missing:
         raise ValueError(
             f"checkpoint {path!r} lacks {len(missing)} tensor(s) the config needs: {missing[:8]}"
             + (" ..." if len(missing) > 8 else "")
         )
     unexpected = sorted(
-        k for k in tensors if k not in expected and k not in copies and not k.endswith(_IGNORED_SUFFIXES)
+        k
+        for k in stored
+        if k not in expected
+        and k not in copies
+        and not k.endswith(_IGNORED_SUFFIXES)
+        and not (k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] in dequantized)
     )
     if unexpected:
         raise ValueError(
@@ -484,53 +529,65 @@ def load_hf_checkpoint(
         )
     # Every mapped tensor's shape and dtype first: a bad main tensor must be named as such, not through
     # the MTP copy that no longer matches it.
+    target: dict[str, tuple] = {}  # HF name -> (variable path, leading indices in the variable, kind)
     for mpath, index, kind, names in entries:
         var = _variable(model, mpath)
         shape = tuple(var.shape) if index is None else tuple(var.shape[1:])
         want = _hf_shape(shape, kind)
-        for n in [names] if isinstance(names, str) else names:
-            if tuple(tensors[n].shape) != want:
-                raise ValueError(f"tensor {n!r} has shape {tuple(tensors[n].shape)}, expected {want} for this config")
-            stored = tensors[n].dtype
-            if stored.kind in "iub" and jnp.issubdtype(var.dtype, jnp.floating):
+        lead = () if index is None else (index,)
+        for e, n in enumerate([names] if isinstance(names, str) else names):
+            if stored[n].shape != want:
+                raise ValueError(f"tensor {n!r} has shape {stored[n].shape}, expected {want} for this config")
+            if stored[n].dtype.kind in "iub" and jnp.issubdtype(var.dtype, jnp.floating):
                 raise ValueError(
-                    f"tensor {n!r} is stored as {stored}, but it is a floating-point weight ({np.dtype(var.dtype)} "
-                    "here): a float tensor written with an integer dtype has lost its fractions"
+                    f"tensor {n!r} is stored as {stored[n].dtype}, but it is a floating-point weight "
+                    f"({np.dtype(var.dtype)} here): a float tensor written with an integer dtype has lost its fractions"
                 )
+            target[n] = (mpath, lead + ((e,) if kind in ("stack", "stackT") else ()), kind)
     for copy, main in copies.items():
-        if copy in tensors:
-            a, b = tensors[copy], tensors[main]
+        if copy in stored:
+            a, b = _read(stored, copy), _read(stored, main)
             same = a.shape == b.shape and (
                 np.array_equal(a, b)
                 if a.dtype == b.dtype
                 else np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
             )
+            del a, b
             if not same:
                 raise ValueError(
                     f"tensor {copy!r} should be a copy of {main!r} (the MTP module shares it), but it differs"
                 )
-    stacked: dict[tuple, np.ndarray] = {}  # a stacked variable's host buffer, filled layer by layer
-    for mpath, index, kind, names in entries:
-        var = _variable(model, mpath)
-        if kind == "T":
-            arr = np.asarray(tensors[names]).T
-        elif kind == "stackT":
-            arr = np.stack([np.asarray(tensors[n]).T for n in names])
-        elif kind == "stack":
-            arr = np.stack([np.asarray(tensors[n]) for n in names])
-        else:
-            arr = np.asarray(tensors[names])
-        if arr.dtype.itemsize < 2 and var.dtype != fp8_weights.FP8_DTYPE:
-            arr = arr.astype(np.float32)
-        if index is None:
-            var.set_value(jnp.asarray(arr, dtype=var.dtype))
-        else:
-            if mpath not in stacked:
-                stacked[mpath] = np.empty(tuple(var.shape), np.dtype(var.dtype))
-            stacked[mpath][index] = arr
-    for mpath, buf in stacked.items():
-        var = _variable(model, mpath)
-        var.set_value(jnp.asarray(buf, dtype=var.dtype))
+    # Stream: one file at a time, each tensor straight to the device (a stacked variable is a device buffer
+    # written slice by slice); the host holds the file's pages it reads and one tensor's conversion.
+    bufs: dict[tuple, jax.Array] = {}
+    files = sorted({stored[n].file for n in target})
+    total = sum(os.path.getsize(f) for f in files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=None, leave=False) as bar:
+        for file in files:
+            views = read_safetensors(file)
+            for n, view in views.items():
+                if n not in target:
+                    continue
+                mpath, start, kind = target[n]
+                var = _variable(model, mpath)
+                arr = view
+                if n in dequantized:
+                    arr = dequantize_fp8_blocks(view, _read(stored, n + SCALE_SUFFIX, views))
+                if kind in ("T", "stackT"):
+                    arr = arr.T
+                if arr.dtype.itemsize < 2 and var.dtype != fp8_weights.FP8_DTYPE:
+                    arr = arr.astype(np.float32)
+                if not start and kind not in ("stack", "stackT"):
+                    var.set_value(jnp.array(arr, dtype=var.dtype))
+                else:
+                    if mpath not in bufs:
+                        bufs[mpath] = jnp.zeros(var.shape, var.dtype)
+                    bufs[mpath] = _put(bufs[mpath], jnp.array(arr), tuple(np.int32(i) for i in start))
+                del arr
+                bar.update(view.nbytes)
+            del views  # the file's memory map goes with its last view
+    for mpath, buf in bufs.items():
+        _variable(model, mpath).set_value(buf)
     left = [
         jax.tree_util.keystr(k)
         for k, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))
@@ -539,6 +596,13 @@ def load_hf_checkpoint(
     if left:  # every variable must come from the file
         raise RuntimeError(f"internal: model variables not covered by the HF name map: {left}")
     return model
+
+
+def _read(stored: dict[str, _Stored], name: str, views: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """One tensor's data: from `views` (an open file's) when it is there, else read from its own file."""
+    if views is not None and name in views:
+        return views[name]
+    return np.array(read_safetensors(stored[name].file)[name])
 
 
 def to_hf_tensors(model) -> dict[str, np.ndarray]:
