@@ -17,9 +17,11 @@ The ``--config tiny`` defaults: prompts median 24 (max 96), outputs median 8 (ma
 a call, 12 requests per rate at 4 and 16 requests/s.
 
 The engine: ``Engine(model, page_size, max_batch, prefill_chunk, decode_steps, max_context = prompt max +
-output max, min_chunk_bucket = prefill_chunk, min_table_tokens)``: every prefill step is one T bucket (a row's
-chunk of up to ``--prefill-chunk`` tokens, all rows padded to it) and block tables come in a few power-of-two
-widths, so the steps compile a handful of times. `Engine.warm_up` compiles every step shape the workload's
+output max, min_chunk_bucket = prefill_chunk, min_table_tokens, mixed_steps, prefill_budget)``: every prefill step
+is one T bucket (a row's chunk of up to ``--prefill-chunk`` tokens, all rows padded to it), a mixed step one shape
+(every decoding row's token and up to ``--prefill-budget`` prompt tokens; ``--no-mixed``: the alternating
+scheduler, where a prefill step makes the decoding rows wait) and block tables come in a few power-of-two widths,
+so the steps compile a handful of times. `Engine.warm_up` compiles every step shape the workload's
 lengths can meet before the measured rates (a program per block-table width for prefill, and per width and
 decode-loop length for decode; JAX's persistent compilation cache, ``--compile-cache``, keeps them for the next
 run); the ``compiles`` column counts step compilations during a measured rate (0 expected).
@@ -34,10 +36,12 @@ TTFT and token count):
 * ``ttft_p50_s`` / ``ttft_p99_s``: first token time - the request's scheduled arrival;
 * ``itl_p50_ms`` / ``itl_p99_ms``: the gaps between consecutive tokens of a request, over all requests. A
   decode call makes up to ``--decode-steps`` tokens a row that reach the host together, so most gaps are ~0
-  and the p99 shows the stalls (a call's wall time, prefill steps that decode rows wait behind);
+  and the p99 shows the stalls (a call's wall time, so at least ``--decode-steps`` steps; prefill steps that
+  decode rows wait behind, with ``--no-mixed``; mixed steps, one token each);
 * ``tpot_p50_ms`` / ``tpot_p99_ms``: per request, (last token time - first token time) / (tokens - 1);
 * ``decode_ms_step``: the median over the rate's decode calls of wall time / model steps of the call;
-* ``prefill_steps``, ``decode_calls``, ``max_running`` (requests in slots at once, sampled each turn);
+* ``prefill_steps``, ``decode_calls``, ``max_running`` (requests in slots at once, sampled each turn); mixed
+  steps are not in these columns (serve.json's rows and the log line have ``mixed_steps``);
 * ``lost``: requests that did not end with exactly their ``max_new_tokens`` tokens (0 expected; the run
   exits with status 1 otherwise).
 Greedy check: the first ``--check`` requests of the workload are run alone (``Engine.generate`` on the idle
@@ -85,6 +89,7 @@ DEFAULTS = {
     "prefill_chunk": (512, 32),
     "min_table_tokens": (1024, 128),
     "decode_steps": (8, 2),
+    "prefill_budget": (512, 32),
     "dtype": ("bf16", "fp32"),
     "kv_dtype": ("bf16", "fp32"),
 }
@@ -166,6 +171,7 @@ def serve(engine: Engine, reqs: list[dict], offsets: np.ndarray) -> tuple[list, 
         arrive=arrive,
         prefill_steps=stats.prefill_steps,
         decode_calls=stats.decode_calls,
+        mixed_steps=stats.mixed_steps,
         decode_ms_step=statistics.median(stats.decode_call_ms_per_step) if stats.decode_call_ms_per_step else None,
         max_running=max_running,
         compiles=sum(trace_counts().values()) - traces0,
@@ -204,6 +210,7 @@ def summarize(rate: float, reqs, handles, c: dict) -> dict:
         decode_ms_step=c["decode_ms_step"],
         prefill_steps=c["prefill_steps"],
         decode_calls=c["decode_calls"],
+        mixed_steps=c["mixed_steps"],
         max_running=c["max_running"],
         compiles=c["compiles"],
         lost=lost,
@@ -272,6 +279,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, help="prompt tokens a row prefills per step (full 512; tiny 32)")
     p.add_argument("--min-table-tokens", type=int, help="the smallest block-table width (full 1024; tiny 128)")
     p.add_argument("--decode-steps", type=int, help="decode steps a device call (full 8; tiny 2)")
+    p.add_argument("--prefill-budget", type=int, help="prompt tokens a mixed step carries (full 512; tiny 32)")
+    p.add_argument(
+        "--no-mixed", action="store_true", help="no mixed steps: the decoding rows wait for each prefill step (A/B)"
+    )
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="weights and compute (full bf16; tiny fp32)")
     p.add_argument("--kv-dtype", help="page format (full bf16; tiny fp32)")
     p.add_argument("--attention-impl", default="auto", help="the engine's attention_impl")
@@ -295,7 +306,16 @@ def resolve(args) -> argparse.Namespace:
         raise SystemExit(f"serve: error: --rates must be comma-separated numbers, got {args.rates!r}") from None
     if not args.rate_list or any(r <= 0 for r in args.rate_list):
         raise SystemExit(f"serve: error: --rates must be positive, got {args.rates!r}")
-    for name in ("requests", "prompt_max", "output_max", "max_batch", "page_size", "prefill_chunk", "decode_steps"):
+    for name in (
+        "requests",
+        "prompt_max",
+        "output_max",
+        "max_batch",
+        "page_size",
+        "prefill_chunk",
+        "decode_steps",
+        "prefill_budget",
+    ):
         if getattr(args, name) < 1:
             raise SystemExit(f"serve: error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.check < 0 or args.check > args.requests:
@@ -320,6 +340,8 @@ def build_engine(args, cache_fill: float = 0.0) -> tuple[Engine, object, float]:
         kv_dtype=kv_dtype_arg(args.kv_dtype),
         attention_impl=args.attention_impl,
         cache_fill=cache_fill,
+        mixed_steps=not args.no_mixed,
+        prefill_budget=args.prefill_budget,
     )
     return engine, cfg, build_s
 
@@ -335,7 +357,8 @@ def main(argv=None):
         f"# serve: {args.model} ({args.config}, {args.dtype}), {len(reqs)} requests a rate, prompts "
         f"{min(len(r['prompt']) for r in reqs)}..{max(len(r['prompt']) for r in reqs)} tokens, outputs "
         f"{min(r['max_new_tokens'] for r in reqs)}..{max(r['max_new_tokens'] for r in reqs)}; engine B="
-        f"{args.max_batch}, {engine.num_pages} pages of {args.page_size}, backend {engine.backend}; "
+        f"{args.max_batch}, {engine.num_pages} pages of {args.page_size}, backend {engine.backend}, "
+        f"{'alternating steps' if args.no_mixed else f'mixed steps of {engine.prefill_budget} prompt tokens'}; "
         f"model built in {build_s:.1f} s"
     )
     rng = np.random.default_rng(args.seed + 1)
@@ -355,7 +378,8 @@ def main(argv=None):
             f"rate {rate:g}/s: {row['req_s']:.2f} req/s, {row['out_tok_s']:.0f} tok/s, TTFT p50 "
             f"{row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s, ITL p99 {row['itl_p99_ms']:.1f} ms, TPOT p50 "
             f"{row['tpot_p50_ms']:.1f} ms, decode {row['decode_ms_step'] or float('nan'):.2f} ms/step, "
-            f"{row['compiles']} compiles, {row['lost']} lost"
+            f"{row['prefill_steps']} prefill / {row['mixed_steps']} mixed steps, {row['compiles']} compiles, "
+            f"{row['lost']} lost"
         )
     # Greedy check: the first requests alone on the idle engine.
     alone = [engine.generate([r["prompt"]], max_new_tokens=r["max_new_tokens"]).tokens[0] for r in reqs[: args.check]]
@@ -371,7 +395,13 @@ def main(argv=None):
         dict(
             header=header,
             settings=settings,
-            engine=dict(num_pages=engine.num_pages, max_context=engine.max_context, backend=engine.backend),
+            engine=dict(
+                num_pages=engine.num_pages,
+                max_context=engine.max_context,
+                backend=engine.backend,
+                mixed_steps=engine.mixed_steps,
+                prefill_budget=engine.prefill_budget,
+            ),
             build_s=build_s,
             warm_up=dict(compiles=warm_compiles, seconds=time.perf_counter() - t_warm if not args.no_warmup else 0),
             requests=[dict(prompt=len(r["prompt"]), max_new_tokens=r["max_new_tokens"]) for r in reqs],

@@ -32,7 +32,7 @@ from mla_jax.attention import CACHE_IMPLS, cache_kernel_problems, resolve_cache_
 from mla_jax.kv_cache import INTERPRET_ON_DATA_RANKS, CacheFullError, PagedLatentCache, next_pow2
 from mla_jax.sharding import batch_axes, shard_model
 from models.sampling import SamplingParams
-from models.scheduler import FINISH_REASONS, GenerationStats, _Generation, _Request, rows_needed
+from models.scheduler import FINISH_REASONS, MIXED_TILE, GenerationStats, _Generation, _Request, rows_needed
 from models.steps import (
     MAX_DRAFT_TOKENS,
     StepInputs,
@@ -53,6 +53,9 @@ ON_CACHE_FULL = ("fail_request", "raise")
 PREFILL_CHUNK = 512
 FLASH_PREFILL_TOKENS = 16384
 FLASH_PREFILL_CHUNK = 8192
+# Prompt tokens a mixed step carries by default (`Engine(prefill_budget=...)`): on V2-Lite about a decode step's
+# worth of extra compute, so a mixed step costs at most ~2x a decode step (docs/NOTES.md, "Mixed steps").
+PREFILL_BUDGET = 512
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -61,6 +64,8 @@ __all__ = [
     "FINISH_REASONS",
     "GenerationResult",
     "GenerationStats",
+    "MIXED_TILE",
+    "PREFILL_BUDGET",
     "RequestHandle",
     "RequestResult",
     "SamplingParams",
@@ -228,6 +233,14 @@ class Engine:
       decode_steps: plain decode steps (no MTP) one device call runs, sampling, feeding tokens back and
         finding stops on the device (`models.steps.decode_loop`); the host sees the tokens once a call.
         Pages for them are reserved up front; a row that stops early idles until the call ends.
+      mixed_steps: while some rows decode and others are in their prompts, one step carries both (`models.
+        scheduler`): every decoding row's next token and up to `prefill_budget` prompt tokens, so a long prompt
+        never stops the decoding rows. Not with MTP (`use_mtp`) nor with data ranks > 1: there, and with
+        `mixed_steps=False`, such a step is a prefill step and the decoding rows wait for it. Greedy tokens are
+        the same either way. Read at every step (may be changed between steps).
+      prefill_budget: prompt tokens a mixed step carries, first come first served over the prompts (rounded up
+        to a multiple of `MIXED_TILE`, the tokens a row of a mixed step holds): a mixed step computes
+        (max_batch + prefill_budget / MIXED_TILE) x MIXED_TILE tokens.
       mesh: a `jax.sharding.Mesh` (`mla_jax.sharding.make_mesh`): the weights are placed by
         `mla_jax.sharding.shard_model`; the steps are partitioned by GSPMD. With `data` = 1 the page pools
         are replicated on every device. With `data` = D > 1 (the batch's mesh axes), a page pool per data
@@ -258,6 +271,8 @@ class Engine:
         mesh=None,
         naive_threshold: int | None = None,
         decode_steps: int = 8,
+        mixed_steps: bool = True,
+        prefill_budget: int = PREFILL_BUDGET,
     ):
         cfg = model.cfg
         if naive_threshold is not None:  # the earlier name
@@ -270,9 +285,12 @@ class Engine:
             ("min_chunk_bucket", min_chunk_bucket, 1),
             ("min_table_tokens", min_table_tokens, 1),
             ("decode_steps", decode_steps, 1),
+            ("prefill_budget", prefill_budget, 1),
         ):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"Engine {name} must be an integer >= {lo}, got {v!r}")
+        if not isinstance(mixed_steps, bool):
+            raise ValueError(f"Engine mixed_steps must be True or False, got {mixed_steps!r}")
         if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1):
             raise ValueError(f"Engine num_pages must be a positive integer or None, got {num_pages!r}")
         if max_context is not None and (
@@ -322,6 +340,9 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.decompressed_threshold = decompressed_threshold
         self.decode_steps = decode_steps
+        self.mixed_steps = mixed_steps
+        self.mixed_rows = -(-prefill_budget // MIXED_TILE)  # a mixed step's rows of prompt pieces
+        self.prefill_budget = self.mixed_rows * MIXED_TILE
         self.max_context = max_context
         self.min_chunk_bucket = min_chunk_bucket
         self.min_table_pages = -(-min_table_tokens // page_size)
@@ -336,7 +357,9 @@ class Engine:
             page_size=page_size,
             latent_dim=cfg.latent_dim,
             max_seqs=max_batch,
-            max_pages_per_seq=next_pow2(pages_per_seq),
+            # A block table also covers the padding queries a verify or mixed step's row has past its last
+            # token (the decode kernel counts them in), up to MIXED_TILE - 1 = MAX_DRAFT_TOKENS past max_context.
+            max_pages_per_seq=next_pow2(-(-(max_context + MIXED_TILE - 1) // page_size)),
             page_format=kv_dtype,
             fill_value=cache_fill,
             rope_dim=cfg.qk_rope_head_dim,
@@ -540,9 +563,11 @@ class Engine:
 
     def step(self) -> bool:
         """One engine step for every running request (admission first: waiting requests take free slots):
-        one prefill chunk for the rows still in their prompts, else up to `decode_steps` decode steps (or
-        one MTP verify) for every row; then their new tokens to their `on_token` callbacks. -> whether any
-        request still waits or runs (False: nothing was done)."""
+        while rows are in their prompts, a mixed step (one token for every decoding row and up to
+        `prefill_budget` prompt tokens) or, when no row decodes (or without mixed steps), a prefill step (a chunk
+        for each row in its prompt); else up to `decode_steps` decode steps (or one MTP verify) for every row;
+        then their new tokens to their `on_token` callbacks. -> whether any request still waits or runs (False:
+        nothing was done)."""
         return self._sched.step()
 
     def run_until_idle(self) -> None:
@@ -553,7 +578,8 @@ class Engine:
     def warm_up(self, max_tokens: int | None = None, use_mtp: bool = False, mtp_draft_tokens: int = 1) -> int:
         """Compile, ahead of any request, the steps of every shape a request of up to `max_tokens` tokens
         (prompt + new; default `max_context`) can meet: each prefill chunk bucket and each decode-loop length
-        (with `use_mtp`: the MTP verify) at each block-table width, greedy sampling (another sampler compiles
+        (with `use_mtp`: the MTP verify) at each block-table width, and the mixed step at each of its widths
+        (when `mixed_steps` serves: no MTP, one data rank), greedy sampling (another sampler compiles
         on first use). Each runs once on idle rows, which write and read nothing. Only while no request waits
         or runs (ValueError otherwise). -> the step compilations it caused (0 when all were compiled)."""
         if max_tokens is not None and (

@@ -16,8 +16,13 @@ A request (`_Request`) is submitted at any time and waits; `_Generation.step()` 
 A request can be cancelled between steps (or from a callback); ending a request, for any reason, touches
 only its own slot and pages.
 
-A step is either prefill (every row still in its prompt: one chunk each; decode rows wait) or decode (every
-row: up to `decode_steps` tokens in one device call, or one MTP verify).
+A step is one of three kinds:
+- prefill: no row decodes; every row still in its prompt prefills one chunk (up to `prefill_chunk` tokens);
+- mixed (`mixing`: the engine's `mixed_steps`, no MTP, one data rank): some rows decode and some are in their
+  prompts; every decoding row makes one token, and the prompts take up to the engine's prefill budget of
+  tokens, first come first served, cut into `MIXED_TILE`-token rows of the step (`run_mixed`);
+- decode: every row decodes: up to `decode_steps` tokens in one device call, or one MTP verify.
+Without `mixing`, a step with any row in its prompt is a prefill step and the decoding rows wait.
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ import numpy as np
 from mla_jax.kv_cache import CacheFullError, KVCache, next_pow2
 from mla_jax.sharding import shard_batch
 from models.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
-from models.steps import NON_FINITE, StepInputs, trace_counts
+from models.steps import MAX_DRAFT_TOKENS, NON_FINITE, StepInputs, trace_counts
 
 FINISH_REASONS = ("stop", "length", "context", "error", "cancelled")
 MIN_STOP_IDS = 4  # the smallest stop-id width of a decode call
+# Query tokens a row of a mixed step carries: those of a verify step's row, so that the layers attend with the
+# decode kernel straight on the pages (docs/NOTES.md, "Mixed steps", has the cost arithmetic).
+MIXED_TILE = MAX_DRAFT_TOKENS + 1
 
 
 def rows_needed(cached: int, k: int, n_spec: int = 0) -> int:
@@ -70,7 +78,10 @@ class GenerationStats(collections.abc.Mapping):
     requests (None outside `generate`). decode_tokens counts tokens computed by decode steps, including
     tokens cut off by a stop; decode_steps the model steps (a device call of several steps counts its
     longest row's), decode_calls the device calls. `decode_call_ms_per_step`: per decode call that did not
-    compile, its wall time / its steps (not part of the mapping).
+    compile, its wall time / its steps (not part of the mapping). Mixed steps (prompt chunks and decode rows
+    in one step) count in `mixed_steps`, their time in `mixed_s` (or `compile_s`), their prompt tokens in
+    prefill_tokens and their decode rows' tokens in decode_tokens; the tok/s figures are over the prefill and
+    decode steps only, and prefill_steps / decode_steps / decode_calls leave mixed steps out.
     """
 
     prefill_tokens: int = 0
@@ -78,6 +89,7 @@ class GenerationStats(collections.abc.Mapping):
     prefill_steps: int = 0
     decode_steps: int = 0
     decode_calls: int = 0
+    mixed_steps: int = 0
     mtp_drafted: int = 0
     mtp_accepted: int = 0
     use_mtp: bool = False
@@ -85,6 +97,7 @@ class GenerationStats(collections.abc.Mapping):
     ttft_s: float | None = None
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    mixed_s: float = 0.0
     _warm_tokens: dict = dataclasses.field(default_factory=lambda: {"prefill": 0, "decode": 0}, repr=False)
     _all: dict = dataclasses.field(default_factory=lambda: {"prefill": [0, 0.0], "decode": [0, 0.0]}, repr=False)
     pages_used_peak: int = 0
@@ -94,6 +107,7 @@ class GenerationStats(collections.abc.Mapping):
     decode_call_ms_per_step: list = dataclasses.field(default_factory=list, repr=False)
 
     def record(self, kind: str, n_tokens: int, seconds: float, compiled: bool, steps: int = 1) -> None:
+        """One step of `kind` ("prefill" or "decode") that computed `n_tokens` tokens in `steps` model steps."""
         setattr(self, f"{kind}_tokens", getattr(self, f"{kind}_tokens") + n_tokens)
         setattr(self, f"{kind}_steps", getattr(self, f"{kind}_steps") + steps)
         if kind == "decode":
@@ -107,6 +121,16 @@ class GenerationStats(collections.abc.Mapping):
             setattr(self, f"{kind}_s", getattr(self, f"{kind}_s") + seconds)
             if kind == "decode" and steps > 0:
                 self.decode_call_ms_per_step.append(seconds * 1e3 / steps)
+
+    def record_mixed(self, prompt_tokens: int, decode_tokens: int, seconds: float, compiled: bool) -> None:
+        """One mixed step: `prompt_tokens` prompt tokens and `decode_tokens` decode rows' tokens."""
+        self.mixed_steps += 1
+        self.prefill_tokens += prompt_tokens
+        self.decode_tokens += decode_tokens
+        if compiled:
+            self.compile_s += seconds
+        else:
+            self.mixed_s += seconds
 
     def _rate(self, kind: str) -> float:
         n, t = self._warm_tokens[kind], getattr(self, f"{kind}_s")
@@ -135,11 +159,13 @@ class GenerationStats(collections.abc.Mapping):
         "ttft_s",
         "prefill_s",
         "decode_s",
+        "mixed_s",
         "prefill_tokens",
         "decode_tokens",
         "prefill_steps",
         "decode_steps",
         "decode_calls",
+        "mixed_steps",
         "mtp_drafted",
         "mtp_accepted",
         "mtp_acceptance",
@@ -328,8 +354,15 @@ class _Generation:
         return True
 
     # --- the loop ---------------------------------------------------------------------------
+    @property
+    def mixing(self) -> bool:
+        """Whether a step may carry prompt chunks and decode rows together: the engine's `mixed_steps`, without
+        MTP (a decoding row there is a verify step's k + 1 tokens and the draft state is per slot) and on one
+        data rank (a mixed step's rows are not slots, and rows go to data ranks by index)."""
+        return self.e.mixed_steps and not self.k and self.e.data_ranks == 1
+
     def step(self) -> bool:
-        """Admit, then run one prefill or decode step, then deliver its tokens; False when no request
+        """Admit, then run one prefill, mixed or decode step, then deliver its tokens; False when no request
         waits or runs (nothing was done). An exception an `on_token` callback raised ends that request
         ("error") and is raised here once every other token of the step is delivered."""
         if self.stepping:
@@ -352,7 +385,13 @@ class _Generation:
         self._match_draft_probs()
         prefilling = [b for b in live if not self.slots[b].decoding]
         if prefilling:
-            self.run_prefill(prefilling)
+            decoding = [b for b in live if self.slots[b].decoding] if self.mixing else []
+            if decoding:
+                decoding = list(self.reserve_decode(decoding, max_steps=1))  # a row short of pages fails alone
+            if decoding:
+                self.run_mixed(prefilling, decoding)
+            else:
+                self.run_prefill(prefilling)
             return True
         spec = self.reserve_decode(live)
         live = self.live()
@@ -405,11 +444,11 @@ class _Generation:
             if placed is None:
                 self.fail(b, err)
 
-    def reserve_decode(self, live: list[int]) -> dict[int, int]:
+    def reserve_decode(self, live: list[int], max_steps: int | None = None) -> dict[int, int]:
         """Pages for every decoding row's next device call, up front -> {slot: its budget}: with MTP the
-        drafts it verifies, else the decode steps it may take (up to the engine's `decode_steps`, within its
-        token and context budget). A row that cannot get those pages takes one token's worth (no draft, one
-        step) if that fits, else fails alone."""
+        drafts it verifies, else the decode steps it may take (up to `max_steps`, default the engine's
+        `decode_steps`, within its token and context budget). A row that cannot get those pages takes one
+        token's worth (no draft, one step) if that fits, else fails alone."""
         budget = {}
         for b in live:
             seq = self.slots[b]
@@ -418,7 +457,7 @@ class _Generation:
                 n = max(0, min(self.k, left, self.e.max_context - seq.cached - 1))
                 need, fallback, least = rows_needed(seq.cached, self.k, n), rows_needed(seq.cached, self.k, 0), 0
             else:  # step i writes position cached + i and makes the token at cached + i + 1 <= max_context
-                n = min(self.e.decode_steps, left, self.e.max_context - seq.cached)
+                n = min(max_steps or self.e.decode_steps, left, self.e.max_context - seq.cached)
                 need, fallback, least = seq.cached + n, seq.cached + 1, 1
             try:
                 self.cache.reserve(b, need)
@@ -497,19 +536,25 @@ class _Generation:
     def warm_up(self, max_tokens: int) -> int:
         """Run every step shape a request of up to `max_tokens` tokens can meet once, on idle rows (positions
         -1: nothing written, nothing attended): each prefill chunk bucket and each decode-loop length (or the
-        MTP verify) at each block-table width, with the greedy sampler. Only while no request waits or runs.
-        -> the step compilations it caused."""
+        MTP verify) at each block-table width, and when `mixing` the mixed step at each of its widths, with the
+        greedy sampler. Only while no request waits or runs. -> the step compilations it caused."""
         if self.requests:
             raise RuntimeError(f"warm_up needs an idle engine; {len(self.requests)} request(s) in flight")
         e, c = self.e, self.cache
         traces0 = sum(trace_counts().values())
         self.sampler = "greedy"
         self._match_draft_probs()
-        top = c.pages_for(min(max_tokens, e.max_context) + (e.draft_room if self.k else 0))
-        widths = sorted({min(next_pow2(max(e.min_table_pages, p)), c.max_pages_per_seq) for p in range(1, top + 1)})
+        longest = min(max_tokens, e.max_context)
+        widths = self._widths(c.pages_for(longest + (e.draft_room if self.k else 0)))
         chunks = sorted({next_pow2(max(e.min_chunk_bucket, n)) for n in range(1, e.prefill_chunk + 1)})
         loops = sorted({min(e.decode_steps, next_pow2(n)) for n in range(1, e.decode_steps + 1)})
         B = e.max_batch
+        if self.mixing:  # a mixed step's table also covers its rows' padding queries (`run_mixed`)
+            for P in self._widths(c.pages_for(longest - 1 + MIXED_TILE)):
+                rows = list(range(B)) + [0] * e.mixed_rows
+                ids, pos, lengths, last, keys, sp, bt = self._inputs([], MIXED_TILE, P * c.page_size, rows)
+                inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
+                self._call("mixed", e.steps.prefill, inp, None, None, None, None, use_mtp=False, sampler="greedy")
         for P in widths:
             for T in chunks:
                 ids, pos, lengths, last, keys, sp, bt = self._inputs([], T, P * c.page_size)
@@ -541,22 +586,32 @@ class _Generation:
                 )
         return sum(trace_counts().values()) - traces0
 
+    def _widths(self, top: int) -> list[int]:
+        """The block-table widths (pages) of the steps whose tables cover 1 .. `top` pages (`_inputs`' buckets)."""
+        e, c = self.e, self.cache
+        return sorted({min(next_pow2(max(e.min_table_pages, p)), c.max_pages_per_seq) for p in range(1, top + 1)})
+
     # --- steps: host arrays in, the jitted step, host results out ------------------------------
-    def _inputs(self, rows, T: int, table_tokens: int):
-        """Padding inputs for every slot (idle rows: position -1) and the cache over a block table
-        covering `table_tokens` tokens (bucketed to a power of two of pages)."""
+    def _inputs(self, rows, T: int, table_tokens: int, row_slots=None):
+        """Padding inputs for every row of a step (idle rows: position -1) and the cache over a block table
+        covering `table_tokens` tokens (bucketed to a power of two of pages). Row r serves slot `row_slots[r]`
+        (its block table, key and sampling); by default the B rows are the B slots. `rows`: the rows that carry
+        tokens."""
         B, c = self.e.max_batch, self.cache
+        row_slots = list(range(B)) if row_slots is None else row_slots
+        R = len(row_slots)
         P = min(next_pow2(max(self.e.min_table_pages, c.pages_for(table_tokens))), c.max_pages_per_seq)
-        ids = np.zeros((B, T), np.int32)
-        pos = np.full((B, T), -1, np.int32)
-        lengths = np.zeros((B,), np.int32)
-        last = np.zeros((B,), np.int32)
-        keys = np.zeros((B, 2), np.uint32)
-        sp = [SamplingParams(temperature=0.0)] * B
-        for b in rows:
-            keys[b] = self.slots[b].request.key
-            sp[b] = self.slots[b].params
-        return ids, pos, lengths, last, keys, sp, c.block_tables[:, :P].copy()
+        ids = np.zeros((R, T), np.int32)
+        pos = np.full((R, T), -1, np.int32)
+        lengths = np.zeros((R,), np.int32)
+        last = np.zeros((R,), np.int32)
+        keys = np.zeros((R, 2), np.uint32)
+        sp = [SamplingParams(temperature=0.0)] * R
+        for r in rows:
+            seq = self.slots[row_slots[r]]
+            keys[r] = seq.request.key
+            sp[r] = seq.params
+        return ids, pos, lengths, last, keys, sp, c.block_tables[row_slots, :P]
 
     def _record(self, kind: str, n_tokens: int, seconds: float, compiled: bool, steps: int = 1) -> None:
         for st in self.sinks:
@@ -633,6 +688,68 @@ class _Generation:
             seq.cached = seq.prefilled
             if ends[b]:
                 self.emit(b, int(toks[b]), seq.cached)
+
+    def run_mixed(self, prefilling: list[int], decoding: list[int]) -> None:
+        """One mixed step (`models.steps.prefill_step` over [B + mixed_rows, MIXED_TILE]): the next token of
+        every row in `decoding` (its pages reserved), and the next chunks of the prompts in `prefilling`.
+
+        Rows 0 .. B-1 are the slots: row b carries slot b's last sampled token when it decodes, else nothing.
+        The engine's `mixed_rows` rows after them carry the prompts' pieces: the prompts, first come first
+        served, take MIXED_TILE consecutive tokens a row while rows are left, a chunk of one prompt over as many
+        rows as it needs, each row with its slot's block table. Every layer writes the step's latents before any
+        row attends, so a piece sees the pieces before it (by position, causally) as one chunk would. A prompt's
+        first new token is sampled at its last piece, with the key and position a prefill step would use; a
+        decoding row's at its one token, as in a decode step. The compute is (B + mixed_rows) x MIXED_TILE
+        tokens whatever the prompts' lengths."""
+        B, G, slots = self.e.max_batch, MIXED_TILE, self.slots
+        pieces = []  # (slot, first position, tokens) a row
+        chunk = {}  # slot -> prompt tokens this step
+        free_rows = self.e.mixed_rows
+        for b in sorted(prefilling, key=lambda b: slots[b].req):
+            seq = slots[b]
+            take = min(len(seq.prompt) - seq.prefilled, free_rows * G)
+            if take == 0:
+                break
+            end = seq.prefilled + take
+            pieces += [(b, a, min(G, end - a)) for a in range(seq.prefilled, end, G)]
+            chunk[b] = take
+            free_rows -= -(-take // G)
+        row_slots = list(range(B)) + [b for b, _, _ in pieces] + [0] * free_rows
+        # The table covers every page a row holds (a prompt's whole) and, as for a verify step, a row's padding
+        # queries after its last token (the decode kernel counts them in: it sees seq_len = length + G - valid).
+        reach = [slots[b].cached + G for b in decoding] + [a + G for _, a, _ in pieces]
+        held = [len(self.cache.pages_of(b)) * self.cache.page_size for b in [*chunk, *decoding]]
+        ids, pos, lengths, last, keys, sp, bt = self._inputs(
+            decoding + list(range(B, B + len(pieces))), G, max(reach + held), row_slots
+        )
+        for b in decoding:
+            seq = slots[b]
+            ids[b, 0] = seq.pending
+            pos[b, 0] = seq.cached
+            lengths[b] = seq.cached + 1
+        ends = {}  # slot -> the row of its prompt's last token
+        for r, (b, a, n) in enumerate(pieces, start=B):
+            prompt = slots[b].prompt
+            ids[r, :n] = prompt[a : a + n]
+            pos[r, :n] = np.arange(a, a + n)
+            lengths[r] = a + n
+            last[r] = n - 1
+            if a + n == len(prompt):
+                ends[b] = r
+        inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
+        (toks, _, _), dt, compiled = self._call(
+            "mixed", self.e.steps.prefill, inp, None, None, None, None, use_mtp=False, sampler=self.sampler
+        )
+        for st in self.sinks:
+            st.record_mixed(sum(chunk.values()), len(decoding), dt, compiled)
+        for b in decoding:
+            self._advance(b, [int(toks[b])], 0)
+        for b, n in chunk.items():
+            seq = slots[b]
+            seq.prefilled += n
+            seq.cached = seq.prefilled
+            if b in ends:
+                self.emit(b, int(toks[ends[b]]), seq.cached)
 
     def run_decode(self, rows: list[int], steps: dict[int, int]) -> None:
         """Up to `steps[b]` decode steps for each row in one device call (`models.steps.decode_loop`): the

@@ -504,6 +504,10 @@ def test_bad_engine_arguments(model):
         Engine(model, attention_impl="fast")
     with pytest.raises(ValueError, match=r"max_context must be an integer in \[1, max_position_embeddings=2048\]"):
         Engine(model, max_context=4096)
+    with pytest.raises(ValueError, match=r"^Engine prefill_budget must be an integer >= 1, got 0$"):
+        Engine(model, prefill_budget=0)
+    with pytest.raises(ValueError, match=r"^Engine mixed_steps must be True or False, got 'yes'$"):
+        Engine(model, mixed_steps="yes")
     # The Pallas kernels serve the 576-wide latent, page 64, H in {16,32,64,128}; the message names each
     # limit the model breaks (the interpreter runs them, so no GPU is needed to be refused this way).
     with pytest.raises(ValueError, match=r"attention_impl='interpret': .*heads = 4 .*page_size = 4 .*64 latent"):

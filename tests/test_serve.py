@@ -1,12 +1,14 @@
-"""The online engine API (`Engine.submit` / `step` / `RequestHandle` / `warm_up`), a soak of it (requests that
-arrive, stop and are cancelled while others run: each one's greedy tokens equal to running it alone, every
-page back, no compilation after warm-up), and `mla-bench serve --config tiny`.
+"""The online engine API (`Engine.submit` / `step` / `RequestHandle` / `warm_up`), mixed steps (prompt chunks
+and decode rows in one step) against the alternating scheduler, a soak of it (requests that arrive, stop and are
+cancelled while others run: each one's greedy tokens equal to running it alone, every page back, no compilation
+after warm-up), and `mla-bench serve --config tiny`.
 
 One engine for the module, the one `mla-bench serve --config tiny` builds (a tiny float32 V2-Lite-kind model,
-4 slots, 16-token pages, 32-token prefill chunks, 2 decode steps a call, max_context 120): one prefill bucket,
-one block-table width, decode loops of 1 and 2 steps, so the module compiles three step programs and the
-benchmark's run (last) finds them compiled. A request out of pages fails alone through the same scheduler code
-as in `generate` (tests/test_engine.py::test_out_of_pages_fails_one_request_and_spares_the_others).
+4 slots, 16-token pages, 32-token prefill chunks, mixed steps of 32 prompt tokens, 2 decode steps a call,
+max_context 120): one prefill bucket, one block-table width, one mixed step shape, decode loops of 1 and 2 steps,
+so the module compiles four step programs and the benchmark's run (last) finds them compiled. A request out of
+pages fails alone through the same scheduler code as in `generate`
+(tests/test_engine.py::test_out_of_pages_fails_one_request_and_spares_the_others).
 """
 
 import json
@@ -177,6 +179,72 @@ def test_generate_runs_beside_online_requests(engine, alone):
     assert h.result().tokens == want_online and engine.cache.pages_used == 0
 
 
+@pytest.fixture
+def alternating(engine):
+    """The engine with mixed steps off for the test (a prefill step makes the decoding rows wait)."""
+    engine.mixed_steps = False
+    yield engine
+    engine.mixed_steps = True
+
+
+def _prefilled(e: Engine, h: RequestHandle) -> int:
+    """Prompt tokens of request h in the cache (it must be in a slot)."""
+    return next(s.prefilled for s in e._sched.slots if s is not None and s.req == h.id)
+
+
+def test_mixed_steps_feed_every_decoding_row_while_prompts_prefill(engine, alone):
+    """A row decodes while a 70-token and a 10-token prompt arrive (the budget: 32 prompt tokens a step, in rows of
+    MIXED_TILE = 4). Every step advances the decoding row by one token while the prompts prefill, first come first
+    served: 32 + 32 tokens of the long one, then its last 6 and the short one's 10 in one step, where both make
+    their first token. Catches: a decoding row left out of a step while a prompt prefills (starved), a budget
+    exceeded or not shared in arrival order, a chunk cut over several rows that attends wrongly (its rows not
+    seeing each other's latents, a piece's block table or positions off), a first token sampled from the wrong
+    row, a decoding row's token from a padding query; and tokens that differ from the runs alone."""
+    rng = np.random.default_rng(5)
+    pa, pl, ps = _prompt(rng, 4), _prompt(rng, 70), _prompt(rng, 10)
+    assert engine.prefill_budget == 32 and engine.mixed_steps
+    a = engine.submit(pa, max_new_tokens=30)
+    engine.step()  # its prefill (no row decodes: a prefill step)
+    assert len(a.output) == 1
+    long_, short = engine.submit(pl, max_new_tokens=5), engine.submit(ps, max_new_tokens=5)
+    with engine.recording() as st:
+        seen = []
+        for _ in range(3):
+            n = len(a.output)
+            engine.step()
+            seen.append((len(a.output) - n, _prefilled(engine, long_), _prefilled(engine, short)))
+    assert seen == [(1, 32, 0), (1, 64, 0), (1, 70, 10)], seen
+    assert len(long_.output) == len(short.output) == 1
+    assert (st.mixed_steps, st.prefill_steps, st.decode_calls) == (3, 0, 0)
+    assert st.prefill_tokens == 80 and st.decode_tokens == 3
+    got = [h.result().tokens for h in (a, long_, short)]
+    assert got == [alone(pa, 30), alone(pl, 5), alone(ps, 5)]
+    assert engine.num_requests == 0 and engine.cache.pages_used == 0 and _pages_consistent(engine)
+
+
+def test_alternating_steps_give_the_same_tokens(alternating, alone):
+    """The same arrivals with `mixed_steps=False`: the decoding row waits through the three prefill steps of the
+    70-token prompt (32-token chunks; the 10-token one beside its first chunk) and every token equals the mixed
+    run's (both equal the runs alone). Catches: the option ignored, or the alternating scheduler broken by the
+    mixed one (its prefill steps, its decode rows' pages)."""
+    e = alternating
+    rng = np.random.default_rng(5)
+    pa, pl, ps = _prompt(rng, 4), _prompt(rng, 70), _prompt(rng, 10)
+    a = e.submit(pa, max_new_tokens=30)
+    e.step()
+    long_, short = e.submit(pl, max_new_tokens=5), e.submit(ps, max_new_tokens=5)
+    with e.recording() as st:
+        waited = []
+        for _ in range(3):
+            n = len(a.output)
+            e.step()
+            waited.append(len(a.output) - n)
+    assert waited == [0, 0, 0] and st.prefill_steps == 3 and st.mixed_steps == 0
+    got = [h.result().tokens for h in (a, long_, short)]
+    assert got == [alone(pa, 30), alone(pl, 5), alone(ps, 5)]
+    assert e.cache.pages_used == 0
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -215,10 +283,12 @@ def test_one_mtp_setting_while_requests_run():
 
 
 def test_soak_arrivals_and_departures(engine, alone):
-    """Engine steps with requests arriving (a random number each step), stopping and being cancelled through the
-    online API, after `Engine.warm_up`. Catches: a step shape warm_up misses or one that drifts with the batch's
-    make-up (a compilation after warm-up), a request whose tokens depend on what else runs (a slot's stale
-    state, a page shared or freed early), a page lost (the pool shrinking over time)."""
+    """Engine steps with requests arriving (a random number each step; a prompt in five longer than a mixed step's
+    budget), stopping and being cancelled through the online API, after `Engine.warm_up`; arrivals while others
+    decode make mixed steps. Catches: a step shape warm_up misses (the mixed step's included) or one that drifts
+    with the batch's make-up (a compilation after warm-up), a request whose tokens depend on what else runs (a
+    slot's stale state, a page shared or freed early, a mixed step's piece rows), a page lost (the pool shrinking
+    over time)."""
     rng = np.random.default_rng(4)
     engine.warm_up()  # every step shape, run on idle rows
     assert engine.warm_up() == 0 and engine.cache.pages_used == 0
@@ -226,20 +296,22 @@ def test_soak_arrivals_and_departures(engine, alone):
     free0 = engine.cache.pages_used
     reqs = []  # (handle, prompt, max_new_tokens, stops)
     steps = 0
-    while len(reqs) < 20 or engine.num_requests:
-        for _ in range(rng.poisson(0.35) if len(reqs) < 20 else 0):
-            p = _prompt(rng, int(rng.integers(1, 24)))
-            n = int(rng.integers(1, 24))
-            stops = (int(rng.integers(0, VOCAB)),) if rng.random() < 0.5 else ()
-            reqs.append((engine.submit(p, max_new_tokens=n, stop_tokens=stops), p, n, stops))
-        if rng.random() < 0.04:
-            running = [h for h, *_ in reqs if not h.done]
-            if running:
-                running[int(rng.integers(len(running)))].cancel()
-        engine.step()
-        steps += 1
-        assert _pages_consistent(engine)
+    with engine.recording() as stats:
+        while len(reqs) < 20 or engine.num_requests:
+            for _ in range(rng.poisson(0.35) if len(reqs) < 20 else 0):
+                p = _prompt(rng, int(rng.integers(1, 24 if rng.random() < 0.8 else 90)))
+                n = int(rng.integers(1, 24))
+                stops = (int(rng.integers(0, VOCAB)),) if rng.random() < 0.5 else ()
+                reqs.append((engine.submit(p, max_new_tokens=n, stop_tokens=stops), p, n, stops))
+            if rng.random() < 0.04:
+                running = [h for h, *_ in reqs if not h.done]
+                if running:
+                    running[int(rng.integers(len(running)))].cancel()
+            engine.step()
+            steps += 1
+            assert _pages_consistent(engine)
     assert trace_counts() == before, "a step compiled after warm-up"
+    assert stats.mixed_steps >= 5 and stats.prefill_steps >= 1 and stats.decode_calls >= 1, dict(stats)
     assert engine.cache.pages_used == free0 == 0
     cancelled = 0
     for h, p, n, stops in reqs:
@@ -250,7 +322,7 @@ def test_soak_arrivals_and_departures(engine, alone):
         else:
             assert h.finish_reason in ("length", "stop") and h.output == ref, (h, p, n, stops)
     assert cancelled >= 1 and steps > 40
-    print(f"soak: {steps} engine steps, {len(reqs)} requests, {cancelled} cancelled")
+    print(f"soak: {steps} engine steps ({stats.mixed_steps} mixed), {len(reqs)} requests, {cancelled} cancelled")
 
 
 def test_mla_bench_serve_tiny(tmp_path, engine):
