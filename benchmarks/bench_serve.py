@@ -50,6 +50,13 @@ and ``alone_agree`` (the fraction of tokens equal up to each request's first dif
 tiny config) they must be equal; with random bf16 weights the logits are nearly flat, so a different batch
 make-up (another MoE grouping, another reduction order) may flip a near-tie: a mismatch is reported, not fatal.
 serve.png: latency (TTFT p50 / p99, TPOT p50) against output throughput, one point per rate.
+
+Soak (``--soak-steps N``, after the rates): N engine steps driven step by step, not by the clock: before each
+step Poisson(``--soak-arrivals``) new requests of the same length distributions (fresh prompts) are submitted,
+and about one request in a hundred running is cancelled; then the running requests finish. soak.json holds the
+step compilations after warm-up (0 expected), the device's bytes in use every 500 steps (flat expected: no pages,
+buffers or handles kept), the requests lost (one that neither made its max_new_tokens nor was cancelled), and
+``--check`` requests drawn at random, run alone on the idle engine and compared as the rates' are.
 """
 
 from __future__ import annotations
@@ -228,6 +235,63 @@ def agreement(tokens: list[int], ref: list[int]) -> float:
     return n / len(ref) if ref else 1.0
 
 
+def device_bytes() -> int | None:
+    """Bytes in use on the first device (None where the backend does not say: XLA:CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    return stats.get("bytes_in_use") if stats else None
+
+
+def soak(engine: Engine, args, vocab: int) -> dict:
+    """`--soak-steps` engine steps with requests arriving and leaving (module docstring) -> soak.json's dict."""
+    rng = np.random.default_rng(args.seed + 2)
+    traces0 = sum(trace_counts().values())
+    runs, memory, steps = [], [], 0  # runs: (handle, prompt, max_new_tokens)
+    t0 = time.perf_counter()
+    with engine.recording() as stats:
+        while steps < args.soak_steps or engine.num_requests:
+            if steps < args.soak_steps:
+                for _ in range(rng.poisson(args.soak_arrivals)):
+                    p = lognormal_lengths(rng, 1, args.prompt_median, args.prompt_sigma, args.prompt_max)[0]
+                    n = lognormal_lengths(rng, 1, args.output_median, args.output_sigma, args.output_max)[0]
+                    prompt = [int(t) for t in rng.integers(0, vocab, p)]
+                    runs.append((engine.submit(prompt, max_new_tokens=n), prompt, n))
+                running = [h for h, _, _ in runs if not h.done]
+                if running and rng.random() < 0.01 * len(running):
+                    running[int(rng.integers(len(running)))].cancel()
+            engine.step()
+            steps += 1
+            if steps % 500 == 0 or steps == 1:
+                memory.append(dict(step=steps, bytes_in_use=device_bytes()))
+    memory.append(dict(step=steps, bytes_in_use=device_bytes()))
+    cancelled = sum(h.finish_reason == "cancelled" for h, _, _ in runs)
+    lost = sum(h.finish_reason != "cancelled" and len(h.output) != n for h, _, n in runs)
+    checked = [runs[i] for i in sorted(rng.choice(len(runs), min(args.check, len(runs)), replace=False))]
+    equal, agree = 0, []
+    for h, prompt, n in checked:
+        ref = engine.generate([prompt], max_new_tokens=n).tokens[0]
+        got = h.output
+        ref = ref[: len(got)] if h.finish_reason == "cancelled" else ref
+        equal += got == ref
+        agree.append(agreement(got, ref))
+    used = [m["bytes_in_use"] for m in memory if m["bytes_in_use"] is not None]
+    return dict(
+        engine_steps=steps,
+        decode_model_steps=stats.decode_steps,
+        mixed_steps=stats.mixed_steps,
+        prefill_steps=stats.prefill_steps,
+        requests=len(runs),
+        cancelled=cancelled,
+        lost=lost,
+        compiles=sum(trace_counts().values()) - traces0,
+        pages_in_use_after=engine.cache.pages_used,
+        memory=memory,
+        memory_growth_bytes=(used[-1] - used[0]) if used else None,
+        alone_match=f"{equal}/{len(checked)}",
+        alone_agree=statistics.mean(agree) if agree else None,
+        wall_s=time.perf_counter() - t0,
+    )
+
+
 # ------------------------------------------------------------------------------------------
 # Report
 # ------------------------------------------------------------------------------------------
@@ -287,6 +351,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", help="page format (full bf16; tiny fp32)")
     p.add_argument("--attention-impl", default="auto", help="the engine's attention_impl")
     p.add_argument("--check", type=int, default=4, help="requests checked against their runs alone")
+    p.add_argument("--soak-steps", type=int, default=0, help="after the rates, a soak of this many engine steps")
+    p.add_argument("--soak-arrivals", type=float, default=0.15, help="mean new requests a soak step (Poisson)")
     p.add_argument("--no-warmup", action="store_true", help="no Engine.warm_up: the first rates compile")
     p.add_argument("--compile-cache", default=None, help="JAX's persistent compilation cache DIR ('off': none)")
     p.add_argument("--seed", type=int, default=0, help="of the workload and the arrivals")
@@ -318,6 +384,11 @@ def resolve(args) -> argparse.Namespace:
     ):
         if getattr(args, name) < 1:
             raise SystemExit(f"serve: error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.soak_steps < 0 or args.soak_arrivals <= 0:
+        raise SystemExit(
+            f"serve: error: --soak-steps must be >= 0 and --soak-arrivals > 0, got {args.soak_steps} and "
+            f"{args.soak_arrivals}"
+        )
     if args.check < 0 or args.check > args.requests:
         raise SystemExit(f"serve: error: --check must be in [0, --requests={args.requests}], got {args.check}")
     return args
@@ -415,11 +486,22 @@ def main(argv=None):
     )
     plot(rows, os.path.join(args.out, PNG_NAME), title)
     bm.log(f"# wrote {CSV_NAME}, {JSON_NAME}, {PNG_NAME} in {args.out}")
+    soaked = None
+    if args.soak_steps:
+        soaked = soak(engine, args, cfg.vocab_size)
+        bm.write_json(os.path.join(args.out, "soak.json"), dict(header=header, settings=settings, **soaked))
+        bm.log(
+            f"# soak: {soaked['engine_steps']} engine steps ({soaked['decode_model_steps']} decode model steps, "
+            f"{soaked['mixed_steps']} mixed), {soaked['requests']} requests ({soaked['cancelled']} cancelled), "
+            f"{soaked['lost']} lost, {soaked['compiles']} compiles, {soaked['pages_in_use_after']} pages left, "
+            f"device memory growth {soaked['memory_growth_bytes']} B, alone {soaked['alone_match']} "
+            f"(agree {soaked['alone_agree']}), {soaked['wall_s']:.0f} s"
+        )
     mismatched = [r["rate"] for r in rows if r["alone_match"] != f"{len(alone)}/{len(alone)}"]
     if mismatched:
         bm.log(f"# NOTE: at rates {mismatched} some checked requests differ from their runs alone (alone_agree)")
-    if any(r["lost"] for r in rows):
-        bm.log("# ERROR: requests lost (the lost column)")
+    if any(r["lost"] for r in rows) or (soaked and (soaked["lost"] or soaked["pages_in_use_after"])):
+        bm.log("# ERROR: requests lost (the lost column, or the soak's lost / pages left)")
         sys.exit(1)
     return rows
 

@@ -328,8 +328,10 @@ def test_soak_arrivals_and_departures(engine, alone):
 def test_mla_bench_serve_tiny(tmp_path, engine):
     """`mla-bench serve --config tiny` end to end (after the tests above: its steps are compiled). Catches: a
     request lost, a request whose float32 greedy tokens differ from its run alone, a measured rate that
-    compiled, a percentile or rate computed wrong (TTFT p50 > p99, no tokens), a missing output file."""
-    rows = bench_serve.main(TINY_ARGS + ["--out", str(tmp_path), "--compile-cache", "off"])
+    compiled, a percentile or rate computed wrong (TTFT p50 > p99, no tokens), a missing output file; in its
+    soak (--soak-steps): a compilation, a lost request, a page left held, a checked request unlike its run alone."""
+    soak = ["--soak-steps", "60", "--soak-arrivals", "0.4"]
+    rows = bench_serve.main(TINY_ARGS + ["--out", str(tmp_path), "--compile-cache", "off", *soak])
     assert [r["rate"] for r in rows] == [4.0, 16.0]
     for r in rows:
         assert r["lost"] == 0 and r["compiles"] == 0 and r["alone_match"] == "4/4" and r["alone_agree"] == 1.0, r
@@ -338,3 +340,7 @@ def test_mla_bench_serve_tiny(tmp_path, engine):
     report = json.loads((tmp_path / "serve.json").read_text())
     assert len(report["requests"]) == 12 and report["rows"][0]["requests"] == 12
     assert (tmp_path / "serve.csv").read_text().count("\n") == 3 and (tmp_path / "serve.png").stat().st_size > 0
+    soaked = json.loads((tmp_path / "soak.json").read_text())
+    assert soaked["engine_steps"] >= 60 and soaked["requests"] >= 10 and soaked["mixed_steps"] > 0, soaked
+    assert soaked["compiles"] == soaked["lost"] == soaked["pages_in_use_after"] == 0, soaked
+    assert soaked["alone_match"] == "4/4", soaked
