@@ -228,6 +228,17 @@ PY
          timeout 130 $PY scripts/lab/probe_fp8_gemm.py --out "$R/fp8_gemm.json" --budget-s 100 2>&1 | tail -40 \
            | tee -a "$LOG"
          bench e2e "${E2E_LIMIT:-320}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --hf-reserve 150 ;;
+  session12b) gpu_tests 150 tests/test_engine.py tests/test_serve.py -k "gpu_kernels_match_reference or gpu_quantized or gpu_flash"
+         for v in mixed alt; do
+           stage "mla-bench serve ($v steps, one decode step a call)"
+           timeout "${SERVE_LIMIT:-200}" $PY -m benchmarks serve --out "$R/serve_${v}_ds1" --rates "${RATES:-2,8}" \
+             --requests "${REQUESTS:-24}" --decode-steps 1 --check 8 $([ $v = alt ] && echo --no-mixed) 2>&1 \
+             | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -12 | tee -a "$LOG"
+         done
+         stage "soak: 10 000 engine steps, V2-Lite widths cut to 4 layers, bf16, kernels"
+         timeout "${SOAK_LIMIT:-200}" $PY -m benchmarks serve --out "$R/soak" --layers 4 --rates 8 --requests 24 \
+           --decode-steps 1 --check 16 --soak-steps 10000 --soak-arrivals 0.15 2>&1 | tr '\r' '\n' \
+           | grep -v "it/s\]\|s/it\]" | tail -8 | tee -a "$LOG" ;;
   stacked) stage "probe_decode_variants: sliced / stacked projections"
            timeout "${VARIANTS_LIMIT:-280}" $PY scripts/lab/probe_decode_variants.py --out "$R/variants" \
              --batches "${BATCHES:-1,32,128}" --variants "${VARIANTS:-sliced,base}" --no-kernels 2>&1 \
