@@ -239,6 +239,14 @@ PY
          timeout "${SOAK_LIMIT:-200}" $PY -m benchmarks serve --out "$R/soak" --layers 4 --rates 8 --requests 24 \
            --decode-steps 1 --check 16 --soak-steps 10000 --soak-arrivals 0.15 2>&1 | tr '\r' '\n' \
            | grep -v "it/s\]\|s/it\]" | tail -8 | tee -a "$LOG" ;;
+  session12c) stage "soak: 10 000 engine steps, V2-Lite widths cut to 4 layers, fp32 (tokens comparable alone)"
+         timeout "${SOAK_LIMIT:-230}" $PY -m benchmarks serve --out "$R/soak" --layers 4 --dtype fp32 --kv-dtype fp32 \
+           --rates 8 --requests 12 --decode-steps 1 --check 16 --soak-steps 10000 --soak-arrivals 0.15 2>&1 \
+           | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -8 | tee -a "$LOG"
+         stage "mla-bench serve (mixed steps of 256 prompt tokens, one decode step a call)"
+         timeout "${SERVE_LIMIT:-200}" $PY -m benchmarks serve --out "$R/serve_mixed256_ds1" --rates "${RATES:-2,8}" \
+           --requests 24 --decode-steps 1 --check 4 --prefill-budget 256 2>&1 \
+           | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -12 | tee -a "$LOG" ;;
   stacked) stage "probe_decode_variants: sliced / stacked projections"
            timeout "${VARIANTS_LIMIT:-280}" $PY scripts/lab/probe_decode_variants.py --out "$R/variants" \
              --batches "${BATCHES:-1,32,128}" --variants "${VARIANTS:-sliced,base}" --no-kernels 2>&1 \
