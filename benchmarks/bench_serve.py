@@ -56,7 +56,7 @@ step Poisson(``--soak-arrivals``) new requests of the same length distributions 
 and about one request in a hundred running is cancelled; then the running requests finish. soak.json holds the
 step compilations after warm-up (0 expected), the device's bytes in use every 500 steps (flat expected: no pages,
 buffers or handles kept), the requests lost (one that neither made its max_new_tokens nor was cancelled), and
-``--check`` requests drawn at random, run alone on the idle engine and compared as the rates' are.
+``--soak-check`` requests drawn at random, run alone on the idle engine and compared as the rates' are.
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ def soak(engine: Engine, args, vocab: int) -> dict:
     memory.append(dict(step=steps, bytes_in_use=device_bytes()))
     cancelled = sum(h.finish_reason == "cancelled" for h, _, _ in runs)
     lost = sum(h.finish_reason != "cancelled" and len(h.output) != n for h, _, n in runs)
-    checked = [runs[i] for i in sorted(rng.choice(len(runs), min(args.check, len(runs)), replace=False))]
+    checked = [runs[i] for i in sorted(rng.choice(len(runs), min(args.soak_check, len(runs)), replace=False))]
     equal, agree = 0, []
     for h, prompt, n in checked:
         ref = engine.generate([prompt], max_new_tokens=n).tokens[0]
@@ -353,6 +353,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--check", type=int, default=4, help="requests checked against their runs alone")
     p.add_argument("--soak-steps", type=int, default=0, help="after the rates, a soak of this many engine steps")
     p.add_argument("--soak-arrivals", type=float, default=0.15, help="mean new requests a soak step (Poisson)")
+    p.add_argument("--soak-check", type=int, default=16, help="soak requests, drawn at random, checked alone")
     p.add_argument("--no-warmup", action="store_true", help="no Engine.warm_up: the first rates compile")
     p.add_argument("--compile-cache", default=None, help="JAX's persistent compilation cache DIR ('off': none)")
     p.add_argument("--seed", type=int, default=0, help="of the workload and the arrivals")
@@ -384,10 +385,10 @@ def resolve(args) -> argparse.Namespace:
     ):
         if getattr(args, name) < 1:
             raise SystemExit(f"serve: error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.soak_steps < 0 or args.soak_arrivals <= 0:
+    if args.soak_steps < 0 or args.soak_arrivals <= 0 or args.soak_check < 0:
         raise SystemExit(
-            f"serve: error: --soak-steps must be >= 0 and --soak-arrivals > 0, got {args.soak_steps} and "
-            f"{args.soak_arrivals}"
+            f"serve: error: --soak-steps and --soak-check must be >= 0 and --soak-arrivals > 0, got "
+            f"{args.soak_steps}, {args.soak_check} and {args.soak_arrivals}"
         )
     if args.check < 0 or args.check > args.requests:
         raise SystemExit(f"serve: error: --check must be in [0, --requests={args.requests}], got {args.check}")

@@ -330,7 +330,7 @@ def test_mla_bench_serve_tiny(tmp_path, engine):
     request lost, a request whose float32 greedy tokens differ from its run alone, a measured rate that
     compiled, a percentile or rate computed wrong (TTFT p50 > p99, no tokens), a missing output file; in its
     soak (--soak-steps): a compilation, a lost request, a page left held, a checked request unlike its run alone."""
-    soak = ["--soak-steps", "60", "--soak-arrivals", "0.4"]
+    soak = ["--soak-steps", "60", "--soak-arrivals", "0.4", "--soak-check", "4"]
     rows = bench_serve.main(TINY_ARGS + ["--out", str(tmp_path), "--compile-cache", "off", *soak])
     assert [r["rate"] for r in rows] == [4.0, 16.0]
     for r in rows:

@@ -241,7 +241,7 @@ PY
            | grep -v "it/s\]\|s/it\]" | tail -8 | tee -a "$LOG" ;;
   session12c) stage "soak: 10 000 engine steps, V2-Lite widths cut to 4 layers, fp32 (tokens comparable alone)"
          timeout "${SOAK_LIMIT:-230}" $PY -m benchmarks serve --out "$R/soak" --layers 4 --dtype fp32 --kv-dtype fp32 \
-           --rates 8 --requests 12 --decode-steps 1 --check 16 --soak-steps 10000 --soak-arrivals 0.15 \
+           --rates 8 --requests 12 --decode-steps 1 --check 4 --soak-check 16 --soak-steps 10000 --soak-arrivals 0.15 \
            --prompt-max 2048 --output-max 256 2>&1 \
            | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -8 | tee -a "$LOG"
          stage "mla-bench serve (mixed steps of 256 prompt tokens, one decode step a call)"
