@@ -18,7 +18,15 @@ from pallas_kernels.flash_attention import (
 from pallas_kernels.fp8_gemm import Fp8MatmulConfig, fp8_matmul, fp8_matmul_problems, fp8_matmul_reference
 from pallas_kernels.fp8_matvec import Fp8MatvecConfig, fp8_matvec, fp8_matvec_problems, fp8_matvec_reference
 from pallas_kernels.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_problems, mla_decode_reference
-from pallas_kernels.moe_decode import MoeDecodeConfig, moe_decode, moe_decode_problems, moe_decode_reference
+from pallas_kernels.moe_decode import (
+    MoeDecodeConfig,
+    moe_decode,
+    moe_decode_fp8,
+    moe_decode_fp8_problems,
+    moe_decode_fp8_reference,
+    moe_decode_problems,
+    moe_decode_reference,
+)
 from pallas_kernels.page_format import (
     BF16_PAGES,
     FP4_PAGES,
@@ -61,6 +69,9 @@ __all__ = [
     "mla_decode_problems",
     "mla_decode_reference",
     "moe_decode",
+    "moe_decode_fp8",
+    "moe_decode_fp8_problems",
+    "moe_decode_fp8_reference",
     "moe_decode_problems",
     "moe_decode_reference",
     "page_format_of",
