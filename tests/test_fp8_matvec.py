@@ -169,13 +169,10 @@ def test_gpu_kernel_equals_the_reference_at_v3_shapes(name, M, convert):
 # ------------------------------------------------------------------------------------------
 # The model: an FP8 decode step reads its projections and experts in place
 # ------------------------------------------------------------------------------------------
-def test_fp8_cached_call_on_the_kernels_equals_the_reference_path():
+def _micro_fp8_logits(runs, dtype=jnp.float32):
     """A V3-shaped micro model in FP8 (q LoRA, sigmoid routing, a dense layer and two MoE layers, widths that are
-    not multiples of 128). A cached call of decode size (2 rows x 5 tokens) on the interpret backend with the
-    decode experts passes every FP8 projection of the scanned stacks whole to `fp8_matvec` and the routed experts
-    whole to `moe_decode_fp8`; its logits equal those of the reference backend with `ragged_dot` experts (every
-    weight sliced by the scan and dequantized). Catches a layer reading another layer's weights, scales or
-    experts, a projection skipping the FP8 path."""
+    not multiples of 128), one cached call of 2 rows x 5 tokens per (cache impl, MoE impl) of `runs` -> a list of
+    (logits, the call's jaxpr as text)."""
     from flax import nnx
     from micro_configs import MICRO_V3
 
@@ -184,24 +181,45 @@ def test_fp8_cached_call_on_the_kernels_equals_the_reference_path():
     from models.moe import MoE
 
     cfg = MICRO_V3.replace(hidden_size=128, moe_intermediate_size=64, num_hidden_layers=3, num_mtp_layers=0)
-    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0), weights="fp8")
-    e = Engine(model, page_size=16, num_pages=8, max_batch=2, kv_dtype=jnp.float32)
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0), weights="fp8", dtype=dtype, param_dtype=dtype)
+    e = Engine(model, page_size=16, num_pages=8, max_batch=2, kv_dtype=dtype)
     B, T = 2, 5
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     table = jnp.asarray([[0], [1]], jnp.int32)
-
-    def call(impl, moe_impl):
+    out = []
+    for impl, moe_impl in runs:
         for _, m in nnx.iter_modules(model):
             if isinstance(m, MoE):
                 m.impl = moe_impl
         fwd = jax.jit(lambda ids, positions, cache: model(ids, positions, cache=cache))
         args = (ids, positions, KVCache.create(e.cache.pages, table, jnp.zeros((B,), jnp.int32), impl=impl))
-        return fwd(*args)[0], str(jax.make_jaxpr(fwd)(*args))
+        out.append((fwd(*args)[0], str(jax.make_jaxpr(fwd)(*args))))
+    return out
 
-    (got, jaxpr), (want, ref_jaxpr) = call("interpret", "decode"), call("reference", "ragged_dot")
+
+def test_fp8_cached_call_on_the_kernels_equals_the_reference_path():
+    """The micro FP8 model's cached call of decode size on the interpret backend with the decode experts passes
+    every FP8 projection of the scanned stacks whole to `fp8_matvec` and the routed experts whole to
+    `moe_decode_fp8`; its logits equal those of the reference backend with `ragged_dot` experts (every weight
+    sliced by the scan and dequantized). Catches a layer reading another layer's weights, scales or experts, a
+    projection skipping the FP8 path."""
+    (got, jaxpr), (want, ref_jaxpr) = _micro_fp8_logits([("interpret", "decode"), ("reference", "ragged_dot")])
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
     # wq_a, wq_b, wkv_a, wo and the dense MLP's 3 in the dense stack; the attention's 4 and the shared expert's 3
     assert jaxpr.count("name=fp8_matvec") == 14
     assert jaxpr.count("name=moe_decode_fp8_gate_up") == 1 and jaxpr.count("name=moe_decode_fp8_down") == 1
     assert "name=fp8_matvec" not in ref_jaxpr and "name=moe_decode" not in ref_jaxpr
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_cached_call_on_the_kernels_equals_the_reference_path():
+    """The same in bf16 on a Hopper GPU: the compiled kernels ("kernel" backend) against the reference backend."""
+    from pallas_kernels.backend import on_hopper
+
+    if not on_hopper():
+        pytest.skip("needs a Hopper GPU")
+    (got, jaxpr), (want, _) = _micro_fp8_logits([("kernel", "decode"), ("reference", "ragged_dot")], jnp.bfloat16)
+    assert jaxpr.count("name=fp8_matvec") == 14
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
