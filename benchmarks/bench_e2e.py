@@ -285,6 +285,20 @@ def model_weights(args):
     return "fp8" if args.weights == "fp8" else None
 
 
+def weights_label(args) -> str:
+    """The `weights` column: --weights, with a --fp8-impl other than auto after a slash."""
+    return args.weights + (f"/{args.fp8_impl}" if args.weights == "fp8" and args.fp8_impl != "auto" else "")
+
+
+def set_fp8_impl(model, impl: str) -> None:
+    """Every `Fp8Linear` of `model` computes by `impl` (`mla_jax.fp8_weights.FP8_GEMM_IMPLS`) where it is called
+    as a module: prefill-sized calls and projections the scan slices. The whole-stack decode path runs by the
+    step's backend whatever this says."""
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, fp8_weights.Fp8Linear):
+            m.impl = impl
+
+
 def parse_meshes(specs) -> list:
     """`--mesh` values -> [None (one device) | {axis: size}], in order; "1" is one device. ValueError (one
     line, `mla_jax.sharding.parse_mesh`'s) for a bad spec or a spec given twice."""
@@ -762,7 +776,7 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
         mtp="on" if mtp else "off",
         layers=cfg.num_hidden_layers,
         kv_dtype=args.kv_dtype,
-        weights=args.weights,
+        weights=weights_label(args),
         mesh=mesh_label(sizes)[5:] or "one device",
         devices=mesh.size if mesh is not None else 1,
     )
@@ -873,7 +887,7 @@ def run_ours_worker(args) -> None:
             new_tokens=args.new_tokens,
             layers=cfg.num_hidden_layers,
             kv_dtype=args.kv_dtype,
-            weights=args.weights,
+            weights=weights_label(args),
         )
         if deadline and time.time() > deadline:
             for _, b, t in group:
@@ -894,6 +908,8 @@ def run_ours_worker(args) -> None:
                 for _, b, t in group:
                     append_row(args.out, dict(base, B=b, prompt=t, error=f"model build failed: {one_line(e)}"))
                 continue
+            if args.weights == "fp8":
+                set_fp8_impl(model, args.fp8_impl)
             wgb = weights_bytes(model) / 1e9
             bm.log(f"# {name}: built in {build_s:.1f} s, {wgb:.1f} GB of weights{where}")
             for _, b, t in bm.progress(group, desc=f"e2e {name}{where}"):
@@ -1490,6 +1506,13 @@ def parser() -> argparse.ArgumentParser:
         default="bf16",
         help="bf16: every weight dense in --dtype; fp8: the projections and routed experts in FP8 as DeepSeek-V3 "
         "releases them (e4m3 + 128x128 block scales), compute in --dtype; one device",
+    )
+    p.add_argument(
+        "--fp8-impl",
+        choices=fp8_weights.FP8_GEMM_IMPLS,
+        default="auto",
+        help="--weights fp8: how FP8 projections called as modules compute (prefill-sized calls; auto: the Mosaic "
+        "GPU FP8 GEMM on a Hopper GPU; reference: dequantize + XLA dot); decode reads the stacks by the kernels",
     )
     p.add_argument(
         "--kv-dtype",
