@@ -36,8 +36,9 @@
 #   scripts/lab/gpu_run.sh prefill_e2e # mla-bench e2e, V2-Lite, 8192-token prompts at B=1 and 8: the engine's
 #                              #   chunk rule (flash prefill), then --prefill-chunk 512 (the old chunking)
 #   scripts/lab/gpu_run.sh fp8w    # FP8 weights at decode: fp8_matvec / moe_decode_fp8 / fp8_gemm GPU tests, then
-#                              #   scripts/lab/probe_fp8_decode_gemv.py; FP8E2E=1 adds mla-bench e2e on the V3 cut,
-#                              #   --weights fp8 then bf16 (B=1 and 32, 1024-token prompts, no HF)
+#                              #   scripts/lab/probe_fp8_decode_gemv.py --sweep
+#   scripts/lab/gpu_run.sh fp8e2e  # mla-bench e2e on the V3 cut, --weights $WEIGHTS (default fp8; bf16 in another
+#                              #   call), B = $BATCHES (1,32), 1024-token prompts, 64 new tokens, no HF
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -236,14 +237,10 @@ PY
            timeout 120 $PY scripts/lab/probe_fp8_gemm.py --out "$R/fp8_gemm.json" --budget-s 90 2>&1 | tail -40 \
              | tee -a "$LOG" ;;
   fp8w) stage "probe_fp8_decode_gemv"
-        timeout 300 $PY scripts/lab/probe_fp8_decode_gemv.py --out "$R/fp8_decode_gemv.json" --sweep --budget-s 240 \
-          2>&1 | tee -a "$LOG"
-        if [ -n "${FP8E2E:-}" ]; then
-          bench e2e "${E2E_LIMIT:-280}" --model v3-cut --batch 1,32 --prompt 1024 --new-tokens 64 --no-hf --weights fp8 \
-            --out "$R/e2e_fp8"
-          bench e2e "${E2E_LIMIT:-280}" --model v3-cut --batch 1,32 --prompt 1024 --new-tokens 64 --no-hf \
-            --out "$R/e2e_bf16"
-        fi ;;
+        timeout 280 $PY scripts/lab/probe_fp8_decode_gemv.py --out "$R/fp8_decode_gemv.json" --sweep --budget-s 220 \
+          2>&1 | tee -a "$LOG" ;;
+  fp8e2e) bench e2e "${E2E_LIMIT:-540}" --model v3-cut --batch "${BATCHES:-1,32}" --prompt 1024 --new-tokens 64 \
+            --no-hf --weights "${WEIGHTS:-fp8}" ${E2E_EXTRA:-} ;;
   prefill_e2e) bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf
          bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf --prefill-chunk 512 \
            --out "$R/chunk512" ;;
