@@ -9,6 +9,9 @@ Models (no download; `DeepSeekModel` with its default init, std 0.02, so routing
 * ``v2-lite``: `ModelConfig.deepseek_v2_lite()` (27 layers, 64 experts top-6, 15.7B parameters, 31 GB bf16).
 * ``v3-cut``: `ModelConfig.deepseek_v3()` cut to ``--layers`` layers (default 5: 3 dense + 2 MoE) with its
   MTP layer; a V3 MoE layer is ~22.5 GB of experts, so 5 layers + MTP are ~76 GB.
+``--weights fp8``: the projections and routed experts in FP8 as DeepSeek-V3 releases them (e4m3 + 128x128 block
+scales, `mla_jax.fp8_weights`; random e4m3 values of the init's spread), the rest in ``--dtype``; the decode
+floor then counts those weights at 1 byte (+ their scales). One device only (no FP8 placement on a mesh yet).
 
 Per cell (model, batch B, prompt T; random prompt ids, ``--new-tokens`` N = 128 greedy tokens) through
 ``Engine(model, page_size=64, num_pages=B * ceil((T + N + draft room) / 64), max_batch=B).generate``:
@@ -85,7 +88,7 @@ import numpy as np
 from flax import nnx
 
 import benchmarks as bm
-from mla_jax import ModelConfig
+from mla_jax import ModelConfig, fp8_weights
 from mla_jax.capacity import latent_bytes_per_token_layer, plan_kv_cache
 from mla_jax.sharding import make_mesh, model_shardings, parse_mesh, shard_model
 from models import DeepSeekModel, Engine, SamplingParams, compile_cache
@@ -134,6 +137,7 @@ COLUMNS = [
     "mtp",
     "layers",
     "kv_dtype",
+    "weights",
     "cold_wall_s",
     "warm_wall_s",
     "cold_compile_s",
@@ -216,7 +220,7 @@ def model_config(name: str, *, config: str = "full", layers: int | None = None, 
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
-def build_model(cfg, dtype, mesh=None):
+def build_model(cfg, dtype, mesh=None, weights=None):
     """`DeepSeekModel` with random weights, built on the default device (the GPU) -> (model, seconds).
 
     Eager construction: every initializer is one device op, compiled once per distinct shape, so the cost
@@ -227,10 +231,17 @@ def build_model(cfg, dtype, mesh=None):
     jitted init whose outputs are placed, so a model that fits the mesh but not one device can be built)
     and then `shard_model` sets the MoE's parallel attributes. The values are the eager build's (the
     same keys), so the mesh's tokens can be compared with one device's.
+
+    `weights="fp8"` (one device): `random_fp8_model`.
     """
     t0 = time.perf_counter()
-    make = lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)  # noqa: E731
-    if mesh is None:
+    make = lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, weights=weights)  # noqa: E731
+    if weights == "fp8":
+        if mesh is not None:
+            raise ValueError("--weights fp8 runs on one device (shard_model does not place FP8 variables yet)")
+        with jax.default_device(jax.devices()[0]):
+            model = random_fp8_model(make, cfg.initializer_range)
+    elif mesh is None:
         with jax.default_device(jax.devices()[0]):
             model = make()
     else:
@@ -240,6 +251,52 @@ def build_model(cfg, dtype, mesh=None):
         model = shard_model(nnx.merge(graphdef, state), mesh)  # placed already: sets MoE.parallel only
     jax.block_until_ready(nnx.state(model))
     return model, time.perf_counter() - t0
+
+
+FP8_SPREAD = 16.0  # random e4m3 values are N(0, 16^2): well inside e4m3's range (448), few subnormals
+
+
+def random_fp8_model(make, std: float):
+    """The FP8 model `make()` builds, without its init's fp32 copy of every weight (a V3 MoE layer's experts
+    are 45 GB in fp32 before quantization): the dense variables from one jitted init that leaves the FP8 ones
+    out (XLA drops their quantization), every `Fp8Weight` drawn directly as e4m3 (N(0, FP8_SPREAD²), one
+    fused program a weight) and every `Fp8Scale` = std / FP8_SPREAD, so W = q · s has the init's spread."""
+    fp8_kinds = (fp8_weights.Fp8Weight, fp8_weights.Fp8Scale)
+    abstract = nnx.eval_shape(make)
+    graphdef, fp8_state, _ = nnx.split(abstract, fp8_kinds, ...)
+    rest = jax.jit(lambda: nnx.split(make(), fp8_kinds, ...)[2])()
+    draw = jax.jit(
+        lambda key, shape: (jax.random.normal(key, shape, jnp.float32) * FP8_SPREAD).astype(fp8_weights.FP8_DTYPE),
+        static_argnums=1,
+    )
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(fp8_state))))
+
+    def fill(v):
+        if isinstance(v, fp8_weights.Fp8Weight):
+            return v.replace(draw(next(keys), v.shape))
+        return v.replace(jnp.full(v.shape, std / FP8_SPREAD, jnp.float32))
+
+    fp8_state = jax.tree.map(fill, fp8_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, fp8_state, rest)
+
+
+def model_weights(args):
+    """`--weights` -> `DeepSeekModel`'s `weights=` (None: dense in --dtype)."""
+    return "fp8" if args.weights == "fp8" else None
+
+
+def weights_label(args) -> str:
+    """The `weights` column: --weights, with a --fp8-impl other than auto after a slash."""
+    return args.weights + (f"/{args.fp8_impl}" if args.weights == "fp8" and args.fp8_impl != "auto" else "")
+
+
+def set_fp8_impl(model, impl: str) -> None:
+    """Every `Fp8Linear` of `model` computes by `impl` (`mla_jax.fp8_weights.FP8_GEMM_IMPLS`) where it is called
+    as a module: prefill-sized calls and projections the scan slices. The whole-stack decode path runs by the
+    step's backend whatever this says."""
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, fp8_weights.Fp8Linear):
+            m.impl = impl
 
 
 def parse_meshes(specs) -> list:
@@ -337,6 +394,9 @@ def total_params(cfg, *, with_mtp: bool = True) -> int:
     return n
 
 
+FP8_BYTES = 1 + 4 / 128**2  # an e4m3 weight and its share of its block's fp32 scale
+
+
 def decode_floor_bytes(
     cfg,
     batch: int,
@@ -346,6 +406,7 @@ def decode_floor_bytes(
     kv_dtype: str = "bf16",
     queries: int = 1,
     mtp: bool = False,
+    weights: str = "bf16",
 ) -> float:
     """Bytes one decode step must read at least: weights it touches + the latent cache it attends over.
 
@@ -358,17 +419,22 @@ def decode_floor_bytes(
     are left out: they are ~1e-3 of the reads.
 
     ``context`` is the mean cached length of a row (after the step's write), so B * context = sum(seq_lens).
+
+    ``weights="fp8"``: the projections of the attention, dense MLPs and shared and routed experts are e4m3, 1 byte
+    each plus their fp32 scale per 128x128 block (`FP8_BYTES`); norms, routers, embedding, LM head and the MTP
+    eh_proj stay `dtype_bytes`.
     """
     c = param_counts(cfg)
+    qb = FP8_BYTES if weights == "fp8" else dtype_bytes  # bytes of a quantized projection's weight
     tokens = batch * queries
     touched = expected_experts_touched(cfg, tokens)
     dense, moe = layer_counts(cfg)
 
     def layer(is_moe: bool) -> float:
-        b = (c["attention"] + c["layer_norms"]) * dtype_bytes
+        b = c["attention"] * qb + c["layer_norms"] * dtype_bytes
         if is_moe:
-            return b + (c["shared"] + touched * c["expert"]) * dtype_bytes + c["router"] * 4
-        return b + c["dense_mlp"] * dtype_bytes
+            return b + (c["shared"] + touched * c["expert"]) * qb + c["router"] * 4
+        return b + c["dense_mlp"] * qb
 
     head = (c["lm_head"] or c["embedding"]) * dtype_bytes
     weights = (
@@ -409,7 +475,14 @@ def kv_pages(cfg, batch: int, prompt: int, new_tokens: int) -> int:
 
 
 def derive(
-    row: dict, cfg, ceil: dict | None, *, dtype_bytes: int = 2, kv_dtype: str = "bf16", mtp: bool = False
+    row: dict,
+    cfg,
+    ceil: dict | None,
+    *,
+    dtype_bytes: int = 2,
+    kv_dtype: str = "bf16",
+    mtp: bool = False,
+    weights: str = "bf16",
 ) -> dict:
     """Adds the counted and the ratio columns (FLOPs, MFU, floor, x floor) from B, prompt, new_tokens and the
     measured prefill_s / decode_ms_step of a row; the same arithmetic for ours and the peer."""
@@ -422,7 +495,9 @@ def derive(
         if ceil and ceil.get("matmul_tflops"):
             row["prefill_mfu"] = row["prefill_tflops"] / ceil["matmul_tflops"]
     queries = 2 if mtp else 1
-    floor = decode_floor_bytes(cfg, B, T + N / 2, dtype_bytes=dtype_bytes, kv_dtype=kv_dtype, queries=queries, mtp=mtp)
+    floor = decode_floor_bytes(
+        cfg, B, T + N / 2, dtype_bytes=dtype_bytes, kv_dtype=kv_dtype, queries=queries, mtp=mtp, weights=weights
+    )
     row["floor_gb"] = floor / 1e9
     row["experts_touched"] = expected_experts_touched(cfg, B * queries)
     if ceil and ceil.get("bandwidth_gbps"):
@@ -701,6 +776,7 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
         mtp="on" if mtp else "off",
         layers=cfg.num_hidden_layers,
         kv_dtype=args.kv_dtype,
+        weights=weights_label(args),
         mesh=mesh_label(sizes)[5:] or "one device",
         devices=mesh.size if mesh is not None else 1,
     )
@@ -782,7 +858,8 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
             label = f"{name}_B{batch}_T{prompt}_{mesh_label(sizes)}_{args.kv_dtype}_k{args.decode_steps}"
             row.update(kernel_profile(engine, prompts, kw, args.out, label.replace("=", "").replace(",", "-")))
     del engine
-    return derive(row, cfg, ceil, dtype_bytes=4 if args.dtype == "fp32" else 2, kv_dtype=args.kv_dtype, mtp=mtp)
+    dtype_bytes = 4 if args.dtype == "fp32" else 2
+    return derive(row, cfg, ceil, dtype_bytes=dtype_bytes, kv_dtype=args.kv_dtype, mtp=mtp, weights=args.weights)
 
 
 def run_ours_worker(args) -> None:
@@ -805,7 +882,12 @@ def run_ours_worker(args) -> None:
         variants = {"off": [False], "on": [True], "both": [False, True]}[args.mtp]
         variants = [v for v in variants if not v or cfg.num_mtp_layers] or [False]  # no MTP head: plain decode
         base = dict(
-            model=name, impl="ours", new_tokens=args.new_tokens, layers=cfg.num_hidden_layers, kv_dtype=args.kv_dtype
+            model=name,
+            impl="ours",
+            new_tokens=args.new_tokens,
+            layers=cfg.num_hidden_layers,
+            kv_dtype=args.kv_dtype,
+            weights=weights_label(args),
         )
         if deadline and time.time() > deadline:
             for _, b, t in group:
@@ -818,13 +900,16 @@ def run_ours_worker(args) -> None:
                 mesh = make_mesh(**sizes)
             base = dict(base, impl=mesh_label(sizes))
             where = f" on {mesh_label(sizes)[5:]}" if sizes else ""
-            bm.log(f"# {name}: building {total_params(cfg) / 1e9:.2f}B parameters ({args.dtype}){where} ...")
+            what = args.dtype if args.weights == "bf16" else f"fp8 weights, {args.dtype} compute"
+            bm.log(f"# {name}: building {total_params(cfg) / 1e9:.2f}B parameters ({what}){where} ...")
             try:
-                model, build_s = build_model(cfg, dtype, mesh)
+                model, build_s = build_model(cfg, dtype, mesh, weights=model_weights(args))
             except Exception as e:  # noqa: BLE001 - an OOM while building must not end the run
                 for _, b, t in group:
                     append_row(args.out, dict(base, B=b, prompt=t, error=f"model build failed: {one_line(e)}"))
                 continue
+            if args.weights == "fp8":
+                set_fp8_impl(model, args.fp8_impl)
             wgb = weights_bytes(model) / 1e9
             bm.log(f"# {name}: built in {build_s:.1f} s, {wgb:.1f} GB of weights{where}")
             for _, b, t in bm.progress(group, desc=f"e2e {name}{where}"):
@@ -1076,7 +1161,9 @@ def run_ttft_worker(args) -> None:
     enable_compile_cache(args.compile_cache)
     name, b, t = grid(args)[0]
     cfg = model_config(name, config=args.config, layers=args.layers, kv_dtype=args.kv_dtype)
-    model, build_s = build_model(cfg, jnp.float32 if args.dtype == "fp32" else jnp.bfloat16)
+    model, build_s = build_model(
+        cfg, jnp.float32 if args.dtype == "fp32" else jnp.bfloat16, weights=model_weights(args)
+    )
     engine = Engine(
         model,
         page_size=PAGE,
@@ -1413,6 +1500,20 @@ def parser() -> argparse.ArgumentParser:
         f"--batch / --prompt / --cells its cells are {TINY_CELLS_TEXT}",
     )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights and compute")
+    p.add_argument(
+        "--weights",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="bf16: every weight dense in --dtype; fp8: the projections and routed experts in FP8 as DeepSeek-V3 "
+        "releases them (e4m3 + 128x128 block scales), compute in --dtype; one device",
+    )
+    p.add_argument(
+        "--fp8-impl",
+        choices=fp8_weights.FP8_GEMM_IMPLS,
+        default="auto",
+        help="--weights fp8: how FP8 projections called as modules compute (prefill-sized calls; auto: the Mosaic "
+        "GPU FP8 GEMM on a Hopper GPU; reference: dequantize + XLA dot); decode reads the stacks by the kernels",
+    )
     p.add_argument(
         "--kv-dtype",
         choices=KV_DTYPES,

@@ -23,8 +23,10 @@ reference (`fp8_linear_reference`) is the DeepSeek-V3 inference code's `gemm_imp
 blocks dequantized to the compute dtype (fp32 products q · scale, rounded once), then the same dot as a dense
 `nnx.Linear` (on a GPU, bf16 operands accumulate in fp32). Activations are NOT quantized there: the 1x128
 activation tiles of the recipe's `gemm_impl="fp8"` belong to the FP8 GEMM kernel, whose error budget is its
-own. `impl` (`pallas_kernels.backend.IMPLS`) is resolved in one place, `resolve_fp8_gemm_impl`; the Pallas
-Mosaic GPU FP8 GEMM plugs in there and in the one branch of `fp8_linear` that calls it.
+own. `impl` (`pallas_kernels.backend.IMPLS`) is resolved in one place, `resolve_fp8_gemm_impl`, which asks
+the kernel that would run: `pallas_kernels.fp8_matvec` for decode-shaped calls (at most `MATVEC_ROWS` rows, or
+a layer of a stack read in place), `pallas_kernels.fp8_gemm.fp8_matmul` above (Mosaic GPU, the recipe's 1x128
+activation tiles; bf16 compute only), the reference where neither serves.
 
 `wkv_b` is kept in FP8 like the others and dequantized where MLA uses it as a whole matrix (the absorbed
 W_UK / W_UV einsums and the decompressed attention read `MLA.wkv_b_LHK()`), as the reference `MLA.forward`
@@ -44,7 +46,10 @@ from flax import nnx
 
 from pallas_kernels import backend
 from pallas_kernels.fp8_gemm import dequantize_blocks as kernel_dequantize_blocks
+from pallas_kernels.fp8_gemm import fp8_matmul, fp8_matmul_problems
 from pallas_kernels.fp8_gemm.config import FP8_MAX, QUANT_BLOCK
+from pallas_kernels.fp8_matvec import MAX_ROWS as MATVEC_ROWS
+from pallas_kernels.fp8_matvec import fp8_matvec, fp8_matvec_problems
 
 FP8_BLOCK = QUANT_BLOCK  # the release's weight_block_size, both dims (the FP8 GEMM's scaling block)
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -111,21 +116,27 @@ def dequantize_blocks(q_NK: jax.Array, scale: jax.Array, dtype=_F32) -> jax.Arra
 # ------------------------------------------------------------------------------------------
 # The one FP8 matmul: which implementation, and the jnp reference
 # ------------------------------------------------------------------------------------------
-def fp8_gemm_problems(m: int, n: int, k: int) -> list[str]:
-    """Why the Pallas FP8 GEMM cannot serve an [m, k] x [n, k]ᵀ product ([] when it can).
+def fp8_gemm_problems(m: int, n: int, k: int, *, dtype=jnp.bfloat16, stacked: bool = False) -> list[str]:
+    """Why the Pallas kernel for an [m, k] x [n, k]ᵀ product in compute `dtype` cannot serve it ([] when it can).
 
-    The kernel (`pallas_kernels.fp8_gemm.fp8_matmul`) is not wired in yet: every shape reports that, so
-    "auto" resolves to the reference and "kernel" / "interpret" are refused in one line. When it lands, this
-    returns its `fp8_matmul_problems(m, n, k)`."""
-    del m, n, k
-    return ["the Pallas FP8 GEMM (pallas_kernels.fp8_gemm.fp8_matmul) is not wired in yet"]
+    The kernel is `pallas_kernels.fp8_matvec` for m <= `MATVEC_ROWS` and for a weight `stacked` (a layer of a
+    stack, read in place: only it does that), else `pallas_kernels.fp8_gemm.fp8_matmul`, which quantizes the
+    activations to e4m3 (DeepSeek-V3's bf16 recipe) and so serves bf16 compute only."""
+    if stacked or m <= MATVEC_ROWS:
+        return fp8_matvec_problems(m, n, k)
+    out = fp8_matmul_problems(m, n, k)
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        out.append(f"compute dtype {jnp.dtype(dtype).name}: fp8_matmul quantizes the activations (a bf16 recipe)")
+    return out
 
 
-def resolve_fp8_gemm_impl(impl: str | None, m: int, n: int, k: int) -> str:
+def resolve_fp8_gemm_impl(
+    impl: str | None, m: int, n: int, k: int, *, dtype=jnp.bfloat16, stacked: bool = False
+) -> str:
     """`impl` of `FP8_GEMM_IMPLS` -> "kernel" | "interpret" | "reference" for an [m, k] x [n, k]ᵀ product:
     `pallas_kernels.backend.choose` over `fp8_gemm_problems` ("auto": the kernel on a Hopper GPU where it
     serves, else the reference; "kernel" / "interpret" that it cannot serve: ValueError naming why)."""
-    return backend.choose(impl, fp8_gemm_problems(m, n, k), name="fp8_gemm_impl")
+    return backend.choose(impl, fp8_gemm_problems(m, n, k, dtype=dtype, stacked=stacked), name="fp8_gemm_impl")
 
 
 def fp8_linear_reference(x_MK: jax.Array, w_NK: jax.Array, scale: jax.Array, *, dtype) -> jax.Array:
@@ -136,25 +147,38 @@ def fp8_linear_reference(x_MK: jax.Array, w_NK: jax.Array, scale: jax.Array, *, 
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
-def fp8_linear(x: jax.Array, w_NK: jax.Array, scale: jax.Array, *, dtype, impl: str | None = "auto") -> jax.Array:
+def fp8_linear(
+    x: jax.Array, w_NK: jax.Array, scale: jax.Array, *, dtype, impl: str | None = "auto", layer=None
+) -> jax.Array:
     """y = x · Wᵀ for an FP8 block-scaled W: x [..., K] (any float), w [N, K] e4m3, scale fp32 [nb, kb] ->
     [..., N] in `dtype`. Every FP8 projection of the model computes through here.
 
+    With `layer` (an int scalar, may be traced), w is a scanned stack [L, N, K] with scales [L, nb, kb] and
+    layer `layer` is used, read in place by the kernel (the reference takes the slice).
+
     `impl` (`FP8_GEMM_IMPLS`) is resolved by `resolve_fp8_gemm_impl`; "reference" is `fp8_linear_reference`.
     ValueError (one line) for a weight that is not e4m3, or scales that do not match it."""
-    if w_NK.ndim != 2 or w_NK.dtype != FP8_DTYPE:
-        raise ValueError(f"fp8_linear: the weight must be float8_e4m3fn [N, K], got {w_NK.dtype} {w_NK.shape}")
-    if x.shape[-1] != w_NK.shape[1]:
-        raise ValueError(f"fp8_linear: x [..., {x.shape[-1]}] does not match the weight [N, K] = {w_NK.shape}")
+    stacked = layer is not None
+    form = "a stack [L, N, K] (a layer was given)" if stacked else "[N, K]"
+    if w_NK.ndim != 2 + stacked or w_NK.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8_linear: the weight must be float8_e4m3fn {form}, got {w_NK.dtype} {w_NK.shape}")
+    if x.shape[-1] != w_NK.shape[-1]:
+        raise ValueError(f"fp8_linear: x [..., {x.shape[-1]}] does not match the weight [..., N, K] = {w_NK.shape}")
     _check_pair(w_NK, scale, FP8_BLOCK)
-    n, k = w_NK.shape
-    resolved = resolve_fp8_gemm_impl(impl, math.prod(x.shape[:-1]), n, k)
-    if resolved != "reference":
-        # The kernel's call site, once `fp8_gemm_problems` lets it through:
-        #   y_MN = fp8_matmul(x.reshape(-1, k).astype(jnp.bfloat16), w_NK, scale, impl=resolved)
-        #   return y_MN.reshape(x.shape[:-1] + (n,)).astype(dtype)
-        raise AssertionError(f"internal: fp8_gemm_problems let {resolved!r} through, but no kernel is wired")
-    return fp8_linear_reference(x, w_NK, scale, dtype=dtype)
+    n, k = w_NK.shape[-2:]
+    m = math.prod(x.shape[:-1])
+    resolved = resolve_fp8_gemm_impl(impl, m, n, k, dtype=dtype, stacked=stacked)
+    if resolved == "reference":
+        if stacked:
+            w_NK, scale = (jax.lax.dynamic_index_in_dim(a, layer, axis=0, keepdims=False) for a in (w_NK, scale))
+        return fp8_linear_reference(x, w_NK, scale, dtype=dtype)
+    x_MK = x.reshape(m, k)
+    if stacked or m <= MATVEC_ROWS:
+        rows_dtype = dtype if jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(_F32)) else jnp.bfloat16
+        y_MN = fp8_matvec(x_MK.astype(rows_dtype), w_NK, scale, layer, impl=resolved)
+    else:
+        y_MN = fp8_matmul(x_MK.astype(jnp.bfloat16), w_NK, scale, impl=resolved)
+    return y_MN.reshape(x.shape[:-1] + (n,)).astype(dtype)
 
 
 # ------------------------------------------------------------------------------------------
@@ -189,8 +213,11 @@ class Fp8Linear(nnx.Module):
         compute dtype)."""
         return dequantize_blocks(self.weight_fp8[...], self.scale_inv[...], dtype or self.dtype).T
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return fp8_linear(x, self.weight_fp8[...], self.scale_inv[...], dtype=self.dtype, impl=self.impl)
+    def __call__(self, x: jax.Array, *, layer=None, impl: str | None = None) -> jax.Array:
+        """x [..., K] -> [..., N]. `layer`: the variables hold a scanned stack's [L, ...] and this is its layer
+        `layer` (`mla_jax.linear.project`); `impl` overrides the module's."""
+        w, s = self.weight_fp8[...], self.scale_inv[...]
+        return fp8_linear(x, w, s, dtype=self.dtype, impl=impl or self.impl, layer=layer)
 
 
 def linear(in_features: int, out_features: int, *, weights, rngs, dtype, param_dtype, kernel_init):

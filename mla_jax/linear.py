@@ -4,8 +4,10 @@ A scan over stacked layers slices every weight for its iteration, and a slice th
 a decode step would copy each projection's weights before reading them. For decode-sized calls on a kernel
 backend, `models.deepseek` passes the projections named in `STACKED_PROJECTIONS` whole (their kernels
 [L, K, N]) and tells the layer which of them it is (`Stacked`); `project` then reads layer `index` of the
-stack in place with `pallas_kernels.stacked_matmul`. A projection whose kernel is 2-D (a layer of its own,
-or one the kernel does not serve) is applied as the `nnx.Linear` it is.
+stack in place with `pallas_kernels.stacked_matmul`. FP8 projections (`mla_jax.fp8_weights.Fp8Linear`) go the
+same way: their e4m3 weights [L, N, K] and scales [L, nb, kb] pass whole and `pallas_kernels.fp8_matvec` reads
+the layer's in place. A projection whose weights are 2-D (a layer of its own, or one the kernel does not serve)
+is applied as the module it is.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mla_jax.fp8_weights import FP8_BLOCK, Fp8Linear
 from pallas_kernels import backend
+from pallas_kernels.fp8_matvec import fp8_matvec_problems
 from pallas_kernels.stacked_matmul import MAX_ROWS, stacked_matmul, stacked_matmul_problems
 
 # A decoder layer's projections (module paths inside `models.layer.DecoderLayer`) that may be passed whole.
@@ -57,23 +61,39 @@ def stacked_impl(cache_impl: str | None, rows: int) -> str | None:
 
 
 def stacked_filter(rows: int):
-    """An nnx filter of the projection kernels to pass whole for a call of `rows` tokens: those in
-    `STACKED_PROJECTIONS` whose [L, K, N] the kernel serves."""
+    """An nnx filter of the projection weights to pass whole for a call of `rows` tokens: those of the modules in
+    `STACKED_PROJECTIONS` whose stack the kernel serves: an `nnx.Linear`'s kernel [L, K, N] (`stacked_matmul`),
+    an `Fp8Linear`'s e4m3 weight [L, N, K] and its scales [L, nb, kb] (`fp8_matvec`, whose limits are on the rows
+    alone, so a weight and its scales are passed or kept together)."""
 
     def keep(path, value) -> bool:
-        if path[-1] != "kernel" or tuple(path[:-1]) not in STACKED_PROJECTIONS:
+        if tuple(path[:-1]) not in STACKED_PROJECTIONS:
             return False
         shape = value.shape if hasattr(value, "shape") else value[...].shape
-        return len(shape) == 3 and not stacked_matmul_problems(rows, shape[1], shape[2])
+        if len(shape) != 3:
+            return False
+        if path[-1] == "kernel":
+            return not stacked_matmul_problems(rows, shape[1], shape[2])
+        if path[-1] == "weight_fp8":
+            return not fp8_matvec_problems(rows, shape[1], shape[2])
+        if path[-1] == "scale_inv":  # the widths its blocks cover
+            return not fp8_matvec_problems(rows, shape[1] * FP8_BLOCK, shape[2] * FP8_BLOCK)
+        return False
 
     return keep
 
 
 def project(lin, x: jax.Array, stacked: Stacked | None = None) -> jax.Array:
-    """`lin(x)`; with `stacked` and an `nnx.Linear` holding a whole-stack kernel [L, K, N], x · kernel[stacked.index]
-    read in place. x [..., K] -> [..., N] in `lin.dtype` (x's and the kernel's promoted dtype when None). Other
-    projections (`mla_jax.fp8_weights.Fp8Linear`) are called as they are."""
-    if stacked is None or not isinstance(lin, nnx.Linear) or lin.kernel[...].ndim == 2:
+    """`lin(x)`; with `stacked` and a module holding a whole stack (an `nnx.Linear`'s kernel [L, K, N], an
+    `Fp8Linear`'s weight [L, N, K]), x · W[stacked.index] read in place. x [..., K] -> [..., N] in `lin.dtype`
+    (x's and the kernel's promoted dtype when None)."""
+    if stacked is None:
+        return lin(x)
+    if isinstance(lin, Fp8Linear):
+        if lin.weight_fp8[...].ndim == 2:
+            return lin(x)
+        return lin(x, layer=stacked.index, impl=stacked.impl)
+    if not isinstance(lin, nnx.Linear) or lin.kernel[...].ndim == 2:
         return lin(x)
     kernel = lin.kernel[...]
     dtype = lin.dtype or jnp.result_type(x.dtype, kernel.dtype)

@@ -19,7 +19,8 @@ over the assignments sorted by expert with no token dropping. `impl` picks the g
 kernel `ragged_dot_mgpu`, tiled for prefill and training: its gradient runs through Mosaic GPU
 grouped GEMMs too, the weights' through jax's `transposed_ragged_dot`), "decode"
 (`pallas_kernels.moe_decode`: few rows per expert, each chosen expert's weights read once; forward
-only, its gradient `lax.ragged_dot`'s; its `ragged_dot` reference off a Hopper GPU), "dense"
+only, its gradient `lax.ragged_dot`'s; its `ragged_dot` reference off a Hopper GPU; FP8 experts through
+`moe_decode_fp8`, their e4m3 bytes read in place and converted in registers), "dense"
 (`moe_dense_reference`: every expert on every token, the oracle), or "auto": on a Hopper GPU with
 bf16 compute, "decode" when a call has at most `DECODE_ROWS_PER_EXPERT` assignment rows per expert
 on average (decode steps) and "mgpu" otherwise; elsewhere "ragged_dot".
@@ -43,7 +44,14 @@ from mla_jax import fp8_weights, initializers
 from mla_jax.config import ModelConfig
 from mla_jax.linear import Stacked
 from models.mlp import MLP
-from pallas_kernels import backend, moe_decode, moe_decode_problems, moe_decode_reference
+from pallas_kernels import (
+    backend,
+    moe_decode,
+    moe_decode_fp8,
+    moe_decode_fp8_problems,
+    moe_decode_problems,
+    moe_decode_reference,
+)
 
 _F32 = jnp.float32
 MOE_IMPLS = ("auto", "ragged_dot", "mgpu", "decode", "dense")
@@ -300,9 +308,11 @@ def resolve_moe_impl(
     widths: tuple[int, int] | None = None,
     *,
     training: bool = False,
+    fp8: bool = False,
 ) -> str:
     """Map `impl` ("auto" included) to "ragged_dot" | "mgpu" | "decode" | "dense"; ValueError on an unknown
-    name. `rows` (assignments, T·K), `num_experts` and `widths` (D, I) let "auto" pick the decode kernel.
+    name. `rows` (assignments, T·K), `num_experts` and `widths` (D, I) let "auto" pick the decode kernel
+    (`moe_decode_fp8`'s limits for FP8 experts, `fp8=True`).
 
     "auto": on a Hopper GPU with bf16 compute, "decode" for calls of at most `DECODE_ROWS_PER_EXPERT` rows
     an expert on average that `moe_decode` serves, else "mgpu"; elsewhere "ragged_dot", except for training
@@ -318,7 +328,7 @@ def resolve_moe_impl(
     if not (jnp.dtype(dtype) == jnp.bfloat16 and backend.on_hopper()):
         return "ragged_dot"
     if not training and rows is not None and num_experts and rows <= DECODE_ROWS_PER_EXPERT * num_experts:
-        if widths is None or not moe_decode_problems(*widths):
+        if widths is None or not (moe_decode_fp8_problems if fp8 else moe_decode_problems)(*widths):
             return "decode"
     return "mgpu"
 
@@ -335,6 +345,8 @@ def moe_grouped(
     tuning: MgpuTuning = MgpuTuning(),
     num_experts: int | None = None,
     expert_offset=None,
+    scales=None,
+    decode_impl: str | None = None,
 ) -> jax.Array:
     """Σ_k w_k · expert_{idx_k}(x) as a grouped GEMM over the T·K assignments sorted by expert. -> [T, D].
 
@@ -348,12 +360,20 @@ def moe_grouped(
 
     An assignment to an expert id >= E contributes nothing (its rows sort last, past every group):
     an expert-parallel rank passes E = its own experts and the others' ids as E.
+
+    `scales` (gate, up, down; fp32 [E, nb, kb]): the experts are FP8 as released (`Fp8Experts.blocks`: gate/up
+    [E, I, D], down [E, D, I] e4m3), run by `pallas_kernels.moe_decode_fp8` (decode impls only; no gradient).
+    `decode_impl`: the decode kernel's `pallas_kernels.backend` impl (None: "auto"; "decode_interpret" is
+    "interpret").
     """
     T, D = x_TD.shape
     K = indices_TK.shape[1]
     E = gate_EDI.shape[0] if num_experts is None else num_experts
     off = 0 if expert_offset is None else expert_offset
-    if impl not in ("decode", "decode_interpret") and gate_EDI.shape[0] != E:
+    decode = impl in ("decode", "decode_interpret")
+    if scales is not None and not decode:
+        raise ValueError(f"moe_grouped: FP8 experts (scales given) run by the decode kernel only, got impl={impl!r}")
+    if not decode and gate_EDI.shape[0] != E:
         gate_EDI, up_EDI, down_EID = (
             jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in (gate_EDI, up_EDI, down_EID)
         )
@@ -367,17 +387,16 @@ def moe_grouped(
     valid_M = (flat_M[order_M] < E)[:, None]
     w_M = weights_TK.reshape(-1)[order_M].astype(_F32)
     inv_M = jnp.argsort(order_M)
-    if impl in ("decode", "decode_interpret"):
+    if decode:
         # "decode": the kernel on a Hopper GPU, its reference elsewhere (pallas_kernels' rule)
-        y_MD = _experts_decode(
-            x_MD,
-            gate_EDI,
-            up_EDI,
-            down_EID,
-            group_sizes_E,
-            jnp.asarray(off, jnp.int32),
-            None if impl == "decode" else "interpret",
-        )
+        kernel_impl = "interpret" if impl == "decode_interpret" else decode_impl
+        off = jnp.asarray(off, jnp.int32)
+        if scales is not None:
+            y_MD = moe_decode_fp8(
+                x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, *scales, expert_offset=off, impl=kernel_impl
+            )
+        else:
+            y_MD = _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, off, kernel_impl)
         y_MD = jnp.where(valid_M, y_MD * w_M[:, None], 0.0)
         return y_MD[inv_M].reshape(T, K, D).sum(axis=1).astype(dt)
     if impl == "mgpu":
@@ -411,8 +430,9 @@ class Experts(nnx.Module):
 class Fp8Experts(nnx.Module):
     """The E routed experts in FP8 as released (`mla_jax.fp8_weights`): per projection p of gate_proj / up_proj
     [E, I, D] and down_proj [E, D, I] (torch's [out, in] per expert), `p_fp8` (`Fp8Weight`, e4m3) and
-    `p_scale_inv` (`Fp8Scale`, fp32 [E, ceil(out/128), ceil(in/128)]). `stacked(dtype)` dequantizes them into
-    `Experts`' layout for the grouped GEMM (the jnp reference recipe: dequantize, then matmul)."""
+    `p_scale_inv` (`Fp8Scale`, fp32 [E, ceil(out/128), ceil(in/128)]). `blocks()` gives them as stored (what the
+    decode kernel reads in place); `stacked(dtype)` dequantizes them into `Experts`' layout for the other
+    grouped GEMMs (the jnp reference recipe: dequantize, then matmul)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -421,6 +441,13 @@ class Fp8Experts(nnx.Module):
             q, s = fp8_weights.quantize_blocks(init(rngs.params(), shape, _F32))
             setattr(self, name + "_fp8", fp8_weights.Fp8Weight(q))
             setattr(self, name + "_scale_inv", fp8_weights.Fp8Scale(s))
+
+    def blocks(self) -> tuple[jax.Array, ...]:
+        """(gate [E, I, D], up [E, I, D], down [E, D, I] e4m3, then their fp32 scales) as stored."""
+        names = ("gate_proj", "up_proj", "down_proj")
+        return tuple(getattr(self, p + "_fp8")[...] for p in names) + tuple(
+            getattr(self, p + "_scale_inv")[...] for p in names
+        )
 
     def stacked(self, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(gate [E, D, I], up [E, D, I], down [E, I, D]) dequantized to `dtype`."""
@@ -438,8 +465,8 @@ class MoE(nnx.Module):
     Attributes: `gate` (Router), `experts` (Experts; `Fp8Experts` with `weights="fp8"`), `shared_experts`
     (an MLP of width n_shared·I, or None when n_shared_experts == 0). `weights`
     (`mla_jax.fp8_weights.WEIGHT_FORMATS`): "fp8" keeps the routed and shared experts in FP8; the router
-    stays fp32. FP8 experts are dequantized per call and run by the grouped GEMM ("decode", whose kernel
-    reads bf16 experts in place, is not used for them). `impl` selects the expert computation
+    stays fp32. FP8 experts run by the decode kernel read in place as stored (`moe_decode_fp8`); the other
+    impls dequantize them per call. `impl` selects the expert computation
     (see the module docstring); `return_router=True` also returns the RouterOutput over the
     flattened tokens (leading axes of x flattened into T).
 
@@ -476,8 +503,6 @@ class MoE(nnx.Module):
         self.parallel = None
         self.gate = Router(cfg, rngs=rngs)
         fp8_weights.check_weights(weights)
-        if weights == "fp8" and impl == "decode":
-            raise ValueError("MoE impl='decode' reads bf16 experts in place; FP8 experts (weights='fp8') take another")
         if weights == "fp8":
             self.experts = Fp8Experts(cfg, rngs=rngs)
         else:
@@ -504,14 +529,14 @@ class MoE(nnx.Module):
         if not batch_axes and not expert_axes:
             return routed
 
-        def local(x_TD, w_TK, idx_TK, gate, up, down):
+        def local(x_TD, w_TK, idx_TK, ws):
             if not expert_axes:
-                return routed(x_TD, w_TK, idx_TK, gate, up, down, None)
-            E_local = gate.shape[0]
+                return routed(x_TD, w_TK, idx_TK, ws, None)
+            E_local = ws[0].shape[0]
             first = jax.lax.axis_index(expert_axes) * E_local
             mine = (idx_TK >= first) & (idx_TK < first + E_local)
             # the other ranks' experts get id E_local: moe_grouped drops them
-            y_TD = routed(x_TD, w_TK, jnp.where(mine, idx_TK - first, E_local), gate, up, down, None)
+            y_TD = routed(x_TD, w_TK, jnp.where(mine, idx_TK - first, E_local), ws, None)
             return y_TD[None]  # [1, T, D]: this rank's part, summed outside
 
         rows, experts = PartitionSpec(batch_axes or None), PartitionSpec(expert_axes or None)
@@ -529,66 +554,71 @@ class MoE(nnx.Module):
             jax.shard_map(
                 local,
                 mesh=mesh,
-                in_specs=(rows, rows, rows, experts, experts, experts),
+                in_specs=(rows, rows, rows, experts),  # `experts` for every array of the experts' tuple
                 out_specs=out,
                 axis_names=set(batch_axes) | set(expert_axes),
                 check_vma=False,
             )
         )
         if not expert_axes:
-            return lambda x_TD, w_TK, idx_TK, gate, up, down, off: mapped(x_TD, w_TK, idx_TK, gate, up, down)
-        return lambda x_TD, w_TK, idx_TK, gate, up, down, off: mapped(x_TD, w_TK, idx_TK, gate, up, down).sum(0)
+            return lambda x_TD, w_TK, idx_TK, ws, off: mapped(x_TD, w_TK, idx_TK, ws)
+        return lambda x_TD, w_TK, idx_TK, ws, off: mapped(x_TD, w_TK, idx_TK, ws).sum(0)
 
     def resolved_impl(self, num_tokens: int) -> str:
-        """The expert implementation a call over `num_tokens` tokens runs (`impl` with "auto" resolved; FP8
-        experts never "decode": the constructor refuses it, and "auto" picks among the others)."""
+        """The expert implementation a call over `num_tokens` tokens runs (`impl` with "auto" resolved)."""
         cfg = self.cfg
-        fp8 = isinstance(self.experts, Fp8Experts)
         return resolve_moe_impl(
             self.impl,
             self.dtype,
-            rows=None if fp8 else num_tokens * cfg.num_experts_per_tok,
+            rows=num_tokens * cfg.num_experts_per_tok,
             num_experts=cfg.n_routed_experts,
             widths=(cfg.hidden_size, cfg.moe_intermediate_size),
+            fp8=isinstance(self.experts, Fp8Experts),
         )
 
     def __call__(self, x: jax.Array, *, return_router: bool = False, stack_index=None, stacked: Stacked | None = None):
         """`stack_index` (a scalar, may be traced): the routed experts' variables are a whole scanned
         stack, [L, E, ...], and this call is layer `stack_index` of it (see `models.deepseek`).
-        `stacked`: the shared experts' projections may be whole too (`mla_jax.linear`)."""
+        `stacked`: the shared experts' projections may be whole too (`mla_jax.linear`), and its `impl` runs
+        the decode kernel of the routed experts (the step's backend; None: "auto")."""
         lead, D = x.shape[:-1], x.shape[-1]
         x_TD = x.reshape(-1, D).astype(self.dtype)
         r = self.gate(x_TD)
         ex = self.experts
         impl = self.resolved_impl(x_TD.shape[0])
         E = self.cfg.n_routed_experts
-        gate, up, down = ex.stacked(self.dtype) if isinstance(ex, Fp8Experts) else ex.stacked()
+        if isinstance(ex, Fp8Experts):
+            # the decode kernel reads the e4m3 blocks as stored; the other impls take them dequantized
+            ws = ex.blocks() if impl == "decode" else ex.stacked(self.dtype)
+        else:
+            ws = ex.stacked()
         off = None
         if stack_index is not None:  # [L, E, ...] -> [L·E, ...]: a free reshape, no copy
-            gate, up, down = (w.reshape((-1,) + w.shape[2:]) for w in (gate, up, down))
+            ws = tuple(w.reshape((-1,) + w.shape[2:]) for w in ws)
             off = stack_index * E
+        decode_impl = None if stacked is None else stacked.impl
 
-        def routed(x_TD, w_TK, idx_TK, gate, up, down, off):
+        def routed(x_TD, w_TK, idx_TK, ws, off):
             if impl == "dense":
                 if off is not None:
-                    gate, up, down = (jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in (gate, up, down))
-                return moe_dense_reference(x_TD, w_TK, idx_TK, gate, up, down)
+                    ws = tuple(jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in ws)
+                return moe_dense_reference(x_TD, w_TK, idx_TK, *ws)
             return moe_grouped(
                 x_TD,
                 w_TK,
                 idx_TK,
-                gate,
-                up,
-                down,
+                *ws[:3],
                 impl=impl,
                 tuning=self.tuning,
-                num_experts=E if off is not None else gate.shape[0],
+                num_experts=E if off is not None else ws[0].shape[0],
                 expert_offset=off,
+                scales=ws[3:] or None,
+                decode_impl=decode_impl,
             )
 
         if self.parallel is not None and off is None:
             routed = self._parallel(routed, x_TD.shape[0])
-        y_TD = routed(x_TD, r.weights, r.indices, gate, up, down, off)
+        y_TD = routed(x_TD, r.weights, r.indices, ws, off)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD, stacked)
         y = y_TD.reshape(lead + (D,))

@@ -1,10 +1,10 @@
-"""Pallas kernels for Hopper (Mosaic GPU, sm_90; `moe_decode` on Pallas' Triton backend) with their
-plain-jnp references; `backend`, the one "which implementation" vocabulary (auto / kernel / interpret /
-reference) with the one Hopper check; `page_format`, the one page-format type.
+"""Pallas kernels for Hopper (Mosaic GPU, sm_90; `moe_decode`, `stacked_matmul`, `fp8_matvec` on Pallas' Triton
+backend) with their plain-jnp references; `backend`, the one "which implementation" vocabulary (auto / kernel /
+interpret / reference) with the one Hopper check; `page_format`, the one page-format type.
 
 Each kernel takes its pages' format explicitly (a `PageFormat`, or read from the pages) and says what it
-serves (`mla_decode_problems`, `paged_gather_problems`, `moe_decode_problems`, `fp8_matmul_problems`).
-Imports nothing from the rest of the project.
+serves (`mla_decode_problems`, `paged_gather_problems`, `moe_decode_problems`, `fp8_matmul_problems`,
+`fp8_matvec_problems`). Imports nothing from the rest of the project.
 """
 
 from pallas_kernels import backend
@@ -16,8 +16,17 @@ from pallas_kernels.flash_attention import (
     flash_attention_reference,
 )
 from pallas_kernels.fp8_gemm import Fp8MatmulConfig, fp8_matmul, fp8_matmul_problems, fp8_matmul_reference
+from pallas_kernels.fp8_matvec import Fp8MatvecConfig, fp8_matvec, fp8_matvec_problems, fp8_matvec_reference
 from pallas_kernels.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_problems, mla_decode_reference
-from pallas_kernels.moe_decode import MoeDecodeConfig, moe_decode, moe_decode_problems, moe_decode_reference
+from pallas_kernels.moe_decode import (
+    MoeDecodeConfig,
+    moe_decode,
+    moe_decode_fp8,
+    moe_decode_fp8_problems,
+    moe_decode_fp8_reference,
+    moe_decode_problems,
+    moe_decode_reference,
+)
 from pallas_kernels.page_format import (
     BF16_PAGES,
     FP4_PAGES,
@@ -38,6 +47,7 @@ __all__ = [
     "FP8_PAGES",
     "FlashAttentionConfig",
     "Fp8MatmulConfig",
+    "Fp8MatvecConfig",
     "MlaDecodeConfig",
     "MoeDecodeConfig",
     "PageFormat",
@@ -52,10 +62,16 @@ __all__ = [
     "fp8_matmul",
     "fp8_matmul_problems",
     "fp8_matmul_reference",
+    "fp8_matvec",
+    "fp8_matvec_problems",
+    "fp8_matvec_reference",
     "mla_decode",
     "mla_decode_problems",
     "mla_decode_reference",
     "moe_decode",
+    "moe_decode_fp8",
+    "moe_decode_fp8_problems",
+    "moe_decode_fp8_reference",
     "moe_decode_problems",
     "moe_decode_reference",
     "page_format_of",

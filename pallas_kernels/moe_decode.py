@@ -17,6 +17,12 @@ Rows are the assignments sorted by expert (`group_sizes` [E] rows each, in exper
 sum(group_sizes) are not written (the caller masks them). Accumulation in fp32, inputs bf16.
 
 `moe_decode_reference` is the same function through `jax.lax.ragged_dot` (plain XLA).
+
+FP8 experts (`moe_decode_fp8`): DeepSeek-V3's release layout, gate/up [E, I, D] and down [E, D, I] e4m3 (torch's
+[out, in]) with fp32 scales per 128x128 block. The same grid and row tiles; each weight tile is loaded as e4m3
+(half of bf16's bytes), converted in registers (`pallas_kernels.fp8_matvec.to_compute`), and the block's scale
+multiplies the tile's fp32 partial product (the blocks divide 128, so a tile lies in one scale block).
+`moe_decode_fp8_reference` dequantizes the group's experts and calls `moe_decode_reference`.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import backend
+from pallas_kernels.fp8_gemm.config import QUANT_BLOCK
+from pallas_kernels.fp8_gemm.reference import dequantize_blocks
+from pallas_kernels.fp8_matvec import CONVERTS, FP8_DTYPE, to_compute
 
 ROW_TILE = 16  # rows a tile: the smallest M of a tensor-core dot
 
@@ -45,6 +54,7 @@ class MoeDecodeConfig:
       block_o: model-width columns a down program computes (divides D).
       block_k: contraction chunk of the down loop (divides I).
       num_warps, num_stages: Triton's launch knobs (warps a program; software-pipeline depth).
+      fp8_convert: how `moe_decode_fp8` converts its e4m3 tiles (`pallas_kernels.fp8_matvec.CONVERTS`).
     """
 
     block_i: int = 64
@@ -53,12 +63,15 @@ class MoeDecodeConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    fp8_convert: str = "cast"
 
     def __post_init__(self):
         for f in ("block_i", "block_d", "block_o", "block_k"):
             v = getattr(self, f)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MoeDecodeConfig.{f} must be a power of two >= 16, got {v}")
+        if self.fp8_convert not in CONVERTS:
+            raise ValueError(f"MoeDecodeConfig.fp8_convert must be one of {CONVERTS}, got {self.fp8_convert!r}")
 
 
 def moe_decode_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfig()) -> list[str]:
@@ -71,6 +84,16 @@ def moe_decode_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfi
         for b in sorted(set(blocks)):
             if dim % b:
                 out.append(f"{name} = {dim} is not a multiple of the block {b}")
+    return out
+
+
+def moe_decode_fp8_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfig()) -> list[str]:
+    """Why `moe_decode_fp8` cannot take these widths (empty when it can): `moe_decode_problems`, and every
+    block at most 128 wide (a weight tile must lie in one 128x128 scale block)."""
+    out = moe_decode_problems(D, I, config)
+    for f in ("block_i", "block_d", "block_o", "block_k"):
+        if (v := getattr(config, f)) > QUANT_BLOCK:
+            out.append(f"{f} = {v} spans more than one {QUANT_BLOCK}-wide scale block")
     return out
 
 
@@ -95,6 +118,20 @@ def moe_decode_reference(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert
     return jnp.where(rows < jnp.sum(gs), y, 0.0)
 
 
+def moe_decode_fp8_reference(
+    x_MD, group_sizes_E, gate_EID, up_EID, down_EDI, gate_scale, up_scale, down_scale, expert_offset=0
+):
+    """`moe_decode_reference` on FP8 experts: the group's E experts (and their scales) taken at `expert_offset`,
+    dequantized to x's dtype (fp32 products, rounded once) and transposed to [E, D, I] / [E, I, D]."""
+    E = group_sizes_E.shape[0]
+    ws = (_expert_slice(a, expert_offset, E) for a in (gate_EID, up_EID, down_EDI, gate_scale, up_scale, down_scale))
+    g, u, d, sg, su, sd = ws
+    gate, up, down = (
+        dequantize_blocks(w, s).astype(x_MD.dtype).swapaxes(-1, -2) for w, s in ((g, sg), (u, su), (d, sd))
+    )
+    return moe_decode_reference(x_MD, group_sizes_E, gate, up, down)
+
+
 def _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config):
     if x_MD.ndim != 2:
         raise ValueError(f"x must be [M, D], got shape {x_MD.shape}")
@@ -113,7 +150,21 @@ def _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config):
         raise ValueError("moe_decode: " + "; ".join(problems))
 
 
-def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, wg_ref, wu_ref, h_ref, *, block_i, block_d, D):
+def _product(x, w_ref, s_ref, e, k0, block_k, c0, block_c, convert):
+    """x [R, block_k] · W_e[k0 : k0 + block_k, c0 : c0 + block_c] in fp32. bf16 experts (`s_ref` None) are stored
+    [E, K, N]; FP8 experts [E, N, K] e4m3 with scales [E, nb, kb]: the tile is converted in registers and its
+    block's scale multiplies the product."""
+    if s_ref is None:
+        return plt.dot(x, plt.load(w_ref.at[e, pl.ds(k0, block_k), pl.ds(c0, block_c)]))
+    w = to_compute(plt.load(w_ref.at[e, pl.ds(c0, block_c), pl.ds(k0, block_k)]), x.dtype, convert)
+    return plt.dot(x, w, trans_b=True) * s_ref[e, c0 // QUANT_BLOCK, k0 // QUANT_BLOCK]
+
+
+def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d, D, convert):
+    if convert is None:  # bf16 experts
+        (wg_ref, wu_ref, h_ref), sg_ref, su_ref = refs, None, None
+    else:
+        wg_ref, wu_ref, sg_ref, su_ref, h_ref = refs
     j = pl.program_id(1)
     start, n = start_ref[pl.program_id(0)], size_ref[pl.program_id(0)]
     e = off_ref[0] + pl.program_id(0)  # the expert's index in the weights (a layer stack, flattened)
@@ -127,8 +178,8 @@ def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, wg_ref, wu_ref, h_ref, 
             acc_g, acc_u = accs
             d = pl.ds(k * block_d, block_d)
             x = plt.load(x_ref.at[pl.ds(r0, ROW_TILE), d], mask=rmask, other=0.0)  # [R, block_d]
-            acc_g += plt.dot(x, plt.load(wg_ref.at[e, d, cols]))  # [R, block_i]
-            acc_u += plt.dot(x, plt.load(wu_ref.at[e, d, cols]))
+            acc_g += _product(x, wg_ref, sg_ref, e, k * block_d, block_d, j * block_i, block_i, convert)
+            acc_u += _product(x, wu_ref, su_ref, e, k * block_d, block_d, j * block_i, block_i, convert)
             return acc_g, acc_u
 
         zero = jnp.zeros((ROW_TILE, block_i), jnp.float32)
@@ -140,7 +191,11 @@ def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, wg_ref, wu_ref, h_ref, 
     lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
 
 
-def _down_kernel(start_ref, size_ref, off_ref, h_ref, wd_ref, y_ref, *, block_o, block_k, I):
+def _down_kernel(start_ref, size_ref, off_ref, h_ref, *refs, block_o, block_k, I, convert):
+    if convert is None:
+        (wd_ref, y_ref), sd_ref = refs, None
+    else:
+        wd_ref, sd_ref, y_ref = refs
     j = pl.program_id(1)
     start, n = start_ref[pl.program_id(0)], size_ref[pl.program_id(0)]
     e = off_ref[0] + pl.program_id(0)
@@ -153,7 +208,7 @@ def _down_kernel(start_ref, size_ref, off_ref, h_ref, wd_ref, y_ref, *, block_o,
         def chunk(k, acc):
             i = pl.ds(k * block_k, block_k)
             h = plt.load(h_ref.at[pl.ds(r0, ROW_TILE), i], mask=rmask, other=0.0)  # [R, block_k]
-            return acc + plt.dot(h, plt.load(wd_ref.at[e, i, cols]))  # [R, block_o]
+            return acc + _product(h, wd_ref, sd_ref, e, k * block_k, block_k, j * block_o, block_o, convert)
 
         acc = lax.fori_loop(0, I // block_k, chunk, jnp.zeros((ROW_TILE, block_o), jnp.float32))
         plt.store(y_ref.at[pl.ds(r0, ROW_TILE), cols], acc, mask=rmask)
@@ -162,32 +217,42 @@ def _down_kernel(start_ref, size_ref, off_ref, h_ref, wd_ref, y_ref, *, block_o,
     lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
 
 
-def _moe_decode_kernel(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset, *, config, interpret):
+def _moe_decode_kernel(x_MD, group_sizes_E, gate, up, down, scales, expert_offset, *, config, interpret):
+    """The two pallas_calls. bf16 experts: gate/up [E', D, I], down [E', I, D], `scales` None; FP8 experts:
+    gate/up [E', I, D], down [E', D, I] e4m3 and `scales` (gate, up, down)."""
     M, D = x_MD.shape
-    E, I = group_sizes_E.shape[0], gate_EDI.shape[2]
+    E = group_sizes_E.shape[0]
+    fp8 = scales is not None
+    I = gate.shape[1] if fp8 else gate.shape[2]
     dt = x_MD.dtype
     sizes = group_sizes_E.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
     off = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))
     params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    convert = config.fp8_convert if fp8 else None
+    if fp8:
+        gate_up, down_w = (gate, up, scales[0], scales[1]), (down, scales[2])
+    else:
+        gate_up, down_w = (gate.astype(dt), up.astype(dt)), (down.astype(dt),)
     # The row tiles may read past M (masked); pad so that no address leaves the buffers.
     x = jnp.pad(x_MD, ((0, ROW_TILE), (0, 0)))
+    name = "moe_decode_fp8" if fp8 else "moe_decode"
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, block_i=config.block_i, block_d=config.block_d, D=D),
+        functools.partial(_gate_up_kernel, block_i=config.block_i, block_d=config.block_d, D=D, convert=convert),
         out_shape=jax.ShapeDtypeStruct((M + ROW_TILE, I), dt),
         grid=(E, I // config.block_i),
         compiler_params=params,
         interpret=interpret,
-        name="moe_decode_gate_up",
-    )(starts, sizes, off, x, gate_EDI.astype(dt), up_EDI.astype(dt))
+        name=name + "_gate_up",
+    )(starts, sizes, off, x, *gate_up)
     y = pl.pallas_call(
-        functools.partial(_down_kernel, block_o=config.block_o, block_k=config.block_k, I=I),
+        functools.partial(_down_kernel, block_o=config.block_o, block_k=config.block_k, I=I, convert=convert),
         out_shape=jax.ShapeDtypeStruct((M + ROW_TILE, D), jnp.float32),
         grid=(E, D // config.block_o),
         compiler_params=params,
         interpret=interpret,
-        name="moe_decode_down",
-    )(starts, sizes, off, h, down_EID.astype(dt))
+        name=name + "_down",
+    )(starts, sizes, off, h, *down_w)
     rows = jnp.arange(M)[:, None]
     return jnp.where(rows < jnp.sum(sizes), y[:M], 0.0)  # rows past the groups were never written
 
@@ -222,5 +287,83 @@ def moe_decode(
     if impl == "reference":
         return moe_decode_reference(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset)
     return _moe_decode_kernel(
-        x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset, config=config, interpret=impl == "interpret"
+        x_MD,
+        group_sizes_E,
+        gate_EDI,
+        up_EDI,
+        down_EID,
+        None,
+        expert_offset,
+        config=config,
+        interpret=impl == "interpret",
+    )
+
+
+def _validate_fp8(x_MD, group_sizes_E, gate_EID, up_EID, down_EDI, scales, config):
+    if x_MD.ndim != 2 or x_MD.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"x must be bfloat16 or float32 [M, D], got {x_MD.dtype} {x_MD.shape}")
+    M, D = x_MD.shape
+    for name, w in (("gate", gate_EID), ("up", up_EID), ("down", down_EDI)):
+        if w.dtype != FP8_DTYPE or w.ndim != 3:
+            raise ValueError(f"{name} weights must be float8_e4m3fn [E, out, in], got {w.dtype} {w.shape}")
+    if gate_EID.shape[2] != D or up_EID.shape != gate_EID.shape:
+        raise ValueError(f"gate/up weights must both be [E, I, D={D}], got {gate_EID.shape} and {up_EID.shape}")
+    Ew, I, _ = gate_EID.shape
+    if down_EDI.shape != (Ew, D, I):
+        raise ValueError(f"down weights must be [E={Ew}, D={D}, I={I}], got {down_EDI.shape}")
+    for name, w, s in zip(("gate", "up", "down"), (gate_EID, up_EID, down_EDI), scales):
+        want = (Ew, -(-w.shape[1] // QUANT_BLOCK), -(-w.shape[2] // QUANT_BLOCK))
+        if tuple(s.shape) != want or s.dtype != jnp.float32:
+            raise ValueError(f"{name} scales must be float32 {want} (one per 128x128 block), got {s.dtype} {s.shape}")
+    if group_sizes_E.ndim != 1 or not 1 <= group_sizes_E.shape[0] <= Ew or Ew % group_sizes_E.shape[0]:
+        raise ValueError(
+            f"group_sizes must be [E] with E dividing the {Ew} experts of the weights, got {group_sizes_E.shape}"
+        )
+    problems = moe_decode_fp8_problems(D, I, config)
+    if problems:
+        raise ValueError("moe_decode_fp8: " + "; ".join(problems))
+
+
+def moe_decode_fp8(
+    x_MD,
+    group_sizes_E,
+    gate_EID,
+    up_EID,
+    down_EDI,
+    gate_scale,
+    up_scale,
+    down_scale,
+    *,
+    expert_offset=0,
+    config: MoeDecodeConfig | None = None,
+    impl: str | None = "auto",
+):
+    """`moe_decode` on FP8 experts as DeepSeek-V3 releases them -> f32 [M, D].
+
+    Args:
+      x_MD, group_sizes_E: as `moe_decode` (x bf16, or f32).
+      gate_EID, up_EID: float8_e4m3fn [E', I, D]; down_EDI: float8_e4m3fn [E', D, I] (torch's [out, in] per
+        expert), E' >= E: a stack's experts flattened, group e using `expert_offset + e`, read in place.
+      gate_scale, up_scale, down_scale: fp32 [E', ceil(out/128), ceil(in/128)]; W = w · scale per 128x128 block.
+      config: `MoeDecodeConfig` (`moe_decode_fp8_problems`: D and I multiples of its blocks, blocks <= 128).
+      impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else
+        `moe_decode_fp8_reference`).
+    Each touched expert's e4m3 bytes are read once while every expert has at most 16 rows.
+    """
+    config = MoeDecodeConfig() if config is None else config
+    scales = (gate_scale, up_scale, down_scale)
+    _validate_fp8(x_MD, group_sizes_E, gate_EID, up_EID, down_EDI, scales, config)
+    impl = backend.resolve(impl)
+    if impl == "reference":
+        return moe_decode_fp8_reference(x_MD, group_sizes_E, gate_EID, up_EID, down_EDI, *scales, expert_offset)
+    return _moe_decode_kernel(
+        x_MD,
+        group_sizes_E,
+        gate_EID,
+        up_EID,
+        down_EDI,
+        scales,
+        expert_offset,
+        config=config,
+        interpret=impl == "interpret",
     )

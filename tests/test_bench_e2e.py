@@ -102,6 +102,49 @@ def test_decode_floor_reads_the_planners_fp8_bytes():
     assert e2e.decode_floor_bytes(cfg, 1, 1, kv_dtype="fp8") - 27 * 656 == e2e.decode_floor_bytes(cfg, 1, 1) - 27 * 1152
 
 
+def test_decode_floor_of_fp8_weights_by_hand():
+    """--weights fp8: the attention projections, the dense MLP and the shared and routed experts cost 1 byte a
+    weight + 4 bytes per 128x128 block; norms, router, LM head and embedding rows stay 2 bytes (tiny, B=1)."""
+    q = 1 + 4 / 16384
+    dense_layer = 63488 * q + 384 * 2 + 122880 * q
+    moe_layer = 63488 * q + 384 * 2 + 24576 * q + 1024 * 4 + 2 * 24576 * q
+    head = 33792 * 2 + 128 * 2 + 1 * 128 * 2
+    kv = 1 * 20 * 80 * 2 * 4
+    got = e2e.decode_floor_bytes(TINY, 1, 20, weights="fp8")
+    assert got == pytest.approx(dense_layer + 3 * moe_layer + head + kv, rel=1e-12)
+    cfg = e2e.model_config("v3-cut")  # 5 layers: the bf16 LM head (1.9 GB) is a quarter of its floor
+    assert 0.6 < e2e.decode_floor_bytes(cfg, 1, 1088, weights="fp8") / e2e.decode_floor_bytes(cfg, 1, 1088) < 0.65
+
+
+def test_random_fp8_model_has_the_fp8_layout_and_the_inits_spread():
+    """`--weights fp8` builds the FP8 model without an fp32 copy of its weights: every FP8 weight e4m3 in its
+    module's shape, its scales std / 16, the dequantized spread the dense init's (std 0.02), the rest dense."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from mla_jax import fp8_weights
+
+    cfg = e2e.model_config("v3-cut", config="tiny", layers=2)
+    model, _ = e2e.build_model(cfg, jnp.bfloat16, weights="fp8")
+    want = nnx.eval_shape(
+        lambda: e2e.DeepSeekModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, weights="fp8")
+    )
+    got_leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model))
+    want_leaves = jax.tree_util.tree_leaves_with_path(nnx.state(want))
+    assert [(p, v.shape, v.dtype) for p, v in got_leaves] == [(p, v.shape, v.dtype) for p, v in want_leaves]
+    experts = model.moe_layers.mlp.experts
+    w = np.asarray(fp8_weights.dequantize_blocks(experts.gate_proj_fp8[...], experts.gate_proj_scale_inv[...]))
+    assert np.isfinite(w).all() and abs(w.std() / cfg.initializer_range - 1) < 0.05
+    assert np.all(np.asarray(experts.gate_proj_scale_inv[...]) == np.float32(cfg.initializer_range / 16))
+    assert (
+        model.embed_tokens.embedding[...].dtype == jnp.bfloat16 and float(model.embed_tokens.embedding[...].std()) > 0
+    )
+    with pytest.raises(ValueError, match="one device"):
+        e2e.build_model(cfg, jnp.bfloat16, mesh=object(), weights="fp8")
+
+
 @pytest.mark.parametrize("fmt, token_bytes, latent", [("fp8", 512 + 16 + 128, 128), ("fp4", 256 + 32 + 128, 64)])
 def test_quantized_formats_plumb_through_the_e2e_bench(fmt, token_bytes, latent):
     """--kv-dtype fp8 / fp4: the floor reads the format's bytes a token (fp8: 512 e4m3 + 4 fp32 scales +

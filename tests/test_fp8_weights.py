@@ -89,19 +89,60 @@ def test_fp8_linear_is_x_times_the_dequantized_weight_transposed():
         fp8_weights.fp8_linear(jnp.asarray(x), jnp.asarray(q, jnp.bfloat16), jnp.asarray(s), dtype=jnp.float32)
 
 
-def test_fp8_gemm_impl_is_resolved_in_one_place():
-    """ "auto" is the reference until the Pallas FP8 GEMM is wired in; asking for the kernel is one line
-    naming why (not a silent fallback, not a crash inside the kernel), and so is an unknown name."""
-    assert fp8_weights.resolve_fp8_gemm_impl("auto", 4, 256, 128) == "reference"
-    assert fp8_weights.resolve_fp8_gemm_impl("reference", 4, 256, 128) == "reference"
-    with pytest.raises(ValueError, match=r"^fp8_gemm_impl='kernel': the kernels cannot serve this: the Pallas FP8"):
-        fp8_weights.resolve_fp8_gemm_impl("kernel", 4, 256, 128)
+def test_fp8_gemm_impl_is_resolved_in_one_place(monkeypatch):
+    """One resolver names the kernel by the rows: `fp8_matvec` up to 32 rows or for a stack (any widths),
+    `fp8_matmul` above (K a multiple of 128, bf16 compute). "auto" is the reference off a Hopper GPU and where
+    neither serves; asking for a kernel that cannot serve is one line naming why, and so is an unknown name."""
+    resolve = fp8_weights.resolve_fp8_gemm_impl
+    assert resolve("auto", 4, 256, 128) == "reference"  # a CPU
+    assert resolve("kernel", 4, 200, 100) == "kernel"  # fp8_matvec: partial blocks are fine
+    assert resolve("reference", 4096, 256, 128) == "reference"
+    with pytest.raises(ValueError, match=r"^fp8_gemm_impl='kernel': the kernels cannot serve this: K = 100 is not"):
+        resolve("kernel", 64, 256, 100)
+    with pytest.raises(ValueError, match=r"compute dtype float32: fp8_matmul quantizes the activations"):
+        resolve("kernel", 64, 256, 128, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"M = 64 rows is outside the 1\.\.32"):
+        resolve("kernel", 64, 256, 128, stacked=True)
     with pytest.raises(ValueError, match=r"impl must be one of"):
-        fp8_weights.resolve_fp8_gemm_impl("cublas", 4, 256, 128)
+        resolve("cublas", 4, 256, 128)
+    monkeypatch.setattr("pallas_kernels.backend.on_hopper", lambda: True)
+    assert resolve("auto", 1, 576, 7168) == "kernel"
+    assert resolve("auto", 4096, 7168, 2048) == "kernel"
+    assert resolve("auto", 4096, 7168, 2048, dtype=jnp.float32) == "reference"
+    assert resolve("auto", 64, 256, 100) == "reference"
     with pytest.raises(ValueError, match=r"^weights must be None \(dense, in param_dtype\) or 'fp8', got 'int4'"):
         nnx.eval_shape(lambda: DeepSeekModel(MICRO_V3, rngs=nnx.Rngs(0), weights="int4"))
-    with pytest.raises(ValueError, match=r"^MoE impl='decode' reads bf16 experts in place"):
-        nnx.eval_shape(lambda: DeepSeekModel(MICRO_V3, rngs=nnx.Rngs(0), weights="fp8", moe_impl="decode"))
+
+
+def test_fp8_linear_calls_the_kernel_its_rows_name(monkeypatch):
+    """M <= 32 rows (and a layer of a stack) go to `fp8_matvec` with rows in the compute dtype, more rows to
+    `fp8_matmul` with bf16 rows; the interpreted small-M kernel equals the reference, a stack's layer included."""
+    rng = np.random.default_rng(5)
+    pairs = [np_quant(rng.standard_normal((300, 200)).astype(np.float32)) for _ in range(2)]
+    w, sc = (jnp.asarray(np.stack(a)) for a in zip(*pairs))  # a stack of two [300, 200], scales [2, 3, 2]
+    x = jnp.asarray(rng.standard_normal((2, 3, 200)), jnp.float32)
+    got = fp8_weights.fp8_linear(x, w[1], sc[1], dtype=jnp.float32, impl="interpret")
+    want = fp8_weights.fp8_linear_reference(x, w[1], sc[1], dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    got = fp8_weights.fp8_linear(x, w, sc, dtype=jnp.float32, impl="interpret", layer=jnp.int32(1))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    ref = fp8_weights.fp8_linear(x, w, sc, dtype=jnp.float32, impl="reference", layer=1)
+    np.testing.assert_allclose(np.asarray(ref), np.asarray(want), rtol=1e-6, atol=1e-6)
+    calls = []
+
+    def spy(x, w, s, impl):
+        calls.append((x.shape, x.dtype, impl))
+        return jnp.zeros((x.shape[0], w.shape[0]), jnp.bfloat16)
+
+    monkeypatch.setattr(fp8_weights, "fp8_matmul", spy)
+    q2, s2 = np_quant(rng.standard_normal((128, 256)).astype(np.float32))
+    x2 = jnp.ones((33, 256), jnp.float32)
+    with pytest.raises(ValueError, match=r"compute dtype float32"):
+        fp8_weights.fp8_linear(x2, jnp.asarray(q2), jnp.asarray(s2), dtype=jnp.float32, impl="kernel")
+    fp8_weights.fp8_linear(x2, jnp.asarray(q2), jnp.asarray(s2), dtype=jnp.bfloat16, impl="kernel")
+    assert calls == [((33, 256), jnp.bfloat16, "kernel")]
+    with pytest.raises(ValueError, match=r"^fp8_linear: the weight must be float8_e4m3fn a stack \[L, N, K\]"):
+        fp8_weights.fp8_linear(x, w[1], sc[1], dtype=jnp.float32, layer=0)
 
 
 # ------------------------------------------------------------------------------------------

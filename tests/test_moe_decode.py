@@ -15,7 +15,15 @@ import pytest
 
 from models import moe as moe_mod
 from models.moe import moe_dense_reference, moe_grouped, resolve_moe_impl
-from pallas_kernels.moe_decode import MoeDecodeConfig, moe_decode, moe_decode_problems, moe_decode_reference
+from pallas_kernels.moe_decode import (
+    MoeDecodeConfig,
+    moe_decode,
+    moe_decode_fp8,
+    moe_decode_fp8_problems,
+    moe_decode_fp8_reference,
+    moe_decode_problems,
+    moe_decode_reference,
+)
 
 SMALL = MoeDecodeConfig(block_i=32, block_d=32, block_o=32, block_k=32)
 
@@ -131,3 +139,120 @@ def test_engine_with_the_decode_experts_reads_each_layer_out_of_the_stack():
             .tokens
         )
     assert out["decode"] == out["ragged_dot"]
+
+
+# ------------------------------------------------------------------------------------------
+# FP8 experts (`moe_decode_fp8`): DeepSeek-V3's release layout, read in place and converted in registers
+# ------------------------------------------------------------------------------------------
+def _fp8_problem(sizes, D=256, I=256, layers=2, pad=3, seed=0, dtype=jnp.float32):
+    """Rows for `sizes` and FP8 experts of `layers` stacked layers, flattened ([layers·E, ...]); 2x2 scale blocks
+    per expert (D = I = 256), scales spread over 2^-12..2^-6 so a scale of another block, expert or layer shows."""
+    rng = np.random.default_rng(seed)
+    E = len(sizes)
+    x = jnp.asarray(rng.standard_normal((int(sum(sizes)) + pad, D)), dtype)
+    ws, ss = [], []
+    for shape in ((layers * E, I, D), (layers * E, I, D), (layers * E, D, I)):
+        ws.append(jnp.asarray(rng.standard_normal(shape) * 64, jnp.float32).astype(jnp.float8_e4m3fn))
+        ss.append(jnp.asarray(np.exp2(rng.uniform(-12, -6, (shape[0], shape[1] // 128, shape[2] // 128))), jnp.float32))
+    return x, jnp.asarray(sizes, jnp.int32), *ws, *ss
+
+
+def _np_experts(x, sizes, g, u, d, sg, su, sd, offset):
+    """float64 silu(x·Wgᵀ) * (x·Wuᵀ) · Wdᵀ of each row (group e: expert `offset + e`); rows past the groups: 0."""
+    from test_fp8_matvec import np_dequant
+
+    x = np.asarray(x, np.float64)
+    y = np.zeros_like(x)
+    r = 0
+    for e, n in enumerate(np.asarray(sizes)):
+        w = [np_dequant(a[offset + e], s[offset + e]) for a, s in ((g, sg), (u, su), (d, sd))]
+        xe = x[r : r + n]
+        h = xe @ w[0].T
+        y[r : r + n] = (h / (1 + np.exp(-h)) * (xe @ w[1].T)) @ w[2].T
+        r += n
+    return y
+
+
+@pytest.mark.parametrize("sizes", [[1, 0, 0, 2], [0, 17, 3, 0]], ids=["empty-experts", "17-rows"])
+def test_fp8_interpret_reads_the_offset_experts_and_their_block_scales(sizes):
+    """Layer 1's experts of a 2-layer stack (offset E): the kernel against numpy's float64 (catches the wrong
+    expert or layer, a scale of another block, rows of empty experts written) and against the reference."""
+    args = _fp8_problem(sizes)
+    E = len(sizes)
+    config = MoeDecodeConfig(block_i=64, block_d=64, block_o=64, block_k=64)
+    got = jax.jit(lambda *a: moe_decode_fp8(*a, expert_offset=E, config=config, impl="interpret"))(*args)
+    want = _np_experts(*args, offset=E)
+    chex.assert_trees_all_close(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert not np.asarray(got[int(sum(sizes)) :]).any()  # rows past the groups are 0
+    ref = moe_decode_fp8_reference(*args, expert_offset=E)
+    chex.assert_trees_all_close(got, ref, rtol=1e-4, atol=1e-4 * float(jnp.abs(ref).max()))
+
+
+def test_fp8_bits_conversion_and_bf16_rows():
+    args = _fp8_problem([2, 0, 1, 1], dtype=jnp.bfloat16, layers=1)
+    config = MoeDecodeConfig(block_i=64, block_d=128, block_o=64, block_k=64, fp8_convert="bits")
+    got = moe_decode_fp8(*args, config=config, impl="interpret")
+    ref = moe_decode_fp8_reference(*args)
+    rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+    assert rel < 1e-2, rel
+
+
+def test_fp8_what_it_cannot_serve_is_one_line_each():
+    assert moe_decode_fp8_problems(7168, 2048) == []  # V3
+    assert moe_decode_fp8_problems(256, 256, MoeDecodeConfig(block_d=256)) == [
+        "block_d = 256 spans more than one 128-wide scale block"
+    ]
+    x, sizes, g, u, d, sg, su, sd = _fp8_problem([1, 1], layers=1)
+    with pytest.raises(ValueError, match=r"^down weights must be \[E=2, D=256, I=256\]"):
+        moe_decode_fp8(x, sizes, g, u, d[:, :, :128], sg, su, sd)
+    with pytest.raises(ValueError, match=r"^up scales must be float32 \(2, 2, 2\)"):
+        moe_decode_fp8(x, sizes, g, u, d, sg, su[:, :1], sd)
+    with pytest.raises(ValueError, match=r"^gate weights must be float8_e4m3fn"):
+        moe_decode_fp8(x, sizes, g.astype(jnp.bfloat16), u, d, sg, su, sd)
+
+
+def test_fp8_cross_lowers_for_sm90():
+    from jax._src import mesh as mesh_lib
+
+    E, D, I = 16, 7168, 2048
+    args = (
+        jax.ShapeDtypeStruct((8, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((E,), jnp.int32),
+        *(jax.ShapeDtypeStruct(s, jnp.float8_e4m3fn) for s in ((3 * E, I, D), (3 * E, I, D), (3 * E, D, I))),
+        *(jax.ShapeDtypeStruct(s, jnp.float32) for s in ((3 * E, 16, 56), (3 * E, 16, 56), (3 * E, 56, 16))),
+    )
+    off = jnp.int32(E)
+    h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        traced = jax.jit(lambda *a: moe_decode_fp8(*a[:-1], expert_offset=a[-1], impl="kernel")).trace(*args, off)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 2, "gate/up and down kernels"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_gpu_fp8_kernel_matches_reference_at_v3_widths(tokens):
+    """V3's routed experts (256 of D = 7168, I = 2048, top-8) of layer 1 of a 2-layer stack, bf16 rows."""
+    from pallas_kernels.backend import on_hopper
+
+    if not on_hopper():
+        pytest.skip("needs a Hopper GPU")
+    E, K, D, I = 256, 8, 7168, 2048
+    rng = np.random.default_rng(tokens)
+    sizes = np.bincount(np.concatenate([rng.choice(E, K, replace=False) for _ in range(tokens)]), minlength=E)
+    keys = jax.random.split(jax.random.key(tokens), 7)
+    x = jax.random.normal(keys[0], (int(sizes.sum()) + 5, D), jnp.bfloat16)
+    shapes = ((2 * E, I, D), (2 * E, I, D), (2 * E, D, I))
+    ws = [(jax.random.normal(k, s, jnp.float32) * 64).astype(jnp.float8_e4m3fn) for k, s in zip(keys[1:4], shapes)]
+    ss = [
+        jnp.exp2(jax.random.uniform(k, (s[0], s[1] // 128, s[2] // 128), jnp.float32, -12.0, -6.0))
+        for k, s in zip(keys[4:], shapes)
+    ]
+    args = (x, jnp.asarray(sizes, jnp.int32), *ws, *ss)
+    for convert in ("cast", "bits"):
+        config = MoeDecodeConfig(fp8_convert=convert)
+        got = jax.jit(lambda *a: moe_decode_fp8(*a, expert_offset=E, config=config, impl="kernel"))(*args)
+        ref = jax.jit(lambda *a: moe_decode_fp8_reference(*a, expert_offset=E))(*args)
+        rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+        assert rel < 1e-2, (convert, rel)
+        assert not np.asarray(got[int(sizes.sum()) :]).any()

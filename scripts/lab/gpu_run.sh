@@ -35,6 +35,10 @@
 #                              #   then scripts/lab/probe_flash_prefill.py (V2-Lite chunks after prefixes)
 #   scripts/lab/gpu_run.sh prefill_e2e # mla-bench e2e, V2-Lite, 8192-token prompts at B=1 and 8: the engine's
 #                              #   chunk rule (flash prefill), then --prefill-chunk 512 (the old chunking)
+#   scripts/lab/gpu_run.sh fp8w    # FP8 weights at decode: fp8_matvec / moe_decode_fp8 / fp8_gemm GPU tests, then
+#                              #   scripts/lab/probe_fp8_decode_gemv.py --sweep
+#   scripts/lab/gpu_run.sh fp8e2e  # mla-bench e2e on the V3 cut, --weights $WEIGHTS (default fp8; bf16 in another
+#                              #   call), B = $BATCHES (1,32), 1024-token prompts, 64 new tokens, no HF
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -164,6 +168,7 @@ case "$MODE" in
        timeout 120 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" 2>&1 | tee -a "$LOG" ;;
   train) gpu_tests 200 tests/test_engine.py tests/test_moe.py tests/test_moe_decode.py tests/test_training.py tests/test_scan.py ;;
   stacked) gpu_tests 130 tests/test_stacked_matmul.py tests/test_scan.py ;;
+  fp8w) gpu_tests 240 tests/test_fp8_matvec.py tests/test_moe_decode.py tests/test_fp8_gemm.py ;;
   prefill) gpu_tests 200 tests/test_flash_attention.py tests/test_attention.py tests/test_engine.py \
            -k "prefill or cached"
          prefill_ptxas_report
@@ -256,6 +261,11 @@ PY
            gpu_tests 60 tests/test_fp8_gemm.py
            timeout 120 $PY scripts/lab/probe_fp8_gemm.py --out "$R/fp8_gemm.json" --budget-s 90 2>&1 | tail -40 \
              | tee -a "$LOG" ;;
+  fp8w) stage "probe_fp8_decode_gemv"
+        timeout 280 $PY scripts/lab/probe_fp8_decode_gemv.py --out "$R/fp8_decode_gemv.json" --sweep --budget-s 220 \
+          2>&1 | tee -a "$LOG" ;;
+  fp8e2e) bench e2e "${E2E_LIMIT:-540}" --model v3-cut --batch "${BATCHES:-1,32}" --prompt 1024 --new-tokens 64 \
+            --no-hf --weights "${WEIGHTS:-fp8}" ${E2E_EXTRA:-} ;;
   prefill_e2e) bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf
          bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf --prefill-chunk 512 \
            --out "$R/chunk512" ;;
