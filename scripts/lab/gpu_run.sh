@@ -253,6 +253,14 @@ PY
          timeout "${SERVE_LIMIT:-200}" $PY -m benchmarks serve --out "$R/serve_mixed256_ds1" --rates "${RATES:-2,8}" \
            --requests 24 --decode-steps 1 --check 4 --prefill-budget 256 2>&1 \
            | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -12 | tee -a "$LOG" ;;
+  session12d) stage "soak: 10 000 engine steps, V2-Lite widths cut to 4 layers, fp32 (tokens comparable alone)"
+         timeout "${SOAK_LIMIT:-210}" $PY -m benchmarks serve --out "$R/soak" --layers 4 --dtype fp32 --kv-dtype fp32 \
+           --rates 8 --requests 12 --decode-steps 1 --check 4 --soak-check 16 --soak-steps 10000 --soak-arrivals 0.15 \
+           --prompt-max 2048 --output-max 256 2>&1 | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -8 | tee -a "$LOG"
+         gpu_tests 110 tests/test_fp8_matvec.py
+         stage "probe_fp8_decode_gemv (no sweep)"
+         timeout 80 $PY scripts/lab/probe_fp8_decode_gemv.py --out "$R/fp8_decode_gemv.json" --budget-s 60 2>&1 \
+           | tail -30 | tee -a "$LOG" ;;
   stacked) stage "probe_decode_variants: sliced / stacked projections"
            timeout "${VARIANTS_LIMIT:-280}" $PY scripts/lab/probe_decode_variants.py --out "$R/variants" \
              --batches "${BATCHES:-1,32,128}" --variants "${VARIANTS:-sliced,base}" --no-kernels 2>&1 \
