@@ -261,6 +261,11 @@ PY
          stage "probe_fp8_decode_gemv (no sweep)"
          timeout 80 $PY scripts/lab/probe_fp8_decode_gemv.py --out "$R/fp8_decode_gemv.json" --budget-s 60 2>&1 \
            | tail -30 | tee -a "$LOG" ;;
+  session12e) stage "soak: 10 000 engine steps, V2-Lite widths cut to 4 layers, fp32, B=8 (tokens comparable alone)"
+         timeout "${SOAK_LIMIT:-200}" $PY -m benchmarks serve --out "$R/soak" --layers 4 --dtype fp32 --kv-dtype fp32 \
+           --max-batch 8 --prefill-chunk 256 --prefill-budget 256 --rates 8 --requests 8 --decode-steps 1 --check 2 \
+           --soak-check 16 --soak-steps 10000 --soak-arrivals 0.04 --prompt-max 2048 --output-max 256 2>&1 \
+           | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -8 | tee -a "$LOG" ;;
   stacked) stage "probe_decode_variants: sliced / stacked projections"
            timeout "${VARIANTS_LIMIT:-280}" $PY scripts/lab/probe_decode_variants.py --out "$R/variants" \
              --batches "${BATCHES:-1,32,128}" --variants "${VARIANTS:-sliced,base}" --no-kernels 2>&1 \
