@@ -53,9 +53,10 @@ ON_CACHE_FULL = ("fail_request", "raise")
 PREFILL_CHUNK = 512
 FLASH_PREFILL_TOKENS = 16384
 FLASH_PREFILL_CHUNK = 8192
-# Prompt tokens a mixed step carries by default (`Engine(prefill_budget=...)`): on V2-Lite about a decode step's
-# worth of extra compute, so a mixed step costs at most ~2x a decode step (docs/NOTES.md, "Mixed steps").
-PREFILL_BUDGET = 512
+# Prompt tokens a mixed step carries by default (`Engine(prefill_budget=...)`): measured on V2-Lite at B=32 (one
+# H200), the inter-token latency p99 under arrivals is 2.4-2.6x the median decode step with 256 and 2.9-3.1x
+# with 512 (docs/NOTES.md, "Mixed steps"; BENCHMARKS.md, twelfth session).
+PREFILL_BUDGET = 256
 
 __all__ = [
     "ATTENTION_IMPLS",
