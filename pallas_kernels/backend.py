@@ -102,6 +102,24 @@ def resolve(impl: str | None) -> str:
     return impl
 
 
+def triton_offset_problems(name: str, shape: Sequence[int], dtype) -> list[str]:
+    """Why a Pallas Triton kernel cannot index an array of this size (empty when it can).
+
+    jax 0.11.2's Triton lowering (`_compute_offsets_from_indices`) computes element offsets in 32 bits for an
+    array of at most 2**32 bytes and in 64 bits above; signed 32-bit offsets wrap for more than 2**31 elements,
+    which only an array of 1-byte elements (e4m3) of 2**31..2**32 bytes has: the kernel then reads an illegal
+    address (found on an H200 with V3's 256 experts x 2048 x 7168 e4m3 = 3.76e9 bytes)."""
+    elements = 1
+    for d in shape:
+        elements *= int(d)
+    if elements > 2**31 - 1 and elements * jax.numpy.dtype(dtype).itemsize <= 2**32:
+        return [
+            f"{name} has {elements} elements of 1 byte ({tuple(shape)}): Pallas' Triton lowering indexes arrays "
+            "of at most 4 GiB with 32-bit offsets, which wrap past 2**31 elements"
+        ]
+    return []
+
+
 def choose(impl: str | None, problems: Sequence[str], *, name: str = "impl") -> str:
     """`resolve(impl)` for a kernel that reports `problems` (its `*_problems` lines for these inputs, [] when
     it serves them): "auto" falls back to the reference where the kernel cannot serve; "kernel" and

@@ -243,11 +243,12 @@ def fp8_matvec(
       config: `Fp8MatvecConfig` (static); the limits are `fp8_matvec_problems`.
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else
         `fp8_matvec_reference`).
-    Raises ValueError (one line) for dtypes, shapes and limits.
+    Raises ValueError (one line) for dtypes, shapes and limits; "auto" takes the reference for a weight array
+    the Triton lowering cannot index (`backend.triton_offset_problems`), "kernel" refuses it.
     """
     config = Fp8MatvecConfig() if config is None else config
     _validate(x_MK, w_NK, scale, layer, config)
-    impl = backend.resolve(impl)
+    impl = backend.choose(impl, backend.triton_offset_problems("w", w_NK.shape, w_NK.dtype), name="fp8_matvec impl")
     if impl == "reference":
         return fp8_matvec_reference(x_MK, w_NK, scale, layer)
     w, s, layer = _as_stack(w_NK, scale, layer)

@@ -348,12 +348,19 @@ def moe_decode_fp8(
       config: `MoeDecodeConfig` (`moe_decode_fp8_problems`: D and I multiples of its blocks, blocks <= 128).
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else
         `moe_decode_fp8_reference`).
-    Each touched expert's e4m3 bytes are read once while every expert has at most 16 rows.
+    Each touched expert's e4m3 bytes are read once while every expert has at most 16 rows. "auto" takes the
+    reference for expert stacks the Triton lowering cannot index (`backend.triton_offset_problems`), "kernel"
+    refuses them.
     """
     config = MoeDecodeConfig() if config is None else config
     scales = (gate_scale, up_scale, down_scale)
     _validate_fp8(x_MD, group_sizes_E, gate_EID, up_EID, down_EDI, scales, config)
-    impl = backend.resolve(impl)
+    too_large = [
+        p
+        for n, w in (("gate", gate_EID), ("down", down_EDI))
+        for p in backend.triton_offset_problems(n, w.shape, w.dtype)
+    ]
+    impl = backend.choose(impl, too_large, name="moe_decode_fp8 impl")
     if impl == "reference":
         return moe_decode_fp8_reference(x_MD, group_sizes_E, gate_EID, up_EID, down_EDI, *scales, expert_offset)
     return _moe_decode_kernel(

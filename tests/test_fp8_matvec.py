@@ -223,3 +223,38 @@ def test_gpu_fp8_cached_call_on_the_kernels_equals_the_reference_path():
     assert jaxpr.count("name=fp8_matvec") == 14
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+def test_arrays_the_triton_lowering_cannot_index_fall_back_or_are_refused():
+    """An e4m3 array of 2**31..2**32 bytes gets 32-bit element offsets in Pallas' Triton lowering, which wrap:
+    on the H200 `moe_decode_fp8` over V3's 256 experts of one layer (3.76e9 bytes) read an illegal address.
+    "auto" must take the reference there and "kernel" refuse in one line; a 2-byte array of the same element
+    count (64-bit offsets above 4 GiB) and a smaller e4m3 stack are served. Shapes only (jax.eval_shape)."""
+    from pallas_kernels import backend
+    from pallas_kernels.moe_decode import moe_decode_fp8
+
+    f8, f32, bf16 = jnp.float8_e4m3fn, jnp.float32, jnp.bfloat16
+    sds = jax.ShapeDtypeStruct
+    assert backend.triton_offset_problems("w", (256, 2048, 7168), f8)
+    assert not backend.triton_offset_problems("w", (256, 2048, 7168), bf16)
+    assert not backend.triton_offset_problems("w", (128, 2048, 7168), f8)
+    assert not backend.triton_offset_problems("w", (600, 2048, 7168), f8)  # > 4 GiB: 64-bit offsets
+
+    E, D, I = 256, 7168, 2048
+    args = (
+        sds((8, D), bf16),
+        sds((E,), jnp.int32),
+        sds((E, I, D), f8),
+        sds((E, I, D), f8),
+        sds((E, D, I), f8),
+        sds((E, I // 128, D // 128), f32),
+        sds((E, I // 128, D // 128), f32),
+        sds((E, D // 128, I // 128), f32),
+    )
+    with pytest.raises(ValueError, match=r"^moe_decode_fp8 impl='kernel': .*32-bit offsets"):
+        jax.eval_shape(lambda *a: moe_decode_fp8(*a, impl="kernel"), *args)
+    assert jax.eval_shape(lambda *a: moe_decode_fp8(*a, impl="auto"), *args).shape == (8, D)
+
+    w, s = sds((61, 24576, 1536), f8), sds((61, 192, 12), f32)  # V3's q_b stack: 2.3e9 bytes
+    with pytest.raises(ValueError, match=r"^fp8_matvec impl='kernel': .*32-bit offsets"):
+        jax.eval_shape(lambda x, w, s: fp8_matvec(x, w, s, 3, impl="kernel"), sds((1, 1536), bf16), w, s)
