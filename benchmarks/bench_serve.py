@@ -236,9 +236,16 @@ def agreement(tokens: list[int], ref: list[int]) -> float:
 
 
 def device_bytes() -> int | None:
-    """Bytes in use on the first device (None where the backend does not say: XLA:CPU)."""
+    """Bytes in use on the first device; on XLA:CPU, which does not say, the process's resident set (the CPU
+    device's buffers live there), from /proc (None without it)."""
     stats = jax.devices()[0].memory_stats()
-    return stats.get("bytes_in_use") if stats else None
+    if stats:
+        return stats.get("bytes_in_use")
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def soak(engine: Engine, args, vocab: int) -> dict:
