@@ -39,6 +39,7 @@
 #                              #   scripts/lab/probe_fp8_decode_gemv.py --sweep
 #   scripts/lab/gpu_run.sh fp8e2e  # mla-bench e2e on the V3 cut, --weights $WEIGHTS (default fp8; bf16 in another
 #                              #   call), B = $BATCHES (1,32), 1024-token prompts, 64 new tokens, no HF
+#   scripts/lab/gpu_run.sh session13a # moe_decode / fp8_matvec fp8 GPU tests, then fp8e2e (WEIGHTS=fp8)
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -279,6 +280,9 @@ PY
           2>&1 | tee -a "$LOG" ;;
   fp8e2e) bench e2e "${E2E_LIMIT:-540}" --model v3-cut --batch "${BATCHES:-1,32}" --prompt 1024 --new-tokens 64 \
             --no-hf --weights "${WEIGHTS:-fp8}" ${E2E_EXTRA:-} ;;
+  session13a) gpu_tests 150 tests/test_moe_decode.py tests/test_fp8_matvec.py -k "fp8 or offset"
+         bench e2e "${E2E_LIMIT:-330}" --model v3-cut --batch "${BATCHES:-1,32}" --prompt 1024 --new-tokens 64 \
+           --no-hf --weights fp8 --out "$R/v3cut_fp8" ;;
   prefill_e2e) bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf
          bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf --prefill-chunk 512 \
            --out "$R/chunk512" ;;
