@@ -188,8 +188,9 @@ def model_config(name: str, *, config: str = "full", layers: int | None = None, 
 
     ``config="tiny"`` keeps each model's kind at `ModelConfig.tiny()` sizes (v2-lite: one query projection,
     softmax greedy routing, no MTP; v3-cut: tiny() itself), for a CPU run; with ``kv_dtype="fp8"`` its latent
-    is 128 wide (fp8 pages scale the latent in blocks of 128; tiny()'s is 64). ``layers`` cuts the V3 model
-    (and the tiny ones); the first min(3, layers - 1) layers stay dense so that at least one MoE layer remains.
+    is 128 wide (fp8 pages scale the latent in blocks of 128; tiny()'s is 64). ``layers`` cuts any model to
+    that many main layers (the V3 cut defaults to 5); its first dense layers stay (at most layers - 1, so that
+    at least one MoE layer remains).
     """
     if config == "tiny":
         cfg = ModelConfig.tiny()
@@ -213,7 +214,12 @@ def model_config(name: str, *, config: str = "full", layers: int | None = None, 
             )
         return cfg
     if name == "v2-lite":
-        return ModelConfig.deepseek_v2_lite()
+        cfg = ModelConfig.deepseek_v2_lite()
+        if layers:
+            cfg = cfg.replace(
+                num_hidden_layers=layers, first_k_dense_replace=min(cfg.first_k_dense_replace, layers - 1)
+            )
+        return cfg
     if name == "v3-cut":
         n = layers or 5
         return ModelConfig.deepseek_v3().replace(num_hidden_layers=n, first_k_dense_replace=min(3, max(n - 1, 0)))
@@ -1490,7 +1496,7 @@ def parser() -> argparse.ArgumentParser:
         "--layers",
         type=int,
         default=None,
-        help="main layers of the V3 cut (default 5: 3 dense + 2 MoE) and of the tiny configs",
+        help="main layers of every model (the V3 cut's default 5: 3 dense + 2 MoE; V2-Lite's 27)",
     )
     p.add_argument(
         "--config",

@@ -116,6 +116,17 @@ def test_decode_floor_of_fp8_weights_by_hand():
     assert 0.6 < e2e.decode_floor_bytes(cfg, 1, 1088, weights="fp8") / e2e.decode_floor_bytes(cfg, 1, 1088) < 0.65
 
 
+def test_layers_cut_every_model():
+    """`--layers` cuts V2-Lite as it cuts the V3 cut (a cut that was silently ignored made `mla-bench serve --layers
+    4` serve all 27 layers), keeping at least one MoE layer."""
+    assert e2e.model_config("v2-lite").num_hidden_layers == 27
+    four = e2e.model_config("v2-lite", layers=4)
+    assert (four.num_hidden_layers, four.first_k_dense_replace, four.num_moe_layers) == (4, 1, 3)
+    one = e2e.model_config("v2-lite", layers=1)
+    assert (one.num_hidden_layers, one.num_moe_layers) == (1, 1)
+    assert e2e.model_config("v3-cut", layers=2).num_moe_layers == 1
+
+
 def test_random_fp8_model_has_the_fp8_layout_and_the_inits_spread():
     """`--weights fp8` builds the FP8 model without an fp32 copy of its weights: every FP8 weight e4m3 in its
     module's shape, its scales std / 16, the dequantized spread the dense init's (std 0.02), the rest dense."""

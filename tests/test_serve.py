@@ -342,5 +342,48 @@ def test_mla_bench_serve_tiny(tmp_path, engine):
     assert (tmp_path / "serve.csv").read_text().count("\n") == 3 and (tmp_path / "serve.png").stat().st_size > 0
     soaked = json.loads((tmp_path / "soak.json").read_text())
     assert soaked["engine_steps"] >= 60 and soaked["requests"] >= 10 and soaked["mixed_steps"] > 0, soaked
-    assert soaked["compiles"] == soaked["lost"] == soaked["pages_in_use_after"] == 0, soaked
-    assert soaked["alone_match"] == "4/4", soaked
+    assert soaked["compiles"] == soaked["lost"] == soaked["pages_in_use_after"] == 0 and soaked["compiled"] == [], (
+        soaked
+    )
+    assert soaked["alone_match"] == "4/4" and soaked["alone_unexplained"] == soaked["alone_ties"] == 0, soaked
+    assert soaked["complete"] is True, soaked
+
+
+def test_near_tie_judge_tells_rounding_from_a_real_difference():
+    """`NearTieJudge` on a tiny bf16 model: the nearest float32 competitor of the greedy token is a near tie (bf16
+    rounding can order the two either way), a token ranked last is not. Catches a judge that calls every
+    difference a tie (the bf16 soak would pass whatever the engine did), one that calls none (every bf16 run
+    fails), or one that judges the wrong position (a teacher-forced prefix off by one)."""
+    import jax.numpy as jnp
+
+    from benchmarks.bench_e2e import build_model
+
+    cfg = ModelConfig.tiny()
+    model, _ = build_model(cfg, jnp.bfloat16)
+    judge = bench_serve.NearTieJudge(model, bucket=16)
+    rng = np.random.default_rng(0)
+    prompt = _prompt(rng, 11)
+    ref = _prompt(rng, 6)  # teacher forcing takes any tokens as the run alone's
+    j = 3
+    ids = prompt + ref[:j]
+    exact = judge._logits(judge.twin(), ids, len(ids) - 1)
+    own = judge._logits(model, ids, len(ids) - 1)
+    err = float(np.max(np.abs(own - exact)))
+    assert 0 < err < 0.1 * float(np.ptp(exact)), err  # bf16 differs from float32, by little
+    order = np.argsort(exact)
+    top, worst = int(order[-1]), int(order[0])
+    k = int(np.argmin(np.diff(exact[order])))  # the two tokens closest in float32: far within bf16's error
+    a, b = int(order[k + 1]), int(order[k])
+    assert exact[a] - exact[b] < 0.1 * err
+    ref = ref[:j] + [top] + ref[j + 1 :]
+    assert judge(prompt, ref, list(ref)) is None
+    far = judge(prompt, ref, ref[:j] + [worst] + ref[j + 1 :])
+    assert far["position"] == j and not far["tie"] and far["logit_gap"] == pytest.approx(exact[top] - exact[worst])
+    near = judge(prompt, ref[:j] + [a], ref[:j] + [b])
+    assert near["position"] == j and near["tie"] and 0 <= near["logit_gap"] < near["logit_error"], near
+    shifted = judge(prompt, ref[: j - 1] + [a, a], ref[: j - 1] + [b, a])  # the same tokens one position earlier
+    assert shifted["position"] == j - 1
+    checked = bench_serve.check_alone([(prompt, ref[:j] + [worst], ref[: j + 1])], judge)
+    assert checked["alone_unexplained"] == 1 and checked["alone_ties"] == 0 and checked["alone_match"] == "0/1"
+    unjudged = bench_serve.check_alone([(prompt, ref[:j] + [b], ref[:j] + [a])], None)
+    assert unjudged["alone_unexplained"] == 1  # float32 runs: every difference counts
