@@ -512,10 +512,10 @@ def resolve(args) -> argparse.Namespace:
     return args
 
 
-def build_engine(args, cache_fill: float = 0.0) -> tuple[Engine, object, float]:
-    """The model (random weights) and the engine the run serves with -> (engine, its ModelConfig, build seconds);
-    `cache_fill`: the value of never-written cache rows (tests poison them with NaN). The model is
-    `engine.source_model` (the greedy check's `NearTieJudge` reads it)."""
+def build_engine(args, cache_fill: float = 0.0) -> tuple[Engine, object, float, DeepSeekModel]:
+    """The model (random weights) and the engine the run serves with -> (engine, its ModelConfig, build seconds,
+    the model: the greedy check's `NearTieJudge` reads it); `cache_fill`: the value of never-written cache rows
+    (tests poison them with NaN)."""
     cfg = model_config(args.model, config=args.config, layers=args.layers, kv_dtype=args.kv_dtype)
     model, build_s = build_model(cfg, jnp.bfloat16 if args.dtype == "bf16" else jnp.float32)
     engine = Engine(
@@ -533,8 +533,7 @@ def build_engine(args, cache_fill: float = 0.0) -> tuple[Engine, object, float]:
         mixed_steps=not args.no_mixed,
         prefill_budget=args.prefill_budget,
     )
-    engine.source_model = model
-    return engine, cfg, build_s
+    return engine, cfg, build_s, model
 
 
 def main(argv=None):
@@ -542,7 +541,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     compile_cache.enable(args.compile_cache)
     header = dict(bm.run_header() if jax.default_backend() == "gpu" else {}, backend=jax.default_backend())
-    engine, cfg, build_s = build_engine(args)
+    engine, cfg, build_s, model = build_engine(args)
     reqs = workload(args, cfg.vocab_size)
     bm.log(
         f"# serve: {args.model} ({args.config}, {args.dtype}), {len(reqs)} requests a rate, prompts "
@@ -577,7 +576,7 @@ def main(argv=None):
         )
     # Greedy check: the first requests alone on the idle engine.
     alone = [engine.generate([r["prompt"]], max_new_tokens=r["max_new_tokens"]).tokens[0] for r in reqs[: args.check]]
-    judge = NearTieJudge(engine.source_model) if args.dtype != "fp32" else None
+    judge = NearTieJudge(model) if args.dtype != "fp32" else None
     for row in rows:
         got = outputs[row["rate"]][: args.check]
         row.update(check_alone([(r["prompt"], g, a) for r, g, a in zip(reqs, got, alone)], judge))
