@@ -40,6 +40,7 @@
 #   scripts/lab/gpu_run.sh fp8e2e  # mla-bench e2e on the V3 cut, --weights $WEIGHTS (default fp8; bf16 in another
 #                              #   call), B = $BATCHES (1,32), 1024-token prompts, 64 new tokens, no HF
 #   scripts/lab/gpu_run.sh session13a # moe_decode / fp8_matvec fp8 GPU tests, then fp8e2e (WEIGHTS=fp8)
+#   scripts/lab/gpu_run.sh session14 # the rest of the fp8_matvec GPU tests, ncu of fp8_matvec vs bf16 on wo, the M=1 sweep
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
 #                              #   + ptxas register/spill report
@@ -283,6 +284,17 @@ PY
   session13a) gpu_tests 150 tests/test_moe_decode.py tests/test_fp8_matvec.py -k "fp8 or offset"
          bench e2e "${E2E_LIMIT:-330}" --model v3-cut --batch "${BATCHES:-1,32}" --prompt 1024 --new-tokens 64 \
            --no-hf --weights fp8 --out "$R/v3cut_fp8" ;;
+  session14) gpu_tests 150 tests/test_fp8_matvec.py -k "gate_up or down or shared or stack or cached"
+         stage "ncu: fp8_matvec (default, then block_n=128) beside bf16 stacked_matmul, wo at M = 1"
+         for bn in 64 128; do
+           timeout 150 ncu --profile-from-start off --set full --csv --page details \
+             $PY scripts/lab/ncu_fp8_matvec.py --shape wo --block-n $bn > "$R/ncu_wo_bn$bn.csv" 2> "$R/ncu_wo_bn$bn.err"
+           grep -E "Kernel Name|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Duration" \
+             "$R/ncu_wo_bn$bn.csv" | head -40 | tee -a "$LOG"
+         done
+         stage "probe_fp8_decode_gemv --sweep (M = 1, no experts)"
+         timeout 200 $PY scripts/lab/probe_fp8_decode_gemv.py --out "$R/fp8_decode_gemv.json" --sweep --rows 1 \
+           --no-experts --budget-s 170 2>&1 | tail -60 | tee -a "$LOG" ;;
   prefill_e2e) bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf
          bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf --prefill-chunk 512 \
            --out "$R/chunk512" ;;

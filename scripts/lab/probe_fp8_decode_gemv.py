@@ -38,6 +38,10 @@ SWEEP = {
     "stages=6": Fp8MatvecConfig(num_stages=6),
     "warps=8": Fp8MatvecConfig(num_warps=8),
     "bits": Fp8MatvecConfig(convert="bits"),
+    # bytes in flight: the default's tile is 8 KB of e4m3 where bf16 stacked_matmul's is 16 KB (the same 64x128)
+    "block_n=128 stages=6": Fp8MatvecConfig(block_n=128, num_stages=6),
+    "block_n=128 warps=8": Fp8MatvecConfig(block_n=128, num_warps=8),
+    "block_n=128 warps=8 stages=6": Fp8MatvecConfig(block_n=128, num_warps=8, num_stages=6),
 }
 SCALE_BYTES = 4 / 128**2  # an fp32 scale per 128x128 block, per weight
 
