@@ -245,7 +245,8 @@ def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
         lens, num_ctas=num_ctas, min_pages_per_cta=min_pages
     )
     ppc, total, walk, ctas_of = numpy_balanced_split(seq_lens, num_ctas, min_pages)
-    assert [int(x) for x in sched.scalars] == [ppc, total]
+    runs = [[min(c * ppc, total), min((c + 1) * ppc, total)] for c in range(num_ctas)]
+    assert np.asarray(sched.ctas)[:, :2].tolist() == runs
     B = len(seq_lens)
     g = jnp.arange(total, dtype=jnp.int32)
     seq = jax.vmap(lambda x: sequence_of_page(x, sched.ends, 0, B - 1))(g)
@@ -254,7 +255,7 @@ def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
     for c in range(num_ctas):  # each run's first and last sequence (where the kernel's searches start)
         if c * ppc < total:
             run_end = min((c + 1) * ppc, total)
-            assert [int(x) for x in sched.cta_seqs[c]] == [walk[c * ppc][0], walk[run_end - 1][0]]
+            assert [int(x) for x in sched.ctas[c, 2:]] == [walk[c * ppc][0], walk[run_end - 1][0]]
     slots = []
     for b, ctas in enumerate(ctas_of):
         assert int(sched.num_pieces[b]) == len(ctas)
@@ -268,6 +269,86 @@ def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
     assert all(c < num_ctas for ctas in ctas_of for c in ctas)
 
 
+def check_runs_and_pieces(sched, seq_lens, num_ctas):
+    """The schedule's invariants, from its runs alone -> per sequence the CTAs its pages fall into. Runs in
+    order cover every page once and none in use is empty; each run's first and last sequences; the pieces'
+    slots c + b are those CTAs, unique and in range."""
+    pages = [-(-int(n) // 64) for n in seq_lens]
+    total = sum(pages)
+    owner = [b for b, n in enumerate(pages) for _ in range(n)]  # global page -> sequence
+    ctas = np.asarray(sched.ctas)
+    assert ctas[0, 0] == 0 and ctas[-1, 1] == total and (ctas[1:, 0] == ctas[:-1, 1]).all(), ctas
+    assert (ctas[:, 0] <= ctas[:, 1]).all(), ctas
+    used = [c for c in range(num_ctas) if ctas[c, 0] < ctas[c, 1]]
+    ctas_of = [[] for _ in seq_lens]
+    for c in used:
+        start, stop = ctas[c, :2]
+        assert ctas[c, 2:].tolist() == [owner[start], owner[stop - 1]]
+        for b in sorted(set(owner[start:stop])):
+            ctas_of[b].append(c)
+    slots = []
+    for b, cs in enumerate(ctas_of):
+        assert int(sched.num_pieces[b]) == len(cs)
+        if cs:  # the combine reads slots piece_start .. + num_pieces: the CTAs must be consecutive
+            assert cs == list(range(cs[0], cs[0] + len(cs))), (b, cs)  # no empty run inside a sequence
+            assert list(range(int(sched.piece_start[b]), int(sched.piece_start[b]) + len(cs))) == [c + b for c in cs]
+            slots += [c + b for c in cs]
+    assert len(set(slots)) == len(slots) and all(0 <= x < num_piece_slots(len(seq_lens), num_ctas) for x in slots)
+    return ctas_of
+
+
+@pytest.mark.parametrize(
+    "seq_lens,num_ctas,cost",
+    [
+        ([300, 64, 5000, 1, 700, 0, 2000, 65], 8, 2),  # ragged: short requests whole, the long ones split
+        ([640] * 6, 4, 2),  # equal lengths, 1.5 shares each: whole where they fit
+        ([64] * 40, 4, 1),  # many one-page requests: none split
+        ([9000], 5, 2),  # one request larger than every share: split into the CTAs
+        ([0, 0, 0], 3, 2),  # no pages
+        ([4000, 64, 64, 64, 64, 64, 64, 64], 2, 0),  # the long request split, the short ones whole
+    ],
+)
+def test_whole_request_plan_never_splits_a_request_that_fits_a_share(seq_lens, num_ctas, cost):
+    """`balanced_schedule(whole_requests=True)` (FlashMLA's plan). Catches: a request that fits one CTA's share
+    split across two (the plan's point), a page lost or read twice at a run boundary, an empty run among the used
+    ones (its pieces' slots never written, the combine reading garbage), a run's first or last sequence wrong (the
+    kernel's searches start there), two pieces in one slot, more CTAs than launched."""
+    lens = jnp.asarray(seq_lens, jnp.int32)
+    sched = jax.jit(
+        balanced_schedule, static_argnames=("num_ctas", "min_pages_per_cta", "whole_requests", "request_cost")
+    )(lens, num_ctas=num_ctas, min_pages_per_cta=1, whole_requests=True, request_cost=cost)
+    ctas_of = check_runs_and_pieces(sched, seq_lens, num_ctas)
+    pages = [-(-n // 64) for n in seq_lens]
+    costs = [p + cost * (p > 0) for p in pages]
+    share = max(-(-sum(costs) // num_ctas), 1 + cost)
+    loads = [0] * num_ctas
+    for b, cs in enumerate(ctas_of):
+        if 0 < costs[b] <= share:
+            assert len(cs) == 1, (b, cs)  # fits a share: one piece
+        for c in cs:
+            loads[c] += cost
+    ctas = np.asarray(sched.ctas)
+    fitting = [c for c in costs if c <= share]
+    # A run's work: its share, plus the cost of a piece continuing a split request (not counted where the request
+    # starts), plus at most half of a request that fits a share at each end (a cut moved to its nearer end).
+    bound = share + cost + max(fitting, default=0)
+    for c in range(num_ctas):
+        assert loads[c] + ctas[c, 1] - ctas[c, 0] <= bound, (c, loads, ctas)
+
+
+def test_whole_request_plan_cuts_fewer_pieces_on_a_ragged_batch():
+    """64 requests of 1..16K tokens over 66 CTAs (H = 128's share of the SMs): fewer pieces than equal runs (the
+    combine merges fewer partials; whole requests write one), the invariants of the runs and pieces. Catches a
+    plan that splits as much as equal runs do."""
+    rng = np.random.default_rng(0)
+    seq_lens = [int(x) for x in rng.integers(1, 16384, 64)]
+    lens = jnp.asarray(seq_lens, jnp.int32)
+    whole = balanced_schedule(lens, num_ctas=66, whole_requests=True, request_cost=2)
+    equal = balanced_schedule(lens, num_ctas=66)
+    check_runs_and_pieces(whole, seq_lens, 66)
+    assert int(whole.num_pieces.sum()) < int(equal.num_pieces.sum())
+
+
 # (heads, s_q, causal, seq_lens, max_pages, target_ctas, split_qk). Pages [1, 1, 2, 3, 1] in runs of
 # 2: runs that end exactly where a sequence starts, seq 3 in two pieces (the first ends, the second
 # starts, mid-sequence), and, causal with s_q = 2, a length-1 sequence whose first query sees no
@@ -275,12 +356,19 @@ def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
 BALANCED_CASES = [
     (16, 2, True, [1, 64, 65, 190, 3], 3, 4, dict(split_qk=False)),
     (64, 1, False, [1, 0, 65, 3], 2, 2, dict(split_qk=True)),
+    # Runs of equal work: pages [1, 2, 1, 6, 1] (+1 a request) in shares of 4 -> runs [0, 3) (two whole
+    # requests), [3, 4), [4, 8), [8, 11): seq 3 split in two, its second piece sharing a run with seq 4.
+    (16, 1, True, [64, 65, 1, 380, 3], 6, 4, dict(split_qk=False, whole_requests=True, request_cost_pages=1)),
 ]
 
 
 @pytest.mark.parametrize(
     "heads,s_q,causal,seq_lens,max_pages,target_ctas,variant",
-    [pytest.param(*BALANCED_CASES[0], marks=pytest.mark.full("the split-QK balanced case")), BALANCED_CASES[1]],
+    [
+        pytest.param(*BALANCED_CASES[0], marks=pytest.mark.full("the split-QK balanced case")),
+        BALANCED_CASES[1],
+        BALANCED_CASES[2],
+    ],
 )
 def test_interpret_balanced_matches_reference(heads, s_q, causal, seq_lens, max_pages, target_ctas, variant):
     """Catches, with runs that cross sequence boundaries: Q not reloaded (or reloaded too early)
@@ -311,6 +399,12 @@ def test_scorer_refuses_the_balanced_schedule():
 def test_bad_schedule_raises():
     with pytest.raises(ValueError, match="schedule must be one of .* got 'even'"):
         MlaDecodeConfig(schedule="even")
+    with pytest.raises(
+        ValueError, match="whole_requests=True plans the balanced schedule's runs, got .*'per_sequence'"
+    ):
+        MlaDecodeConfig(whole_requests=True)
+    with pytest.raises(ValueError, match="request_cost_pages must be >= 0, got -1"):
+        MlaDecodeConfig(schedule="balanced", request_cost_pages=-1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -615,19 +709,25 @@ def test_gpu_large_batch(heads, s_q, causal):
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("variant", VARIANTS[:2], ids=VARIANT_IDS[:2])
+@pytest.mark.parametrize("whole", [False, True], ids=["equal_runs", "whole_requests"])
 @pytest.mark.parametrize(
     "heads,s_q,causal", [(16, 1, False), (64, 1, False), (64, 2, True), (128, 1, False), (128, 4, True)]
 )
-def test_gpu_balanced_matches_reference(heads, s_q, causal, variant):
+def test_gpu_balanced_matches_reference(heads, s_q, causal, variant, whole):
     """The balanced schedule on the GPU, ragged lengths (an empty sequence, a length-1 one, one
-    that fills the table) over the default 132 CTAs. Catches what the interpreter cannot: the next
-    sequence's Q landing while the other warpgroup's Q·Kᵀ still reads the old one, a flush of a
-    piece racing the pipeline, a page read past the schedule's runs."""
+    that fills the table) over the default 132 CTAs, in equal runs and in runs of equal work (empty runs
+    among them). Catches what the interpreter cannot: the next sequence's Q landing while the other
+    warpgroup's Q·Kᵀ still reads the old one, a flush of a piece racing the pipeline, a page read past the
+    schedule's runs."""
     rng = np.random.default_rng(heads + 10 * s_q)
     batch = 40
     lengths = _ragged_lengths(rng, batch, 700, s_q)
     lengths[0], lengths[1], lengths[-1] = 0, 1, 1400
     args = make_inputs(batch, s_q, heads, lengths, -(-1400 // 64), seed=int(rng.integers(1 << 30)))
     assert_matches_reference(
-        args, causal=causal, impl="kernel", keyless_rows=True, config=MlaDecodeConfig(schedule="balanced", **variant)
+        args,
+        causal=causal,
+        impl="kernel",
+        keyless_rows=True,
+        config=MlaDecodeConfig(schedule="balanced", whole_requests=whole, **variant),
     )

@@ -23,7 +23,9 @@ the kernel that merges split partials.
   second, small Mosaic GPU kernel combines them (still a single jitted call; no XLA math).
 * Token-balanced schedule (`MlaDecodeConfig.schedule="balanced"`, FlashMLA's tile scheduler):
   instead of cutting each sequence on its own, the batch's pages (Σ cdiv(seq_len, 64)) are laid
-  end to end and cut into equal contiguous runs, one per CTA (and row block). A run may cross
+  end to end and cut into contiguous runs, one per CTA (and row block): equal runs, or with
+  ``whole_requests`` runs of equal work (a request costs its pages plus a fixed cost, as in FlashMLA's
+  planner) where a request that fits one CTA's share is never split. A run may cross
   sequence boundaries: the CTA reloads Q when the sequence changes and writes one fp32 partial per
   sequence piece, into piece slot ``cta + b`` (unique: slots grow along the runs). The combine
   reduces each sequence's pieces (``piece_start[b]``, ``num_pieces[b]``). `balanced_schedule`
@@ -296,14 +298,20 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
     if Rp != R:  # the 64-row bodies take whole row blocks
         q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))
     if plan_.schedule == "balanced":
-        sched = balanced_schedule(seq_lens, num_ctas=plan_.num_ctas, min_pages_per_cta=config.min_pages_per_split)
+        sched = balanced_schedule(
+            seq_lens,
+            num_ctas=plan_.num_ctas,
+            min_pages_per_cta=config.min_pages_per_split,
+            whole_requests=config.whole_requests,
+            request_cost=config.request_cost_pages,
+        )
         o_part, lse_part = partials(
             q_rows,
             kv_pages,
             block_table,
             seq_lens,
             **body_args,
-            schedule=sched[:3],
+            schedule=sched.kernel_refs,
         )
         out, lse = _combine(
             o_part,

@@ -44,8 +44,8 @@ def _decode_partials(
 ):
     """Main kernel. With one split it returns the final (out [B, Rp, 512] bf16, lse [B, Rp] f32 ln);
     with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in log2) for `_combine`.
-    With ``schedule`` (plan_.schedule == "balanced": a `BalancedSchedule`'s scalars, ends and
-    cta_seqs): fp32 partials per piece slot (o [NS, Rp, 512], lse [NS, Rp] in log2, NS =
+    With ``schedule`` (plan_.schedule == "balanced": a `BalancedSchedule`'s `kernel_refs`, ends and
+    ctas): fp32 partials per piece slot (o [NS, Rp, 512], lse [NS, Rp] in log2, NS =
     `num_piece_slots`); slots no piece takes are never written."""
     B, Rp, _ = q_rows.shape
     balanced = plan_.schedule == "balanced"

@@ -43,6 +43,13 @@ class MlaDecodeConfig:
         each) that may span sequences, so the longest sequence no longer sets the time for ragged
         lengths; always followed by the combine. ``num_splits`` and ``max_splits`` do not
         apply.
+      whole_requests: with the balanced schedule, runs of equal work instead of equal pages: a request
+        costs its pages plus ``request_cost_pages`` (FlashMLA's planner counts the same), and a cut that
+        falls inside a request costing no more than a share moves to that request's nearer end, so only
+        requests larger than a share are split (`pallas_kernels.mla_decode.balanced_schedule`). Off by
+        default until measured on a GPU.
+      request_cost_pages: with ``whole_requests``, what a request costs a CTA besides its pages, in
+        pages (its Q load, 73.7 KB, is about one page; its fp32 partial write, 128 KB, about two).
       fp8_transposed: for fp8 pages, the transposed body (`_decode_partials_fp8_t`: scores as
         Sᵀ = K·Qᵀ with the R = s_q * H query rows as the wgmma N, so no tensor work on padding
         rows, and no barrier around a shared key buffer) instead of the padded 64-row body. It
@@ -66,6 +73,8 @@ class MlaDecodeConfig:
     split_qk: bool | None = None
     interpretable: bool = False
     schedule: str = "per_sequence"
+    whole_requests: bool = False
+    request_cost_pages: int = 2
     fp8_transposed: bool | None = None
     scorer: bool | None = None
 
@@ -78,6 +87,10 @@ class MlaDecodeConfig:
             raise ValueError(f"target_ctas must be >= 1, got {self.target_ctas}")
         if self.max_splits < 1:
             raise ValueError(f"max_splits must be >= 1, got {self.max_splits}")
+        if self.request_cost_pages < 0:
+            raise ValueError(f"request_cost_pages must be >= 0, got {self.request_cost_pages}")
+        if self.whole_requests and self.schedule != "balanced":
+            raise ValueError(f"whole_requests=True plans the balanced schedule's runs, got schedule {self.schedule!r}")
         if self.min_pages_per_split < 1:
             raise ValueError(f"min_pages_per_split must be >= 1, got {self.min_pages_per_split}")
         if self.max_concurrent_steps not in (1, 2):

@@ -58,17 +58,22 @@ def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConf
 class BalancedSchedule(NamedTuple):
     """Token-balanced work split (`balanced_schedule`); every field int32.
 
-    The batch's pages in order (sequence 0's, then 1's, ...) are "global pages" g in [0, total);
-    CTA c takes the run [min(c * ppc, total), min((c + 1) * ppc, total)). Global page g belongs to
-    sequence `sequence_of_page(g, ends, 0, B - 1)`, as its page g - (ends[b] - cdiv(seq_lens[b], 64)).
+    The batch's pages in order (sequence 0's, then 1's, ...) are "global pages" g in [0, total); CTA c
+    takes the contiguous run [ctas[c, 0], ctas[c, 1]) of them (runs in order, together every page once; a
+    run past the last page is empty). Global page g belongs to sequence `sequence_of_page(g, ends, 0, B - 1)`,
+    as its page g - (ends[b] - cdiv(seq_lens[b], 64)).
     """
 
-    scalars: jax.Array  # [2]: (ppc = pages per CTA, total pages)
     ends: jax.Array  # [B]: pages of sequences 0..b (inclusive prefix sum of cdiv(len, 64))
-    cta_seqs: jax.Array  # [C, 2]: sequences of run c's first and last page (clipped to
-    # [0, B-1]; a run without pages gets the last sequence twice)
+    ctas: jax.Array  # [C, 4]: run c's first global page, its end, and the sequences of its first and last
+    # pages (clipped to [0, B-1]; an empty run gets the last sequence twice)
     piece_start: jax.Array  # [B]: piece slot of sequence b's first piece (= its first CTA + b)
     num_pieces: jax.Array  # [B]: pieces (CTAs) sequence b's pages fall into; 0 for an empty one
+
+    @property
+    def kernel_refs(self) -> tuple:
+        """What a main kernel reads of the schedule (the combine reads `piece_start` and `num_pieces`)."""
+        return (self.ends, self.ctas)
 
 
 def num_piece_slots(batch: int, num_ctas: int) -> int:
@@ -77,13 +82,50 @@ def num_piece_slots(batch: int, num_ctas: int) -> int:
     return num_ctas + batch - 1
 
 
-def balanced_schedule(seq_lens, *, num_ctas: int, min_pages_per_cta: int = 1) -> BalancedSchedule:
+def _equal_run_starts(total, num_ctas: int, min_pages: int):
+    """Equal runs: ceil(total / num_ctas) pages each (at least `min_pages`), the last ones short or empty."""
+    ppc = jnp.maximum((total + num_ctas - 1) // num_ctas, min_pages)
+    return jnp.minimum(jnp.arange(num_ctas, dtype=jnp.int32) * ppc, total)
+
+
+def _whole_request_starts(pages, ends, num_ctas: int, min_pages: int, request_cost: int):
+    """Runs cut by work, not pages, and not inside a request that fits one CTA's share. A request costs its
+    pages plus `request_cost` (its Q load and partial write); the batch's cost laid end to end is cut into
+    equal shares, one per CTA. A cut that falls inside a request costing no more than a share moves to that
+    request's nearer end (so the request stays whole and a CTA's work moves by at most half a request); a cut
+    inside a larger request stays where it falls, at a page. No loop over the requests: O(B + C) vector work.
+    -> the first global page of each CTA's run [C] (non-decreasing; a CTA whose run is empty starts where
+    the next one does, at a request's start, never inside one)."""
+    C = num_ctas
+    total = ends[-1]
+    cost = pages + jnp.where(pages > 0, request_cost, 0)  # [B]
+    cost_end = jnp.cumsum(cost).astype(jnp.int32)  # inclusive
+    cost_start = cost_end - cost
+    share = jnp.maximum((cost_end[-1] + C - 1) // C, min_pages + request_cost)
+    cut = jnp.arange(1, C, dtype=jnp.int32) * share  # [C - 1] cost positions of the cuts
+    b = jnp.minimum(jnp.sum(cost_end[None, :] <= cut[:, None], axis=1, dtype=jnp.int32), pages.shape[0] - 1)
+    first_page = ends[b] - pages[b]
+    offset = cut - cost_start[b]  # cost units into request b (its Q load first, then its pages)
+    inside = jnp.clip(offset - request_cost, 0, pages[b])
+    nearer_end = jnp.where(2 * offset < cost[b], 0, pages[b])
+    page = first_page + jnp.where(cost[b] <= share, nearer_end, inside)
+    page = jnp.where(cut >= cost_end[-1], total, page)  # past the work: unused CTAs
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), page.astype(jnp.int32)])
+    return lax.cummax(jnp.minimum(starts, total))
+
+
+def balanced_schedule(
+    seq_lens, *, num_ctas: int, min_pages_per_cta: int = 1, whole_requests: bool = False, request_cost: int = 2
+) -> BalancedSchedule:
     """FlashMLA-style scheduler metadata, on the device (jit-friendly: static shapes, B-sized).
 
     Args:
       seq_lens: int32 [B] (0 allowed: an idle row gets no pages).
       num_ctas: CTAs to share the pages (static).
       min_pages_per_cta: a run is at least this long (each CTA pays a Q load and a partial write).
+      whole_requests: False: the batch's pages cut into equal runs, crossing requests anywhere. True:
+        runs of equal work (`_whole_request_starts`): a request that fits one CTA's share is never split.
+      request_cost: with `whole_requests`, what a request costs a CTA besides its pages, in pages.
 
     Returns:
       `BalancedSchedule`. Pieces: CTA c's run meets sequence b in at most one contiguous piece,
@@ -94,22 +136,23 @@ def balanced_schedule(seq_lens, *, num_ctas: int, min_pages_per_cta: int = 1) ->
     pages = (seq_lens.astype(jnp.int32) + PAGE_SIZE - 1) // PAGE_SIZE  # [B]
     ends = jnp.cumsum(pages).astype(jnp.int32)
     total = ends[-1]
-    ppc = jnp.maximum((total + num_ctas - 1) // num_ctas, min_pages_per_cta)
-    first_cta = (ends - pages) // ppc
-    num_pieces = jnp.where(pages > 0, (ends - 1) // ppc - first_cta + 1, 0)
+    if whole_requests:
+        starts = _whole_request_starts(pages, ends, num_ctas, min_pages_per_cta, request_cost)
+    else:
+        starts = _equal_run_starts(total, num_ctas, min_pages_per_cta)
+    stops = jnp.concatenate([starts[1:], total[None]])
+    # The CTA whose run holds global page g < total: the last with a start <= g (an empty run starts where the
+    # next one does, so it holds no page and lies inside no sequence's pieces).
+    cta_of = lambda g: (starts[None, 1:] <= g[:, None]).sum(1, dtype=jnp.int32)  # noqa: E731
+    first_cta = cta_of(ends - pages)
+    last_cta = cta_of(jnp.maximum(ends - 1, 0))
+    num_pieces = jnp.where(pages > 0, last_cta - first_cta + 1, 0)
     piece_start = first_cta + jnp.arange(B, dtype=jnp.int32)
     # Per CTA, the sequences of its run's first and last page: the first b with ends[b] > g.
-    run_start = jnp.minimum(jnp.arange(num_ctas, dtype=jnp.int32) * ppc, total)
-    run_last = jnp.maximum(jnp.minimum(run_start + ppc, total) - 1, run_start)
-    seq_of = lambda g: jnp.minimum((ends[None, :] <= g[:, None]).sum(1, dtype=jnp.int32), B - 1)
-    cta_seqs = jnp.stack([seq_of(run_start), seq_of(run_last)], 1)
-    return BalancedSchedule(
-        jnp.stack([ppc, total]).astype(jnp.int32),
-        ends,
-        cta_seqs,
-        piece_start.astype(jnp.int32),
-        num_pieces.astype(jnp.int32),
-    )
+    run_last = jnp.maximum(stops - 1, starts)
+    seq_of = lambda g: jnp.minimum((ends[None, :] <= g[:, None]).sum(1, dtype=jnp.int32), B - 1)  # noqa: E731
+    ctas = jnp.stack([starts, stops, seq_of(starts), seq_of(run_last)], 1)
+    return BalancedSchedule(ends, ctas.astype(jnp.int32), piece_start.astype(jnp.int32), num_pieces.astype(jnp.int32))
 
 
 def sequence_of_page(g, ends, lo, hi):
@@ -205,7 +248,7 @@ def _schedule_steps(
 
     per_sequence: CTA (g, s, b) reads split s of sequence b; Q is loaded once; the context writes
     the result (final or the split's partial) after the pipeline.
-    balanced (``sched_refs`` = a `BalancedSchedule`'s scalars, ends, cta_seqs): CTA (g, c) reads
+    balanced (``sched_refs`` = a `BalancedSchedule`'s `kernel_refs`: ends, ctas): CTA (g, c) reads
     run c of the batch's pages, carrying the current sequence b next to (acc, m, l). The TMA
     warpgroup finds each page's sequence by `sequence_of_page` among the run's sequences, the
     compute warpgroups only at a piece's end. On the last page of each piece the body writes the
@@ -215,14 +258,13 @@ def _schedule_steps(
     """
     wg = lax.axis_index("wg")
     if plan_.schedule == "balanced":
-        sc_ref, ends_ref, cta_ref = sched_refs
+        ends_ref, cta_ref = sched_refs
         c = lax.axis_index("c")
-        ppc, total = sc_ref[0], sc_ref[1]
-        run_start = jnp.minimum(c * ppc, total)
-        n_steps = jnp.minimum(run_start + ppc, total) - run_start
+        run_start = cta_ref[c, 0]
+        n_steps = cta_ref[c, 1] - run_start
         # The run's first and last sequences: every search is between them, so it takes no step
         # while the run stays in one sequence.
-        b_first, b_last = cta_ref[c, 0], cta_ref[c, 1]
+        b_first, b_last = cta_ref[c, 2], cta_ref[c, 3]
         seq_start = lambda b, seq_len: ends_ref[b] - pl.cdiv(seq_len, PAGE_SIZE)
 
         def page_of(i):

@@ -47,6 +47,7 @@ CONFIGS = {
     # optional (--configs): the other body, and runs without the 4-page floor
     "balanced_plain": MlaDecodeConfig(schedule="balanced", scorer=False, split_qk=False),
     "balanced_min1": MlaDecodeConfig(schedule="balanced", min_pages_per_split=1),
+    "balanced_whole": MlaDecodeConfig(schedule="balanced", whole_requests=True),
 }
 
 
@@ -122,12 +123,16 @@ def main():
                 row["ok"] = row["finite"] and row["rel_err"] < 1e-2 and row["lse_err"] < 2e-2
                 if cfg.schedule == "balanced":
                     sched_fn = jax.jit(
-                        lambda l, c=p.num_ctas, m=cfg.min_pages_per_split: balanced_schedule(
-                            l, num_ctas=c, min_pages_per_cta=m
+                        lambda l, c=p.num_ctas, cfg=cfg: balanced_schedule(
+                            l,
+                            num_ctas=c,
+                            min_pages_per_cta=cfg.min_pages_per_split,
+                            whole_requests=cfg.whole_requests,
+                            request_cost=cfg.request_cost_pages,
                         )
                     )
                     sched = sched_fn(lens)
-                    row["pages_per_cta"] = int(sched.scalars[0])
+                    row["pages_per_cta"] = int((sched.ctas[:, 1] - sched.ctas[:, 0]).max())
                     row["max_pieces"] = int(sched.num_pieces.max())
                     row["pieces"] = int(sched.num_pieces.sum())
                     row["sched_us"] = bm.cupti_median_us(sched_fn, lens, iterations=args.iters)
