@@ -271,8 +271,8 @@ def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
 
 def check_runs_and_pieces(sched, seq_lens, num_ctas):
     """The schedule's invariants, from its runs alone -> per sequence the CTAs its pages fall into. Runs in
-    order cover every page once and none in use is empty; each run's first and last sequences; the pieces'
-    slots c + b are those CTAs, unique and in range."""
+    order cover every page once; no empty run lies inside a sequence's pieces; each run's first and last
+    sequences; the pieces' slots c + b are those CTAs, unique and in range."""
     pages = [-(-int(n) // 64) for n in seq_lens]
     total = sum(pages)
     owner = [b for b, n in enumerate(pages) for _ in range(n)]  # global page -> sequence
@@ -309,10 +309,11 @@ def check_runs_and_pieces(sched, seq_lens, num_ctas):
     ],
 )
 def test_whole_request_plan_never_splits_a_request_that_fits_a_share(seq_lens, num_ctas, cost):
-    """`balanced_schedule(whole_requests=True)` (FlashMLA's plan). Catches: a request that fits one CTA's share
-    split across two (the plan's point), a page lost or read twice at a run boundary, an empty run among the used
-    ones (its pieces' slots never written, the combine reading garbage), a run's first or last sequence wrong (the
-    kernel's searches start there), two pieces in one slot, more CTAs than launched."""
+    """`balanced_schedule(whole_requests=True)` (runs of equal work). Catches: a request that fits one CTA's share
+    split across two (the plan's point), a page lost or read twice at a run boundary, an empty run inside a
+    sequence's pieces (its slot never written, the combine reading garbage), a run's first or last sequence wrong
+    (the kernel's searches start there), two pieces in one slot, a run's work past its bound (a cut moved too
+    far), pages past the last launched CTA."""
     lens = jnp.asarray(seq_lens, jnp.int32)
     sched = jax.jit(
         balanced_schedule, static_argnames=("num_ctas", "min_pages_per_cta", "whole_requests", "request_cost")

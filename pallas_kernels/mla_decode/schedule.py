@@ -122,7 +122,8 @@ def balanced_schedule(
     Args:
       seq_lens: int32 [B] (0 allowed: an idle row gets no pages).
       num_ctas: CTAs to share the pages (static).
-      min_pages_per_cta: a run is at least this long (each CTA pays a Q load and a partial write).
+      min_pages_per_cta: an equal run is at least this long (each CTA pays a Q load and a partial write);
+        with `whole_requests`, a share is at least this many pages plus `request_cost`.
       whole_requests: False: the batch's pages cut into equal runs, crossing requests anywhere. True:
         runs of equal work (`_whole_request_starts`): a request that fits one CTA's share is never split.
       request_cost: with `whole_requests`, what a request costs a CTA besides its pages, in pages.
