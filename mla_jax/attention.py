@@ -45,6 +45,7 @@ from pallas_kernels import (
     paged_gather_problems,
 )
 from pallas_kernels.flash_attention import CTA_ROWS
+from pallas_kernels.mla_decode import mla_decode_schedule
 from pallas_kernels.page_format import PageFormat, resolve_page_format
 
 _F32 = jnp.float32
@@ -355,6 +356,48 @@ def resolve_cache_impl(impl: str, cfg: ModelConfig, page_size: int, page_format,
     return backend.choose(impl, problems, name=name)
 
 
+def cached_path(cfg: ModelConfig, T: int, cache) -> str:
+    """The path a cached MLA call of T query tokens a row takes (one of `CACHED_PATHS`):
+    - "decompressed": T >= cache.decompressed_threshold (long prefill chunks): gather the prefix
+      (`paged_gather` unless the backend is "reference") and attend decompressed, with the flash
+      forward over the prefix (`flash_attention_prefill`) where `resolve_decompressed_impl` picks it
+      for the cache's backend (a kernel backend, bf16 compute, one pool), else the jnp attention;
+    - "decode_kernel": a kernel backend and a call the decode kernel serves (decode, MTP verify:
+      T <= `MAX_QUERY_LEN`; the model's heads, the cache's pages and format: `mla_decode_problems`):
+      absorbed attention by `pallas_kernels.mla_decode` straight on the pages;
+    - "absorbed": otherwise (short chunks, the "reference" backend, a format the decode kernel does not
+      read): gather (decoding the page format) + absorbed attention in jnp."""
+    if T >= cache.decompressed_threshold:
+        return "decompressed"
+    if cache.impl != "reference" and not mla_decode_problems(
+        cfg.num_attention_heads, cache.page_size, cache.page_format, T
+    ):
+        return "decode_kernel"
+    return "absorbed"
+
+
+def _kernel_seq_lens(cache, positions_BT: jax.Array) -> jax.Array:
+    """The decode kernel's lengths for a call: it places query j at seq_len - T + j. Valid tokens are a prefix of
+    T here (decode, verify), so padding queries at the end are counted in: the valid ones land on their positions
+    and the padding ones' outputs are discarded."""
+    n_valid = jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
+    return cache.lengths + positions_BT.shape[1] - n_valid
+
+
+def with_decode_plan(cfg: ModelConfig, cache, positions_BT: jax.Array):
+    """`cache` carrying the decode kernel's work plan for a forward call over these positions
+    (`KVCache.decode_plan`), built once here for every layer, when the call takes the decode kernel
+    (`cached_path`) and its config plans on the device (`mla_decode_schedule`); else `cache` as is.
+    The plan depends on the lengths, heads and s_q only, which every main layer of the call shares."""
+    T = positions_BT.shape[1]
+    if cache.data_parallel is not None or cached_path(cfg, T, cache) != "decode_kernel":
+        return cache
+    plan = mla_decode_schedule(
+        _kernel_seq_lens(cache, positions_BT), heads=cfg.num_attention_heads, query_len=T, config=cache.decode_config
+    )
+    return cache if plan is None else cache.with_decode_plan(plan)
+
+
 # ------------------------------------------------------------------------------------------
 # The layer
 # ------------------------------------------------------------------------------------------
@@ -485,23 +528,8 @@ class MLA(nnx.Module):
         return project(self.wo, o_BTHV.reshape(o_BTHV.shape[:2] + (-1,)), stacked)
 
     def cached_path(self, T: int, cache) -> str:
-        """The path a cached call of T query tokens a row takes (one of `CACHED_PATHS`):
-        - "decompressed": T >= cache.decompressed_threshold (long prefill chunks): gather the prefix
-          (`paged_gather` unless the backend is "reference") and attend decompressed, with the flash
-          forward over the prefix (`flash_attention_prefill`) where `resolve_decompressed_impl` picks it
-          for the cache's backend (a kernel backend, bf16 compute, one pool), else the jnp attention;
-        - "decode_kernel": a kernel backend and a call the decode kernel serves (decode, MTP verify:
-          T <= `MAX_QUERY_LEN`; the model's heads, the cache's pages and format: `mla_decode_problems`):
-          absorbed attention by `pallas_kernels.mla_decode` straight on the pages;
-        - "absorbed": otherwise (short chunks, the "reference" backend, a format the decode kernel does not
-          read): gather (decoding the page format) + absorbed attention in jnp."""
-        if T >= cache.decompressed_threshold:
-            return "decompressed"
-        if cache.impl != "reference" and not mla_decode_problems(
-            self.cfg.num_attention_heads, cache.page_size, cache.page_format, T
-        ):
-            return "decode_kernel"
-        return "absorbed"
+        """The path a cached call of T query tokens a row takes: `cached_path` for this layer's model."""
+        return cached_path(self.cfg, T, cache)
 
     def cached_attention(self, x_BTD: jax.Array, positions_BT: jax.Array, cache, stacked: Stacked | None = None):
         """Write this step's latents into the cache, then attend over it -> (out [B,T,D], cache)."""
@@ -512,10 +540,6 @@ class MLA(nnx.Module):
         cache = cache.write(self.project_kv(x_BTD, rope_pos, stacked), positions_BT)
         path = self.cached_path(T, cache)
         if path == "decode_kernel":
-            # The kernel places query j at seq_len - T + j. Valid tokens are a prefix of T here
-            # (decode, verify), so padding queries at the end are counted in: the valid ones land on
-            # their positions and the padding ones' outputs are discarded.
-            n_valid = jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
             # bf16 queries: the pages' own dtype, or what fp8 pages dequantise to in the kernel
             q_BTHC = self.absorb_query(q_nope, q_pe).astype(jnp.bfloat16 if cache.quantized else cache.pages.dtype)
 
@@ -529,9 +553,11 @@ class MLA(nnx.Module):
                     causal=True,
                     page_format=cache.page_format,
                     impl=cache.impl,
+                    config=cache.decode_config,
+                    schedule=cache.decode_plan,  # the call's plan (with_decode_plan), or None: planned here
                 )[0]
 
-            o_lat = cache.map_pages(decode, q_BTHC, cache.lengths + T - n_valid)
+            o_lat = cache.map_pages(decode, q_BTHC, _kernel_seq_lens(cache, positions_BT))
             return self.output_from_latent(o_lat.astype(x_BTD.dtype), stacked), cache
         ctx_BSC, kv_pos_BS = cache.gather(dtype=x_BTD.dtype)
         attn_impl = "xla"

@@ -43,7 +43,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from pallas_kernels import paged_gather, paged_gather_problems
-from pallas_kernels.backend import RESOLVED as BACKENDS  # "kernel" | "interpret" | "reference"
+from pallas_kernels.backend import RESOLVED as BACKENDS
+from pallas_kernels.mla_decode import MlaDecodeConfig  # "kernel" | "interpret" | "reference"
 from pallas_kernels.page_format import PageFormat, page_format_of, resolve_page_format
 
 # Why a pool per data rank is not read by the Pallas interpreter. jax 0.11.2's Mosaic GPU interpreter
@@ -365,6 +366,14 @@ class KVCache:
                     pages; the other mesh axes stay GSPMD's). The kernels run there too, each on its
                     rank's pages, rows and local page ids: `gather`'s `paged_gather` and, through
                     `map_pages`, the layer's `mla_decode`.
+    decode_config   static: the `pallas_kernels.mla_decode.MlaDecodeConfig` the decode kernel runs with
+                    (None: its defaults).
+    decode_plan     None, or the decode kernel's work plan for this forward call (a
+                    `pallas_kernels.mla_decode.BalancedSchedule`, when ``decode_config`` asks for the
+                    balanced schedule): built once from the lengths before the layers run
+                    (`mla_jax.attention.with_decode_plan`) and read by every layer's kernel call, then
+                    dropped (`without_decode_plan`) when the call returns, since the next call's lengths differ.
+                    With a pool per data rank it stays None and each layer's call plans its rank's rows.
 
     A query token at position p (negative = padding, never written, sees nothing) attends causally
     to the row's cached tokens at positions <= p, this step's own tokens included.
@@ -378,6 +387,8 @@ class KVCache:
     decompressed_threshold: int = 256
     page_format: PageFormat | None = None
     data_parallel: tuple | None = None
+    decode_config: object = None
+    decode_plan: object = None
 
     def __post_init__(self):
         if self.impl not in BACKENDS:
@@ -386,6 +397,8 @@ class KVCache:
             raise ValueError(f"KVCache page_format must be a PageFormat, got {self.page_format!r}")
         if self.data_parallel is not None and self.impl == "interpret":
             raise ValueError("KVCache impl='interpret' with a pool per data rank: " + INTERPRET_ON_DATA_RANKS)
+        if self.decode_config is not None and not isinstance(self.decode_config, MlaDecodeConfig):
+            raise ValueError(f"KVCache decode_config must be an MlaDecodeConfig or None, got {self.decode_config!r}")
 
     @classmethod
     def create(
@@ -398,11 +411,13 @@ class KVCache:
         decompressed_threshold: int = 256,
         page_format: PageFormat | None = None,
         data_parallel: tuple | None = None,
+        decode_config=None,
     ):
         """A cache at layer 0 over `pages` [num_layers, N, G, W] (int32 tables and lengths). `page_format`
         None reads the format from the pages (`pallas_kernels.page_format_of`: uint8 pages are fp8 or fp4
         by their width, rope 64; others plain values of their dtype).
-        `data_parallel`: (mesh, the batch's mesh axes) for pools split per data rank (see the class)."""
+        `data_parallel`: (mesh, the batch's mesh axes) for pools split per data rank (see the class);
+        `decode_config`: the decode kernel's `MlaDecodeConfig` (None: its defaults)."""
         if page_format is None:
             page_format = page_format_of(pages)
         # Arrays already on the devices (an engine's rows placed on their data ranks) stay there.
@@ -416,6 +431,7 @@ class KVCache:
             decompressed_threshold,
             page_format,
             data_parallel,
+            decode_config,
         )
 
     def at_layer(self, layer) -> "KVCache":
@@ -424,6 +440,13 @@ class KVCache:
 
     def with_lengths(self, lengths) -> "KVCache":
         return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
+
+    def with_decode_plan(self, plan) -> "KVCache":
+        """The same cache carrying this forward call's decode work plan (see the class)."""
+        return dataclasses.replace(self, decode_plan=plan)
+
+    def without_decode_plan(self) -> "KVCache":
+        return dataclasses.replace(self, decode_plan=None)
 
     @property
     def num_pages(self) -> int:
@@ -517,6 +540,6 @@ def _gather_pool(pages, block_table_BP, lengths_B, layer, *, impl, page_format, 
 
 jax.tree_util.register_dataclass(
     KVCache,
-    data_fields=["pages", "block_table", "lengths", "layer"],
-    meta_fields=["impl", "decompressed_threshold", "page_format", "data_parallel"],
+    data_fields=["pages", "block_table", "lengths", "layer", "decode_plan"],
+    meta_fields=["impl", "decompressed_threshold", "page_format", "data_parallel", "decode_config"],
 )

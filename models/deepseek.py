@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax import fp8_weights, initializers
+from mla_jax.attention import with_decode_plan
 from mla_jax.config import ModelConfig
 from mla_jax.linear import Stacked, stacked_filter, stacked_impl
 from mla_jax.norm import RMSNorm
@@ -285,9 +286,12 @@ class DeepSeekModel(nnx.Module):
         q_block: int | None = None,
         attn_impl: str = "xla",
     ):
-        """-> (pre-final-norm hidden [B,T,D], RouterOutputs of the main MoE layers (a list), cache)."""
+        """-> (pre-final-norm hidden [B,T,D], RouterOutputs of the main MoE layers (a list), cache).
+        With a cache, the decode kernel's work plan is built once here for every main layer (`with_decode_plan`)."""
         h = self.embed(ids_BT)
         routers = []
+        if cache is not None:
+            cache = with_decode_plan(self.cfg, cache, positions_BT)
         if self.dense_layers is not None:
             h, _, cache = _scan_layers(
                 self.dense_layers, h, positions_BT, cache, 0, absorbed, remat, q_block, attn_impl
@@ -297,7 +301,7 @@ class DeepSeekModel(nnx.Module):
                 self.moe_layers, h, positions_BT, cache, self.num_dense_layers, absorbed, remat, q_block, attn_impl
             )
             routers = _unstack(rs, self.cfg.num_moe_layers)
-        return h, routers, cache
+        return h, routers, None if cache is None else cache.without_decode_plan()
 
     def hidden_states(
         self,

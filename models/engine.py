@@ -42,6 +42,7 @@ from models.steps import (
     trace_counts,
     verify_step,
 )
+from pallas_kernels.mla_decode import MlaDecodeConfig
 
 ATTENTION_IMPLS = CACHE_IMPLS  # "auto" | "kernel" | "interpret" | "reference" (`pallas_kernels.backend`)
 ON_CACHE_FULL = ("fail_request", "raise")
@@ -250,6 +251,9 @@ class Engine:
         a rank with a free slot and room for its prompt; a rank out of pages fails its own request only;
         the cache write, gather and decode kernel run per rank (`KVCache.data_parallel`). "interpret" is
         refused with data ranks (`mla_jax.kv_cache.INTERPRET_ON_DATA_RANKS`).
+      decode_config: the decode kernel's `pallas_kernels.MlaDecodeConfig` for every step (None: its
+        defaults). With ``schedule="balanced"`` a step plans the kernel's work once from its lengths and every
+        layer's call reads that plan (`mla_jax.attention.with_decode_plan`).
 
     `compile_log`: one dict per step that compiled, {"step", "bucket", "seconds"} (wall time of that
     call, compilation included).
@@ -274,6 +278,7 @@ class Engine:
         decode_steps: int = 8,
         mixed_steps: bool = True,
         prefill_budget: int = PREFILL_BUDGET,
+        decode_config: MlaDecodeConfig | None = None,
     ):
         cfg = model.cfg
         if naive_threshold is not None:  # the earlier name
@@ -305,6 +310,8 @@ class Engine:
             )
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"Engine attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
+        if decode_config is not None and not isinstance(decode_config, MlaDecodeConfig):
+            raise ValueError(f"Engine decode_config must be an MlaDecodeConfig or None, got {decode_config!r}")
         # Data-parallel attention: D > 1 data ranks (the batch's mesh axes) each own max_batch / D slots
         # and num_pages / D pages.
         self.data_axes, self.data_ranks = batch_axes(mesh)
@@ -341,6 +348,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.decompressed_threshold = decompressed_threshold
         self.decode_steps = decode_steps
+        self.decode_config = decode_config
         self.mixed_steps = mixed_steps
         self.mixed_rows = -(-prefill_budget // MIXED_TILE)  # a mixed step's rows of prompt pieces
         self.prefill_budget = self.mixed_rows * MIXED_TILE

@@ -634,6 +634,7 @@ class _Generation:
             decompressed_threshold=self.e.decompressed_threshold,
             page_format=self.cache.page_format,
             data_parallel=dp,
+            decode_config=self.e.decode_config,
         )
         cache, *outs = fn(self.e.state, cache, inp, *args, **static)
         self.cache.pages = cache.pages

@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,10 +18,12 @@ import pytest
 from flax import nnx
 
 from mla_jax import ModelConfig
+from mla_jax.attention import with_decode_plan
 from mla_jax.kv_cache import CacheFullError, KVCache, write_latents
 from models import DeepSeekModel
 from models.engine import Engine, GenerationResult, trace_counts
 from models.sampling import SamplingParams
+from pallas_kernels.mla_decode import SCHEDULE_SCOPE, MlaDecodeConfig, mla_decode_schedule
 from tests.xla_opt import optimized
 
 CFG = ModelConfig.tiny().replace(num_hidden_layers=2)  # one dense layer, one MoE layer, one MTP module
@@ -553,7 +556,9 @@ KERNEL_CFG = ModelConfig.tiny().replace(  # the kernels' shape: latent 512 + rop
 )
 
 
-def _kernel_vs_reference(impl, prompts, max_new_tokens, max_batch, plain=True, k=1, kv_dtype=jnp.bfloat16, mesh=None):
+def _kernel_vs_reference(
+    impl, prompts, max_new_tokens, max_batch, plain=True, k=1, kv_dtype=jnp.bfloat16, mesh=None, decode_config=None
+):
     """Tokens of the kernel paths = tokens of the jnp paths, greedy, with MTP (k drafts) and, if
     `plain`, without; both on `mesh` when given."""
     m = DeepSeekModel(KERNEL_CFG, rngs=nnx.Rngs(0))
@@ -571,6 +576,7 @@ def _kernel_vs_reference(impl, prompts, max_new_tokens, max_batch, plain=True, k
             attention_impl=name,
             kv_dtype=kv_dtype,
             mesh=mesh,
+            decode_config=decode_config,
         )
         assert e.backend == name
         is_ref = name == "reference"
@@ -597,6 +603,64 @@ def test_interpret_kernels_match_reference():
     _kernel_vs_reference("interpret", _prompts(13, [5, 70]), max_new_tokens=5, max_batch=2, plain=False, k=3)
 
 
+BALANCED = MlaDecodeConfig(
+    schedule="balanced", whole_requests=True, target_ctas=4, min_pages_per_split=1, request_cost_pages=1
+)
+
+
+@pytest.mark.full("test_decode_plan_is_built_once_a_forward_call_not_per_layer checks the plan's lengths and place")
+def test_interpret_balanced_schedule_engine_matches_reference():
+    """An engine whose decode kernel runs the balanced schedule (runs of equal work over the step's rows,
+    planned once a step) gives the jnp path's greedy tokens on a ragged batch: a one-token prompt and one two
+    tokens short of a page decoding together, beside a two-page prompt's chunks in mixed steps (whose decoding
+    rows carry padding queries past the page end). Catches a step that hands the kernel a plan of other rows'
+    lengths (the rows' lengths reversed: it fails) and the plan not reaching the kernel through the engine's
+    cache."""
+    _kernel_vs_reference("interpret", _prompts(17, [1, 62, 130]), max_new_tokens=3, max_batch=3, decode_config=BALANCED)
+
+
+def _schedule_ops(jaxpr, in_scan=False, counts=None):
+    """{inside a scan: number of equations in the decode plan's name scope} over a jaxpr and its sub-jaxprs."""
+    counts = {False: 0, True: 0} if counts is None else counts
+    for eqn in jaxpr.eqns:
+        if SCHEDULE_SCOPE in str(eqn.source_info.name_stack):
+            counts[in_scan] += 1
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _schedule_ops(sub, in_scan or eqn.primitive.name == "scan", counts)
+    return counts
+
+
+def test_decode_plan_is_built_once_a_forward_call_not_per_layer():
+    """The balanced schedule's plan depends on the step's lengths only: the model builds it once, before its
+    scanned layers, and each layer's kernel call reads it (`KVCache.decode_plan`). Counted in the traced step:
+    the plan's ops sit outside every scan, none inside a layer body (which runs once a layer). Catches the plan
+    built inside the layer (the mutation: `with_decode_plan` not called by the model), and the plan leaking
+    out of the call (its lengths are stale for the next one)."""
+    cfg = KERNEL_CFG.replace(num_hidden_layers=3, first_k_dense_replace=1)  # a dense scan and a MoE scan
+    m = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    pages = jnp.zeros((3, 8, 64, 576), jnp.bfloat16)
+    table = jnp.arange(8, dtype=jnp.int32).reshape(4, 2)
+    lens = np.array([1, 63, 66, 100], np.int32)  # after this step's writes
+    cache = KVCache.create(pages, table, lens, impl="interpret", decode_config=BALANCED)
+    # A mixed step's shape: 4 query slots a row, valid ones first, padding (-1) after them.
+    pos = jnp.asarray([[0, -1, -1, -1], [62, -1, -1, -1], [64, 65, -1, -1], [96, 97, 98, 99]], jnp.int32)
+    ids = jnp.zeros((4, 4), jnp.int32)
+    # The kernel counts padding queries in (query j at seq_len - 4 + j): lengths 1+3, 63+3, 66+2, 100+0, so
+    # row 1's plan covers two pages, not one.
+    want = mla_decode_schedule(jnp.asarray([4, 66, 68, 100], jnp.int32), heads=16, query_len=4, config=BALANCED)
+    chex.assert_trees_all_equal(with_decode_plan(cfg, cache, pos).decode_plan, want)
+    out = jax.eval_shape(lambda c: m(ids, pos, cache=c)[1], cache)
+    assert out.decode_plan is None  # dropped when the call returns
+    counts = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(cache).jaxpr)
+    assert counts[True] == 0 and counts[False] > 0, counts
+    # the same model on the per-sequence schedule plans nothing on the device
+    plain = dataclasses.replace(cache, decode_config=None)
+    assert _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(plain).jaxpr) == {False: 0, True: 0}
+
+
 @pytest.mark.gpu
 def test_gpu_kernels_match_reference():
     from pallas_kernels.backend import on_hopper
@@ -606,6 +670,9 @@ def test_gpu_kernels_match_reference():
     prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
     _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4)
     _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, plain=False, k=3)
+    # the balanced schedule planned once a step, at the GPU's CTA count
+    whole = MlaDecodeConfig(schedule="balanced", whole_requests=True)
+    _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, decode_config=whole)
 
 
 @pytest.mark.gpu

@@ -11,6 +11,8 @@ would not: the interpreter does not bounds-check TMA reads. The page ranges are 
 arithmetic; the GPU tests and the benchmarks' byte counts are what bound them.)
 """
 
+import dataclasses
+import functools
 import math
 import re
 
@@ -21,7 +23,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels import MlaDecodeConfig, backend, mla_decode, mla_decode_reference
-from pallas_kernels.mla_decode import balanced_schedule, num_piece_slots, plan, sequence_of_page
+from pallas_kernels.mla_decode import (
+    balanced_schedule,
+    mla_decode_schedule,
+    num_piece_slots,
+    plan,
+    sequence_of_page,
+)
 from tests.tiers import full
 
 SCALE = 192**-0.5
@@ -381,6 +389,53 @@ def test_interpret_balanced_matches_reference(heads, s_q, causal, seq_lens, max_
     assert_matches_reference(
         args, causal=causal, config=config, impl="interpret", keyless_rows=min(seq_lens) < (s_q if causal else 1)
     )
+
+
+def test_interpret_balanced_reads_the_schedule_it_is_given():
+    """`mla_decode(schedule=...)`, the plan a step builds once for all its layers (`mla_decode_schedule`).
+    Catches: the kernel planning again instead of reading the given plan (another plan then changes nothing),
+    the plan's shapes not checked against the call (a plan for another batch or CTA count), and
+    `mla_decode_schedule` planning other runs than the kernel's own (the given plan's output differs)."""
+    config = MlaDecodeConfig(
+        schedule="balanced",
+        target_ctas=4,
+        min_pages_per_split=1,
+        split_qk=False,
+        whole_requests=True,
+        request_cost_pages=1,
+    )
+    lens = [64, 65, 1, 380, 3]
+    args = make_inputs(len(lens), 1, 16, lens, 6, seed=11)
+    q, pages, table, seq_lens = args
+    sched = jax.jit(functools.partial(mla_decode_schedule, heads=16, query_len=1, config=config))(seq_lens)
+    got = mla_decode(*args, softmax_scale=SCALE, config=config, impl="interpret", schedule=sched)
+    own = mla_decode(*args, softmax_scale=SCALE, config=config, impl="interpret")
+    ref = mla_decode_reference(*args, softmax_scale=SCALE)
+    chex.assert_trees_all_equal(got, own)  # the same plan, so the same sums in the same order
+    rel = np.linalg.norm(np.asarray(got[0], np.float32) - np.asarray(ref[0], np.float32))
+    assert rel / np.linalg.norm(np.asarray(ref[0], np.float32)) < 1e-2
+    # Another valid plan of these lengths (equal runs of pages, not of work) is read as given: the sums run in
+    # that plan's order, bit for bit its own config's result and not the whole-request plan's.
+    equal_config = dataclasses.replace(config, whole_requests=False)
+    equal = mla_decode_schedule(seq_lens, heads=16, config=equal_config)
+    assert not np.array_equal(np.asarray(equal.ctas), np.asarray(sched.ctas))
+    given = mla_decode(*args, softmax_scale=SCALE, config=config, impl="interpret", schedule=equal)
+    chex.assert_trees_all_equal(given, mla_decode(*args, softmax_scale=SCALE, config=equal_config, impl="interpret"))
+    assert not np.array_equal(np.asarray(given[1]), np.asarray(got[1]))
+    assert mla_decode_schedule(seq_lens, heads=16, config=MlaDecodeConfig()) is None  # per_sequence: no plan
+    with pytest.raises(ValueError, match=r"^schedule.ctas is int32 \(4, 4\); B=5, s_q=1, H=128 .* \(2, 4\)"):
+        mla_decode(
+            q[:, :, :1].repeat(128, 2),
+            pages,
+            table,
+            seq_lens,
+            softmax_scale=SCALE,
+            config=config,
+            impl="interpret",
+            schedule=sched,
+        )
+    with pytest.raises(ValueError, match=r"^schedule= is a balanced schedule's plan; config.schedule is"):
+        mla_decode(*args, softmax_scale=SCALE, impl="interpret", schedule=sched)
 
 
 @pytest.mark.parametrize("heads,s_q,variant", [(16, 1, "plain"), (64, 1, "split_qk"), (128, 2, "plain")])

@@ -97,6 +97,7 @@ __all__ = [
     "PAGE_SIZE",
     "ROWS",
     "SCHEDULES",
+    "SCHEDULE_SCOPE",
     "SCORER_MEMORY_REGISTERS",
     "SUPPORTED_HEADS",
     "BalancedSchedule",
@@ -105,6 +106,7 @@ __all__ = [
     "mla_decode",
     "mla_decode_problems",
     "mla_decode_reference",
+    "mla_decode_schedule",
     "num_piece_slots",
     "plan",
     "sequence_of_page",
@@ -255,8 +257,62 @@ def _body(page_format: PageFormat, plan_, s_q: int, heads: int, config: MlaDecod
     return _decode_partials_scorer if plan_.scorer else _decode_partials
 
 
+SCHEDULE_SCOPE = "mla_decode_schedule"  # the name scope of the schedule's ops (a test finds where they run)
+
+
+def _schedule_for(seq_lens, plan_, config: MlaDecodeConfig) -> BalancedSchedule:
+    with jax.named_scope(SCHEDULE_SCOPE):
+        return balanced_schedule(
+            seq_lens,
+            num_ctas=plan_.num_ctas,
+            min_pages_per_cta=config.min_pages_per_split,
+            whole_requests=config.whole_requests,
+            request_cost=config.request_cost_pages,
+        )
+
+
+def mla_decode_schedule(seq_lens, *, heads: int, query_len: int = 1, config: MlaDecodeConfig | None = None):
+    """The work plan `mla_decode(..., config=config, schedule=...)` takes for these lengths: a
+    `BalancedSchedule` when ``config.schedule`` is "balanced", else None (the per-sequence schedule has
+    nothing to plan on the device).
+
+    It depends on the lengths, the heads, s_q and the config only, so a forward pass builds it once and
+    hands it to every layer's call (`mla_jax.kv_cache.KVCache.decode_plan`) instead of each layer
+    building its own. ``seq_lens`` is int32 [B], what `mla_decode` gets (cached tokens, the s_q new ones
+    included); ``heads`` and ``query_len`` are q's H and s_q.
+    """
+    config = MlaDecodeConfig() if config is None else config
+    if not isinstance(config, MlaDecodeConfig):
+        raise ValueError(f"config must be an MlaDecodeConfig or None, got {type(config).__name__}")
+    if config.schedule != "balanced":
+        return None
+    if seq_lens.ndim != 1 or seq_lens.dtype != jnp.int32:
+        raise ValueError(f"seq_lens must be int32 [B], got {seq_lens.dtype} {seq_lens.shape}")
+    plan_ = plan(seq_lens.shape[0], query_len, heads, 1, config)
+    return _schedule_for(seq_lens, plan_, config)
+
+
+def _check_schedule(schedule, B: int, s_q: int, H: int, config: MlaDecodeConfig) -> None:
+    """A work plan handed to `mla_decode` fits this call: the balanced schedule, B sequences, its CTAs."""
+    if config.schedule != "balanced":
+        raise ValueError(f"schedule= is a balanced schedule's plan; config.schedule is {config.schedule!r}")
+    if not isinstance(schedule, BalancedSchedule):
+        raise ValueError(f"schedule must be a BalancedSchedule (mla_decode_schedule), got {type(schedule).__name__}")
+    ctas = plan(B, s_q, H, 1, config).num_ctas
+    want = {"ends": (B,), "ctas": (ctas, 4), "piece_start": (B,), "num_pieces": (B,)}
+    for name, shape in want.items():
+        got = getattr(schedule, name)
+        if got.shape != shape or got.dtype != jnp.int32:
+            raise ValueError(
+                f"schedule.{name} is {got.dtype} {got.shape}; B={B}, s_q={s_q}, H={H} and this config need int32 "
+                f"{shape} (build it with mla_decode_schedule)"
+            )
+
+
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "page_format", "config", "interpret"))
-def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, causal, page_format, config, interpret):
+def _mla_decode_kernel(
+    q, kv_pages, block_table, seq_lens, schedule, *, softmax_scale, causal, page_format, config, interpret
+):
     B, s_q, H, _ = q.shape
     R = s_q * H
     plan_ = plan(B, s_q, H, block_table.shape[1], config)
@@ -298,13 +354,7 @@ def _mla_decode_kernel(q, kv_pages, block_table, seq_lens, *, softmax_scale, cau
     if Rp != R:  # the 64-row bodies take whole row blocks
         q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))
     if plan_.schedule == "balanced":
-        sched = balanced_schedule(
-            seq_lens,
-            num_ctas=plan_.num_ctas,
-            min_pages_per_cta=config.min_pages_per_split,
-            whole_requests=config.whole_requests,
-            request_cost=config.request_cost_pages,
-        )
+        sched = schedule if schedule is not None else _schedule_for(seq_lens, plan_, config)
         o_part, lse_part = partials(
             q_rows,
             kv_pages,
@@ -350,6 +400,7 @@ def mla_decode(
     config=None,
     impl="auto",
     checked=False,
+    schedule=None,
 ):
     """Absorbed MLA decode attention over a paged latent cache.
 
@@ -377,6 +428,9 @@ def mla_decode(
       checked: also check traced block tables and lengths, with `jax.experimental.checkify`
         (the caller wraps the jitted function in `checkify.checkify`; see `_page_table`).
         Concrete ones are always checked.
+      schedule: with ``config.schedule == "balanced"``, the work plan `mla_decode_schedule` built for these
+        ``seq_lens`` (so the layers of a step share one); None builds it here. It must be the plan of these
+        lengths: a plan of other lengths reads the wrong pages.
 
     Returns:
       out: [B, s_q, H, 512] in q's dtype (bf16); lse: float32 [B, s_q, H], natural log of the
@@ -394,6 +448,8 @@ def mla_decode(
     if not isinstance(config, MlaDecodeConfig):
         raise ValueError(f"config must be an MlaDecodeConfig or None, got {type(config).__name__}")
     B, s_q, H, _ = q.shape
+    if schedule is not None:
+        _check_schedule(schedule, B, s_q, H, config)
     impl = backend.choose(impl, mla_decode_problems(H, kv_pages.shape[1], fmt, s_q))
     if impl == "reference":
         return mla_decode_reference(
@@ -414,6 +470,7 @@ def mla_decode(
         kv_pages,
         block_table,
         seq_lens,
+        schedule,
         softmax_scale=float(softmax_scale),
         causal=bool(causal),
         page_format=fmt,
