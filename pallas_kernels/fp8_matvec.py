@@ -49,6 +49,8 @@ from pallas_kernels.stacked_matmul import TARGET_PROGRAMS
 
 MAX_ROWS = 32  # rows a call serves (padded to 16 or 32); more is a GEMM's business (`pallas_kernels.fp8_gemm`)
 CONVERTS = ("cast", "bits")
+OPERANDS = ("x", "f16", "e4m3")  # what the tensor-core product takes (`Fp8MatvecConfig.operands`)
+E4M3_MAX = 448.0
 FP8_DTYPE = jnp.float8_e4m3fn
 _F32 = jnp.float32
 
@@ -63,7 +65,16 @@ class Fp8MatvecConfig:
       block_k: contraction chunk of a program's loop (a power of two in [16, 128]: a chunk lies in one
         scale block).
       split_k: programs along K (divides ceil(K / block_k)); None: enough for about `TARGET_PROGRAMS`.
-      convert: "cast" (Triton's e4m3 conversion) or "bits" (integer decoding, `e4m3_to_f32`).
+      convert: "cast" (Triton's e4m3 conversion) or "bits" (integer decoding, `e4m3_to_f32`); with
+        ``operands="x"`` only.
+      operands: the dtype of the tensor-core product. "x": x as given (bf16 or f32), each weight tile converted to
+        it by ``convert``. "f16": each row of x scaled by a power of two into float16's range (exact; undone on
+        the output) and the weights converted e4m3 -> f16, which Hopper does in one instruction for two values
+        (e4m3 -> bf16 goes through f32); e4m3 values are exact in f16 and f16 keeps 3 more bits of x than bf16.
+        "e4m3": no weight conversion at all: x quantized per (row, 128-column block) to e4m3 with an fp32 scale
+        (amax / 448, DeepSeek-V3's `act_quant`, what its release's own linear layers do when the weights are
+        FP8) and an fp8 x fp8 product with fp32 accumulation; x's rounding to e4m3 (3 mantissa bits) is the
+        error it adds.
       num_warps, num_stages: Triton's launch knobs (warps a program; software-pipeline depth).
     """
 
@@ -73,6 +84,7 @@ class Fp8MatvecConfig:
     convert: str = "cast"
     num_warps: int = 4
     num_stages: int = 4
+    operands: str = "x"
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -83,6 +95,12 @@ class Fp8MatvecConfig:
             raise ValueError(f"Fp8MatvecConfig.split_k must be >= 1 or None, got {self.split_k}")
         if self.convert not in CONVERTS:
             raise ValueError(f"Fp8MatvecConfig.convert must be one of {CONVERTS}, got {self.convert!r}")
+        if self.operands not in OPERANDS:
+            raise ValueError(f"Fp8MatvecConfig.operands must be one of {OPERANDS}, got {self.operands!r}")
+        if self.operands == "e4m3" and self.block_k < 32:
+            raise ValueError(
+                f"Fp8MatvecConfig.operands='e4m3' needs block_k >= 32 (an fp8 product's K), got {self.block_k}"
+            )
 
 
 def fp8_matvec_problems(M: int, N: int, K: int, config: Fp8MatvecConfig = Fp8MatvecConfig()) -> list[str]:
@@ -170,7 +188,10 @@ def _split_k(N: int, K: int, config: Fp8MatvecConfig) -> int:
     return max(d for d in range(1, chunks + 1) if chunks % d == 0 and (d == 1 or columns * d <= TARGET_PROGRAMS))
 
 
-def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_m, block_n, block_k, k_steps, N, K, convert):
+def _kernel(layer_ref, x_ref, w_ref, s_ref, *refs, block_m, block_n, block_k, k_steps, N, K, convert, operands):
+    """Program (0, j, s): columns [j·block_n, +block_n) over its K range; x_ref holds x in the product's dtype
+    (`_prepare_rows`), and with e4m3 operands `xs_ref` its per-(row, 128-block) scales."""
+    xs_ref, o_ref = refs if operands == "e4m3" else (None, refs[0])
     j, s = pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     c0 = j * block_n
@@ -190,15 +211,42 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_m, block_n, block_k,
             x = plt.load(x_ref.at[rows, k], mask=jnp.broadcast_to(k_ok, (block_m, block_k)), other=0.0)
             k_ok = jnp.broadcast_to(k_ok, (block_n, block_k))
         mask = k_ok if col_ok is None else (col_ok if k_ok is None else col_ok & k_ok)
-        w = to_compute(plt.load(w_ref.at[layer, cols, k], mask=mask), x.dtype, convert)  # [block_n, block_k]
-        if mask is not None:
-            w = jnp.where(mask, w, 0.0)  # masked lanes hold anything (an e4m3 NaN would poison the dot)
+        if operands == "e4m3":  # masked lanes read as 0 (an e4m3 NaN there would poison the dot)
+            w = plt.load(w_ref.at[layer, cols, k], mask=mask, other=0.0 if mask is not None else None)
+        else:
+            w = plt.load(w_ref.at[layer, cols, k], mask=mask)
+            w = w.astype(jnp.float16) if operands == "f16" else to_compute(w, x.dtype, convert)  # [block_n, block_k]
+            if mask is not None:
+                w = jnp.where(mask, w, 0.0)  # masked lanes hold anything (an e4m3 NaN would poison the dot)
         part = plt.dot(x, w, trans_b=True)  # [block_m, block_n], fp32
-        return acc + part * s_ref[layer, c0 // QUANT_BLOCK, c // per_scale]
+        scale = s_ref[layer, c0 // QUANT_BLOCK, c // per_scale]
+        if operands == "e4m3":
+            part = part * plt.load(xs_ref.at[rows, pl.ds(c // per_scale, 1)])  # [block_m, 1]: x's block scales
+        return acc + part * scale
 
     acc = lax.fori_loop(0, k_steps, chunk, jnp.zeros((block_m, block_n), _F32))
     out_ok = None if col_ok is None else jnp.broadcast_to((c0 + jnp.arange(block_n) < N)[None, :], acc.shape)
     plt.store(o_ref.at[s, rows, cols], acc, mask=out_ok)
+
+
+def _prepare_rows(x_MK, operands: str):
+    """x in the product's dtype -> (x [M, K], its per-(row, 128-block) scales [M, kb] for e4m3 or None, the
+    per-row factor [M, 1] the output is multiplied by, or None)."""
+    x = x_MK.astype(_F32)
+    if operands == "f16":
+        # 2^e with amax · 2^-e <= 2^15 < 65504: the row in f16's range, the scaling exact both ways
+        amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+        e = jnp.where(amax > 0, jnp.ceil(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - 15, 0.0)
+        return (x * jnp.exp2(-e)).astype(jnp.float16), None, jnp.exp2(e)
+    if operands == "e4m3":
+        M, K = x.shape
+        kb = -(-K // QUANT_BLOCK)
+        blocks = jnp.pad(x, ((0, 0), (0, kb * QUANT_BLOCK - K))).reshape(M, kb, QUANT_BLOCK)
+        amax = jnp.max(jnp.abs(blocks), axis=2)
+        xs = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)  # [M, kb]
+        xq = (blocks / xs[..., None]).astype(FP8_DTYPE).reshape(M, kb * QUANT_BLOCK)[:, :K]
+        return xq, xs, None
+    return x_MK, None, None
 
 
 def _fp8_matvec_kernel(x_MK, w_LNK, s_L, layer, *, config, interpret):
@@ -207,7 +255,9 @@ def _fp8_matvec_kernel(x_MK, w_LNK, s_L, layer, *, config, interpret):
     bm = _block_m(M)
     split = _split_k(N, K, config)
     k_steps = -(-K // config.block_k) // split
-    x = jnp.pad(x_MK, ((0, bm - M), (0, 0)))
+    x, xs, row_factor = _prepare_rows(x_MK, config.operands)
+    x = jnp.pad(x, ((0, bm - M), (0, 0)))
+    extra = () if xs is None else (jnp.pad(xs, ((0, bm - M), (0, 0)), constant_values=1.0),)
     kernel = functools.partial(
         _kernel,
         block_m=bm,
@@ -217,6 +267,7 @@ def _fp8_matvec_kernel(x_MK, w_LNK, s_L, layer, *, config, interpret):
         N=N,
         K=K,
         convert=config.convert,
+        operands=config.operands,
     )
     partials = pl.pallas_call(
         kernel,
@@ -225,8 +276,11 @@ def _fp8_matvec_kernel(x_MK, w_LNK, s_L, layer, *, config, interpret):
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="fp8_matvec",
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, w_LNK, s_L)
-    return jnp.sum(partials, axis=0)[:M].astype(x_MK.dtype)
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, w_LNK, s_L, *extra)
+    out = jnp.sum(partials, axis=0)[:M]
+    if row_factor is not None:
+        out = out * row_factor
+    return out.astype(x_MK.dtype)
 
 
 def fp8_matvec(

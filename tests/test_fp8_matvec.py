@@ -88,6 +88,51 @@ def test_bf16_rows_against_the_reference():
     assert rel < 1e-2, rel
 
 
+def np_act_quant(x):
+    """float64 x [M, K] rounded the way DeepSeek-V3's `act_quant` does: per (row, 128-column block), scale = amax /
+    448, the scaled values rounded to e4m3 (by ml_dtypes, not the code under test), times the scale again."""
+    import ml_dtypes
+
+    x = np.asarray(x, np.float64)
+    out = np.empty_like(x)
+    for k0 in range(0, x.shape[1], 128):
+        b = x[:, k0 : k0 + 128]
+        amax = np.abs(b).max(axis=1, keepdims=True)
+        sc = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32).astype(np.float64)
+        out[:, k0 : k0 + 128] = (b / sc).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * sc
+    return out
+
+
+@pytest.mark.parametrize("M, L, block_k", [(1, 2, 32), (5, None, 64), (17, 2, 128)])
+def test_interpret_e4m3_and_f16_operands_equal_numpy(M, L, block_k):
+    """`operands="f16"` (rows scaled by a power of two into float16, weights converted to f16) equals the fp64
+    product to f16's rounding of x, rows of very different magnitude included (a row at 3e6 overflows f16 unless
+    scaled); `operands="e4m3"` (x quantized per 128-column block) equals the fp64 product of x rounded as
+    DeepSeek-V3's act_quant rounds it, numpy's rounding. Catches: the per-row factor not undone or applied to the
+    wrong row, a block scale of x from the wrong block (K = 300: three blocks, the last partial) or row, the
+    masked edge lanes of the fp8 tiles not zeroed."""
+    N, K = 200, 300
+    w, s = make_fp8((N, K) if L is None else (L, N, K), seed=M + 1)
+    rng = np.random.default_rng(M)
+    x = rng.standard_normal((M, K)) * np.exp2(rng.integers(-12, 12, (M, 1)))
+    x[0, :5] *= 3e6 / np.abs(x[0, :5]).max()  # f16's max is 65504
+    x = jnp.asarray(x, jnp.float32)
+    layer = None if L is None else jnp.int32(L - 1)
+    dq = np_dequant(w, s) if L is None else np_dequant(w[L - 1], s[L - 1])
+    for operands, xr, tol in (("f16", np.asarray(x, np.float64), 2e-3), ("e4m3", np_act_quant(x), 1e-5)):
+        config = Fp8MatvecConfig(block_n=32, block_k=block_k, operands=operands)
+        got = np.asarray(jax.jit(lambda x, w, s: fp8_matvec(x, w, s, layer, config=config, impl="interpret"))(x, w, s))
+        want = xr @ dq.T
+        assert np.isfinite(got).all(), operands
+        # row by row: each row has its own magnitude
+        err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+        assert (err < tol).all(), (operands, err)
+    # e4m3's own error against the exact product: what x's 3 mantissa bits cost (DeepSeek-V3's recipe)
+    exact = np.asarray(x, np.float64) @ dq.T
+    rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+    assert 1e-3 < rel < 6e-2, rel
+
+
 def test_what_it_cannot_serve_is_one_line_each():
     assert fp8_matvec_problems(1, 576, 7168) == []  # V3's kv_a: N a partial block
     assert fp8_matvec_problems(MAX_ROWS, 200, 300) == []
@@ -106,10 +151,14 @@ def test_what_it_cannot_serve_is_one_line_each():
         fp8_matvec(x[:1], w, s[:, :, :0], 0)
     with pytest.raises(ValueError, match=r"power of two in \[16, 128\], got 256"):
         Fp8MatvecConfig(block_n=256)
+    with pytest.raises(ValueError, match=r"^Fp8MatvecConfig.operands must be one of \('x', 'f16', 'e4m3'\), got 'fp8'"):
+        Fp8MatvecConfig(operands="fp8")
+    with pytest.raises(ValueError, match=r"operands='e4m3' needs block_k >= 32"):
+        Fp8MatvecConfig(operands="e4m3", block_k=16)
 
 
-@pytest.mark.parametrize("convert", ["cast", "bits"])
-def test_cross_lowers_for_sm90(convert):
+@pytest.mark.parametrize("convert, operands", [("cast", "x"), ("bits", "x"), ("cast", "f16"), ("cast", "e4m3")])
+def test_cross_lowers_for_sm90(convert, operands):
     """The Triton lowering at V3's kv_a (N = 576, a partial scale block) over a 61-layer stack, and at
     widths the blocks do not divide (masked edges)."""
     from jax._src import mesh as mesh_lib
@@ -122,7 +171,7 @@ def test_cross_lowers_for_sm90(convert):
             jax.ShapeDtypeStruct((L, N, K), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((L, -(-N // 128), -(-K // 128)), jnp.float32),
         )
-        config = Fp8MatvecConfig(convert=convert)
+        config = Fp8MatvecConfig(convert=convert, operands=operands)
         with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",), abstract_device=h200)):
             traced = jax.jit(lambda x, w, s, i: fp8_matvec(x, w, s, i, config=config, impl="kernel")).trace(
                 *args, layer
@@ -164,6 +213,28 @@ def test_gpu_kernel_equals_the_reference_at_v3_shapes(name, M, convert):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel < 1e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("operands", ["f16", "e4m3"])
+@pytest.mark.parametrize("M", [1, 32])
+@pytest.mark.parametrize("name", ["wo", "kv_a"])
+def test_gpu_operands_equal_their_numpy_products(name, M, operands):
+    """The compiled f16 / fp8 x fp8 products at V3 shapes (kv_a: a partial scale block) against numpy: f16 against
+    the exact product, e4m3 against the product of x rounded as act_quant rounds it."""
+    from pallas_kernels.backend import on_hopper
+
+    if not on_hopper():
+        pytest.skip("needs a Hopper GPU")
+    N, K = V3_PROJECTIONS[name]
+    w, s = make_fp8((2, N, K), seed=M)
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.bfloat16)
+    config = Fp8MatvecConfig(operands=operands)
+    got = jax.jit(lambda x, w, s, i: fp8_matvec(x, w, s, i, config=config, impl="kernel"))(x, w, s, jnp.int32(1))
+    xr = np.asarray(x, np.float64) if operands == "f16" else np_act_quant(np.asarray(x, np.float64))
+    want = xr @ np_dequant(w[1], s[1]).T
+    got = np.asarray(got, np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2  # bf16 output rounding
 
 
 # ------------------------------------------------------------------------------------------

@@ -210,16 +210,17 @@ def mla_decode_reference(
     config=None,
     impl=None,
     checked=False,
+    schedule=None,
 ):
     """Plain-jnp absorbed MLA decode with fp32 math; same contract (and checks) as `mla_decode`, for any
     head count, query length, page size and page format (quantized pages are dequantised to bf16 first,
     what the kernel's tensor cores see).
 
-    ``config`` and ``impl`` are accepted (and ignored) so the two functions are interchangeable.
+    ``config``, ``impl`` and ``schedule`` are accepted (and ignored) so the two functions are interchangeable.
     A query with no visible key (only possible when causal and seq_len < s_q) gets out = 0 and
     lse = -inf, as in the kernel.
     """
-    del config, impl
+    del config, impl, schedule
     fmt = _validate(q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked)
     B, s_q, H, _ = q.shape
     pages = kv_pages[block_table]

@@ -42,6 +42,12 @@ SWEEP = {
     "block_n=128 stages=6": Fp8MatvecConfig(block_n=128, num_stages=6),
     "block_n=128 warps=8": Fp8MatvecConfig(block_n=128, num_warps=8),
     "block_n=128 warps=8 stages=6": Fp8MatvecConfig(block_n=128, num_warps=8, num_stages=6),
+    # the fourteenth session's sweep: block_n 128 and more stages / warps moved nothing, "bits" was 2.5x slower,
+    # so the conversion is the cost: e4m3 -> f16 (one instruction for two values), or none (fp8 x fp8)
+    "f16": Fp8MatvecConfig(operands="f16"),
+    "e4m3": Fp8MatvecConfig(operands="e4m3"),
+    "f16 block_n=128": Fp8MatvecConfig(operands="f16", block_n=128),
+    "e4m3 block_n=128": Fp8MatvecConfig(operands="e4m3", block_n=128),
 }
 SCALE_BYTES = 4 / 128**2  # an fp32 scale per 128x128 block, per weight
 
@@ -173,6 +179,7 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--hbm-tbs", type=float, default=4.8, help="the HBM's bandwidth in TB/s (H200: 4.8)")
     p.add_argument("--sweep", action="store_true", help="also a few Fp8MatvecConfigs at M = 1")
+    p.add_argument("--configs", default="", help="comma-separated SWEEP names to time at every M (beside default)")
     p.add_argument("--no-experts", action="store_true")
     p.add_argument("--budget-s", type=float, default=480.0, help="skip the cells that would start after this")
     args = p.parse_args()
@@ -198,6 +205,7 @@ def main():
             configs = {"default": Fp8MatvecConfig()}
             if args.sweep and M == 1:
                 configs.update(SWEEP)
+            configs.update({c: SWEEP[c] for c in args.configs.split(",") if c})
             run(
                 "projections", f"{name} M={M}", projection_rows, name, M, args.layers, args.iters, args.hbm_tbs, configs
             )
