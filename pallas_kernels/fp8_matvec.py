@@ -22,13 +22,19 @@ blocks: the edge tiles are masked (never read out of bounds).
 A stack: w [L, N, K] with scales [L, nb, kb] and a layer index (an int scalar, may be traced): layer `layer`
 is read in place, so a scanned model passes its whole stack and no per-layer slice is copied.
 
-Conversion (`Fp8MatvecConfig.convert`): "cast" is the e4m3 -> bf16/f32 conversion Triton lowers for sm_89+;
-"bits" loads the same bytes and decodes the e4m3fn bit fields with integer arithmetic (`e4m3_to_f32`), for
-a Triton that does not convert (it costs ~10 integer operations a weight).
+The product's operands (`Fp8MatvecConfig.operands`): by default, for bf16 rows, float16: each row of x scaled
+by a power of two into f16's range and each weight tile converted e4m3 -> f16, one instruction for two values
+on Hopper (the conversion, not the bytes, set the time of the bf16 form: docs/BENCHMARKS.md); float32 rows stay
+exact. "x" converts the tiles to x's dtype (bf16 / f32), "e4m3" quantizes x and multiplies fp8 by fp8.
 
-The result differs from `fp8_matvec_reference` (the weight dequantized to x's dtype, then one dot) only by
-where the scale multiplies: per block after the dot here, per weight before it there (bf16 rounding of the
-scaled weights).
+Conversion with operands "x" (`Fp8MatvecConfig.convert`): "cast" is the e4m3 -> bf16/f32 conversion Triton
+lowers for sm_89+; "bits" loads the same bytes and decodes the e4m3fn bit fields with integer arithmetic
+(`e4m3_to_f32`), for a Triton that does not convert (it costs ~10 integer operations a weight).
+
+The result differs from `fp8_matvec_reference` (the weight dequantized to x's dtype, then one dot) by where
+the scale multiplies: per block after the dot here, per weight before it there (bf16 rounding of the scaled
+weights); with f16 operands also by x's rounding to f16 (finer than bf16's); with e4m3 operands by x's
+rounding to e4m3 (about 2.5e-2 relative, DeepSeek-V3's recipe).
 """
 
 from __future__ import annotations
@@ -67,7 +73,9 @@ class Fp8MatvecConfig:
       split_k: programs along K (divides ceil(K / block_k)); None: enough for about `TARGET_PROGRAMS`.
       convert: "cast" (Triton's e4m3 conversion) or "bits" (integer decoding, `e4m3_to_f32`); with
         ``operands="x"`` only.
-      operands: the dtype of the tensor-core product. "x": x as given (bf16 or f32), each weight tile converted to
+      operands: the dtype of the tensor-core product; None: "f16" for bf16 rows (the fastest with exact weights,
+        docs/BENCHMARKS.md, and finer than bf16), "x" for float32 rows (kept exact) and with ``convert="bits"``.
+        "x": x as given (bf16 or f32), each weight tile converted to
         it by ``convert``. "f16": each row of x scaled by a power of two into float16's range (exact; undone on
         the output) and the weights converted e4m3 -> f16, which Hopper does in one instruction for two values
         (e4m3 -> bf16 goes through f32); e4m3 values are exact in f16 and f16 keeps 3 more bits of x than bf16.
@@ -84,7 +92,7 @@ class Fp8MatvecConfig:
     convert: str = "cast"
     num_warps: int = 4
     num_stages: int = 4
-    operands: str = "x"
+    operands: str | None = None
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -95,8 +103,10 @@ class Fp8MatvecConfig:
             raise ValueError(f"Fp8MatvecConfig.split_k must be >= 1 or None, got {self.split_k}")
         if self.convert not in CONVERTS:
             raise ValueError(f"Fp8MatvecConfig.convert must be one of {CONVERTS}, got {self.convert!r}")
-        if self.operands not in OPERANDS:
+        if self.operands is not None and self.operands not in OPERANDS:
             raise ValueError(f"Fp8MatvecConfig.operands must be one of {OPERANDS}, got {self.operands!r}")
+        if self.convert != "cast" and self.operands not in (None, "x"):
+            raise ValueError(f"Fp8MatvecConfig.convert={self.convert!r} converts to x's dtype: it needs operands='x'")
         if self.operands == "e4m3" and self.block_k < 32:
             raise ValueError(
                 f"Fp8MatvecConfig.operands='e4m3' needs block_k >= 32 (an fp8 product's K), got {self.block_k}"
@@ -249,13 +259,21 @@ def _prepare_rows(x_MK, operands: str):
     return x_MK, None, None
 
 
+def resolve_operands(config: Fp8MatvecConfig, x_dtype) -> str:
+    """The product's operands `fp8_matvec` uses for rows of `x_dtype` (`Fp8MatvecConfig.operands`)."""
+    if config.operands is not None:
+        return config.operands
+    return "x" if jnp.dtype(x_dtype) == _F32 or config.convert != "cast" else "f16"
+
+
 def _fp8_matvec_kernel(x_MK, w_LNK, s_L, layer, *, config, interpret):
     M, K = x_MK.shape
+    operands = resolve_operands(config, x_MK.dtype)
     N = w_LNK.shape[1]
     bm = _block_m(M)
     split = _split_k(N, K, config)
     k_steps = -(-K // config.block_k) // split
-    x, xs, row_factor = _prepare_rows(x_MK, config.operands)
+    x, xs, row_factor = _prepare_rows(x_MK, operands)
     x = jnp.pad(x, ((0, bm - M), (0, 0)))
     extra = () if xs is None else (jnp.pad(xs, ((0, bm - M), (0, 0)), constant_values=1.0),)
     kernel = functools.partial(
@@ -267,7 +285,7 @@ def _fp8_matvec_kernel(x_MK, w_LNK, s_L, layer, *, config, interpret):
         N=N,
         K=K,
         convert=config.convert,
-        operands=config.operands,
+        operands=operands,
     )
     partials = pl.pallas_call(
         kernel,

@@ -18,6 +18,7 @@ from pallas_kernels.fp8_matvec import (
     fp8_matvec,
     fp8_matvec_problems,
     fp8_matvec_reference,
+    resolve_operands,
 )
 
 
@@ -49,11 +50,12 @@ def test_integer_decoding_equals_jnps_conversion_for_all_256_codes():
 
 
 # N = 200, K = 300: partial scale blocks (2 x 3 of them) and edge tiles in both directions for 32-wide blocks.
+# operands "x": float32 rows, so the product is exact to fp32 (the f16 and e4m3 operands have a test of their own).
 CASES = [
-    pytest.param(1, 3, Fp8MatvecConfig(block_n=32, block_k=32), id="M1-stack-autosplit"),
-    pytest.param(5, None, Fp8MatvecConfig(block_n=64, block_k=64, convert="bits"), id="M5-2d-bits"),
-    pytest.param(16, 2, Fp8MatvecConfig(block_n=32, block_k=32, split_k=5), id="M16-stack-split5"),
-    pytest.param(32, 2, Fp8MatvecConfig(block_n=128, block_k=128, split_k=1), id="M32-stack-nosplit"),
+    pytest.param(1, 3, Fp8MatvecConfig(block_n=32, block_k=32, operands="x"), id="M1-stack-autosplit"),
+    pytest.param(5, None, Fp8MatvecConfig(block_n=64, block_k=64, convert="bits", operands="x"), id="M5-2d-bits"),
+    pytest.param(16, 2, Fp8MatvecConfig(block_n=32, block_k=32, split_k=5, operands="x"), id="M16-stack-split5"),
+    pytest.param(32, 2, Fp8MatvecConfig(block_n=128, block_k=128, split_k=1, operands="x"), id="M32-stack-nosplit"),
 ]
 
 
@@ -155,6 +157,15 @@ def test_what_it_cannot_serve_is_one_line_each():
         Fp8MatvecConfig(operands="fp8")
     with pytest.raises(ValueError, match=r"operands='e4m3' needs block_k >= 32"):
         Fp8MatvecConfig(operands="e4m3", block_k=16)
+    with pytest.raises(
+        ValueError, match=r"^Fp8MatvecConfig.convert='bits' converts to x's dtype: it needs operands='x'"
+    ):
+        Fp8MatvecConfig(convert="bits", operands="f16")
+    # the default operands: f16 for bf16 rows (finer than bf16), x's own dtype for float32 rows and for "bits"
+    assert resolve_operands(Fp8MatvecConfig(), jnp.bfloat16) == "f16"
+    assert resolve_operands(Fp8MatvecConfig(), jnp.float32) == "x"
+    assert resolve_operands(Fp8MatvecConfig(convert="bits"), jnp.bfloat16) == "x"
+    assert resolve_operands(Fp8MatvecConfig(operands="e4m3"), jnp.float32) == "e4m3"
 
 
 @pytest.mark.parametrize("convert, operands", [("cast", "x"), ("bits", "x"), ("cast", "f16"), ("cast", "e4m3")])
@@ -207,7 +218,7 @@ def test_gpu_kernel_equals_the_reference_at_v3_shapes(name, M, convert):
     N, K = V3_PROJECTIONS[name]
     w, s = make_fp8((4, N, K), seed=M)
     x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.bfloat16)
-    config = Fp8MatvecConfig(convert=convert)
+    config = Fp8MatvecConfig(convert=convert, operands="x")
     got = jax.jit(lambda x, w, s, i: fp8_matvec(x, w, s, i, config=config, impl="kernel"))(x, w, s, jnp.int32(2))
     want = jax.jit(fp8_matvec_reference)(x, w, s, jnp.int32(2))
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)

@@ -31,17 +31,19 @@ from pallas_kernels.stacked_matmul import stacked_matmul
 from tests.test_fp8_matvec import V3_PROJECTIONS  # (N, K) of V3's decode projections: the tests' table
 
 SWEEP = {
-    "block_n=32": Fp8MatvecConfig(block_n=32),
-    "block_n=128": Fp8MatvecConfig(block_n=128),
-    "block_k=64": Fp8MatvecConfig(block_k=64),
-    "stages=2": Fp8MatvecConfig(num_stages=2),
-    "stages=6": Fp8MatvecConfig(num_stages=6),
-    "warps=8": Fp8MatvecConfig(num_warps=8),
-    "bits": Fp8MatvecConfig(convert="bits"),
+    # operands "x" (the bf16 product, the default until the fourteenth session) with other launch knobs
+    "x": Fp8MatvecConfig(operands="x"),
+    "block_n=32": Fp8MatvecConfig(block_n=32, operands="x"),
+    "block_n=128": Fp8MatvecConfig(block_n=128, operands="x"),
+    "block_k=64": Fp8MatvecConfig(block_k=64, operands="x"),
+    "stages=2": Fp8MatvecConfig(num_stages=2, operands="x"),
+    "stages=6": Fp8MatvecConfig(num_stages=6, operands="x"),
+    "warps=8": Fp8MatvecConfig(num_warps=8, operands="x"),
+    "bits": Fp8MatvecConfig(convert="bits", operands="x"),
     # bytes in flight: the default's tile is 8 KB of e4m3 where bf16 stacked_matmul's is 16 KB (the same 64x128)
-    "block_n=128 stages=6": Fp8MatvecConfig(block_n=128, num_stages=6),
-    "block_n=128 warps=8": Fp8MatvecConfig(block_n=128, num_warps=8),
-    "block_n=128 warps=8 stages=6": Fp8MatvecConfig(block_n=128, num_warps=8, num_stages=6),
+    "block_n=128 stages=6": Fp8MatvecConfig(block_n=128, num_stages=6, operands="x"),
+    "block_n=128 warps=8": Fp8MatvecConfig(block_n=128, num_warps=8, operands="x"),
+    "block_n=128 warps=8 stages=6": Fp8MatvecConfig(block_n=128, num_warps=8, num_stages=6, operands="x"),
     # the fourteenth session's sweep: block_n 128 and more stages / warps moved nothing, "bits" was 2.5x slower,
     # so the conversion is the cost: e4m3 -> f16 (one instruction for two values), or none (fp8 x fp8)
     "f16": Fp8MatvecConfig(operands="f16"),
