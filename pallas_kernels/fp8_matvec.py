@@ -200,7 +200,7 @@ def _split_k(N: int, K: int, config: Fp8MatvecConfig) -> int:
 
 def _kernel(layer_ref, x_ref, w_ref, s_ref, *refs, block_m, block_n, block_k, k_steps, N, K, convert, operands):
     """Program (0, j, s): columns [j·block_n, +block_n) over its K range; x_ref holds x in the product's dtype
-    (`_prepare_rows`), and with e4m3 operands `xs_ref` its per-(row, 128-block) scales."""
+    (`prepare_rows`), and with e4m3 operands `xs_ref` its per-(row, 128-block) scales."""
     xs_ref, o_ref = refs if operands == "e4m3" else (None, refs[0])
     j, s = pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
@@ -239,7 +239,7 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, *refs, block_m, block_n, block_k, k_
     plt.store(o_ref.at[s, rows, cols], acc, mask=out_ok)
 
 
-def _prepare_rows(x_MK, operands: str):
+def prepare_rows(x_MK, operands: str):
     """x in the product's dtype -> (x [M, K], its per-(row, 128-block) scales [M, kb] for e4m3 or None, the
     per-row factor [M, 1] the output is multiplied by, or None)."""
     x = x_MK.astype(_F32)
@@ -273,7 +273,7 @@ def _fp8_matvec_kernel(x_MK, w_LNK, s_L, layer, *, config, interpret):
     bm = _block_m(M)
     split = _split_k(N, K, config)
     k_steps = -(-K // config.block_k) // split
-    x, xs, row_factor = _prepare_rows(x_MK, operands)
+    x, xs, row_factor = prepare_rows(x_MK, operands)
     x = jnp.pad(x, ((0, bm - M), (0, 0)))
     extra = () if xs is None else (jnp.pad(xs, ((0, bm - M), (0, 0)), constant_values=1.0),)
     kernel = functools.partial(

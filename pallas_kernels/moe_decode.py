@@ -20,8 +20,9 @@ sum(group_sizes) are not written (the caller masks them). Accumulation in fp32, 
 
 FP8 experts (`moe_decode_fp8`): DeepSeek-V3's release layout, gate/up [E, I, D] and down [E, D, I] e4m3 (torch's
 [out, in]) with fp32 scales per 128x128 block. The same grid and row tiles; each weight tile is loaded as e4m3
-(half of bf16's bytes), converted in registers (`pallas_kernels.fp8_matvec.to_compute`), and the block's scale
-multiplies the tile's fp32 partial product (the blocks divide 128, so a tile lies in one scale block).
+(half of bf16's bytes), converted in registers (`pallas_kernels.fp8_matvec.to_compute`; the gate/up tiles to f16
+for bf16 rows, `MoeDecodeConfig.fp8_gate_up_f16`), and the block's scale multiplies the tile's fp32 partial
+product (the blocks divide 128, so a tile lies in one scale block).
 `moe_decode_fp8_reference` dequantizes the group's experts and calls `moe_decode_reference`.
 """
 
@@ -39,7 +40,7 @@ from jax import lax
 from pallas_kernels import backend
 from pallas_kernels.fp8_gemm.config import QUANT_BLOCK
 from pallas_kernels.fp8_gemm.reference import dequantize_blocks
-from pallas_kernels.fp8_matvec import CONVERTS, FP8_DTYPE, to_compute
+from pallas_kernels.fp8_matvec import CONVERTS, FP8_DTYPE, prepare_rows, to_compute
 
 ROW_TILE = 16  # rows a tile: the smallest M of a tensor-core dot
 
@@ -54,7 +55,13 @@ class MoeDecodeConfig:
       block_o: model-width columns a down program computes (divides D).
       block_k: contraction chunk of the down loop (divides I).
       num_warps, num_stages: Triton's launch knobs (warps a program; software-pipeline depth).
-      fp8_convert: how `moe_decode_fp8` converts its e4m3 tiles (`pallas_kernels.fp8_matvec.CONVERTS`).
+      fp8_convert: how `moe_decode_fp8` converts its e4m3 tiles to the rows' dtype
+        (`pallas_kernels.fp8_matvec.CONVERTS`).
+      fp8_gate_up_f16: `moe_decode_fp8`'s gate/up products in float16, as `fp8_matvec`'s default for bf16 rows:
+        each row of x scaled by a power of two into f16's range (undone on the fp32 products, before the SiLU)
+        and the e4m3 tiles converted to f16 (one instruction for two values on Hopper, where e4m3 -> bf16 goes
+        through f32). The down products keep the rows' dtype: their rows are h, whose range the gate/up programs
+        do not know whole. None: on for bf16 rows with ``fp8_convert="cast"``, off for float32 rows (exact).
     """
 
     block_i: int = 64
@@ -64,6 +71,7 @@ class MoeDecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     fp8_convert: str = "cast"
+    fp8_gate_up_f16: bool | None = None
 
     def __post_init__(self):
         for f in ("block_i", "block_d", "block_o", "block_k"):
@@ -72,6 +80,14 @@ class MoeDecodeConfig:
                 raise ValueError(f"MoeDecodeConfig.{f} must be a power of two >= 16, got {v}")
         if self.fp8_convert not in CONVERTS:
             raise ValueError(f"MoeDecodeConfig.fp8_convert must be one of {CONVERTS}, got {self.fp8_convert!r}")
+        if self.fp8_gate_up_f16 and self.fp8_convert != "cast":
+            raise ValueError(f"MoeDecodeConfig.fp8_gate_up_f16 converts e4m3 -> f16 by cast, not {self.fp8_convert!r}")
+
+    def gate_up_f16(self, x_dtype) -> bool:
+        """Whether `moe_decode_fp8`'s gate/up products run in float16 for rows of `x_dtype`."""
+        if self.fp8_gate_up_f16 is not None:
+            return self.fp8_gate_up_f16
+        return jnp.dtype(x_dtype) == jnp.bfloat16 and self.fp8_convert == "cast"
 
 
 def moe_decode_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfig()) -> list[str]:
@@ -160,7 +176,12 @@ def _product(x, w_ref, s_ref, e, k0, block_k, c0, block_c, convert):
     return plt.dot(x, w, trans_b=True) * s_ref[e, c0 // QUANT_BLOCK, k0 // QUANT_BLOCK]
 
 
-def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d, D, convert):
+def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d, D, convert, row_scaled):
+    """``row_scaled``: x holds rows scaled into f16 and the next ref their factors [rows, 1], which multiply the
+    fp32 products before the SiLU."""
+    rf_ref = None
+    if row_scaled:
+        rf_ref, *refs = refs
     if convert is None:  # bf16 experts
         (wg_ref, wu_ref, h_ref), sg_ref, su_ref = refs, None, None
     else:
@@ -184,6 +205,9 @@ def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d
 
         zero = jnp.zeros((ROW_TILE, block_i), jnp.float32)
         acc_g, acc_u = lax.fori_loop(0, D // block_d, chunk, (zero, zero))
+        if rf_ref is not None:
+            rf = plt.load(rf_ref.at[pl.ds(r0, ROW_TILE), pl.ds(0, 1)], mask=rmask, other=1.0)  # [R, 1]
+            acc_g, acc_u = acc_g * rf, acc_u * rf
         h = jax.nn.silu(acc_g) * acc_u
         plt.store(h_ref.at[pl.ds(r0, ROW_TILE), cols], h.astype(h_ref.dtype), mask=rmask)
         return carry
@@ -234,11 +258,23 @@ def _moe_decode_kernel(x_MD, group_sizes_E, gate, up, down, scales, expert_offse
         gate_up, down_w = (gate, up, scales[0], scales[1]), (down, scales[2])
     else:
         gate_up, down_w = (gate.astype(dt), up.astype(dt)), (down.astype(dt),)
+    row_scaled = fp8 and config.gate_up_f16(dt)
+    x = x_MD
+    if row_scaled:  # f16 rows scaled by powers of two, their factors beside them
+        x, _, factors = prepare_rows(x_MD, "f16")
+        gate_up = (jnp.pad(factors, ((0, ROW_TILE), (0, 0)), constant_values=1.0), *gate_up)
     # The row tiles may read past M (masked); pad so that no address leaves the buffers.
-    x = jnp.pad(x_MD, ((0, ROW_TILE), (0, 0)))
+    x = jnp.pad(x, ((0, ROW_TILE), (0, 0)))
     name = "moe_decode_fp8" if fp8 else "moe_decode"
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, block_i=config.block_i, block_d=config.block_d, D=D, convert=convert),
+        functools.partial(
+            _gate_up_kernel,
+            block_i=config.block_i,
+            block_d=config.block_d,
+            D=D,
+            convert=convert,
+            row_scaled=row_scaled,
+        ),
         out_shape=jax.ShapeDtypeStruct((M + ROW_TILE, I), dt),
         grid=(E, I // config.block_i),
         compiler_params=params,

@@ -168,7 +168,7 @@ def _np_experts(x, sizes, g, u, d, sg, su, sd, offset):
         w = [np_dequant(a[offset + e], s[offset + e]) for a, s in ((g, sg), (u, su), (d, sd))]
         xe = x[r : r + n]
         h = xe @ w[0].T
-        y[r : r + n] = (h / (1 + np.exp(-h)) * (xe @ w[1].T)) @ w[2].T
+        y[r : r + n] = (h * 0.5 * (1 + np.tanh(h / 2)) * (xe @ w[1].T)) @ w[2].T  # silu, without exp overflow
         r += n
     return y
 
@@ -195,6 +195,27 @@ def test_fp8_bits_conversion_and_bf16_rows():
     ref = moe_decode_fp8_reference(*args)
     rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
     assert rel < 1e-2, rel
+
+
+def test_fp8_gate_up_in_f16_scales_each_row_and_undoes_it_before_the_silu():
+    """bf16 rows take the f16 gate/up products by default: each row scaled by a power of two into f16's range, the
+    factor undone on the fp32 products before the SiLU. Rows from 2^-20 to 2^20 in size (one at 2^20 overflows f16
+    unscaled; the SiLU is not linear, so a factor applied after it shows) against numpy's float64, row by row.
+    Catches the factors not applied, applied to another row tile's rows, or after the SiLU."""
+    x, sizes, *w = _fp8_problem([2, 0, 17, 1], dtype=jnp.float32, layers=1)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(np.asarray(x) * np.exp2(rng.integers(-20, 21, (x.shape[0], 1))), jnp.bfloat16)
+    config = MoeDecodeConfig(block_i=64, block_d=128, block_o=64, block_k=64)
+    assert config.gate_up_f16(jnp.bfloat16) and not config.gate_up_f16(jnp.float32)
+    got = np.asarray(jax.jit(lambda *a: moe_decode_fp8(*a, config=config, impl="interpret"))(x, sizes, *w))
+    want = _np_experts(np.asarray(x, np.float64), sizes, *w, offset=0)
+    n = int(sum(sizes))
+    assert np.isfinite(got).all()
+    err = np.abs(got[:n] - want[:n]).max(axis=1) / np.abs(want[:n]).max(axis=1)
+    assert (err < 2e-2).all(), err  # h is rounded to bf16 between the two products
+    assert not got[n:].any()
+    with pytest.raises(ValueError, match=r"^MoeDecodeConfig.fp8_gate_up_f16 converts e4m3 -> f16 by cast, not 'bits'"):
+        MoeDecodeConfig(fp8_gate_up_f16=True, fp8_convert="bits")
 
 
 def test_fp8_what_it_cannot_serve_is_one_line_each():
@@ -249,10 +270,10 @@ def test_gpu_fp8_kernel_matches_reference_at_v3_widths(tokens):
         for k, s in zip(keys[4:], shapes)
     ]
     args = (x, jnp.asarray(sizes, jnp.int32), *ws, *ss)
-    for convert in ("cast", "bits"):
-        config = MoeDecodeConfig(fp8_convert=convert)
+    for convert, f16 in (("cast", True), ("cast", False), ("bits", False)):
+        config = MoeDecodeConfig(fp8_convert=convert, fp8_gate_up_f16=f16)
         got = jax.jit(lambda *a: moe_decode_fp8(*a, expert_offset=E, config=config, impl="kernel"))(*args)
         ref = jax.jit(lambda *a: moe_decode_fp8_reference(*a, expert_offset=E))(*args)
         rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-        assert rel < 1e-2, (convert, rel)
+        assert rel < 1e-2, (convert, f16, rel)
         assert not np.asarray(got[int(sizes.sum()) :]).any()
