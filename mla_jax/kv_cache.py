@@ -43,8 +43,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from pallas_kernels import paged_gather, paged_gather_problems
-from pallas_kernels.backend import RESOLVED as BACKENDS
-from pallas_kernels.mla_decode import MlaDecodeConfig  # "kernel" | "interpret" | "reference"
+from pallas_kernels.backend import RESOLVED as BACKENDS  # "kernel" | "interpret" | "reference"
+from pallas_kernels.mla_decode import MlaDecodeConfig
 from pallas_kernels.page_format import PageFormat, page_format_of, resolve_page_format
 
 # Why a pool per data rank is not read by the Pallas interpreter. jax 0.11.2's Mosaic GPU interpreter
