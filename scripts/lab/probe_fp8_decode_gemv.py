@@ -26,7 +26,7 @@ import numpy as np
 
 import benchmarks as bm
 from pallas_kernels.fp8_matvec import Fp8MatvecConfig, fp8_matvec, fp8_matvec_reference
-from pallas_kernels.moe_decode import moe_decode, moe_decode_fp8
+from pallas_kernels.moe_decode import MoeDecodeConfig, moe_decode, moe_decode_fp8
 from pallas_kernels.stacked_matmul import stacked_matmul
 from tests.test_fp8_matvec import V3_PROJECTIONS  # (N, K) of V3's decode projections: the tests' table
 
@@ -139,8 +139,15 @@ def expert_rows(tokens, iters, hbm, E=256, K=8, D=7168, I=2048):
         for k, sh in zip(keys[4:], shapes)
     ]
     out = []
+    f16 = MoeDecodeConfig(fp8_gate_up_f16=True)
     for impl, fn, args, per_weight in (
         ("moe_decode_fp8", jax.jit(lambda *a: moe_decode_fp8(*a, impl="kernel")), (x, gs, *ws, *ss), 1 + SCALE_BYTES),
+        (
+            "moe_decode_fp8[gate_up f16]",
+            jax.jit(lambda *a: moe_decode_fp8(*a, config=f16, impl="kernel")),
+            (x, gs, *ws, *ss),
+            1 + SCALE_BYTES,
+        ),
         (
             "moe_decode_bf16",
             jax.jit(lambda *a: moe_decode(*a, impl="kernel")),
