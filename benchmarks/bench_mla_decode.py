@@ -92,6 +92,8 @@ def variants():
         "splits4": MlaDecodeConfig(num_splits=4),
         "balanced": MlaDecodeConfig(schedule="balanced"),
         "balanced_whole": MlaDecodeConfig(schedule="balanced", whole_requests=True),
+        # the scorer body walking the balanced schedule's runs (opt-in until timed)
+        "balanced_scorer": MlaDecodeConfig(schedule="balanced", scorer=True),
         # fp8 pages (--kv-dtype fp8) only: the padded shared-buffer body where the transposed one
         # would serve (s_q * H <= 32); the same as the default on bf16 pages.
         "fp8_padded": MlaDecodeConfig(fp8_transposed=False),

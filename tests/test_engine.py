@@ -673,17 +673,20 @@ def test_gpu_kernels_match_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("whole", [False, True], ids=["equal_runs", "whole_requests"])
-def test_gpu_balanced_schedule_engine_matches_reference(whole):
+@pytest.mark.parametrize(
+    "plan", [dict(), dict(whole_requests=True), dict(scorer=True)], ids=["equal_runs", "whole_requests", "scorer"]
+)
+def test_gpu_balanced_schedule_engine_matches_reference(plan):
     """The compiled engine on the balanced schedule (planned once a step, at the GPU's CTA count, runs of equal
-    pages or of equal work): the jnp path's greedy tokens on ragged prompts, plain decode and MTP verify.
-    Catches what interpret mode cannot: the plan handed through the compiled, scanned step to the kernel."""
+    pages or of equal work, the scorer body's walk): the jnp path's greedy tokens on ragged prompts, plain decode
+    and MTP verify. Catches what interpret mode cannot: the plan handed through the compiled, scanned step to the
+    kernel."""
     from pallas_kernels.backend import on_hopper
 
     if not on_hopper():
         pytest.skip("needs a Hopper GPU")
     prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
-    config = MlaDecodeConfig(schedule="balanced", whole_requests=whole)
+    config = MlaDecodeConfig(schedule="balanced", **plan)
     _kernel_vs_reference("kernel", prompts, max_new_tokens=16, max_batch=4, k=3, decode_config=config)
 
 

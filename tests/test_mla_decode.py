@@ -368,6 +368,12 @@ BALANCED_CASES = [
     # Runs of equal work: pages [1, 2, 1, 6, 1] (+1 a request) in shares of 4 -> runs [0, 3) (two whole
     # requests), [3, 4), [4, 8), [8, 11): seq 3 split in two, its second piece sharing a run with seq 4.
     (16, 1, True, [64, 65, 1, 380, 3], 6, 4, dict(split_qk=False, whole_requests=True, request_cost_pages=1)),
+    # The scorer body walking the runs: pieces that start mid-sequence and at a sequence's last page (whose
+    # first causal query row sees no key there: its piece must restart from nothing, not the previous piece),
+    # an empty sequence inside a run, runs of equal work.
+    (16, 2, True, [1, 64, 65, 190, 3], 3, 4, dict(scorer=True)),
+    (64, 1, False, [1, 0, 65, 3], 2, 2, dict(scorer=True)),
+    (16, 4, True, [64, 65, 1, 380, 3], 6, 4, dict(scorer=True, whole_requests=True, request_cost_pages=1)),
 ]
 
 
@@ -377,6 +383,9 @@ BALANCED_CASES = [
         pytest.param(*BALANCED_CASES[0], marks=pytest.mark.full("the split-QK balanced case")),
         BALANCED_CASES[1],
         BALANCED_CASES[2],
+        BALANCED_CASES[3],
+        pytest.param(*BALANCED_CASES[4], marks=pytest.mark.full("the scorer's other balanced cases")),
+        BALANCED_CASES[5],
     ],
 )
 def test_interpret_balanced_matches_reference(heads, s_q, causal, seq_lens, max_pages, target_ctas, variant):
@@ -438,18 +447,31 @@ def test_interpret_balanced_reads_the_schedule_it_is_given():
         mla_decode(*args, softmax_scale=SCALE, impl="interpret", schedule=sched)
 
 
-@pytest.mark.parametrize("heads,s_q,variant", [(16, 1, "plain"), (64, 1, "split_qk"), (128, 2, "plain")])
+@pytest.mark.parametrize(
+    "heads,s_q,variant",
+    [
+        (16, 1, "plain"),
+        (64, 1, "split_qk"),
+        (128, 2, "plain"),
+        (16, 2, "scorer"),
+        (64, 1, "scorer"),
+        (128, 4, "scorer"),
+    ],
+)
 def test_balanced_cross_lowers_for_sm90(heads, s_q, variant):
     """Catches a balanced-body construct Mosaic GPU cannot lower for sm_90 (a scalar-predicate
-    select, a conditional Q reload, a dynamic-grid combine), which interpret mode accepts."""
-    config = MlaDecodeConfig(schedule="balanced", split_qk=variant == "split_qk")
+    select, a conditional Q reload, a dynamic-grid combine, the scorer's walk), which interpret mode accepts."""
+    config = MlaDecodeConfig(schedule="balanced", split_qk=variant == "split_qk", scorer=variant == "scorer")
     lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=config)
     assert _mosaic_calls(lowered) == 2  # the main kernel and the piece combine
 
 
-def test_scorer_refuses_the_balanced_schedule():
-    with pytest.raises(ValueError, match="scorer=True needs the per_sequence schedule .* got schedule 'balanced'"):
-        MlaDecodeConfig(scorer=True, schedule="balanced")
+def test_the_scorer_body_walks_the_balanced_schedule_only_when_asked():
+    """The scorer body on the balanced schedule is opt-in (`scorer=True`) until timed on a GPU; None keeps the
+    plain / split-QK bodies there and the scorer per sequence."""
+    assert plan(8, 1, 64, 130, MlaDecodeConfig(schedule="balanced", scorer=True)).scorer
+    assert not plan(8, 1, 64, 130, MlaDecodeConfig(schedule="balanced")).scorer
+    assert plan(8, 1, 64, 130, MlaDecodeConfig()).scorer
 
 
 def test_bad_schedule_raises():
@@ -764,7 +786,7 @@ def test_gpu_large_batch(heads, s_q, causal):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("variant", VARIANTS[:2], ids=VARIANT_IDS[:2])
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)  # the scorer body: its walk of the runs
 @pytest.mark.parametrize("whole", [False, True], ids=["equal_runs", "whole_requests"])
 @pytest.mark.parametrize(
     "heads,s_q,causal", [(16, 1, False), (64, 1, False), (64, 2, True), (128, 1, False), (128, 4, True)]

@@ -65,7 +65,12 @@ from jax import lax
 
 from pallas_kernels import backend
 from pallas_kernels._page_table import check_page_table
-from pallas_kernels.mla_decode.bf16 import SCORER_MEMORY_REGISTERS, _decode_partials, _decode_partials_scorer
+from pallas_kernels.mla_decode.bf16 import (
+    SCORER_MEMORY_REGISTERS,
+    _decode_partials,
+    _decode_partials_scorer,
+    _decode_partials_scorer_balanced,
+)
 from pallas_kernels.mla_decode.combine import _combine
 from pallas_kernels.mla_decode.config import (
     KERNEL_FORMATS,
@@ -255,7 +260,9 @@ def _body(page_format: PageFormat, plan_, s_q: int, heads: int, config: MlaDecod
     """The partials function that serves these pages, query rows and config."""
     if page_format.name == "fp8":
         return _decode_partials_fp8_t if _use_transposed_fp8(plan_, s_q, heads, config) else _decode_partials_fp8
-    return _decode_partials_scorer if plan_.scorer else _decode_partials
+    if plan_.scorer:
+        return _decode_partials_scorer_balanced if plan_.balanced else _decode_partials_scorer
+    return _decode_partials
 
 
 SCHEDULE_SCOPE = "mla_decode_schedule"  # the name scope of the schedule's ops (a test finds where they run)

@@ -58,9 +58,11 @@ class MlaDecodeConfig:
       scorer: for bf16 pages on the per_sequence schedule, the scorer body
         (`_decode_partials_scorer`): one warpgroup computes each page's Q·Kᵀ once, the softmax and
         P·V over 128 columns, two others P·V over 192 columns each, beside the TMA warpgroup.
-        None = on there (the fastest there: docs/BENCHMARKS.md); the balanced schedule runs the
-        other two (True with it raises). False picks between them by ``split_qk``. fp8 pages have
-        bodies of their own.
+        None = on there (the fastest there: docs/BENCHMARKS.md). On the balanced schedule True runs
+        it walking the schedule's runs (`_decode_partials_scorer_balanced`; every warpgroup follows
+        the run, a piece restarts the softmax with alpha = 0); None there runs the plain / split-QK
+        bodies, until the scorer's walk is timed on a GPU. False picks between those two by
+        ``split_qk``. fp8 pages have bodies of their own.
     """
 
     num_splits: int | None = None
@@ -99,10 +101,5 @@ class MlaDecodeConfig:
             )
         if not 24 <= self.memory_registers <= 256 or self.memory_registers % 8:
             raise ValueError(f"memory_registers must be a multiple of 8 in [24, 256], got {self.memory_registers}")
-        if self.scorer and self.schedule != "per_sequence":
-            raise ValueError(
-                "scorer=True needs the per_sequence schedule (the scorer body on the balanced "
-                f"one was removed: docs/NOTES.md), got schedule {self.schedule!r}"
-            )
         if self.combine_block_cols not in (64, 128, 256):
             raise ValueError(f"combine_block_cols must be one of 64, 128, 256, got {self.combine_block_cols}")

@@ -45,8 +45,8 @@ def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConf
     splits = max(1, min(splits, max_pages))
     pages_per_split = pl.cdiv(max_pages, splits)
     split_qk = config.split_qk if config.split_qk is not None else s_q * heads >= ROWS
-    scorer = config.scorer is None or config.scorer
-    scorer = scorer and config.schedule == "per_sequence"
+    # The scorer body: the default per sequence; on the balanced schedule only when asked (not yet timed there)
+    scorer = (config.scorer is None or config.scorer) if config.schedule == "per_sequence" else bool(config.scorer)
     split_qk = split_qk and not scorer
     if config.schedule == "balanced":
         return _Plan(
