@@ -88,6 +88,7 @@ import numpy as np
 from flax import nnx
 
 import benchmarks as bm
+from benchmarks.bench_mla_decode import decode_config
 from mla_jax import ModelConfig, fp8_weights
 from mla_jax.capacity import latent_bytes_per_token_layer, plan_kv_cache
 from mla_jax.sharding import make_mesh, model_shardings, parse_mesh, shard_model
@@ -798,6 +799,7 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
         kv_dtype=kv_dtype_arg(args.kv_dtype),
         mesh=mesh,
         decode_steps=args.decode_steps,
+        decode_config=decode_config(getattr(args, "decode_config", "")),
     )
     kw = dict(max_new_tokens=N, sampling=SamplingParams(temperature=0.0))
     if mtp:
@@ -1549,6 +1551,12 @@ def parser() -> argparse.ArgumentParser:
         f"generations of {KERNEL_TOKENS[0]} and {KERNEL_TOKENS[1]} new tokens a cell; kernels_<cell>.json)",
     )
     p.add_argument("--attention-impl", default="auto", help="the engine's attention_impl")
+    p.add_argument(
+        "--decode-config",
+        default="",
+        help="the engine's decode-kernel config, by a name of `mla-bench mla_decode --variants` (e.g. balanced, "
+        "balanced_scorer; default: the kernel's defaults)",
+    )
     p.add_argument(
         "--mesh",
         action="append",

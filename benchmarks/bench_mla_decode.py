@@ -82,8 +82,20 @@ QUICK_CELLS = [
 ]
 
 
+def decode_config(name: str):
+    """``--decode-config NAME`` of `mla-bench e2e` / `serve`: None for "" (the kernel's defaults), else the named
+    variant; an unknown name is one line naming the known ones."""
+    if not name:
+        return None
+    known = variants()
+    if name not in known:
+        raise SystemExit(f"unknown --decode-config {name!r}; known: {', '.join(known)}")
+    return known[name]
+
+
 def variants():
-    """Named kernel configurations that ``--variants`` can time beside the default."""
+    """Named kernel configurations that ``--variants`` can time beside the default (and that `mla-bench e2e` /
+    `serve --decode-config NAME` run the engine's decode kernel with)."""
     return {
         # The bodies before the scorer body (MlaDecodeConfig.scorer, the default on bf16 pages).
         "plain": MlaDecodeConfig(scorer=False, split_qk=False),
@@ -609,8 +621,7 @@ def main(argv=None):
     p.add_argument(
         "--variants",
         default="",
-        help="comma-separated named configs to time beside the default "
-        "(see variants(): plain, split_qk, splits2, splits4, balanced, fp8_padded)",
+        help="comma-separated named configs to time beside the default: " + ", ".join(variants()),
     )
     p.add_argument(
         "--only-flashmla", action="store_true", help="only the cells FlashMLA was measured at (plus two ragged ones)"

@@ -83,6 +83,7 @@ from tqdm import tqdm
 
 import benchmarks as bm
 from benchmarks.bench_e2e import build_model, kv_dtype_arg, model_config
+from benchmarks.bench_mla_decode import decode_config
 from models import DeepSeekModel, Engine, compile_cache
 from models.engine import PREFILL_BUDGET, trace_counts
 
@@ -467,6 +468,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="weights and compute (full bf16; tiny fp32)")
     p.add_argument("--kv-dtype", help="page format (full bf16; tiny fp32)")
     p.add_argument("--attention-impl", default="auto", help="the engine's attention_impl")
+    p.add_argument(
+        "--decode-config",
+        default="",
+        help="the engine's decode-kernel config, by a name of `mla-bench mla_decode --variants` (e.g. balanced, "
+        "balanced_scorer; default: the kernel's defaults)",
+    )
     p.add_argument("--check", type=int, default=4, help="requests checked against their runs alone")
     p.add_argument("--soak-steps", type=int, default=0, help="after the rates, a soak of this many engine steps")
     p.add_argument("--soak-arrivals", type=float, default=0.15, help="mean new requests a soak step (Poisson)")
@@ -532,6 +539,7 @@ def build_engine(args, cache_fill: float = 0.0) -> tuple[Engine, object, float, 
         cache_fill=cache_fill,
         mixed_steps=not args.no_mixed,
         prefill_budget=args.prefill_budget,
+        decode_config=decode_config(args.decode_config),
     )
     return engine, cfg, build_s, model
 

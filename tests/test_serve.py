@@ -387,3 +387,15 @@ def test_near_tie_judge_tells_rounding_from_a_real_difference():
     assert checked["alone_unexplained"] == 1 and checked["alone_ties"] == 0 and checked["alone_match"] == "0/1"
     unjudged = bench_serve.check_alone([(prompt, ref[:j] + [b], ref[:j] + [a])], None)
     assert unjudged["alone_unexplained"] == 1  # float32 runs: every difference counts
+
+
+def test_decode_config_reaches_the_engine_by_name():
+    """`--decode-config NAME` (a name of `mla-bench mla_decode --variants`) builds the engine with that decode-kernel
+    config, and an unknown name is one line naming the known ones. Catches the flag parsed but not passed on."""
+    engine, *_ = bench_serve.build_engine(_args(["--decode-config", "balanced_scorer"]))
+    assert engine.decode_config.schedule == "balanced" and engine.decode_config.scorer
+    assert bench_serve.build_engine(_args())[0].decode_config is None
+    with pytest.raises(
+        SystemExit, match=r"^unknown --decode-config 'scorer2'; known: plain, split_qk, .*balanced_scorer"
+    ):
+        bench_serve.build_engine(_args(["--decode-config", "scorer2"]))
