@@ -46,6 +46,7 @@ from pallas_kernels import (
 )
 from pallas_kernels.flash_attention import CTA_ROWS
 from pallas_kernels.mla_decode import mla_decode_schedule
+from pallas_kernels.mla_decode.config import checked_config
 from pallas_kernels.page_format import PageFormat, resolve_page_format
 
 _F32 = jnp.float32
@@ -382,6 +383,12 @@ def _kernel_seq_lens(cache, positions_BT: jax.Array) -> jax.Array:
     and the padding ones' outputs are discarded."""
     n_valid = jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
     return cache.lengths + positions_BT.shape[1] - n_valid
+
+
+def check_decode_config(config, *, name: str = "decode_config"):
+    """`config` when it is None (the decode kernel's defaults) or a `pallas_kernels.MlaDecodeConfig`; else a
+    one-line ValueError naming it (``name``: how the caller calls the argument)."""
+    return None if config is None else checked_config(config, name=name)
 
 
 def with_decode_plan(cfg: ModelConfig, cache, positions_BT: jax.Array):

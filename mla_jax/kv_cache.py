@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec
 
 from pallas_kernels import paged_gather, paged_gather_problems
 from pallas_kernels.backend import RESOLVED as BACKENDS  # "kernel" | "interpret" | "reference"
-from pallas_kernels.mla_decode import MlaDecodeConfig
+from pallas_kernels.mla_decode.config import checked_config
 from pallas_kernels.page_format import PageFormat, page_format_of, resolve_page_format
 
 # Why a pool per data rank is not read by the Pallas interpreter. jax 0.11.2's Mosaic GPU interpreter
@@ -397,8 +397,8 @@ class KVCache:
             raise ValueError(f"KVCache page_format must be a PageFormat, got {self.page_format!r}")
         if self.data_parallel is not None and self.impl == "interpret":
             raise ValueError("KVCache impl='interpret' with a pool per data rank: " + INTERPRET_ON_DATA_RANKS)
-        if self.decode_config is not None and not isinstance(self.decode_config, MlaDecodeConfig):
-            raise ValueError(f"KVCache decode_config must be an MlaDecodeConfig or None, got {self.decode_config!r}")
+        if self.decode_config is not None:
+            checked_config(self.decode_config, name="KVCache decode_config")
 
     @classmethod
     def create(

@@ -28,7 +28,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mla_jax.attention import CACHE_IMPLS, cache_kernel_problems, resolve_cache_impl, resolve_decompressed_impl
+from mla_jax.attention import (
+    CACHE_IMPLS,
+    cache_kernel_problems,
+    check_decode_config,
+    resolve_cache_impl,
+    resolve_decompressed_impl,
+)
 from mla_jax.kv_cache import INTERPRET_ON_DATA_RANKS, CacheFullError, PagedLatentCache, next_pow2
 from mla_jax.sharding import batch_axes, shard_model
 from models.sampling import SamplingParams
@@ -42,7 +48,6 @@ from models.steps import (
     trace_counts,
     verify_step,
 )
-from pallas_kernels.mla_decode import MlaDecodeConfig
 
 ATTENTION_IMPLS = CACHE_IMPLS  # "auto" | "kernel" | "interpret" | "reference" (`pallas_kernels.backend`)
 ON_CACHE_FULL = ("fail_request", "raise")
@@ -278,7 +283,7 @@ class Engine:
         decode_steps: int = 8,
         mixed_steps: bool = True,
         prefill_budget: int = PREFILL_BUDGET,
-        decode_config: MlaDecodeConfig | None = None,
+        decode_config=None,
     ):
         cfg = model.cfg
         if naive_threshold is not None:  # the earlier name
@@ -310,8 +315,7 @@ class Engine:
             )
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"Engine attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
-        if decode_config is not None and not isinstance(decode_config, MlaDecodeConfig):
-            raise ValueError(f"Engine decode_config must be an MlaDecodeConfig or None, got {decode_config!r}")
+        check_decode_config(decode_config, name="Engine decode_config")
         # Data-parallel attention: D > 1 data ranks (the batch's mesh axes) each own max_batch / D slots
         # and num_pages / D pages.
         self.data_axes, self.data_ranks = batch_axes(mesh)

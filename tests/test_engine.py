@@ -659,6 +659,11 @@ def test_decode_plan_is_built_once_a_forward_call_not_per_layer():
     # the same model on the per-sequence schedule plans nothing on the device
     plain = dataclasses.replace(cache, decode_config=None)
     assert _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(plain).jaxpr) == {False: 0, True: 0}
+    # a config that is not one: one line naming the argument, at construction
+    with pytest.raises(ValueError, match=r"^Engine decode_config must be an MlaDecodeConfig or None, got str: 'bal"):
+        Engine(m, decode_config="balanced")
+    with pytest.raises(ValueError, match=r"^KVCache decode_config must be an MlaDecodeConfig or None, got dict"):
+        dataclasses.replace(cache, decode_config={"schedule": "balanced"})
 
 
 @pytest.mark.gpu

@@ -11,8 +11,8 @@ flash-decoding loop over pages.
 This package: this file is the public face (`mla_decode`, its validation, what it serves
 (`mla_decode_problems`), the reference, the choice of body); `config` the tuning knobs and limits,
 `schedule` how pages are dealt to CTAs and where partial results go, `steps` the per-page softmax and
-P·V steps every body shares, `bf16` the bodies over bf16 pages, `fp8` those over fp8 pages, `combine`
-the kernel that merges split partials.
+P·V steps every body shares, `bf16` and `scorer` the bodies over bf16 pages, `fp8` those over fp8 pages,
+`combine` the kernel that merges split partials.
 
 * Query rows: the (T, H) pairs of a sequence are packed row-major into R = T·H rows (row = t·H + h)
   and padded to a multiple of 64, the wgmma M tile. A CTA owns one 64-row block, so H=16, T=1 pads
@@ -65,12 +65,7 @@ from jax import lax
 
 from pallas_kernels import backend
 from pallas_kernels._page_table import check_page_table
-from pallas_kernels.mla_decode.bf16 import (
-    SCORER_MEMORY_REGISTERS,
-    _decode_partials,
-    _decode_partials_scorer,
-    _decode_partials_scorer_balanced,
-)
+from pallas_kernels.mla_decode.bf16 import _decode_partials
 from pallas_kernels.mla_decode.combine import _combine
 from pallas_kernels.mla_decode.config import (
     KERNEL_FORMATS,
@@ -82,6 +77,7 @@ from pallas_kernels.mla_decode.config import (
     SCHEDULES,
     SUPPORTED_HEADS,
     MlaDecodeConfig,
+    checked_config,
 )
 from pallas_kernels.mla_decode.fp8 import NARROW_ROWS, _decode_partials_fp8, _decode_partials_fp8_t, _use_transposed_fp8
 from pallas_kernels.mla_decode.schedule import (
@@ -90,6 +86,11 @@ from pallas_kernels.mla_decode.schedule import (
     num_piece_slots,
     plan,
     sequence_of_page,
+)
+from pallas_kernels.mla_decode.scorer import (
+    SCORER_MEMORY_REGISTERS,
+    _decode_partials_scorer,
+    _decode_partials_scorer_balanced,
 )
 from pallas_kernels.page_format import PageFormat, check_pages
 
@@ -289,9 +290,7 @@ def mla_decode_schedule(seq_lens, *, heads: int, query_len: int = 1, config: Mla
     building its own. ``seq_lens`` is int32 [B], what `mla_decode` gets (cached tokens, the s_q new ones
     included); ``heads`` and ``query_len`` are q's H and s_q.
     """
-    config = MlaDecodeConfig() if config is None else config
-    if not isinstance(config, MlaDecodeConfig):
-        raise ValueError(f"config must be an MlaDecodeConfig or None, got {type(config).__name__}")
+    config = checked_config(config)
     if config.schedule != "balanced":
         return None
     if seq_lens.ndim != 1 or seq_lens.dtype != jnp.int32:
@@ -451,10 +450,7 @@ def mla_decode(
       block-table entry it reads outside [0, num_pages).
     """
     fmt = _validate(q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked)
-    if config is None:
-        config = MlaDecodeConfig()
-    if not isinstance(config, MlaDecodeConfig):
-        raise ValueError(f"config must be an MlaDecodeConfig or None, got {type(config).__name__}")
+    config = checked_config(config)
     B, s_q, H, _ = q.shape
     if schedule is not None:
         _check_schedule(schedule, B, s_q, H, config)

@@ -103,3 +103,13 @@ class MlaDecodeConfig:
             raise ValueError(f"memory_registers must be a multiple of 8 in [24, 256], got {self.memory_registers}")
         if self.combine_block_cols not in (64, 128, 256):
             raise ValueError(f"combine_block_cols must be one of 64, 128, 256, got {self.combine_block_cols}")
+
+
+def checked_config(config, *, name: str = "config") -> MlaDecodeConfig:
+    """`config`, or the defaults for None; anything else is a one-line ValueError naming ``name`` (how the
+    caller calls the argument)."""
+    if config is None:
+        return MlaDecodeConfig()
+    if not isinstance(config, MlaDecodeConfig):
+        raise ValueError(f"{name} must be an MlaDecodeConfig or None, got {type(config).__name__}: {config!r}")
+    return config

@@ -1,0 +1,513 @@
+"""`mla_decode`'s scorer bodies over bf16 pages: one warpgroup scores each page once (Q·Kᵀ, the online softmax,
+P·V over 128 columns), two others accumulate P·V over 192 columns each, beside a TMA warpgroup that streams the
+pages: per sequence split (`_decode_partials_scorer`, the default on bf16 pages) and walking the balanced
+schedule's runs (`_decode_partials_scorer_balanced`)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.mla_decode.config import KEY_DIM, LATENT_DIM, PAGE_SIZE, ROWS, MlaDecodeConfig
+from pallas_kernels.mla_decode.schedule import _main_out_geometry, _Plan, _split_pages
+from pallas_kernels.mla_decode.steps import (
+    _BF16_TRANSFORMS,
+    _LN2,
+    _LOG2E,
+    _M_INIT,
+    _pv_product,
+    _row_limits,
+    _zero_v_tail,
+)
+
+_SCORER_COLS = 128  # P·V columns of the scoring warpgroup
+_ACC_COLS = (LATENT_DIM - _SCORER_COLS) // 2  # 192 for each of the two accumulating ones
+SCORER_MEMORY_REGISTERS = 24  # the TMA warpgroup's registers (setmaxnreg): a loop issuing copies
+
+
+def _scorer_compute_registers(memory_registers: int = SCORER_MEMORY_REGISTERS) -> int:
+    """Registers a thread of each of the three compute warpgroups asks for (setmaxnreg): the 64 K of
+    the register file less the TMA warpgroup's share, split three ways, rounded down to a multiple
+    of 8."""
+    return min(256, (512 - memory_registers) // 3) // 8 * 8
+
+
+def _decode_partials_scorer(
+    q_rows,
+    kv_pages,
+    block_table,
+    seq_lens,
+    *,
+    s_q,
+    heads,
+    causal,
+    scale,
+    plan_: _Plan,
+    config: MlaDecodeConfig,
+    interpret,
+):
+    """`_decode_partials` with a dedicated scoring warpgroup (bf16 pages, per_sequence schedule).
+
+    Four warpgroups a CTA (row block g, split s, sequence b), each with its own loop over the
+    split's pages:
+    * warpgroup 3 (TMA) loads Q, then streams the pages through ``max_concurrent_steps`` slots
+      (``kv_ready[slot]``), refilling a slot once all three compute warpgroups have released it
+      (``kv_free[slot]``, 3 arrivals);
+    * warpgroup 0 (the scorer) zeroes the V tail of a sequence's partial last page, computes
+      S = Q·Kᵀ of each page once (64 rows x 64 tokens over 576 columns) and the online softmax
+      (running max and sum in its registers; the mask only on pages that need one), writes P
+      (bf16, a wgmma tile) with the page's rescale alpha and running sum l to SMEM (``p_ready``),
+      then accumulates P·V over columns [0, 128) itself;
+    * warpgroups 1 and 2 accumulate P·V over columns [128, 320) and [320, 512): wait ``p_ready``,
+      rescale by alpha, P·V with the tensor cores reading P from SMEM, then release P (``p_free``,
+      2 arrivals), which the scorer waits for before writing the next page's P.
+    So each page's Q·Kᵀ is computed once (8.9 MFLOP a page and CTA, against 13.6 for the plain
+    body), and while the accumulating warpgroups run P·V of page i the scorer runs Q·Kᵀ of page
+    i + 1. Registers: ptxas refuses an instruction that needs more than the launch's cap, 128 a
+    thread for four warpgroups, even after setmaxnreg, hence the 128 / 192 / 192 split: 64 and 96
+    accumulator registers a thread. The warpgroups still set their registers (24 for the TMA one,
+    160 for the others), which removes spill code (docs/NOTES.md).
+
+    Each warpgroup writes its columns of the split's result after its loop (an empty split too:
+    out 0, lse -inf). SMEM: Q 72 KB + two 72 KB page slots + P 8 KB + 0.5 KB = 224.5 KB. Outputs
+    as `_decode_partials` (per_sequence)."""
+    B, Rp, _ = q_rows.shape
+    pps = plan_.pages_per_split
+    final = plan_.num_splits == 1
+    scale_log2 = scale * _LOG2E
+    nslots = config.max_concurrent_steps
+    c0, acc_cols = _SCORER_COLS, _ACC_COLS
+    out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
+    scratch = dict(
+        q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+        kv_smem=plgpu.SMEM((nslots, PAGE_SIZE, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+        p_smem=plgpu.SMEM((ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+        stat_smem=plgpu.SMEM((2, ROWS), jnp.float32),  # alpha, l of the page's P
+        q_bar=plgpu.Barrier(),
+        kv_ready=plgpu.Barrier(num_barriers=nslots),
+        kv_free=plgpu.Barrier(num_arrivals=3, num_barriers=nslots),
+        p_ready=plgpu.Barrier(),
+        p_free=plgpu.Barrier(num_arrivals=2),
+    )
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    compute_registers = _scorer_compute_registers()
+    # Keys every query row of the sequence sees: the first causal query row sees s_q - 1 fewer.
+    lag = s_q - 1 if causal else 0
+
+    @functools.partial(
+        plgpu.kernel,
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=4,
+        thread_name="wg",
+        scratch_types=scratch,
+        # Every reduction is along rows, inside a warp: no cross-warp reduction scratch needed.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=interpret,
+    )
+    def mla_decode_partials_scorer(
+        q_ref,
+        kv_ref,
+        bt_ref,
+        lens_ref,
+        o_ref,
+        lse_ref,
+        *,
+        q_smem,
+        kv_smem,
+        p_smem,
+        stat_smem,
+        q_bar,
+        kv_ready,
+        kv_free,
+        p_ready,
+        p_free,
+    ):
+        g, s, b = lax.axis_index("g"), lax.axis_index("s"), lax.axis_index("b")
+        wg = lax.axis_index("wg")
+        rows = pl.ds(g * ROWS, ROWS)
+        seq_len = lens_ref[b]
+        first_page = s * pps
+        n_pages = _split_pages(seq_len, first_page, pps)
+        out_index = (b, rows) if final else (b, s, rows)
+
+        def page(i):
+            """(slot, first key) of step i, once its page has landed."""
+            slot = lax.rem(i, nslots)
+            plgpu.barrier_wait(kv_ready.at[slot])
+            return slot, (first_page + i) * PAGE_SIZE
+
+        def write_out(cols, acc, l):
+            l_safe = jnp.where(l == 0.0, 1.0, l)
+            o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            o_ref[(*out_index, cols)] = o.astype(o_ref.dtype)
+
+        @pl.when(wg == 3)
+        def _memory():
+            plgpu.set_max_registers(SCORER_MEMORY_REGISTERS, action="decrease")
+
+            @pl.loop(0, n_pages)
+            def _(i):
+                slot = lax.rem(i, nslots)
+
+                @pl.when(i == 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+
+                @pl.when(i >= nslots)
+                def _():
+                    plgpu.barrier_wait(kv_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(kv_ref.at[bt_ref[b, first_page + i]], kv_smem.at[slot], kv_ready.at[slot])
+
+            # Observe the last releases too, so that every barrier ends with all its phases waited
+            # (the interpreter checks this when the barriers are freed).
+            @pl.loop(jnp.maximum(n_pages - nslots, 0), n_pages)
+            def _(i):
+                plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
+
+        def zeros(cols):
+            return plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), wgmma_layout)
+
+        m0 = plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout)
+        l0 = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
+
+        @pl.when(wg == 0)
+        def _scorer():
+            plgpu.set_max_registers(compute_registers, action="increase")
+
+            def step(i, carry):
+                acc, m, l = carry
+                slot, page_start = page(i)
+                kv = kv_smem.at[slot]
+                _zero_v_tail(kv, seq_len - page_start, 0, LATENT_DIM)  # for every P·V warpgroup
+
+                @pl.when(i == 0)
+                def _():
+                    plgpu.barrier_wait(q_bar)
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, kv.transpose((1, 0)))
+                    return acc_ref[...]
+
+                sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32))
+
+                def masked():
+                    key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=wgmma_layout)
+                    limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
+                    return jnp.where(key < limit, sc, -jnp.inf)
+
+                # Only a page reaching past what the first query row sees needs the mask.
+                sc = lax.cond(page_start + PAGE_SIZE <= seq_len - lag, lambda: sc, masked)
+                # The scale is folded into exp2's argument (scale > 0 keeps the row maxima maxima).
+                m_new = jnp.maximum(m, sc.max(axis=1) * scale_log2)
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(sc * scale_log2 - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+
+                @pl.when(i > 0)
+                def _():  # both accumulating warpgroups are done with the previous page's P
+                    plgpu.barrier_wait(p_free)
+
+                p_smem[...] = p.astype(jnp.bfloat16)
+                stat_smem[0] = alpha
+                stat_smem[1] = l
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready)
+                acc = _pv_product(
+                    acc * lax.broadcast_in_dim(alpha, acc.shape, [0]),
+                    p_smem,
+                    kv.at[:, pl.ds(0, c0)],
+                    config.interpretable,
+                )
+                plgpu.barrier_arrive(kv_free.at[slot])
+                return acc, m_new, l
+
+            acc, m, l = lax.fori_loop(0, n_pages, step, (zeros(c0), m0, l0))
+
+            @pl.when(n_pages > 0)
+            def _():  # the last page's P released (see the memory warpgroup's last loop)
+                plgpu.barrier_wait(p_free)
+
+            write_out(pl.ds(0, c0), acc, l)
+            lse2 = m + jnp.log2(l)
+            lse_ref[out_index] = lse2 * _LN2 if final else lse2
+
+        @pl.when((wg == 1) | (wg == 2))
+        def _accumulate():
+            plgpu.set_max_registers(compute_registers, action="increase")
+            cols = pl.ds(c0 + (wg - 1) * acc_cols, acc_cols)
+
+            def step(i, carry):
+                acc, _ = carry
+                slot, _ = page(i)
+                plgpu.barrier_wait(p_ready)
+                alpha = plgpu.load(stat_smem.at[0], layout=row_layout)
+                l = plgpu.load(stat_smem.at[1], layout=row_layout)
+                acc = _pv_product(
+                    acc * lax.broadcast_in_dim(alpha, acc.shape, [0]),
+                    p_smem,
+                    kv_smem.at[slot, :, cols],
+                    config.interpretable,
+                )
+                plgpu.barrier_arrive(p_free)
+                plgpu.barrier_arrive(kv_free.at[slot])
+                return acc, l
+
+            acc, l = lax.fori_loop(0, n_pages, step, (zeros(acc_cols), l0))
+            write_out(cols, acc, l)
+
+    return mla_decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens)
+
+
+def _walk(i, b, run_start, n_steps, ends_ref, lens_ref):
+    """Where step i of a CTA's run is: (b, page_start, seq_len, first, last) of global page run_start + i, given
+    the sequence b of step i - 1 (or the run's first sequence). A sequence's pages are contiguous and runs go in
+    order, so b only moves forward: past the sequences that end at or before the page (empty ones included),
+    usually none. ``first`` / ``last``: the page begins / ends the CTA's piece of sequence b."""
+    gp = run_start + i
+    b = lax.while_loop(lambda b: ends_ref[b] <= gp, lambda b: b + 1, b)
+    seq_len = lens_ref[b]
+    pos = gp - (ends_ref[b] - pl.cdiv(seq_len, PAGE_SIZE))
+    return b, pos * PAGE_SIZE, seq_len, (i == 0) | (pos == 0), (i == n_steps - 1) | (gp + 1 >= ends_ref[b])
+
+
+def _decode_partials_scorer_balanced(
+    q_rows,
+    kv_pages,
+    block_table,
+    seq_lens,
+    *,
+    s_q,
+    heads,
+    causal,
+    scale,
+    plan_: _Plan,
+    config: MlaDecodeConfig,
+    interpret,
+    schedule,
+):
+    """The scorer body (`_decode_partials_scorer`) walking the balanced schedule (``schedule``: a
+    `BalancedSchedule`'s `kernel_refs`, ends and ctas): CTA (g, c) reads run c of the batch's pages, which may
+    cross sequences, and writes one fp32 partial per sequence piece to slot c + b (`_main_out_geometry`).
+
+    Every warpgroup walks the run itself (`_walk`: one scalar, the current sequence, carried; the next sequence
+    found by a forward step that almost never loops), so no warpgroup carries more than the per-sequence body's
+    state. A piece's start needs no reset of the accumulators: the scorer sends alpha = 0 with the piece's first
+    P (and restarts its running max), and every warpgroup multiplies its accumulator by alpha anyway. A piece's
+    end: each warpgroup writes its columns (scaled by that page's running sum), the scorer the lse. Q: only the
+    scorer reads it; after the Q·Kᵀ of a piece's last page it releases Q (``q_free``), and the TMA warpgroup,
+    once it has issued the copy of the next piece's first page, loads the next sequence's Q (``q_bar``), which the
+    scorer waits for at that page. SMEM as the per-sequence scorer body."""
+    B, Rp, _ = q_rows.shape
+    scale_log2 = scale * _LOG2E
+    nslots = config.max_concurrent_steps
+    c0, acc_cols = _SCORER_COLS, _ACC_COLS
+    out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
+    scratch = dict(
+        q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+        kv_smem=plgpu.SMEM((nslots, PAGE_SIZE, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+        p_smem=plgpu.SMEM((ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+        stat_smem=plgpu.SMEM((2, ROWS), jnp.float32),  # alpha, l of the page's P
+        q_bar=plgpu.Barrier(),
+        q_free=plgpu.Barrier(),
+        kv_ready=plgpu.Barrier(num_barriers=nslots),
+        kv_free=plgpu.Barrier(num_arrivals=3, num_barriers=nslots),
+        p_ready=plgpu.Barrier(),
+        p_free=plgpu.Barrier(num_arrivals=2),
+    )
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    compute_registers = _scorer_compute_registers()
+    lag = s_q - 1 if causal else 0
+
+    @functools.partial(
+        plgpu.kernel,
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=4,
+        thread_name="wg",
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=interpret,
+    )
+    def mla_decode_partials_scorer_balanced(
+        q_ref,
+        kv_ref,
+        bt_ref,
+        lens_ref,
+        ends_ref,
+        cta_ref,
+        o_ref,
+        lse_ref,
+        *,
+        q_smem,
+        kv_smem,
+        p_smem,
+        stat_smem,
+        q_bar,
+        q_free,
+        kv_ready,
+        kv_free,
+        p_ready,
+        p_free,
+    ):
+        g, c = lax.axis_index("g"), lax.axis_index("c")
+        wg = lax.axis_index("wg")
+        rows = pl.ds(g * ROWS, ROWS)
+        run_start = cta_ref[c, 0]
+        n_steps = cta_ref[c, 1] - run_start
+        b_first = cta_ref[c, 2]
+        walk = functools.partial(_walk, run_start=run_start, n_steps=n_steps, ends_ref=ends_ref, lens_ref=lens_ref)
+
+        def write_out(b, cols, acc, l):
+            l_safe = jnp.where(l == 0.0, 1.0, l)
+            o_ref[c + b, rows, cols] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+
+        @pl.when(wg == 3)
+        def _memory():
+            plgpu.set_max_registers(SCORER_MEMORY_REGISTERS, action="decrease")
+
+            @pl.when(n_steps > 0)
+            def _():
+                plgpu.copy_gmem_to_smem(q_ref.at[b_first, rows], q_smem, q_bar)
+
+            def step(i, b):
+                b, page_start, _, first, _ = walk(i, b)
+                slot = lax.rem(i, nslots)
+
+                @pl.when(i >= nslots)
+                def _():
+                    plgpu.barrier_wait(kv_free.at[slot])
+
+                page = bt_ref[b, page_start // PAGE_SIZE]
+                plgpu.copy_gmem_to_smem(kv_ref.at[page], kv_smem.at[slot], kv_ready.at[slot])
+
+                @pl.when(first & (i > 0))
+                def _():  # the scorer is done with the previous piece's Q
+                    plgpu.barrier_wait(q_free)
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+
+                return b
+
+            lax.fori_loop(0, n_steps, step, b_first)
+
+            @pl.loop(jnp.maximum(n_steps - nslots, 0), n_steps)
+            def _(i):  # observe the last releases too (the interpreter checks every phase was waited)
+                plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
+
+        def zeros(cols):
+            return plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), wgmma_layout)
+
+        m0 = plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout)
+        l0 = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
+
+        @pl.when(wg == 0)
+        def _scorer():
+            plgpu.set_max_registers(compute_registers, action="increase")
+
+            def step(i, carry):
+                acc, m, l, b = carry
+                b, page_start, seq_len, first, last = walk(i, b)
+                slot = lax.rem(i, nslots)
+                plgpu.barrier_wait(kv_ready.at[slot])
+                kv = kv_smem.at[slot]
+                _zero_v_tail(kv, seq_len - page_start, 0, LATENT_DIM)  # for every P·V warpgroup
+
+                @pl.when(first)
+                def _():
+                    plgpu.barrier_wait(q_bar)
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, kv.transpose((1, 0)))
+                    return acc_ref[...]
+
+                sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32))
+
+                @pl.when(last & (i + 1 < n_steps))
+                def _():  # Q·Kᵀ of the piece's last page done: the next piece's Q may land
+                    plgpu.barrier_arrive(q_free)
+
+                def masked():
+                    key = page_start + plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=wgmma_layout)
+                    limit = _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
+                    return jnp.where(key < limit, sc, -jnp.inf)
+
+                sc = lax.cond(page_start + PAGE_SIZE <= seq_len - lag, lambda: sc, masked)
+                # A piece restarts the softmax: its first page forgets the previous piece (alpha = 0 for all).
+                # (A scalar predicate does not broadcast implicitly under warpgroup semantics.)
+                fresh = jnp.broadcast_to(first, m.shape)
+                m = jnp.where(fresh, m0, m)
+                m_new = jnp.maximum(m, sc.max(axis=1) * scale_log2)
+                alpha = jnp.where(fresh, jnp.zeros_like(m), jnp.exp2(m - m_new))
+                p = jnp.exp2(sc * scale_log2 - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+
+                @pl.when(i > 0)
+                def _():  # both accumulating warpgroups are done with the previous page's P
+                    plgpu.barrier_wait(p_free)
+
+                p_smem[...] = p.astype(jnp.bfloat16)
+                stat_smem[0] = alpha
+                stat_smem[1] = l
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready)
+                acc = _pv_product(
+                    acc * lax.broadcast_in_dim(alpha, acc.shape, [0]),
+                    p_smem,
+                    kv.at[:, pl.ds(0, c0)],
+                    config.interpretable,
+                )
+                plgpu.barrier_arrive(kv_free.at[slot])
+
+                @pl.when(last)
+                def _():
+                    write_out(b, pl.ds(0, c0), acc, l)
+                    lse_ref[c + b, rows] = m_new + jnp.log2(l)
+
+                return acc, m_new, l, b
+
+            lax.fori_loop(0, n_steps, step, (zeros(c0), m0, l0, b_first))
+
+            @pl.when(n_steps > 0)
+            def _():  # the last page's P released (see the memory warpgroup's last loop)
+                plgpu.barrier_wait(p_free)
+
+        @pl.when((wg == 1) | (wg == 2))
+        def _accumulate():
+            plgpu.set_max_registers(compute_registers, action="increase")
+            cols = pl.ds(c0 + (wg - 1) * acc_cols, acc_cols)
+
+            def step(i, carry):
+                acc, b = carry
+                b, _, _, _, last = walk(i, b)
+                slot = lax.rem(i, nslots)
+                plgpu.barrier_wait(kv_ready.at[slot])
+                plgpu.barrier_wait(p_ready)
+                alpha = plgpu.load(stat_smem.at[0], layout=row_layout)
+                l = plgpu.load(stat_smem.at[1], layout=row_layout)
+                acc = _pv_product(
+                    acc * lax.broadcast_in_dim(alpha, acc.shape, [0]),
+                    p_smem,
+                    kv_smem.at[slot, :, cols],
+                    config.interpretable,
+                )
+                plgpu.barrier_arrive(p_free)
+                plgpu.barrier_arrive(kv_free.at[slot])
+
+                @pl.when(last)
+                def _():
+                    write_out(b, cols, acc, l)
+
+                return acc, b
+
+            lax.fori_loop(0, n_steps, step, (zeros(acc_cols), b_first))
+
+    return mla_decode_partials_scorer_balanced(q_rows, kv_pages, block_table, seq_lens, *schedule)
