@@ -20,9 +20,9 @@ sum(group_sizes) are not written (the caller masks them). Accumulation in fp32, 
 
 FP8 experts (`moe_decode_fp8`): DeepSeek-V3's release layout, gate/up [E, I, D] and down [E, D, I] e4m3 (torch's
 [out, in]) with fp32 scales per 128x128 block. The same grid and row tiles; each weight tile is loaded as e4m3
-(half of bf16's bytes), converted in registers (`pallas_kernels.fp8_matvec.to_compute`; optionally the gate/up
-tiles to f16 for bf16 rows, `MoeDecodeConfig.fp8_gate_up_f16`), and the block's scale multiplies the tile's fp32 partial
-product (the blocks divide 128, so a tile lies in one scale block).
+(half of bf16's bytes), converted in registers (`pallas_kernels.fp8_matvec.to_compute`; optionally to f16 with
+rows scaled into f16's range, `MoeDecodeConfig.fp8_f16`), and the block's scale multiplies the tile's fp32
+partial product (the blocks divide 128, so a tile lies in one scale block).
 `moe_decode_fp8_reference` dequantizes the group's experts and calls `moe_decode_reference`.
 """
 
@@ -57,12 +57,12 @@ class MoeDecodeConfig:
       num_warps, num_stages: Triton's launch knobs (warps a program; software-pipeline depth).
       fp8_convert: how `moe_decode_fp8` converts its e4m3 tiles to the rows' dtype
         (`pallas_kernels.fp8_matvec.CONVERTS`).
-      fp8_gate_up_f16: `moe_decode_fp8`'s gate/up products in float16, as `fp8_matvec`'s default for bf16 rows:
-        each row of x scaled by a power of two into f16's range (undone on the fp32 products, before the SiLU)
-        and the e4m3 tiles converted to f16 (one instruction for two values on Hopper, where e4m3 -> bf16 goes
-        through f32). The down products keep the rows' dtype: their rows are h, whose range the gate/up programs
-        do not know whole. None: off until it is timed on a GPU (`fp8_matvec`'s f16 form measured 0.59-0.71x
-        bf16's time; this one is CPU-tested and cross-lowered only; docs/NOTES.md); float32 rows never (exact).
+      fp8_f16: `moe_decode_fp8`'s products in float16, as `fp8_matvec`'s default for bf16 rows: e4m3 -> f16 is
+        one instruction for two values on Hopper, where e4m3 -> bf16 goes through f32. Gate/up: each row of x
+        scaled by a power of two into f16's range, undone on the fp32 products before the SiLU; h then kept in
+        fp32 between the kernels and its rows scaled the same way for the down products (undone on y). None: off
+        until it is timed on a GPU (`fp8_matvec`'s f16 form measured 0.59-0.71x bf16's time; this one is
+        CPU-tested and cross-lowered only; docs/NOTES.md); float32 rows never (exact).
     """
 
     block_i: int = 64
@@ -72,7 +72,7 @@ class MoeDecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     fp8_convert: str = "cast"
-    fp8_gate_up_f16: bool | None = None
+    fp8_f16: bool | None = None
 
     def __post_init__(self):
         for f in ("block_i", "block_d", "block_o", "block_k"):
@@ -81,12 +81,12 @@ class MoeDecodeConfig:
                 raise ValueError(f"MoeDecodeConfig.{f} must be a power of two >= 16, got {v}")
         if self.fp8_convert not in CONVERTS:
             raise ValueError(f"MoeDecodeConfig.fp8_convert must be one of {CONVERTS}, got {self.fp8_convert!r}")
-        if self.fp8_gate_up_f16 and self.fp8_convert != "cast":
-            raise ValueError(f"MoeDecodeConfig.fp8_gate_up_f16 converts e4m3 -> f16 by cast, not {self.fp8_convert!r}")
+        if self.fp8_f16 and self.fp8_convert != "cast":
+            raise ValueError(f"MoeDecodeConfig.fp8_f16 converts e4m3 -> f16 by cast, not {self.fp8_convert!r}")
 
-    def gate_up_f16(self, x_dtype) -> bool:
-        """Whether `moe_decode_fp8`'s gate/up products run in float16 for rows of `x_dtype`."""
-        return bool(self.fp8_gate_up_f16) and jnp.dtype(x_dtype) != jnp.float32
+    def f16(self, x_dtype) -> bool:
+        """Whether `moe_decode_fp8`'s products run in float16 for rows of `x_dtype`."""
+        return bool(self.fp8_f16) and jnp.dtype(x_dtype) != jnp.float32
 
 
 def moe_decode_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfig()) -> list[str]:
@@ -257,7 +257,8 @@ def _moe_decode_kernel(x_MD, group_sizes_E, gate, up, down, scales, expert_offse
         gate_up, down_w = (gate, up, scales[0], scales[1]), (down, scales[2])
     else:
         gate_up, down_w = (gate.astype(dt), up.astype(dt)), (down.astype(dt),)
-    row_scaled = fp8 and config.gate_up_f16(dt)
+    row_scaled = fp8 and config.f16(dt)
+    h_dtype = jnp.float32 if row_scaled else dt  # f16 products: h stays fp32 until its rows are scaled
     x = x_MD
     if row_scaled:  # f16 rows scaled by powers of two, their factors beside them
         x, _, factors = prepare_rows(x_MD, "f16")
@@ -274,12 +275,15 @@ def _moe_decode_kernel(x_MD, group_sizes_E, gate, up, down, scales, expert_offse
             convert=convert,
             row_scaled=row_scaled,
         ),
-        out_shape=jax.ShapeDtypeStruct((M + ROW_TILE, I), dt),
+        out_shape=jax.ShapeDtypeStruct((M + ROW_TILE, I), h_dtype),
         grid=(E, I // config.block_i),
         compiler_params=params,
         interpret=interpret,
         name=name + "_gate_up",
     )(starts, sizes, off, x, *gate_up)
+    h_factors = None
+    if row_scaled:  # h's rows into f16 the same way; y's rows are multiplied back below
+        h, _, h_factors = prepare_rows(h, "f16")
     y = pl.pallas_call(
         functools.partial(_down_kernel, block_o=config.block_o, block_k=config.block_k, I=I, convert=convert),
         out_shape=jax.ShapeDtypeStruct((M + ROW_TILE, D), jnp.float32),
@@ -288,8 +292,9 @@ def _moe_decode_kernel(x_MD, group_sizes_E, gate, up, down, scales, expert_offse
         interpret=interpret,
         name=name + "_down",
     )(starts, sizes, off, h, *down_w)
+    y = y[:M] if h_factors is None else y[:M] * h_factors[:M]
     rows = jnp.arange(M)[:, None]
-    return jnp.where(rows < jnp.sum(sizes), y[:M], 0.0)  # rows past the groups were never written
+    return jnp.where(rows < jnp.sum(sizes), y, 0.0)  # rows past the groups were never written
 
 
 def moe_decode(

@@ -139,11 +139,11 @@ def expert_rows(tokens, iters, hbm, E=256, K=8, D=7168, I=2048):
         for k, sh in zip(keys[4:], shapes)
     ]
     out = []
-    f16 = MoeDecodeConfig(fp8_gate_up_f16=True)
+    f16 = MoeDecodeConfig(fp8_f16=True)
     for impl, fn, args, per_weight in (
         ("moe_decode_fp8", jax.jit(lambda *a: moe_decode_fp8(*a, impl="kernel")), (x, gs, *ws, *ss), 1 + SCALE_BYTES),
         (
-            "moe_decode_fp8[gate_up f16]",
+            "moe_decode_fp8[f16]",
             jax.jit(lambda *a: moe_decode_fp8(*a, config=f16, impl="kernel")),
             (x, gs, *ws, *ss),
             1 + SCALE_BYTES,
