@@ -47,7 +47,8 @@ class MlaDecodeConfig:
         costs its pages plus ``request_cost_pages`` (FlashMLA's planner counts the same), and a cut that
         falls inside a request costing no more than a share moves to that request's nearer end, so only
         requests larger than a share are split (`pallas_kernels.mla_decode.balanced_schedule`). Off by
-        default until measured on a GPU.
+        default: measured 1.47-1.6x slower than equal runs on ragged batches of 64-128 requests (a run
+        can take up to a share plus half a request at each end; docs/NOTES.md).
       request_cost_pages: with ``whole_requests``, what a request costs a CTA besides its pages, in
         pages (its Q load, 73.7 KB, is about one page; its fp32 partial write, 128 KB, about two).
       fp8_transposed: for fp8 pages, the transposed body (`_decode_partials_fp8_t`: scores as
