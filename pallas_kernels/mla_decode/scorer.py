@@ -36,6 +36,38 @@ def _scorer_compute_registers(memory_registers: int = SCORER_MEMORY_REGISTERS) -
     return min(256, (512 - memory_registers) // 3) // 8 * 8
 
 
+def _scorer_scratch(nslots: int) -> dict:
+    """SMEM and barriers of a scorer body: Q, ``nslots`` page slots, the scorer's P and its (alpha, l), the
+    barriers between the TMA warpgroup, the scorer and the two accumulating warpgroups."""
+    return dict(
+        q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+        kv_smem=plgpu.SMEM((nslots, PAGE_SIZE, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+        p_smem=plgpu.SMEM((ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
+        stat_smem=plgpu.SMEM((2, ROWS), jnp.float32),  # alpha, l of the page's P
+        q_bar=plgpu.Barrier(),
+        kv_ready=plgpu.Barrier(num_barriers=nslots),
+        kv_free=plgpu.Barrier(num_arrivals=3, num_barriers=nslots),
+        p_ready=plgpu.Barrier(),
+        p_free=plgpu.Barrier(num_arrivals=2),
+    )
+
+
+def _scorer_kernel(out_type, grid, grid_names, scratch, interpret):
+    """The `plgpu.kernel` decorator of a scorer body: four warpgroups (TMA, scorer, two accumulating)."""
+    return functools.partial(
+        plgpu.kernel,
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=4,
+        thread_name="wg",
+        scratch_types=scratch,
+        # Every reduction is along rows, inside a warp: no cross-warp reduction scratch needed.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=interpret,
+    )
+
+
 def _decode_partials_scorer(
     q_rows,
     kv_pages,
@@ -82,35 +114,14 @@ def _decode_partials_scorer(
     nslots = config.max_concurrent_steps
     c0, acc_cols = _SCORER_COLS, _ACC_COLS
     out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
-    scratch = dict(
-        q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
-        kv_smem=plgpu.SMEM((nslots, PAGE_SIZE, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
-        p_smem=plgpu.SMEM((ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
-        stat_smem=plgpu.SMEM((2, ROWS), jnp.float32),  # alpha, l of the page's P
-        q_bar=plgpu.Barrier(),
-        kv_ready=plgpu.Barrier(num_barriers=nslots),
-        kv_free=plgpu.Barrier(num_arrivals=3, num_barriers=nslots),
-        p_ready=plgpu.Barrier(),
-        p_free=plgpu.Barrier(num_arrivals=2),
-    )
+    scratch = _scorer_scratch(nslots)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     compute_registers = _scorer_compute_registers()
     # Keys every query row of the sequence sees: the first causal query row sees s_q - 1 fewer.
     lag = s_q - 1 if causal else 0
 
-    @functools.partial(
-        plgpu.kernel,
-        out_type=out_type,
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=4,
-        thread_name="wg",
-        scratch_types=scratch,
-        # Every reduction is along rows, inside a warp: no cross-warp reduction scratch needed.
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=interpret,
-    )
+    @_scorer_kernel(out_type, grid, grid_names, scratch, interpret)
     def mla_decode_partials_scorer(
         q_ref,
         kv_ref,
@@ -310,34 +321,13 @@ def _decode_partials_scorer_balanced(
     nslots = config.max_concurrent_steps
     c0, acc_cols = _SCORER_COLS, _ACC_COLS
     out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
-    scratch = dict(
-        q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
-        kv_smem=plgpu.SMEM((nslots, PAGE_SIZE, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
-        p_smem=plgpu.SMEM((ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
-        stat_smem=plgpu.SMEM((2, ROWS), jnp.float32),  # alpha, l of the page's P
-        q_bar=plgpu.Barrier(),
-        q_free=plgpu.Barrier(),
-        kv_ready=plgpu.Barrier(num_barriers=nslots),
-        kv_free=plgpu.Barrier(num_arrivals=3, num_barriers=nslots),
-        p_ready=plgpu.Barrier(),
-        p_free=plgpu.Barrier(num_arrivals=2),
-    )
+    scratch = dict(_scorer_scratch(nslots), q_free=plgpu.Barrier())
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     compute_registers = _scorer_compute_registers()
     lag = s_q - 1 if causal else 0
 
-    @functools.partial(
-        plgpu.kernel,
-        out_type=out_type,
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=4,
-        thread_name="wg",
-        scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=interpret,
-    )
+    @_scorer_kernel(out_type, grid, grid_names, scratch, interpret)
     def mla_decode_partials_scorer_balanced(
         q_ref,
         kv_ref,
