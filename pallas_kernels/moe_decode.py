@@ -60,9 +60,9 @@ class MoeDecodeConfig:
       fp8_f16: `moe_decode_fp8`'s products in float16, as `fp8_matvec`'s default for bf16 rows: e4m3 -> f16 is
         one instruction for two values on Hopper, where e4m3 -> bf16 goes through f32. Gate/up: each row of x
         scaled by a power of two into f16's range, undone on the fp32 products before the SiLU; h then kept in
-        fp32 between the kernels and its rows scaled the same way for the down products (undone on y). None: off
-        until it is timed on a GPU (`fp8_matvec`'s f16 form measured 0.59-0.71x bf16's time; this one is
-        CPU-tested and cross-lowered only; docs/NOTES.md); float32 rows never (exact).
+        fp32 between the kernels and its rows scaled the same way for the down products (undone on y). None or
+        False: off (`fp8_default_config`, the config `moe_decode_fp8` takes when given none, sets it); float32
+        rows never (exact).
     """
 
     block_i: int = 64
@@ -102,9 +102,19 @@ def moe_decode_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfi
     return out
 
 
-def moe_decode_fp8_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfig()) -> list[str]:
+def fp8_default_config(D: int, I: int) -> MoeDecodeConfig:
+    """`moe_decode_fp8`'s config when none is given: the down kernel's tiles 128 wide where the widths allow (its
+    e4m3 tile at bf16's 64 x 64 holds 4 KB, a quarter of bf16's bytes in flight), 4 pipeline stages and f16
+    products for bf16 rows (docs/BENCHMARKS.md, fifteenth session: 0.6x bf16's time where the bf16 default's
+    form took 1.0x)."""
+    wide = lambda n: QUANT_BLOCK if n % QUANT_BLOCK == 0 else 64  # noqa: E731
+    return MoeDecodeConfig(block_o=wide(D), block_k=wide(I), num_stages=4, fp8_f16=True)
+
+
+def moe_decode_fp8_problems(D: int, I: int, config: MoeDecodeConfig | None = None) -> list[str]:
     """Why `moe_decode_fp8` cannot take these widths (empty when it can): `moe_decode_problems`, and every
-    block at most 128 wide (a weight tile must lie in one 128x128 scale block)."""
+    block at most 128 wide (a weight tile must lie in one 128x128 scale block). config None: `fp8_default_config`."""
+    config = fp8_default_config(D, I) if config is None else config
     out = moe_decode_problems(D, I, config)
     for f in ("block_i", "block_d", "block_o", "block_k"):
         if (v := getattr(config, f)) > QUANT_BLOCK:
@@ -385,14 +395,15 @@ def moe_decode_fp8(
       gate_EID, up_EID: float8_e4m3fn [E', I, D]; down_EDI: float8_e4m3fn [E', D, I] (torch's [out, in] per
         expert), E' >= E: a stack's experts flattened, group e using `expert_offset + e`, read in place.
       gate_scale, up_scale, down_scale: fp32 [E', ceil(out/128), ceil(in/128)]; W = w · scale per 128x128 block.
-      config: `MoeDecodeConfig` (`moe_decode_fp8_problems`: D and I multiples of its blocks, blocks <= 128).
+      config: `MoeDecodeConfig` (`moe_decode_fp8_problems`: D and I multiples of its blocks, blocks <= 128);
+        None: `fp8_default_config(D, I)`.
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else
         `moe_decode_fp8_reference`).
     Each touched expert's e4m3 bytes are read once while every expert has at most 16 rows. "auto" takes the
     reference for expert stacks the Triton lowering cannot index (`backend.triton_offset_problems`), "kernel"
     refuses them.
     """
-    config = MoeDecodeConfig() if config is None else config
+    config = fp8_default_config(x_MD.shape[-1], gate_EID.shape[1]) if config is None else config
     scales = (gate_scale, up_scale, down_scale)
     _validate_fp8(x_MD, group_sizes_E, gate_EID, up_EID, down_EDI, scales, config)
     too_large = [

@@ -17,6 +17,7 @@ from models import moe as moe_mod
 from models.moe import moe_dense_reference, moe_grouped, resolve_moe_impl
 from pallas_kernels.moe_decode import (
     MoeDecodeConfig,
+    fp8_default_config,
     moe_decode,
     moe_decode_fp8,
     moe_decode_fp8_problems,
@@ -235,7 +236,32 @@ def test_fp8_what_it_cannot_serve_is_one_line_each():
         moe_decode_fp8(x, sizes, g.astype(jnp.bfloat16), u, d, sg, su, sd)
 
 
-@pytest.mark.parametrize("f16", [False, True])
+def test_fp8_default_config_fits_the_widths():
+    """moe_decode_fp8's default (config None): 128-wide down tiles where D and I allow, 64 where not (a default of
+    128 everywhere would refuse the tiny model's I = 64 and send it off the kernel), 4 stages, f16 products."""
+    assert fp8_default_config(7168, 2048) == MoeDecodeConfig(block_o=128, block_k=128, num_stages=4, fp8_f16=True)
+    tiny = fp8_default_config(128, 64)
+    assert (tiny.block_i, tiny.block_d, tiny.block_o, tiny.block_k) == (64, 128, 128, 64)
+    assert moe_decode_fp8_problems(128, 64) == [] and moe_decode_fp8_problems(7168, 2048) == []
+    assert moe_decode_fp8_problems(128, 64, MoeDecodeConfig(block_k=128)) != []
+
+
+def test_fp8_default_config_in_interpret_mode():
+    """config None on bf16 rows runs the default (128-wide down tiles, f16 products) against float64 numpy: a
+    default whose down tiles read the wrong columns of a 128-wide block, or that leaves a row's f16 scale
+    undone or applies another row's, misses by far more than the bound."""
+    x, *rest = _fp8_problem([2, 0, 3, 1], dtype=jnp.bfloat16)
+    args = (
+        x * jnp.exp2(3.0 * jnp.arange(x.shape[0]))[:, None].astype(x.dtype),
+        *rest,
+    )  # rows 8x apart: each its own factor
+    got = np.asarray(jax.jit(lambda *a: moe_decode_fp8(*a, expert_offset=4, impl="interpret"))(*args), np.float64)
+    want = _np_experts(np.asarray(args[0], np.float64), *args[1:], offset=4)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("f16", [False, True, None])
 def test_fp8_cross_lowers_for_sm90(f16):
     from jax._src import mesh as mesh_lib
 
@@ -249,7 +275,7 @@ def test_fp8_cross_lowers_for_sm90(f16):
     off = jnp.int32(E)
     h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",), abstract_device=h200)):
-        config = MoeDecodeConfig(fp8_f16=f16)
+        config = None if f16 is None else MoeDecodeConfig(fp8_f16=f16)  # None: fp8_default_config
         traced = jax.jit(lambda *a: moe_decode_fp8(*a[:-1], expert_offset=a[-1], config=config, impl="kernel")).trace(
             *args, off
         )
@@ -277,8 +303,8 @@ def test_gpu_fp8_kernel_matches_reference_at_v3_widths(tokens):
         for k, s in zip(keys[4:], shapes)
     ]
     args = (x, jnp.asarray(sizes, jnp.int32), *ws, *ss)
-    for convert, f16 in (("cast", True), ("cast", False), ("bits", False)):
-        config = MoeDecodeConfig(fp8_convert=convert, fp8_f16=f16)
+    for convert, f16 in (("cast", True), ("cast", False), ("bits", False), (None, None)):
+        config = None if convert is None else MoeDecodeConfig(fp8_convert=convert, fp8_f16=f16)  # None: the default
         got = jax.jit(lambda *a: moe_decode_fp8(*a, expert_offset=E, config=config, impl="kernel"))(*args)
         ref = jax.jit(lambda *a: moe_decode_fp8_reference(*a, expert_offset=E))(*args)
         rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))

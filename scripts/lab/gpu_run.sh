@@ -40,6 +40,9 @@
 #   scripts/lab/gpu_run.sh fp8e2e  # mla-bench e2e on the V3 cut, --weights $WEIGHTS (default fp8; bf16 in another
 #                              #   call), B = $BATCHES (1,32), 1024-token prompts, 64 new tokens, no HF
 #   scripts/lab/gpu_run.sh session13a # moe_decode / fp8_matvec fp8 GPU tests, then fp8e2e (WEIGHTS=fp8)
+#   scripts/lab/gpu_run.sh session15 # moe_decode fp8 GPU tests, the wo/experts probe, V3-cut e2e fp8 / bf16 / fp8 with
+#                              #   moe_decode_fp8's f16 products
+#   scripts/lab/gpu_run.sh session15b # moe_decode_fp8's config sweep (64 experts), then V3-cut e2e fp8 with the fastest
 #   scripts/lab/gpu_run.sh session14 # the rest of the fp8_matvec GPU tests, ncu of fp8_matvec vs bf16 on wo, the M=1 sweep
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
@@ -296,6 +299,25 @@ PY
          stage "probe_fp8_decode_gemv --sweep (M = 1, no experts)"
          timeout 200 $PY scripts/lab/probe_fp8_decode_gemv.py --out "$R/fp8_decode_gemv.json" --sweep --rows 1 \
            --no-experts --budget-s 170 2>&1 | tail -60 | tee -a "$LOG" ;;
+  session15) gpu_tests 150 tests/test_moe_decode.py -k fp8
+         stage "probe_fp8_decode_gemv: wo and the experts, M / tokens 1 and 32"
+         timeout 150 $PY scripts/lab/probe_fp8_decode_gemv.py --out "$R/fp8_decode_gemv.json" --rows 1,32 --shapes wo \
+           --tokens 1,32 --budget-s 120 2>&1 | tail -40 | tee -a "$LOG"
+         for w in fp8 bf16; do
+           bench e2e "${E2E_LIMIT:-170}" --model v3-cut --batch 1,32 --prompt 1024 --new-tokens 64 --no-hf --weights $w \
+             --out "$R/v3cut_$w"
+         done
+         stage "e2e fp8, moe_decode_fp8's products in f16 (scripts/lab/run_with_moe_config.py)"
+         MOE_CONFIG=fp8_f16=1 timeout "${E2E_LIMIT:-170}" $PY scripts/lab/run_with_moe_config.py e2e --model v3-cut --batch 1,32 --prompt 1024 \
+           --new-tokens 64 --no-hf --weights fp8 --out "$R/v3cut_fp8_moef16" 2>&1 | tr '\r' '\n' \
+           | grep -v "it/s\]\|s/it\]" | tee -a "$LOG" ;;
+  session15b) stage "probe_fp8_decode_gemv: moe_decode_fp8's configs (64 experts, top-8, V3 widths), tokens 1 and 32"
+         timeout 240 $PY scripts/lab/probe_fp8_decode_gemv.py --out "$R/moe_sweep.json" --rows 1 --shapes wo \
+           --tokens 1,32 --experts 64 --moe-sweep --budget-s 200 2>&1 | tail -30 | tee -a "$LOG"
+         stage "e2e fp8 with the fastest of them (scripts/lab/run_with_moe_config.py)"
+         MOE_CONFIG="best:$R/moe_sweep.json" timeout "${E2E_LIMIT:-200}" $PY scripts/lab/run_with_moe_config.py e2e \
+           --model v3-cut --batch 1,32 --prompt 1024 --new-tokens 64 --no-hf --weights fp8 --out "$R/v3cut_fp8_best" \
+           2>&1 | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tee -a "$LOG" ;;
   prefill_e2e) bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf
          bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf --prefill-chunk 512 \
            --out "$R/chunk512" ;;

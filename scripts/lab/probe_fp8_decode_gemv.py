@@ -124,8 +124,19 @@ def projection_rows(name, M, layers, iters, hbm, configs):
     return rows
 
 
-def expert_rows(tokens, iters, hbm, E=256, K=8, D=7168, I=2048):
-    """V3's routed experts (E of width I over D, top-K) at `tokens` tokens, fp8 and bf16."""
+MOE_SWEEP = {
+    # the fp8 tiles at their default sizes are half of bf16's bytes (gate/up 64 x 128, down 64 x 64 e4m3 = 4 KB)
+    "k128 o128": MoeDecodeConfig(block_k=128, block_o=128),
+    "i128 k128 o128": MoeDecodeConfig(block_i=128, block_k=128, block_o=128),
+    "k128 o128 s5": MoeDecodeConfig(block_k=128, block_o=128, num_stages=5),
+    "i128 k128 o128 s4 w8": MoeDecodeConfig(block_i=128, block_k=128, block_o=128, num_stages=4, num_warps=8),
+    "k128 o128 s4 f16": MoeDecodeConfig(block_k=128, block_o=128, num_stages=4, fp8_f16=True),
+}
+
+
+def expert_rows(tokens, iters, hbm, E=256, K=8, D=7168, I=2048, sweep=False):
+    """V3's routed experts (E of width I over D, top-K) at `tokens` tokens, fp8 and bf16 (E = 256 exceeds the
+    Triton lowering's 2**31-element arrays: `--experts 64` keeps V3's widths and top-8)."""
     rng = np.random.default_rng(tokens)
     sizes = np.bincount(np.concatenate([rng.choice(E, K, replace=False) for _ in range(tokens)]), minlength=E)
     touched = int((sizes > 0).sum())
@@ -140,7 +151,17 @@ def expert_rows(tokens, iters, hbm, E=256, K=8, D=7168, I=2048):
     ]
     out = []
     f16 = MoeDecodeConfig(fp8_f16=True)
+    extra = [
+        (
+            f"moe_decode_fp8[{n}]",
+            jax.jit(lambda *a, c=c: moe_decode_fp8(*a, config=c, impl="kernel")),
+            (x, gs, *ws, *ss),
+            1 + SCALE_BYTES,
+        )
+        for n, c in (MOE_SWEEP.items() if sweep else ())
+    ]
     for impl, fn, args, per_weight in (
+        *extra,
         ("moe_decode_fp8", jax.jit(lambda *a: moe_decode_fp8(*a, impl="kernel")), (x, gs, *ws, *ss), 1 + SCALE_BYTES),
         (
             "moe_decode_fp8[f16]",
@@ -190,6 +211,8 @@ def main():
     p.add_argument("--sweep", action="store_true", help="also a few Fp8MatvecConfigs at M = 1")
     p.add_argument("--configs", default="", help="comma-separated SWEEP names to time at every M (beside default)")
     p.add_argument("--no-experts", action="store_true")
+    p.add_argument("--experts", type=int, default=256, help="routed experts of the experts' cells (top-8 of them)")
+    p.add_argument("--moe-sweep", action="store_true", help="also MOE_SWEEP's MoeDecodeConfigs")
     p.add_argument("--budget-s", type=float, default=480.0, help="skip the cells that would start after this")
     args = p.parse_args()
     bm.require_gpu("probe_fp8_decode_gemv")
@@ -220,7 +243,19 @@ def main():
             )
     if not args.no_experts:
         for tokens in (int(t) for t in args.tokens.split(",")):
-            run("experts", f"tokens={tokens}", expert_rows, tokens, args.iters, args.hbm_tbs)
+            run(
+                "experts",
+                f"tokens={tokens}",
+                expert_rows,
+                tokens,
+                args.iters,
+                args.hbm_tbs,
+                args.experts,
+                8,
+                7168,
+                2048,
+                args.moe_sweep,
+            )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
