@@ -482,14 +482,26 @@ class MLA(nnx.Module):
 
     def absorb_query(self, q_nope: jax.Array, q_pe: jax.Array) -> jax.Array:
         """[q_nope · W_UK ; q_pe] -> [B,T,H,L+R]: the query the absorbed path / decode kernel takes."""
-        w_uk_LHN = self.wkv_b_LHK()[..., : self.cfg.qk_nope_head_dim]
-        q_lat = einsum_f32("bthn,lhn->bthl", q_nope, w_uk_LHN.astype(q_nope.dtype))
+        N = self.cfg.qk_nope_head_dim
+        if isinstance(self.wkv_b, fp8_weights.Fp8Linear):  # W_UK alone, in the stored layout [H, N, L]
+            w_uk_HNL = fp8_weights.dequantize_group_rows(self.wkv_b, self.cfg.num_attention_heads, 0, N)
+            q_lat = einsum_f32("bthn,hnl->bthl", q_nope, w_uk_HNL.astype(q_nope.dtype))
+        else:
+            w_uk_LHN = self.wkv_b_LHK()[..., :N]
+            q_lat = einsum_f32("bthn,lhn->bthl", q_nope, w_uk_LHN.astype(q_nope.dtype))
         return jnp.concatenate([q_lat.astype(q_pe.dtype), q_pe], axis=-1)
 
     def output_from_latent(self, o_lat_BTHL: jax.Array, stacked: Stacked | None = None) -> jax.Array:
         """Un-absorb W_UV and apply the output projection: [B,T,H,L] -> [B,T,D]."""
-        w_uv_LHV = self.wkv_b_LHK()[..., self.cfg.qk_nope_head_dim :]
-        o = einsum_f32("bthl,lhv->bthv", o_lat_BTHL, w_uv_LHV.astype(o_lat_BTHL.dtype))
+        cfg = self.cfg
+        N = cfg.qk_nope_head_dim
+        if isinstance(self.wkv_b, fp8_weights.Fp8Linear):  # W_UV alone, in the stored layout [H, V, L]
+            H = cfg.num_attention_heads
+            w_uv_HVL = fp8_weights.dequantize_group_rows(self.wkv_b, H, N, N + cfg.v_head_dim)
+            o = einsum_f32("bthl,hvl->bthv", o_lat_BTHL, w_uv_HVL.astype(o_lat_BTHL.dtype))
+        else:
+            w_uv_LHV = self.wkv_b_LHK()[..., N:]
+            o = einsum_f32("bthl,lhv->bthv", o_lat_BTHL, w_uv_LHV.astype(o_lat_BTHL.dtype))
         return project(self.wo, o.astype(o_lat_BTHL.dtype).reshape(o.shape[:2] + (-1,)), stacked)
 
     # --- attention ----------------------------------------------------------------------

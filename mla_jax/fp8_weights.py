@@ -28,9 +28,9 @@ the kernel that would run: `pallas_kernels.fp8_matvec` for decode-shaped calls (
 a layer of a stack read in place), `pallas_kernels.fp8_gemm.fp8_matmul` above (Mosaic GPU, the recipe's 1x128
 activation tiles; bf16 compute only), the reference where neither serves.
 
-`wkv_b` is kept in FP8 like the others and dequantized where MLA uses it as a whole matrix (the absorbed
-W_UK / W_UV einsums and the decompressed attention read `MLA.wkv_b_LHK()`), as the reference `MLA.forward`
-does with `weight_dequant`.
+`wkv_b` is kept in FP8 like the others and dequantized where MLA uses it as a whole matrix (the decompressed
+attention reads `MLA.wkv_b_LHK()`, as the reference `MLA.forward` does with `weight_dequant`; the absorbed W_UK /
+W_UV einsums each dequantize only their half, in the stored layout: `dequantize_group_rows`).
 
 FP8 variables are `Fp8Weight` / `Fp8Scale` (`nnx.Variable`s, not `nnx.Param`): an FP8 model serves; it
 does not train.
@@ -235,6 +235,21 @@ def linear(in_features: int, out_features: int, *, weights, rngs, dtype, param_d
         kernel_init=kernel_init,
         rngs=rngs,
     )
+
+
+def dequantize_group_rows(layer: Fp8Linear, groups: int, lo: int, hi: int) -> jax.Array:
+    """Rows [lo, hi) of each of `groups` equal groups of an `Fp8Linear`'s output rows, dequantized to its compute
+    dtype in the stored layout -> [groups, hi - lo, in]: row g·n + r of w times its block's scale, r in [lo, hi)
+    (n = out / groups). The same values as `Fp8Linear.dense_kernel()` reshaped [in, groups, n] and sliced, without
+    its transpose and without the rows a caller does not read (MLA's W_UK / W_UV: half of `wkv_b` each)."""
+    w, scale = layer.weight_fp8[...], layer.scale_inv[...]
+    O, I = w.shape
+    if O % groups or not 0 <= lo < hi <= O // groups:
+        raise ValueError(f"rows [{lo}, {hi}) of {groups} groups do not fit the {O} output rows")
+    n = O // groups
+    s = jnp.repeat(scale.astype(_F32), QUANT_BLOCK, axis=0)[:O].reshape(groups, n, -1)[:, lo:hi]  # [g, hi-lo, ib]
+    s = jnp.repeat(s, QUANT_BLOCK, axis=-1)[..., :I]
+    return (w.reshape(groups, n, I)[:, lo:hi].astype(_F32) * s).astype(layer.dtype)
 
 
 def dense_kernel(layer) -> jax.Array:

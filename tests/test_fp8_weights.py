@@ -16,6 +16,7 @@ import os
 import shutil
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -87,6 +88,66 @@ def test_fp8_linear_is_x_times_the_dequantized_weight_transposed():
     assert np.linalg.norm(np.asarray(yb, np.float32) - want) / np.linalg.norm(want) < 1e-2
     with pytest.raises(ValueError, match=r"^fp8_linear: the weight must be float8_e4m3fn \[N, K\], got bfloat16"):
         fp8_weights.fp8_linear(jnp.asarray(x), jnp.asarray(q, jnp.bfloat16), jnp.asarray(s), dtype=jnp.float32)
+
+
+def test_dequantize_group_rows_is_the_numpy_blocks_of_those_rows():
+    """Rows [lo, hi) of each of 6 groups of 48 rows (MLA's W_UK / W_UV halves of wkv_b, one group a head) against
+    numpy's block loop on the whole weight: groups straddle the 128-row blocks and the last column block is partial.
+    Catches a scale of the wrong row block (the group's offset dropped), the layout transposed, the other half's
+    rows, a bad range accepted."""
+    rng = np.random.default_rng(5)
+    q, s = np_quant(rng.standard_normal((288, 200)).astype(np.float32))
+    lin = fp8_weights.Fp8Linear(200, 288, rngs=nnx.Rngs(0))
+    lin.weight_fp8[...], lin.scale_inv[...] = jnp.asarray(q), jnp.asarray(s)
+    whole = np_dequant_loop(q, s).reshape(6, 48, 200)
+    for lo, hi in ((0, 16), (16, 48), (5, 6)):
+        got = fp8_weights.dequantize_group_rows(lin, 6, lo, hi)
+        assert got.shape == (6, hi - lo, 200) and got.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(got), whole[:, lo:hi])
+    lin.dtype = jnp.bfloat16
+    got = fp8_weights.dequantize_group_rows(lin, 6, 16, 48)
+    np.testing.assert_array_equal(np.asarray(got), whole[:, 16:48].astype(ml_dtypes.bfloat16))  # rounded once
+    with pytest.raises(ValueError, match=r"^rows \[40, 50\) of 6 groups do not fit the 288 output rows$"):
+        fp8_weights.dequantize_group_rows(lin, 6, 40, 50)
+
+
+def test_absorbed_products_dequantize_each_half_of_fp8_wkv_b_once():
+    """The absorbed path (decode) on an FP8 wkv_b: W_UK and W_UV each dequantize only their half, in the stored
+    layout. The bug it pins: both products dequantized the whole [H·(N+V), L] matrix and transposed it, twice a
+    layer (the V3 cut's fp8 decode step spent ~126 us a step in those copies at B = 1, docs/BENCHMARKS.md); it
+    would convert 2x the weight's values and transpose a wkv_b-sized array."""
+    from mla_jax.attention import MLA
+
+    cfg = MICRO_V3
+    mla = MLA(cfg, rngs=nnx.Rngs(0), weights="fp8")
+    H, N, R, L = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    q_nope, q_pe = jnp.ones((1, 1, H, N)), jnp.ones((1, 1, H, R))
+    o_lat = jnp.ones((1, 1, H, L))
+
+    def step(q_nope, q_pe, o_lat):
+        return mla.absorb_query(q_nope, q_pe), mla.output_from_latent(o_lat)
+
+    eqns = jax.make_jaxpr(step)(q_nope, q_pe, o_lat).eqns
+
+    def walk(eqns):
+        for e in eqns:
+            yield e
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                yield from walk(sub.eqns)
+
+    eqns = list(walk(eqns))
+    w = mla.wkv_b.weight_fp8[...]
+    fp8_in = [
+        e.invars[0].aval.size
+        for e in eqns
+        if e.primitive.name == "convert_element_type" and e.invars[0].aval.dtype == jnp.float8_e4m3fn
+    ]
+    wo = mla.wo.weight_fp8[...]  # the output projection's own e4m3 weight (the reference fp8_linear on a CPU)
+    assert sum(fp8_in) == w.size + wo.size, (fp8_in, w.shape, wo.shape)
+    assert not [e for e in eqns if e.primitive.name == "transpose" and e.invars[0].aval.size >= w.size // 2]
+    want = mla.wkv_b.dense_kernel().reshape(L, H, -1)  # the decompressed path's W (dense_kernel, as before)
+    got_q = np.asarray(step(q_nope, q_pe, o_lat)[0])[..., :L]
+    np.testing.assert_allclose(got_q, np.einsum("bthn,lhn->bthl", np.ones((1, 1, H, N)), want[..., :N]), rtol=1e-5)
 
 
 def test_fp8_gemm_impl_is_resolved_in_one_place(monkeypatch):
