@@ -37,7 +37,7 @@ import numpy as np
 import benchmarks as bm
 from benchmarks import peers
 from pallas_kernels import BF16_PAGES, FP8_PAGES, MlaDecodeConfig, mla_decode, page_format_of, quantize_latent_fp8
-from pallas_kernels.mla_decode import plan
+from pallas_kernels.mla_decode import SCHEDULES, plan
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -106,6 +106,8 @@ def variants():
         "balanced_whole": MlaDecodeConfig(schedule="balanced", whole_requests=True),
         # the scorer body walking the balanced schedule's runs (opt-in until timed)
         "balanced_scorer": MlaDecodeConfig(schedule="balanced", scorer=True),
+        # per call, on the device: balanced_scorer for ragged lengths, the default for the others
+        "auto": MlaDecodeConfig(schedule="auto"),
         # fp8 pages (--kv-dtype fp8) only: the padded shared-buffer body where the transposed one
         # would serve (s_q * H <= 32); the same as the default on bf16 pages.
         "fp8_padded": MlaDecodeConfig(fp8_transposed=False),
@@ -650,7 +652,7 @@ def main(argv=None):
     )
     p.add_argument(
         "--schedule",
-        choices=("per_sequence", "balanced"),
+        choices=SCHEDULES,
         default="per_sequence",
         help="MlaDecodeConfig.schedule of the default config (default: per_sequence)",
     )

@@ -258,7 +258,8 @@ class Engine:
         refused with data ranks (`mla_jax.kv_cache.INTERPRET_ON_DATA_RANKS`).
       decode_config: the decode kernel's `pallas_kernels.MlaDecodeConfig` for every step (None: its
         defaults). With ``schedule="balanced"`` a step plans the kernel's work once from its lengths and every
-        layer's call reads that plan (`mla_jax.attention.with_decode_plan`).
+        layer's call reads that plan (`mla_jax.attention.with_decode_plan`); with ``schedule="auto"`` that plan
+        also holds the step's choice of schedule (`pallas_kernels.mla_decode.prefers_balanced`).
 
     `compile_log`: one dict per step that compiled, {"step", "bucket", "seconds"} (wall time of that
     call, compilation included).

@@ -23,7 +23,7 @@ from mla_jax.kv_cache import CacheFullError, KVCache, write_latents
 from models import DeepSeekModel
 from models.engine import Engine, GenerationResult, trace_counts
 from models.sampling import SamplingParams
-from pallas_kernels.mla_decode import SCHEDULE_SCOPE, MlaDecodeConfig, mla_decode_schedule
+from pallas_kernels.mla_decode import SCHEDULE_SCOPE, AutoSchedule, MlaDecodeConfig, mla_decode_schedule
 from tests.xla_opt import optimized
 
 CFG = ModelConfig.tiny().replace(num_hidden_layers=2)  # one dense layer, one MoE layer, one MTP module
@@ -656,6 +656,11 @@ def test_decode_plan_is_built_once_a_forward_call_not_per_layer():
     assert out.decode_plan is None  # dropped when the call returns
     counts = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(cache).jaxpr)
     assert counts[True] == 0 and counts[False] > 0, counts
+    # "auto": its plan (the balanced one and the rule's choice) built once the same way
+    auto = dataclasses.replace(cache, decode_config=MlaDecodeConfig(schedule="auto", target_ctas=4))
+    assert isinstance(with_decode_plan(cfg, auto, pos).decode_plan, AutoSchedule)
+    counts = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(auto).jaxpr)
+    assert counts[True] == 0 and counts[False] > 0, counts
     # the same model on the per-sequence schedule plans nothing on the device
     plain = dataclasses.replace(cache, decode_config=None)
     assert _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(plain).jaxpr) == {False: 0, True: 0}
@@ -679,7 +684,9 @@ def test_gpu_kernels_match_reference():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "plan", [dict(), dict(whole_requests=True), dict(scorer=True)], ids=["equal_runs", "whole_requests", "scorer"]
+    "plan",
+    [dict(), dict(whole_requests=True), dict(scorer=True), dict(schedule="auto")],
+    ids=["equal_runs", "whole_requests", "scorer", "auto"],
 )
 def test_gpu_balanced_schedule_engine_matches_reference(plan):
     """The compiled engine on the balanced schedule (planned once a step, at the GPU's CTA count, runs of equal
@@ -691,7 +698,7 @@ def test_gpu_balanced_schedule_engine_matches_reference(plan):
     if not on_hopper():
         pytest.skip("needs a Hopper GPU")
     prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
-    config = MlaDecodeConfig(schedule="balanced", **plan)
+    config = MlaDecodeConfig(**{"schedule": "balanced", **plan})
     _kernel_vs_reference("kernel", prompts, max_new_tokens=16, max_batch=4, k=3, decode_config=config)
 
 

@@ -24,10 +24,12 @@ import pytest
 
 from pallas_kernels import MlaDecodeConfig, backend, mla_decode, mla_decode_reference
 from pallas_kernels.mla_decode import (
+    AutoSchedule,
     balanced_schedule,
     mla_decode_schedule,
     num_piece_slots,
     plan,
+    prefers_balanced,
     sequence_of_page,
 )
 from tests.tiers import full
@@ -462,6 +464,50 @@ def test_balanced_cross_lowers_for_sm90(heads, s_q, variant):
     config = MlaDecodeConfig(schedule="balanced", split_qk=variant == "split_qk", scorer=variant == "scorer")
     lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=config)
     assert _mosaic_calls(lowered) == 2  # the main kernel and the piece combine
+
+
+def test_auto_schedule_rule_on_the_lengths():
+    """`prefers_balanced`, by hand: pages = ceil(len / 64); balanced iff max · B > 1.5 · sum. Pins the measured
+    sides (equal lengths: per-sequence; uniform draws over 256-16384 and 1-32768, max / mean ~ 2: balanced), a
+    single sequence, idle rows counted, and both sides of the threshold."""
+
+    def rule(lens):
+        return bool(prefers_balanced(jnp.asarray(lens, jnp.int32)))
+
+    assert not rule([8192] * 128) and not rule([5000]) and not rule([0])
+    rng = np.random.default_rng(0)
+    assert rule(rng.integers(256, 16385, 128)) and rule(rng.integers(1, 32769, 32))
+    assert rule([4096] * 8 + [0] * 8)  # half the rows idle: max 64 pages, mean 32
+    assert not rule([192, 64])  # pages 3, 1: 3 · 2 = 6, not > 1.5 · 4
+    assert rule([256, 64])  # pages 4, 1: 8 > 7.5
+    assert not rule([100, 64])  # pages 2, 1: 4, not > 4.5
+
+
+@pytest.mark.parametrize("lens,balanced", [([130, 128, 129, 190], False), ([1, 64, 65, 380], True)])
+def test_interpret_auto_runs_the_program_its_rule_picks(lens, balanced):
+    """schedule="auto" gives the reference's output, and bit for bit the output of the program the rule picks:
+    the per-sequence config on near-equal lengths, the balanced scorer on ragged ones (catches the branches
+    swapped, the plan of one branch handed to the other, the predicate ignored)."""
+    args = make_inputs(len(lens), 1, 16, lens, 6, seed=11)
+    auto = MlaDecodeConfig(schedule="auto", min_pages_per_split=1, target_ctas=4)
+    plan_ = mla_decode_schedule(args[3], heads=16, config=auto)
+    assert isinstance(plan_, AutoSchedule) and bool(plan_.use_balanced) == balanced
+    assert_matches_reference(args, causal=True, config=auto, impl="interpret")
+    picked = dataclasses.replace(auto, schedule="balanced", scorer=True) if balanced else None
+    picked = picked or dataclasses.replace(auto, schedule="per_sequence")
+    for given in (None, plan_):  # planned in the call, or once outside it (the engine's way)
+        got = mla_decode(*args, softmax_scale=SCALE, causal=True, config=auto, impl="interpret", schedule=given)
+        want = mla_decode(*args, softmax_scale=SCALE, causal=True, config=picked, impl="interpret")
+        chex.assert_trees_all_equal(got, want)
+    with pytest.raises(ValueError, match=r"^schedule must be an AutoSchedule \(mla_decode_schedule\), got Balanced"):
+        mla_decode(*args, softmax_scale=SCALE, config=auto, impl="interpret", schedule=plan_.balanced)
+
+
+def test_auto_schedule_cross_lowers_for_sm90():
+    """Both programs in one module: the per-sequence scorer (with its split combine) and the balanced scorer
+    with the piece combine, under one conditional."""
+    lowered = lower_for_sm90(8, 1, 64, 130, causal=False, config=MlaDecodeConfig(schedule="auto"))
+    assert _mosaic_calls(lowered) == 4
 
 
 def test_the_scorer_body_walks_the_balanced_schedule_only_when_asked():

@@ -73,6 +73,7 @@ from pallas_kernels.mla_decode.config import (
     LATENT_DIM,
     MAX_QUERY_LEN,
     PAGE_SIZE,
+    RAGGED_SPREAD,
     ROWS,
     SCHEDULES,
     SUPPORTED_HEADS,
@@ -81,10 +82,13 @@ from pallas_kernels.mla_decode.config import (
 )
 from pallas_kernels.mla_decode.fp8 import NARROW_ROWS, _decode_partials_fp8, _decode_partials_fp8_t, _use_transposed_fp8
 from pallas_kernels.mla_decode.schedule import (
+    AutoSchedule,
     BalancedSchedule,
     balanced_schedule,
+    branch_configs,
     num_piece_slots,
     plan,
+    prefers_balanced,
     sequence_of_page,
 )
 from pallas_kernels.mla_decode.scorer import (
@@ -101,20 +105,24 @@ __all__ = [
     "MAX_QUERY_LEN",
     "NARROW_ROWS",
     "PAGE_SIZE",
+    "RAGGED_SPREAD",
     "ROWS",
     "SCHEDULES",
     "SCHEDULE_SCOPE",
     "SCORER_MEMORY_REGISTERS",
     "SUPPORTED_HEADS",
+    "AutoSchedule",
     "BalancedSchedule",
     "MlaDecodeConfig",
     "balanced_schedule",
+    "branch_configs",
     "mla_decode",
     "mla_decode_problems",
     "mla_decode_reference",
     "mla_decode_schedule",
     "num_piece_slots",
     "plan",
+    "prefers_balanced",
     "sequence_of_page",
 ]
 
@@ -282,8 +290,8 @@ def _schedule_for(seq_lens, plan_, config: MlaDecodeConfig) -> BalancedSchedule:
 
 def mla_decode_schedule(seq_lens, *, heads: int, query_len: int = 1, config: MlaDecodeConfig | None = None):
     """The work plan `mla_decode(..., config=config, schedule=...)` takes for these lengths: a
-    `BalancedSchedule` when ``config.schedule`` is "balanced", else None (the per-sequence schedule has
-    nothing to plan on the device).
+    `BalancedSchedule` when ``config.schedule`` is "balanced", an `AutoSchedule` (that plan and the rule's
+    choice) for "auto", else None (the per-sequence schedule has nothing to plan on the device).
 
     It depends on the lengths, the heads, s_q and the config only, so a forward pass builds it once and
     hands it to every layer's call (`mla_jax.kv_cache.KVCache.decode_plan`) instead of each layer
@@ -291,16 +299,30 @@ def mla_decode_schedule(seq_lens, *, heads: int, query_len: int = 1, config: Mla
     included); ``heads`` and ``query_len`` are q's H and s_q.
     """
     config = checked_config(config)
-    if config.schedule != "balanced":
+    if config.schedule == "per_sequence":
         return None
     if seq_lens.ndim != 1 or seq_lens.dtype != jnp.int32:
         raise ValueError(f"seq_lens must be int32 [B], got {seq_lens.dtype} {seq_lens.shape}")
+    if config.schedule == "auto":
+        balanced = branch_configs(config)[1]
+        sched = _schedule_for(seq_lens, plan(seq_lens.shape[0], query_len, heads, 1, balanced), balanced)
+        with jax.named_scope(SCHEDULE_SCOPE):
+            return AutoSchedule(sched, prefers_balanced(seq_lens))
     plan_ = plan(seq_lens.shape[0], query_len, heads, 1, config)
     return _schedule_for(seq_lens, plan_, config)
 
 
 def _check_schedule(schedule, B: int, s_q: int, H: int, config: MlaDecodeConfig) -> None:
     """A work plan handed to `mla_decode` fits this call: the balanced schedule, B sequences, its CTAs."""
+    if config.schedule == "auto":
+        if not isinstance(schedule, AutoSchedule):
+            raise ValueError(f"schedule must be an AutoSchedule (mla_decode_schedule), got {type(schedule).__name__}")
+        if schedule.use_balanced.shape != () or schedule.use_balanced.dtype != jnp.bool_:
+            raise ValueError(
+                f"schedule.use_balanced must be a bool scalar, got {schedule.use_balanced.dtype} "
+                f"{schedule.use_balanced.shape}"
+            )
+        return _check_schedule(schedule.balanced, B, s_q, H, branch_configs(config)[1])
     if config.schedule != "balanced":
         raise ValueError(f"schedule= is a balanced schedule's plan; config.schedule is {config.schedule!r}")
     if not isinstance(schedule, BalancedSchedule):
@@ -321,6 +343,26 @@ def _mla_decode_kernel(
     q, kv_pages, block_table, seq_lens, schedule, *, softmax_scale, causal, page_format, config, interpret
 ):
     B, s_q, H, _ = q.shape
+    if config.schedule == "auto":  # both programs, one taken by the rule (`prefers_balanced`)
+        per_sequence, balanced = branch_configs(config)
+        if schedule is None:
+            schedule = mla_decode_schedule(seq_lens, heads=H, query_len=s_q, config=config)
+        run = functools.partial(
+            _mla_decode_kernel,
+            q,
+            kv_pages,
+            block_table,
+            seq_lens,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            page_format=page_format,
+            interpret=interpret,
+        )
+        return lax.cond(
+            schedule.use_balanced,
+            lambda: run(schedule.balanced, config=balanced),
+            lambda: run(None, config=per_sequence),
+        )
     R = s_q * H
     plan_ = plan(B, s_q, H, block_table.shape[1], config)
     Rp = plan_.row_blocks * ROWS
@@ -435,9 +477,9 @@ def mla_decode(
       checked: also check traced block tables and lengths, with `jax.experimental.checkify`
         (the caller wraps the jitted function in `checkify.checkify`; see `_page_table`).
         Concrete ones are always checked.
-      schedule: with ``config.schedule == "balanced"``, the work plan `mla_decode_schedule` built for these
-        ``seq_lens`` (so the layers of a step share one); None builds it here. It must be the plan of these
-        lengths: a plan of other lengths reads the wrong pages.
+      schedule: with ``config.schedule`` "balanced" or "auto", the work plan `mla_decode_schedule` built for
+        these ``seq_lens`` (so the layers of a step share one); None builds it here. It must be the plan of
+        these lengths: a plan of other lengths reads the wrong pages.
 
     Returns:
       out: [B, s_q, H, 512] in q's dtype (bf16); lse: float32 [B, s_q, H], natural log of the

@@ -11,7 +11,8 @@ ROWS = 64  # query rows per CTA = wgmma M of one warpgroup
 SUPPORTED_HEADS = (16, 32, 64, 128)
 MAX_QUERY_LEN = 4
 KERNEL_FORMATS = ("bf16", "fp8")  # page formats the kernel has bodies for (`pallas_kernels.page_format.NAMES`)
-SCHEDULES = ("per_sequence", "balanced")
+SCHEDULES = ("per_sequence", "balanced", "auto")
+RAGGED_SPREAD = 1.5  # "auto": the balanced schedule when the longest sequence has more pages than this x the mean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,11 @@ class MlaDecodeConfig:
         cut into ``target_ctas // row_blocks`` equal runs (at least ``min_pages_per_split`` pages
         each) that may span sequences, so the longest sequence no longer sets the time for ragged
         lengths; always followed by the combine. ``num_splits`` and ``max_splits`` do not
-        apply.
+        apply. "auto": chosen on the device each call from the lengths (`prefers_balanced`: the longest
+        sequence holds more than `RAGGED_SPREAD` x the mean pages, idle rows counted): the balanced schedule
+        with the scorer body (unless ``scorer=False``) there, the per-sequence one elsewhere; both programs
+        are compiled (measured on the ragged cells 2-9 % under the per-sequence scorer, and 1.51x over it on
+        equal lengths: docs/BENCHMARKS.md, fifteenth session).
       whole_requests: with the balanced schedule, runs of equal work instead of equal pages: a request
         costs its pages plus ``request_cost_pages`` (FlashMLA's planner counts the same), and a cut that
         falls inside a request costing no more than a share moves to that request's nearer end, so only
@@ -92,7 +97,7 @@ class MlaDecodeConfig:
             raise ValueError(f"max_splits must be >= 1, got {self.max_splits}")
         if self.request_cost_pages < 0:
             raise ValueError(f"request_cost_pages must be >= 0, got {self.request_cost_pages}")
-        if self.whole_requests and self.schedule != "balanced":
+        if self.whole_requests and self.schedule == "per_sequence":
             raise ValueError(f"whole_requests=True plans the balanced schedule's runs, got schedule {self.schedule!r}")
         if self.min_pages_per_split < 1:
             raise ValueError(f"min_pages_per_split must be >= 1, got {self.min_pages_per_split}")

@@ -13,7 +13,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.mla_decode.config import LATENT_DIM, PAGE_SIZE, ROWS, MlaDecodeConfig
+from pallas_kernels.mla_decode.config import LATENT_DIM, PAGE_SIZE, RAGGED_SPREAD, ROWS, MlaDecodeConfig
 from pallas_kernels.mla_decode.steps import _LN2, _init_carry, _normalise
 
 
@@ -35,7 +35,10 @@ class _Plan:
 
 
 def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConfig) -> _Plan:
-    """The launch geometry `mla_decode` uses for these shapes (exposed for the benchmark)."""
+    """The launch geometry `mla_decode` uses for these shapes (exposed for the benchmark); for the "auto"
+    schedule its per-sequence branch's (`branch_configs`)."""
+    if config.schedule == "auto":
+        config = branch_configs(config)[0]
     row_blocks = pl.cdiv(s_q * heads, ROWS)
     if config.num_splits is not None:
         splits = config.num_splits
@@ -53,6 +56,24 @@ def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConf
             row_blocks, 1, pages_per_split, split_qk, "balanced", max(1, config.target_ctas // row_blocks), scorer
         )
     return _Plan(row_blocks, pl.cdiv(max_pages, pages_per_split), pages_per_split, split_qk, scorer=scorer)
+
+
+def branch_configs(config: MlaDecodeConfig) -> tuple[MlaDecodeConfig, MlaDecodeConfig]:
+    """The "auto" schedule's two programs: (the per-sequence config, the balanced config, whose body is the
+    scorer's unless ``config.scorer`` is False)."""
+    balanced = dataclasses.replace(config, schedule="balanced", scorer=config.scorer is not False)
+    return dataclasses.replace(config, schedule="per_sequence", whole_requests=False), balanced
+
+
+def prefers_balanced(seq_lens: jax.Array) -> jax.Array:
+    """bool []: the "auto" schedule's rule. The balanced schedule when the longest sequence holds more than
+    `RAGGED_SPREAD` x the mean pages (idle rows, length 0, counted: the per-sequence schedule gives their CTAs
+    nothing to do); else the per-sequence one. Equal lengths and a single sequence never take it. Measured
+    (docs/BENCHMARKS.md, fifteenth session): lengths drawn uniformly from 256-16384, 256-8192 and 1-32768
+    (max / mean ~ 1.9-2) ran 2-9 % faster balanced; equal lengths 1.51x slower balanced. The threshold lies
+    between those cells; nothing was measured near it."""
+    pages = (seq_lens.astype(jnp.int32) + PAGE_SIZE - 1) // PAGE_SIZE
+    return jnp.max(pages).astype(jnp.float32) * pages.shape[0] > RAGGED_SPREAD * jnp.sum(pages).astype(jnp.float32)
 
 
 class BalancedSchedule(NamedTuple):
@@ -74,6 +95,14 @@ class BalancedSchedule(NamedTuple):
     def kernel_refs(self) -> tuple:
         """What a main kernel reads of the schedule (the combine reads `piece_start` and `num_pieces`)."""
         return (self.ends, self.ctas)
+
+
+class AutoSchedule(NamedTuple):
+    """The "auto" schedule's plan of a call: the balanced schedule's plan, and whether the call takes it
+    (`prefers_balanced`)."""
+
+    balanced: BalancedSchedule
+    use_balanced: jax.Array  # bool []
 
 
 def num_piece_slots(batch: int, num_ctas: int) -> int:
