@@ -46,8 +46,9 @@ class MlaDecodeConfig:
         apply. "auto": chosen on the device each call from the lengths (`prefers_balanced`: the longest
         sequence holds more than `RAGGED_SPREAD` x the mean pages, idle rows counted): the balanced schedule
         with the scorer body (unless ``scorer=False``) there, the per-sequence one elsewhere; both programs
-        are compiled (measured on the ragged cells 2-9 % under the per-sequence scorer, and 1.51x over it on
-        equal lengths: docs/BENCHMARKS.md, fifteenth session).
+        are compiled (the balanced scorer measured 2-9 % under the per-sequence scorer on ragged cells and
+        1.51x over it on equal lengths, before its in-place normalization: docs/BENCHMARKS.md, fifteenth
+        session; "auto" itself not yet timed).
       whole_requests: with the balanced schedule, runs of equal work instead of equal pages: a request
         costs its pages plus ``request_cost_pages`` (FlashMLA's planner counts the same), and a cut that
         falls inside a request costing no more than a share moves to that request's nearer end, so only
