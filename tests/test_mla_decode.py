@@ -483,7 +483,13 @@ def test_auto_schedule_rule_on_the_lengths():
     assert not rule([100, 64])  # pages 2, 1: 4, not > 4.5
 
 
-@pytest.mark.parametrize("lens,balanced", [([130, 128, 129, 190], False), ([1, 64, 65, 380], True)])
+@pytest.mark.parametrize(
+    "lens,balanced",
+    [
+        pytest.param([130, 128, 129, 190], False, marks=pytest.mark.full("the ragged case catches swapped branches")),
+        ([1, 64, 65, 380], True),
+    ],
+)
 def test_interpret_auto_runs_the_program_its_rule_picks(lens, balanced):
     """schedule="auto" gives the reference's output, and bit for bit the output of the program the rule picks:
     the per-sequence config on near-equal lengths, the balanced scorer on ragged ones (catches the branches
