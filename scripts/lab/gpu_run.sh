@@ -42,6 +42,8 @@
 #   scripts/lab/gpu_run.sh session13a # moe_decode / fp8_matvec fp8 GPU tests, then fp8e2e (WEIGHTS=fp8)
 #   scripts/lab/gpu_run.sh session15 # moe_decode fp8 GPU tests, the wo/experts probe, V3-cut e2e fp8 / bf16 / fp8 with
 #                              #   moe_decode_fp8's f16 products
+#   scripts/lab/gpu_run.sh ncu128  # Nsight Compute on mla_decode's main kernel only ($NCU_CELLS, default H = 128 and
+#                              #   the H = 64 cell beside it; $VARIANT a --variants name): .ncu-rep, details CSV
 #   scripts/lab/gpu_run.sh session15b # moe_decode_fp8's config sweep (64 experts), then V3-cut e2e fp8 with the fastest
 #   scripts/lab/gpu_run.sh session14 # the rest of the fp8_matvec GPU tests, ncu of fp8_matvec vs bf16 on wo, the M=1 sweep
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
@@ -318,6 +320,17 @@ PY
          MOE_CONFIG="best:$R/moe_sweep.json" timeout "${E2E_LIMIT:-200}" $PY scripts/lab/run_with_moe_config.py e2e \
            --model v3-cut --batch 1,32 --prompt 1024 --new-tokens 64 --no-hf --weights fp8 --out "$R/v3cut_fp8_best" \
            2>&1 | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tee -a "$LOG" ;;
+  ncu128) for cell in ${NCU_CELLS:-128,1,4096,128 128,1,8192,64}; do  # ours at H = 128 and where it matches FlashMLA
+           stage "ncu: mla_decode's main kernel at $cell (${VARIANT:-default})"
+           n="$R/ncu_mla_decode_${cell//,/_}"
+           timeout 200 ncu --profile-from-start off --kernel-name regex:mla_decode_partials --launch-count 1 \
+             --set full --import-source yes -o "$n" \
+             $PY scripts/lab/ncu_mla_decode.py --cell "$cell" ${VARIANT:+--variant $VARIANT} > "$n.log" 2>&1
+           tail -3 "$n.log" | tee -a "$LOG"
+           timeout 60 ncu --import "$n.ncu-rep" --page details --csv > "$n.csv" 2>&1
+           grep -E "Duration|Registers Per|Achieved Occupancy|Issue Slots|Stall|Bank Conflicts|Tensor|Throughput" \
+             "$n.csv" | head -60 | tee -a "$LOG"
+         done ;;
   prefill_e2e) bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf
          bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf --prefill-chunk 512 \
            --out "$R/chunk512" ;;
