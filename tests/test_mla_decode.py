@@ -498,13 +498,17 @@ def test_interpret_auto_runs_the_program_its_rule_picks(lens, balanced):
     auto = MlaDecodeConfig(schedule="auto", min_pages_per_split=1, target_ctas=4)
     plan_ = mla_decode_schedule(args[3], heads=16, config=auto)
     assert isinstance(plan_, AutoSchedule) and bool(plan_.use_balanced) == balanced
-    assert_matches_reference(args, causal=True, config=auto, impl="interpret")
     picked = dataclasses.replace(auto, schedule="balanced", scorer=True) if balanced else None
     picked = picked or dataclasses.replace(auto, schedule="per_sequence")
-    for given in (None, plan_):  # planned in the call, or once outside it (the engine's way)
-        got = mla_decode(*args, softmax_scale=SCALE, causal=True, config=auto, impl="interpret", schedule=given)
-        want = mla_decode(*args, softmax_scale=SCALE, causal=True, config=picked, impl="interpret")
-        chex.assert_trees_all_equal(got, want)
+    # planned once outside the call (the engine's way; the call's own plan is the same function of the lengths)
+    got = mla_decode(*args, softmax_scale=SCALE, causal=True, config=auto, impl="interpret", schedule=plan_)
+    chex.assert_trees_all_equal(
+        got, mla_decode(*args, softmax_scale=SCALE, causal=True, config=picked, impl="interpret")
+    )
+    ref_out, ref_lse = mla_decode_reference(*args, softmax_scale=SCALE, causal=True)
+    out, ref_out = np.asarray(got[0], np.float32), np.asarray(ref_out, np.float32)
+    assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 1e-2  # assert_matches_reference's bounds
+    chex.assert_trees_all_close(np.asarray(got[1]), np.asarray(ref_lse), atol=2e-2, rtol=1e-3)
     with pytest.raises(ValueError, match=r"^schedule must be an AutoSchedule \(mla_decode_schedule\), got Balanced"):
         mla_decode(*args, softmax_scale=SCALE, config=auto, impl="interpret", schedule=plan_.balanced)
 
