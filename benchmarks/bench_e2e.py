@@ -34,6 +34,9 @@ Per cell (model, batch B, prompt T; random prompt ids, ``--new-tokens`` N = 128 
   bytes a token of ``--kv-dtype`` (`mla_jax.capacity.latent_bytes_per_token_layer`: 576 * 2 B in bf16,
   656 B in fp8).
   The context is the mean over the decode steps, T + N/2.
+* ``--ragged``: each cell's B prompts have lengths drawn uniformly from [T // 16, T] (`prompt_lengths`, seeded
+  by the cell), the mix continuous batching decodes; the row's ``lengths`` and ``prompt_mean`` say so, prefill
+  FLOPs and tok/s count the rows' own lengths, the floor's context is their mean + N/2; no HF peer.
 Other columns: ``compiles`` (step compilations of the cold generate), ``ttft_stats_s`` (the engine's own
 TTFT when its stats carry one), ``same_tokens`` (the warm generate reproduced the cold one's tokens),
 ``experts_touched`` (the expected distinct experts per MoE layer of a decode step), ``peak_mem_gb`` (the
@@ -134,6 +137,8 @@ COLUMNS = [
     "impl",
     "B",
     "prompt",
+    "lengths",
+    "prompt_mean",
     "new_tokens",
     "mtp",
     "layers",
@@ -329,10 +334,28 @@ def weights_bytes(model) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
 
 
-def make_prompts(vocab: int, batch: int, prompt: int, seed: int = 0) -> list[list[int]]:
-    """B random prompts of T token ids, the same for ours and the HF peer."""
+RAGGED_SHORTEST = 16  # --ragged: prompt lengths uniform in [T // 16, T]
+
+
+def prompt_lengths(batch: int, prompt: int, *, ragged: bool = False, seed: int = 0) -> list[int]:
+    """The B prompts' lengths: T each, or with ``ragged`` drawn uniformly from [max(1, T // RAGGED_SHORTEST), T]
+    (the same draw for a cell wherever it runs: seeded by the seed and the cell)."""
+    if not ragged:
+        return [prompt] * batch
+    rng = np.random.default_rng((seed, batch, prompt, RAGGED_SHORTEST))
+    return rng.integers(max(1, prompt // RAGGED_SHORTEST), prompt + 1, batch).tolist()
+
+
+def lengths_label(prompt: int, ragged: bool) -> str:
+    return f"uniform {max(1, prompt // RAGGED_SHORTEST)}-{prompt}" if ragged else "fixed"
+
+
+def make_prompts(vocab: int, batch: int, prompt: int, seed: int = 0, *, ragged: bool = False) -> list[list[int]]:
+    """B random prompts of T token ids (with ``ragged``, row b cut to `prompt_lengths`' b-th length), the same
+    for ours and the HF peer."""
     rng = np.random.default_rng((seed, batch, prompt))
-    return rng.integers(0, vocab, (batch, prompt)).tolist()
+    ids = rng.integers(0, vocab, (batch, prompt)).tolist()
+    return [row[:n] for row, n in zip(ids, prompt_lengths(batch, prompt, ragged=ragged, seed=seed))]
 
 
 # ------------------------------------------------------------------------------------------
@@ -491,19 +514,31 @@ def derive(
     mtp: bool = False,
     weights: str = "bf16",
 ) -> dict:
-    """Adds the counted and the ratio columns (FLOPs, MFU, floor, x floor) from B, prompt, new_tokens and the
-    measured prefill_s / decode_ms_step of a row; the same arithmetic for ours and the peer."""
+    """Adds the counted and the ratio columns (FLOPs, MFU, floor, x floor) from B, prompt (or a ragged cell's
+    ``prompt_lens``), new_tokens and the measured prefill_s / decode_ms_step of a row; the same arithmetic for ours
+    and the peer."""
     B, T, N = row["B"], row["prompt"], row["new_tokens"]
-    flops = prefill_flops(cfg, B, T)
+    lens = row.get("prompt_lens") or [T] * B  # a ragged cell's lengths (`prompt_lengths`)
+    if len(set(lens)) == 1:
+        flops = prefill_flops(cfg, B, lens[0])
+    else:  # rows of their own lengths: the counted FLOPs add up row by row
+        flops = sum(prefill_flops(cfg, 1, t) for t in lens)
     row["prefill_gflop"] = flops / 1e9
     if row.get("prefill_s"):
-        row["prefill_tok_s"] = B * T / row["prefill_s"]
+        row["prefill_tok_s"] = sum(lens) / row["prefill_s"]
         row["prefill_tflops"] = flops / row["prefill_s"] / 1e12
         if ceil and ceil.get("matmul_tflops"):
             row["prefill_mfu"] = row["prefill_tflops"] / ceil["matmul_tflops"]
     queries = 2 if mtp else 1
     floor = decode_floor_bytes(
-        cfg, B, T + N / 2, dtype_bytes=dtype_bytes, kv_dtype=kv_dtype, queries=queries, mtp=mtp, weights=weights
+        cfg,
+        B,
+        sum(lens) / B + N / 2,
+        dtype_bytes=dtype_bytes,
+        kv_dtype=kv_dtype,
+        queries=queries,
+        mtp=mtp,
+        weights=weights,
     )
     row["floor_gb"] = floor / 1e9
     row["experts_touched"] = expected_experts_touched(cfg, B * queries)
@@ -787,7 +822,12 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
         mesh=mesh_label(sizes)[5:] or "one device",
         devices=mesh.size if mesh is not None else 1,
     )
-    prompts = make_prompts(cfg.vocab_size, batch, prompt, args.seed)
+    ragged = getattr(args, "ragged", False)
+    prompts = make_prompts(cfg.vocab_size, batch, prompt, args.seed, ragged=ragged)
+    row["lengths"] = lengths_label(prompt, ragged)
+    if ragged:
+        row["prompt_lens"] = [len(p) for p in prompts]
+        row["prompt_mean"] = sum(row["prompt_lens"]) / batch
     # A pool per data rank splits the pages too: each rank gets num_pages / D (kv_pages counts whole sequences).
     engine = Engine(
         model,
@@ -808,7 +848,7 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
     log0 = len(log) if log is not None else 0
     traces0 = _trace_total()
 
-    bm.log(f"  {name} B={batch} T={prompt}: cold generate (compiles) ...")
+    bm.log(f"  {name} B={batch} T={prompt} ({row['lengths']}): cold generate (compiles) ...")
     t0 = time.perf_counter()
     cold = engine.generate(prompts, **kw)
     _sync(engine)
@@ -863,7 +903,8 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
             row["note"] = "--kernels: CUPTI needs a CUDA GPU"
         else:
             bm.log(f"  {name} B={batch} T={prompt}: --kernels: two recorded generations ...")
-            label = f"{name}_B{batch}_T{prompt}_{mesh_label(sizes)}_{args.kv_dtype}_k{args.decode_steps}"
+            label = f"{name}_B{batch}_T{prompt}{'_ragged' if ragged else ''}_{mesh_label(sizes)}_{args.kv_dtype}"
+            label += f"_k{args.decode_steps}"
             row.update(kernel_profile(engine, prompts, kw, args.out, label.replace("=", "").replace(",", "-")))
     del engine
     dtype_bytes = 4 if args.dtype == "fp32" else 2
@@ -1328,7 +1369,10 @@ def drive(args, argv) -> list[dict]:
         if os.path.exists(os.path.join(args.out, f)):
             os.remove(os.path.join(args.out, f))
     cells = grid(args)
-    hf_models = [] if args.no_hf else [m for m in args.hf_models.split(",") if any(c[0] == m for c in cells)]
+    # the HF peer runs equal-length batches only (its generate pads nothing here)
+    hf_models = (
+        [] if args.no_hf or args.ragged else [m for m in args.hf_models.split(",") if any(c[0] == m for c in cells)]
+    )
     deadline = time.time() + args.time_budget if args.time_budget else None
     ours_deadline = deadline - (args.hf_reserve if hf_models else 0) if deadline else None
     print(f"# e2e: {len(cells)} cells ({format_cells(cells)}); HF peer: {', '.join(hf_models) or 'off'}", flush=True)
@@ -1387,6 +1431,7 @@ TABLE = [
     ("impl", "impl", "{}"),
     ("B", "B", "{}"),
     ("prompt", "prompt", "{}"),
+    ("lengths", "lengths", "{}"),
     ("mtp", "mtp", "{}"),
     ("cold_compile_s", "cold compile s", "{:.1f}"),
     ("ttft_s", "warm TTFT s", "{:.3f}"),
@@ -1576,6 +1621,12 @@ def parser() -> argparse.ArgumentParser:
         "--cell-grace", type=float, default=300, help="seconds past the budget before a worker still running is killed"
     )
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers peer")
+    p.add_argument(
+        "--ragged",
+        action="store_true",
+        help=f"each cell's B prompts of lengths uniform in [T // {RAGGED_SHORTEST}, T] (a continuous-batching "
+        "step's mix; the floor counts their mean; no HF peer)",
+    )
     p.add_argument("--hf-models", default="v2-lite", help="models the HF peer runs (v3-cut: DeepseekV3ForCausalLM)")
     p.add_argument("--hf-attn", default="sdpa", help="HF attn_implementation (sdpa, eager, ...)")
     p.add_argument("--hf-cell-limit", type=float, default=60, help="seconds an HF cell may take")

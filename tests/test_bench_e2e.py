@@ -237,11 +237,46 @@ def test_tiny_config_runs_its_cells_in_one_worker(tmp_path, monkeypatch):
     assert calls == ["v2-lite:1x1024,8x1024,32x1024,128x1024", "v3-cut:1x1024,8x1024", "v2-lite:1x8192,8x8192"]
 
 
+def test_ragged_prompts_are_drawn_once_per_cell():
+    """--ragged: B lengths uniform in [T // 16, T], the same draw for a cell every time (ours and any rerun see
+    the same batch), each prompt a prefix of the fixed cell's row; without it, T each and the rows unchanged."""
+    assert e2e.prompt_lengths(4, 1024) == [1024] * 4
+    lens = e2e.prompt_lengths(32, 1024, ragged=True, seed=3)
+    assert lens == e2e.prompt_lengths(32, 1024, ragged=True, seed=3)
+    assert all(64 <= n <= 1024 for n in lens) and len(set(lens)) > 16
+    assert lens != e2e.prompt_lengths(32, 1024, ragged=True, seed=4)
+    fixed = e2e.make_prompts(50, 32, 1024, 3)
+    ragged = e2e.make_prompts(50, 32, 1024, 3, ragged=True)
+    assert [len(p) for p in ragged] == lens and all(r == f[: len(r)] for r, f in zip(ragged, fixed))
+    assert e2e.lengths_label(1024, True) == "uniform 64-1024" and e2e.lengths_label(1024, False) == "fixed"
+    assert e2e.prompt_lengths(3, 10, ragged=True) and min(e2e.prompt_lengths(8, 10, ragged=True)) >= 1
+
+
+def test_derive_counts_a_ragged_cells_rows():
+    """A ragged row's prefill FLOPs are its rows' (a long and a short prompt: not B times the longest's), its
+    prefill tok/s counts the tokens it prefilled, and its decode floor the mean context (B · mean = the lengths'
+    sum). Catches the ragged cell counted as B prompts of T."""
+    row = dict(B=2, prompt=1024, new_tokens=8, prompt_lens=[1024, 100], prefill_s=0.5, decode_ms_step=1.0)
+    ceil = dict(bandwidth_gbps=1000.0, matmul_tflops=100.0)
+    got = e2e.derive(dict(row), TINY, ceil)
+    want = e2e.prefill_flops(TINY, 1, 1024) + e2e.prefill_flops(TINY, 1, 100)
+    assert got["prefill_gflop"] == pytest.approx(want / 1e9, rel=1e-12)
+    assert got["prefill_gflop"] < e2e.prefill_flops(TINY, 2, 1024) / 1e9
+    assert got["prefill_tok_s"] == pytest.approx(1124 / 0.5)
+    floor = e2e.decode_floor_bytes(TINY, 2, 562 + 4)
+    assert got["floor_gb"] == pytest.approx(floor / 1e9, rel=1e-12)
+    fixed = e2e.derive(dict(row, prompt_lens=None), TINY, ceil)  # a fixed cell: as before
+    assert fixed["prefill_gflop"] == pytest.approx(e2e.prefill_flops(TINY, 2, 1024) / 1e9, rel=1e-12)
+
+
 def test_tiny_config_cell_end_to_end(tmp_path):
     """`mla-bench e2e --config tiny` with one model (v3-cut: one cell, 256 tokens = 1/8 of its context; 4 new
     tokens, one layer), in this process: the row the full run's cells give, no error. Its 8192-token cell failed
-    ("context_len=8320 exceeds ... 2048"). The full three-cell run (README) is timed by hand."""
+    ("context_len=8320 exceeds ... 2048"). The full three-cell run (README) is timed by hand. Run with --ragged
+    (the cell's prompt drawn shorter, the row saying so; `sharding_cases.py` runs the fixed cells' path)."""
     argv = ["--config", "tiny", "--model", "v3-cut", "--layers", "1", "--new-tokens", "4", "--no-hf", "--in-process"]
-    rows = e2e.main(argv + ["--out", str(tmp_path)])
+    rows = e2e.main(argv + ["--ragged", "--out", str(tmp_path)])
     assert [(r["model"], r["B"], r["prompt"], r["new_tokens"], r["error"]) for r in rows] == [("v3-cut", 1, 256, 4, "")]
     assert rows[0]["decode_steps"] == 3 and rows[0]["same_tokens"] is True
+    assert rows[0]["lengths"] == "uniform 16-256"
+    assert float(rows[0]["prompt_mean"]) == e2e.prompt_lengths(1, 256, ragged=True)[0] < 256
