@@ -61,6 +61,13 @@ FLASHMLA_US = {
 }
 
 
+# What continuous batching feeds the kernel: lengths drawn uniformly, s_q 1 and 2, H 64 and 128.
+RAGGED_CELLS = [
+    (128, 1, 16384, 64, (256, 16384)),
+    (128, 1, 16384, 128, (256, 16384)),
+    (64, 2, 8192, 128, (256, 8192)),
+    (32, 1, 32768, 64, (1, 32768)),
+]
 # The cells FlashMLA was measured at, plus H=32, ragged lengths and more small batches.
 QUICK_CELLS = [
     (128, 1, 4096, 64, False),
@@ -79,6 +86,7 @@ QUICK_CELLS = [
     (32, 1, 4096, 64, False),
     (8, 1, 32768, 64, False),
     (1, 1, 32768, 64, False),
+    *RAGGED_CELLS,
 ]
 
 
@@ -115,7 +123,8 @@ def variants():
 
 
 def grid(quick: bool):
-    """Cells (B, s_q, seq, H, ragged): fixed lengths at B=128, then small batches, then ragged."""
+    """Cells (B, s_q, seq, H, ragged): fixed lengths at B=128, then small batches, then ragged (normal around
+    seq, then `RAGGED_CELLS`' uniform draws)."""
     if quick:
         return list(QUICK_CELLS)
     cells = [
@@ -125,7 +134,7 @@ def grid(quick: bool):
     cells += [
         (128, s_q, seq, H, True) for s_q in (1, 2) for seq in (4096, 8192, 16384, 32768) for H in (16, 32, 64, 128)
     ]
-    return cells
+    return cells + RAGGED_CELLS
 
 
 def parse_cell_list(spec: str):
@@ -279,7 +288,7 @@ def run(args):
         cells = [c for c in cells if c not in QUICK_CELLS]
     if args.only_flashmla:
         cells = [c for c in cells if c[:4] in FLASHMLA_US and not c[4]]
-        cells += [(128, 1, 8192, 64, True), (128, 2, 8192, 128, True)]
+        cells += [(128, 1, 8192, 64, True), (128, 2, 8192, 128, True), *RAGGED_CELLS]
     if args.cells:
         cells = cells[: args.cells]
     xla_jit = jax.jit(xla_absorbed, static_argnames="causal")

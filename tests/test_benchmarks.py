@@ -112,3 +112,16 @@ def test_mla_bench_help_lists_the_benchmarks(capsys):
             f"mla-bench: error: {what}; choose from mla_decode, paged_gather, moe, e2e, compile_depth, train, serve "
             "(see --help)\n"
         )
+
+
+def test_mla_decode_default_cells_hold_ragged_batches():
+    """Issue 29: the quick cells, the full grid and --only-flashmla's cells include ragged batches of several
+    length distributions (normal around seq, uniform draws of three ranges), s_q 1 and 2, H 64 and 128: what
+    continuous batching feeds the kernel, reported beside the peers by default."""
+    from benchmarks import bench_mla_decode as bench
+
+    for cells in (bench.grid(True), bench.grid(False)):
+        ragged = [c for c in cells if c[4]]
+        assert {c[1] for c in ragged} == {1, 2} and {64, 128} <= {c[3] for c in ragged}
+        assert len({bench.lengths_name(c[4]) for c in ragged}) >= 4
+    assert set(bench.RAGGED_CELLS) <= set(bench.grid(True))
