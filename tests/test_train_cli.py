@@ -54,13 +54,14 @@ def _rows(out):
 
 def test_short_run_lowers_heldout_loss(tmp_path):
     out = str(tmp_path / "run")
-    # 20 steps (FAST's schedule is 40): held-out CE 4.02 at step 5, 2.83 at 20 (2026-12-01; 2.57 after 40)
-    rc = main(["--out", out, "--eval-every", "5", "--save-every", "0", *FAST, "--steps", "20"])
+    # 10 steps (FAST's schedule is 40): held-out CE 4.02 at step 5, 3.22 at 10 (2026-12-03; 2.83 at 20, 2.57
+    # after 40; 10 rather than 20 for the suite's time)
+    rc = main(["--out", out, "--eval-every", "5", "--save-every", "0", *FAST, "--steps", "10"])
     assert rc == 0
     evals = [r for r in _rows(out) if "eval_ce" in r]
-    assert [r["step"] for r in evals] == [5, 10, 15, 20]
+    assert [r["step"] for r in evals] == [5, 10]
     first, last = evals[0]["eval_ce"], evals[-1]["eval_ce"]
-    # uniform over 264 ids is ln 264 = 5.58 nats; 20 small steps reach < 3 on this corpus (bytes of English)
+    # uniform over 264 ids is ln 264 = 5.58 nats; 10 small steps reach 3.2 on this corpus (bytes of English)
     assert last < first - 0.5, (first, last)
     assert last < math.log(264) - 2.0, last
     assert os.path.getsize(os.path.join(out, "loss.png")) > 1000
@@ -70,7 +71,7 @@ def test_short_run_lowers_heldout_loss(tmp_path):
     assert isinstance(load_tokenizer(exp), ByteTokenizer)
     assert model.cfg.num_mtp_layers == 1 and model.cfg.vocab_size == 264
     summary = json.load(open(os.path.join(exp, "training.json")))
-    assert summary["step"] == 20 and summary["eval_ce"] == pytest.approx(last)
+    assert summary["step"] == 10 and summary["eval_ce"] == pytest.approx(last)
 
 
 def _final_checkpoint(out, args):
