@@ -3,7 +3,8 @@ a moe_decode_fp8 config end to end before choosing the default. The patch lives 
 e2e` runs its cells in worker processes unless given ``--in-process`` (the fifteenth session's two runs without it
 timed the default):
 
-    MOE_CONFIG="block_k=128,block_o=128,fp8_f16=1" PYTHONPATH=. python scripts/lab/run_with_moe_config.py e2e --in-process ...
+    MOE_CONFIG="block_k=128,block_o=128,fp8_f16=1" PYTHONPATH=. \
+        python scripts/lab/run_with_moe_config.py e2e --in-process ...
     MOE_CONFIG="best:$OUT/r/fp8_decode_gemv.json" ...   # the fastest fp8 config of probe_fp8_decode_gemv's
                                                        # experts cells (summed over their token counts)
 """
