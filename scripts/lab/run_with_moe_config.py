@@ -1,6 +1,6 @@
 """Run an `mla-bench` benchmark with every default `MoeDecodeConfig` (the model passes none) replaced, to time
 a moe_decode_fp8 config end to end before choosing the default. The patch lives in this process only: `mla-bench
-e2e` runs its cells in worker processes unless given ``--in-process`` (the fifteenth session's two runs without it
+e2e` runs its cells in worker processes unless given ``--in-process`` (the fifteenth session's three runs without it
 timed the default):
 
     MOE_CONFIG="block_k=128,block_o=128,fp8_f16=1" PYTHONPATH=. \
