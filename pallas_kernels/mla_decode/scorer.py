@@ -357,14 +357,9 @@ def _decode_partials_scorer_balanced(
         b_first = cta_ref[c, 2]
         walk = functools.partial(_walk, run_start=run_start, n_steps=n_steps, ends_ref=ends_ref, lens_ref=lens_ref)
 
-        def finish(acc, l, last):
-            """acc divided by l where this page ends the piece, else as it is: the piece's output, computed in
-            place on the carried accumulator (the next page, a piece's first, multiplies it by alpha = 0). A
-            division inside `pl.when(last)` kept a second accumulator live beside the loop's state: the ptxas
-            report showed 236-260 bytes of spills (fifteenth session)."""
-            inv = 1.0 / jnp.where(l == 0.0, 1.0, l)
-            inv = jnp.where(jnp.broadcast_to(last, l.shape), inv, jnp.ones_like(l))
-            return acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+        def write_out(b, cols, acc, l):
+            l_safe = jnp.where(l == 0.0, 1.0, l)
+            o_ref[c + b, rows, cols] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
 
         @pl.when(wg == 3)
         def _memory():
@@ -461,11 +456,10 @@ def _decode_partials_scorer_balanced(
                     config.interpretable,
                 )
                 plgpu.barrier_arrive(kv_free.at[slot])
-                acc = finish(acc, l, last)
 
                 @pl.when(last)
                 def _():
-                    o_ref[c + b, rows, pl.ds(0, c0)] = acc
+                    write_out(b, pl.ds(0, c0), acc, l)
                     lse_ref[c + b, rows] = m_new + jnp.log2(l)
 
                 return acc, m_new, l, b
@@ -497,11 +491,10 @@ def _decode_partials_scorer_balanced(
                 )
                 plgpu.barrier_arrive(p_free)
                 plgpu.barrier_arrive(kv_free.at[slot])
-                acc = finish(acc, l, last)
 
                 @pl.when(last)
                 def _():
-                    o_ref[c + b, rows, cols] = acc
+                    write_out(b, cols, acc, l)
 
                 return acc, b
 
