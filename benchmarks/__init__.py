@@ -1,7 +1,7 @@
 """Kernel microbenchmarks: shared timing, ceilings and reporting helpers.
 
-Method (shared/BENCHMARKING.md): CUPTI kernel time via ``profiler.measure`` (median over >= 30
-iterations after a warm-up), a correctness check before every timed cell, and ceilings measured in
+Method (shared/BENCHMARKING.md): CUPTI kernel time, recorded as jax's ``profiler.measure`` records it
+(`cupti_median_us`: median over >= 30 iterations after a warm-up), a correctness check before every timed cell, and ceilings measured in
 the same run.
 """
 
@@ -20,7 +20,6 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.mosaic.gpu import profiler
 from tqdm import tqdm
 
 
@@ -80,29 +79,36 @@ def cupti_median_us(fn, *args, iterations=30, per_kernel=False):
 
     With ``per_kernel`` also returns {"<i>:<kernel name>": median µs} for the parts of the call,
     keyed by the kernel's index within the call (two kernels of one call may share a name).
+    A call whose kernels the device records in another order from call to call (an XLA conditional:
+    ``MlaDecodeConfig(schedule="auto")``) has no per-call split of the record: its time is then the
+    whole record's sum over ``iterations`` (the mean), and its parts None.
     """
-    jax.block_until_ready(fn(*args))
-    if not per_kernel:
-        _, times_ms = profiler.measure(fn, iterations=iterations)(*args)
-        return statistics.median(times_ms) * 1e3
-    _, runs = profiler.measure(fn, iterations=iterations, aggregate=False)(*args)
-    totals = [sum(t for _, t in run) for run in runs]
-    parts = {}
-    for run in runs:
-        for i, (name, t) in enumerate(run):
-            parts.setdefault(f"{i}:{name}", []).append(t)
-    return (statistics.median(totals) * 1e3, {name: statistics.median(ts) * 1e3 for name, ts in parts.items()})
+    outs = [fn(*args)]  # every call's results kept until the sync waits for them (as profiler.measure does)
+
+    def sync():
+        jax.block_until_ready(outs)
+        outs.clear()
+
+    us, parts = _cupti_record(lambda: outs.append(fn(*args)), sync, iterations, warmup=0)
+    return (us, parts) if per_kernel else us
 
 
 def cupti_call_us(call, *, sync, iterations=30, warmup=2):
     """(median µs, kernels a call): CUPTI kernel-time sum of one call of a callable that is not a JAX
-    function (a torch peer in ``mla_decode --peers``), median over ``iterations`` calls.
+    function (a torch peer in ``mla_decode --peers``), median over ``iterations`` calls; `_cupti_record`
+    says how."""
+    us, parts = _cupti_record(call, sync, iterations, warmup)
+    return us, len(parts) if parts is not None else None
 
-    The same recording `cupti_median_us` gets from ``profiler.measure``: the Mosaic GPU extension's
-    CUPTI kernel-activity hooks (they see every kernel of the process, whichever library launched
-    it), the same arguments every call, L2 not flushed. ``sync`` waits for the callable's device
-    work (e.g. ``torch.cuda.synchronize``). Every call must launch the same number of kernels.
-    """
+
+def _cupti_record(call, sync, iterations, warmup):
+    """(µs a call, {"<i>:<kernel name>": median µs} or None) of ``iterations`` calls of ``call`` recorded by
+    the Mosaic GPU extension's CUPTI kernel-activity hooks (they see every kernel of the process, whichever
+    library launched it): the same arguments every call, L2 not flushed; ``sync`` waits for the calls'
+    device work (e.g. ``torch.cuda.synchronize``). Every call must launch the same number of kernels. The
+    µs are the median of the calls' kernel-time sums; where the record's names do not repeat call after
+    call (the device recorded a call's kernels in another order), a per-call split would mix calls: the
+    µs are then the record's sum over ``iterations`` and the parts None."""
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # noqa: PLC0415 (optional: GPU only, fails on a CPU)
 
     ext = mosaic_gpu_lib._mosaic_gpu_ext
@@ -119,8 +125,11 @@ def cupti_call_us(call, *, sync, iterations=30, warmup=2):
     if not timings or len(timings) % iterations:
         raise RuntimeError(f"{len(timings or [])} kernels in {iterations} calls: not the same number each call")
     per = len(timings) // iterations
-    sums = [sum(t for _, t in timings[i * per : (i + 1) * per]) for i in range(iterations)]
-    return statistics.median(sums) * 1e3, per
+    runs = [timings[i * per : (i + 1) * per] for i in range(iterations)]
+    if any([n for n, _ in r] != [n for n, _ in runs[0]] for r in runs):
+        return sum(t for _, t in timings) / iterations * 1e3, None
+    parts = {f"{i}:{name}": statistics.median(r[i][1] for r in runs) * 1e3 for i, (name, _) in enumerate(runs[0])}
+    return statistics.median(sum(t for _, t in r) for r in runs) * 1e3, parts
 
 
 def cupti_kernels(call, *, sync) -> list[tuple[str, float]]:

@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results" / "2026-11-30-h200"  # session results: in the repository, not the wheel
 
@@ -125,3 +127,54 @@ def test_mla_decode_default_cells_hold_ragged_batches():
         assert {c[1] for c in ragged} == {1, 2} and {64, 128} <= {c[3] for c in ragged}
         assert len({bench.lengths_name(c[4]) for c in ragged}) >= 4
     assert set(bench.RAGGED_CELLS) <= set(bench.grid(True))
+
+
+class _FakeCupti:
+    """The Mosaic GPU extension's CUPTI hooks as `benchmarks._cupti_record` calls them: each call of the timed
+    callable appends its (name, ms) kernels; `_cupti_get_timings` hands the record back."""
+
+    def __init__(self, per_call):
+        self.per_call, self.record, self.on = per_call, [], False
+
+    def _cupti_init(self):
+        self.on, self.record = True, []
+
+    def _cupti_get_timings(self, finalize):
+        self.on = False
+        return self.record
+
+    def call(self):
+        if self.on:
+            self.record += self.per_call(len(self.record))
+
+
+def _record(monkeypatch, per_call, iterations=4):
+    import types
+
+    from jax._src import lib
+
+    import benchmarks as bm
+
+    fake = _FakeCupti(per_call)
+    monkeypatch.setattr(lib, "mosaic_gpu", types.SimpleNamespace(_mosaic_gpu_ext=fake), raising=False)
+    monkeypatch.setitem(sys.modules, "jax._src.lib.mosaic_gpu", lib.mosaic_gpu)
+    return bm._cupti_record(fake.call, lambda: None, iterations, warmup=1)
+
+
+def test_cupti_record_splits_calls_by_their_kernels_and_sums_a_conditional_whole(monkeypatch):
+    """Calls that launch the same kernels in the same order: the median of the calls' sums and each kernel's
+    median, in µs. Calls whose kernels the device recorded in other orders (XLA's conditional, the "auto"
+    decode schedule: jax's profiler.measure raised "Kernel names are not consistent across iterations" on the
+    H200 and the cell went untimed): the record's mean a call and no parts (a per-call split would give a call
+    its neighbour's kernels). A record the calls do not divide is refused."""
+    times = iter([1.0, 2.0, 1.0, 2.0, 1.0, 8.0, 1.0, 2.0])
+    us, parts = _record(monkeypatch, lambda n: [("a", next(times)), ("b", next(times))])
+    assert us == 3000.0 and parts == {"0:a": 1000.0, "1:b": 2000.0}
+    # two kernels a call, recorded in another order on every other call
+    order = iter(
+        [[("a", 1.0), ("b", 2.0)], [("b", 2.5), ("a", 0.5)], [("a", 1.0), ("b", 2.0)], [("b", 2.0), ("a", 1.0)]]
+    )
+    us, parts = _record(monkeypatch, lambda n: next(order))
+    assert parts is None and us == (1.0 + 2.0 + 2.5 + 0.5 + 1.0 + 2.0 + 2.0 + 1.0) / 4 * 1e3
+    with pytest.raises(RuntimeError, match="not the same number each call"):
+        _record(monkeypatch, lambda n: [("a", 1.0)] * (1 + n % 2), iterations=3)
