@@ -45,6 +45,8 @@
 #   scripts/lab/gpu_run.sh ncu128  # Nsight Compute on mla_decode's main kernel only ($NCU_CELLS, default H = 128 and
 #                              #   the H = 64 cell beside it; $VARIANT a --variants name): .ncu-rep, details CSV
 #   scripts/lab/gpu_run.sh session15b # moe_decode_fp8's config sweep (64 experts), then V3-cut e2e fp8 with the fastest
+#   scripts/lab/gpu_run.sh session16 # fp8_matvec's f16 configs at M = 32 (FlashMLA building meanwhile), then the
+#                              #   peers stage with $VARIANTS on $CELLS
 #   scripts/lab/gpu_run.sh session14 # the rest of the fp8_matvec GPU tests, ncu of fp8_matvec vs bf16 on wo, the M=1 sweep
 #   scripts/lab/gpu_run.sh sweep   # the --quick cells with config sweeps, then the rest of the grid
 #                              #   (XLA autotuner off: kernel-vs-kernel comparisons; XLA pessimistic)
@@ -163,6 +165,14 @@ case "$MODE" in
   gather) gpu_tests 130 tests/test_engine.py -k quantized ;;
   hlo) gpu_tests 170 tests/test_mla_decode.py tests/test_scan.py -k "gpu_kernel_matches_reference or large_batch or scan" ;;
   decode) gpu_tests 230 tests/test_engine.py tests/test_scan.py tests/test_mla_decode.py ${TESTS_K:+-k "$TESTS_K"} ;;
+  session16) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
+             $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
+         BUILD=$!
+         stage "probe_fp8_decode_gemv: fp8_matvec's f16 configs at M = 32, V3's 8 projections"
+         timeout 300 $PY scripts/lab/probe_fp8_decode_gemv.py --out "$R/fp8_matvec_m32.json" --rows 32 --no-experts \
+           --iters 20 --budget-s 250 --configs "${FP8_CONFIGS:-f16 block_n=128,f16 warps=8,f16 block_n=128 warps=8,\
+f16 stages=6,f16 block_n=32,f16 block_k=64,e4m3}" 2>&1 | tail -80 | tee -a "$LOG"
+         stage "waiting for the FlashMLA build"; wait $BUILD; tail -3 "$R/flashmla_prebuild_log.txt" | tee -a "$LOG" ;;
   scorer) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
              $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
          BUILD=$!
@@ -338,7 +348,7 @@ PY
        timeout 300 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" ${CELLS:+--cells $CELLS} ${CONFIGS:+--configs $CONFIGS} 2>&1 | tee -a "$LOG" ;;
   fp8) stage "probe_fp8_decode"
        timeout 300 $PY scripts/lab/probe_fp8_decode.py --out "$R/fp8" 2>&1 | tee -a "$LOG" ;;
-  peers|scorer) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${BENCH_LIMIT:-330}" --peers .peers --no-decompressed \
+  peers|scorer|session16) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${BENCH_LIMIT:-330}" --peers .peers --no-decompressed \
            --variants "${VARIANTS:-balanced}" --cell-list "${CELLS:-128,1,8192,16;128,1,8192,32;128,1,8192,64;128,1,32768,64;\
 128,1,4096,128;128,1,8192,128;128,2,8192,128;64,1,8192,128;32,2,4096,128;128,1,256-16384,64;1,1,4096,128;8,1,4096,128}" ;;
   train) for a in mgpu cudnn; do
