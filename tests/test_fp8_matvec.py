@@ -14,6 +14,7 @@ import pytest
 from pallas_kernels.fp8_matvec import (
     MAX_ROWS,
     Fp8MatvecConfig,
+    default_config,
     e4m3_to_f32,
     fp8_matvec,
     fp8_matvec_problems,
@@ -168,6 +169,32 @@ def test_what_it_cannot_serve_is_one_line_each():
     assert resolve_operands(Fp8MatvecConfig(operands="e4m3"), jnp.float32) == "e4m3"
 
 
+def test_default_config_widens_the_projections_back_to_the_hidden_width():
+    """Without a config, 128 columns a program for N >= 4096 and K >= 2·N (V3's wo and down: measured faster at
+    M = 32), 64 elsewhere (gate_up, q_a, q_b, kv_a: measured slower at 128), and the call takes it (its grid's
+    column programs, traced, not run); the f16 form at 128 columns, bf16 rows of different magnitudes, the last
+    program's columns partly past N (masked), against float64 numpy. Catches the rule inverted (wo at 64) and a
+    default that ignores the widths."""
+    widths = {n: default_config(*V3_PROJECTIONS[n]).block_n for n in V3_PROJECTIONS}
+    assert widths == dict(q_a=64, q_b=64, kv_a=64, wo=128, gate_up=64, down=128, shared_up=64, shared_down=64)
+    for (N, K), programs in (((4100, 8200), 33), ((4100, 8000), 65)):
+        sds = jax.ShapeDtypeStruct
+        w, sc = sds((2, N, K), jnp.float8_e4m3fn), sds((2, -(-N // 128), -(-K // 128)), jnp.float32)
+        call = lambda x, w, s: fp8_matvec(x, w, s, 1, impl="interpret")  # noqa: E731
+        jaxpr = jax.make_jaxpr(call)(sds((1, K), jnp.bfloat16), w, sc)
+        grids = [e.params["grid_mapping"].grid for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+        assert [g[1] for g in grids] == [programs], grids
+    N, K = 200, 300
+    w, s = make_fp8((2, N, K), seed=3)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((3, K)) * np.exp2(rng.integers(-10, 10, (3, 1))), jnp.bfloat16)
+    config = Fp8MatvecConfig(block_n=128)
+    got = jax.jit(lambda x, w, s: fp8_matvec(x, w, s, jnp.int32(1), config=config, impl="interpret"))(x, w, s)
+    want = np.asarray(x, np.float64) @ np_dequant(w[1], s[1]).T
+    err = np.abs(np.asarray(got, np.float64) - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert (err < 1e-2).all(), err  # bf16 output rounding
+
+
 @pytest.mark.parametrize("convert, operands", [("cast", "x"), ("bits", "x"), ("cast", "f16"), ("cast", "e4m3")])
 def test_cross_lowers_for_sm90(convert, operands):
     """The Triton lowering at V3's kv_a (N = 576, a partial scale block) over a 61-layer stack, and at
@@ -246,6 +273,26 @@ def test_gpu_operands_equal_their_numpy_products(name, M, operands):
     want = xr @ np_dequant(w[1], s[1]).T
     got = np.asarray(got, np.float64)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2  # bf16 output rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 5, 32])
+@pytest.mark.parametrize("name", list(V3_PROJECTIONS))
+def test_gpu_default_config_equals_numpy_at_v3_shapes(name, M):
+    """The call without a config (`default_config`: f16 chunks scaled in the kernel, 128 columns for wo and down)
+    at every V3 projection, rows of magnitudes 2^-10..2^10 apart, against float64 numpy, row by row."""
+    from pallas_kernels.backend import on_hopper
+
+    if not on_hopper():
+        pytest.skip("needs a Hopper GPU")
+    N, K = V3_PROJECTIONS[name]
+    w, s = make_fp8((2, N, K), seed=M)
+    rng = np.random.default_rng(M)
+    x = jnp.asarray(rng.standard_normal((M, K)) * np.exp2(rng.integers(-10, 10, (M, 1))), jnp.bfloat16)
+    got = jax.jit(lambda x, w, s, i: fp8_matvec(x, w, s, i, impl="kernel"))(x, w, s, jnp.int32(1))
+    want = np.asarray(x, np.float64) @ np_dequant(w[1], s[1]).T
+    err = np.linalg.norm(np.asarray(got, np.float64) - want, axis=1) / np.linalg.norm(want, axis=1)
+    assert (err < 1e-2).all(), err  # bf16 output rounding
 
 
 # ------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import benchmarks as bm
-from pallas_kernels.fp8_matvec import Fp8MatvecConfig, fp8_matvec, fp8_matvec_reference
+from pallas_kernels.fp8_matvec import Fp8MatvecConfig, default_config, fp8_matvec, fp8_matvec_reference
 from pallas_kernels.moe_decode import MoeDecodeConfig, moe_decode, moe_decode_fp8
 from pallas_kernels.stacked_matmul import stacked_matmul
 from tests.test_fp8_matvec import V3_PROJECTIONS  # (N, K) of V3's decode projections: the tests' table
@@ -240,7 +240,7 @@ def main():
 
     for M in (int(m) for m in args.rows.split(",")):
         for name in args.shapes.split(","):
-            configs = {"default": Fp8MatvecConfig()}
+            configs = {"default": default_config(*V3_PROJECTIONS[name])}
             if args.sweep and M == 1:
                 configs.update(SWEEP)
             configs.update({c: SWEEP[c] for c in args.configs.split(",") if c})
