@@ -116,8 +116,9 @@ class Fp8MatvecConfig:
 def default_config(N: int, K: int) -> Fp8MatvecConfig:
     """`fp8_matvec`'s config when none is given: 128 output columns a program for a wide output of twice its width's
     inputs (N >= 4096, K >= 2·N: the projections back to the hidden width, V3's wo and down), 64 elsewhere
-    (docs/BENCHMARKS.md, sixteenth session, M = 32: wo 51.6 -> 46.7 µs and down 59.7 -> 50.4 with 128; gate_up
-    60.2 -> 68.5, q_a 11.6 -> 12.2, kv_a 9.2 -> 12.2, q_b 19.7 -> 21.1)."""
+    (docs/BENCHMARKS.md, sixteenth session: at M = 32 wo 51.6 -> 46.7 µs and down 59.7 -> 50.4 with 128, gate_up
+    60.2 -> 68.5, q_a 11.6 -> 12.2, kv_a 9.2 -> 12.2, q_b 19.7 -> 21.1; at M = 1, in a kernel form since
+    withdrawn, wo 49.6 -> 36.8 and down 53.0 -> 42.1)."""
     return Fp8MatvecConfig(block_n=128 if N >= 4096 and K >= 2 * N else 64)
 
 
@@ -206,24 +207,9 @@ def _split_k(N: int, K: int, config: Fp8MatvecConfig) -> int:
     return max(d for d in range(1, chunks + 1) if chunks % d == 0 and (d == 1 or columns * d <= TARGET_PROGRAMS))
 
 
-def f16_chunk(x):
-    """A chunk of rows [m, k] (bf16 / f32) -> (the rows in float16, each scaled by a power of two that puts its
-    largest magnitude in [2^14, 2^15): f16's range (max 65504) with its 11 bits kept, [m, k]; the factors
-    that undo it, fp32 [m, 1]). Exact both ways (powers of two; values under 2^-28 of the chunk row's largest
-    lose bits as f16 subnormals). The factors are built from the exponent bits (no log2): amax in
-    [2^E, 2^(E+1)) is scaled by 2^-(E-14); a zero row by 2^126 (it stays zero)."""
-    xf = x.astype(_F32)
-    amax = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
-    e = jnp.maximum(((lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF) - 141, -126)  # E - 14, in [-126, 113]
-    down = lax.bitcast_convert_type((127 - e) << 23, _F32)  # 2^-e
-    up = lax.bitcast_convert_type((127 + e) << 23, _F32)  # 2^e
-    return (xf * down).astype(jnp.float16), up
-
-
-def _kernel(layer_ref, x_ref, w_ref, s_ref, *refs, block_m, block_n, block_k, k_steps, M, N, K, convert, operands):
+def _kernel(layer_ref, x_ref, w_ref, s_ref, *refs, block_m, block_n, block_k, k_steps, N, K, convert, operands):
     """Program (0, j, s): columns [j·block_n, +block_n) over its K range; x_ref holds x in the product's dtype
-    (`prepare_rows`; "f16": x as given, M rows, each chunk scaled into f16 here, `f16_chunk`), and with e4m3
-    operands `xs_ref` its per-(row, 128-block) scales."""
+    (`prepare_rows`), and with e4m3 operands `xs_ref` its per-(row, 128-block) scales."""
     xs_ref, o_ref = refs if operands == "e4m3" else (None, refs[0])
     j, s = pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
@@ -231,7 +217,6 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, *refs, block_m, block_n, block_k, k_
     rows, cols = pl.ds(0, block_m), pl.ds(c0, block_n)
     # masks of the edge tiles, [block_n, block_k] like the weight tile (None where the blocks divide N, K)
     col_ok = jnp.broadcast_to((c0 + jnp.arange(block_n) < N)[:, None], (block_n, block_k)) if N % block_n else None
-    row_ok = (jnp.arange(block_m) < M)[:, None] if M < block_m else None  # x unpadded: its rows past M
     per_scale = QUANT_BLOCK // block_k  # chunks a 128-wide scale block holds
 
     def chunk(t, acc):
@@ -239,17 +224,12 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, *refs, block_m, block_n, block_k, k_
         k0 = c * block_k
         k = pl.ds(k0, block_k)
         k_ok = (k0 + jnp.arange(block_k) < K)[None, :] if K % block_k else None
-        x_ok = row_ok if k_ok is None else (k_ok if row_ok is None else row_ok & k_ok)
-        if x_ok is None:
+        if k_ok is None:
             x = plt.load(x_ref.at[rows, k])
         else:
-            x = plt.load(x_ref.at[rows, k], mask=jnp.broadcast_to(x_ok, (block_m, block_k)), other=0.0)
-        if k_ok is not None:
+            x = plt.load(x_ref.at[rows, k], mask=jnp.broadcast_to(k_ok, (block_m, block_k)), other=0.0)
             k_ok = jnp.broadcast_to(k_ok, (block_n, block_k))
         mask = k_ok if col_ok is None else (col_ok if k_ok is None else col_ok & k_ok)
-        up = None
-        if operands == "f16":
-            x, up = f16_chunk(x)
         if operands == "e4m3":  # masked lanes read as 0 (an e4m3 NaN there would poison the dot)
             w = plt.load(w_ref.at[layer, cols, k], mask=mask, other=0.0 if mask is not None else None)
         else:
@@ -261,8 +241,6 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, *refs, block_m, block_n, block_k, k_
         scale = s_ref[layer, c0 // QUANT_BLOCK, c // per_scale]
         if operands == "e4m3":
             part = part * plt.load(xs_ref.at[rows, pl.ds(c // per_scale, 1)])  # [block_m, 1]: x's block scales
-        if up is not None:
-            part = part * up  # [block_m, 1]: the chunk's f16 scaling undone
         return acc + part * scale
 
     acc = lax.fori_loop(0, k_steps, chunk, jnp.zeros((block_m, block_n), _F32))
@@ -304,11 +282,8 @@ def _fp8_matvec_kernel(x_MK, w_LNK, s_L, layer, *, config, interpret):
     bm = _block_m(M)
     split = _split_k(N, K, config)
     k_steps = -(-K // config.block_k) // split
-    if operands == "f16":  # x as given: the kernel masks the rows past M and scales each chunk (`f16_chunk`)
-        x, xs, row_factor, rows_in = x_MK, None, None, M
-    else:
-        x, xs, row_factor = prepare_rows(x_MK, operands)
-        x, rows_in = jnp.pad(x, ((0, bm - M), (0, 0))), bm
+    x, xs, row_factor = prepare_rows(x_MK, operands)
+    x = jnp.pad(x, ((0, bm - M), (0, 0)))
     extra = () if xs is None else (jnp.pad(xs, ((0, bm - M), (0, 0)), constant_values=1.0),)
     kernel = functools.partial(
         _kernel,
@@ -316,7 +291,6 @@ def _fp8_matvec_kernel(x_MK, w_LNK, s_L, layer, *, config, interpret):
         block_n=config.block_n,
         block_k=config.block_k,
         k_steps=k_steps,
-        M=rows_in,
         N=N,
         K=K,
         convert=config.convert,

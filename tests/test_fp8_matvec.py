@@ -279,7 +279,7 @@ def test_gpu_operands_equal_their_numpy_products(name, M, operands):
 @pytest.mark.parametrize("M", [1, 5, 32])
 @pytest.mark.parametrize("name", list(V3_PROJECTIONS))
 def test_gpu_default_config_equals_numpy_at_v3_shapes(name, M):
-    """The call without a config (`default_config`: f16 chunks scaled in the kernel, 128 columns for wo and down)
+    """The call without a config (`default_config`: f16 products, 128 columns for wo and down)
     at every V3 projection, rows of magnitudes 2^-10..2^10 apart, against float64 numpy, row by row."""
     from pallas_kernels.backend import on_hopper
 
