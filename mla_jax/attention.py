@@ -45,7 +45,7 @@ from pallas_kernels import (
     paged_gather_problems,
 )
 from pallas_kernels.flash_attention import CTA_ROWS
-from pallas_kernels.mla_decode import mla_decode_schedule
+from pallas_kernels.mla_decode import host_config, mla_decode_schedule
 from pallas_kernels.mla_decode.config import checked_config
 from pallas_kernels.page_format import PageFormat, resolve_page_format
 
@@ -389,6 +389,14 @@ def check_decode_config(config, *, name: str = "decode_config"):
     """`config` when it is None (the decode kernel's defaults) or a `pallas_kernels.MlaDecodeConfig`; else a
     one-line ValueError naming it (``name``: how the caller calls the argument)."""
     return None if config is None else checked_config(config, name=name)
+
+
+def step_decode_config(config, lengths_B):
+    """The decode kernel's config for one step whose rows' lengths the caller holds on the host (numpy): None (the
+    defaults) or a config as it is, except ``schedule="auto"``, which becomes the program its rule picks from
+    these lengths (`pallas_kernels.mla_decode.host_config`): a serving loop chooses per step without a
+    conditional on the device."""
+    return None if config is None else host_config(config, lengths_B)
 
 
 def with_decode_plan(cfg: ModelConfig, cache, positions_BT: jax.Array):

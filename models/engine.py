@@ -258,8 +258,9 @@ class Engine:
         refused with data ranks (`mla_jax.kv_cache.INTERPRET_ON_DATA_RANKS`).
       decode_config: the decode kernel's `pallas_kernels.MlaDecodeConfig` for every step (None: its
         defaults). With ``schedule="balanced"`` a step plans the kernel's work once from its lengths and every
-        layer's call reads that plan (`mla_jax.attention.with_decode_plan`); with ``schedule="auto"`` that plan
-        also holds the step's choice of schedule (`pallas_kernels.mla_decode.prefers_balanced`).
+        layer's call reads that plan (`mla_jax.attention.with_decode_plan`); ``schedule="auto"`` is chosen on
+        the host before each step from its rows' lengths (`mla_jax.attention.step_decode_config`: the
+        per-sequence or the balanced program, each compiled when first taken; no conditional on the device).
 
     `compile_log`: one dict per step that compiled, {"step", "bucket", "seconds"} (wall time of that
     call, compilation included).

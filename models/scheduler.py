@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mla_jax.attention import step_decode_config
 from mla_jax.kv_cache import CacheFullError, KVCache, next_pow2
 from mla_jax.sharding import shard_batch
 from models.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
@@ -622,6 +623,7 @@ class _Generation:
         outputs as numpy (the rest, the MTP draft state, stays on the device)."""
         traces0 = sum(trace_counts().values())
         t0 = time.perf_counter()
+        decode_config = step_decode_config(self.e.decode_config, inp.lengths)  # "auto": chosen here, per step
         dp = None
         if self.e.data_ranks > 1:  # the rows (and their local block tables) to their data ranks
             dp = (self.e.mesh, self.e.data_axes)
@@ -634,7 +636,7 @@ class _Generation:
             decompressed_threshold=self.e.decompressed_threshold,
             page_format=self.cache.page_format,
             data_parallel=dp,
-            decode_config=self.e.decode_config,
+            decode_config=decode_config,
         )
         cache, *outs = fn(self.e.state, cache, inp, *args, **static)
         self.cache.pages = cache.pages

@@ -619,6 +619,31 @@ def test_interpret_balanced_schedule_engine_matches_reference():
     _kernel_vs_reference("interpret", _prompts(17, [1, 62, 130]), max_new_tokens=3, max_batch=3, decode_config=BALANCED)
 
 
+def test_auto_decode_config_is_chosen_on_the_host_each_step(model, monkeypatch):
+    """`Engine(decode_config=MlaDecodeConfig(schedule="auto"))`: each step's cache carries the program the rule
+    picks from the step's lengths on the host (`step_decode_config`), never "auto" itself (whose device
+    conditional cost 3-16 µs a kernel call on the H200): four equal rows decode per sequence; a 2-token prompt
+    beside a 40-token one (1 and 10 pages of 4) decodes balanced. Catches the engine passing "auto" through and
+    a choice from stale or other rows' lengths."""
+    import models.scheduler as scheduler
+
+    real, seen = scheduler.step_decode_config, []
+
+    def spy(config, lengths):
+        seen.append((real(config, lengths), np.array(lengths)))
+        return seen[-1][0]
+
+    monkeypatch.setattr(scheduler, "step_decode_config", spy)
+    e = Engine(model, **{**STD, "decode_config": MlaDecodeConfig(schedule="auto")})
+    e.generate(_prompts(3, [20, 20, 20, 20]), max_new_tokens=3)
+    assert {c.schedule for c, _ in seen} == {"per_sequence"}
+    seen.clear()
+    e.generate(_prompts(4, [2, 40]), max_new_tokens=3)
+    assert all(c.schedule != "auto" for c, _ in seen)
+    decode = [(c.schedule, lens) for c, lens in seen if (lens > 0).sum() == 2 and lens.max() > 40]
+    assert decode and all(s == "balanced" for s, _ in decode), decode
+
+
 def _schedule_ops(jaxpr, in_scan=False, counts=None):
     """{inside a scan: number of equations in the decode plan's name scope} over a jaxpr and its sub-jaxprs."""
     counts = {False: 0, True: 0} if counts is None else counts

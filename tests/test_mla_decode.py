@@ -471,8 +471,13 @@ def test_auto_schedule_rule_on_the_lengths():
     sides (equal lengths: per-sequence; uniform draws over 256-16384 and 1-32768, max / mean ~ 2: balanced), a
     single sequence, idle rows counted, and both sides of the threshold."""
 
-    def rule(lens):
+    def device_rule(lens):
         return bool(prefers_balanced(jnp.asarray(lens, jnp.int32)))
+
+    def rule(lens):  # the host's form (numpy in, numpy out: `host_config`) gives the same answer
+        got = prefers_balanced(np.asarray(lens, np.int32))
+        assert isinstance(got, np.bool_) and got == device_rule(lens), lens
+        return bool(got)
 
     assert not rule([8192] * 128) and not rule([5000]) and not rule([0])
     rng = np.random.default_rng(0)
@@ -481,6 +486,24 @@ def test_auto_schedule_rule_on_the_lengths():
     assert not rule([192, 64])  # pages 3, 1: 3 · 2 = 6, not > 1.5 · 4
     assert rule([256, 64])  # pages 4, 1: 8 > 7.5
     assert not rule([100, 64])  # pages 2, 1: 4, not > 4.5
+
+
+def test_host_config_picks_the_branch_from_the_lengths():
+    """`host_config` (a serving loop's per-step choice): "auto" becomes the per-sequence program on equal lengths
+    and the balanced scorer on ragged ones (`branch_configs`, the other knobs kept); any other config, and None's
+    defaults through `mla_jax.attention.step_decode_config`, pass unchanged. Catches the branches swapped and an
+    "auto" config reaching the compiled step (its device conditional)."""
+    from mla_jax.attention import step_decode_config
+    from pallas_kernels.mla_decode import host_config
+
+    auto = MlaDecodeConfig(schedule="auto", target_ctas=8)
+    even, ragged = np.full(16, 4096, np.int32), np.asarray([64] * 15 + [8192], np.int32)
+    assert host_config(auto, even) == dataclasses.replace(auto, schedule="per_sequence")
+    assert host_config(auto, ragged) == dataclasses.replace(auto, schedule="balanced", scorer=True)
+    assert host_config(dataclasses.replace(auto, scorer=False), ragged).scorer is False
+    balanced = MlaDecodeConfig(schedule="balanced")
+    assert host_config(balanced, even) is balanced and step_decode_config(None, ragged) is None
+    assert step_decode_config(auto, ragged).schedule == "balanced"
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels.mla_decode.config import LATENT_DIM, PAGE_SIZE, RAGGED_SPREAD, ROWS, MlaDecodeConfig
@@ -65,15 +66,26 @@ def branch_configs(config: MlaDecodeConfig) -> tuple[MlaDecodeConfig, MlaDecodeC
     return dataclasses.replace(config, schedule="per_sequence", whole_requests=False), balanced
 
 
-def prefers_balanced(seq_lens: jax.Array) -> jax.Array:
-    """bool []: the "auto" schedule's rule. The balanced schedule when the longest sequence holds more than
-    `RAGGED_SPREAD` x the mean pages (idle rows, length 0, counted: the per-sequence schedule gives their CTAs
-    nothing to do); else the per-sequence one. Equal lengths and a single sequence never take it. Measured
+def prefers_balanced(seq_lens):
+    """bool [] (of numpy lengths a numpy bool, on the host; else a jax one): the "auto" schedule's rule. The
+    balanced schedule when the longest sequence holds more than `RAGGED_SPREAD` x the mean pages (idle rows,
+    length 0, counted: the per-sequence schedule gives their CTAs nothing to do); else the per-sequence one. Equal lengths and a single sequence never take it. Measured
     (docs/BENCHMARKS.md, fifteenth session): lengths drawn uniformly from 256-16384, 256-8192 and 1-32768
     (max / mean ~ 1.9-2) ran 2-9 % faster balanced; equal lengths 1.51x slower balanced. The threshold lies
     between those cells; nothing was measured near it."""
-    pages = (seq_lens.astype(jnp.int32) + PAGE_SIZE - 1) // PAGE_SIZE
-    return jnp.max(pages).astype(jnp.float32) * pages.shape[0] > RAGGED_SPREAD * jnp.sum(pages).astype(jnp.float32)
+    xp = np if isinstance(seq_lens, np.ndarray) else jnp
+    pages = (seq_lens.astype(xp.int64 if xp is np else xp.int32) + PAGE_SIZE - 1) // PAGE_SIZE
+    return xp.max(pages).astype(xp.float32) * pages.shape[0] > RAGGED_SPREAD * xp.sum(pages).astype(xp.float32)
+
+
+def host_config(config: MlaDecodeConfig, seq_lens: np.ndarray) -> MlaDecodeConfig:
+    """The program a caller that knows its lengths on the host runs: for ``schedule="auto"`` the branch
+    `prefers_balanced` picks from ``seq_lens`` (numpy: no device work, no conditional in the compiled call; each
+    branch compiles once, when first taken); any other config as it is."""
+    if config.schedule != "auto":
+        return config
+    per_sequence, balanced = branch_configs(config)
+    return balanced if prefers_balanced(np.asarray(seq_lens)) else per_sequence
 
 
 class BalancedSchedule(NamedTuple):
