@@ -1,8 +1,8 @@
 """Kernel microbenchmarks: shared timing, ceilings and reporting helpers.
 
 Method (shared/BENCHMARKING.md): CUPTI kernel time, recorded as jax's ``profiler.measure`` records it
-(`cupti_median_us`: median over >= 30 iterations after a warm-up), a correctness check before every timed cell, and ceilings measured in
-the same run.
+(`cupti_median_us`: median over >= 30 iterations after a warm-up), a correctness check before every timed
+cell, and ceilings measured in the same run.
 """
 
 from __future__ import annotations

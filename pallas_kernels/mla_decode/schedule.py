@@ -69,10 +69,11 @@ def branch_configs(config: MlaDecodeConfig) -> tuple[MlaDecodeConfig, MlaDecodeC
 def prefers_balanced(seq_lens):
     """bool [] (of numpy lengths a numpy bool, on the host; else a jax one): the "auto" schedule's rule. The
     balanced schedule when the longest sequence holds more than `RAGGED_SPREAD` x the mean pages (idle rows,
-    length 0, counted: the per-sequence schedule gives their CTAs nothing to do); else the per-sequence one. Equal lengths and a single sequence never take it. Measured
-    (docs/BENCHMARKS.md, fifteenth session): lengths drawn uniformly from 256-16384, 256-8192 and 1-32768
-    (max / mean ~ 1.9-2) ran 2-9 % faster balanced; equal lengths 1.51x slower balanced. The threshold lies
-    between those cells; nothing was measured near it."""
+    length 0, counted: the per-sequence schedule gives their CTAs nothing to do); else the per-sequence one.
+    Equal lengths and a single sequence never take it. Measured (docs/BENCHMARKS.md, fifteenth and sixteenth
+    sessions): lengths drawn uniformly from 256-16384, 256-8192 and 1-32768 (max / mean ~ 1.9-2) ran 2-9 %
+    faster balanced; equal lengths 1.5x slower balanced. The threshold lies between those cells; nothing was
+    measured near it."""
     xp = np if isinstance(seq_lens, np.ndarray) else jnp
     pages = (seq_lens.astype(xp.int64 if xp is np else xp.int32) + PAGE_SIZE - 1) // PAGE_SIZE
     return xp.max(pages).astype(xp.float32) * pages.shape[0] > RAGGED_SPREAD * xp.sum(pages).astype(xp.float32)
