@@ -338,6 +338,9 @@ PY
              $PY scripts/lab/ncu_mla_decode.py --cell "$cell" ${VARIANT:+--variant $VARIANT} > "$n.log" 2>&1
            tail -3 "$n.log" | tee -a "$LOG"
            timeout 60 ncu --import "$n.ncu-rep" --page details --csv > "$n.csv" 2>&1
+           # every metric (the warp stall reasons among them), and the SASS lines with their stall samples
+           timeout 60 ncu --import "$n.ncu-rep" --page raw --csv > "${n}_raw.csv" 2>&1
+           timeout 60 ncu --import "$n.ncu-rep" --page source --print-source sass --csv > "${n}_sass.csv" 2>&1
            grep -E "Duration|Registers Per|Achieved Occupancy|Issue Slots|Stall|Bank Conflicts|Tensor|Throughput" \
              "$n.csv" | head -60 | tee -a "$LOG"
          done ;;
