@@ -24,6 +24,7 @@ from models import DeepSeekModel
 from models.engine import Engine, GenerationResult, trace_counts
 from models.sampling import SamplingParams
 from pallas_kernels.mla_decode import SCHEDULE_SCOPE, AutoSchedule, MlaDecodeConfig, mla_decode_schedule
+from tests.tiers import full
 from tests.xla_opt import optimized
 
 CFG = ModelConfig.tiny().replace(num_hidden_layers=2)  # one dense layer, one MoE layer, one MTP module
@@ -156,7 +157,15 @@ def test_max_context_ends_a_sequence(model):
 # --- MTP speculative decoding ----------------------------------------------------------------------
 # k = 1 (one draft) and k = 3 (a chain: the middle draft is both drafted from a draft and drafts the next);
 # k = 2 runs the same code with a shorter chain; dropped for the suite's time (24 + 9 s of CPU).
-@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.full("k = 3 (a chain) by default")), 3])
+@pytest.mark.parametrize(
+    "k",
+    full(
+        (1, 3),
+        (),
+        "test_interpret_kernels_match_reference: greedy with MTP (k = 3, a chain) through the kernels gives plain "
+        "greedy's tokens",
+    ),
+)
 def test_mtp_greedy_equals_plain_greedy(spec_model, k):
     """k drafts a step (k > 1 chains the MTP module), verified with s_q = k + 1."""
     e = Engine(spec_model, **STD)
@@ -306,8 +315,16 @@ def plain_draws(wide_engine):
 
 
 @pytest.mark.xla_optimized  # 2000 requests a case
-# k = 2: the same chain code as k = 3, shorter (see above); k = 1 in the full tier (tests/tiers.py)
-@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.full("k = 3 (a chain) by default")), 3])
+# k = 2: the same chain code as k = 3, shorter (see above); k = 1 and 3 in the full tier (tests/tiers.py)
+@pytest.mark.parametrize(
+    "k",
+    full(
+        (1, 3),
+        (),
+        "tests/test_sampling.py's rejection-sampling distribution (the acceptance rule and its residual, 200 000 "
+        "draws) and test_mtp_rejection_sampling_path_with_one_hot_distributions (the engine's chain through it)",
+    ),
+)
 def test_mtp_sampling_keeps_the_output_distribution(wide_engine, plain_draws, k):
     """With temperature > 0, accepting drafts by rejection sampling (k > 1: a prefix of the MTP
     module's chain on its own drafts) must keep plain sampling's distribution: the joint

@@ -418,7 +418,15 @@ def test_batch_not_divisible_by_data(cases):
     assert cases["dp2"]["odd_batch_error"] == "sharding: batch of 3 is not divisible by mesh axis data=2"
 
 
-@pytest.mark.parametrize("mesh", TRAIN_MESHES)
+@pytest.mark.parametrize(
+    "mesh",
+    full(
+        TRAIN_MESHES,
+        (),
+        "test_fsdp_train_step_equals_one_device_and_shards_everything_over_data (the same step on the mixed mesh, "
+        "its state also split over data: loss, variables and shardings kept)",
+    ),
+)
 def test_train_step_equals_one_device(cases, mesh):
     """One AdamW step (eps = 1: near SGD, see sharding_cases.TX; models.training's step: loss, MTP loss,
     balance loss, router-bias rule) on the sharded state and batch gives the single-device loss and
