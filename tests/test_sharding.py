@@ -262,9 +262,11 @@ def test_placements_read_from_addressable_shards(cases, mesh):
 
 
 ENGINE_MESHES = ("tp2", "dp2", "mixed")  # sharding_cases.ENGINE_MESHES
+CI_ENGINE_MESHES = ("dp2", "mixed")  # sharding_cases.CI_ENGINE_MESHES
+_ENGINE_WHY = "dp2 and mixed (whose tensor devices of a data rank hold its pool replicated, as tp2's do)"
 
 
-@pytest.mark.parametrize("mesh", ENGINE_MESHES)
+@pytest.mark.parametrize("mesh", full(ENGINE_MESHES, CI_ENGINE_MESHES, _ENGINE_WHY))
 def test_engine_on_a_mesh(cases, mesh):
     """Engine(model, mesh=...) on tensor=2 (one pool, replicated), data=2 alone and data=2, expert=2,
     tensor=2: greedy generation
@@ -278,7 +280,7 @@ def test_engine_on_a_mesh(cases, mesh):
     assert e["tokens"] == e["ref_tokens"] and all(len(t) == 6 for t in e["tokens"])
 
 
-@pytest.mark.parametrize("mesh", ENGINE_MESHES)
+@pytest.mark.parametrize("mesh", full(ENGINE_MESHES, CI_ENGINE_MESHES, _ENGINE_WHY))
 def test_each_data_rank_holds_its_own_pages(cases, mesh):
     """With data = 2 the pool's page axis is split over `data`: each device holds the 3 pages of its
     rank, [layers, N / 2, page, width], and the expert / tensor devices of a rank hold the same shard
@@ -295,7 +297,7 @@ def test_each_data_rank_holds_its_own_pages(cases, mesh):
     assert e["pages_replicated"] == (m["data"] == 1)
 
 
-@pytest.mark.parametrize("mesh", ENGINE_MESHES)
+@pytest.mark.parametrize("mesh", full(ENGINE_MESHES, CI_ENGINE_MESHES, _ENGINE_WHY))
 def test_planner_per_device_bytes_are_what_each_device_holds(cases, mesh):
     """mla_jax.capacity's per-device MLA figure equals the bytes of each device's shard of the engine's
     page pools, read from addressable_shards: with data ranks the planner's dp_attention split over
