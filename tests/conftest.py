@@ -32,10 +32,6 @@ os.environ.setdefault("NPROC", "8")
 # with the optimisations on (the `_xla_optimized` fixture below), where they run 2x faster.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-    # XLA:CPU's matmuls on one thread each: under `-n 2` on two cores, two workers' Eigen thread pools only
-    # contend (tests/test_training.py + test_attention.py 68 -> 62 s alone; tests/sharding_cases.py does the same).
-    if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 
 
 @pytest.fixture(autouse=True)
