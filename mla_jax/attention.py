@@ -392,10 +392,11 @@ def check_decode_config(config, *, name: str = "decode_config"):
 
 
 def step_decode_config(config, lengths_B):
-    """The decode kernel's config for one step whose rows' lengths the caller holds on the host (numpy): None (the
-    defaults) or a config as it is, except ``schedule="auto"``, which becomes the program its rule picks from
-    these lengths (`pallas_kernels.mla_decode.host_config`): a serving loop chooses per step without a
-    conditional on the device."""
+    """The decode kernel's config for one step whose rows' lengths the caller holds on the host (numpy; None for
+    a prefill step, which does not decode: it keeps one program): None (the defaults) or a config as it is,
+    except ``schedule="auto"``, which becomes the program its rule picks from these lengths
+    (`pallas_kernels.mla_decode.host_config`): a serving loop chooses per step without a conditional on the
+    device."""
     return None if config is None else host_config(config, lengths_B)
 
 

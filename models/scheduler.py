@@ -623,7 +623,8 @@ class _Generation:
         outputs as numpy (the rest, the MTP draft state, stays on the device)."""
         traces0 = sum(trace_counts().values())
         t0 = time.perf_counter()
-        decode_config = step_decode_config(self.e.decode_config, inp.lengths)  # "auto": chosen here, per step
+        # "auto": chosen here, per step; a prefill step keeps one program (no retrace when its lengths spread)
+        decode_config = step_decode_config(self.e.decode_config, None if kind == "prefill" else inp.lengths)
         dp = None
         if self.e.data_ranks > 1:  # the rows (and their local block tables) to their data ranks
             dp = (self.e.mesh, self.e.data_axes)

@@ -641,13 +641,13 @@ def test_auto_decode_config_is_chosen_on_the_host_each_step(model, monkeypatch):
     picks from the step's lengths on the host (`step_decode_config`), never "auto" itself (whose device
     conditional cost 3-16 µs a kernel call on the H200): four equal rows decode per sequence; a 2-token prompt
     beside a 40-token one (1 and 10 pages of 4) decodes balanced. Catches the engine passing "auto" through and
-    a choice from stale or other rows' lengths."""
+    a choice from stale or other rows' lengths, and a prefill step that compiles twice."""
     import models.scheduler as scheduler
 
     real, seen = scheduler.step_decode_config, []
 
     def spy(config, lengths):
-        seen.append((real(config, lengths), np.array(lengths)))
+        seen.append((real(config, lengths), None if lengths is None else np.array(lengths)))
         return seen[-1][0]
 
     monkeypatch.setattr(scheduler, "step_decode_config", spy)
@@ -657,8 +657,10 @@ def test_auto_decode_config_is_chosen_on_the_host_each_step(model, monkeypatch):
     seen.clear()
     e.generate(_prompts(4, [2, 40]), max_new_tokens=3)
     assert all(c.schedule != "auto" for c, _ in seen)
-    decode = [(c.schedule, lens) for c, lens in seen if (lens > 0).sum() == 2 and lens.max() > 40]
+    decode = [(c.schedule, lens) for c, lens in seen if lens is not None and (lens > 0).sum() == 2 and lens.max() > 40]
     assert decode and all(s == "balanced" for s, _ in decode), decode
+    # prefill steps (lengths None) keep the per-sequence program: a ragged prompt batch does not retrace them
+    assert {c.schedule for c, lens in seen if lens is None} == {"per_sequence"}
 
 
 def _schedule_ops(jaxpr, in_scan=False, counts=None):

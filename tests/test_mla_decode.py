@@ -507,6 +507,7 @@ def test_host_config_picks_the_branch_from_the_lengths():
     assert host_config(auto, even) == dataclasses.replace(auto, schedule="per_sequence")
     assert host_config(auto, ragged) == dataclasses.replace(auto, schedule="balanced", scorer=True)
     assert host_config(dataclasses.replace(auto, scorer=False), ragged).scorer is False
+    assert host_config(auto, None) == dataclasses.replace(auto, schedule="per_sequence")  # a step that does not decode
     balanced = MlaDecodeConfig(schedule="balanced")
     assert host_config(balanced, even) is balanced and step_decode_config(None, ragged) is None
     assert step_decode_config(auto, ragged).schedule == "balanced"

@@ -79,14 +79,15 @@ def prefers_balanced(seq_lens):
     return xp.max(pages).astype(xp.float32) * pages.shape[0] > RAGGED_SPREAD * xp.sum(pages).astype(xp.float32)
 
 
-def host_config(config: MlaDecodeConfig, seq_lens: np.ndarray) -> MlaDecodeConfig:
+def host_config(config: MlaDecodeConfig, seq_lens: np.ndarray | None) -> MlaDecodeConfig:
     """The program a caller that knows its lengths on the host runs: for ``schedule="auto"`` the branch
     `prefers_balanced` picks from ``seq_lens`` (numpy: no device work, no conditional in the compiled call; each
-    branch compiles once, when first taken); any other config as it is."""
+    branch compiles once, when first taken), the per-sequence one for ``seq_lens`` None (a call that does not
+    decode: one program, whatever its lengths); any other config as it is."""
     if config.schedule != "auto":
         return config
     per_sequence, balanced = branch_configs(config)
-    return balanced if prefers_balanced(np.asarray(seq_lens)) else per_sequence
+    return balanced if seq_lens is not None and prefers_balanced(np.asarray(seq_lens)) else per_sequence
 
 
 class BalancedSchedule(NamedTuple):
