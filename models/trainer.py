@@ -755,8 +755,9 @@ class _OrbaxNoiseHeld:
         sys.unraisablehook = self.unraisablehook
         for name in self.LOGGERS:
             logging.getLogger(name).removeFilter(self._hold)
-        if exc_type is not None:  # and those collected later (at exit) are dropped
-            logging.getLogger("asyncio").addFilter(_not_an_orbax_orphan)
+        if exc_type is not None:  # and those collected or reported later (by a thread still ending) are dropped
+            for name in self.LOGGERS:
+                logging.getLogger(name).addFilter(_not_an_orbax_orphan)
         if exc_type is None:
             for item in self.held:
                 if not isinstance(item, logging.LogRecord):
@@ -766,10 +767,13 @@ class _OrbaxNoiseHeld:
 
 
 def _not_an_orbax_orphan(record) -> bool:
-    """False for asyncio's report of an orbax write task whose error nobody read: the error of a save that
-    failed, already said in one line."""
+    """False for a late report of a failed save's write error, already said in one line: asyncio's for an orbax
+    write task whose error nobody read, and the traceback an orbax thread logs (through absl) as it ends after
+    the save has returned."""
     text = record.getMessage()
-    return not (text.startswith("Task exception was never retrieved") and "orbax" in text)
+    if text.startswith("Task exception was never retrieved") and "orbax" in text:
+        return False
+    return not ("orbax" in record.pathname and "raised an exception" in text)
 
 
 def _save_failure(e: BaseException) -> str:

@@ -747,3 +747,26 @@ def test_failed_save_is_one_line_and_the_last_checkpoint_still_loads(
     assert os.listdir(ckpts) == ["2"]
     assert main([*args, "--resume", "--stop-at", "3"]) == 0
     assert "steps 2->3" in capfd.readouterr().err
+
+
+def test_a_late_orbax_thread_report_after_a_failed_save_is_dropped(caplog):
+    """Guards the race the suite met once (2026-12-03, the file-size-limit case above): after a failed save had
+    said its one line, an orbax thread still ending logged its traceback through absl ("_SignalingThread.run()
+    raised an exception"). After a failed save such reports are dropped; other absl records still pass."""
+    import logging
+
+    from models.trainer import _OrbaxNoiseHeld
+
+    with pytest.raises(OSError):
+        with _OrbaxNoiseHeld():
+            raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+    absl = logging.getLogger("absl")
+    orbax_thread = "/site-packages/orbax/checkpoint/_src/futures/future.py"
+    late = absl.makeRecord(
+        "absl", logging.ERROR, orbax_thread, 387, "_SignalingThread.run() raised an exception: %s", ("E",), None
+    )
+    other = absl.makeRecord("absl", logging.ERROR, "trainer.py", 1, "another error", (), None)
+    caplog.set_level(logging.ERROR)
+    absl.handle(late)
+    absl.handle(other)
+    assert [r.getMessage() for r in caplog.records if r.name == "absl"] == ["another error"]
