@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.mosaic.gpu.fragmented_array import Tiling
 
+from pallas_kernels import _fp8_tiles as _fp8
 from pallas_kernels import backend
 from pallas_kernels._page_table import check_page_table
 from pallas_kernels.page_format import PageFormat, check_pages
@@ -48,6 +49,7 @@ from pallas_kernels.page_format import PageFormat, check_pages
 PAGE_SIZE = 64
 KEY_DIM = 576
 ROPE_DIM = 64
+LATENT_DIM = KEY_DIM - ROPE_DIM
 KERNEL_FORMATS = ("bf16", "fp8", "fp4")  # the page formats the kernel has a body for (at 512 + 64 values)
 
 
@@ -236,26 +238,6 @@ def _paged_gather_kernel(kv_pages, block_table, *, num_tokens, config, interpret
     return kernel(kv_pages, block_table)
 
 
-# fp8 page geometry (FP8_PAGES: L=512, R=64): where a token's parts sit in its 656 bytes.
-_FP8_LATENT = 512  # e4m3 bytes, then
-_FP8_SCALE_WORD = 128  # fp32 word offset of the 4 scales (byte 512) in a 164-word row
-_FP8_ROPE_HALF = 264  # bf16 offset of the 64 rope values (byte 528) in a 328-half row
-_FP8_BLOCK = 128  # latent values a scale covers
-# Register layouts of the dequantisation: a warp covers 2 rows x 16 lanes, a lane 8 consecutive values
-# (rope: 4), so one warp access reads or writes whole rows' runs of 128 (bytes) or 256 (bf16) bytes and
-# no two lanes of it meet in a bank. (The WGMMA layout puts 8 rows in a warp at the same offset: on
-# these 256- and 1152-byte rows, an 8-way bank conflict on every load and store.)
-_BLOCK_LAYOUT = plgpu.Layout.TILED(
-    Tiling(((64, _FP8_BLOCK), (16, _FP8_BLOCK), (2, _FP8_BLOCK), (8,))),
-    warp_dims=(-7,),
-    lane_dims=(-3, -2),
-    vector_dim=-1,
-)
-_ROPE_LAYOUT = plgpu.Layout.TILED(
-    Tiling(((64, 64), (16, 64), (2, 64), (4,))), warp_dims=(-7,), lane_dims=(-3, -2), vector_dim=-1
-)
-
-
 def _dequant_gather(views, boxes, dequantize_page, block_table, *, num_tokens, config, interpret):
     """The body shared by the quantized formats: per page, the TMA engine cuts the page's parts out of
     ``views`` (free bitcast views of the uint8 pages [N, 64, W]) as the SMEM boxes ``boxes`` (one
@@ -328,33 +310,33 @@ def _byte_views(kv_pages, *dtypes):
 
 def _store_rope(out_smem, rope):
     """The 64 bf16 rope values of every token, as they are, into columns 512.. of the staged page."""
-    out_smem[:, pl.ds(_FP8_LATENT, KEY_DIM - _FP8_LATENT)] = plgpu.load(rope, layout=_ROPE_LAYOUT, optimized=False)
+    out_smem[:, pl.ds(_fp8.LATENT, KEY_DIM - _fp8.LATENT)] = plgpu.load(rope, layout=_fp8.ROPE_LAYOUT)
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens", "config", "interpret"))
 def _paged_gather_fp8_kernel(kv_pages, block_table, *, num_tokens, config, interpret):
     # The same bytes as fp32 words and as bf16 halves (656 = 4 * 164 = 2 * 328).
     views = _byte_views(kv_pages, jnp.float32, jnp.bfloat16)
-    row_layout = _BLOCK_LAYOUT.reduce(1)
-    half = _FP8_LATENT // 2
+    row_layout = _fp8.BLOCK_LAYOUT.reduce(1)
+    half = _fp8.LATENT // 2
 
     def dequantize_page(out_smem, lat_lo, lat_hi, scales, rope):
-        for k in range(_FP8_LATENT // _FP8_BLOCK):
-            src = (lat_lo if k * _FP8_BLOCK < half else lat_hi).at[:, pl.ds(k * _FP8_BLOCK % half, _FP8_BLOCK)]
-            q = plgpu.load(src, layout=_BLOCK_LAYOUT, optimized=False)  # uint8 [64, 128]
+        for k in range(_fp8.LATENT // _fp8.BLOCK):
+            src = (lat_lo if k * _fp8.BLOCK < half else lat_hi).at[:, pl.ds(k * _fp8.BLOCK % half, _fp8.BLOCK)]
+            q = plgpu.load(src, layout=_fp8.BLOCK_LAYOUT)  # uint8 [64, 128]
             x = lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.float32)
             s = plgpu.load(scales.at[:, k], layout=row_layout, optimized=False)  # f32 [64]
             # (the broadcast's layout is named: it has more than one)
-            s_rows = plgpu.layout_cast(lax.broadcast_in_dim(s, x.shape, [0]), _BLOCK_LAYOUT)
-            out_smem[:, pl.ds(k * _FP8_BLOCK, _FP8_BLOCK)] = (x * s_rows).astype(jnp.bfloat16)
+            s_rows = plgpu.layout_cast(lax.broadcast_in_dim(s, x.shape, [0]), _fp8.BLOCK_LAYOUT)
+            out_smem[:, pl.ds(k * _fp8.BLOCK, _fp8.BLOCK)] = (x * s_rows).astype(jnp.bfloat16)
         _store_rope(out_smem, rope)
 
-    n_scales = _FP8_LATENT // _FP8_BLOCK
+    n_scales = _fp8.LATENT // _fp8.BLOCK
     boxes = [
         (0, half, 0),
         (0, half, 1),  # the e4m3 latent, two 256-byte boxes
-        (1, n_scales, _FP8_SCALE_WORD // n_scales),  # 4 fp32 scales (words 128..131)
-        (2, pl.Element(KEY_DIM - _FP8_LATENT), _FP8_ROPE_HALF),
+        (1, n_scales, _fp8.SCALE_WORD // n_scales),  # 4 fp32 scales (words 128..131)
+        (2, pl.Element(KEY_DIM - _fp8.LATENT), _fp8.ROPE_HALF),
     ]  # 64 bf16 rope (halves 264..327)
     return _dequant_gather(
         views, boxes, dequantize_page, block_table, num_tokens=num_tokens, config=config, interpret=interpret
@@ -366,7 +348,7 @@ def _paged_gather_fp8_kernel(kv_pages, block_table, *, num_tokens, config, inter
 # bf16 rope values (byte 288 = bf16 element 144 of a 208-element row).
 _FP4_PACKED = 256
 _FP4_BLOCK = 16
-_FP4_SCALES = _FP8_LATENT // _FP4_BLOCK
+_FP4_SCALES = LATENT_DIM // _FP4_BLOCK
 _FP4_ROPE_HALF = (_FP4_PACKED + _FP4_SCALES) // 2
 # A (64, 16) tile of bytes (16 values of one scale block, every token): a warp covers 16 rows x 2
 # lanes of 8 consecutive bytes. (Its 16 rows sit 256 bytes apart in SMEM, so the load conflicts
@@ -408,7 +390,7 @@ def _paged_gather_fp4_kernel(kv_pages, block_table, *, num_tokens, config, inter
     boxes = [
         (0, _FP4_PACKED, 0),  # packed codes, bytes 0..255
         (0, pl.Element(_FP4_SCALES), _FP4_PACKED),  # 32 e4m3 scales, bytes 256..287
-        (1, pl.Element(KEY_DIM - _FP8_LATENT), _FP4_ROPE_HALF),
+        (1, pl.Element(KEY_DIM - LATENT_DIM), _FP4_ROPE_HALF),
     ]  # 64 bf16 rope (halves 144..207)
     return _dequant_gather(
         views, boxes, dequantize_page, block_table, num_tokens=num_tokens, config=config, interpret=interpret

@@ -14,6 +14,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import _fp8_tiles as _fp8
 from pallas_kernels.mla_decode.config import KEY_DIM, LATENT_DIM, PAGE_SIZE, ROWS, MlaDecodeConfig
 from pallas_kernels.mla_decode.schedule import _main_out_geometry, _Plan, _schedule_steps, _split_pages
 from pallas_kernels.mla_decode.steps import (
@@ -27,17 +28,11 @@ from pallas_kernels.mla_decode.steps import (
     _row_limits,
 )
 
-# fp8 pages (`pallas_kernels.page_format`): per token 512 e4m3 bytes, 4 fp32 scales (one per 128
-# latent values), 64 bf16 rope values = 656 bytes. The kernel reads each page through three views
-# of the same buffer: the latent bytes (uint8), the scales (fp32 words 128..131 of the row) and
-# the rope (bf16 elements 264..327 of the row).
-_FP8_SCALE_COL = LATENT_DIM // 4  # 128: first scale, in fp32 words
-_FP8_ROPE_COL = (LATENT_DIM + 4 * (LATENT_DIM // 128)) // 2  # 264: first rope value, in bf16 elements
-
 
 def _fp8_views(kv_u8):
     """(latent uint8 [N, 64, 656], scales f32 [N, 64, 164], rope bf16 [N, 64, 328]): bitcasts of
-    one fp8 pages buffer (no copy)."""
+    one fp8 pages buffer (no copy); the kernel reads the latent bytes, the scales (fp32 words 128..131
+    of a row) and the rope (bf16 elements 264..327) through them (`pallas_kernels._fp8_tiles`)."""
     N, G, W = kv_u8.shape
     as_f32 = lax.bitcast_convert_type(kv_u8.reshape(N, G, W // 4, 4), jnp.float32)
     as_bf16 = lax.bitcast_convert_type(kv_u8.reshape(N, G, W // 2, 2), jnp.bfloat16)
@@ -199,10 +194,10 @@ def _fp8_in_specs(page_of):
     return [
         plgpu.BlockSpec((None, PAGE_SIZE, half), lambda i: (page_of(i), 0, 0), oob_fill_mode=in_bounds),
         plgpu.BlockSpec((None, PAGE_SIZE, half), lambda i: (page_of(i), 0, 1), oob_fill_mode=in_bounds),
-        plgpu.BlockSpec((None, PAGE_SIZE, 4), lambda i: (page_of(i), 0, _FP8_SCALE_COL // 4), oob_fill_mode=in_bounds),
+        plgpu.BlockSpec((None, PAGE_SIZE, 4), lambda i: (page_of(i), 0, _fp8.SCALE_WORD // 4), oob_fill_mode=in_bounds),
         plgpu.BlockSpec(
             (None, PAGE_SIZE, pl.Element(KEY_DIM - LATENT_DIM)),
-            lambda i: (page_of(i), 0, _FP8_ROPE_COL),
+            lambda i: (page_of(i), 0, _fp8.ROPE_HALF),
             oob_fill_mode=in_bounds,
         ),
     ]
@@ -220,25 +215,24 @@ def _fp8_half_to_smem(wg, lat_lo, lat_hi, rope, valid, dst, scales=None):
     on a partial page (``valid`` < 64) this warpgroup's rows past the end are zeroed afterwards."""
     half = LATENT_DIM // 2
     wgmma_layout = plgpu.Layout.WGMMA
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    row_layout = _fp8.BLOCK_LAYOUT.reduce(1)
     if scales is not None:
-        tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 128), 0, layout=wgmma_layout)
+        tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 128), 0, layout=_fp8.BLOCK_LAYOUT)
     for w, lat in enumerate((lat_lo, lat_hi)):
 
         @pl.when(wg == w)
         def _():
             for k in range(half // 128):
-                x8 = plgpu.load(lat.at[:, pl.ds(k * 128, 128)], layout=plgpu.Layout.WGMMA_UPCAST_2X, optimized=False)
-                x = plgpu.layout_cast(lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float16), wgmma_layout)
+                x8 = plgpu.load(lat.at[:, pl.ds(k * 128, 128)], layout=_fp8.BLOCK_LAYOUT)
+                x = lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float16)
                 if scales is not None:
                     sc = plgpu.load(scales.at[:, w * (half // 128) + k], layout=row_layout, optimized=False)
-                    x = x.astype(jnp.float32) * lax.broadcast_in_dim(sc, (PAGE_SIZE, 128), [0])
+                    sc = plgpu.layout_cast(lax.broadcast_in_dim(sc, (PAGE_SIZE, 128), [0]), _fp8.BLOCK_LAYOUT)
+                    x = x.astype(jnp.float32) * sc
                     x = jnp.where(tok < valid, x, 0.0)
                 dst[:, pl.ds(w * half + k * 128, 128)] = x.astype(dst.dtype)
             if w == 0:
-                dst[:, pl.ds(LATENT_DIM, KEY_DIM - LATENT_DIM)] = plgpu.load(
-                    rope, layout=wgmma_layout, optimized=False
-                ).astype(dst.dtype)
+                dst[:, pl.ds(LATENT_DIM, KEY_DIM - LATENT_DIM)] = plgpu.load(rope, layout=_fp8.ROPE_LAYOUT)
 
     if scales is None:
 
