@@ -292,7 +292,9 @@ def _decode_partials_fp8_t(
         q_smem=plgpu.SMEM((R, KEY_DIM), mma, transforms=_BF16_TRANSFORMS),
         q_bar=plgpu.Barrier(),
         kv_smem=plgpu.SMEM((PAGE_SIZE, KEY_DIM), mma, transforms=_BF16_TRANSFORMS),
-        part_smem=plgpu.SMEM((PAGE_SIZE, R), jnp.float32),
+        part_smem=plgpu.SMEM(
+            (PAGE_SIZE, R), jnp.float32, transforms=(plgpu.TilingTransform((8, R)), plgpu.SwizzleTransform(4 * R))
+        ),
         p_smem=plgpu.SMEM((nblk, R, PAGE_SIZE), mma, transforms=_BF16_TRANSFORMS),
         stat_smem=plgpu.SMEM((3, R), jnp.float32),  # alpha, m, l
         s_bar=plgpu.Barrier(num_arrivals=1),
@@ -363,7 +365,7 @@ def _decode_partials_fp8_t(
         def softmax(part, scales, page_start, m, l):
             """Warpgroup 0: the page's scores (its partial + warpgroup 1's), the online softmax over
             the tokens (axis 0); publishes the Pᵀ_k, alpha, m and l in SMEM."""
-            sc = (part + plgpu.load(part_smem, layout=wgmma_layout, optimized=False)) * scale_log2
+            sc = (part + plgpu.load(part_smem, layout=wgmma_layout)) * scale_log2
             key = page_start + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
             if causal:  # query row r is token j = r // H (H a power of two), at seq_len - s_q + j
                 j = lax.shift_right_logical(

@@ -20,6 +20,13 @@
 #   scripts/lab/gpu_run.sh gather  # the engine's quantized-pages GPU tests, then the fp8 gather's config sweep
 #   scripts/lab/gpu_run.sh fp8     # the fp8 decode GPU tests, the fp8 bodies' ptxas report, the profile
 #                              #   (below), then scripts/lab/probe_fp8_decode.py (bf16 / fp8 transposed / shared)
+#   scripts/lab/gpu_run.sh fp8rows  # fp8 bodies' ptxas report, probe_fp8_decode, the profile, then (with $FP8_BEFORE, a
+#                              #   copy of an earlier fp8.py) the probe again on its cells $ONLY (default 0,1,4,7);
+#                              #   with $FP8_TESTS, the fp8 decode GPU tests last
+#   scripts/lab/gpu_run.sh session17 # probe_fp8_decode on cells $ONLY, now and with $FP8_BEFORE, then kvpages with
+#                              #   GATHER=1
+#   scripts/lab/gpu_run.sh kvpages # mla-bench e2e on bf16 then fp8 pages ($KV_DTYPES) over $CELLS (V2-Lite 128 x 1024,
+#                              #   16 x 16384), $NEW_TOKENS new tokens; with $GATHER the fp8 gather's --quick cells
 #   scripts/lab/gpu_run.sh profile8 # scripts/lab/profile_fp8_decode.py (Mosaic GPU profiler phases of the
 #                              #   fp8 decode body)
 #   scripts/lab/gpu_run.sh decode  # the engine / scan / decode-kernel GPU tests, then mla-bench e2e --kernels on
@@ -136,6 +143,14 @@ for H in (16, 32, 64):
   jax.block_until_ready(mla_decode(*a, softmax_scale=0.1, config=MlaDecodeConfig(num_splits=1), impl="kernel"))
 PY
   grep -E "###|registers|spill" "$R/ptxas_fp8.txt" | head -40 | tee -a "$LOG"
+}
+
+kvpages_stage() {  # the engine on bf16 against fp8 pages, the same cells; the fp8 gather's --quick cells
+  for kv in ${KV_DTYPES:-bf16 fp8}; do  # the engine on bf16 against fp8 pages, the same cells
+    bench e2e "${E2E_LIMIT:-200}" --cells "${CELLS:-v2-lite:128x1024,16x16384}" --new-tokens "${NEW_TOKENS:-64}" \
+      --kv-dtype "$kv" --no-hf --out "$R/e2e_$kv"
+  done
+  [ -n "${GATHER:-}" ] && bench paged_gather 120 --quick --kv-dtype fp8
 }
 
 gpu_tests() {  # $1: time limit (s), rest: test paths
@@ -347,6 +362,25 @@ PY
   prefill_e2e) bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf
          bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf --prefill-chunk 512 \
            --out "$R/chunk512" ;;
+  fp8rows) fp8_ptxas_report
+       stage "probe_fp8_decode (conversion in row runs)"
+       timeout 260 $PY scripts/lab/probe_fp8_decode.py --out "$R/fp8" 2>&1 | tee -a "$LOG"
+       stage "profile_fp8_decode"
+       timeout 120 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" 2>&1 | tee -a "$LOG"
+       if [ -n "${FP8_BEFORE:-}" ]; then  # the same probe on the body as it was (a copy of the module), cells $ONLY
+         cp pallas_kernels/mla_decode/fp8.py "$OUT/fp8_now.py"; cp "$FP8_BEFORE" pallas_kernels/mla_decode/fp8.py
+         stage "probe_fp8_decode (before: $FP8_BEFORE)"
+         timeout 160 $PY scripts/lab/probe_fp8_decode.py --out "$R/fp8_before" --only "${ONLY:-0,1,4,7}" 2>&1 | tee -a "$LOG"
+         cp "$OUT/fp8_now.py" pallas_kernels/mla_decode/fp8.py; rm "$OUT/fp8_now.py"
+       fi
+       [ -n "${FP8_TESTS:-}" ] && gpu_tests 150 tests/test_mla_decode_fp8.py ;;
+  session17) stage "probe_fp8_decode, cells ${ONLY:-0,1,7} (now, then $FP8_BEFORE)"
+       timeout 90 $PY scripts/lab/probe_fp8_decode.py --out "$R/fp8" --only "${ONLY:-0,1,7}" 2>&1 | tee -a "$LOG"
+       cp pallas_kernels/mla_decode/fp8.py "$OUT/fp8_now.py"; cp "$FP8_BEFORE" pallas_kernels/mla_decode/fp8.py
+       timeout 90 $PY scripts/lab/probe_fp8_decode.py --out "$R/fp8_before" --only "${ONLY:-0,1,7}" 2>&1 | tee -a "$LOG"
+       cp "$OUT/fp8_now.py" pallas_kernels/mla_decode/fp8.py; rm "$OUT/fp8_now.py"
+       E2E_LIMIT=150 GATHER=1 kvpages_stage ;;
+  kvpages) kvpages_stage ;;
   profile8) stage "profile_fp8_decode"
        timeout 300 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" ${CELLS:+--cells $CELLS} ${CONFIGS:+--configs $CONFIGS} 2>&1 | tee -a "$LOG" ;;
   fp8) stage "probe_fp8_decode"
