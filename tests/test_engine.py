@@ -203,10 +203,10 @@ def test_mtp_rejection_sampling_path_with_one_hot_distributions(spec_model, wide
     draws, per-position keys) on one-hot p and q, where its result is known: the greedy tokens.
     (The sampled steps are those of the distribution tests' engine, compiled once.)"""
     prompts = _prompts(5, [3, 9, 14, 5, 1, 6])
-    greedy = Engine(spec_model, **STD).generate(prompts, max_new_tokens=20)
+    greedy = Engine(spec_model, **STD).generate(prompts, max_new_tokens=10)
     res = wide_engine.generate(
         prompts,
-        max_new_tokens=20,
+        max_new_tokens=10,
         use_mtp=True,
         mtp_draft_tokens=2,
         sampling=SamplingParams(temperature=1.0, top_k=1, seed=5),
@@ -613,6 +613,11 @@ def _kernel_vs_reference(
         assert got.tokens == ref.tokens
 
 
+@pytest.mark.full(
+    "test_interpret_kernels_match_reference_logits_on_the_builtin_model runs the cached forward's decode "
+    "(s_q = 1) and a verify-shaped step (s_q = 3) through the interpret kernels; "
+    "test_verify_step_table_covers_the_kernel_seq_len the verify step's table and lengths"
+)
 def test_interpret_kernels_match_reference():
     # MTP only (the interpreter is slow): prefill through paged_gather, verify through mla_decode
     # with s_q = 4 (3 drafts), the draft chain with s_q = 1, and the last verifies with fewer drafts
