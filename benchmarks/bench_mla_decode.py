@@ -27,6 +27,7 @@ exact cells (uniform ragged lengths ``lo-hi``), ``--schedule`` the default confi
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import jax
@@ -37,7 +38,7 @@ import numpy as np
 import benchmarks as bm
 from benchmarks import peers
 from pallas_kernels import BF16_PAGES, FP8_PAGES, MlaDecodeConfig, mla_decode, page_format_of, quantize_latent_fp8
-from pallas_kernels.mla_decode import SCHEDULES, plan
+from pallas_kernels.mla_decode import SCHEDULES, mla_decode_schedule, plan
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -114,6 +115,10 @@ def variants():
         "balanced_whole": MlaDecodeConfig(schedule="balanced", whole_requests=True),
         # the scorer body walking the balanced schedule's runs (opt-in until timed)
         "balanced_scorer": MlaDecodeConfig(schedule="balanced", scorer=True),
+        # each sequence cut into pieces of at most a CTA's share / pieces_per_share pages, launched longest first
+        "pieces": MlaDecodeConfig(schedule="pieces"),
+        "pieces1": MlaDecodeConfig(schedule="pieces", pieces_per_share=1),
+        "pieces4": MlaDecodeConfig(schedule="pieces", pieces_per_share=4),
         # per call, on the device: balanced_scorer for ragged lengths, the default for the others
         "auto": MlaDecodeConfig(schedule="auto"),
         # fp8 pages (--kv-dtype fp8) only: the padded shared-buffer body where the transposed one
@@ -365,11 +370,20 @@ def run(args):
                 and (B * p.row_blocks >= 100 or cfg.num_splits > table.shape[1])
             ):
                 continue  # the sweep's split counts only matter where the default leaves SMs idle
+            # A device plan (balanced, pieces, auto) is built once a step and read by every layer's call, as
+            # FlashMLA's metadata is: built here outside the timed call, its own time in plan_us.
+            plan_fn = jax.jit(functools.partial(mla_decode_schedule, heads=H, query_len=s_q, config=cfg))
             fn = jax.jit(
-                lambda *a, cfg=cfg: mla_decode(*a, softmax_scale=SCALE, causal=causal, config=cfg, impl="kernel")
+                lambda *a, sched, cfg=cfg: mla_decode(
+                    *a, softmax_scale=SCALE, causal=causal, config=cfg, impl="kernel", schedule=sched
+                )
             )
             row = dict(base, config=cname, schedule=cfg.schedule, splits=p.num_splits, row_blocks=p.row_blocks)
             try:
+                sched = plan_fn(lens)
+                fn = functools.partial(fn, sched=sched)
+                if sched is not None:
+                    row["plan_us"] = bm.cupti_median_us(plan_fn, lens, iterations=args.iters)
                 out, lse = fn(q, kv, table, lens)
                 # A cell is timed only after its output was checked against the XLA path.
                 if ref_out is None:
@@ -433,7 +447,9 @@ def run(args):
 
 # What each timing column is (``--peers``): written into the meta JSON and under the table.
 PEER_TIMING = {
-    "us": "ours: CUPTI kernel-time sum of one jitted call, median of --iters calls (benchmarks.cupti_median_us)",
+    "us": "ours: CUPTI kernel-time sum of one jitted call, median of --iters calls (benchmarks.cupti_median_us); a "
+    "device plan (balanced, pieces, auto schedules) built before, outside timing, as FlashMLA's metadata",
+    "plan_us": "ours: the device plan's own CUPTI time (mla_decode_schedule; once a step for every layer)",
     "<peer>_us": "the peer: the same CUPTI kernel-time sum of one call, median of --iters calls, same "
     "arguments every call, L2 not flushed (benchmarks.cupti_call_us); <peer>_method says so, "
     "or names the fallback (CUDA events) where CUPTI failed",
@@ -523,6 +539,7 @@ def report(rows, ceil, header, out_dir):
         ("splits", "spl", "{}"),
         ("us", "kernel µs", "{:.1f}"),
         ("main_us", "main µs", "{:.1f}"),
+        ("plan_us", "plan µs", "{:.1f}"),
         ("gbps", "GB/s", "{:.0f}"),
         ("tflops", "TFLOP/s", "{:.0f}"),
         ("bw_frac", "%BW", "{:.0%}"),

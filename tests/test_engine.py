@@ -23,7 +23,13 @@ from mla_jax.kv_cache import CacheFullError, KVCache, write_latents
 from models import DeepSeekModel
 from models.engine import Engine, GenerationResult, trace_counts
 from models.sampling import SamplingParams
-from pallas_kernels.mla_decode import SCHEDULE_SCOPE, AutoSchedule, MlaDecodeConfig, mla_decode_schedule
+from pallas_kernels.mla_decode import (
+    SCHEDULE_SCOPE,
+    AutoSchedule,
+    MlaDecodeConfig,
+    PieceSchedule,
+    mla_decode_schedule,
+)
 from tests.tiers import full
 from tests.xla_opt import optimized
 
@@ -630,22 +636,28 @@ BALANCED = MlaDecodeConfig(
 )
 
 
+PIECES = MlaDecodeConfig(schedule="pieces", target_ctas=4, min_pages_per_split=1)
+
+
 @pytest.mark.full("test_decode_plan_is_built_once_a_forward_call_not_per_layer checks the plan's lengths and place")
-def test_interpret_balanced_schedule_engine_matches_reference():
+@pytest.mark.parametrize("decode_config", [BALANCED, PIECES], ids=["balanced", "pieces"])
+def test_interpret_balanced_schedule_engine_matches_reference(decode_config):
     """An engine whose decode kernel runs the balanced schedule (runs of equal work over the step's rows,
-    planned once a step) gives the jnp path's greedy tokens on a ragged batch: a one-token prompt and one two
-    tokens short of a page decoding together, beside a two-page prompt's chunks in mixed steps (whose decoding
-    rows carry padding queries past the page end). Catches a step that hands the kernel a plan of other rows'
-    lengths (the rows' lengths reversed: it fails) and the plan not reaching the kernel through the engine's
-    cache."""
-    _kernel_vs_reference("interpret", _prompts(17, [1, 62, 130]), max_new_tokens=3, max_batch=3, decode_config=BALANCED)
+    planned once a step), or the pieces one, gives the jnp path's greedy tokens on a ragged batch: a one-token
+    prompt and one two tokens short of a page decoding together, beside a two-page prompt's chunks in mixed
+    steps (whose decoding rows carry padding queries past the page end). Catches a step that hands the kernel a
+    plan of other rows' lengths (the rows' lengths reversed: it fails) and the plan not reaching the kernel
+    through the engine's cache."""
+    _kernel_vs_reference(
+        "interpret", _prompts(17, [1, 62, 130]), max_new_tokens=3, max_batch=3, decode_config=decode_config
+    )
 
 
 def test_auto_decode_config_is_chosen_on_the_host_each_step(model, monkeypatch):
     """`Engine(decode_config=MlaDecodeConfig(schedule="auto"))`: each step's cache carries the program the rule
     picks from the step's lengths on the host (`step_decode_config`), never "auto" itself (whose device
     conditional cost 3-16 µs a kernel call on the H200): four equal rows decode per sequence; a 2-token prompt
-    beside a 40-token one (1 and 10 pages of 4) decodes balanced. Catches the engine passing "auto" through and
+    beside a 40-token one (1 and 10 pages of 4) decodes in pieces. Catches the engine passing "auto" through and
     a choice from stale or other rows' lengths, and a prefill step that compiles twice."""
     import models.scheduler as scheduler
 
@@ -663,7 +675,7 @@ def test_auto_decode_config_is_chosen_on_the_host_each_step(model, monkeypatch):
     e.generate(_prompts(4, [2, 40]), max_new_tokens=3)
     assert all(c.schedule != "auto" for c, _ in seen)
     decode = [(c.schedule, lens) for c, lens in seen if lens is not None and (lens > 0).sum() == 2 and lens.max() > 40]
-    assert decode and all(s == "balanced" for s, _ in decode), decode
+    assert decode and all(s == "pieces" for s, _ in decode), decode
     # prefill steps (lengths None) keep the per-sequence program: a ragged prompt batch does not retrace them
     assert {c.schedule for c, lens in seen if lens is None} == {"per_sequence"}
 
@@ -705,11 +717,12 @@ def test_decode_plan_is_built_once_a_forward_call_not_per_layer():
     assert out.decode_plan is None  # dropped when the call returns
     counts = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(cache).jaxpr)
     assert counts[True] == 0 and counts[False] > 0, counts
-    # "auto": its plan (the balanced one and the rule's choice) built once the same way
-    auto = dataclasses.replace(cache, decode_config=MlaDecodeConfig(schedule="auto", target_ctas=4))
-    assert isinstance(with_decode_plan(cfg, auto, pos).decode_plan, AutoSchedule)
-    counts = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(auto).jaxpr)
-    assert counts[True] == 0 and counts[False] > 0, counts
+    # "auto" (its plan: the pieces one and the rule's choice) and "pieces": built once the same way
+    for config, kind in ((MlaDecodeConfig(schedule="auto", target_ctas=4), AutoSchedule), (PIECES, PieceSchedule)):
+        other = dataclasses.replace(cache, decode_config=config)
+        assert isinstance(with_decode_plan(cfg, other, pos).decode_plan, kind)
+        counts = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(other).jaxpr)
+        assert counts[True] == 0 and counts[False] > 0, counts
     # the same model on the per-sequence schedule plans nothing on the device
     plain = dataclasses.replace(cache, decode_config=None)
     assert _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(plain).jaxpr) == {False: 0, True: 0}
@@ -734,14 +747,14 @@ def test_gpu_kernels_match_reference():
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "plan",
-    [dict(), dict(whole_requests=True), dict(scorer=True), dict(schedule="auto")],
-    ids=["equal_runs", "whole_requests", "scorer", "auto"],
+    [dict(), dict(whole_requests=True), dict(scorer=True), dict(schedule="auto"), dict(schedule="pieces")],
+    ids=["equal_runs", "whole_requests", "scorer", "auto", "pieces"],
 )
 def test_gpu_balanced_schedule_engine_matches_reference(plan):
     """The compiled engine on the balanced schedule (planned once a step, at the GPU's CTA count, runs of equal
-    pages or of equal work, the scorer body's walk): the jnp path's greedy tokens on ragged prompts, plain decode
-    and MTP verify. Catches what interpret mode cannot: the plan handed through the compiled, scanned step to the
-    kernel."""
+    pages or of equal work, the scorer body's walk) and on the pieces schedule ("auto" picks it for ragged
+    rows): the jnp path's greedy tokens on ragged prompts, plain decode and MTP verify. Catches what interpret
+    mode cannot: the plan handed through the compiled, scanned step to the kernel."""
     from pallas_kernels.backend import on_hopper
 
     if not on_hopper():

@@ -25,11 +25,14 @@ import pytest
 from pallas_kernels import MlaDecodeConfig, backend, mla_decode, mla_decode_reference
 from pallas_kernels.mla_decode import (
     AutoSchedule,
+    PieceSchedule,
     balanced_schedule,
     mla_decode_schedule,
+    num_piece_rows,
     num_piece_slots,
+    piece_schedule,
     plan,
-    prefers_balanced,
+    prefers_pieces,
     sequence_of_page,
 )
 from tests.tiers import full
@@ -380,8 +383,8 @@ BALANCED_CASES = [
 
 
 _BALANCED_WHY = (
-    "the scorer walking the runs (what the auto schedule picks), and test_interpret_balanced_reads_the_schedule_it_"
-    "is_given (the plain body on runs of equal work)"
+    "the scorer walking the runs, and test_interpret_balanced_reads_the_schedule_it_is_given (the plain body on "
+    "runs of equal work)"
 )
 
 
@@ -449,7 +452,7 @@ def test_interpret_balanced_reads_the_schedule_it_is_given():
             impl="interpret",
             schedule=sched,
         )
-    with pytest.raises(ValueError, match=r"^schedule= is a balanced schedule's plan; config.schedule is"):
+    with pytest.raises(ValueError, match=r"^schedule= is a device plan's; config.schedule is 'per_sequence'"):
         mla_decode(*args, softmax_scale=SCALE, impl="interpret", schedule=sched)
 
 
@@ -472,16 +475,147 @@ def test_balanced_cross_lowers_for_sm90(heads, s_q, variant):
     assert _mosaic_calls(lowered) == 2  # the main kernel and the piece combine
 
 
+# ------------------------------------------------------------------------------------------------
+# The pieces schedule: each sequence cut into pieces of N pages, one a CTA, launched longest first.
+# ------------------------------------------------------------------------------------------------
+
+
+def check_pieces(sched: PieceSchedule, seq_lens, row_blocks, config):
+    """What any plan of the pieces schedule must satisfy, checked from the lengths with Python loops: N from
+    the share rule; sequence b's pages covered once, in N-page pieces from page 0 (the last one short), piece k
+    writing slot piece_start[b] + k with the slots of the batch contiguous from 0; the rows in non-increasing
+    size, the rows with no piece last; W rows."""
+    pages = [-(-int(n) // 64) for n in seq_lens]
+    share = -(-sum(pages) * row_blocks // config.target_ctas)
+    n = max(config.min_pages_per_split, -(-share // config.pieces_per_share))
+    rows = np.asarray(sched.pieces)
+    assert rows.shape == (num_piece_rows(len(pages), row_blocks, config), 4)
+    sizes = rows[:, 2]
+    assert (np.diff(sizes) <= 0).all() and (sizes >= 0).all()
+    want_num = [-(-p // n) for p in pages]
+    assert np.asarray(sched.num_pieces).tolist() == want_num
+    assert np.asarray(sched.piece_start).tolist() == np.concatenate([[0], np.cumsum(want_num)[:-1]]).tolist()
+    live = rows[sizes > 0]
+    assert len(live) == sum(want_num)
+    for b, p in enumerate(pages):
+        mine = sorted((int(first), int(size), int(slot)) for bb, first, size, slot in live if bb == b)
+        assert [m[0] for m in mine] == list(range(0, p, n)), (b, mine)
+        assert [m[1] for m in mine] == [min(n, p - f) for f in range(0, p, n)]
+        assert [m[2] for m in mine] == [int(sched.piece_start[b]) + k for k in range(len(mine))]
+
+
+def test_piece_schedule_by_hand():
+    """Pages [1, 1, 2, 0, 128, 5, 200] (337), 8 CTAs: a share of cdiv(337, 8) = 43 pages, pieces of cdiv(43, 2) =
+    22. Sequence 4 is 5 pieces of 22 and one of 18, sequence 6 nine of 22 and one of 2; the fourteen full pieces
+    run first, then 18, 5, 2, 2, 1, 1; 2 x 8 + 7 = 23 rows, three of them empty. Catches N from the wrong share,
+    the sort ascending, slots in launch order instead of per sequence."""
+    lens = jnp.asarray([1, 64, 65, 0, 8192, 300, 12800], jnp.int32)
+    config = MlaDecodeConfig(schedule="pieces", target_ctas=8, min_pages_per_split=1)
+    sched = piece_schedule(lens, row_blocks=1, config=config)
+    rows = np.asarray(sched.pieces)
+    assert rows.shape == (23, 4)
+    assert rows[:, 2].tolist() == [22] * 14 + [18, 5, 2, 2, 1, 1, 0, 0, 0]
+    assert (
+        rows[0].tolist() == [4, 0, 22, 3] and rows[14].tolist() == [4, 110, 18, 8] and rows[15].tolist() == [5, 0, 5, 9]
+    )
+    assert np.asarray(sched.num_pieces).tolist() == [1, 1, 1, 0, 6, 1, 10]
+    assert np.asarray(sched.piece_start).tolist() == [0, 1, 2, 3, 3, 9, 10]
+    check_pieces(sched, lens, 1, config)
+
+
+@pytest.mark.parametrize("row_blocks,k,min_pages", [(1, 2, 4), (2, 1, 1), (2, 4, 2)])
+def test_piece_schedule_covers_every_page_once(row_blocks, k, min_pages):
+    """Random ragged batches (idle rows, one-token and one-page sequences among them) through `check_pieces`."""
+    rng = np.random.default_rng(row_blocks * 10 + k)
+    config = MlaDecodeConfig(schedule="pieces", target_ctas=132, pieces_per_share=k, min_pages_per_split=min_pages)
+    for B in (1, 7, 128):
+        lens = rng.integers(0, 20000, B)
+        lens[: min(B, 3)] = [1, 64, 0][: min(B, 3)]
+        check_pieces(
+            piece_schedule(jnp.asarray(lens, jnp.int32), row_blocks=row_blocks, config=config), lens, row_blocks, config
+        )
+    empty = piece_schedule(jnp.zeros(4, jnp.int32), row_blocks=row_blocks, config=config)
+    assert not np.asarray(empty.pieces)[:, 2].any() and not np.asarray(empty.num_pieces).any()
+
+
+# (heads, s_q, causal, seq_lens, max_pages, target_ctas, variant): sequences cut into one-page and
+# several-page pieces, an idle row, a one-token row, a page-boundary length (64), a causal row that sees no key.
+PIECE_CASES = [
+    (16, 2, True, [1, 64, 65, 190, 0, 3], 3, 2, dict()),  # the scorer body (the default); pieces of 2 pages and 1
+    (64, 1, False, [1, 0, 65, 3, 200, 64], 4, 3, dict(scorer=False, split_qk=False)),
+    (128, 1, False, [1, 64, 130], 3, 4, dict()),  # two row blocks a piece
+]
+
+
+@pytest.mark.parametrize(
+    "heads,s_q,causal,seq_lens,max_pages,target_ctas,variant",
+    [
+        PIECE_CASES[0],
+        pytest.param(*PIECE_CASES[1], marks=pytest.mark.full("the plain body on pieces (the scorer is the default)")),
+        pytest.param(*PIECE_CASES[2], marks=pytest.mark.full("two row blocks; the GPU tests run H = 128")),
+    ],
+)
+def test_interpret_pieces_matches_reference(heads, s_q, causal, seq_lens, max_pages, target_ctas, variant):
+    """Catches, with sequences cut into several pieces: a piece reading from the wrong first page (its keys'
+    positions or pages shifted), a partial written to another piece's slot or the combine merging another
+    sequence's slots, a piece row with no piece writing over a real slot, an idle row not giving out 0, lse -inf,
+    a page past a sequence's end reaching P·V (NaN-poisoned)."""
+    args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 5)
+    config = MlaDecodeConfig(schedule="pieces", target_ctas=target_ctas, min_pages_per_split=1, **variant)
+    sched = mla_decode_schedule(args[3], heads=heads, query_len=s_q, config=config)
+    assert isinstance(sched, PieceSchedule) and int(np.asarray(sched.num_pieces).max()) >= 2  # really cut
+    slots = np.asarray(sched.pieces)[:, 3]
+    assert (slots != np.arange(len(slots))).any()  # and launched in another order than their slots
+    keyless = min(seq_lens) < (s_q if causal else 1)
+    assert_matches_reference(args, causal=causal, config=config, impl="interpret", keyless_rows=keyless)
+
+
+@pytest.mark.full(
+    "test_interpret_pieces_matches_reference (the call's own plan) and the engine's plan-once test (a plan handed "
+    "to every layer)"
+)
+def test_interpret_pieces_reads_the_schedule_it_is_given():
+    """Another valid plan of the same lengths (pieces of another size) is read as given: the output is bit for
+    bit that plan's own config's, not the call's; a plan for another batch is one line."""
+    lens = [64, 65, 1, 380, 3]
+    args = make_inputs(len(lens), 1, 16, lens, 6, seed=12)
+    config = MlaDecodeConfig(schedule="pieces", target_ctas=4, min_pages_per_split=1, scorer=False)
+    other = dataclasses.replace(config, min_pages_per_split=3)  # pieces of 3 pages, not 2; the same rows
+    given = mla_decode_schedule(args[3], heads=16, config=other)
+    assert not np.array_equal(
+        np.asarray(given.pieces), np.asarray(mla_decode_schedule(args[3], heads=16, config=config).pieces)
+    )
+    got = mla_decode(*args, softmax_scale=SCALE, config=config, impl="interpret", schedule=given)
+    chex.assert_trees_all_equal(got, mla_decode(*args, softmax_scale=SCALE, config=other, impl="interpret"))
+    with pytest.raises(ValueError, match=r"^schedule.pieces is int32 \(13, 4\); B=5, s_q=1, H=16 .* \(11, 4\)"):
+        mla_decode(
+            *args,
+            softmax_scale=SCALE,
+            config=dataclasses.replace(config, target_ctas=3),
+            impl="interpret",
+            schedule=mla_decode_schedule(args[3], heads=16, config=config),
+        )
+
+
+@pytest.mark.parametrize("heads,s_q,variant", [(16, 1, "scorer"), (128, 2, "scorer"), (64, 1, "split_qk")])
+def test_pieces_cross_lowers_for_sm90(heads, s_q, variant):
+    """Catches a pieces construct Mosaic GPU cannot lower for sm_90 (the table row's scalar reads, the
+    predicated writes of a row with no piece), which interpret mode accepts."""
+    config = MlaDecodeConfig(schedule="pieces", split_qk=variant == "split_qk", scorer=variant == "scorer")
+    lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=config)
+    assert _mosaic_calls(lowered) == 2  # the main kernel and the piece combine
+
+
 def test_auto_schedule_rule_on_the_lengths():
-    """`prefers_balanced`, by hand: pages = ceil(len / 64); balanced iff max · B > 1.5 · sum. Pins the measured
-    sides (equal lengths: per-sequence; uniform draws over 256-16384 and 1-32768, max / mean ~ 2: balanced), a
+    """`prefers_pieces`, by hand: pages = ceil(len / 64); pieces iff max · B > 1.5 · sum. Pins the measured
+    sides (equal lengths: per-sequence; uniform draws over 256-16384 and 1-32768, max / mean ~ 2: pieces), a
     single sequence, idle rows counted, and both sides of the threshold."""
 
     def device_rule(lens):
-        return bool(prefers_balanced(jnp.asarray(lens, jnp.int32)))
+        return bool(prefers_pieces(jnp.asarray(lens, jnp.int32)))
 
     def rule(lens):  # the host's form (numpy in, numpy out: `host_config`) gives the same answer
-        got = prefers_balanced(np.asarray(lens, np.int32))
+        got = prefers_pieces(np.asarray(lens, np.int32))
         assert isinstance(got, np.bool_) and got == device_rule(lens), lens
         return bool(got)
 
@@ -496,7 +630,7 @@ def test_auto_schedule_rule_on_the_lengths():
 
 def test_host_config_picks_the_branch_from_the_lengths():
     """`host_config` (a serving loop's per-step choice): "auto" becomes the per-sequence program on equal lengths
-    and the balanced scorer on ragged ones (`branch_configs`, the other knobs kept); any other config, and None's
+    and the pieces program on ragged ones (`branch_configs`, the other knobs kept); any other config, and None's
     defaults through `mla_jax.attention.step_decode_config`, pass unchanged. Catches the branches swapped and an
     "auto" config reaching the compiled step (its device conditional)."""
     from mla_jax.attention import step_decode_config
@@ -505,16 +639,16 @@ def test_host_config_picks_the_branch_from_the_lengths():
     auto = MlaDecodeConfig(schedule="auto", target_ctas=8)
     even, ragged = np.full(16, 4096, np.int32), np.asarray([64] * 15 + [8192], np.int32)
     assert host_config(auto, even) == dataclasses.replace(auto, schedule="per_sequence")
-    assert host_config(auto, ragged) == dataclasses.replace(auto, schedule="balanced", scorer=True)
+    assert host_config(auto, ragged) == dataclasses.replace(auto, schedule="pieces")
     assert host_config(dataclasses.replace(auto, scorer=False), ragged).scorer is False
     assert host_config(auto, None) == dataclasses.replace(auto, schedule="per_sequence")  # a step that does not decode
     balanced = MlaDecodeConfig(schedule="balanced")
     assert host_config(balanced, even) is balanced and step_decode_config(None, ragged) is None
-    assert step_decode_config(auto, ragged).schedule == "balanced"
+    assert step_decode_config(auto, ragged).schedule == "pieces"
 
 
 @pytest.mark.parametrize(
-    "lens,balanced",
+    "lens,ragged",
     [
         pytest.param([130, 128, 129, 190], False, marks=pytest.mark.full("the ragged case catches swapped branches")),
         pytest.param(
@@ -527,16 +661,15 @@ def test_host_config_picks_the_branch_from_the_lengths():
         ),
     ],
 )
-def test_interpret_auto_runs_the_program_its_rule_picks(lens, balanced):
+def test_interpret_auto_runs_the_program_its_rule_picks(lens, ragged):
     """schedule="auto" gives the reference's output, and bit for bit the output of the program the rule picks:
-    the per-sequence config on near-equal lengths, the balanced scorer on ragged ones (catches the branches
+    the per-sequence config on near-equal lengths, the pieces one on ragged ones (catches the branches
     swapped, the plan of one branch handed to the other, the predicate ignored)."""
     args = make_inputs(len(lens), 1, 16, lens, 6, seed=11)
     auto = MlaDecodeConfig(schedule="auto", min_pages_per_split=1, target_ctas=4)
     plan_ = mla_decode_schedule(args[3], heads=16, config=auto)
-    assert isinstance(plan_, AutoSchedule) and bool(plan_.use_balanced) == balanced
-    picked = dataclasses.replace(auto, schedule="balanced", scorer=True) if balanced else None
-    picked = picked or dataclasses.replace(auto, schedule="per_sequence")
+    assert isinstance(plan_, AutoSchedule) and bool(plan_.use_pieces) == ragged
+    picked = dataclasses.replace(auto, schedule="pieces" if ragged else "per_sequence")
     # planned once outside the call (the engine's way; the call's own plan is the same function of the lengths)
     got = mla_decode(*args, softmax_scale=SCALE, causal=True, config=auto, impl="interpret", schedule=plan_)
     chex.assert_trees_all_equal(
@@ -546,12 +679,12 @@ def test_interpret_auto_runs_the_program_its_rule_picks(lens, balanced):
     out, ref_out = np.asarray(got[0], np.float32), np.asarray(ref_out, np.float32)
     assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 1e-2  # assert_matches_reference's bounds
     chex.assert_trees_all_close(np.asarray(got[1]), np.asarray(ref_lse), atol=2e-2, rtol=1e-3)
-    with pytest.raises(ValueError, match=r"^schedule must be an AutoSchedule \(mla_decode_schedule\), got Balanced"):
-        mla_decode(*args, softmax_scale=SCALE, config=auto, impl="interpret", schedule=plan_.balanced)
+    with pytest.raises(ValueError, match=r"^schedule must be an AutoSchedule \(mla_decode_schedule\), got Piece"):
+        mla_decode(*args, softmax_scale=SCALE, config=auto, impl="interpret", schedule=plan_.pieces)
 
 
 def test_auto_schedule_cross_lowers_for_sm90():
-    """Both programs in one module: the per-sequence scorer (with its split combine) and the balanced scorer
+    """Both programs in one module: the per-sequence scorer (with its split combine) and the pieces scorer
     with the piece combine, under one conditional."""
     lowered = lower_for_sm90(8, 1, 64, 130, causal=False, config=MlaDecodeConfig(schedule="auto"))
     assert _mosaic_calls(lowered) == 4
@@ -574,6 +707,10 @@ def test_bad_schedule_raises():
         MlaDecodeConfig(whole_requests=True)
     with pytest.raises(ValueError, match="request_cost_pages must be >= 0, got -1"):
         MlaDecodeConfig(schedule="balanced", request_cost_pages=-1)
+    with pytest.raises(ValueError, match=r"pieces_per_share must be in \[1, 64\], got 0"):
+        MlaDecodeConfig(schedule="pieces", pieces_per_share=0)
+    with pytest.raises(ValueError, match="whole_requests=True plans the balanced schedule's runs, got .*'pieces'"):
+        MlaDecodeConfig(schedule="pieces", whole_requests=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -873,6 +1010,27 @@ def test_gpu_large_batch(heads, s_q, causal):
     config = MlaDecodeConfig()
     assert plan(batch, s_q, heads, args[2].shape[1], config).num_splits == 1
     assert_matches_reference(args, causal=causal, impl="kernel", config=config)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize(
+    "heads,s_q,causal", [(16, 1, False), (64, 1, False), (64, 2, True), (128, 1, False), (128, 4, True)]
+)
+def test_gpu_pieces_matches_reference(heads, s_q, causal, variant):
+    """The pieces schedule on the GPU over the default 132 CTAs: ragged lengths with an idle row, a length-1 one,
+    page-boundary lengths and one that fills the table, so long sequences are cut into several pieces that run
+    on other SMs in another order than their slots. Catches what the interpreter cannot: a piece row's scalar
+    reads racing the TMA warpgroup, a row with no piece writing, a page read past a piece."""
+    rng = np.random.default_rng(heads + 10 * s_q + 1)
+    batch = 40
+    lengths = _ragged_lengths(rng, batch, 700, s_q)
+    lengths[0], lengths[1], lengths[2], lengths[3], lengths[-1] = 0, 1, 64, 128, 1400
+    args = make_inputs(batch, s_q, heads, lengths, -(-1400 // 64), seed=int(rng.integers(1 << 30)))
+    assert_matches_reference(
+        args, causal=causal, impl="kernel", keyless_rows=True, config=MlaDecodeConfig(schedule="pieces", **variant)
+    )
 
 
 @pytest.mark.gpu

@@ -31,6 +31,11 @@ P·V steps every body shares, `bf16` and `scorer` the bodies over bf16 pages, `f
   reduces each sequence's pieces (``piece_start[b]``, ``num_pieces[b]``). `balanced_schedule`
   computes the (B-sized) metadata on the device from ``seq_lens``; a page's sequence is a binary
   search of the page prefix sums (`sequence_of_page`).
+* Pieces (`MlaDecodeConfig.schedule="pieces"`): each sequence cut into pieces of at most N pages (N from
+  the lengths: a CTA's share of the batch's pages over ``pieces_per_share``), one piece a CTA, no piece
+  crossing a sequence, so every CTA runs the per-sequence body; the CTAs are launched longest piece first and
+  the GPU's block scheduler hands each free SM the next (`piece_schedule`); the combine merges each
+  sequence's pieces.
 * Warp specialisation: warpgroup 2 streams pages through the block table with TMA
   (two 73.7 KB stages; with Q resident that is 221 KB of the 227 KB of SMEM); warpgroups 0 and 1
   each own 256 of the 512 output columns (a 64x512 fp32 accumulator in one warpgroup spills).
@@ -84,12 +89,15 @@ from pallas_kernels.mla_decode.fp8 import NARROW_ROWS, _decode_partials_fp8, _de
 from pallas_kernels.mla_decode.schedule import (
     AutoSchedule,
     BalancedSchedule,
+    PieceSchedule,
     balanced_schedule,
     branch_configs,
     host_config,
+    num_piece_rows,
     num_piece_slots,
+    piece_schedule,
     plan,
-    prefers_balanced,
+    prefers_pieces,
     sequence_of_page,
 )
 from pallas_kernels.mla_decode.scorer import (
@@ -115,6 +123,7 @@ __all__ = [
     "AutoSchedule",
     "BalancedSchedule",
     "MlaDecodeConfig",
+    "PieceSchedule",
     "balanced_schedule",
     "branch_configs",
     "host_config",
@@ -122,9 +131,11 @@ __all__ = [
     "mla_decode_problems",
     "mla_decode_reference",
     "mla_decode_schedule",
+    "num_piece_rows",
     "num_piece_slots",
+    "piece_schedule",
     "plan",
-    "prefers_balanced",
+    "prefers_pieces",
     "sequence_of_page",
 ]
 
@@ -271,7 +282,7 @@ def _body(page_format: PageFormat, plan_, s_q: int, heads: int, config: MlaDecod
     """The partials function that serves these pages, query rows and config."""
     if page_format.name == "fp8":
         return _decode_partials_fp8_t if _use_transposed_fp8(plan_, s_q, heads, config) else _decode_partials_fp8
-    if plan_.scorer:
+    if plan_.scorer:  # per sequence or per piece, or walking the balanced schedule's runs
         return _decode_partials_scorer_balanced if plan_.balanced else _decode_partials_scorer
     return _decode_partials
 
@@ -279,8 +290,10 @@ def _body(page_format: PageFormat, plan_, s_q: int, heads: int, config: MlaDecod
 SCHEDULE_SCOPE = "mla_decode_schedule"  # the name scope of the schedule's ops (a test finds where they run)
 
 
-def _schedule_for(seq_lens, plan_, config: MlaDecodeConfig) -> BalancedSchedule:
+def _schedule_for(seq_lens, plan_, config: MlaDecodeConfig) -> BalancedSchedule | PieceSchedule:
     with jax.named_scope(SCHEDULE_SCOPE):
+        if plan_.schedule == "pieces":
+            return piece_schedule(seq_lens, row_blocks=plan_.row_blocks, config=config)
         return balanced_schedule(
             seq_lens,
             num_ctas=plan_.num_ctas,
@@ -292,8 +305,9 @@ def _schedule_for(seq_lens, plan_, config: MlaDecodeConfig) -> BalancedSchedule:
 
 def mla_decode_schedule(seq_lens, *, heads: int, query_len: int = 1, config: MlaDecodeConfig | None = None):
     """The work plan `mla_decode(..., config=config, schedule=...)` takes for these lengths: a
-    `BalancedSchedule` when ``config.schedule`` is "balanced", an `AutoSchedule` (that plan and the rule's
-    choice) for "auto", else None (the per-sequence schedule has nothing to plan on the device).
+    `BalancedSchedule` when ``config.schedule`` is "balanced", a `PieceSchedule` for "pieces", an `AutoSchedule`
+    (the pieces plan and the rule's choice) for "auto", else None (the per-sequence schedule has nothing to
+    plan on the device).
 
     It depends on the lengths, the heads, s_q and the config only, so a forward pass builds it once and
     hands it to every layer's call (`mla_jax.kv_cache.KVCache.decode_plan`) instead of each layer
@@ -306,31 +320,35 @@ def mla_decode_schedule(seq_lens, *, heads: int, query_len: int = 1, config: Mla
     if seq_lens.ndim != 1 or seq_lens.dtype != jnp.int32:
         raise ValueError(f"seq_lens must be int32 [B], got {seq_lens.dtype} {seq_lens.shape}")
     if config.schedule == "auto":
-        balanced = branch_configs(config)[1]
-        sched = _schedule_for(seq_lens, plan(seq_lens.shape[0], query_len, heads, 1, balanced), balanced)
+        pieces = branch_configs(config)[1]
+        sched = _schedule_for(seq_lens, plan(seq_lens.shape[0], query_len, heads, 1, pieces), pieces)
         with jax.named_scope(SCHEDULE_SCOPE):
-            return AutoSchedule(sched, prefers_balanced(seq_lens))
+            return AutoSchedule(sched, prefers_pieces(seq_lens))
     plan_ = plan(seq_lens.shape[0], query_len, heads, 1, config)
     return _schedule_for(seq_lens, plan_, config)
 
 
 def _check_schedule(schedule, B: int, s_q: int, H: int, config: MlaDecodeConfig) -> None:
-    """A work plan handed to `mla_decode` fits this call: the balanced schedule, B sequences, its CTAs."""
+    """A work plan handed to `mla_decode` fits this call: the config's schedule, B sequences, its CTAs."""
     if config.schedule == "auto":
         if not isinstance(schedule, AutoSchedule):
             raise ValueError(f"schedule must be an AutoSchedule (mla_decode_schedule), got {type(schedule).__name__}")
-        if schedule.use_balanced.shape != () or schedule.use_balanced.dtype != jnp.bool_:
+        if schedule.use_pieces.shape != () or schedule.use_pieces.dtype != jnp.bool_:
             raise ValueError(
-                f"schedule.use_balanced must be a bool scalar, got {schedule.use_balanced.dtype} "
-                f"{schedule.use_balanced.shape}"
+                f"schedule.use_pieces must be a bool scalar, got {schedule.use_pieces.dtype} "
+                f"{schedule.use_pieces.shape}"
             )
-        return _check_schedule(schedule.balanced, B, s_q, H, branch_configs(config)[1])
-    if config.schedule != "balanced":
-        raise ValueError(f"schedule= is a balanced schedule's plan; config.schedule is {config.schedule!r}")
-    if not isinstance(schedule, BalancedSchedule):
-        raise ValueError(f"schedule must be a BalancedSchedule (mla_decode_schedule), got {type(schedule).__name__}")
+        return _check_schedule(schedule.pieces, B, s_q, H, branch_configs(config)[1])
+    if config.schedule not in ("balanced", "pieces"):
+        raise ValueError(f"schedule= is a device plan's; config.schedule is {config.schedule!r}, which has none")
+    kind = BalancedSchedule if config.schedule == "balanced" else PieceSchedule
+    if not isinstance(schedule, kind):
+        raise ValueError(f"schedule must be a {kind.__name__} (mla_decode_schedule), got {type(schedule).__name__}")
     ctas = plan(B, s_q, H, 1, config).num_ctas
-    want = {"ends": (B,), "ctas": (ctas, 4), "piece_start": (B,), "num_pieces": (B,)}
+    if kind is BalancedSchedule:
+        want = {"ends": (B,), "ctas": (ctas, 4), "piece_start": (B,), "num_pieces": (B,)}
+    else:
+        want = {"pieces": (ctas, 4), "piece_start": (B,), "num_pieces": (B,)}
     for name, shape in want.items():
         got = getattr(schedule, name)
         if got.shape != shape or got.dtype != jnp.int32:
@@ -345,8 +363,8 @@ def _mla_decode_kernel(
     q, kv_pages, block_table, seq_lens, schedule, *, softmax_scale, causal, page_format, config, interpret
 ):
     B, s_q, H, _ = q.shape
-    if config.schedule == "auto":  # both programs, one taken by the rule (`prefers_balanced`)
-        per_sequence, balanced = branch_configs(config)
+    if config.schedule == "auto":  # both programs, one taken by the rule (`prefers_pieces`)
+        per_sequence, pieces = branch_configs(config)
         if schedule is None:
             schedule = mla_decode_schedule(seq_lens, heads=H, query_len=s_q, config=config)
         run = functools.partial(
@@ -361,8 +379,8 @@ def _mla_decode_kernel(
             interpret=interpret,
         )
         return lax.cond(
-            schedule.use_balanced,
-            lambda: run(schedule.balanced, config=balanced),
+            schedule.use_pieces,
+            lambda: run(schedule.pieces, config=pieces),
             lambda: run(None, config=per_sequence),
         )
     R = s_q * H
@@ -404,7 +422,7 @@ def _mla_decode_kernel(
         return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
     if Rp != R:  # the 64-row bodies take whole row blocks
         q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))
-    if plan_.schedule == "balanced":
+    if plan_.planned:
         sched = schedule if schedule is not None else _schedule_for(seq_lens, plan_, config)
         o_part, lse_part = partials(
             q_rows,
@@ -479,9 +497,9 @@ def mla_decode(
       checked: also check traced block tables and lengths, with `jax.experimental.checkify`
         (the caller wraps the jitted function in `checkify.checkify`; see `_page_table`).
         Concrete ones are always checked.
-      schedule: with ``config.schedule`` "balanced" or "auto", the work plan `mla_decode_schedule` built for
-        these ``seq_lens`` (so the layers of a step share one); None builds it here. It must be the plan of
-        these lengths: a plan of other lengths reads the wrong pages.
+      schedule: with ``config.schedule`` "balanced", "pieces" or "auto", the work plan `mla_decode_schedule`
+        built for these ``seq_lens`` (so the layers of a step share one); None builds it here. It must be the
+        plan of these lengths: a plan of other lengths reads the wrong pages.
 
     Returns:
       out: [B, s_q, H, 512] in q's dtype (bf16); lse: float32 [B, s_q, H], natural log of the

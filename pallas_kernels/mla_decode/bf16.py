@@ -40,12 +40,12 @@ def _decode_partials(
 ):
     """Main kernel. With one split it returns the final (out [B, Rp, 512] bf16, lse [B, Rp] f32 ln);
     with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in log2) for `_combine`.
-    With ``schedule`` (plan_.schedule == "balanced": a `BalancedSchedule`'s `kernel_refs`, ends and
-    ctas): fp32 partials per piece slot (o [NS, Rp, 512], lse [NS, Rp] in log2, NS =
-    `num_piece_slots`); slots no piece takes are never written."""
+    With ``schedule`` (plan_.schedule "balanced": a `BalancedSchedule`'s `kernel_refs`, ends and
+    ctas; "pieces": a `PieceSchedule`'s): fp32 partials per piece slot (o [NS, Rp, 512], lse [NS, Rp] in
+    log2, `_main_out_geometry`); slots no piece takes are never written."""
     B, Rp, _ = q_rows.shape
     balanced = plan_.schedule == "balanced"
-    final = plan_.num_splits == 1 and not balanced
+    final = plan_.num_splits == 1 and not plan_.planned
     scale_log2 = scale * _LOG2E
     out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
     scratch = dict(q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS), q_bar=plgpu.Barrier())
@@ -88,7 +88,7 @@ def _decode_partials(
     def mla_decode_partials(
         *refs, q_smem, q_bar, q_free_bar=None, p_smem=None, p_full_smem=None, stat_smem=None, max_bar=None, p_bar=None
     ):
-        (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, balanced)
+        (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, plan_.planned)
         g = lax.axis_index("g")
         wg = lax.axis_index("wg")
         rows = pl.ds(g * ROWS, ROWS)
@@ -198,7 +198,7 @@ def _decode_partials(
             ],
         )(kv_ref)
 
-    if balanced:
+    if plan_.planned:
         return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens, *schedule)
     return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens)
 

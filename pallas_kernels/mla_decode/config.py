@@ -11,8 +11,8 @@ ROWS = 64  # query rows per CTA = wgmma M of one warpgroup
 SUPPORTED_HEADS = (16, 32, 64, 128)
 MAX_QUERY_LEN = 4
 KERNEL_FORMATS = ("bf16", "fp8")  # page formats the kernel has bodies for (`pallas_kernels.page_format.NAMES`)
-SCHEDULES = ("per_sequence", "balanced", "auto")
-RAGGED_SPREAD = 1.5  # "auto": the balanced schedule when the longest sequence has more pages than this x the mean
+SCHEDULES = ("per_sequence", "balanced", "pieces", "auto")
+RAGGED_SPREAD = 1.5  # "auto": the pieces schedule when the longest sequence has more pages than this x the mean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,16 +39,19 @@ class MlaDecodeConfig:
       interpretable: use constructs the Pallas interpreter can run (P staged through SMEM, P·V
         accumulated with ``run_scoped`` instead of ``run_state``); slower, for interpret mode only.
       schedule: how pages are dealt to CTAs. "per_sequence": each CTA takes one split of one
-        sequence (``num_splits`` per sequence, the same for all). "balanced": the batch's pages are
-        cut into ``target_ctas // row_blocks`` equal runs (at least ``min_pages_per_split`` pages
-        each) that may span sequences, so the longest sequence no longer sets the time for ragged
-        lengths; always followed by the combine. ``num_splits`` and ``max_splits`` do not
-        apply. "auto": chosen on the device each call from the lengths (`prefers_balanced`: the longest
-        sequence holds more than `RAGGED_SPREAD` x the mean pages, idle rows counted): the balanced schedule
-        with the scorer body (unless ``scorer=False``) there, the per-sequence one elsewhere; both programs
-        are compiled (the balanced scorer measured 2-9 % under the per-sequence scorer on ragged cells and
-        1.51x over it on equal lengths, before its in-place normalization: docs/BENCHMARKS.md, fifteenth
-        session; "auto" itself not yet timed).
+        sequence (``num_splits`` per sequence, the same for all). "pieces": each sequence is cut into
+        pieces of at most N pages, N from the lengths on the device (a CTA's share of the batch's pages over
+        ``pieces_per_share``, at least ``min_pages_per_split``), one piece a CTA, the CTAs launched longest
+        piece first so the GPU's block scheduler deals them out as SMs free up (longest-processing-time
+        first); a piece never crosses a sequence, so each CTA runs the per-sequence body on one piece, and
+        the combine merges every sequence's pieces. "balanced": the batch's pages are cut into
+        ``target_ctas // row_blocks`` equal runs (at least ``min_pages_per_split`` pages each) that may span
+        sequences (FlashMLA's partitions), every CTA walking its run; measured slower than "pieces" on every
+        cell (docs/BENCHMARKS.md, eighteenth session). With either, ``num_splits`` and ``max_splits`` do not
+        apply and the combine always runs. "auto": per call, the pieces schedule for ragged lengths and the
+        per-sequence one otherwise (`prefers_pieces`: the longest sequence holds more than `RAGGED_SPREAD` x
+        the mean pages, idle rows counted); a caller holding the lengths on the host picks the program there
+        (`host_config`), else both are compiled under a device conditional.
       whole_requests: with the balanced schedule, runs of equal work instead of equal pages: a request
         costs its pages plus ``request_cost_pages`` (FlashMLA's planner counts the same), and a cut that
         falls inside a request costing no more than a share moves to that request's nearer end, so only
@@ -57,6 +60,9 @@ class MlaDecodeConfig:
         can take up to a share plus half a request at each end; docs/NOTES.md).
       request_cost_pages: with ``whole_requests``, what a request costs a CTA besides its pages, in
         pages (its Q load, 73.7 KB, is about one page; its fp32 partial write, 128 KB, about two).
+      pieces_per_share: with the "pieces" schedule, the pieces one CTA's share of the work (the batch's pages
+        x row blocks over ``target_ctas``) is cut into: 1 gives the fewest partials (each costs a 128 KB
+        fp32 write and its read in the combine), more give the scheduler finer pieces to even out.
       fp8_transposed: for fp8 pages, the transposed body (`_decode_partials_fp8_t`: scores as
         Sᵀ = K·Qᵀ with the R = s_q * H query rows as the wgmma N, so no tensor work on padding
         rows, and no barrier around a shared key buffer) instead of the padded 64-row body. It
@@ -84,6 +90,7 @@ class MlaDecodeConfig:
     schedule: str = "per_sequence"
     whole_requests: bool = False
     request_cost_pages: int = 2
+    pieces_per_share: int = 2
     fp8_transposed: bool | None = None
     scorer: bool | None = None
 
@@ -98,7 +105,9 @@ class MlaDecodeConfig:
             raise ValueError(f"max_splits must be >= 1, got {self.max_splits}")
         if self.request_cost_pages < 0:
             raise ValueError(f"request_cost_pages must be >= 0, got {self.request_cost_pages}")
-        if self.whole_requests and self.schedule == "per_sequence":
+        if not 1 <= self.pieces_per_share <= 64:
+            raise ValueError(f"pieces_per_share must be in [1, 64], got {self.pieces_per_share}")
+        if self.whole_requests and self.schedule in ("per_sequence", "pieces"):
             raise ValueError(f"whole_requests=True plans the balanced schedule's runs, got schedule {self.schedule!r}")
         if self.min_pages_per_split < 1:
             raise ValueError(f"min_pages_per_split must be >= 1, got {self.min_pages_per_split}")

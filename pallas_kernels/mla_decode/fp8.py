@@ -66,7 +66,7 @@ def _decode_partials_fp8(
     `_decode_partials`."""
     B, Rp, _ = q_rows.shape
     balanced = plan_.schedule == "balanced"
-    final = plan_.num_splits == 1 and not balanced
+    final = plan_.num_splits == 1 and not plan_.planned
     scale_log2 = scale * _LOG2E
     out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
     scratch = dict(
@@ -101,7 +101,7 @@ def _decode_partials_fp8(
         interpret=interpret,
     )
     def mla_decode_partials_fp8(*refs, q_smem, q_bar, lat_smem, deq_bar, free_bar, q_free_bar=None, p_smem=None):
-        ins, sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 6, balanced)
+        ins, sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 6, plan_.planned)
         q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref = ins
         g = lax.axis_index("g")
         wg = lax.axis_index("wg")
@@ -159,7 +159,7 @@ def _decode_partials_fp8(
             in_specs=_fp8_in_specs(steps.page_of),
         )(lat_ref, lat_ref, scale_ref, rope_ref)
 
-    if balanced:
+    if plan_.planned:
         return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens, *schedule)
     return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens)
 

@@ -27,12 +27,18 @@ class _Plan:
     pages_per_split: int
     split_qk: bool  # the Q·Kᵀ-split body (see MlaDecodeConfig.split_qk)
     schedule: str = "per_sequence"
-    num_ctas: int = 0  # balanced: CTAs (page runs) per row block; 0 for per_sequence
+    num_ctas: int = 0  # balanced: CTAs (page runs) a row block; pieces: piece rows (`num_piece_rows`); else 0
     scorer: bool = False  # the scorer body (see MlaDecodeConfig.scorer; bf16 pages only)
 
     @property
     def balanced(self) -> bool:
         return self.schedule == "balanced"
+
+    @property
+    def planned(self) -> bool:
+        """The main kernel reads a plan built on the device (`BalancedSchedule` or `PieceSchedule`), writes fp32
+        partials by slot and is always followed by the combine."""
+        return self.schedule in ("balanced", "pieces")
 
 
 def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConfig) -> _Plan:
@@ -49,31 +55,35 @@ def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConf
     splits = max(1, min(splits, max_pages))
     pages_per_split = pl.cdiv(max_pages, splits)
     split_qk = config.split_qk if config.split_qk is not None else s_q * heads >= ROWS
-    # The scorer body: the default per sequence; on the balanced schedule only when asked (not yet timed there)
-    scorer = (config.scorer is None or config.scorer) if config.schedule == "per_sequence" else bool(config.scorer)
+    # The scorer body: the default per sequence and per piece; on the balanced schedule only when asked
+    per_piece = config.schedule in ("per_sequence", "pieces")
+    scorer = (config.scorer is None or config.scorer) if per_piece else bool(config.scorer)
     split_qk = split_qk and not scorer
     if config.schedule == "balanced":
         return _Plan(
             row_blocks, 1, pages_per_split, split_qk, "balanced", max(1, config.target_ctas // row_blocks), scorer
         )
+    if config.schedule == "pieces":
+        rows = num_piece_rows(batch, row_blocks, config)
+        return _Plan(row_blocks, 1, pages_per_split, split_qk, "pieces", rows, scorer)
     return _Plan(row_blocks, pl.cdiv(max_pages, pages_per_split), pages_per_split, split_qk, scorer=scorer)
 
 
 def branch_configs(config: MlaDecodeConfig) -> tuple[MlaDecodeConfig, MlaDecodeConfig]:
-    """The "auto" schedule's two programs: (the per-sequence config, the balanced config, whose body is the
-    scorer's unless ``config.scorer`` is False)."""
-    balanced = dataclasses.replace(config, schedule="balanced", scorer=config.scorer is not False)
-    return dataclasses.replace(config, schedule="per_sequence", whole_requests=False), balanced
+    """The "auto" schedule's two programs: (the per-sequence config, the pieces config), the other knobs kept."""
+    per_sequence = dataclasses.replace(config, schedule="per_sequence", whole_requests=False)
+    return per_sequence, dataclasses.replace(per_sequence, schedule="pieces")
 
 
-def prefers_balanced(seq_lens):
+def prefers_pieces(seq_lens):
     """bool [] (of numpy lengths a numpy bool, on the host; else a jax one): the "auto" schedule's rule. The
-    balanced schedule when the longest sequence holds more than `RAGGED_SPREAD` x the mean pages (idle rows,
+    pieces schedule when the longest sequence holds more than `RAGGED_SPREAD` x the mean pages (idle rows,
     length 0, counted: the per-sequence schedule gives their CTAs nothing to do); else the per-sequence one.
-    Equal lengths and a single sequence never take it. Measured (docs/BENCHMARKS.md, fifteenth and sixteenth
-    sessions): lengths drawn uniformly from 256-16384, 256-8192 and 1-32768 (max / mean ~ 1.9-2) ran 2-9 %
-    faster balanced; equal lengths 1.5x slower balanced. The threshold lies between those cells; nothing was
-    measured near it."""
+    Equal lengths and a single sequence never take it. Measured (docs/BENCHMARKS.md, eighteenth session, one
+    H200 beside FlashMLA): lengths drawn uniformly from 256-16384, 256-8192 and 1-32768 and normal around 8192
+    (max / mean ~ 1.9-2) ran 19-31 % faster in pieces; equal lengths 128 x 8192 (H = 64) and 128 x 4096 (H =
+    128) 7-14 % slower (each piece pays its Q load, a partial write and the combine). The threshold lies between
+    those cells; nothing was measured near it."""
     xp = np if isinstance(seq_lens, np.ndarray) else jnp
     pages = (seq_lens.astype(xp.int64 if xp is np else xp.int32) + PAGE_SIZE - 1) // PAGE_SIZE
     return xp.max(pages).astype(xp.float32) * pages.shape[0] > RAGGED_SPREAD * xp.sum(pages).astype(xp.float32)
@@ -81,13 +91,13 @@ def prefers_balanced(seq_lens):
 
 def host_config(config: MlaDecodeConfig, seq_lens: np.ndarray | None) -> MlaDecodeConfig:
     """The program a caller that knows its lengths on the host runs: for ``schedule="auto"`` the branch
-    `prefers_balanced` picks from ``seq_lens`` (numpy: no device work, no conditional in the compiled call; each
+    `prefers_pieces` picks from ``seq_lens`` (numpy: no device work, no conditional in the compiled call; each
     branch compiles once, when first taken), the per-sequence one for ``seq_lens`` None (a call that does not
     decode: one program, whatever its lengths); any other config as it is."""
     if config.schedule != "auto":
         return config
-    per_sequence, balanced = branch_configs(config)
-    return balanced if seq_lens is not None and prefers_balanced(np.asarray(seq_lens)) else per_sequence
+    per_sequence, pieces = branch_configs(config)
+    return pieces if seq_lens is not None and prefers_pieces(np.asarray(seq_lens)) else per_sequence
 
 
 class BalancedSchedule(NamedTuple):
@@ -111,12 +121,72 @@ class BalancedSchedule(NamedTuple):
         return (self.ends, self.ctas)
 
 
-class AutoSchedule(NamedTuple):
-    """The "auto" schedule's plan of a call: the balanced schedule's plan, and whether the call takes it
-    (`prefers_balanced`)."""
+class PieceSchedule(NamedTuple):
+    """The "pieces" schedule's plan (`piece_schedule`); every field int32.
 
-    balanced: BalancedSchedule
-    use_balanced: jax.Array  # bool []
+    Sequence b's cdiv(seq_lens[b], 64) pages are cut into num_pieces[b] pieces of N pages (the last one
+    shorter; N the same for the whole batch); piece k of b reads pages [k·N, k·N + its pages) and writes the
+    partial slot piece_start[b] + k, so a sequence's pieces are contiguous slots in key order. Row c of
+    ``pieces`` is what CTA c (per row block, in launch order) runs: (b, first page, pages, slot), the longest
+    pieces first; rows past the batch's pieces have 0 pages (the CTA writes nothing).
+    """
+
+    pieces: jax.Array  # [W, 4], W = `num_piece_rows`
+    piece_start: jax.Array  # [B]: slot of sequence b's first piece
+    num_pieces: jax.Array  # [B]: 0 for an empty sequence
+
+    @property
+    def kernel_refs(self) -> tuple:
+        """What a main kernel reads of the schedule (the combine reads `piece_start` and `num_pieces`)."""
+        return (self.pieces,)
+
+
+def num_piece_rows(batch: int, row_blocks: int, config: MlaDecodeConfig) -> int:
+    """W, the static bound of a batch's pieces (`piece_schedule`): with N >= the pages of a CTA's share over
+    k = ``pieces_per_share``, the pieces of the whole pages number at most k·target_ctas / row_blocks, and every
+    sequence adds at most one short piece."""
+    return config.pieces_per_share * pl.cdiv(config.target_ctas, row_blocks) + batch
+
+
+def piece_schedule(seq_lens, *, row_blocks: int, config: MlaDecodeConfig) -> PieceSchedule:
+    """The "pieces" schedule's plan, on the device (jit-friendly: static shapes, O(W·B) vector work and one
+    sort of W values).
+
+    Args:
+      seq_lens: int32 [B] (0 allowed: an idle row gets no piece).
+      row_blocks: 64-row query blocks a sequence (each piece runs on that many CTAs).
+      config: its ``target_ctas``, ``pieces_per_share`` and ``min_pages_per_split`` set N.
+
+    A CTA's share is L = cdiv(total pages x row_blocks, target_ctas) pages; pieces are N = max(
+    ``min_pages_per_split``, cdiv(L, ``pieces_per_share``)) pages. Launched longest first, the GPU's block
+    scheduler gives each free SM the longest piece left (longest-processing-time-first): the whole-N pieces
+    fill the SMs, the sequences' short last pieces fill the gaps.
+    """
+    B = seq_lens.shape[0]
+    W = num_piece_rows(B, row_blocks, config)
+    pages = (seq_lens.astype(jnp.int32) + PAGE_SIZE - 1) // PAGE_SIZE  # [B]
+    total = jnp.sum(pages)
+    share = (total * row_blocks + config.target_ctas - 1) // config.target_ctas
+    k = config.pieces_per_share
+    n = jnp.maximum((share + k - 1) // k, config.min_pages_per_split)
+    num_pieces = (pages + n - 1) // n
+    piece_end = jnp.cumsum(num_pieces).astype(jnp.int32)  # inclusive
+    piece_start = piece_end - num_pieces
+    j = jnp.arange(W, dtype=jnp.int32)  # a piece's slot
+    b = jnp.minimum((piece_end[None, :] <= j[:, None]).sum(1, dtype=jnp.int32), B - 1)
+    first = (j - piece_start[b]) * n
+    size = jnp.where(j < piece_end[-1], jnp.minimum(n, pages[b] - first), 0)
+    order = jnp.argsort(-size, stable=True)
+    pieces = jnp.stack([b[order], first[order], size[order], j[order]], 1).astype(jnp.int32)
+    return PieceSchedule(pieces, piece_start.astype(jnp.int32), num_pieces.astype(jnp.int32))
+
+
+class AutoSchedule(NamedTuple):
+    """The "auto" schedule's plan of a call: the pieces schedule's plan, and whether the call takes it
+    (`prefers_pieces`)."""
+
+    pieces: PieceSchedule
+    use_pieces: jax.Array  # bool []
 
 
 def num_piece_slots(batch: int, num_ctas: int) -> int:
@@ -227,11 +297,11 @@ def _partials_out_type(B, S, Rp, dtype):
 
 def _main_out_geometry(B, Rp, plan_: _Plan, dtype):
     """(out_type, grid, grid_names) of a main kernel. per_sequence: `_partials_out_type` over the grid
-    (row block g, split s, batch b). balanced: fp32 partials by piece slot (o [NS, Rp, 512], lse
-    [NS, Rp] in log2, NS = `num_piece_slots`; slots no piece takes are never written) over the grid
-    (row block g, CTA c)."""
-    if plan_.schedule == "balanced":
-        NS = num_piece_slots(B, plan_.num_ctas)
+    (row block g, split s, batch b). balanced and pieces: fp32 partials by piece slot (o [NS, Rp, 512], lse
+    [NS, Rp] in log2, NS = `num_piece_slots` or `num_piece_rows`; slots no piece takes are never written)
+    over the grid (row block g, CTA c)."""
+    if plan_.planned:
+        NS = num_piece_slots(B, plan_.num_ctas) if plan_.balanced else plan_.num_ctas
         return (
             (jax.ShapeDtypeStruct((NS, Rp, LATENT_DIM), jnp.float32), jax.ShapeDtypeStruct((NS, Rp), jnp.float32)),
             (plan_.row_blocks, plan_.num_ctas),
@@ -291,7 +361,8 @@ def _schedule_steps(
     """The schedule's side of a main kernel (either body, either page format).
 
     per_sequence: CTA (g, s, b) reads split s of sequence b; Q is loaded once; the context writes
-    the result (final or the split's partial) after the pipeline.
+    the result (final or the split's partial) after the pipeline. pieces (``sched_refs`` = a `PieceSchedule`'s
+    `kernel_refs`): CTA (g, c) reads the piece of row c the same way and writes its partial to the row's slot.
     balanced (``sched_refs`` = a `BalancedSchedule`'s `kernel_refs`: ends, ctas): CTA (g, c) reads
     run c of the batch's pages, carrying the current sequence b next to (acc, m, l). The TMA
     warpgroup finds each page's sequence by `sequence_of_page` among the run's sequences, the
@@ -363,33 +434,45 @@ def _schedule_steps(
 
         return _Steps(n_steps, page_of, begin, after_qk, end_step, compute_context)
 
-    pps = plan_.pages_per_split
-    s, b = lax.axis_index("s"), lax.axis_index("b")
+    if plan_.schedule == "pieces":  # one piece of one sequence: the per-sequence walk over a table row
+        (piece_ref,) = sched_refs
+        c = lax.axis_index("c")
+        b, first_page, n_steps, slot = (piece_ref[c, k] for k in range(4))
+        out_at = (slot,)
+    else:
+        pps = plan_.pages_per_split
+        s, b = lax.axis_index("s"), lax.axis_index("b")
+        first_page = s * pps
+        n_steps = None
+        out_at = (b,) if final else (b, s)
     seq_len = lens_ref[b]
-    first_page = s * pps
+    if n_steps is None:
+        n_steps = _split_pages(seq_len, first_page, pps)
     table = bt_ref.at[b]
+    # An empty split still loads Q and writes (the combine reads every split); a piece row with no piece neither.
+    live = (n_steps > 0) if plan_.schedule == "pieces" else True
 
     def compute_context(pipeline):
-        @pl.when(wg == 0)
+        @pl.when(live)
         def _():
-            plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
 
-        plgpu.barrier_wait(q_bar)  # one completion releases both compute warpgroups
+            plgpu.barrier_wait(q_bar)  # one completion releases both compute warpgroups
+
         o, lse2 = _normalise(*pipeline(_init_carry()))
-        if final:
-            o_ref[b, rows, cols] = o.astype(o_ref.dtype)
-        else:
-            o_ref[b, s, rows, cols] = o
 
-        @pl.when(wg == 0)
+        @pl.when(live)
         def _():
-            if final:
-                lse_ref[b, rows] = lse2 * _LN2
-            else:
-                lse_ref[b, s, rows] = lse2
+            o_ref[(*out_at, rows, cols)] = o.astype(o_ref.dtype)
+
+            @pl.when(wg == 0)
+            def _():
+                lse_ref[(*out_at, rows)] = lse2 * _LN2 if final else lse2
 
     return _Steps(
-        _split_pages(seq_len, first_page, pps),
+        n_steps,
         lambda i: table[first_page + i],
         lambda i, carry: (carry, _At(b, (first_page + i) * PAGE_SIZE, seq_len)),
         lambda i, at: None,

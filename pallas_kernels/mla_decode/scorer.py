@@ -19,6 +19,7 @@ from pallas_kernels.mla_decode.steps import (
     _LN2,
     _LOG2E,
     _M_INIT,
+    _kernel_refs,
     _pv_product,
     _row_limits,
     _zero_v_tail,
@@ -81,11 +82,13 @@ def _decode_partials_scorer(
     plan_: _Plan,
     config: MlaDecodeConfig,
     interpret,
+    schedule=None,
 ):
-    """`_decode_partials` with a dedicated scoring warpgroup (bf16 pages, per_sequence schedule).
+    """`_decode_partials` with a dedicated scoring warpgroup (bf16 pages, per_sequence and pieces schedules).
 
-    Four warpgroups a CTA (row block g, split s, sequence b), each with its own loop over the
-    split's pages:
+    Four warpgroups a CTA (row block g, split s, sequence b; on the pieces schedule (row block g, piece row c)
+    with b, the first page and the pages read from row c of ``schedule``, a `PieceSchedule`'s `kernel_refs`),
+    each with its own loop over the split's pages:
     * warpgroup 3 (TMA) loads Q, then streams the pages through ``max_concurrent_steps`` slots
       (``kv_ready[slot]``), refilling a slot once all three compute warpgroups have released it
       (``kv_free[slot]``, 3 arrivals);
@@ -105,11 +108,12 @@ def _decode_partials_scorer(
     160 for the others), which removes spill code (docs/NOTES.md).
 
     Each warpgroup writes its columns of the split's result after its loop (an empty split too:
-    out 0, lse -inf). SMEM: Q 72 KB + two 72 KB page slots + P 8 KB + 0.5 KB = 224.5 KB. Outputs
-    as `_decode_partials` (per_sequence)."""
+    out 0, lse -inf; a piece row with no piece writes nothing). SMEM: Q 72 KB + two 72 KB page slots + P
+    8 KB + 0.5 KB = 224.5 KB. Outputs as `_decode_partials` (per_sequence or pieces)."""
     B, Rp, _ = q_rows.shape
     pps = plan_.pages_per_split
-    final = plan_.num_splits == 1
+    pieces = plan_.schedule == "pieces"
+    final = plan_.num_splits == 1 and not pieces
     scale_log2 = scale * _LOG2E
     nslots = config.max_concurrent_steps
     c0, acc_cols = _SCORER_COLS, _ACC_COLS
@@ -123,13 +127,7 @@ def _decode_partials_scorer(
 
     @_scorer_kernel(out_type, grid, grid_names, scratch, interpret)
     def mla_decode_partials_scorer(
-        q_ref,
-        kv_ref,
-        bt_ref,
-        lens_ref,
-        o_ref,
-        lse_ref,
-        *,
+        *refs,
         q_smem,
         kv_smem,
         p_smem,
@@ -140,13 +138,23 @@ def _decode_partials_scorer(
         p_ready,
         p_free,
     ):
-        g, s, b = lax.axis_index("g"), lax.axis_index("s"), lax.axis_index("b")
-        wg = lax.axis_index("wg")
+        (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, pieces)
+        g, wg = lax.axis_index("g"), lax.axis_index("wg")
         rows = pl.ds(g * ROWS, ROWS)
-        seq_len = lens_ref[b]
-        first_page = s * pps
-        n_pages = _split_pages(seq_len, first_page, pps)
-        out_index = (b, rows) if final else (b, s, rows)
+        if pieces:
+            (piece_ref,) = sched_refs
+            c = lax.axis_index("c")
+            b, first_page, n_pages, slot = (piece_ref[c, k] for k in range(4))
+            out_index = (slot, rows)
+            seq_len = lens_ref[b]
+        else:
+            s, b = lax.axis_index("s"), lax.axis_index("b")
+            seq_len = lens_ref[b]
+            first_page = s * pps
+            n_pages = _split_pages(seq_len, first_page, pps)
+            out_index = (b, rows) if final else (b, s, rows)
+        # An empty split writes its empty result (the combine reads every split); a piece row with no piece nothing.
+        live = n_pages > 0 if pieces else True
 
         def page(i):
             """(slot, first key) of step i, once its page has landed."""
@@ -157,7 +165,10 @@ def _decode_partials_scorer(
         def write_out(cols, acc, l):
             l_safe = jnp.where(l == 0.0, 1.0, l)
             o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-            o_ref[(*out_index, cols)] = o.astype(o_ref.dtype)
+
+            @pl.when(live)
+            def _():
+                o_ref[(*out_index, cols)] = o.astype(o_ref.dtype)
 
         @pl.when(wg == 3)
         def _memory():
@@ -248,7 +259,10 @@ def _decode_partials_scorer(
 
             write_out(pl.ds(0, c0), acc, l)
             lse2 = m + jnp.log2(l)
-            lse_ref[out_index] = lse2 * _LN2 if final else lse2
+
+            @pl.when(live)
+            def _():
+                lse_ref[out_index] = lse2 * _LN2 if final else lse2
 
         @pl.when((wg == 1) | (wg == 2))
         def _accumulate():
@@ -274,7 +288,7 @@ def _decode_partials_scorer(
             acc, l = lax.fori_loop(0, n_pages, step, (zeros(acc_cols), l0))
             write_out(cols, acc, l)
 
-    return mla_decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens)
+    return mla_decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *(schedule if pieces else ()))
 
 
 def _walk(i, b, run_start, n_steps, ends_ref, lens_ref):

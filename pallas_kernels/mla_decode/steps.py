@@ -93,10 +93,11 @@ def _pv_product(acc, p, v, interpretable):
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
 
-def _kernel_refs(refs, num_inputs, balanced):
-    """A main kernel's refs: (its inputs, the `BalancedSchedule` refs or None, (o, lse))."""
+def _kernel_refs(refs, num_inputs, planned):
+    """A main kernel's refs: (its inputs, the device plan's refs (`BalancedSchedule` / `PieceSchedule`
+    `kernel_refs`) or None, (o, lse))."""
     ins, rest = refs[:num_inputs], refs[num_inputs:]
-    return ins, (rest[:-2] if balanced else None), rest[-2:]
+    return ins, (rest[:-2] if planned else None), rest[-2:]
 
 
 def _init_carry():

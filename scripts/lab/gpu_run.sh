@@ -94,7 +94,8 @@ for B, s_q, H, causal, splits, split_qk, scorer, schedule in [
     (4, 1, 64, False, 1, False, False, "per_sequence"), (4, 1, 64, False, 1, True, False, "per_sequence"),
     (4, 2, 128, True, 1, True, False, "per_sequence"), (2, 1, 16, False, 4, False, False, "per_sequence"),
     (4, 1, 64, False, 1, False, True, "per_sequence"), (4, 2, 128, True, 4, False, True, "per_sequence"),
-    (4, 1, 64, False, 1, False, True, "balanced"), (4, 2, 128, True, 1, False, True, "balanced")]:
+    (4, 1, 64, False, 1, False, True, "balanced"), (4, 2, 128, True, 1, False, True, "balanced"),
+    (4, 1, 64, False, 1, False, True, "pieces"), (4, 2, 128, True, 1, False, True, "pieces")]:
   print(f"### B={B} s_q={s_q} H={H} causal={causal} splits={splits} split_qk={split_qk} scorer={scorer} "
         f"schedule={schedule}", flush=True)
   a = (jnp.ones((B, s_q, H, 576), jnp.bfloat16), jnp.ones((B * 8, 64, 576), jnp.bfloat16),
