@@ -25,6 +25,8 @@
 #                              #   with $FP8_TESTS, the fp8 decode GPU tests last
 #   scripts/lab/gpu_run.sh session17 # probe_fp8_decode on cells $ONLY, now and with $FP8_BEFORE, then kvpages with
 #                              #   GATHER=1
+#   scripts/lab/gpu_run.sh session18 # the engine's GPU tests on pieces / auto, mla_decode beside the peers with
+#                              #   $VARIANTS (pieces,auto) on $CELLS, then e2e V2-Lite on a ragged batch, default and auto
 #   scripts/lab/gpu_run.sh kvpages # mla-bench e2e on bf16 then fp8 pages ($KV_DTYPES) over $CELLS (V2-Lite 128 x 1024,
 #                              #   16 x 16384), $NEW_TOKENS new tokens; with $GATHER the fp8 gather's --quick cells
 #   scripts/lab/gpu_run.sh profile8 # scripts/lab/profile_fp8_decode.py (Mosaic GPU profiler phases of the
@@ -382,6 +384,17 @@ PY
        cp "$OUT/fp8_now.py" pallas_kernels/mla_decode/fp8.py; rm "$OUT/fp8_now.py"
        E2E_LIMIT=150 GATHER=1 kvpages_stage ;;
   kvpages) kvpages_stage ;;
+  session18) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
+             $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
+       BUILD=$!
+       gpu_tests 120 tests/test_engine.py -k "gpu_balanced_schedule and (pieces or auto)"
+       stage "waiting for the FlashMLA build"; wait $BUILD; tail -3 "$R/flashmla_prebuild_log.txt" | tee -a "$LOG"
+       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${BENCH_LIMIT:-330}" --peers .peers \
+         --no-decompressed --variants "${VARIANTS:-pieces,auto}" --cell-list "${CELLS:-128,1,16384,64}"
+       for dc in "" auto; do  # the engine's decode on a ragged batch: the kernel's default, then "auto" (pieces)
+         bench e2e "${E2E_LIMIT:-150}" --model v2-lite --batch "${E2E_BATCH:-64}" --prompt "${E2E_PROMPT:-4096}" \
+           --ragged --new-tokens "${NEW_TOKENS:-32}" --no-hf ${dc:+--decode-config $dc} --out "$R/e2e_ragged_${dc:-default}"
+       done ;;
   profile8) stage "profile_fp8_decode"
        timeout 300 $PY scripts/lab/profile_fp8_decode.py --out "$R/profile" ${CELLS:+--cells $CELLS} ${CONFIGS:+--configs $CONFIGS} 2>&1 | tee -a "$LOG" ;;
   fp8) stage "probe_fp8_decode"
