@@ -269,6 +269,13 @@ def test_derive_counts_a_ragged_cells_rows():
     assert fixed["prefill_gflop"] == pytest.approx(e2e.prefill_flops(TINY, 2, 1024) / 1e9, rel=1e-12)
 
 
+def test_prefill_time_counts_the_mixed_steps():
+    """A ragged cell's prompt tokens partly run in mixed steps: their time counts as prefill time (the bug: a
+    ragged V2-Lite cell at 203 % prefill MFU), and a cell without mixed steps keeps its prefill steps' time."""
+    assert e2e.warm_prefill_seconds(dict(prefill_s=0.4, mixed_s=0.3)) == pytest.approx(0.7)
+    assert e2e.warm_prefill_seconds(dict(prefill_s=0.4, mixed_s=0.0)) == pytest.approx(0.4)
+
+
 def test_tiny_config_cell_end_to_end(tmp_path):
     """`mla-bench e2e --config tiny` with one model (v3-cut: one cell, 256 tokens = 1/8 of its context; 4 new
     tokens, one layer), in this process: the row the full run's cells give, no error. Its 8192-token cell failed
