@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import MlaDecodeConfig, backend, mla_decode, mla_decode_reference, quantize_latent_fp8
-from pallas_kernels.mla_decode import plan
+from pallas_kernels.mla_decode import mla_decode_schedule, plan
 from tests.tiers import full
 
 SCALE = 192**-0.5
@@ -113,7 +113,7 @@ def test_transposed_body_refuses_more_than_32_rows():
     with pytest.raises(ValueError, match="s_q \\* H = 64"):
         mla_decode(*args, softmax_scale=SCALE, config=MlaDecodeConfig(fp8_transposed=True), impl="interpret")
     args = make_fp8_inputs(1, 1, 16, [70], 2)
-    with pytest.raises(ValueError, match="schedule 'balanced'"):
+    with pytest.raises(ValueError, match="per_sequence or pieces schedule, got s_q \\* H = 16, schedule 'balanced'"):
         mla_decode(
             *args,
             softmax_scale=SCALE,
@@ -131,6 +131,39 @@ def test_interpret_balanced_matches_reference():
     args = make_fp8_inputs(len(lens), 1, 16, lens, 2, seed=9)
     config = MlaDecodeConfig(schedule="balanced", target_ctas=2, min_pages_per_split=1)
     assert_matches_reference(args, causal=False, config=config, impl="interpret")
+
+
+@pytest.mark.parametrize(
+    "heads,s_q,lens",
+    [
+        (16, 2, [1, 65, 200, 0]),  # the transposed body
+        pytest.param(64, 1, [3, 65, 200], marks=pytest.mark.full("the padded body reads the table as the bf16 ones")),
+    ],
+)
+def test_interpret_pieces_matches_reference(heads, s_q, lens):
+    """Guards the pieces schedule on fp8 pages, both bodies: a sequence in pieces of 2 pages launched in another
+    order than their slots (a piece reading from the wrong first page, its partial in another piece's slot), an
+    idle row, the transposed body's partials not transposed back before the combine."""
+    args = make_fp8_inputs(len(lens), s_q, heads, lens, 4, seed=heads + 7)
+    config = MlaDecodeConfig(schedule="pieces", target_ctas=2, min_pages_per_split=1)
+    slots = np.asarray(mla_decode_schedule(args[3], heads=heads, query_len=s_q, config=config).pieces)[:, 3]
+    assert (slots != np.arange(len(slots))).any()
+    assert plan(len(lens), s_q, heads, 4, config).schedule == "pieces"
+    out, lse = mla_decode(*args, softmax_scale=SCALE, causal=s_q > 1, config=config, impl="interpret")
+    ref_out, ref_lse = mla_decode_reference(*args, softmax_scale=SCALE, causal=s_q > 1)
+    live = np.asarray(args[3]) > 0
+    o, r = np.asarray(out, np.float32)[live], np.asarray(ref_out, np.float32)[live]
+    assert np.linalg.norm(o - r) / np.linalg.norm(r) < 1e-2
+    np.testing.assert_allclose(np.asarray(lse)[live], np.asarray(ref_lse)[live], atol=2e-2, rtol=1e-3)
+    assert np.isneginf(np.asarray(lse)[~live]).all() and not np.asarray(out, np.float32)[~live].any()
+
+
+@pytest.mark.parametrize("heads,s_q", [(16, 1), (32, 1), (64, 2)])
+def test_pieces_cross_lowers_for_sm90(heads, s_q):
+    """Guards: the pieces schedule's fp8 bodies (the transposed one's table-row reads and predicated writes, its
+    transposed partials into the piece combine) not compiling for sm_90."""
+    lowered = _lower(8, s_q, heads, 65, causal=s_q > 1, config=MlaDecodeConfig(schedule="pieces"))
+    assert len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text())) == 2
 
 
 def _lower(batch, s_q, heads, max_pages, *, causal, config=None):
@@ -204,3 +237,17 @@ def test_gpu_balanced_matches_reference(heads, s_q, causal):
     lengths[0], lengths[-1] = max(s_q, 1), 1400
     args = make_fp8_inputs(40, s_q, heads, lengths, -(-1400 // 64), seed=int(rng.integers(1 << 30)))
     assert_matches_reference(args, causal=causal, impl="kernel", config=MlaDecodeConfig(schedule="balanced"))
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("heads,s_q,causal", [(16, 1, False), (32, 1, True), (16, 2, True), (64, 1, False)])
+def test_gpu_pieces_matches_reference(heads, s_q, causal):
+    """The pieces schedule's fp8 bodies (transposed at R <= 32, padded above) on the GPU over ragged lengths and
+    the default 132 CTAs: long sequences in several pieces on other SMs, launched in another order than their
+    slots (races and table reads the interpreter cannot show)."""
+    rng = np.random.default_rng(heads + s_q + 3)
+    lengths = np.clip(rng.normal(700, 350, 40), s_q, 1400).astype(int).tolist()
+    lengths[0], lengths[-1] = max(s_q, 1), 1400
+    args = make_fp8_inputs(40, s_q, heads, lengths, -(-1400 // 64), seed=int(rng.integers(1 << 30)))
+    assert_matches_reference(args, causal=causal, impl="kernel", config=MlaDecodeConfig(schedule="pieces"))

@@ -403,35 +403,29 @@ def _mla_decode_kernel(
         config=config,
         interpret=interpret_params,
     )
+    sched = None
+    if plan_.planned:
+        sched = schedule if schedule is not None else _schedule_for(seq_lens, plan_, config)
+        body_args["schedule"] = sched.kernel_refs
     if partials is _decode_partials_fp8_t:
         # Unpadded rows in; the outputs come out transposed ([..., 512, R]).
-        out_t, lse = partials(
-            q_rows,
-            kv_pages,
-            block_table,
-            seq_lens,
-            **body_args,
-        )
-        if plan_.num_splits == 1:
+        out_t, lse = partials(q_rows, kv_pages, block_table, seq_lens, **body_args)
+        if plan_.num_splits == 1 and not plan_.planned:
             out = jnp.swapaxes(out_t, 1, 2)
         else:  # the combine takes 64-row blocks: pad rows with empty partials (lse -inf)
-            o_part = jnp.pad(jnp.swapaxes(out_t, 2, 3), ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
-            lse_part = jnp.pad(lse, ((0, 0), (0, 0), (0, Rp - R)), constant_values=-jnp.inf)
-            out, lse = _combine(o_part, lse_part, out_dtype=q.dtype, config=config, interpret=interpret_params)
+            pad = [(0, 0)] * (out_t.ndim - 2)
+            o_part = jnp.pad(jnp.swapaxes(out_t, -2, -1), (*pad, (0, Rp - R), (0, 0)))
+            lse_part = jnp.pad(lse, (*pad, (0, Rp - R)), constant_values=-jnp.inf)
+            pieces = (sched.piece_start, sched.num_pieces) if plan_.planned else None
+            out, lse = _combine(
+                o_part, lse_part, out_dtype=q.dtype, config=config, interpret=interpret_params, pieces=pieces
+            )
             out, lse = out[:, :R], lse[:, :R]
         return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
     if Rp != R:  # the 64-row bodies take whole row blocks
         q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))
     if plan_.planned:
-        sched = schedule if schedule is not None else _schedule_for(seq_lens, plan_, config)
-        o_part, lse_part = partials(
-            q_rows,
-            kv_pages,
-            block_table,
-            seq_lens,
-            **body_args,
-            schedule=sched.kernel_refs,
-        )
+        o_part, lse_part = partials(q_rows, kv_pages, block_table, seq_lens, **body_args)
         out, lse = _combine(
             o_part,
             lse_part,

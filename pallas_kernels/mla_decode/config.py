@@ -66,9 +66,9 @@ class MlaDecodeConfig:
       fp8_transposed: for fp8 pages, the transposed body (`_decode_partials_fp8_t`: scores as
         Sᵀ = K·Qᵀ with the R = s_q * H query rows as the wgmma N, so no tensor work on padding
         rows, and no barrier around a shared key buffer) instead of the padded 64-row body. It
-        serves R <= 32 (H=16 and 32 at s_q=1, H=16 at s_q=2) on the per_sequence schedule. None =
-        on wherever it serves.
-      scorer: for bf16 pages on the per_sequence schedule, the scorer body
+        serves R <= 32 (H=16 and 32 at s_q=1, H=16 at s_q=2) on the per_sequence and pieces
+        schedules. None = on wherever it serves.
+      scorer: for bf16 pages on the per_sequence and pieces schedules, the scorer body
         (`_decode_partials_scorer`): one warpgroup computes each page's Q·Kᵀ once, the softmax and
         P·V over 128 columns, two others P·V over 192 columns each, beside the TMA warpgroup.
         None = on there (the fastest there: docs/BENCHMARKS.md). On the balanced schedule True runs

@@ -173,12 +173,12 @@ NARROW_ROWS = 32
 
 def _use_transposed_fp8(plan_: _Plan, s_q: int, heads: int, config: MlaDecodeConfig) -> bool:
     """Whether fp8 pages go through `_decode_partials_fp8_t` (see `MlaDecodeConfig.fp8_transposed`)."""
-    fits = s_q * heads <= NARROW_ROWS and plan_.schedule == "per_sequence"
+    fits = s_q * heads <= NARROW_ROWS and plan_.schedule in ("per_sequence", "pieces")
     if config.fp8_transposed is None:
         return fits
     if config.fp8_transposed and not fits:
         raise ValueError(
-            f"fp8_transposed=True needs s_q * H <= {NARROW_ROWS} query rows and the per_sequence "
+            f"fp8_transposed=True needs s_q * H <= {NARROW_ROWS} query rows and the per_sequence or pieces "
             f"schedule, got s_q * H = {s_q * heads}, schedule {plan_.schedule!r}"
         )
     return config.fp8_transposed
@@ -249,7 +249,19 @@ def _fp8_half_to_smem(wg, lat_lo, lat_hi, rope, valid, dst, scales=None):
 
 
 def _decode_partials_fp8_t(
-    q_rows, kv_u8, block_table, seq_lens, *, s_q, heads, causal, scale, plan_: _Plan, config: MlaDecodeConfig, interpret
+    q_rows,
+    kv_u8,
+    block_table,
+    seq_lens,
+    *,
+    s_q,
+    heads,
+    causal,
+    scale,
+    plan_: _Plan,
+    config: MlaDecodeConfig,
+    interpret,
+    schedule=None,
 ):
     """`_decode_partials` over fp8 pages for R = s_q * H <= 32 query rows, in transposed form.
 
@@ -272,17 +284,23 @@ def _decode_partials_fp8_t(
     Pᵀ_k only after s_bar, which warpgroup 1 reaches after its P·V).
 
     Outputs are transposed: with one split (oᵀ [B, 512, R] in q's dtype, lse [B, R] f32 ln), else
-    fp32 partials (oᵀ [B, S, 512, R], lse [B, S, R] in log2). SMEM at R = 32: Q 36 KB, two 41 KB
+    fp32 partials (oᵀ [B, S, 512, R], lse [B, S, R] in log2); on the pieces schedule (``schedule``: a
+    `PieceSchedule`'s `kernel_refs`) CTA c runs the piece of table row c and writes fp32 partials by slot (oᵀ
+    [W, 512, R], lse [W, R]; a row with no piece writes nothing). SMEM at R = 32: Q 36 KB, two 41 KB
     stages, the 72 KB buffer, 8 KB partial, 16 KB of Pᵀ_k: 216 KB."""
     B, R, _ = q_rows.shape
     S, pps = plan_.num_splits, plan_.pages_per_split
-    final = S == 1
+    pieces = plan_.schedule == "pieces"
+    final = S == 1 and not pieces
     scale_log2 = scale * _LOG2E
     mma = jnp.bfloat16  # tensor-core inputs (f16 measured no better: docs/NOTES.md)
     blk = 128  # latent columns per fp8 scale
     nblk = LATENT_DIM // blk  # 4; warpgroup w owns blocks 2w, 2w+1
     if final:
         out_type = (jax.ShapeDtypeStruct((B, LATENT_DIM, R), q_rows.dtype), jax.ShapeDtypeStruct((B, R), jnp.float32))
+    elif pieces:
+        W = plan_.num_ctas
+        out_type = (jax.ShapeDtypeStruct((W, LATENT_DIM, R), jnp.float32), jax.ShapeDtypeStruct((W, R), jnp.float32))
     else:
         out_type = (
             jax.ShapeDtypeStruct((B, S, LATENT_DIM, R), jnp.float32),
@@ -308,36 +326,30 @@ def _decode_partials_fp8_t(
     @functools.partial(
         plgpu.kernel,
         out_type=out_type,
-        grid=(S, B),
-        grid_names=("s", "b"),
+        grid=(plan_.num_ctas,) if pieces else (S, B),
+        grid_names=("c",) if pieces else ("s", "b"),
         num_threads=3,
         thread_name="wg",
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )
-    def mla_decode_partials_fp8_t(
-        q_ref,
-        lat_ref,
-        scale_ref,
-        rope_ref,
-        bt_ref,
-        lens_ref,
-        o_ref,
-        lse_ref,
-        q_smem,
-        q_bar,
-        kv_smem,
-        part_smem,
-        p_smem,
-        stat_smem,
-        s_bar,
-        p_bar,
-    ):
-        s, b = lax.axis_index("s"), lax.axis_index("b")
+    def mla_decode_partials_fp8_t(*refs, q_smem, q_bar, kv_smem, part_smem, p_smem, stat_smem, s_bar, p_bar):
+        n_in = 7 if pieces else 6
+        q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, *piece_ref = refs[:n_in]
+        o_ref, lse_ref = refs[n_in:]
         wg = lax.axis_index("wg")
+        if pieces:
+            c = lax.axis_index("c")
+            b, first_page, n_pages, slot = (piece_ref[0][c, k] for k in range(4))
+            out_at = (slot,)
+        else:
+            s, b = lax.axis_index("s"), lax.axis_index("b")
+            first_page = s * pps
+            n_pages = _split_pages(lens_ref[b], first_page, pps)
+            out_at = (b,) if final else (b, s)
+        live = n_pages > 0 if pieces else True  # a piece row with no piece loads and writes nothing
         seq_len = lens_ref[b]
-        first_page = s * pps
         table = bt_ref.at[b]
         shape = (PAGE_SIZE, R)  # (tokens, query rows)
 
@@ -445,11 +457,14 @@ def _decode_partials_fp8_t(
                 return pv_update(accs)
 
         def compute_context(pipeline):
-            @pl.when(wg == 0)
+            @pl.when(live)
             def _():
-                plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
+                @pl.when(wg == 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
 
-            plgpu.barrier_wait(q_bar)
+                plgpu.barrier_wait(q_bar)
+
             zeros = lambda: plgpu.layout_cast(jnp.zeros((blk, R), jnp.float32), wgmma_layout)  # noqa: E731
             init = (
                 (zeros(), zeros()),
@@ -458,24 +473,21 @@ def _decode_partials_fp8_t(
             )
             accs, m, l = pipeline(init)
             l_safe = lax.broadcast_in_dim(jnp.where(l == 0.0, 1.0, l), (blk, R), [1])
-            for j, acc in enumerate(accs):
-                c = pl.ds((2 * wg + j) * blk, blk)
-                if final:
-                    o_ref[b, c] = (acc / l_safe).astype(o_ref.dtype)
-                else:
-                    o_ref[b, s, c] = acc / l_safe
             lse2 = m + jnp.log2(l)
 
-            @pl.when(wg == 0)
+            @pl.when(live)
             def _():
-                if final:
-                    lse_ref[b] = lse2 * _LN2
-                else:
-                    lse_ref[b, s] = lse2
+                for j, acc in enumerate(accs):
+                    cols = pl.ds((2 * wg + j) * blk, blk)
+                    o_ref[(*out_at, cols)] = (acc / l_safe).astype(o_ref.dtype)
+
+                @pl.when(wg == 0)
+                def _():
+                    lse_ref[out_at] = lse2 * _LN2 if final else lse2
 
         plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(_split_pages(seq_len, first_page, pps),),
+            grid=(n_pages,),
             memory_registers=config.memory_registers,
             num_compute_wgs=2,
             wg_axis="wg",
@@ -484,4 +496,6 @@ def _decode_partials_fp8_t(
             in_specs=_fp8_in_specs(lambda i: table[first_page + i]),
         )(lat_ref, lat_ref, scale_ref, rope_ref)
 
-    return mla_decode_partials_fp8_t(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens)
+    return mla_decode_partials_fp8_t(
+        q_rows, lat_view, scale_view, rope_view, block_table, seq_lens, *(schedule if pieces else ())
+    )
