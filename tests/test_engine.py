@@ -636,7 +636,7 @@ BALANCED = MlaDecodeConfig(
 )
 
 
-PIECES = MlaDecodeConfig(schedule="pieces", target_ctas=4, min_pages_per_split=1)
+PIECES = MlaDecodeConfig(schedule="pieces", target_ctas=4, min_pages_per_split=1, min_piece_pages=1)
 
 
 @pytest.mark.full("test_decode_plan_is_built_once_a_forward_call_not_per_layer checks the plan's lengths and place")

@@ -487,7 +487,7 @@ def check_pieces(sched: PieceSchedule, seq_lens, row_blocks, config):
     size, the rows with no piece last; W rows."""
     pages = [-(-int(n) // 64) for n in seq_lens]
     share = -(-sum(pages) * row_blocks // config.target_ctas)
-    n = max(config.min_pages_per_split, -(-share // config.pieces_per_share))
+    n = max(config.min_pages_per_split, -(-share // config.pieces_per_share), min(share, config.min_piece_pages))
     rows = np.asarray(sched.pieces)
     assert rows.shape == (num_piece_rows(len(pages), row_blocks, config), 4)
     sizes = rows[:, 2]
@@ -525,7 +525,8 @@ def test_piece_schedule_by_hand():
 
 @pytest.mark.parametrize("row_blocks,k,min_pages", [(1, 2, 4), (2, 1, 1), (2, 4, 2)])
 def test_piece_schedule_covers_every_page_once(row_blocks, k, min_pages):
-    """Random ragged batches (idle rows, one-token and one-page sequences among them) through `check_pieces`."""
+    """Random ragged batches (idle rows, one-token and one-page sequences among them; batches whose shares are
+    below `min_piece_pages`, so their pieces are whole shares) through `check_pieces`."""
     rng = np.random.default_rng(row_blocks * 10 + k)
     config = MlaDecodeConfig(schedule="pieces", target_ctas=132, pieces_per_share=k, min_pages_per_split=min_pages)
     for B in (1, 7, 128):
@@ -534,6 +535,8 @@ def test_piece_schedule_covers_every_page_once(row_blocks, k, min_pages):
         check_pieces(
             piece_schedule(jnp.asarray(lens, jnp.int32), row_blocks=row_blocks, config=config), lens, row_blocks, config
         )
+    small = piece_schedule(jnp.full(8, 4096, jnp.int32), row_blocks=row_blocks, config=config)  # share 4 or 8
+    assert set(np.asarray(small.pieces)[:, 2].tolist()) <= {0, 4 * row_blocks}  # whole shares, not halves
     empty = piece_schedule(jnp.zeros(4, jnp.int32), row_blocks=row_blocks, config=config)
     assert not np.asarray(empty.pieces)[:, 2].any() and not np.asarray(empty.num_pieces).any()
 
@@ -561,7 +564,9 @@ def test_interpret_pieces_matches_reference(heads, s_q, causal, seq_lens, max_pa
     sequence's slots, a piece row with no piece writing over a real slot, an idle row not giving out 0, lse -inf,
     a page past a sequence's end reaching P·V (NaN-poisoned)."""
     args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 5)
-    config = MlaDecodeConfig(schedule="pieces", target_ctas=target_ctas, min_pages_per_split=1, **variant)
+    config = MlaDecodeConfig(
+        schedule="pieces", target_ctas=target_ctas, min_pages_per_split=1, min_piece_pages=1, **variant
+    )
     sched = mla_decode_schedule(args[3], heads=heads, query_len=s_q, config=config)
     assert isinstance(sched, PieceSchedule) and int(np.asarray(sched.num_pieces).max()) >= 2  # really cut
     slots = np.asarray(sched.pieces)[:, 3]
@@ -579,7 +584,7 @@ def test_interpret_pieces_reads_the_schedule_it_is_given():
     bit that plan's own config's, not the call's; a plan for another batch is one line."""
     lens = [64, 65, 1, 380, 3]
     args = make_inputs(len(lens), 1, 16, lens, 6, seed=12)
-    config = MlaDecodeConfig(schedule="pieces", target_ctas=4, min_pages_per_split=1, scorer=False)
+    config = MlaDecodeConfig(schedule="pieces", target_ctas=4, min_pages_per_split=1, min_piece_pages=1, scorer=False)
     other = dataclasses.replace(config, min_pages_per_split=3)  # pieces of 3 pages, not 2; the same rows
     given = mla_decode_schedule(args[3], heads=16, config=other)
     assert not np.array_equal(

@@ -145,7 +145,7 @@ def test_interpret_pieces_matches_reference(heads, s_q, lens):
     order than their slots (a piece reading from the wrong first page, its partial in another piece's slot), an
     idle row, the transposed body's partials not transposed back before the combine."""
     args = make_fp8_inputs(len(lens), s_q, heads, lens, 4, seed=heads + 7)
-    config = MlaDecodeConfig(schedule="pieces", target_ctas=2, min_pages_per_split=1)
+    config = MlaDecodeConfig(schedule="pieces", target_ctas=2, min_pages_per_split=1, min_piece_pages=1)
     slots = np.asarray(mla_decode_schedule(args[3], heads=heads, query_len=s_q, config=config).pieces)[:, 3]
     assert (slots != np.arange(len(slots))).any()
     assert plan(len(lens), s_q, heads, 4, config).schedule == "pieces"

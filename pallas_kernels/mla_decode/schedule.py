@@ -155,12 +155,12 @@ def piece_schedule(seq_lens, *, row_blocks: int, config: MlaDecodeConfig) -> Pie
     Args:
       seq_lens: int32 [B] (0 allowed: an idle row gets no piece).
       row_blocks: 64-row query blocks a sequence (each piece runs on that many CTAs).
-      config: its ``target_ctas``, ``pieces_per_share`` and ``min_pages_per_split`` set N.
+      config: its ``target_ctas``, ``pieces_per_share``, ``min_pages_per_split`` and ``min_piece_pages`` set N.
 
     A CTA's share is L = cdiv(total pages x row_blocks, target_ctas) pages; pieces are N = max(
-    ``min_pages_per_split``, cdiv(L, ``pieces_per_share``)) pages. Launched longest first, the GPU's block
-    scheduler gives each free SM the longest piece left (longest-processing-time-first): the whole-N pieces
-    fill the SMs, the sequences' short last pieces fill the gaps.
+    ``min_pages_per_split``, cdiv(L, ``pieces_per_share``), min(L, ``min_piece_pages``)) pages. Launched longest
+    first, the GPU's block scheduler gives each free SM the longest piece left (longest-processing-time-first): the
+    whole-N pieces fill the SMs, the sequences' short last pieces fill the gaps.
     """
     B = seq_lens.shape[0]
     W = num_piece_rows(B, row_blocks, config)
@@ -168,7 +168,9 @@ def piece_schedule(seq_lens, *, row_blocks: int, config: MlaDecodeConfig) -> Pie
     total = jnp.sum(pages)
     share = (total * row_blocks + config.target_ctas - 1) // config.target_ctas
     k = config.pieces_per_share
-    n = jnp.maximum((share + k - 1) // k, config.min_pages_per_split)
+    n = jnp.maximum(
+        jnp.maximum((share + k - 1) // k, config.min_pages_per_split), jnp.minimum(share, config.min_piece_pages)
+    )
     num_pieces = (pages + n - 1) // n
     piece_end = jnp.cumsum(num_pieces).astype(jnp.int32)  # inclusive
     piece_start = piece_end - num_pieces
