@@ -1610,8 +1610,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--decode-config",
         default="",
-        help="the engine's decode-kernel config, by a name of `mla-bench mla_decode --variants` (e.g. balanced, "
-        "balanced_scorer; default: the kernel's defaults)",
+        help="the engine's decode-kernel config, by a name of `mla-bench mla_decode --variants` (e.g. pieces, "
+        "auto, balanced; default: the engine's, per sequence or in pieces chosen each step from the rows' lengths)",
     )
     p.add_argument(
         "--mesh",

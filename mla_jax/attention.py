@@ -46,7 +46,7 @@ from pallas_kernels import (
 )
 from pallas_kernels.flash_attention import CTA_ROWS
 from pallas_kernels.mla_decode import host_config, mla_decode_schedule
-from pallas_kernels.mla_decode.config import checked_config
+from pallas_kernels.mla_decode.config import MlaDecodeConfig, checked_config
 from pallas_kernels.page_format import PageFormat, resolve_page_format
 
 _F32 = jnp.float32
@@ -391,13 +391,20 @@ def check_decode_config(config, *, name: str = "decode_config"):
     return None if config is None else checked_config(config, name=name)
 
 
+_AUTO = MlaDecodeConfig(schedule="auto")
+
+
 def step_decode_config(config, lengths_B):
     """The decode kernel's config for one step whose rows' lengths the caller holds on the host (numpy; None for
-    a prefill step, which does not decode: it keeps one program): None (the defaults) or a config as it is,
-    except ``schedule="auto"``, which becomes the program its rule picks from these lengths
-    (`pallas_kernels.mla_decode.host_config`): a serving loop chooses per step without a conditional on the
-    device."""
-    return None if config is None else host_config(config, lengths_B)
+    a step that keeps one program: a prefill step, which does not decode, or one whose kernel would not plan):
+    ``schedule="auto"`` becomes the program its rule picks from these lengths (`pallas_kernels.mla_decode.
+    host_config`), and so do the defaults (None): None on near-equal lengths, the pieces schedule on ragged ones
+    (`prefers_pieces`); any other config as it is. A serving loop chooses per step, with no conditional on the
+    device; each program compiles when first taken."""
+    if config is None:
+        picked = host_config(_AUTO, lengths_B)
+        return None if picked.schedule == "per_sequence" else picked
+    return host_config(config, lengths_B)
 
 
 def with_decode_plan(cfg: ModelConfig, cache, positions_BT: jax.Array):

@@ -256,11 +256,13 @@ class Engine:
         a rank with a free slot and room for its prompt; a rank out of pages fails its own request only;
         the cache write, gather and decode kernel run per rank (`KVCache.data_parallel`). "interpret" is
         refused with data ranks (`mla_jax.kv_cache.INTERPRET_ON_DATA_RANKS`).
-      decode_config: the decode kernel's `pallas_kernels.MlaDecodeConfig` for every step (None: its
-        defaults). With ``schedule="balanced"`` a step plans the kernel's work once from its lengths and every
-        layer's call reads that plan (`mla_jax.attention.with_decode_plan`); ``schedule="auto"`` is chosen on
-        the host before each step from its rows' lengths (`mla_jax.attention.step_decode_config`: the
-        per-sequence or the balanced program, each compiled when first taken; no conditional on the device).
+      decode_config: the decode kernel's `pallas_kernels.MlaDecodeConfig` for every step. None (the default):
+        its defaults, with the schedule chosen on the host before each decoding step from the rows' lengths, as
+        ``schedule="auto"`` does (`mla_jax.attention.step_decode_config`): per sequence on near-equal lengths,
+        in pieces on ragged ones (the longest row more than 1.5x the mean pages), each program compiled when
+        first taken or by `warm_up`, no conditional on the device; one program where no decode kernel runs or
+        with data ranks. A step on the pieces or balanced schedule plans the kernel's work once from its
+        lengths and every layer's call reads that plan (`mla_jax.attention.with_decode_plan`).
 
     `compile_log`: one dict per step that compiled, {"step", "bucket", "seconds"} (wall time of that
     call, compilation included).
@@ -594,7 +596,8 @@ class Engine:
         """Compile, ahead of any request, the steps of every shape a request of up to `max_tokens` tokens
         (prompt + new; default `max_context`) can meet: each prefill chunk bucket and each decode-loop length
         (with `use_mtp`: the MTP verify) at each block-table width, and the mixed step at each of its widths
-        (when `mixed_steps` serves: no MTP, one data rank), greedy sampling (another sampler compiles
+        (when `mixed_steps` serves: no MTP, one data rank), the decoding ones with each decode-kernel program a
+        step can take (`decode_config`: near-equal and ragged lengths), greedy sampling (another sampler compiles
         on first use). Each runs once on idle rows, which write and read nothing. Only while no request waits
         or runs (ValueError otherwise). -> the step compilations it caused (0 when all were compiled)."""
         if max_tokens is not None and (

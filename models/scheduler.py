@@ -48,6 +48,7 @@ MIN_STOP_IDS = 4  # the smallest stop-id width of a decode call
 # Query tokens a row of a mixed step carries: those of a verify step's row, so that the layers attend with the
 # decode kernel straight on the pages (docs/NOTES.md, "Mixed steps", has the cost arithmetic).
 MIXED_TILE = MAX_DRAFT_TOKENS + 1
+_PER_STEP = object()  # `_call`: the decode config from the step's own lengths
 
 
 def rows_needed(cached: int, k: int, n_spec: int = 0) -> int:
@@ -537,8 +538,9 @@ class _Generation:
     def warm_up(self, max_tokens: int) -> int:
         """Run every step shape a request of up to `max_tokens` tokens can meet once, on idle rows (positions
         -1: nothing written, nothing attended): each prefill chunk bucket and each decode-loop length (or the
-        MTP verify) at each block-table width, and when `mixing` the mixed step at each of its widths, with the
-        greedy sampler. Only while no request waits or runs. -> the step compilations it caused."""
+        MTP verify) at each block-table width, and when `mixing` the mixed step at each of its widths, the
+        decoding ones with each decode-kernel config a step can take (`_warm_decode_configs`), with the greedy
+        sampler. Only while no request waits or runs. -> the step compilations it caused."""
         if self.requests:
             raise RuntimeError(f"warm_up needs an idle engine; {len(self.requests)} request(s) in flight")
         e, c = self.e, self.cache
@@ -550,12 +552,15 @@ class _Generation:
         chunks = sorted({next_pow2(max(e.min_chunk_bucket, n)) for n in range(1, e.prefill_chunk + 1)})
         loops = sorted({min(e.decode_steps, next_pow2(n)) for n in range(1, e.decode_steps + 1)})
         B = e.max_batch
+        decode_configs = self._warm_decode_configs()  # each program a decoding step can take
         if self.mixing:  # a mixed step's table also covers its rows' padding queries (`run_mixed`)
             for P in self._widths(c.pages_for(longest - 1 + MIXED_TILE)):
                 rows = list(range(B)) + [0] * e.mixed_rows
                 ids, pos, lengths, last, keys, sp, bt = self._inputs([], MIXED_TILE, P * c.page_size, rows)
                 inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
-                self._call("mixed", e.steps.prefill, inp, None, None, None, None, use_mtp=False, sampler="greedy")
+                for dc in decode_configs:
+                    args = (None, None, None, None)
+                    self._call("mixed", e.steps.prefill, inp, *args, use_mtp=False, sampler="greedy", decode_config=dc)
         for P in widths:
             for T in chunks:
                 ids, pos, lengths, last, keys, sp, bt = self._inputs([], T, P * c.page_size)
@@ -573,18 +578,36 @@ class _Generation:
                 ids, pos, lengths, last, keys, sp, bt = self._inputs([], self.k + 1, P * c.page_size)
                 inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
                 n_spec = np.zeros((B,), np.int32)
-                (_, _, self.drafts, self.draft_probs), _, _ = self._call(
-                    "verify", e.steps.verify, inp, self.drafts, self.draft_probs, n_spec, n_host=2, sampler="greedy"
-                )
+                for dc in decode_configs:
+                    (_, _, self.drafts, self.draft_probs), _, _ = self._call(
+                        "verify",
+                        e.steps.verify,
+                        inp,
+                        self.drafts,
+                        self.draft_probs,
+                        n_spec,
+                        n_host=2,
+                        sampler="greedy",
+                        decode_config=dc,
+                    )
                 continue
             for n in loops:
                 ids, pos, lengths, last, keys, sp, bt = self._inputs([], 1, P * c.page_size)
                 inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
                 stop_ids = np.full((B, MIN_STOP_IDS), -1, np.int32)
                 steps_B = np.zeros((B,), np.int32)
-                self._call(
-                    "decode", e.steps.decode_loop, inp, steps_B, stop_ids, n_host=2, sampler="greedy", num_steps=n
-                )
+                for dc in decode_configs:
+                    self._call(
+                        "decode",
+                        e.steps.decode_loop,
+                        inp,
+                        steps_B,
+                        stop_ids,
+                        n_host=2,
+                        sampler="greedy",
+                        num_steps=n,
+                        decode_config=dc,
+                    )
         return sum(trace_counts().values()) - traces0
 
     def _widths(self, top: int) -> list[int]:
@@ -618,13 +641,34 @@ class _Generation:
         for st in self.sinks:
             st.record(kind, n_tokens, seconds, compiled, steps)
 
-    def _call(self, kind: str, fn, inp: StepInputs, *args, n_host: int = 1, **static):
+    def _decode_config(self, kind: str, lengths):
+        """The decode kernel's config of a step (`step_decode_config`: "auto", and the default, picked from the
+        rows' lengths). One program, whatever the lengths, for a prefill step (no retrace when its lengths
+        spread) and, with the default config, where no decode kernel runs (the reference backend) or where the
+        model does not build the plan once a step (a pool per data rank: each layer would plan)."""
+        chooses = kind != "prefill" and (
+            self.e.decode_config is not None or (self.e.backend != "reference" and self.e.data_ranks == 1)
+        )
+        return step_decode_config(self.e.decode_config, lengths if chooses else None)
+
+    def _warm_decode_configs(self) -> list:
+        """The decode kernel configs a decoding step can take (`_decode_config`): the near-equal lengths' one,
+        and the ragged one where it differs (one row two kernel pages long beside idle rows)."""
+        B = self.e.max_batch
+        ragged = np.zeros((B,), np.int32)
+        ragged[0] = 128
+        configs = [self._decode_config("decode", np.zeros((B,), np.int32))]
+        picked = self._decode_config("decode", ragged)
+        return configs + ([picked] if picked != configs[0] else [])
+
+    def _call(self, kind: str, fn, inp: StepInputs, *args, n_host: int = 1, decode_config=_PER_STEP, **static):
         """Run one step on the device cache; the cache comes back updated, its first `n_host`
-        outputs as numpy (the rest, the MTP draft state, stays on the device)."""
+        outputs as numpy (the rest, the MTP draft state, stays on the device). The decode kernel's config is
+        the step's (`_decode_config`) unless `decode_config` names one (warm-up compiles each)."""
         traces0 = sum(trace_counts().values())
         t0 = time.perf_counter()
-        # "auto": chosen here, per step; a prefill step keeps one program (no retrace when its lengths spread)
-        decode_config = step_decode_config(self.e.decode_config, None if kind == "prefill" else inp.lengths)
+        if decode_config is _PER_STEP:
+            decode_config = self._decode_config(kind, inp.lengths)
         dp = None
         if self.e.data_ranks > 1:  # the rows (and their local block tables) to their data ranks
             dp = (self.e.mesh, self.e.data_axes)
