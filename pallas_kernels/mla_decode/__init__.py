@@ -410,17 +410,18 @@ def _mla_decode_kernel(
     if partials is _decode_partials_fp8_t:
         # Unpadded rows in; the outputs come out transposed ([..., 512, R]).
         out_t, lse = partials(q_rows, kv_pages, block_table, seq_lens, **body_args)
-        if plan_.num_splits == 1 and not plan_.planned:
-            out = jnp.swapaxes(out_t, 1, 2)
-        else:  # the combine takes 64-row blocks: pad rows with empty partials (lse -inf)
-            pad = [(0, 0)] * (out_t.ndim - 2)
-            o_part = jnp.pad(jnp.swapaxes(out_t, -2, -1), (*pad, (0, Rp - R), (0, 0)))
-            lse_part = jnp.pad(lse, (*pad, (0, Rp - R)), constant_values=-jnp.inf)
+        if plan_.num_splits > 1 or plan_.planned:  # the combine merges the transposed partials as they are
             pieces = (sched.piece_start, sched.num_pieces) if plan_.planned else None
-            out, lse = _combine(
-                o_part, lse_part, out_dtype=q.dtype, config=config, interpret=interpret_params, pieces=pieces
+            out_t, lse = _combine(
+                out_t,
+                lse,
+                out_dtype=q.dtype,
+                config=config,
+                interpret=interpret_params,
+                pieces=pieces,
+                transposed=True,
             )
-            out, lse = out[:, :R], lse[:, :R]
+        out = jnp.swapaxes(out_t, 1, 2)
         return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
     if Rp != R:  # the 64-row bodies take whole row blocks
         q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))

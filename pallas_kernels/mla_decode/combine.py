@@ -15,31 +15,39 @@ from pallas_kernels.mla_decode.config import LATENT_DIM, ROWS, MlaDecodeConfig
 from pallas_kernels.mla_decode.steps import _LN2, _M_INIT
 
 
-def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret, pieces=None):
+def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret, pieces=None, transposed=False):
     """Split combine: o [B, S, Rp, 512] f32 and lse [B, S, Rp] (log2) -> out [B, Rp, 512], lse (ln).
 
-    With ``pieces`` = (piece_start [B], num_pieces [B]) int32 (the balanced schedule): o [NS, Rp,
-    512] and lse [NS, Rp] by piece slot, sequence b's pieces in slots [piece_start[b],
+    With ``pieces`` = (piece_start [B], num_pieces [B]) int32 (the balanced and pieces schedules): o [NS,
+    Rp, 512] and lse [NS, Rp] by piece slot, sequence b's pieces in slots [piece_start[b],
     piece_start[b] + num_pieces[b]) (none for an empty sequence: out = 0, lse = -inf).
+
+    With ``transposed`` (the fp8 transposed body's partials, R <= 32 query rows): o [..., 512, R] in, out [B,
+    512, R] out (lse as above, R rows), each block a [combine_block_cols, R] tile, so the R rows are merged as
+    they are instead of padded to 64.
 
     One CTA per (64 rows, combine_block_cols columns, sequence) streams the S partial tiles through
     SMEM and keeps an online log-sum-exp, so no split count limits it. Empty splits carry
     lse = -inf and o = 0, so they weigh exp2(-inf) = 0.
     """
     if pieces is None:
-        B, S, Rp, _ = o_part.shape
+        B, S = o_part.shape[:2]
     else:
         B = pieces[0].shape[0]
-        Rp = o_part.shape[1]
-    G = Rp // ROWS
+    Rp = lse_part.shape[-1]
+    rows = Rp if transposed else ROWS  # query rows a CTA merges
+    G = Rp // rows
     cb = config.combine_block_cols
     C = LATENT_DIM // cb
     wgmma_layout = plgpu.Layout.WGMMA
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    # The query rows run along the tile's rows, or (transposed) along its columns.
+    row_layout = plgpu.Layout.WGMMA.reduce(0 if transposed else 1)
+    tile, along = ((cb, rows), 1) if transposed else ((rows, cb), 0)
+    out_shape = (B, LATENT_DIM, Rp) if transposed else (B, Rp, LATENT_DIM)
 
     @functools.partial(
         plgpu.kernel,
-        out_type=(jax.ShapeDtypeStruct((B, Rp, LATENT_DIM), out_dtype), jax.ShapeDtypeStruct((B, Rp), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct((B, Rp), jnp.float32)),
         grid=(C, G, B),
         grid_names=("c", "g", "b"),
         interpret=interpret,
@@ -47,17 +55,22 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret,
     )
     def mla_decode_combine(*refs):
         c, g, b = lax.axis_index("c"), lax.axis_index("g"), lax.axis_index("b")
+
+        def o_block(lead):
+            """The block of a partial (``lead``: its leading indices) at this CTA's rows and columns."""
+            return (*lead, c, 0) if transposed else (*lead, g, c)
+
         if pieces is None:
             o_ref, lse_ref, out_ref, lse_out_ref = refs
             steps = (S,)
-            o_spec = plgpu.BlockSpec((None, None, ROWS, cb), lambda s: (b, s, g, c))
-            lse_spec = plgpu.BlockSpec((None, None, ROWS), lambda s: (b, s, g))
+            o_spec = plgpu.BlockSpec((None, None, *tile), lambda s: o_block((b, s)))
+            lse_spec = plgpu.BlockSpec((None, None, rows), lambda s: (b, s, g))
         else:
             o_ref, lse_ref, start_ref, count_ref, out_ref, lse_out_ref = refs
             first = start_ref[b]
             steps = (count_ref[b],)
-            o_spec = plgpu.BlockSpec((None, ROWS, cb), lambda s: (first + s, g, c))
-            lse_spec = plgpu.BlockSpec((None, ROWS), lambda s: (first + s, g))
+            o_spec = plgpu.BlockSpec((None, *tile), lambda s: o_block((first + s,)))
+            lse_spec = plgpu.BlockSpec((None, rows), lambda s: (first + s, g))
 
         def body(idx, o_smem, lse_smem, carry):
             del idx
@@ -67,7 +80,7 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret,
             m_new = jnp.maximum(m, lse)
             alpha = jnp.exp2(m - m_new)
             w = jnp.exp2(lse - m_new)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o * lax.broadcast_in_dim(w, o.shape, [0])
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [along]) + o * lax.broadcast_in_dim(w, o.shape, [along])
             return acc, m_new, l * alpha + w
 
         acc, m, l = plgpu.emit_pipeline(
@@ -76,19 +89,21 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret,
             max_concurrent_steps=2,
             in_specs=[o_spec, lse_spec],
             init_carry=(
-                plgpu.layout_cast(jnp.zeros((ROWS, cb), jnp.float32), wgmma_layout),
-                plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout),
-                plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout),
+                plgpu.layout_cast(jnp.zeros(tile, jnp.float32), wgmma_layout),
+                plgpu.layout_cast(jnp.full((rows,), _M_INIT, jnp.float32), row_layout),
+                plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout),
             ),
         )(o_ref, lse_ref)
         l_safe = jnp.where(l == 0.0, 1.0, l)
-        out_ref[b, pl.ds(g * ROWS, ROWS), pl.ds(c * cb, cb)] = (
-            acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-        ).astype(out_ref.dtype)
+        o = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [along])).astype(out_ref.dtype)
+        if transposed:
+            out_ref[b, pl.ds(c * cb, cb), :] = o
+        else:
+            out_ref[b, pl.ds(g * ROWS, ROWS), pl.ds(c * cb, cb)] = o
 
         @pl.when(c == 0)
         def _():
-            lse_out_ref[b, pl.ds(g * ROWS, ROWS)] = (m + jnp.log2(l)) * _LN2
+            lse_out_ref[b, pl.ds(g * rows, rows)] = (m + jnp.log2(l)) * _LN2
 
     if pieces is None:
         return mla_decode_combine(o_part, lse_part)
