@@ -27,7 +27,7 @@
 #                              #   GATHER=1
 #   scripts/lab/gpu_run.sh session18 # the engine's GPU tests on pieces / auto, mla_decode beside the peers with
 #                              #   $VARIANTS (pieces,auto) on $CELLS, then e2e V2-Lite on a ragged batch, default and auto
-#   scripts/lab/gpu_run.sh session18b # pieces GPU tests (bf16 scorer, fp8 bodies), mla_decode beside the peers on
+#   scripts/lab/gpu_run.sh session18b # fp8 decode GPU tests, bf16 scorer pieces ones, mla_decode beside the peers on
 #                              #   $CELLS, then on fp8 pages ($FP8_CELLS), both with $VARIANTS (pieces,auto)
 #   scripts/lab/gpu_run.sh kvpages # mla-bench e2e on bf16 then fp8 pages ($KV_DTYPES) over $CELLS (V2-Lite 128 x 1024,
 #                              #   16 x 16384), $NEW_TOKENS new tokens; with $GATHER the fp8 gather's --quick cells
@@ -389,7 +389,8 @@ PY
   session18b) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
              $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
        BUILD=$!
-       gpu_tests 120 tests/test_mla_decode_fp8.py tests/test_mla_decode.py -k "gpu_pieces and (scorer or not plain)"
+       gpu_tests 150 tests/test_mla_decode_fp8.py  # every fp8 GPU test: the split combine and the pieces one
+       gpu_tests 100 tests/test_mla_decode.py -k "gpu_pieces and scorer"
        stage "waiting for the FlashMLA build"; wait $BUILD; tail -3 "$R/flashmla_prebuild_log.txt" | tee -a "$LOG"
        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${BENCH_LIMIT:-200}" --peers .peers \
          --no-decompressed --variants "${VARIANTS:-pieces,auto}" --cell-list "${CELLS:-8,1,4096,128}"
