@@ -635,9 +635,9 @@ def test_auto_schedule_rule_on_the_lengths():
 
 def test_host_config_picks_the_branch_from_the_lengths():
     """`host_config` (a serving loop's per-step choice): "auto" becomes the per-sequence program on equal lengths
-    and the pieces program on ragged ones (`branch_configs`, the other knobs kept); any other config, and None's
-    defaults through `mla_jax.attention.step_decode_config`, pass unchanged. Catches the branches swapped and an
-    "auto" config reaching the compiled step (its device conditional)."""
+    and the pieces program on ragged ones (`branch_configs`, the other knobs kept); any other config passes
+    unchanged, and None's defaults through `mla_jax.attention.step_decode_config` choose as "auto" does. Catches the
+    branches swapped and an "auto" config reaching the compiled step (its device conditional)."""
     from mla_jax.attention import step_decode_config
     from pallas_kernels.mla_decode import host_config
 
@@ -648,8 +648,11 @@ def test_host_config_picks_the_branch_from_the_lengths():
     assert host_config(dataclasses.replace(auto, scorer=False), ragged).scorer is False
     assert host_config(auto, None) == dataclasses.replace(auto, schedule="per_sequence")  # a step that does not decode
     balanced = MlaDecodeConfig(schedule="balanced")
-    assert host_config(balanced, even) is balanced and step_decode_config(None, ragged) is None
+    assert host_config(balanced, even) is balanced and step_decode_config(balanced, ragged) is balanced
     assert step_decode_config(auto, ragged).schedule == "pieces"
+    # the defaults (None) choose as "auto" does: None (the per-sequence defaults) or the pieces config
+    assert step_decode_config(None, ragged) == MlaDecodeConfig(schedule="pieces")
+    assert step_decode_config(None, even) is None and step_decode_config(None, None) is None
 
 
 @pytest.mark.parametrize(
