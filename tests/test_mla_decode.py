@@ -523,7 +523,14 @@ def test_piece_schedule_by_hand():
     check_pieces(sched, lens, 1, config)
 
 
-@pytest.mark.parametrize("row_blocks,k,min_pages", [(1, 2, 4), (2, 1, 1), (2, 4, 2)])
+@pytest.mark.parametrize(
+    "row_blocks,k,min_pages",
+    [
+        (1, 2, 4),
+        pytest.param(2, 1, 1, marks=pytest.mark.full("two row blocks: the interpreted H = 128 pieces case")),
+        pytest.param(2, 4, 2, marks=pytest.mark.full("other piece counts: the by-hand case pins the rule")),
+    ],
+)
 def test_piece_schedule_covers_every_page_once(row_blocks, k, min_pages):
     """Random ragged batches (idle rows, one-token and one-page sequences among them; batches whose shares are
     below `min_piece_pages`, so their pieces are whole shares) through `check_pieces`."""
