@@ -122,6 +122,7 @@ def test_transposed_body_refuses_more_than_32_rows():
         )
 
 
+@pytest.mark.full("the balanced schedule is opt-in since the pieces one; test_interpret_pieces_matches_reference runs")
 def test_interpret_balanced_matches_reference():
     """Guards the balanced schedule's fp8 body: pages [2, 2, 1] in runs of 3 (seq 1 in two pieces,
     both runs crossing a sequence boundary), so a Q not reloaded for the next sequence, softmax
