@@ -407,47 +407,20 @@ def _mla_decode_kernel(
     if plan_.planned:
         sched = schedule if schedule is not None else _schedule_for(seq_lens, plan_, config)
         body_args["schedule"] = sched.kernel_refs
-    if partials is _decode_partials_fp8_t:
-        # Unpadded rows in; the outputs come out transposed ([..., 512, R]).
-        out_t, lse = partials(q_rows, kv_pages, block_table, seq_lens, **body_args)
-        if plan_.num_splits > 1 or plan_.planned:  # the combine merges the transposed partials as they are
-            pieces = (sched.piece_start, sched.num_pieces) if plan_.planned else None
-            out_t, lse = _combine(
-                out_t,
-                lse,
-                out_dtype=q.dtype,
-                config=config,
-                interpret=interpret_params,
-                pieces=pieces,
-                transposed=True,
-            )
-        out = jnp.swapaxes(out_t, 1, 2)
-        return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
-    if Rp != R:  # the 64-row bodies take whole row blocks
+    # The transposed fp8 body takes the R rows as they are and returns oᵀ ([..., 512, R]); the others take
+    # whole 64-row blocks.
+    transposed = partials is _decode_partials_fp8_t
+    if Rp != R and not transposed:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))
-    if plan_.planned:
-        o_part, lse_part = partials(q_rows, kv_pages, block_table, seq_lens, **body_args)
+    out, lse = partials(q_rows, kv_pages, block_table, seq_lens, **body_args)
+    if plan_.planned or plan_.num_splits > 1:  # fp32 partials (by split or by piece slot) to merge
+        pieces = (sched.piece_start, sched.num_pieces) if plan_.planned else None
         out, lse = _combine(
-            o_part,
-            lse_part,
-            out_dtype=q.dtype,
-            config=config,
-            interpret=interpret_params,
-            pieces=(sched.piece_start, sched.num_pieces),
+            out, lse, out_dtype=q.dtype, config=config, interpret=interpret_params, pieces=pieces, transposed=transposed
         )
-        if Rp != R:
-            out, lse = out[:, :R], lse[:, :R]
-        return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
-    out, lse = partials(
-        q_rows,
-        kv_pages,
-        block_table,
-        seq_lens,
-        **body_args,
-    )
-    if plan_.num_splits > 1:
-        out, lse = _combine(out, lse, out_dtype=q.dtype, config=config, interpret=interpret_params)
-    if Rp != R:
+    if transposed:
+        out = jnp.swapaxes(out, 1, 2)
+    elif Rp != R:
         out, lse = out[:, :R], lse[:, :R]
     return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
 
