@@ -44,6 +44,12 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret,
     row_layout = plgpu.Layout.WGMMA.reduce(0 if transposed else 1)
     tile, along = ((cb, rows), 1) if transposed else ((rows, cb), 0)
     out_shape = (B, LATENT_DIM, Rp) if transposed else (B, Rp, LATENT_DIM)
+    # A TMA copy into SMEM must start on 128 bytes, and the pipeline's second slot of an lse block starts one block
+    # after the first: a block of 16 f32 (the transposed body at R = 16) put it on 64 and the GPU faulted with a
+    # misaligned address. So the lse partials' rows are padded to 32 (a few KB in XLA) and the block sliced in SMEM.
+    lse_cols = -(-rows // 32) * 32
+    if lse_cols != rows:
+        lse_part = jnp.pad(lse_part, [(0, 0)] * (lse_part.ndim - 1) + [(0, lse_cols - rows)])
 
     @functools.partial(
         plgpu.kernel,
@@ -64,18 +70,18 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret,
             o_ref, lse_ref, out_ref, lse_out_ref = refs
             steps = (S,)
             o_spec = plgpu.BlockSpec((None, None, *tile), lambda s: o_block((b, s)))
-            lse_spec = plgpu.BlockSpec((None, None, rows), lambda s: (b, s, g))
+            lse_spec = plgpu.BlockSpec((None, None, lse_cols), lambda s: (b, s, g))
         else:
             o_ref, lse_ref, start_ref, count_ref, out_ref, lse_out_ref = refs
             first = start_ref[b]
             steps = (count_ref[b],)
             o_spec = plgpu.BlockSpec((None, *tile), lambda s: o_block((first + s,)))
-            lse_spec = plgpu.BlockSpec((None, rows), lambda s: (first + s, g))
+            lse_spec = plgpu.BlockSpec((None, lse_cols), lambda s: (first + s, g))
 
         def body(idx, o_smem, lse_smem, carry):
             del idx
             acc, m, l = carry
-            lse = plgpu.load(lse_smem, layout=row_layout)
+            lse = plgpu.load(lse_smem.at[pl.ds(0, rows)] if lse_cols != rows else lse_smem, layout=row_layout)
             o = plgpu.load(o_smem, layout=wgmma_layout)
             m_new = jnp.maximum(m, lse)
             alpha = jnp.exp2(m - m_new)

@@ -27,6 +27,7 @@
 #                              #   GATHER=1
 #   scripts/lab/gpu_run.sh session18 # the engine's GPU tests on pieces / auto, mla_decode beside the peers with
 #                              #   $VARIANTS (pieces,auto) on $CELLS, then e2e V2-Lite on a ragged batch, default and auto
+#   scripts/lab/gpu_run.sh session19a # every fp8 decode GPU test, mla_decode on fp8 pages ($FP8_CELLS), the ncu128 stage
 #   scripts/lab/gpu_run.sh session18b # fp8 decode GPU tests, bf16 scorer pieces ones, mla_decode beside the peers on
 #                              #   $CELLS, then on fp8 pages ($FP8_CELLS), both with $VARIANTS (pieces,auto)
 #   scripts/lab/gpu_run.sh kvpages # mla-bench e2e on bf16 then fp8 pages ($KV_DTYPES) over $CELLS (V2-Lite 128 x 1024,
@@ -156,6 +157,23 @@ kvpages_stage() {  # the engine on bf16 against fp8 pages, the same cells; the f
       --kv-dtype "$kv" --no-hf --out "$R/e2e_$kv"
   done
   [ -n "${GATHER:-}" ] && bench paged_gather 120 --quick --kv-dtype fp8
+}
+
+ncu_stage() {  # Nsight Compute on mla_decode's main kernel at each of $NCU_CELLS
+  for cell in ${NCU_CELLS:-128,1,4096,128 128,1,8192,64}; do  # ours at H = 128 and where it matches FlashMLA
+    stage "ncu: mla_decode's main kernel at $cell (${VARIANT:-default})"
+    n="$R/ncu_mla_decode_${cell//,/_}"
+    timeout "${NCU_LIMIT:-200}" ncu --profile-from-start off --kernel-name regex:mla_decode_partials --launch-count 1 \
+      --set full --import-source yes -o "$n" \
+      $PY scripts/lab/ncu_mla_decode.py --cell "$cell" ${VARIANT:+--variant $VARIANT} > "$n.log" 2>&1
+    tail -3 "$n.log" | tee -a "$LOG"
+    timeout 60 ncu --import "$n.ncu-rep" --page details --csv > "$n.csv" 2>&1
+    # every metric (the warp stall reasons among them), and the SASS lines with their stall samples
+    timeout 60 ncu --import "$n.ncu-rep" --page raw --csv > "${n}_raw.csv" 2>&1
+    timeout 60 ncu --import "$n.ncu-rep" --page source --print-source sass --csv > "${n}_sass.csv" 2>&1
+    grep -E "Duration|Registers Per|Achieved Occupancy|Issue Slots|Stall|Bank Conflicts|Tensor|Throughput" \
+      "$n.csv" | head -60 | tee -a "$LOG"
+  done
 }
 
 gpu_tests() {  # $1: time limit (s), rest: test paths
@@ -350,20 +368,7 @@ PY
          MOE_CONFIG="best:$R/moe_sweep.json" timeout "${E2E_LIMIT:-200}" $PY scripts/lab/run_with_moe_config.py e2e \
            --model v3-cut --batch 1,32 --prompt 1024 --new-tokens 64 --no-hf --weights fp8 --out "$R/v3cut_fp8_best" \
            2>&1 | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tee -a "$LOG" ;;
-  ncu128) for cell in ${NCU_CELLS:-128,1,4096,128 128,1,8192,64}; do  # ours at H = 128 and where it matches FlashMLA
-           stage "ncu: mla_decode's main kernel at $cell (${VARIANT:-default})"
-           n="$R/ncu_mla_decode_${cell//,/_}"
-           timeout 200 ncu --profile-from-start off --kernel-name regex:mla_decode_partials --launch-count 1 \
-             --set full --import-source yes -o "$n" \
-             $PY scripts/lab/ncu_mla_decode.py --cell "$cell" ${VARIANT:+--variant $VARIANT} > "$n.log" 2>&1
-           tail -3 "$n.log" | tee -a "$LOG"
-           timeout 60 ncu --import "$n.ncu-rep" --page details --csv > "$n.csv" 2>&1
-           # every metric (the warp stall reasons among them), and the SASS lines with their stall samples
-           timeout 60 ncu --import "$n.ncu-rep" --page raw --csv > "${n}_raw.csv" 2>&1
-           timeout 60 ncu --import "$n.ncu-rep" --page source --print-source sass --csv > "${n}_sass.csv" 2>&1
-           grep -E "Duration|Registers Per|Achieved Occupancy|Issue Slots|Stall|Bank Conflicts|Tensor|Throughput" \
-             "$n.csv" | head -60 | tee -a "$LOG"
-         done ;;
+  ncu128) ncu_stage ;;
   prefill_e2e) bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf
          bench e2e "${E2E_LIMIT:-280}" --cells "v2-lite:1x8192,8x8192" --new-tokens 16 --no-hf --prefill-chunk 512 \
            --out "$R/chunk512" ;;
@@ -397,6 +402,11 @@ PY
        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${FP8_LIMIT:-120}" --kv-dtype fp8 \
          --no-decompressed --variants "${VARIANTS:-pieces,auto}" --cell-list "${FP8_CELLS:-128,1,256-16384,16}" \
          --out "$R/fp8" ;;
+  session19a) gpu_tests 130 tests/test_mla_decode_fp8.py  # the combine over transposed partials, on the GPU
+       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${FP8_LIMIT:-110}" --kv-dtype fp8 \
+         --no-decompressed --variants "${VARIANTS:-pieces,auto}" --cell-list "${FP8_CELLS:-128,1,256-16384,16}" \
+         --out "$R/fp8"
+       ncu_stage ;;
   session18) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
              $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
        BUILD=$!
