@@ -852,6 +852,20 @@ def test_interpretable_variant_is_not_a_production_config():
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("schedule", ["per_sequence", "pieces"])
+def test_row_blocks_are_the_fastest_launched_grid_axis(schedule):
+    # Pallas hands the grid's last axis to the GPU as its fastest one: the CTAs of one sequence's row blocks (H = 128
+    # here: two) must be neighbours there, so they read each page together and the second read comes from L2. With
+    # the row block first they ran a wave apart and each read every page from memory (Nsight Compute: 1.2 GB read
+    # for 604 MB of pages at 128 x 4096, H = 128; docs/BENCHMARKS.md, nineteenth session).
+    from pallas_kernels.mla_decode.schedule import _main_out_geometry
+
+    p = plan(8, 1, 128, 64, MlaDecodeConfig(schedule=schedule))
+    assert p.row_blocks == 2
+    _, grid, names = _main_out_geometry(8, 128, p, jnp.bfloat16)
+    assert names[-1] == "g" and grid[-1] == p.row_blocks
+
+
 def test_plan_fills_about_one_wave():
     p = plan(8, 1, 64, 512, MlaDecodeConfig())
     assert p.num_splits == 16 and 8 * p.num_splits <= 132

@@ -299,20 +299,25 @@ def _partials_out_type(B, S, Rp, dtype):
 
 def _main_out_geometry(B, Rp, plan_: _Plan, dtype):
     """(out_type, grid, grid_names) of a main kernel. per_sequence: `_partials_out_type` over the grid
-    (row block g, split s, batch b). balanced and pieces: fp32 partials by piece slot (o [NS, Rp, 512], lse
+    (split s, batch b, row block g). balanced and pieces: fp32 partials by piece slot (o [NS, Rp, 512], lse
     [NS, Rp] in log2, NS = `num_piece_slots` or `num_piece_rows`; slots no piece takes are never written)
-    over the grid (row block g, CTA c)."""
+    over the grid (CTA c, row block g).
+
+    The row block is the grid's last axis, which the GPU launches fastest: the CTAs of one sequence's row blocks
+    (H = 128, or s_q x H over 64) start together and read the same pages at the same time, so every page after the
+    first CTA's read comes from L2. With the row block first they ran a wave apart and each read its pages from
+    memory again: twice the bytes at H = 128."""
     if plan_.planned:
         NS = num_piece_slots(B, plan_.num_ctas) if plan_.balanced else plan_.num_ctas
         return (
             (jax.ShapeDtypeStruct((NS, Rp, LATENT_DIM), jnp.float32), jax.ShapeDtypeStruct((NS, Rp), jnp.float32)),
-            (plan_.row_blocks, plan_.num_ctas),
-            ("g", "c"),
+            (plan_.num_ctas, plan_.row_blocks),
+            ("c", "g"),
         )
     return (
         _partials_out_type(B, plan_.num_splits, Rp, dtype),
-        (plan_.row_blocks, plan_.num_splits, B),
-        ("g", "s", "b"),
+        (plan_.num_splits, B, plan_.row_blocks),
+        ("s", "b", "g"),
     )
 
 

@@ -28,6 +28,9 @@
 #   scripts/lab/gpu_run.sh session18 # the engine's GPU tests on pieces / auto, mla_decode beside the peers with
 #                              #   $VARIANTS (pieces,auto) on $CELLS, then e2e V2-Lite on a ragged batch, default and auto
 #   scripts/lab/gpu_run.sh session19a # every fp8 decode GPU test, mla_decode on fp8 pages ($FP8_CELLS), the ncu128 stage
+#   scripts/lab/gpu_run.sh session19b # scorer / pieces / large-batch GPU tests, fp8 ones with row blocks, the peers on
+#                              #   $CELLS with $VARIANTS (auto), then the ncu stage
+#   scripts/lab/gpu_run.sh session19c # mla_decode on bf16 then fp8 pages ($FP8_CELLS), then the kvpages stage
 #   scripts/lab/gpu_run.sh session18b # fp8 decode GPU tests, bf16 scorer pieces ones, mla_decode beside the peers on
 #                              #   $CELLS, then on fp8 pages ($FP8_CELLS), both with $VARIANTS (pieces,auto)
 #   scripts/lab/gpu_run.sh kvpages # mla-bench e2e on bf16 then fp8 pages ($KV_DTYPES) over $CELLS (V2-Lite 128 x 1024,
@@ -407,6 +410,20 @@ PY
          --no-decompressed --variants "${VARIANTS:-pieces,auto}" --cell-list "${FP8_CELLS:-128,1,256-16384,16}" \
          --out "$R/fp8"
        ncu_stage ;;
+  session19b) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
+             $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
+       BUILD=$!
+       gpu_tests 150 tests/test_mla_decode.py -k "scorer_matches or (pieces and scorer) or large_batch"
+       gpu_tests 80 tests/test_mla_decode_fp8.py -k "kernel_matches and (128 or 64-4)"
+       stage "waiting for the FlashMLA build"; wait $BUILD; tail -3 "$R/flashmla_prebuild_log.txt" | tee -a "$LOG"
+       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${BENCH_LIMIT:-220}" --peers .peers \
+         --no-decompressed --variants "${VARIANTS:-auto}" --cell-list "${CELLS:-128,1,4096,128}"
+       ncu_stage ;;
+  session19c) for kv in bf16 fp8; do  # the kernel on both page formats, the same cells, then e2e on both
+         XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${FP8_LIMIT:-70}" --kv-dtype $kv \
+           --no-decompressed --cell-list "${FP8_CELLS:-128,1,4096,128}" --out "$R/kernel_$kv"
+       done
+       kvpages_stage ;;
   session18) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
              $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
        BUILD=$!
