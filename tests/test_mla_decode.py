@@ -191,6 +191,33 @@ def test_interpret_scorer_matches_reference(heads, s_q, causal, seq_lens, max_pa
     assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
+# The scorer's output columns staged in Q's SMEM and stored with one TMA copy (`scorer_out_smem`).
+# Catches: the stage written before the last Q·Kᵀ is done with Q (wrong scores on the last page), a copy to the
+# wrong rows, columns or slot, the bf16 final output or the fp32 partials staged in the other's dtype, a copy
+# that skips an empty split (the combine reads every split).
+@pytest.mark.parametrize(
+    "heads,s_q,causal,seq_lens,max_pages,num_splits,schedule",
+    full(
+        [(*INTERPRET_CASES[i], "per_sequence") for i in (3, 6)] + [(*INTERPRET_CASES[4], "pieces")],
+        [(*INTERPRET_CASES[3], "per_sequence")],
+        "the final-output and pieces cases of the staged scorer output",
+    ),
+)
+def test_interpret_scorer_out_through_smem_matches_reference(
+    heads, s_q, causal, seq_lens, max_pages, num_splits, schedule
+):
+    args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 13)
+    config = MlaDecodeConfig(
+        num_splits=num_splits if schedule == "per_sequence" else None,
+        min_pages_per_split=1,
+        min_piece_pages=1,
+        scorer=True,
+        scorer_out_smem=True,
+        schedule=schedule,
+    )
+    assert_matches_reference(args, causal=causal, config=config, impl="interpret")
+
+
 @pytest.mark.parametrize(
     "variant",
     [VARIANTS[2], *(pytest.param(v, marks=pytest.mark.full("the scorer body's case")) for v in VARIANTS[:2])],
@@ -839,6 +866,15 @@ def test_cross_lowers_tuning_configs(config):
     assert _mosaic_calls(lowered) == 2
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_scorer_out_through_smem_cross_lowers_for_sm90(num_splits):
+    # The bf16 output (one split: the main kernel writes it) and the fp32 partials (three) staged in Q's SMEM:
+    # a stage tiling that does not suit the dtype, or a store layout the swizzle cannot take, fails here.
+    config = MlaDecodeConfig(num_splits=num_splits, scorer_out_smem=True)
+    lowered = lower_for_sm90(4, 2, 128, 300, causal=True, config=config)
+    assert _mosaic_calls(lowered) == (1 if num_splits == 1 else 2)
+
+
 def test_interpretable_variant_is_not_a_production_config():
     # The plain and split-QK bodies' SMEM-staged P buffers do not fit next to Q and two KV stages:
     # lowering must say so rather than the production path silently using them. (The scorer body
@@ -1029,6 +1065,20 @@ def test_gpu_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_s
     assert_matches_reference(
         args, causal=causal, config=MlaDecodeConfig(num_splits=num_splits, scorer=True), impl="kernel"
     )
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", GPU_CASES[::3])
+@pytest.mark.parametrize("schedule", ["per_sequence", "pieces"])
+def test_gpu_scorer_out_through_smem_matches_reference(heads, s_q, causal, batch, mean_len, num_splits, schedule):
+    rng = np.random.default_rng(heads * 100 + s_q * 10 + batch + 7)
+    lengths = _ragged_lengths(rng, batch, mean_len, s_q)
+    lengths[0], lengths[-1] = max(s_q, 1), 2 * mean_len
+    args = make_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64), seed=int(rng.integers(1 << 30)))
+    splits = num_splits if schedule == "per_sequence" else None
+    config = MlaDecodeConfig(num_splits=splits, scorer=True, scorer_out_smem=True, schedule=schedule)
+    assert_matches_reference(args, causal=causal, config=config, impl="kernel")
 
 
 @pytest.mark.gpu
