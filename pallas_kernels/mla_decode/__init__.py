@@ -287,6 +287,9 @@ def _body(page_format: PageFormat, plan_, s_q: int, heads: int, config: MlaDecod
     return _decode_partials
 
 
+# What the interpreter runs the kernels with (a test swaps in race detection).
+INTERPRET_PARAMS = plgpu.InterpretGPUParams()
+
 SCHEDULE_SCOPE = "mla_decode_schedule"  # the name scope of the schedule's ops (a test finds where they run)
 
 
@@ -392,7 +395,7 @@ def _mla_decode_kernel(
     pad = -block_table.shape[1] % 4
     if pad:
         block_table = jnp.pad(block_table, ((0, 0), (0, pad)))
-    interpret_params = plgpu.InterpretGPUParams() if interpret else None
+    interpret_params = INTERPRET_PARAMS if interpret else None
     partials = _body(page_format, plan_, s_q, H, config)
     body_args = dict(  # what every body takes besides the arrays
         s_q=s_q,

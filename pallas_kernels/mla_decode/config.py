@@ -83,6 +83,12 @@ class MlaDecodeConfig:
         writes its 128 output columns through SMEM (Q's buffer, free after its last Q·Kᵀ) with one TMA copy
         instead of each thread storing its fragment: Nsight Compute put 11 % of the scorer's samples at H = 128
         in those stores, throttled (docs/NOTES.md, nineteenth session). Off until timed on a GPU.
+      scorer_pv_cols: with the scorer body on the per_sequence and pieces schedules, the P·V columns of the
+        scoring warpgroup: 128 (four warpgroups: the scorer, two accumulating 192 columns each, one issuing the
+        TMA copies; 128 registers a thread at launch) or 0 (three warpgroups: the scorer only scores, the two
+        others accumulate 256 columns each and the second issues the copies; 168 registers at launch, so a
+        256-column accumulator compiles). 0 takes the scorer's own P·V (1 MFLOP a page at 64 rows) off its chain,
+        the H = 128 bound (docs/NOTES.md, nineteenth session). 128 until timed on a GPU.
     """
 
     num_splits: int | None = None
@@ -102,6 +108,7 @@ class MlaDecodeConfig:
     fp8_transposed: bool | None = None
     scorer: bool | None = None
     scorer_out_smem: bool = False
+    scorer_pv_cols: int = 128
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -128,6 +135,8 @@ class MlaDecodeConfig:
             )
         if not 24 <= self.memory_registers <= 256 or self.memory_registers % 8:
             raise ValueError(f"memory_registers must be a multiple of 8 in [24, 256], got {self.memory_registers}")
+        if self.scorer_pv_cols not in (0, 128):
+            raise ValueError(f"scorer_pv_cols must be 0 or 128, got {self.scorer_pv_cols}")
         if self.combine_block_cols not in (64, 128, 256):
             raise ValueError(f"combine_block_cols must be one of 64, 128, 256, got {self.combine_block_cols}")
 

@@ -28,6 +28,10 @@ from pallas_kernels.mla_decode.steps import (
 _SCORER_COLS = 128  # P·V columns of the scoring warpgroup
 _ACC_COLS = (LATENT_DIM - _SCORER_COLS) // 2  # 192 for each of the two accumulating ones
 SCORER_MEMORY_REGISTERS = 24  # the TMA warpgroup's registers (setmaxnreg): a loop issuing copies
+# Three warpgroups (``scorer_pv_cols=0``): 168 registers a thread at launch; the scorer (S, P and the softmax's rows)
+# gives some to the two accumulating warpgroups (64 x 256 fp32 = 128 registers of accumulator a thread).
+SCORER3_SCORER_REGISTERS = 104
+SCORER3_ACC_REGISTERS = 200
 
 
 def _scorer_compute_registers(memory_registers: int = SCORER_MEMORY_REGISTERS) -> int:
@@ -64,14 +68,15 @@ def _scorer_scratch(nslots: int, out_stage=None) -> dict:
     )
 
 
-def _scorer_kernel(out_type, grid, grid_names, scratch, interpret):
-    """The `plgpu.kernel` decorator of a scorer body: four warpgroups (TMA, scorer, two accumulating)."""
+def _scorer_kernel(out_type, grid, grid_names, scratch, interpret, num_threads=4):
+    """The `plgpu.kernel` decorator of a scorer body: four warpgroups (scorer, two accumulating, TMA), or three
+    (no TMA warpgroup)."""
     return functools.partial(
         plgpu.kernel,
         out_type=out_type,
         grid=grid,
         grid_names=grid_names,
-        num_threads=4,
+        num_threads=num_threads,
         thread_name="wg",
         scratch_types=scratch,
         # Every reduction is along rows, inside a warp: no cross-warp reduction scratch needed.
@@ -118,6 +123,11 @@ def _decode_partials_scorer(
     accumulator registers a thread. The warpgroups still set their registers (24 for the TMA one,
     160 for the others), which removes spill code (docs/NOTES.md).
 
+    With ``config.scorer_pv_cols`` = 0, three warpgroups: the scorer only scores (its page released once P is
+    written), warpgroups 1 and 2 accumulate 256 columns each, and warpgroup 2 issues Q and the first pages, then
+    after each page's P·V waits for the slot's three releases and refills it: no TMA warpgroup, so 168 registers a
+    thread at launch, where a 256-column accumulator compiles.
+
     Each warpgroup writes its columns of the split's result after its loop (an empty split too:
     out 0, lse -inf; a piece row with no piece writes nothing); with ``config.scorer_out_smem`` the scorer's go
     through Q's SMEM and one TMA store. SMEM: Q 72 KB + two 72 KB page slots + P
@@ -128,9 +138,11 @@ def _decode_partials_scorer(
     final = plan_.num_splits == 1 and not pieces
     scale_log2 = scale * _LOG2E
     nslots = config.max_concurrent_steps
-    c0, acc_cols = _SCORER_COLS, _ACC_COLS
+    three = config.scorer_pv_cols == 0
+    c0 = 0 if three else _SCORER_COLS
+    acc_cols = (LATENT_DIM - c0) // 2
     out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
-    staged = config.scorer_out_smem
+    staged = config.scorer_out_smem and not three
     scratch = _scorer_scratch(nslots, out_type[0].dtype if staged else None)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -138,7 +150,7 @@ def _decode_partials_scorer(
     # Keys every query row of the sequence sees: the first causal query row sees s_q - 1 fewer.
     lag = s_q - 1 if causal else 0
 
-    @_scorer_kernel(out_type, grid, grid_names, scratch, interpret)
+    @_scorer_kernel(out_type, grid, grid_names, scratch, interpret, num_threads=3 if three else 4)
     def mla_decode_partials_scorer(
         *refs,
         q_smem,
@@ -191,29 +203,36 @@ def _decode_partials_scorer(
                     plgpu.copy_smem_to_gmem(stage, o_ref.at[(*out_index, cols)])
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        @pl.when(wg == 3)
-        def _memory():
-            plgpu.set_max_registers(SCORER_MEMORY_REGISTERS, action="decrease")
+        def issue(i):
+            """Page i's copy into its slot (by the TMA warpgroup, or with three warpgroups by warpgroup 2)."""
+            slot = lax.rem(i, nslots)
+            plgpu.copy_gmem_to_smem(kv_ref.at[bt_ref[b, first_page + i]], kv_smem.at[slot], kv_ready.at[slot])
 
-            @pl.loop(0, n_pages)
-            def _(i):
-                slot = lax.rem(i, nslots)
+        if not three:  # the TMA warpgroup (three warpgroups: warpgroup 2 issues the copies)
 
-                @pl.when(i == 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+            @pl.when(wg == 3)
+            def _memory():
+                plgpu.set_max_registers(SCORER_MEMORY_REGISTERS, action="decrease")
 
-                @pl.when(i >= nslots)
-                def _():
-                    plgpu.barrier_wait(kv_free.at[slot])
+                @pl.loop(0, n_pages)
+                def _(i):
+                    slot = lax.rem(i, nslots)
 
-                plgpu.copy_gmem_to_smem(kv_ref.at[bt_ref[b, first_page + i]], kv_smem.at[slot], kv_ready.at[slot])
+                    @pl.when(i == 0)
+                    def _():
+                        plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
 
-            # Observe the last releases too, so that every barrier ends with all its phases waited
-            # (the interpreter checks this when the barriers are freed).
-            @pl.loop(jnp.maximum(n_pages - nslots, 0), n_pages)
-            def _(i):
-                plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
+                    @pl.when(i >= nslots)
+                    def _():
+                        plgpu.barrier_wait(kv_free.at[slot])
+
+                    issue(i)
+
+                # Observe the last releases too, so that every barrier ends with all its phases waited
+                # (the interpreter checks this when the barriers are freed).
+                @pl.loop(jnp.maximum(n_pages - nslots, 0), n_pages)
+                def _(i):
+                    plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
 
         def zeros(cols):
             return plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), wgmma_layout)
@@ -223,10 +242,13 @@ def _decode_partials_scorer(
 
         @pl.when(wg == 0)
         def _scorer():
-            plgpu.set_max_registers(compute_registers, action="increase")
+            if three:
+                plgpu.set_max_registers(SCORER3_SCORER_REGISTERS, action="decrease")
+            else:
+                plgpu.set_max_registers(compute_registers, action="increase")
 
             def step(i, carry):
-                acc, m, l = carry
+                acc, m, l = carry if not three else (None, *carry)
                 slot, page_start = page(i)
                 kv = kv_smem.at[slot]
                 _zero_v_tail(kv, seq_len - page_start, 0, LATENT_DIM)  # for every P·V warpgroup
@@ -263,6 +285,9 @@ def _decode_partials_scorer(
                 stat_smem[1] = l
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready)
+                if three:  # no P·V here: the page is released once its scores are in
+                    plgpu.barrier_arrive(kv_free.at[slot])
+                    return m_new, l
                 acc = _pv_product(
                     acc * lax.broadcast_in_dim(alpha, acc.shape, [0]),
                     p_smem,
@@ -272,13 +297,17 @@ def _decode_partials_scorer(
                 plgpu.barrier_arrive(kv_free.at[slot])
                 return acc, m_new, l
 
-            acc, m, l = lax.fori_loop(0, n_pages, step, (zeros(c0), m0, l0))
+            if three:
+                m, l = lax.fori_loop(0, n_pages, step, (m0, l0))
+            else:
+                acc, m, l = lax.fori_loop(0, n_pages, step, (zeros(c0), m0, l0))
 
             @pl.when(n_pages > 0)
             def _():  # the last page's P released (see the memory warpgroup's last loop)
                 plgpu.barrier_wait(p_free)
 
-            write_out(pl.ds(0, c0), acc, l, out_stage if staged else None)
+            if not three:
+                write_out(pl.ds(0, c0), acc, l, out_stage if staged else None)
             lse2 = m + jnp.log2(l)
 
             @pl.when(live)
@@ -287,8 +316,17 @@ def _decode_partials_scorer(
 
         @pl.when((wg == 1) | (wg == 2))
         def _accumulate():
-            plgpu.set_max_registers(compute_registers, action="increase")
+            plgpu.set_max_registers(SCORER3_ACC_REGISTERS if three else compute_registers, action="increase")
             cols = pl.ds(c0 + (wg - 1) * acc_cols, acc_cols)
+            if three:  # warpgroup 2 issues the copies: Q and the first pages now, each later page once a slot frees
+
+                @pl.when((wg == 2) & (n_pages > 0))
+                def _():
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+
+                @pl.when(wg == 2)
+                def _():
+                    pl.loop(0, jnp.minimum(n_pages, nslots))(issue)
 
             def step(i, carry):
                 acc, _ = carry
@@ -304,6 +342,16 @@ def _decode_partials_scorer(
                 )
                 plgpu.barrier_arrive(p_free)
                 plgpu.barrier_arrive(kv_free.at[slot])
+                if three:
+
+                    @pl.when(wg == 2)
+                    def _():  # every release observed; the slot refilled while pages remain
+                        plgpu.barrier_wait(kv_free.at[slot])
+
+                        @pl.when(i + nslots < n_pages)
+                        def _():
+                            issue(i + nslots)
+
                 return acc, l
 
             acc, l = lax.fori_loop(0, n_pages, step, (zeros(acc_cols), l0))

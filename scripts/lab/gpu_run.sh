@@ -103,14 +103,18 @@ for B, s_q, H, causal, splits, split_qk, scorer, schedule in [
     (4, 2, 128, True, 1, True, False, "per_sequence"), (2, 1, 16, False, 4, False, False, "per_sequence"),
     (4, 1, 64, False, 1, False, True, "per_sequence"), (4, 2, 128, True, 4, False, True, "per_sequence"),
     (4, 1, 64, False, 1, False, True, "balanced"), (4, 2, 128, True, 1, False, True, "balanced"),
-    (4, 1, 64, False, 1, False, True, "pieces"), (4, 2, 128, True, 1, False, True, "pieces")]:
+    (4, 1, 64, False, 1, False, True, "pieces"), (4, 2, 128, True, 1, False, True, "pieces"),
+    (4, 1, 128, False, 1, False, "out_smem", "per_sequence"), (4, 1, 128, False, 1, False, "out_smem", "pieces"),
+    (4, 1, 128, False, 1, False, "three", "per_sequence"), (4, 2, 128, True, 1, False, "three", "pieces")]:
   print(f"### B={B} s_q={s_q} H={H} causal={causal} splits={splits} split_qk={split_qk} scorer={scorer} "
         f"schedule={schedule}", flush=True)
   a = (jnp.ones((B, s_q, H, 576), jnp.bfloat16), jnp.ones((B * 8, 64, 576), jnp.bfloat16),
        jnp.arange(B * 8, dtype=jnp.int32).reshape(B, 8), jnp.full((B,), 500, jnp.int32))
   jax.block_until_ready(mla_decode(*a, softmax_scale=0.1, causal=causal,
                                    config=MlaDecodeConfig(num_splits=splits, split_qk=split_qk,
-                                                          scorer=scorer, schedule=schedule),
+                                                          scorer=bool(scorer), schedule=schedule,
+                                                          scorer_out_smem=scorer == "out_smem",
+                                                          scorer_pv_cols=0 if scorer == "three" else 128),
                                    impl="kernel"))
 PY
   grep -E "###|registers|spill" "$R/ptxas.txt" | head -60 | tee -a "$LOG"
