@@ -106,6 +106,59 @@ def test_interpret_matches_reference(heads, s_q, causal, seq_lens, max_pages, nu
     assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
+# The scorer body on fp8 pages (`fp8_scorer`): a converting warpgroup loads each page from HBM and dequantises it
+# into the bf16 slot the scorer and the accumulating warpgroups read.
+@pytest.mark.parametrize(
+    "heads,s_q,causal,seq_lens,max_pages,num_splits,schedule",
+    full(
+        [(*INTERPRET_CASES[i], "per_sequence") for i in (3, 4, 5)] + [(64, 1, False, [3, 200], 4, None, "pieces")],
+        [(*INTERPRET_CASES[4], "per_sequence")],
+        "the fp8 scorer's other cases (two row blocks, causal page boundaries, pieces)",
+    ),
+)
+def test_interpret_fp8_scorer_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits, schedule):
+    """Guards: a block's scale applied to another block or not at all, the rope not copied, NaN page tails not
+    zeroed (NaN through P·V), a slot announced ready before its conversion is visible, a slot converted into
+    before the scorer and both accumulating warpgroups released it, the wrong page of the table converted."""
+    args = make_fp8_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 5)
+    config = MlaDecodeConfig(
+        num_splits=num_splits if schedule == "per_sequence" else None,
+        min_pages_per_split=1,
+        min_piece_pages=1,
+        schedule=schedule,
+        fp8_scorer=True,
+        fp8_transposed=False,
+    )
+    assert_matches_reference(args, causal=causal, config=config, impl="interpret")
+
+
+def test_fp8_scorer_has_no_races(monkeypatch):
+    """The interpreter's race detector over the converting warpgroup and its readers through one page slot
+    refilled every page: catches a conversion into the slot before its three releases."""
+    import importlib
+
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    md = importlib.import_module("pallas_kernels.mla_decode")  # the package (its name is also the function's)
+    monkeypatch.setattr(md, "INTERPRET_PARAMS", plgpu.InterpretGPUParams(detect_races=True))
+    args = make_fp8_inputs(2, 1, 64, [130, 70], 3, seed=29)
+    config = MlaDecodeConfig(num_splits=1, fp8_scorer=True, max_concurrent_steps=1)
+    assert_matches_reference(args, causal=False, config=config, impl="interpret")
+    assert not interpret_pallas_call.get_races().races_found
+
+
+@pytest.mark.parametrize(
+    "heads,s_q,num_splits,schedule", [(64, 1, 1, "per_sequence"), (128, 2, 3, "per_sequence"), (64, 2, None, "pieces")]
+)
+def test_fp8_scorer_cross_lowers_for_sm90(heads, s_q, num_splits, schedule):
+    """Guards: the converting warpgroup's HBM loads (656-byte rows, the scales' strided column) or its stores into
+    the swizzled slot not lowering for sm_90; the final output (one split) and the fp32 partials both."""
+    config = MlaDecodeConfig(num_splits=num_splits, fp8_scorer=True, schedule=schedule)
+    lowered = _lower(4, s_q, heads, 130, causal=s_q > 1, config=config)
+    assert len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text())) == (1 if num_splits == 1 else 2)
+
+
 def test_transposed_body_refuses_more_than_32_rows():
     """Guards: fp8_transposed=True silently falling back (or computing garbage) where the transposed
     body does not serve: more than 32 query rows, or the balanced schedule."""
@@ -225,6 +278,28 @@ def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_s
     lengths[0], lengths[-1] = max(s_q, 1), 2 * mean_len
     args = make_fp8_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64), seed=int(rng.integers(1 << 30)))
     assert_matches_reference(args, causal=causal, config=MlaDecodeConfig(num_splits=num_splits), impl="kernel")
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize(
+    "heads,s_q,causal,batch,mean_len,num_splits",
+    [
+        (64, 1, False, 40, 300, None),
+        (64, 4, False, 5, 2000, 7),
+        (128, 3, True, 40, 300, None),
+        (128, 1, False, 5, 2000, 7),
+    ],
+)
+@pytest.mark.parametrize("schedule", ["per_sequence", "pieces"])
+def test_gpu_fp8_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_splits, schedule):
+    rng = np.random.default_rng(heads * 100 + s_q + 11)
+    lengths = np.clip(rng.normal(mean_len, mean_len / 2, batch), s_q, 2 * mean_len).astype(int).tolist()
+    lengths[0], lengths[-1] = max(s_q, 1), 2 * mean_len
+    args = make_fp8_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64), seed=int(rng.integers(1 << 30)))
+    splits = num_splits if schedule == "per_sequence" else None
+    config = MlaDecodeConfig(num_splits=splits, fp8_scorer=True, schedule=schedule)
+    assert_matches_reference(args, causal=causal, config=config, impl="kernel")
 
 
 @pytest.mark.gpu

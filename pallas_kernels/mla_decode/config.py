@@ -89,6 +89,13 @@ class MlaDecodeConfig:
         others accumulate 256 columns each and the second issues the copies; 168 registers at launch, so a
         256-column accumulator compiles). 0 takes the scorer's own P·V (1 MFLOP a page at 64 rows) off its chain,
         the H = 128 bound (docs/NOTES.md, nineteenth session). 128 until timed on a GPU.
+      fp8_scorer: for fp8 pages where the padded body would run (s_q * H > 32, or ``fp8_transposed=False``) on the
+        per_sequence and pieces schedules, the scorer body instead, its TMA warpgroup replaced by a converting one:
+        each page loaded from HBM, dequantised (scales applied) into the bf16 page slot the scorer and the
+        accumulating warpgroups read, so the tensor work is the bf16 body's and the conversion runs beside it, on
+        a warpgroup of its own (the padded body converts on its two compute warpgroups, then both score all 64
+        rows: 3.0-3.4x the bf16 kernel at H = 64 and 128). Four warpgroups (``scorer_pv_cols`` does not apply).
+        Off until timed on a GPU.
     """
 
     num_splits: int | None = None
@@ -109,6 +116,7 @@ class MlaDecodeConfig:
     scorer: bool | None = None
     scorer_out_smem: bool = False
     scorer_pv_cols: int = 128
+    fp8_scorer: bool = False
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:

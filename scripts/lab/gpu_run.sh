@@ -145,15 +145,16 @@ PY
 }
 
 fp8_ptxas_report() {
-  stage "ptxas registers/spills: mla_decode on fp8 pages (transposed R=16, 32; shared R=64)"
+  stage "ptxas registers/spills: mla_decode on fp8 pages (transposed R=16, 32; shared R=64; the fp8 scorer R=64, 128)"
   MOSAIC_GPU_DUMP_PTXAS=1 timeout 90 $PY - <<'PY' > "$R/ptxas_fp8.txt" 2>&1
 import jax, jax.numpy as jnp
 from pallas_kernels import mla_decode, MlaDecodeConfig
-for H in (16, 32, 64):
-  print(f"### H={H}", flush=True)
+for H, fp8_scorer in ((16, False), (32, False), (64, False), (64, True), (128, True)):
+  print(f"### H={H} fp8_scorer={fp8_scorer}", flush=True)
   a = (jnp.ones((4, 1, H, 576), jnp.bfloat16), jnp.zeros((32, 64, 656), jnp.uint8),
        jnp.arange(32, dtype=jnp.int32).reshape(4, 8), jnp.full((4,), 500, jnp.int32))
-  jax.block_until_ready(mla_decode(*a, softmax_scale=0.1, config=MlaDecodeConfig(num_splits=1), impl="kernel"))
+  jax.block_until_ready(mla_decode(*a, softmax_scale=0.1, config=MlaDecodeConfig(num_splits=1, fp8_scorer=fp8_scorer),
+                                   impl="kernel"))
 PY
   grep -E "###|registers|spill" "$R/ptxas_fp8.txt" | head -40 | tee -a "$LOG"
 }
