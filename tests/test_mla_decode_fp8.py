@@ -148,8 +148,12 @@ def test_fp8_scorer_has_no_races(monkeypatch):
     assert not interpret_pallas_call.get_races().races_found
 
 
+_FP8_SCORER_CROSS = [(64, 1, 1, "per_sequence"), (128, 2, 3, "per_sequence"), (64, 2, None, "pieces")]
+
+
 @pytest.mark.parametrize(
-    "heads,s_q,num_splits,schedule", [(64, 1, 1, "per_sequence"), (128, 2, 3, "per_sequence"), (64, 2, None, "pieces")]
+    "heads,s_q,num_splits,schedule",
+    full(_FP8_SCORER_CROSS, _FP8_SCORER_CROSS[1:2], "fp32 partials at two row blocks by default"),
 )
 def test_fp8_scorer_cross_lowers_for_sm90(heads, s_q, num_splits, schedule):
     """Guards: the converting warpgroup's HBM loads (656-byte rows, the scales' strided column) or its stores into

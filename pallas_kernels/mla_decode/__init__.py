@@ -101,11 +101,8 @@ from pallas_kernels.mla_decode.schedule import (
     prefers_pieces,
     sequence_of_page,
 )
-from pallas_kernels.mla_decode.scorer import (
-    SCORER_MEMORY_REGISTERS,
-    _decode_partials_scorer,
-    _decode_partials_scorer_balanced,
-)
+from pallas_kernels.mla_decode.scorer import SCORER_MEMORY_REGISTERS, _decode_partials_scorer
+from pallas_kernels.mla_decode.scorer_balanced import _decode_partials_scorer_balanced
 from pallas_kernels.page_format import PageFormat, check_pages
 
 __all__ = [

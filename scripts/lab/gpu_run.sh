@@ -30,6 +30,8 @@
 #   scripts/lab/gpu_run.sh session19a # every fp8 decode GPU test, mla_decode on fp8 pages ($FP8_CELLS), the ncu128 stage
 #   scripts/lab/gpu_run.sh session19b # scorer / pieces / large-batch GPU tests, fp8 ones with row blocks, the peers on
 #                              #   $CELLS with $VARIANTS (auto), then the ncu stage
+#   scripts/lab/gpu_run.sh fp8scorer # the fp8 scorer's GPU tests, the fp8 ptxas report, mla_decode on bf16 then fp8
+#                              #   pages ($FP8_CELLS) with $VARIANTS (fp8_scorer)
 #   scripts/lab/gpu_run.sh session19c # mla_decode on bf16 then fp8 pages ($FP8_CELLS), then the kvpages stage
 #   scripts/lab/gpu_run.sh session18b # fp8 decode GPU tests, bf16 scorer pieces ones, mla_decode beside the peers on
 #                              #   $CELLS, then on fp8 pages ($FP8_CELLS), both with $VARIANTS (pieces,auto)
@@ -429,6 +431,14 @@ PY
            --no-decompressed --cell-list "${FP8_CELLS:-128,1,4096,128}" --out "$R/kernel_$kv"
        done
        kvpages_stage ;;
+  fp8scorer) gpu_tests 150 tests/test_mla_decode_fp8.py -k "fp8_scorer"
+       fp8_ptxas_report
+       for kv in bf16 fp8; do  # the same cells on both page formats, one process each, the fp8 scorer beside
+         XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${FP8_LIMIT:-110}" --kv-dtype $kv \
+           --no-decompressed --variants "${VARIANTS:-fp8_scorer}" \
+           --cell-list "${FP8_CELLS:-128,1,4096,128;128,1,8192,64;128,2,8192,128;128,1,256-16384,64}" \
+           --out "$R/kernel_$kv"
+       done ;;
   session18) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
              $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
        BUILD=$!
