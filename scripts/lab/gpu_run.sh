@@ -32,6 +32,10 @@
 #                              #   $CELLS with $VARIANTS (auto), then the ncu stage
 #   scripts/lab/gpu_run.sh fp8scorer # the fp8 scorer's GPU tests, the fp8 ptxas report, mla_decode on bf16 then fp8
 #                              #   pages ($FP8_CELLS) with $VARIANTS (fp8_scorer)
+#   scripts/lab/gpu_run.sh session20a # ptxas reports (bf16 and fp8 bodies), the three-warpgroup / staged-output / fp8
+#                              #   scorer GPU tests
+#   scripts/lab/gpu_run.sh session20b # mla_decode on fp8 pages with fp8_scorer, then beside the peers with scorer3,
+#                              #   out_smem, auto, auto_scorer3 (carry .peers)
 #   scripts/lab/gpu_run.sh session19c # mla_decode on bf16 then fp8 pages ($FP8_CELLS), then the kvpages stage
 #   scripts/lab/gpu_run.sh session18b # fp8 decode GPU tests, bf16 scorer pieces ones, mla_decode beside the peers on
 #                              #   $CELLS, then on fp8 pages ($FP8_CELLS), both with $VARIANTS (pieces,auto)
@@ -439,6 +443,21 @@ PY
            --cell-list "${FP8_CELLS:-128,1,4096,128;128,1,8192,64;128,2,8192,128;128,1,256-16384,64}" \
            --out "$R/kernel_$kv"
        done ;;
+  session20a) ptxas_report  # the nineteenth session's CPU-built bodies: registers and spills first, then their tests
+       fp8_ptxas_report
+       gpu_tests 170 tests/test_mla_decode.py -k "three_warpgroup or out_through_smem"
+       gpu_tests 90 tests/test_mla_decode_fp8.py -k "fp8_scorer" ;;
+  session20b) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
+             $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
+       BUILD=$!
+       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${FP8_LIMIT:-100}" --kv-dtype fp8 \
+         --no-decompressed --variants "${FP8_VARIANTS:-fp8_scorer}" \
+         --cell-list "${FP8_CELLS:-128,1,4096,128;128,1,8192,64;128,2,8192,128;128,1,256-16384,64}" --out "$R/fp8"
+       stage "waiting for the FlashMLA build"; wait $BUILD; tail -3 "$R/flashmla_prebuild_log.txt" | tee -a "$LOG"
+       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" bench mla_decode "${BENCH_LIMIT:-330}" --peers .peers \
+         --no-decompressed --variants "${VARIANTS:-scorer3,out_smem,auto,auto_scorer3}" --cell-list "${CELLS:-\
+128,1,4096,128;256,1,2048,128;128,1,256-16384,128;64,2,256-8192,128;128,2,8192,128;4,4,16384,128;8,1,4096,128;\
+128,1,8192,64;128,1,256-16384,64;32,1,1-32768,64;128,1,4096,64}" ;;
   session18) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
              $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
        BUILD=$!
