@@ -1046,6 +1046,8 @@ def test_invalid_scale_and_impl_raise():
         MlaDecodeConfig(max_concurrent_steps=3)
     with pytest.raises(ValueError, match="combine_block_cols .* got 96"):
         MlaDecodeConfig(combine_block_cols=96)
+    with pytest.raises(ValueError, match="scorer_pv_cols must be 0 or 128, got 64"):
+        MlaDecodeConfig(scorer_pv_cols=64)
 
 
 # ------------------------------------------------------------------------------------------------
