@@ -4,6 +4,7 @@ sequence's KV splits (or its balanced-schedule pieces) by their log-sum-exp."""
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -50,6 +51,9 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret,
     lse_cols = -(-rows // 32) * 32
     if lse_cols != rows:
         lse_part = jnp.pad(lse_part, [(0, 0)] * (lse_part.ndim - 1) + [(0, lse_cols - rows)])
+    for block in (tile, (lse_cols,)):  # (the interpreter does not check TMA alignment: this does, on any host)
+        if math.prod(block) * 4 % 128:
+            raise ValueError(f"combine: an f32 block {block} is not a multiple of 128 bytes (its TMA slots misalign)")
 
     @functools.partial(
         plgpu.kernel,
