@@ -185,6 +185,8 @@ ncu_stage() {  # Nsight Compute on mla_decode's main kernel at each of $NCU_CELL
     # every metric (the warp stall reasons among them), and the SASS lines with their stall samples
     timeout 60 ncu --import "$n.ncu-rep" --page raw --csv > "${n}_raw.csv" 2>&1
     timeout 60 ncu --import "$n.ncu-rep" --page source --print-source sass --csv > "${n}_sass.csv" 2>&1
+    # the SASS lines that hold the stall samples and the samples by region (the export itself is ~1 MB)
+    $PY scripts/lab/ncu_sass_summary.py "${n}_sass.csv" > "${n}_sass_top.txt" 2>&1 && rm -f "${n}_sass.csv" "$n.ncu-rep"
     grep -E "Duration|Registers Per|Achieved Occupancy|Issue Slots|Stall|Bank Conflicts|Tensor|Throughput" \
       "$n.csv" | head -60 | tee -a "$LOG"
   done
