@@ -117,3 +117,17 @@ def pytest_report_header(config):
     from tests.tiers import full_tier
 
     return f"test tier: {'full' if full_tier(config) else 'CI (pytest --full adds the tests marked full)'}"
+
+
+@pytest.fixture
+def mla_decode_races(monkeypatch):
+    """Runs `mla_decode`'s interpreted kernels under the interpreter's race detector; call the returned function
+    after the kernel ran: it says whether any race was found."""
+    import importlib
+
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    md = importlib.import_module("pallas_kernels.mla_decode")  # the package (its name is also the function's)
+    monkeypatch.setattr(md, "INTERPRET_PARAMS", plgpu.InterpretGPUParams(detect_races=True))
+    return lambda: interpret_pallas_call.get_races().races_found

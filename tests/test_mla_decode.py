@@ -206,14 +206,22 @@ def test_interpret_scorer_matches_reference(heads, s_q, causal, seq_lens, max_pa
 def test_interpret_scorer_out_through_smem_matches_reference(
     heads, s_q, causal, seq_lens, max_pages, num_splits, schedule
 ):
-    args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 13)
+    case = (heads, s_q, causal, seq_lens, max_pages, num_splits)
+    _assert_scorer_option_matches_reference(case, schedule, seed=13, scorer_out_smem=True)
+
+
+def _assert_scorer_option_matches_reference(case, schedule, *, seed, **option):
+    """The scorer body with ``option`` (a config field) on an `INTERPRET_CASES` case and schedule, interpreted,
+    against the reference (pieces as small as one page, so a short case still has several)."""
+    heads, s_q, causal, seq_lens, max_pages, num_splits = case
+    args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + seed)
     config = MlaDecodeConfig(
         num_splits=num_splits if schedule == "per_sequence" else None,
         min_pages_per_split=1,
         min_piece_pages=1,
         scorer=True,
-        scorer_out_smem=True,
         schedule=schedule,
+        **option,
     )
     assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
@@ -882,33 +890,18 @@ def test_cross_lowers_tuning_configs(config):
 def test_interpret_three_warpgroup_scorer_matches_reference(
     heads, s_q, causal, seq_lens, max_pages, num_splits, schedule
 ):
-    args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 17)
-    config = MlaDecodeConfig(
-        num_splits=num_splits if schedule == "per_sequence" else None,
-        min_pages_per_split=1,
-        min_piece_pages=1,
-        scorer=True,
-        scorer_pv_cols=0,
-        schedule=schedule,
-    )
-    assert_matches_reference(args, causal=causal, config=config, impl="interpret")
+    case = (heads, s_q, causal, seq_lens, max_pages, num_splits)
+    _assert_scorer_option_matches_reference(case, schedule, seed=17, scorer_pv_cols=0)
 
 
-def test_three_warpgroup_scorer_has_no_races(monkeypatch):
+def test_three_warpgroup_scorer_has_no_races(mla_decode_races):
     """The interpreter's race detector over the three-warpgroup scorer: catches a slot refilled by warpgroup 2
     before the scorer and the other accumulating warpgroup released it (a wait that the numbers alone may not show,
     as the interpreter happened to order the copy after the reads), and P rewritten while it is read."""
-    import importlib
-
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-    md = importlib.import_module("pallas_kernels.mla_decode")  # the package (its name is also the function's)
-    monkeypatch.setattr(md, "INTERPRET_PARAMS", plgpu.InterpretGPUParams(detect_races=True))
     args = make_inputs(2, 1, 32, [130, 70], 3, seed=23)  # 3 and 2 pages through one slot: refilled each page
     config = MlaDecodeConfig(num_splits=1, scorer=True, scorer_pv_cols=0, max_concurrent_steps=1)
     assert_matches_reference(args, causal=False, config=config, impl="interpret")
-    assert not interpret_pallas_call.get_races().races_found
+    assert not mla_decode_races()
 
 
 @pytest.mark.parametrize("num_splits,schedule", [(1, "per_sequence"), (3, "per_sequence"), (None, "pieces")])

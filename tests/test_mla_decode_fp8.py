@@ -132,20 +132,13 @@ def test_interpret_fp8_scorer_matches_reference(heads, s_q, causal, seq_lens, ma
     assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
-def test_fp8_scorer_has_no_races(monkeypatch):
+def test_fp8_scorer_has_no_races(mla_decode_races):
     """The interpreter's race detector over the converting warpgroup and its readers through one page slot
     refilled every page: catches a conversion into the slot before its three releases."""
-    import importlib
-
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-    md = importlib.import_module("pallas_kernels.mla_decode")  # the package (its name is also the function's)
-    monkeypatch.setattr(md, "INTERPRET_PARAMS", plgpu.InterpretGPUParams(detect_races=True))
     args = make_fp8_inputs(2, 1, 64, [130, 70], 3, seed=29)
     config = MlaDecodeConfig(num_splits=1, fp8_scorer=True, max_concurrent_steps=1)
     assert_matches_reference(args, causal=False, config=config, impl="interpret")
-    assert not interpret_pallas_call.get_races().races_found
+    assert not mla_decode_races()
 
 
 _FP8_SCORER_CROSS = [(64, 1, 1, "per_sequence"), (128, 2, 3, "per_sequence"), (64, 2, None, "pieces")]
