@@ -82,20 +82,23 @@ class MlaDecodeConfig:
       scorer_out_smem: with the scorer body on the per_sequence and pieces schedules, the scorer warpgroup
         writes its 128 output columns through SMEM (Q's buffer, free after its last Q·Kᵀ) with one TMA copy
         instead of each thread storing its fragment: Nsight Compute put 11 % of the scorer's samples at H = 128
-        in those stores, throttled (docs/NOTES.md, nineteenth session). Off until timed on a GPU.
+        in those stores, throttled (docs/NOTES.md, nineteenth session). Off: timed 0.2-0.8 % faster at H = 128 and
+        flat at H = 64 (docs/BENCHMARKS.md, twentieth session), inside the run-to-run spread.
       scorer_pv_cols: with the scorer body on the per_sequence and pieces schedules, the P·V columns of the
         scoring warpgroup: 128 (four warpgroups: the scorer, two accumulating 192 columns each, one issuing the
         TMA copies; 128 registers a thread at launch) or 0 (three warpgroups: the scorer only scores, the two
         others accumulate 256 columns each and the second issues the copies; 168 registers at launch, so a
         256-column accumulator compiles). 0 takes the scorer's own P·V (1 MFLOP a page at 64 rows) off its chain,
-        the H = 128 bound (docs/NOTES.md, nineteenth session). 128 until timed on a GPU.
+        the H = 128 bound (docs/NOTES.md, nineteenth session). 128: 0 timed 3-7 % slower in every cell (its
+        scorer still runs Q·Kᵀ, the softmax and the P hand-off in sequence; docs/BENCHMARKS.md, twentieth session).
       fp8_scorer: for fp8 pages where the padded body would run (s_q * H > 32, or ``fp8_transposed=False``) on the
         per_sequence and pieces schedules, the scorer body instead, its TMA warpgroup replaced by a converting one:
         each page loaded from HBM, dequantised (scales applied) into the bf16 page slot the scorer and the
         accumulating warpgroups read, so the tensor work is the bf16 body's and the conversion runs beside it, on
         a warpgroup of its own (the padded body converts on its two compute warpgroups, then both score all 64
         rows: 3.0-3.4x the bf16 kernel at H = 64 and 128). Four warpgroups (``scorer_pv_cols`` does not apply).
-        Off until timed on a GPU.
+        Off: timed no faster (3.0-3.4x bf16, the one converting warpgroup the bound; docs/BENCHMARKS.md, twentieth
+        session).
     """
 
     num_splits: int | None = None

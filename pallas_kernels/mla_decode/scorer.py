@@ -32,9 +32,10 @@ _SCORER_COLS = 128  # P·V columns of the scoring warpgroup
 _ACC_COLS = (LATENT_DIM - _SCORER_COLS) // 2  # 192 for each of the two accumulating ones
 SCORER_MEMORY_REGISTERS = 24  # the TMA warpgroup's registers (setmaxnreg): a loop issuing copies
 # Three warpgroups (``scorer_pv_cols=0``): 168 registers a thread at launch; the scorer (S, P and the softmax's rows)
-# gives some to the two accumulating warpgroups (64 x 256 fp32 = 128 registers of accumulator a thread).
-SCORER3_SCORER_REGISTERS = 104
-SCORER3_ACC_REGISTERS = 200
+# gives some to the two accumulating warpgroups (64 x 256 fp32 = 128 registers of accumulator a thread). 112 / 192
+# spills 104 bytes, 104 / 200 spilled 140 (ptxas on the H200; docs/BENCHMARKS.md, twentieth session).
+SCORER3_SCORER_REGISTERS = 112
+SCORER3_ACC_REGISTERS = 192
 # fp8 pages (`MlaDecodeConfig.fp8_scorer`): the TMA warpgroup becomes a converting one, which holds a 128-column
 # block of a page (fp16, then fp32 times its scale) at a time.
 SCORER_CONVERTER_REGISTERS = 96

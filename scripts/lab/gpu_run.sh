@@ -447,7 +447,7 @@ PY
        done ;;
   session20a) ptxas_report  # the nineteenth session's CPU-built bodies: registers and spills first, then their tests
        fp8_ptxas_report
-       gpu_tests 170 tests/test_mla_decode.py -k "three_warpgroup or out_through_smem"
+       gpu_tests 200 tests/test_mla_decode.py -k "${TESTS_K:-three_warpgroup or out_through_smem}"
        gpu_tests 90 tests/test_mla_decode_fp8.py -k "fp8_scorer" ;;
   session20b) ( cd .peers/flashmla && MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 NVCC_THREADS=4 \
              $PY setup.py build_ext --inplace > "$R/flashmla_prebuild_log.txt" 2>&1 ) &
