@@ -1054,6 +1054,14 @@ def _ragged_lengths(rng, batch, mean, s_q):
     return np.clip(rng.normal(mean, mean / 2, batch), s_q, 2 * mean).astype(int).tolist()
 
 
+def _gpu_ragged_inputs(heads, s_q, batch, mean_len, seed_offset):
+    """A `GPU_CASES` batch of ragged lengths with a length-1 (or s_q) sequence and one that fills the table."""
+    rng = np.random.default_rng(heads * 100 + s_q * 10 + batch + seed_offset)
+    lengths = _ragged_lengths(rng, batch, mean_len, s_q)
+    lengths[0], lengths[-1] = max(s_q, 1), 2 * mean_len
+    return make_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64), seed=int(rng.integers(1 << 30)))
+
+
 # (heads, s_q, causal, batch, mean length, num_splits): every head count with every s_q; the
 # batch/length/split setting alternates so both the heuristic split and a forced odd split run.
 GPU_CASES = [
@@ -1105,10 +1113,7 @@ def test_gpu_split_qk_matches_reference(heads, s_q, causal, batch, mean_len, num
 @requires_hopper
 @pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", GPU_CASES)
 def test_gpu_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
-    rng = np.random.default_rng(heads * 100 + s_q * 10 + batch + 1)
-    lengths = _ragged_lengths(rng, batch, mean_len, s_q)
-    lengths[0], lengths[-1] = max(s_q, 1), 2 * mean_len
-    args = make_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64), seed=int(rng.integers(1 << 30)))
+    args = _gpu_ragged_inputs(heads, s_q, batch, mean_len, 1)
     assert_matches_reference(
         args, causal=causal, config=MlaDecodeConfig(num_splits=num_splits, scorer=True), impl="kernel"
     )
@@ -1119,10 +1124,7 @@ def test_gpu_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_s
 @pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", GPU_CASES[::3])
 @pytest.mark.parametrize("schedule", ["per_sequence", "pieces"])
 def test_gpu_scorer_out_through_smem_matches_reference(heads, s_q, causal, batch, mean_len, num_splits, schedule):
-    rng = np.random.default_rng(heads * 100 + s_q * 10 + batch + 7)
-    lengths = _ragged_lengths(rng, batch, mean_len, s_q)
-    lengths[0], lengths[-1] = max(s_q, 1), 2 * mean_len
-    args = make_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64), seed=int(rng.integers(1 << 30)))
+    args = _gpu_ragged_inputs(heads, s_q, batch, mean_len, 7)
     splits = num_splits if schedule == "per_sequence" else None
     config = MlaDecodeConfig(num_splits=splits, scorer=True, scorer_out_smem=True, schedule=schedule)
     assert_matches_reference(args, causal=causal, config=config, impl="kernel")
@@ -1133,10 +1135,7 @@ def test_gpu_scorer_out_through_smem_matches_reference(heads, s_q, causal, batch
 @pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", GPU_CASES[1::3])
 @pytest.mark.parametrize("schedule", ["per_sequence", "pieces"])
 def test_gpu_three_warpgroup_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_splits, schedule):
-    rng = np.random.default_rng(heads * 100 + s_q * 10 + batch + 9)
-    lengths = _ragged_lengths(rng, batch, mean_len, s_q)
-    lengths[0], lengths[-1] = max(s_q, 1), 2 * mean_len
-    args = make_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64), seed=int(rng.integers(1 << 30)))
+    args = _gpu_ragged_inputs(heads, s_q, batch, mean_len, 9)
     splits = num_splits if schedule == "per_sequence" else None
     config = MlaDecodeConfig(num_splits=splits, scorer=True, scorer_pv_cols=0, schedule=schedule)
     assert_matches_reference(args, causal=causal, config=config, impl="kernel")

@@ -254,6 +254,15 @@ def test_balanced_cross_lowers_for_sm90(heads, s_q):
 requires_hopper = pytest.mark.skipif(not backend.on_hopper(), reason="needs a Hopper (sm_90) GPU")
 
 
+def _gpu_ragged_fp8_inputs(heads, s_q, batch, mean_len, *, seed):
+    """fp8 pages of ragged lengths around ``mean_len``, with a length-1 (or s_q) sequence and one that fills the
+    table."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.normal(mean_len, mean_len / 2, batch), s_q, 2 * mean_len).astype(int).tolist()
+    lengths[0], lengths[-1] = max(s_q, 1), 2 * mean_len
+    return make_fp8_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64), seed=int(rng.integers(1 << 30)))
+
+
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize(
@@ -270,10 +279,7 @@ requires_hopper = pytest.mark.skipif(not backend.on_hopper(), reason="needs a Ho
     ],
 )
 def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
-    rng = np.random.default_rng(heads * 100 + s_q)
-    lengths = np.clip(rng.normal(mean_len, mean_len / 2, batch), s_q, 2 * mean_len).astype(int).tolist()
-    lengths[0], lengths[-1] = max(s_q, 1), 2 * mean_len
-    args = make_fp8_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64), seed=int(rng.integers(1 << 30)))
+    args = _gpu_ragged_fp8_inputs(heads, s_q, batch, mean_len, seed=heads * 100 + s_q)
     assert_matches_reference(args, causal=causal, config=MlaDecodeConfig(num_splits=num_splits), impl="kernel")
 
 
@@ -290,10 +296,7 @@ def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_s
 )
 @pytest.mark.parametrize("schedule", ["per_sequence", "pieces"])
 def test_gpu_fp8_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_splits, schedule):
-    rng = np.random.default_rng(heads * 100 + s_q + 11)
-    lengths = np.clip(rng.normal(mean_len, mean_len / 2, batch), s_q, 2 * mean_len).astype(int).tolist()
-    lengths[0], lengths[-1] = max(s_q, 1), 2 * mean_len
-    args = make_fp8_inputs(batch, s_q, heads, lengths, -(-2 * mean_len // 64), seed=int(rng.integers(1 << 30)))
+    args = _gpu_ragged_fp8_inputs(heads, s_q, batch, mean_len, seed=heads * 100 + s_q + 11)
     splits = num_splits if schedule == "per_sequence" else None
     config = MlaDecodeConfig(num_splits=splits, fp8_scorer=True, schedule=schedule)
     assert_matches_reference(args, causal=causal, config=config, impl="kernel")
