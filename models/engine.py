@@ -38,7 +38,8 @@ from mla_jax.attention import (
 from mla_jax.kv_cache import INTERPRET_ON_DATA_RANKS, CacheFullError, PagedLatentCache, next_pow2
 from mla_jax.sharding import batch_axes, shard_model
 from models.sampling import SamplingParams
-from models.scheduler import FINISH_REASONS, MIXED_TILE, GenerationStats, _Generation, _Request, rows_needed
+from models.scheduler import FINISH_REASONS, MIXED_TILE, _Generation, _Request, rows_needed
+from models.stats import GenerationStats
 from models.steps import (
     MAX_DRAFT_TOKENS,
     StepInputs,
@@ -134,8 +135,10 @@ class RequestResult:
 class RequestHandle:
     """A request submitted with `Engine.submit`: its tokens so far, its end, its cancellation.
 
-    `tokens()` iterates over its new tokens as they come, running engine steps (for every running request)
-    while none is ready; `result()` runs steps until it ends. Neither may be called from an `on_token`
+    `tokens()` iterates over its new tokens as they come, one engine step at a time (each token as the device
+    call that made it is read, one step after it was launched), running steps (for every running request)
+    while none is ready; it ends when the request does, and at once after `cancel()`. `result()` runs steps
+    until it ends. Neither may be called from an `on_token`
     callback (a step is running then). Timing: `submitted_at` and `token_times` are `time.perf_counter()`
     values (when it was submitted; when each token reached the host).
     """
@@ -179,7 +182,7 @@ class RequestHandle:
         ends when the request does (whatever the reason: see `finish_reason`)."""
         i = 0
         while True:
-            while i < len(self._r.tokens):
+            while i < len(self._r.tokens) and self._r.finish_reason != "cancelled":
                 yield self._r.tokens[i]
                 i += 1
             if self._r.done:
@@ -237,9 +240,13 @@ class Engine:
       min_table_tokens: the smallest block-table width, in tokens (rounded up to whole pages);
         widths are powers of two of pages. Larger minimums mean fewer compilations and a little
         padded work on short sequences.
-      decode_steps: plain decode steps (no MTP) one device call runs, sampling, feeding tokens back and
-        finding stops on the device (`models.steps.decode_loop`); the host sees the tokens once a call.
-        Pages for them are reserved up front; a row that stops early idles until the call ends.
+      decode_steps: model steps one decode device call runs: plain decode steps, or MTP verify steps with
+        `use_mtp` (`models.steps.decode_call`, `verify_call`), sampling, feeding tokens back and finding stops
+        on the device. Every call is enqueued before the host reads the one before it (the lane:
+        `models.scheduler`), so with 1 (the default) each token streams as its step completes; more steps a
+        call make the host's share smaller where it, not the device, sets a step's time (docs/PERFORMANCE.md,
+        "Decode lane"), at the price of tokens arriving `decode_steps` at a time. Pages are held up front; a
+        row that stops early idles until the call ends.
       mixed_steps: while some rows decode and others are in their prompts, one step carries both (`models.
         scheduler`): every decoding row's next token and up to `prefill_budget` prompt tokens, so a long prompt
         never stops the decoding rows. Not with MTP (`use_mtp`) nor with data ranks > 1: there, and with
@@ -284,7 +291,7 @@ class Engine:
         min_table_tokens: int = 256,
         mesh=None,
         naive_threshold: int | None = None,
-        decode_steps: int = 8,
+        decode_steps: int = 1,
         mixed_steps: bool = True,
         prefill_budget: int = PREFILL_BUDGET,
         decode_config=None,
@@ -528,6 +535,7 @@ class Engine:
                 while not all(r.done for r in reqs) and sched.step():
                     pass
             except CacheFullError as err:
+                sched.drain()  # the call in flight's tokens into the partial result
                 err.partial_result = self._result(reqs, stats, t0)
                 raise
             finally:
@@ -582,8 +590,9 @@ class Engine:
         """One engine step for every running request (admission first: waiting requests take free slots):
         while rows are in their prompts, a mixed step (one token for every decoding row and up to
         `prefill_budget` prompt tokens) or, when no row decodes (or without mixed steps), a prefill step (a chunk
-        for each row in its prompt); else up to `decode_steps` decode steps (or one MTP verify) for every row;
-        then their new tokens to their `on_token` callbacks. -> whether any request still waits or runs (False:
+        for each row in its prompt); else up to `decode_steps` decode (or MTP verify) steps for every row. That
+        call is enqueued, then the call of the step before is read: its new tokens go to their requests and
+        their `on_token` callbacks. -> whether any request still waits or runs, or a call is in flight (False:
         nothing was done)."""
         return self._sched.step()
 

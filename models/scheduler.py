@@ -1,34 +1,44 @@
-"""The engine's host scheduler: requests that come and go, a batch of slots, one step at a time.
+"""The engine's host scheduler: requests that come and go, a batch of slots, one device call at a time, overlapped.
 
 Dimension letters: B slots (max_batch), T tokens a step, P block-table width (pages), G page size.
 
 A request (`_Request`) is submitted at any time and waits; `_Generation.step()` runs one engine step:
 - admission: a waiting prompt takes a free slot when its whole prompt fits in the page pool (on a
   mesh with data ranks: the pool of the slot's rank, see `models.engine.Engine`'s `mesh`);
-- reservation: before each step every row holds pages for the rows the step may write
-  (`rows_needed`, the one draft-room function); a row that cannot get them fails alone;
-- a step: the rows' inputs as bucketed arrays (B is always max_batch, idle rows padding; T and the
-  block-table width P powers of two, so a long generation compiles a bounded number of times),
-  the jitted step (`models.steps`), its tokens back on the host;
-- emission: new tokens to the request's output, then stop / length / context;
-- finishing: the slot's pages back to the pool (rejected drafts' rows are rewound after each step);
-- delivery: once the step's bookkeeping is done, each new token to its request's `on_token` callback.
-A request can be cancelled between steps (or from a callback); ending a request, for any reason, touches
-only its own slot and pages.
+- reservation: before each call every row holds pages for the rows the call may write (an upper bound
+  when MTP acceptance is not known yet; `rows_needed` is the draft-room arithmetic); a row that cannot get
+  them fails alone;
+- launch: the rows' inputs as bucketed arrays (B is always max_batch, idle rows padding; T and the
+  block-table width P powers of two, so a long generation compiles a bounded number of times) and the
+  jitted call (`models.steps`), enqueued on the device;
+- landing: the call launched one step earlier is read back, and its tokens go to their requests
+  (emission: stop / length / context; finishing: the slot's pages back to the pool), then to their
+  `on_token` callbacks.
 
-A step is one of three kinds:
+**The lane.** A call's sampled tokens never go through the host on their way to the next call: each slot's
+last token and its position stay on the device (`models.steps.Lane`), and every call reads its decoding
+rows' inputs from there. So the host enqueues call n + 1 before it reads call n: the device never waits for
+the host, and each token reaches its request as its own call completes. What the host does not know yet it
+bounds: a row's position after the calls in flight lies in [lo, hi] (`_Seq.bounds`; the same with plain
+decoding unless a stop token came, wider with MTP, whose acceptance the device decides), pages are held
+for `hi` and a row runs while `lo` (MTP) or `hi` (plain) is short of its end. A row that stops on a
+stop token (or is cancelled, or fails) is found one call late: the call after it computed one more
+token for it, which is dropped; its pages return when the stop is read, and the device calls that used
+them came before any later owner's, so nothing of another row is touched.
+
+A call is one of four kinds:
 - prefill: no row decodes; every row still in its prompt prefills one chunk (up to `prefill_chunk` tokens);
 - mixed (`mixing`: the engine's `mixed_steps`, no MTP, one data rank): some rows decode and some are in their
   prompts; every decoding row makes one token, and the prompts take up to the engine's prefill budget of
-  tokens, first come first served, cut into `MIXED_TILE`-token rows of the step (`run_mixed`);
-- decode: every row decodes: up to `decode_steps` tokens in one device call, or one MTP verify.
+  tokens, first come first served, cut into `MIXED_TILE`-token rows of the step (`launch_mixed`);
+- decode: every row decodes: up to `decode_steps` plain steps in one device call (`models.steps.decode_call`);
+- verify (MTP): up to `decode_steps` verify steps in one device call (`models.steps.verify_call`).
 Without `mixing`, a step with any row in its prompt is a prefill step and the decoding rows wait.
 """
 
 from __future__ import annotations
 
 import collections
-import collections.abc
 import dataclasses
 import time
 from typing import Callable
@@ -41,14 +51,17 @@ from mla_jax.attention import step_decode_config
 from mla_jax.kv_cache import CacheFullError, KVCache, next_pow2
 from mla_jax.sharding import shard_batch
 from models.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
-from models.steps import MAX_DRAFT_TOKENS, NON_FINITE, StepInputs, trace_counts
+from models.stats import GenerationStats
+from models.steps import MAX_DRAFT_TOKENS, NON_FINITE, StepInputs, new_lane, trace_counts
+
+__all__ = ["FINISH_REASONS", "GenerationStats", "MIN_STOP_IDS", "MIXED_TILE", "rows_needed"]
 
 FINISH_REASONS = ("stop", "length", "context", "error", "cancelled")
 MIN_STOP_IDS = 4  # the smallest stop-id width of a decode call
 # Query tokens a row of a mixed step carries: those of a verify step's row, so that the layers attend with the
-# decode kernel straight on the pages (docs/NOTES.md, "Mixed steps", has the cost arithmetic).
+# decode kernel straight on the pages (docs/ARCHITECTURE.md, "Mixed steps").
 MIXED_TILE = MAX_DRAFT_TOKENS + 1
-_PER_STEP = object()  # `_call`: the decode config from the step's own lengths
+_PER_STEP = object()  # `_run`: the decode config from the step's own lengths
 
 
 def rows_needed(cached: int, k: int, n_spec: int = 0) -> int:
@@ -64,129 +77,6 @@ def rows_needed(cached: int, k: int, n_spec: int = 0) -> int:
     if k == 0:
         return cached + 1
     return max(cached + n_spec + k, cached + 1 + k)
-
-
-# ------------------------------------------------------------------------------------------
-# Counters
-# ------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class GenerationStats(collections.abc.Mapping):
-    """Counters and timings of the steps run while it was recording (one `generate` call, or an
-    `Engine.recording()` block); also a read-only mapping: `stats["name"]`, `dict(stats)`.
-
-    Times are wall clock on the host. Steps that compiled are kept apart (`compile_s`); `prefill_s`
-    and `decode_s` sum the steps that did not, and the tokens/s figures are over those (over all
-    steps when every step compiled). `ttft_s`: from the call to the first new token of any of its
-    requests (None outside `generate`). decode_tokens counts tokens computed by decode steps, including
-    tokens cut off by a stop; decode_steps the model steps (a device call of several steps counts its
-    longest row's), decode_calls the device calls. `decode_call_ms_per_step`: per decode call that did not
-    compile, its wall time / its steps (not part of the mapping). Mixed steps (prompt chunks and decode rows
-    in one step) count in `mixed_steps`, their time in `mixed_s` (or `compile_s`), their prompt tokens in
-    prefill_tokens and their decode rows' tokens in decode_tokens; the tok/s figures are over the prefill and
-    decode steps only, and prefill_steps / decode_steps / decode_calls leave mixed steps out.
-    """
-
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    decode_calls: int = 0
-    mixed_steps: int = 0
-    mtp_drafted: int = 0
-    mtp_accepted: int = 0
-    use_mtp: bool = False
-    compile_s: float = 0.0
-    ttft_s: float | None = None
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    mixed_s: float = 0.0
-    _warm_tokens: dict = dataclasses.field(default_factory=lambda: {"prefill": 0, "decode": 0}, repr=False)
-    _all: dict = dataclasses.field(default_factory=lambda: {"prefill": [0, 0.0], "decode": [0, 0.0]}, repr=False)
-    pages_used_peak: int = 0
-    pages_total: int = 0
-    traces: dict = dataclasses.field(default_factory=dict)
-    failed: int = 0
-    decode_call_ms_per_step: list = dataclasses.field(default_factory=list, repr=False)
-
-    def record(self, kind: str, n_tokens: int, seconds: float, compiled: bool, steps: int = 1) -> None:
-        """One step of `kind` ("prefill" or "decode") that computed `n_tokens` tokens in `steps` model steps."""
-        setattr(self, f"{kind}_tokens", getattr(self, f"{kind}_tokens") + n_tokens)
-        setattr(self, f"{kind}_steps", getattr(self, f"{kind}_steps") + steps)
-        if kind == "decode":
-            self.decode_calls += 1
-        self._all[kind][0] += n_tokens
-        self._all[kind][1] += seconds
-        if compiled:
-            self.compile_s += seconds
-        else:
-            self._warm_tokens[kind] += n_tokens
-            setattr(self, f"{kind}_s", getattr(self, f"{kind}_s") + seconds)
-            if kind == "decode" and steps > 0:
-                self.decode_call_ms_per_step.append(seconds * 1e3 / steps)
-
-    def record_mixed(self, prompt_tokens: int, decode_tokens: int, seconds: float, compiled: bool) -> None:
-        """One mixed step: `prompt_tokens` prompt tokens and `decode_tokens` decode rows' tokens."""
-        self.mixed_steps += 1
-        self.prefill_tokens += prompt_tokens
-        self.decode_tokens += decode_tokens
-        if compiled:
-            self.compile_s += seconds
-        else:
-            self.mixed_s += seconds
-
-    def _rate(self, kind: str) -> float:
-        n, t = self._warm_tokens[kind], getattr(self, f"{kind}_s")
-        if t <= 0:
-            n, t = self._all[kind]
-        return n / t if t > 0 else 0.0
-
-    @property
-    def prefill_tok_s(self) -> float:
-        return self._rate("prefill")
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self._rate("decode")
-
-    @property
-    def mtp_acceptance(self) -> float | None:
-        if not self.use_mtp:
-            return None
-        return self.mtp_accepted / self.mtp_drafted if self.mtp_drafted else 0.0
-
-    _KEYS = (
-        "prefill_tok_s",
-        "decode_tok_s",
-        "compile_s",
-        "ttft_s",
-        "prefill_s",
-        "decode_s",
-        "mixed_s",
-        "prefill_tokens",
-        "decode_tokens",
-        "prefill_steps",
-        "decode_steps",
-        "decode_calls",
-        "mixed_steps",
-        "mtp_drafted",
-        "mtp_accepted",
-        "mtp_acceptance",
-        "pages_used_peak",
-        "pages_total",
-        "traces",
-        "failed",
-    )
-
-    def __getitem__(self, key: str):
-        if key not in self._KEYS:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self):
-        return iter(self._KEYS)
-
-    def __len__(self) -> int:
-        return len(self._KEYS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -221,13 +111,18 @@ class _Request:
 
 @dataclasses.dataclass
 class _Seq:
-    """Host state of a request in a slot."""
+    """Host state of a request in a slot.
+
+    `prefilled` counts the prompt tokens of every launched call; `cached` the tokens in the cache after
+    the landed calls; `flying` maps each call in flight to the (most, fewest) tokens it adds to the cache
+    (each added token is also a new one of the output, except a prompt's)."""
 
     req: int  # the request's id
     request: _Request
-    prefilled: int = 0  # prompt tokens in the cache
-    cached: int = 0  # tokens in the cache
-    pending: int = -1  # last sampled token, not yet in the cache
+    end: int  # the last position a token of it may take: its length budget and the context
+    prefilled: int = 0
+    cached: int = 0
+    flying: dict = dataclasses.field(default_factory=dict)
 
     @property
     def prompt(self) -> list[int]:
@@ -245,6 +140,31 @@ class _Seq:
     def decoding(self) -> bool:
         return self.prefilled == len(self.prompt)
 
+    def bounds(self) -> tuple[int, int]:
+        """(lo, hi): the fewest and most tokens its cache holds once the calls in flight land, i.e. the
+        position of its pending token then (never past `end` once decoding: no call writes past it)."""
+        lo = self.cached + sum(n for _, n in self.flying.values())
+        hi = self.cached + sum(n for n, _ in self.flying.values())
+        return (min(lo, self.end), min(hi, self.end)) if self.decoding else (lo, hi)
+
+
+@dataclasses.dataclass
+class _Flight:
+    """A launched call, not read yet. `outs`: its device outputs; `rows`: slot -> (request id, tokens the slot
+    gains in the cache by prefill (0 for a decoding row), the row of its first token or -1); `steps`: model
+    steps of the call; `t0` / `launch_s`: when it was enqueued and how long that took (compilation included
+    when `compiled`)."""
+
+    id: int
+    kind: str
+    outs: tuple
+    rows: dict
+    steps: int
+    t0: float
+    launch_s: float
+    compiled: bool
+    prompt_tokens: int = 0
+
 
 # ------------------------------------------------------------------------------------------
 # The scheduler
@@ -254,23 +174,10 @@ class _Generation:
 
     `engine` gives the pool (`cache`), `max_batch`, `num_pages`, `cfg`, `max_context` (and, to run steps,
     its compiled steps and step settings). `k`: MTP drafts a step (0: plain decode), one value for every
-    running request (`configure` changes it while idle). The `prompts` given here (with their `params`,
-    `keys`, shared `stops`, `max_new_tokens`, `stream(index, token)` and `on_cache_full`) are submitted
-    at once as requests 0 .. n-1; `tokens`, `reasons`, `errors` are theirs, in order.
+    running request (`configure` changes it while idle).
     """
 
-    def __init__(
-        self,
-        engine,
-        prompts=(),
-        params=(),
-        keys=(),
-        stops=frozenset(),
-        max_new_tokens: int = 1,
-        k: int = 0,
-        stream=None,
-        on_cache_full: str = "fail_request",
-    ):
+    def __init__(self, engine, k: int = 0):
         self.e = engine
         self.cache = engine.cache
         self.slots: list[_Seq | None] = [None] * engine.max_batch
@@ -278,45 +185,25 @@ class _Generation:
         self.requests: dict[int, _Request] = {}  # waiting or running, by id
         self.next_id = 0
         self.sinks: list[GenerationStats] = []  # the stats recording now (`Engine.recording`)
-        self.events: list[tuple[_Request, int]] = []  # tokens of this step, not yet delivered
+        self.events: list[tuple[_Request, int]] = []  # tokens landed in this step, not yet delivered
         self.stepping = False
+        self.flight: _Flight | None = None  # the call launched and not read yet
+        self.flights = 0
+        self.landed_at = 0.0  # when the last call was read
+        self.lane = new_lane(engine.max_batch)
         self.configure(k)
-        self.batch = [
-            self.add(
-                p,
-                sp,
-                key,
-                frozenset(stops),
-                max_new_tokens,
-                on_token=None if stream is None else (lambda t, i=i: stream(i, t)),
-                raise_on_full=on_cache_full == "raise",
-            )
-            for i, (p, sp, key) in enumerate(zip(prompts, params, keys))
-        ]
 
     def configure(self, k: int) -> None:
         """MTP drafts a step for the requests to come; only while no request waits or runs."""
         if self.requests:
             raise RuntimeError(f"the scheduler has {len(self.requests)} request(s) in flight; k stays {self.k}")
+        self.drain()
         self.k = k
         B = self.e.max_batch
         # The MTP draft state lives on the device between steps. Greedy drafts need no distribution: a
         # [B,k,1] placeholder keeps the steps' signature (`_match_draft_probs`).
         self.drafts = jnp.zeros((B, k), jnp.int32) if k else None
         self.draft_probs = jnp.zeros((B, k, 1), jnp.float32) if k else None
-
-    # --- the constructor's requests -------------------------------------------------------------
-    @property
-    def tokens(self) -> list[list[int]]:
-        return [r.tokens for r in self.batch]
-
-    @property
-    def reasons(self) -> list[str]:
-        return [r.finish_reason or "" for r in self.batch]
-
-    @property
-    def errors(self) -> list[str | None]:
-        return [r.error for r in self.batch]
 
     # --- requests in and out ------------------------------------------------------------------
     def add(
@@ -340,8 +227,8 @@ class _Generation:
         return r
 
     def abort(self, rid: int, reason: str = "cancelled", error: str | None = None) -> bool:
-        """End request `rid` now, waiting or running (its slot and pages freed; its tokens so far kept);
-        False when it had already ended."""
+        """End request `rid` now, waiting or running (its slot and pages freed; its tokens so far kept; what a
+        call in flight computes for it is dropped); False when it had already ended."""
         r = self.requests.get(rid)
         if r is None:
             return False
@@ -364,9 +251,10 @@ class _Generation:
         return self.e.mixed_steps and not self.k and self.e.data_ranks == 1
 
     def step(self) -> bool:
-        """Admit, then run one prefill, mixed or decode step, then deliver its tokens; False when no request
-        waits or runs (nothing was done). An exception an `on_token` callback raised ends that request
-        ("error") and is raised here once every other token of the step is delivered."""
+        """Admit, launch the next call, then land the one before it and deliver its tokens; False when no
+        request waits or runs and no call is in flight (nothing was done). An exception an `on_token` callback
+        raised ends that request ("error") and is raised here once every other token of the step is
+        delivered."""
         if self.stepping:
             raise RuntimeError("Engine.step() called from inside a step (an on_token callback)")
         self.stepping = True
@@ -380,26 +268,46 @@ class _Generation:
 
     def _step(self) -> bool:
         self.admit()
+        launched = self.launch()
+        prev, self.flight = self.flight, launched
+        if prev is not None:
+            self.land(prev)
+        return launched is not None or prev is not None or bool(self.waiting)
+
+    def drain(self) -> None:
+        """Land the call in flight, if any (its tokens to their requests; the callbacks at the next step)."""
+        prev, self.flight = self.flight, None
+        if prev is not None:
+            self.land(prev)
+
+    def _runs(self, b: int) -> bool:
+        """Whether slot b may still make tokens once the calls in flight land: with MTP while its fewest
+        possible position is short of its end, else (known exactly, but for a stop token) its position."""
+        seq = self.slots[b]
+        lo, hi = seq.bounds()
+        return (lo if self.k else hi) < seq.end
+
+    def launch(self) -> _Flight | None:
+        """The next call for the rows that can use one, enqueued; None when no row can."""
         live = self.live()
         if not live:
-            return bool(self.waiting)
+            return None
         self.sampler = sampler_kind([self.slots[b].params for b in live])
         self._match_draft_probs()
         prefilling = [b for b in live if not self.slots[b].decoding]
         if prefilling:
-            decoding = [b for b in live if self.slots[b].decoding] if self.mixing else []
+            decoding = [b for b in live if self.slots[b].decoding and self._runs(b)] if self.mixing else []
             if decoding:
                 decoding = list(self.reserve_decode(decoding, max_steps=1))  # a row short of pages fails alone
+            prefilling = [b for b in prefilling if self.slots[b] is not None]
             if decoding:
-                self.run_mixed(prefilling, decoding)
-            else:
-                self.run_prefill(prefilling)
-            return True
-        spec = self.reserve_decode(live)
-        live = self.live()
-        if live:
-            self.run_verify(live, spec) if self.k else self.run_decode(live, spec)
-        return True
+                return self.launch_mixed(prefilling, decoding)
+            return self.launch_prefill(prefilling) if prefilling else None
+        rows = [b for b in live if self._runs(b)]
+        budget = self.reserve_decode(rows) if rows else {}
+        if not budget:
+            return None
+        return self.launch_verify(budget) if self.k else self.launch_decode(budget)
 
     def _match_draft_probs(self) -> None:
         """The draft distributions' width for this step's sampler: [B,k,V] when any row samples, a [B,k,1]
@@ -442,33 +350,43 @@ class _Generation:
                 return  # wait for a running request to free pages
             b = placed if placed is not None else min(first.values())
             self.waiting.popleft()
-            self.slots[b] = _Seq(r.id, r)
+            end = min(len(r.prompt) + r.max_new_tokens - 1, self.e.max_context)
+            self.slots[b] = _Seq(r.id, r, end)
             if placed is None:
                 self.fail(b, err)
 
-    def reserve_decode(self, live: list[int], max_steps: int | None = None) -> dict[int, int]:
-        """Pages for every decoding row's next device call, up front -> {slot: its budget}: with MTP the
-        drafts it verifies, else the decode steps it may take (up to `max_steps`, default the engine's
-        `decode_steps`, within its token and context budget). A row that cannot get those pages takes one
-        token's worth (no draft, one step) if that fits, else fails alone."""
+    def _hold(self, b: int, length: int) -> None:
+        """Make slot b hold pages for exactly `length` tokens (more pages reserved, or the ones past them
+        freed). Callers pass at least what the call in flight may still write for it."""
+        if length >= self.cache.lengths[b]:
+            self.cache.reserve(b, length)
+        else:
+            self.cache.truncate(b, length)
+
+    def reserve_decode(self, rows: list[int], max_steps: int | None = None) -> dict[int, tuple[int, int]]:
+        """Pages for every decoding row's next call, up front -> {slot: (model steps, drafts a step)}: the
+        engine's `decode_steps` (or `max_steps`) steps of k drafts with MTP, held for the row's most possible
+        position; without MTP the steps left within its token and context budget. A row that cannot get
+        those pages takes one step of no drafts if that fits, else fails alone."""
         budget = {}
-        for b in live:
+        k = self.k
+        for b in rows:
             seq = self.slots[b]
-            left = seq.request.max_new_tokens - len(seq.out)
-            if self.k:  # drafts only where their tokens could be kept (draft j is new token out + j)
-                n = max(0, min(self.k, left, self.e.max_context - seq.cached - 1))
-                need, fallback, least = rows_needed(seq.cached, self.k, n), rows_needed(seq.cached, self.k, 0), 0
-            else:  # step i writes position cached + i and makes the token at cached + i + 1 <= max_context
-                n = min(max_steps or self.e.decode_steps, left, self.e.max_context - seq.cached)
-                need, fallback, least = seq.cached + n, seq.cached + 1, 1
+            _, hi = seq.bounds()
+            if k:  # no call writes past end + k (`models.steps.verify_loop`)
+                n = max_steps or self.e.decode_steps
+                want, need, least = (n, k), min(hi + n * (k + 1) + k, seq.end + k), hi + 1 + k
+            else:  # step i writes position hi + i and makes the token at hi + i + 1 <= end
+                n = min(max_steps or self.e.decode_steps, seq.end - hi)
+                want, need, least = (n, 0), hi + n, hi + 1
             try:
-                self.cache.reserve(b, need)
-                budget[b] = n
+                self._hold(b, need)
+                budget[b] = want
             except CacheFullError as err:
-                extra = self.cache.pages_for(fallback) - len(self.cache.pages_of(b))
-                if need != fallback and extra <= self.cache.free_pages_for(b):
-                    self.cache.reserve(b, fallback)
-                    budget[b] = least
+                extra = self.cache.pages_for(least) - len(self.cache.pages_of(b))
+                if need != least and extra <= self.cache.free_pages_for(b):
+                    self._hold(b, least)
+                    budget[b] = (1, 0)
                 else:
                     self.fail(b, err)
         return budget
@@ -498,7 +416,6 @@ class _Generation:
         elif position >= self.e.max_context:  # the new token could not be fed back
             self.finish(b, "context")
         else:
-            seq.pending = tok
             return False
         return True
 
@@ -536,14 +453,15 @@ class _Generation:
 
     # --- compiling ahead ----------------------------------------------------------------------
     def warm_up(self, max_tokens: int) -> int:
-        """Run every step shape a request of up to `max_tokens` tokens can meet once, on idle rows (positions
+        """Run every call shape a request of up to `max_tokens` tokens can meet once, on idle rows (positions
         -1: nothing written, nothing attended): each prefill chunk bucket and each decode-loop length (or the
         MTP verify) at each block-table width, and when `mixing` the mixed step at each of its widths, the
         decoding ones with each decode-kernel config a step can take (`_warm_decode_configs`), with the greedy
         sampler. Only while no request waits or runs. -> the step compilations it caused."""
         if self.requests:
             raise RuntimeError(f"warm_up needs an idle engine; {len(self.requests)} request(s) in flight")
-        e, c = self.e, self.cache
+        self.drain()
+        e, c, B = self.e, self.cache, self.e.max_batch
         traces0 = sum(trace_counts().values())
         self.sampler = "greedy"
         self._match_draft_probs()
@@ -551,71 +469,39 @@ class _Generation:
         widths = self._widths(c.pages_for(longest + (e.draft_room if self.k else 0)))
         chunks = sorted({next_pow2(max(e.min_chunk_bucket, n)) for n in range(1, e.prefill_chunk + 1)})
         loops = sorted({min(e.decode_steps, next_pow2(n)) for n in range(1, e.decode_steps + 1)})
-        B = e.max_batch
-        decode_configs = self._warm_decode_configs()  # each program a decoding step can take
-        if self.mixing:  # a mixed step's table also covers its rows' padding queries (`run_mixed`)
+        configs = self._warm_decode_configs()  # each program a decoding step can take
+        idle = np.zeros((B,), np.int32)
+        if self.mixing:  # a mixed step's table also covers its rows' padding queries (`launch_mixed`)
             for P in self._widths(c.pages_for(longest - 1 + MIXED_TILE)):
-                rows = list(range(B)) + [0] * e.mixed_rows
-                ids, pos, lengths, last, keys, sp, bt = self._inputs([], MIXED_TILE, P * c.page_size, rows)
-                inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
-                for dc in decode_configs:
-                    args = (None, None, None, None)
-                    self._call("mixed", e.steps.prefill, inp, *args, use_mtp=False, sampler="greedy", decode_config=dc)
+                inp = self._idle(MIXED_TILE, P, list(range(B)) + [0] * e.mixed_rows)
+                for dc in configs:
+                    self._prefill_call("mixed", inp, np.zeros((B,), bool), idle - 1, None, None, decode_config=dc)
         for P in widths:
             for T in chunks:
-                ids, pos, lengths, last, keys, sp, bt = self._inputs([], T, P * c.page_size)
-                inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
+                inp = self._idle(T, P)
+                nxt = np.zeros_like(inp.ids) if self.k else None
+                self._prefill_call("prefill", inp, np.zeros((B,), bool), idle - 1, nxt, np.zeros((B,), bool))
+            stop_ids = np.full((B, MIN_STOP_IDS), -1, np.int32)
+            for dc in configs:
                 if self.k:
-                    nxt, ends = np.zeros_like(ids), np.zeros((B,), bool)
-                    args = (nxt, ends, self.drafts, self.draft_probs)
-                    (_, self.drafts, self.draft_probs), _, _ = self._call(
-                        "prefill", e.steps.prefill, inp, *args, use_mtp=True, sampler=self.sampler
-                    )
+                    args = (idle, idle, idle, stop_ids)
+                    self._verify_call(self._idle(self.k + 1, P), args, e.decode_steps, decode_config=dc)
                 else:
-                    args = (None, None, None, None)
-                    self._call("prefill", e.steps.prefill, inp, *args, use_mtp=False, sampler=self.sampler)
-            if self.k:
-                ids, pos, lengths, last, keys, sp, bt = self._inputs([], self.k + 1, P * c.page_size)
-                inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
-                n_spec = np.zeros((B,), np.int32)
-                for dc in decode_configs:
-                    (_, _, self.drafts, self.draft_probs), _, _ = self._call(
-                        "verify",
-                        e.steps.verify,
-                        inp,
-                        self.drafts,
-                        self.draft_probs,
-                        n_spec,
-                        n_host=2,
-                        sampler="greedy",
-                        decode_config=dc,
-                    )
-                continue
-            for n in loops:
-                ids, pos, lengths, last, keys, sp, bt = self._inputs([], 1, P * c.page_size)
-                inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
-                stop_ids = np.full((B, MIN_STOP_IDS), -1, np.int32)
-                steps_B = np.zeros((B,), np.int32)
-                for dc in decode_configs:
-                    self._call(
-                        "decode",
-                        e.steps.decode_loop,
-                        inp,
-                        steps_B,
-                        stop_ids,
-                        n_host=2,
-                        sampler="greedy",
-                        num_steps=n,
-                        decode_config=dc,
-                    )
+                    for n in loops:
+                        self._decode_call(self._idle(1, P), idle, stop_ids, n, decode_config=dc)
+        jax.block_until_ready(self.cache.pages)
         return sum(trace_counts().values()) - traces0
+
+    def _idle(self, T: int, P: int, row_slots=None) -> StepInputs:
+        ids, pos, lengths, last, keys, sp, bt = self._inputs([], T, P * self.cache.page_size, row_slots)
+        return StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
 
     def _widths(self, top: int) -> list[int]:
         """The block-table widths (pages) of the steps whose tables cover 1 .. `top` pages (`_inputs`' buckets)."""
         e, c = self.e, self.cache
         return sorted({min(next_pow2(max(e.min_table_pages, p)), c.max_pages_per_seq) for p in range(1, top + 1)})
 
-    # --- steps: host arrays in, the jitted step, host results out ------------------------------
+    # --- calls: host arrays in, the jitted call enqueued ----------------------------------------
     def _inputs(self, rows, T: int, table_tokens: int, row_slots=None):
         """Padding inputs for every row of a step (idle rows: position -1) and the cache over a block table
         covering `table_tokens` tokens (bucketed to a power of two of pages). Row r serves slot `row_slots[r]`
@@ -637,10 +523,6 @@ class _Generation:
             sp[r] = seq.params
         return ids, pos, lengths, last, keys, sp, c.block_tables[row_slots, :P]
 
-    def _record(self, kind: str, n_tokens: int, seconds: float, compiled: bool, steps: int = 1) -> None:
-        for st in self.sinks:
-            st.record(kind, n_tokens, seconds, compiled, steps)
-
     def _decode_config(self, kind: str, lengths):
         """The decode kernel's config of a step (`step_decode_config`: "auto", and the default, picked from the
         rows' lengths). One program, whatever the lengths, for a prefill step (no retrace when its lengths
@@ -661,10 +543,10 @@ class _Generation:
         picked = self._decode_config("decode", ragged)
         return configs + ([picked] if picked != configs[0] else [])
 
-    def _call(self, kind: str, fn, inp: StepInputs, *args, n_host: int = 1, decode_config=_PER_STEP, **static):
-        """Run one step on the device cache; the cache comes back updated, its first `n_host`
-        outputs as numpy (the rest, the MTP draft state, stays on the device). The decode kernel's config is
-        the step's (`_decode_config`) unless `decode_config` names one (warm-up compiles each)."""
+    def _run(self, kind: str, fn, inp: StepInputs, *args, decode_config=_PER_STEP, **static):
+        """Enqueue one call on the device cache (the pool and the lane come back as its outputs, still on the
+        device) -> (its other outputs, launch seconds, whether it compiled). The decode kernel's config is the
+        call's (`_decode_config`) unless `decode_config` names one (warm-up compiles each)."""
         traces0 = sum(trace_counts().values())
         t0 = time.perf_counter()
         if decode_config is _PER_STEP:
@@ -685,23 +567,89 @@ class _Generation:
         )
         cache, *outs = fn(self.e.state, cache, inp, *args, **static)
         self.cache.pages = cache.pages
-        host = [np.asarray(o) if i < n_host else o for i, o in enumerate(outs)]
         dt = time.perf_counter() - t0
         compiled = sum(trace_counts().values()) != traces0
         if compiled:
             B, T = inp.ids.shape
             self.e.compile_log.append(dict(step=kind, bucket=f"B={B} T={T} P={inp.block_table.shape[1]}", seconds=dt))
-        return host, dt, compiled
+        return outs, dt, compiled
 
-    def run_prefill(self, rows: list[int]) -> None:
-        slots = self.slots
+    def _prefill_call(self, kind, inp, feed_B, src_B, nxt, ends, decode_config=_PER_STEP):
+        use_mtp = bool(self.k) and kind == "prefill"
+        args = (nxt, ends, self.drafts, self.draft_probs) if use_mtp else (None, None, None, None)
+        (tokens, self.lane, drafts, probs), dt, compiled = self._run(
+            kind,
+            self.e.steps.prefill_call,
+            inp,
+            self.lane,
+            feed_B,
+            src_B,
+            *args,
+            decode_config=decode_config,
+            use_mtp=use_mtp,
+            sampler=self.sampler,
+        )
+        if use_mtp:
+            self.drafts, self.draft_probs = drafts, probs
+        return (tokens,), dt, compiled
+
+    def _decode_call(self, inp, steps_B, stop_ids, num_steps, decode_config=_PER_STEP):
+        (tokens, count, self.lane), dt, compiled = self._run(
+            "decode",
+            self.e.steps.decode_call,
+            inp,
+            self.lane,
+            steps_B,
+            stop_ids,
+            decode_config=decode_config,
+            sampler=self.sampler,
+            num_steps=num_steps,
+        )
+        return (tokens, count), dt, compiled
+
+    def _verify_call(self, inp, args, num_steps, decode_config=_PER_STEP):
+        (tokens, count, drafted, accepted, self.lane, self.drafts, self.draft_probs), dt, compiled = self._run(
+            "verify",
+            self.e.steps.verify_call,
+            inp,
+            self.lane,
+            self.drafts,
+            self.draft_probs,
+            *args,
+            decode_config=decode_config,
+            sampler=self.sampler,
+            num_steps=num_steps,
+        )
+        return (tokens, count, drafted, accepted), dt, compiled
+
+    def _flight(self, kind, call, rows, steps, t0, prompt_tokens=0) -> _Flight:
+        outs, dt, compiled = call
+        self.flights += 1
+        f = _Flight(self.flights, kind, tuple(outs), rows, steps, t0, dt, compiled, prompt_tokens)
+        return f
+
+    def _stop_ids(self, rows) -> np.ndarray:
+        """Each row's stop ids, [B, S]: S a power of two >= `MIN_STOP_IDS` (requests with a few stop ids each
+        share one compilation); -1 pads."""
+        S = next_pow2(max(MIN_STOP_IDS, *(len(self.slots[b].request.stops) for b in rows)))
+        stop_ids = np.full((self.e.max_batch, S), -1, np.int32)
+        for b in rows:
+            stops = sorted(self.slots[b].request.stops)
+            stop_ids[b, : len(stops)] = stops
+        return stop_ids
+
+    def launch_prefill(self, rows: list[int]) -> _Flight:
+        """One prompt chunk for each row in `rows` (`models.steps.prefill_call`)."""
+        t0 = time.perf_counter()
+        B, slots = self.e.max_batch, self.slots
         chunk = {b: min(self.e.prefill_chunk, len(slots[b].prompt) - slots[b].prefilled) for b in rows}
         T = next_pow2(max(self.e.min_chunk_bucket, *chunk.values()))
         # The table covers every page a row holds: its whole prompt (and the draft chain's rows).
         need = max(len(self.cache.pages_of(b)) for b in rows) * self.cache.page_size
         ids, pos, lengths, last, keys, sp, bt = self._inputs(rows, T, need)
         nxt = np.zeros_like(ids)
-        ends = np.zeros((self.e.max_batch,), bool)
+        ends = np.zeros((B,), bool)
+        src = np.full((B,), -1, np.int32)
         for b in rows:
             seq, c = slots[b], chunk[b]
             a = seq.prefilled
@@ -712,43 +660,30 @@ class _Generation:
             lengths[b] = a + c
             last[b] = c - 1
             ends[b] = a + c == len(seq.prompt)
+            src[b] = b if ends[b] else -1
         inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
-        if self.k:
-            (toks, self.drafts, self.draft_probs), dt, compiled = self._call(
-                "prefill",
-                self.e.steps.prefill,
-                inp,
-                nxt,
-                ends,
-                self.drafts,
-                self.draft_probs,
-                use_mtp=True,
-                sampler=self.sampler,
-            )
-        else:
-            (toks, _, _), dt, compiled = self._call(
-                "prefill", self.e.steps.prefill, inp, None, None, None, None, use_mtp=False, sampler=self.sampler
-            )
-        self._record("prefill", sum(chunk.values()), dt, compiled)
+        call = self._prefill_call("prefill", inp, np.zeros((B,), bool), src, nxt if self.k else None, ends)
+        f = self._flight("prefill", call, {}, 1, t0, sum(chunk.values()))
         for b in rows:
             seq = slots[b]
             seq.prefilled += chunk[b]
-            seq.cached = seq.prefilled
-            if ends[b]:
-                self.emit(b, int(toks[b]), seq.cached)
+            seq.flying[f.id] = (chunk[b], chunk[b])
+            f.rows[b] = (seq.req, chunk[b], b if ends[b] else -1)
+        return f
 
-    def run_mixed(self, prefilling: list[int], decoding: list[int]) -> None:
-        """One mixed step (`models.steps.prefill_step` over [B + mixed_rows, MIXED_TILE]): the next token of
+    def launch_mixed(self, prefilling: list[int], decoding: list[int]) -> _Flight:
+        """One mixed step (`models.steps.prefill_call` over [B + mixed_rows, MIXED_TILE]): the next token of
         every row in `decoding` (its pages reserved), and the next chunks of the prompts in `prefilling`.
 
-        Rows 0 .. B-1 are the slots: row b carries slot b's last sampled token when it decodes, else nothing.
-        The engine's `mixed_rows` rows after them carry the prompts' pieces: the prompts, first come first
-        served, take MIXED_TILE consecutive tokens a row while rows are left, a chunk of one prompt over as many
-        rows as it needs, each row with its slot's block table. Every layer writes the step's latents before any
-        row attends, so a piece sees the pieces before it (by position, causally) as one chunk would. A prompt's
-        first new token is sampled at its last piece, with the key and position a prefill step would use; a
-        decoding row's at its one token, as in a decode step. The compute is (B + mixed_rows) x MIXED_TILE
+        Rows 0 .. B-1 are the slots: row b carries slot b's pending token (from the lane) when it decodes, else
+        nothing. The engine's `mixed_rows` rows after them carry the prompts' pieces: the prompts, first come
+        first served, take MIXED_TILE consecutive tokens a row while rows are left, a chunk of one prompt over as
+        many rows as it needs, each row with its slot's block table. Every layer writes the step's latents before
+        any row attends, so a piece sees the pieces before it (by position, causally) as one chunk would. A
+        prompt's first new token is sampled at its last piece, with the key and position a prefill step would
+        use; a decoding row's at its one token, as in a decode step. The compute is (B + mixed_rows) x MIXED_TILE
         tokens whatever the prompts' lengths."""
+        t0 = time.perf_counter()
         B, G, slots = self.e.max_batch, MIXED_TILE, self.slots
         pieces = []  # (slot, first position, tokens) a row
         chunk = {}  # slot -> prompt tokens this step
@@ -763,18 +698,20 @@ class _Generation:
             chunk[b] = take
             free_rows -= -(-take // G)
         row_slots = list(range(B)) + [b for b, _, _ in pieces] + [0] * free_rows
+        at = {b: slots[b].bounds()[1] for b in decoding}  # exact without MTP (mixing has none)
         # The table covers every page a row holds (a prompt's whole) and, as for a verify step, a row's padding
         # queries after its last token (the decode kernel counts them in: it sees seq_len = length + G - valid).
-        reach = [slots[b].cached + G for b in decoding] + [a + G for _, a, _ in pieces]
+        reach = [at[b] + G for b in decoding] + [a + G for _, a, _ in pieces]
         held = [len(self.cache.pages_of(b)) * self.cache.page_size for b in [*chunk, *decoding]]
         ids, pos, lengths, last, keys, sp, bt = self._inputs(
             decoding + list(range(B, B + len(pieces))), G, max(reach + held), row_slots
         )
+        feed = np.zeros((B,), bool)
+        src = np.full((B,), -1, np.int32)
         for b in decoding:
-            seq = slots[b]
-            ids[b, 0] = seq.pending
-            pos[b, 0] = seq.cached
-            lengths[b] = seq.cached + 1
+            pos[b, 0] = at[b]
+            lengths[b] = at[b] + 1
+            feed[b], src[b] = True, b
         ends = {}  # slot -> the row of its prompt's last token
         for r, (b, a, n) in enumerate(pieces, start=B):
             prompt = slots[b].prompt
@@ -783,94 +720,118 @@ class _Generation:
             lengths[r] = a + n
             last[r] = n - 1
             if a + n == len(prompt):
-                ends[b] = r
+                ends[b] = src[b] = r
         inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
-        (toks, _, _), dt, compiled = self._call(
-            "mixed", self.e.steps.prefill, inp, None, None, None, None, use_mtp=False, sampler=self.sampler
-        )
-        for st in self.sinks:
-            st.record_mixed(sum(chunk.values()), len(decoding), dt, compiled)
+        call = self._prefill_call("mixed", inp, feed, src, None, None)
+        f = self._flight("mixed", call, {}, 1, t0, sum(chunk.values()))
         for b in decoding:
-            self._advance(b, [int(toks[b])], 0)
+            slots[b].flying[f.id] = (1, 1)
+            f.rows[b] = (slots[b].req, 0, b)
         for b, n in chunk.items():
-            seq = slots[b]
-            seq.prefilled += n
-            seq.cached = seq.prefilled
-            if b in ends:
-                self.emit(b, int(toks[ends[b]]), seq.cached)
+            slots[b].prefilled += n
+            slots[b].flying[f.id] = (n, n)
+            f.rows[b] = (slots[b].req, n, ends.get(b, -1))
+        return f
 
-    def run_decode(self, rows: list[int], steps: dict[int, int]) -> None:
-        """Up to `steps[b]` decode steps for each row in one device call (`models.steps.decode_loop`): the
-        loop's length is a power of two <= the engine's `decode_steps` (a bounded number of compilations),
-        the table covers every row's pages for its steps, stops are found on the device (each row's own
-        stop ids, in a [B, S] array: S a power of two >= `MIN_STOP_IDS`, so requests with a few stop ids each
-        share one compilation)."""
-        B = self.e.max_batch
-        num_steps = min(self.e.decode_steps, next_pow2(max(steps[b] for b in rows)))
-        ids, pos, lengths, last, keys, sp, bt = self._inputs(
-            rows, 1, max(self.slots[b].cached + steps[b] for b in rows)
-        )
-        steps_B = np.zeros((B,), np.int32)
-        S = next_pow2(max(MIN_STOP_IDS, *(len(self.slots[b].request.stops) for b in rows)))
-        stop_ids = np.full((B, S), -1, np.int32)
+    def launch_decode(self, budget: dict[int, tuple[int, int]]) -> _Flight:
+        """Up to `budget[b]` plain decode steps for each row in one device call (`models.steps.decode_call`): the
+        loop's length is a power of two <= the engine's `decode_steps` (a bounded number of compilations), the
+        table covers every row's pages for its steps, stops are found on the device."""
+        t0 = time.perf_counter()
+        rows = list(budget)
+        num_steps = min(self.e.decode_steps, next_pow2(max(n for n, _ in budget.values())))
+        at = {b: self.slots[b].bounds()[1] for b in rows}
+        ids, pos, lengths, last, keys, sp, bt = self._inputs(rows, 1, max(at[b] + budget[b][0] for b in rows))
+        steps_B = np.zeros((self.e.max_batch,), np.int32)
         for b in rows:
-            seq = self.slots[b]
-            ids[b, 0] = seq.pending
-            pos[b, 0] = seq.cached
-            lengths[b] = seq.cached + 1
-            steps_B[b] = steps[b]
-            stops = sorted(seq.request.stops)
-            stop_ids[b, : len(stops)] = stops
+            pos[b, 0] = at[b]  # what the kernel config is chosen from; the call reads the lane's positions
+            lengths[b] = at[b] + 1
+            steps_B[b] = budget[b][0]
         inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
-        (toks, count), dt, compiled = self._call(
-            "decode",
-            self.e.steps.decode_loop,
-            inp,
-            steps_B,
-            stop_ids,
-            n_host=2,
-            sampler=self.sampler,
-            num_steps=num_steps,
-        )
-        self._record("decode", int(count.sum()), dt, compiled, steps=int(count.max()))
+        call = self._decode_call(inp, steps_B, self._stop_ids(rows), num_steps)
+        f = self._flight("decode", call, {}, num_steps, t0)
         for b in rows:
-            n = int(count[b])
-            self._advance(b, [int(t) for t in toks[b, :n]], n - 1)
+            n = budget[b][0]
+            self.slots[b].flying[f.id] = (n, n)
+            f.rows[b] = (self.slots[b].req, 0, b)
+        return f
 
-    def run_verify(self, rows: list[int], spec: dict[int, int]) -> None:
-        k = self.k
-        # The table covers what the step addresses (`rows_needed`): the kernel sees seq_len =
-        # cached + 1 + k with the padding queries counted in, even where fewer drafts are verified.
-        need = max(
-            max(len(self.cache.pages_of(b)) * self.cache.page_size, rows_needed(self.slots[b].cached, k)) for b in rows
-        )
+    def launch_verify(self, budget: dict[int, tuple[int, int]]) -> _Flight:
+        """Up to the engine's `decode_steps` MTP verify steps for each row in one device call
+        (`models.steps.verify_call`): positions, lengths and drafts from the device; pages held for the most a
+        row may reach (`reserve_decode`)."""
+        t0 = time.perf_counter()
+        k, B = self.k, self.e.max_batch
+        rows = list(budget)
+        num_steps = self.e.decode_steps
+        need = max(int(self.cache.lengths[b]) for b in rows)
         ids, pos, lengths, last, keys, sp, bt = self._inputs(rows, k + 1, need)
-        n_spec = np.zeros((self.e.max_batch,), np.int32)
+        steps_B, spec_B, end_B = (np.zeros((B,), np.int32) for _ in range(3))
         for b in rows:
             seq = self.slots[b]
-            ids[b, 0] = seq.pending
-            pos[b, : 1 + spec[b]] = np.arange(seq.cached, seq.cached + 1 + spec[b])
-            lengths[b] = seq.cached + 1 + spec[b]
-            n_spec[b] = spec[b]
+            lo, hi = seq.bounds()
+            pos[b, 0] = hi  # what the kernel config is chosen from; the call reads the lane's positions
+            lengths[b] = hi + 1 + k
+            steps_B[b], spec_B[b] = budget[b]
+            end_B[b] = seq.end
         inp = StepInputs(ids, pos, bt, lengths, last, keys, SamplingArrays.from_params(sp))
-        (toks, acc, self.drafts, self.draft_probs), dt, compiled = self._call(
-            "verify", self.e.steps.verify, inp, self.drafts, self.draft_probs, n_spec, n_host=2, sampler=self.sampler
-        )
-        self._record("decode", sum(1 + int(acc[b]) for b in rows), dt, compiled)
-        for st in self.sinks:
-            st.mtp_drafted += sum(spec[b] for b in rows)
-            st.mtp_accepted += sum(int(acc[b]) for b in rows)
+        call = self._verify_call(inp, (steps_B, spec_B, end_B, self._stop_ids(rows)), num_steps)
+        f = self._flight("verify", call, {}, num_steps, t0)
         for b in rows:
-            self._advance(b, [int(t) for t in toks[b, : 1 + int(acc[b])]], int(acc[b]))
+            n, spec = budget[b]
+            self.slots[b].flying[f.id] = (n * (1 + spec), n)  # each active step keeps 1 .. spec + 1 tokens
+            f.rows[b] = (self.slots[b].req, 0, b)
+        return f
 
-    def _advance(self, b: int, toks: list[int], accepted: int) -> None:
-        """A decode / verify call's new tokens for slot b: the cache keeps t_n and the `accepted` tokens after
-        it (accepted drafts, or the later tokens of a multi-step decode; the rows reserved past them are
-        rewound, a page freed if emptied), then the tokens are emitted."""
-        seq = self.slots[b]
-        first = seq.cached + 1  # position of the first new token
-        seq.cached += 1 + accepted
-        self.cache.truncate(b, seq.cached)
-        for i, tok in enumerate(toks):
-            if self.emit(b, tok, first + i):
-                break
+    # --- landing: a call's outputs to the host, its tokens to their requests ---------------------
+    def land(self, f: _Flight) -> None:
+        """Read call `f` (waiting for it) and hand its tokens to the requests it served that still run."""
+        host = [np.asarray(o) for o in f.outs]
+        now = time.perf_counter()
+        # A call's time: from when the device could start it (the previous call read, or its launch) to its end.
+        seconds = now - f.t0 if f.compiled else now - max(f.t0 + f.launch_s, self.landed_at)
+        self.landed_at = now
+        tokens = host[0]
+        counts = host[1] if f.kind in ("decode", "verify") else None
+        emitted, steps, drafted, accepted = 0, 0, 0, 0
+        for b, (rid, prompt_n, row) in f.rows.items():
+            seq = self.slots[b]
+            if seq is None or seq.req != rid:
+                continue  # ended while the call ran: what it computed for the slot is dropped
+            seq.flying.pop(f.id, None)
+            if prompt_n:  # a prompt chunk; its last one samples the first new token
+                seq.cached += prompt_n
+                if row >= 0:
+                    self.emit(b, int(tokens[row]), seq.cached)
+                continue
+            if counts is None:  # a mixed step's decoding row: one token
+                toks = [int(tokens[row])]
+            else:
+                toks = [int(t) for t in tokens[b, : int(counts[b])]]
+                if f.kind == "verify":
+                    drafted += int(host[2][b])
+                    accepted += int(host[3][b])
+            emitted += len(toks)
+            steps = max(steps, len(toks))
+            first = seq.cached + 1  # position of the first new token
+            seq.cached += len(toks)
+            for i, tok in enumerate(toks):
+                if self.emit(b, tok, first + i):
+                    break
+        for st in self.sinks:
+            if f.kind == "mixed":
+                st.record_mixed(f.prompt_tokens, emitted, seconds, f.compiled)
+            elif f.kind == "prefill":
+                st.record("prefill", f.prompt_tokens, seconds, f.compiled)
+            else:
+                # model steps: a plain row makes one token a step (its longest row's count); a verify call's
+                # rows step together (its trip count, when it served a row).
+                st.record(
+                    "decode",
+                    emitted,
+                    seconds,
+                    f.compiled,
+                    steps=steps if f.kind == "decode" else f.steps * (emitted > 0),
+                )
+                st.mtp_drafted += drafted
+                st.mtp_accepted += accepted

@@ -65,6 +65,36 @@ class StepInputs(NamedTuple):
     sampling: SamplingArrays
 
 
+class Lane(NamedTuple):
+    """What a slot carries from one device call to the next without the host (B = max_batch slots).
+
+    pending int32 [B]: the slot's last sampled token, not yet in the cache (the next call's input);
+    pos     int32 [B]: its position, i.e. the tokens the slot's cache holds.
+    Every call that samples a slot's token updates its entries; the others keep them. The host never reads
+    them: it reads each call's tokens one call later (`models.scheduler`), so call n + 1 is enqueued first."""
+
+    pending: jax.Array
+    pos: jax.Array
+
+
+def new_lane(B: int) -> Lane:
+    return Lane(jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32))
+
+
+def _feed(inp: StepInputs, lane: Lane, feed_B) -> StepInputs:
+    """Column 0 of row b < B takes the slot's pending token where feed_B[b] (a decoding row of a mixed step)."""
+    B = lane.pending.shape[0]
+    col = jnp.where(feed_B, lane.pending, inp.ids[:B, 0])
+    return inp._replace(ids=inp.ids.at[:B, 0].set(col))
+
+
+def _settle(lane: Lane, src_B, tokens_R, next_pos_R) -> Lane:
+    """Slot b's pending token and position from row src_B[b] of the call (-1: unchanged)."""
+    ok = src_B >= 0
+    i = jnp.maximum(src_B, 0)
+    return Lane(jnp.where(ok, tokens_R[i], lane.pending), jnp.where(ok, next_pos_R[i], lane.pos))
+
+
 def _sample(logits_BV, inp: StepInputs, counter_B, sampler: str, stream: int = 0):
     """Draw one token per row -> (int32 [B], the distribution f32 [B,V] or None when greedy)."""
     if sampler == "greedy":
@@ -191,7 +221,10 @@ def decode_loop(model, cache: KVCache, inp: StepInputs, steps_B, stop_ids_BS, *,
         jnp.full((B, num_steps), -1, jnp.int32),
         zero_B,
     )
-    cache, _, _, _, tokens, count = jax.lax.fori_loop(0, num_steps, step, init)
+    if num_steps == 1:  # no loop: a while loop costs a device-to-host read of its predicate per trip
+        cache, _, _, _, tokens, count = step(0, init)
+    else:
+        cache, _, _, _, tokens, count = jax.lax.fori_loop(0, num_steps, step, init)
     return cache, tokens, count
 
 
@@ -256,6 +289,140 @@ def verify_step(model, cache: KVCache, inp: StepInputs, drafts, draft_probs, n_s
     return cache, tokens, accepted, d, draft_probs if q is None else q
 
 
+def verify_loop(
+    model,
+    cache: KVCache,
+    inp: StepInputs,
+    drafts,
+    draft_probs,
+    steps_B,
+    spec_B,
+    end_B,
+    stop_ids_BS,
+    *,
+    sampler,
+    num_steps,
+):
+    """Up to `num_steps` MTP verify steps (`verify_step`) in one device program: each row verifies its drafts
+    from its pending token at `inp.positions[:, 0]`, keeps the accepted ones and the next token, drafts again,
+    and stops on the device; the positions, lengths and the number of drafts verified are found there.
+
+    inp: ids[:, 0] = each row's pending token, positions[:, 0] = its position n (the rest is recomputed).
+    steps_B int32 [B]: verify steps row b may take (0: idle); spec_B int32 [B]: drafts a step of row b may verify
+    (k, or 0 for a row the pool has no room for drafts); end_B int32 [B]: the last position a token of row b may
+    take (its length budget and the context): a step verifies min(spec, end - n - 1) drafts, so no position
+    passes end, and a row with n >= end is done. stop_ids_BS as in `decode_loop` (a stop token is kept, the
+    tokens after it are not emitted). Draws use the keys of `verify_step`, so the tokens equal a sequence of its calls.
+    -> (cache, tokens int32 [B, num_steps * (k + 1)] (-1 past a row's last), count [B] (its new tokens, the
+    tokens its cache gained), drafted [B], accepted [B], drafts, draft_probs).
+    """
+    B, k = drafts.shape
+    W = num_steps * (k + 1)
+    j = jnp.arange(k + 1)[None, :]
+    rows = jnp.arange(B)[:, None]
+    zero_B = jnp.zeros((B,), jnp.int32)
+
+    def step(i, carry):
+        cache, pend_B, pos_B, done_B, out, count_B, drafted_B, accepted_B, drafts, draft_probs = carry
+        active = (i < steps_B) & ~done_B & (pos_B < end_B)
+        n_spec = jnp.where(active, jnp.clip(jnp.minimum(spec_B, end_B - pos_B - 1), 0, k), 0)
+        positions = jnp.where(active[:, None] & (j <= n_spec[:, None]), pos_B[:, None] + j, -1)
+        lengths = jnp.where(active, pos_B + 1 + n_spec, 0)
+        ids = jnp.zeros((B, k + 1), jnp.int32).at[:, 0].set(pend_B)
+        step_inp = inp._replace(ids=ids, positions=positions, lengths=lengths)
+        cache, toks, acc, d, q = verify_step(
+            model, cache.with_lengths(lengths), step_inp, drafts, draft_probs, n_spec, sampler=sampler
+        )
+        acc = jnp.where(active, acc, 0)
+        emit = active[:, None] & (j <= acc[:, None])
+        stop = (jnp.any(toks[:, :, None] == stop_ids_BS[:, None, :], axis=-1) | (toks == NON_FINITE)) & emit
+        emit &= (jnp.cumsum(stop, axis=1) - stop) == 0  # nothing after the first stop
+        n_emit = jnp.sum(emit, axis=1)
+        out = out.at[rows, jnp.where(emit, count_B[:, None] + j, W)].set(toks, mode="drop")
+        last = jnp.take_along_axis(toks, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0]
+        return (
+            cache,
+            jnp.where(n_emit > 0, last, pend_B),
+            pos_B + jnp.where(active, 1 + acc, 0),
+            done_B | jnp.any(stop, axis=1),
+            out,
+            count_B + n_emit,
+            drafted_B + n_spec,
+            accepted_B + acc,
+            jnp.where(active[:, None], d, drafts),
+            jnp.where(active[:, None, None], q, draft_probs),
+        )
+
+    init = (
+        cache,
+        inp.ids[:, 0],
+        inp.positions[:, 0],
+        jnp.zeros((B,), bool),
+        jnp.full((B, W), -1, jnp.int32),
+        zero_B,
+        zero_B,
+        zero_B,
+        drafts,
+        draft_probs,
+    )
+    if num_steps == 1:
+        carry = step(0, init)
+    else:
+        carry = jax.lax.fori_loop(0, num_steps, step, init)
+    cache, _, _, _, tokens, count, drafted, accepted, drafts, draft_probs = carry
+    return cache, tokens, count, drafted, accepted, drafts, draft_probs
+
+
+# ------------------------------------------------------------------------------------------
+# The lane: the calls the scheduler makes, each carrying the slots' `Lane` on the device
+# ------------------------------------------------------------------------------------------
+def prefill_call(
+    model, cache, inp, lane, feed_B, src_B, mtp_next_ids, prompt_ends, drafts, draft_probs, *, use_mtp, sampler
+):
+    """`prefill_step` over rows whose token 0 may be a slot's pending token (feed_B [B]: rows b < B) and whose
+    sampled token becomes slot b's pending one at row src_B[b] (-1: none): a prefill chunk, a plain decode step
+    or a mixed step. -> (cache, tokens [R], lane, drafts, draft_probs)."""
+    inp = _feed(inp, lane, feed_B)
+    cache, tokens, drafts, draft_probs = prefill_step(
+        model, cache, inp, mtp_next_ids, prompt_ends, drafts, draft_probs, use_mtp=use_mtp, sampler=sampler
+    )
+    next_pos = inp.positions[jnp.arange(inp.ids.shape[0]), inp.last_idx] + 1
+    return cache, tokens, _settle(lane, src_B, tokens, next_pos), drafts, draft_probs
+
+
+def decode_call(model, cache, inp, lane, steps_B, stop_ids_BS, *, sampler, num_steps):
+    """`decode_loop` from the slots' pending tokens and positions (the lane): -> (cache, tokens [B, num_steps],
+    count [B], lane)."""
+    inp = inp._replace(ids=lane.pending[:, None], positions=lane.pos[:, None])
+    cache, tokens, count = decode_loop(model, cache, inp, steps_B, stop_ids_BS, sampler=sampler, num_steps=num_steps)
+    last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    return cache, tokens, count, Lane(jnp.where(count > 0, last, lane.pending), lane.pos + count)
+
+
+def verify_call(
+    model, cache, inp, lane, drafts, draft_probs, steps_B, spec_B, end_B, stop_ids_BS, *, sampler, num_steps
+):
+    """`verify_loop` from the slots' pending tokens and positions (the lane): -> (cache, tokens, count, drafted,
+    accepted, lane, drafts, draft_probs)."""
+    inp = inp._replace(ids=inp.ids.at[:, 0].set(lane.pending), positions=inp.positions.at[:, 0].set(lane.pos))
+    cache, tokens, count, drafted, accepted, drafts, draft_probs = verify_loop(
+        model,
+        cache,
+        inp,
+        drafts,
+        draft_probs,
+        steps_B,
+        spec_B,
+        end_B,
+        stop_ids_BS,
+        sampler=sampler,
+        num_steps=num_steps,
+    )
+    last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    lane = Lane(jnp.where(count > 0, last, lane.pending), lane.pos + count)
+    return cache, tokens, count, drafted, accepted, lane, drafts, draft_probs
+
+
 # ------------------------------------------------------------------------------------------
 # Compilation: one set of jitted steps per model structure
 # ------------------------------------------------------------------------------------------
@@ -272,13 +439,17 @@ class Steps(NamedTuple):
     """The jitted steps of one model structure: `prefill(state, cache, inp, mtp_next_ids, prompt_ends,
     drafts, draft_probs, *, use_mtp, sampler)`, `decode(state, cache, inp, *, sampler)`,
     `decode_loop(state, cache, inp, steps_B, stop_ids_BS, *, sampler, num_steps)`,
-    `verify(state, cache, inp, drafts, draft_probs, n_spec, *, sampler)`; the cache (and the draft
-    state) donated."""
+    `verify(state, cache, inp, drafts, draft_probs, n_spec, *, sampler)`, and the scheduler's calls over the
+    lane: `prefill_call`, `decode_call`, `verify_call` (their functions above, the model replaced by its
+    state); the cache, the lane and the draft state donated."""
 
     prefill: object
     decode: object
     decode_loop: object
     verify: object
+    prefill_call: object
+    decode_call: object
+    verify_call: object
 
 
 def _bind(kind: str, step, graphdef):
@@ -312,4 +483,17 @@ def compiled_steps(graphdef) -> Steps:
             _bind("decode", decode_loop, graphdef), static_argnames=("sampler", "num_steps"), donate_argnums=(1,)
         ),
         verify=jit(_bind("verify", verify_step, graphdef), static_argnames=("sampler",), donate_argnums=(1, 3, 4)),
+        prefill_call=jit(
+            _bind("prefill", prefill_call, graphdef),
+            static_argnames=("use_mtp", "sampler"),
+            donate_argnums=(1, 3, 8, 9),
+        ),
+        decode_call=jit(
+            _bind("decode", decode_call, graphdef), static_argnames=("sampler", "num_steps"), donate_argnums=(1, 3)
+        ),
+        verify_call=jit(
+            _bind("verify", verify_call, graphdef),
+            static_argnames=("sampler", "num_steps"),
+            donate_argnums=(1, 3, 4, 5),
+        ),
     )

@@ -17,7 +17,7 @@ from mla_jax.kv_cache import KVCache
 from models import Engine, load_hf_checkpoint
 from models.builtin import BUILTIN_DIR
 from models.sampling import SamplingArrays, SamplingParams
-from models.steps import StepInputs
+from models.steps import StepInputs, new_lane
 from tests import hlo
 
 
@@ -87,7 +87,7 @@ def test_decode_step_time_follows_the_tokens_not_the_pool(builtin):
 
 @pytest.mark.parametrize("sampler", ["greedy", "filtered"])
 def test_decode_loop_program_has_static_loops_no_conditional_and_no_big_copy(builtin, sampler):
-    """The compiled multi-step decode program (`models.steps.decode_loop`, 8 steps): every while loop has a
+    """The compiled multi-step decode program (`models.steps.decode_call`, 8 steps): every while loop has a
     trip count known at compile time (XLA's GPU while thunk copies the predicate of any other to the host on
     every iteration, blocking the launch stream), no conditional (its predicate goes to the host too), and
     no copy over 1 MB (the pools were copied at every layer; the weights must be read where they are)."""
@@ -96,10 +96,11 @@ def test_decode_loop_program_has_static_loops_no_conditional_and_no_big_copy(bui
     cache, inp = _decode_call(e, 30)
     params = SamplingParams(temperature=0.7, top_p=0.9) if sampler == "filtered" else SamplingParams(temperature=0.0)
     inp = inp._replace(sampling=SamplingArrays.from_params([params] * B))
-    lowered = e.steps.decode_loop.lower(
+    lowered = e.steps.decode_call.lower(  # the engine's call: the loop over the lane's tokens and positions
         e.state,
         cache(e.cache.pages),
         inp,
+        new_lane(B),
         np.full((B,), 8, np.int32),
         np.full((B, 1), -1, np.int32),
         sampler=sampler,
@@ -107,5 +108,35 @@ def test_decode_loop_program_has_static_loops_no_conditional_and_no_big_copy(bui
     )
     text = lowered.compile().as_text()
     assert len(re.findall(r" while\(", text)) >= 2  # the decode loop and the layer scan, at least
+    assert hlo.host_round_trips(text) == []
+    assert hlo.big_copies(text) == []
+
+
+def test_verify_loop_program_has_static_loops_no_conditional_and_no_big_copy(builtin):
+    """The compiled MTP verify call (`models.steps.verify_call`, 4 verify steps of one draft): as the decode
+    loop above, no host round trip (a while loop of unknown trip count, a conditional) and no copy over 1 MB.
+    Catches: the verify loop written as a while loop over a device predicate (rows done), which would read
+    the predicate back to the host every verify step and break the lane's overlap."""
+    B, k = 2, 1
+    e = Engine(builtin, page_size=64, max_batch=B, max_context=1536, kv_dtype="fp32")
+    cache, inp = _decode_call(e, 30)
+    inp = inp._replace(ids=np.zeros((B, k + 1), np.int32), positions=np.full((B, k + 1), 30, np.int32))
+    full = np.full((B,), 4, np.int32)
+    lowered = e.steps.verify_call.lower(
+        e.state,
+        cache(e.cache.pages),
+        inp,
+        new_lane(B),
+        np.zeros((B, k), np.int32),
+        np.zeros((B, k, 1), np.float32),
+        full,
+        np.full((B,), k, np.int32),
+        np.full((B,), 1000, np.int32),
+        np.full((B, 4), -1, np.int32),
+        sampler="greedy",
+        num_steps=4,
+    )
+    text = lowered.compile().as_text()
+    assert len(re.findall(r" while\(", text)) >= 2  # the verify loop and the layer scan, at least
     assert hlo.host_round_trips(text) == []
     assert hlo.big_copies(text) == []

@@ -203,6 +203,99 @@ def test_mtp_greedy_equals_plain_greedy(spec_model, k):
     )
 
 
+# --- the lane: each call enqueued before the one before it is read ---------------------------------------
+def _sync_generate(e: Engine, prompts, **kw) -> list[list[int]]:
+    """The prompts through the online API with every call read back before the next is launched."""
+    hs = [e.submit(p, **kw) for p in prompts]
+    while e.num_requests:
+        e.step()
+        e._sched.drain()
+    return [h.output for h in hs]
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_overlapped_calls_give_the_tokens_of_synchronous_ones(model, decode_steps):
+    """Six ragged prompts on four slots, one stop id that ends one request early (a waiting one then takes its
+    slot): the overlapped engine (call n + 1 enqueued before call n is read, tokens fed back on the device) and
+    the same engine read back after every call give the same greedy tokens, equal to teacher forcing, with every
+    page back. Catches: a row fed another slot's token or a stale one from the lane, a position off by the call
+    in flight, a late stop whose extra token is emitted, a slot reused before its old call's writes."""
+    e = Engine(model, **STD, decode_steps=decode_steps, cache_fill=float("nan"))
+    prompts = _prompts(31, [3, 9, 14, 5, 1, 6])
+    free = e.generate(prompts, max_new_tokens=18).tokens
+    stop = free[1][4]
+    want = [t[: t.index(stop) + 1] if stop in t else t for t in free]
+    overlapped = e.generate(prompts, max_new_tokens=18, stop_tokens=[stop]).tokens
+    assert overlapped == want and _sync_generate(e, prompts, max_new_tokens=18, stop_tokens=[stop]) == want
+    _assert_teacher_forced(model, prompts, free)
+    e.run_until_idle()
+    assert e.cache.pages_used == 0
+
+
+def test_a_stop_found_one_call_late_returns_its_pages_and_spares_the_others(model):
+    """Row 0 samples a stop token; the next call, already enqueued, computes one more token for it. After the
+    step that reads the stop: the request holds its tokens up to the stop (the extra one dropped), its slot and
+    pages are free, and the other rows' tokens go on equal to their runs alone; a request admitted into the freed
+    slot runs beside the call that still carries the old row. Catches: the dropped token emitted, the pages held
+    until the extra call lands (or freed before the call that reads them was enqueued), the new occupant
+    reading the old row's lane entry."""
+    e = Engine(model, **{**STD, "max_batch": 2}, cache_fill=float("nan"))
+    p0, p1, p2 = _prompts(32, [4, 6, 5])
+    alone = [e.generate([p], max_new_tokens=12).tokens[0] for p in (p0, p1, p2)]
+    stop = alone[0][2]
+    cut0 = alone[0][: alone[0].index(stop) + 1]
+    h0, h1 = e.submit(p0, max_new_tokens=12, stop_tokens=[stop]), e.submit(p1, max_new_tokens=12)
+    while not h0.done:
+        e.step()
+    assert h0.output == cut0 and h0.finish_reason == "stop"
+    assert e.cache.pages_of(0) == [] and e._sched.slots[0] is None
+    assert e._sched.flight is not None and 0 in e._sched.flight.rows  # the call one step late, still in flight
+    h2 = e.submit(p2, max_new_tokens=12)
+    e.run_until_idle()
+    assert h0.output == cut0 and h1.output == alone[1] and h2.output == alone[2]
+    assert e.cache.pages_used == 0
+
+
+def test_cancel_while_iterating_ends_the_iterator_at_once(model):
+    """Reading a request's tokens three at a time out of 4-step calls, a cancel after the third: the iterator
+    ends there, even though its call already brought more. Catches the iterator yielding the rest of a landed
+    call after a cancel (it yielded up to 9 tokens after reading 3)."""
+    e = Engine(model, **STD, decode_steps=4)
+    h = e.submit(_prompts(34, [5])[0], max_new_tokens=30)
+    it = h.tokens()
+    got = [next(it) for _ in range(3)]
+    assert h.cancel() and h.finish_reason == "cancelled"
+    assert list(it) == [] and h.output[:3] == got
+    e.run_until_idle()
+    assert e.cache.pages_used == 0
+
+
+def test_mtp_verify_loop_equals_plain_greedy_and_warm_up_covers_it(spec_model):
+    """MTP with 2 drafts a step and 3 verify steps a device call (`models.steps.verify_call`: positions,
+    lengths and the drafts verified found on the device), overlapped, after `warm_up(use_mtp=True)`: the tokens
+    of plain greedy (with a stop id ending one request early and length budgets that end others mid-call), no
+    compilation, every page back. Catches: a verify step past a row's budget or context (end_B), a draft
+    accepted past a stop, an acceptance count that moves the lane's position wrongly, a verify shape warm-up
+    misses."""
+    e = Engine(spec_model, **{**STD, "max_context": 40}, decode_steps=3)
+    prompts = _prompts(35, [3, 9, 14, 5, 1, 6])
+    news = [20, 7, 13, 20, 2, 16]
+    plain = [e.generate([p], max_new_tokens=n).tokens[0] for p, n in zip(prompts, news)]
+    stop = plain[0][6]
+    want = [t[: t.index(stop) + 1] if stop in t else t for t in plain]
+    assert e.warm_up(use_mtp=True, mtp_draft_tokens=2) > 0
+    before = trace_counts()
+    hs = [
+        e.submit(p, max_new_tokens=n, stop_tokens=[stop], use_mtp=True, mtp_draft_tokens=2)
+        for p, n in zip(prompts, news)
+    ]
+    with e.recording(use_mtp=True) as st:
+        e.run_until_idle()
+    assert [h.output for h in hs] == want
+    assert trace_counts() == before, "a call compiled after warm_up"
+    assert 0 < st.mtp_accepted < st.mtp_drafted and e.cache.pages_used == 0
+
+
 @pytest.mark.xla_optimized  # the wide engine's steps run many times: compiled optimised
 def test_mtp_rejection_sampling_path_with_one_hot_distributions(spec_model, wide_engine):
     """temperature 1 with top_k = 1 runs the sampling code (rejection sampling, residual and bonus
@@ -455,25 +548,16 @@ def test_admission_goes_to_a_data_rank_with_pages():
     )
     stub = types.SimpleNamespace(cache=cache, max_batch=4, num_pages=8, cfg=CFG, max_context=32)
     prompts = [[1] * 12, [2] * 8, [3] * 8, [4] * 20]
-    g = _Generation(
-        stub,
-        prompts,
-        [SamplingParams(temperature=0.0)] * 4,
-        [np.zeros(2, np.uint32)] * 4,
-        set(),
-        4,
-        0,
-        None,
-        "fail_request",
-    )
+    g = _Generation(stub)
+    reqs = [g.add(p, SamplingParams(temperature=0.0), np.zeros(2, np.uint32), set(), 4) for p in prompts]
     g.admit()
     assert [s and s.req for s in g.slots] == [0, None, 1, 2] and list(g.waiting) == [3]
     assert (cache.pages_of(0), cache.pages_of(2), cache.pages_of(3)) == ([0, 1, 2], [0, 1], [2, 3])
     for b in (0, 2, 3):
         g.finish(b, "length")
     g.admit()
-    assert g.reasons[3] == "error" and "only 4 of data rank 0's 4 are free" in g.errors[3]
-    assert g.errors[:3] == [None] * 3 and cache.pages_used == 0 and not g.waiting
+    assert reqs[3].finish_reason == "error" and "only 4 of data rank 0's 4 are free" in reqs[3].error
+    assert [r.error for r in reqs[:3]] == [None] * 3 and cache.pages_used == 0 and not g.waiting
 
 
 def test_data_rank_arguments():
@@ -557,9 +641,9 @@ def test_long_generation_compiles_a_bounded_number_of_times(model):
     assert [len(t) for t in res.tokens] == [56, 56]
     _assert_teacher_forced(model, prompts, res.tokens)
     new = {k: v - before.get(k, 0) for k, v in trace_counts().items()}
-    # 55 decode steps, 8 a call (the last 7, in a loop of 8), each call's table covering its 8 steps: 13..60
-    # tokens = 4..15 pages of 4: table widths 4, 8, 16 -> 3 compilations.
-    assert new.get("decode", 0) == 3 and new.get("prefill", 0) == 1, new
+    # 55 decode steps, one a call, each call's table covering its step: 6..60 tokens = 2..15 pages of 4:
+    # table widths 2, 4, 8, 16 -> 4 compilations.
+    assert new.get("decode", 0) == 4 and new.get("prefill", 0) == 1, new
     again = e.generate(_prompts(12, [7, 3]), max_new_tokens=56)
     assert trace_counts() == {k: before.get(k, 0) + new.get(k, 0) for k in trace_counts()}  # nothing new
     assert again.stats["decode_steps"] == 55
@@ -1066,13 +1150,13 @@ def test_prefill_mtp_state_equals_the_uncached_mtp_forward(model):
     # row i of a chunk pairs token i with prompt token i + 1.
     e = Engine(model, page_size=4, num_pages=16, max_batch=1, prefill_chunk=4, kv_dtype=jnp.float32)
     seen = []
-    real = e.steps.prefill
+    real = e.steps.prefill_call
 
-    def recording(state, cache, inp, mtp_next_ids, *args, **kw):
+    def recording(state, cache, inp, lane, feed, src, mtp_next_ids, *args, **kw):
         seen.append((np.asarray(inp.positions[0]), np.asarray(mtp_next_ids[0])))
-        return real(state, cache, inp, mtp_next_ids, *args, **kw)
+        return real(state, cache, inp, lane, feed, src, mtp_next_ids, *args, **kw)
 
-    e.steps = e.steps._replace(prefill=recording)
+    e.steps = e.steps._replace(prefill_call=recording)
     e.generate([prompt], max_new_tokens=2, use_mtp=True)
     assert len(seen) == 3  # 11 prompt tokens in chunks of 4
     for positions, nxt_ids in seen:

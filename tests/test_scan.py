@@ -17,7 +17,7 @@ from mla_jax.kv_cache import KVCache
 from models import DeepSeekModel
 from models.engine import Engine
 from models.sampling import SamplingArrays, SamplingParams
-from models.steps import StepInputs
+from models.steps import StepInputs, new_lane
 from tests import hlo as hlo_text
 
 B, P = 2, 4
@@ -99,6 +99,8 @@ def test_gpu_decode_step_through_the_kernels_copies_no_pool_and_no_experts():
     assert not made, made[:3]
     # The multi-step decode program: no copy over 1 MB (pools, weights) and no host round trip inside it.
     steps, stops = np.full((B,), 8, np.int32), np.full((B, 1), -1, np.int32)
-    loop = e.steps.decode_loop.lower(e.state, cache, inp, steps, stops, sampler="greedy", num_steps=8).compile()
+    loop = e.steps.decode_call.lower(
+        e.state, cache, inp, new_lane(B), steps, stops, sampler="greedy", num_steps=8
+    ).compile()
     assert hlo_text.big_copies(loop.as_text()) == []
     assert hlo_text.host_round_trips(loop.as_text()) == []

@@ -96,9 +96,8 @@ def test_requests_arriving_mid_batch_equal_their_runs_alone(engine, alone):
 
     for i in range(4):
         submit(i)
-    engine.step()  # prefill of the first four
-    engine.step()  # a decode call: they are past their first token when the next arrive
-    assert all(len(h.output) > 1 for h in handles)
+    while not all(len(h.output) > 1 for h in handles):  # past their first token when the next arrive
+        engine.step()
     for i in range(4, 7):  # they wait for slots, then run beside the first wave's survivors
         submit(i)
     assert engine.num_requests == 7 - sum(h.done for h in handles)
@@ -187,6 +186,13 @@ def alternating(engine):
     engine.mixed_steps = True
 
 
+def _sync_step(e: Engine) -> None:
+    """One engine step, then its call read back (`drain`): the state a step leaves without the lane's overlap,
+    where the step-by-step assertions below are made."""
+    e.step()
+    e._sched.drain()
+
+
 def _prefilled(e: Engine, h: RequestHandle) -> int:
     """Prompt tokens of request h in the cache (it must be in a slot)."""
     return next(s.prefilled for s in e._sched.slots if s is not None and s.req == h.id)
@@ -204,14 +210,14 @@ def test_mixed_steps_feed_every_decoding_row_while_prompts_prefill(engine, alone
     pa, pl, ps = _prompt(rng, 4), _prompt(rng, 70), _prompt(rng, 10)
     assert engine.prefill_budget == 32 and engine.mixed_steps
     a = engine.submit(pa, max_new_tokens=30)
-    engine.step()  # its prefill (no row decodes: a prefill step)
+    _sync_step(engine)  # its prefill (no row decodes: a prefill step)
     assert len(a.output) == 1
     long_, short = engine.submit(pl, max_new_tokens=5), engine.submit(ps, max_new_tokens=5)
     with engine.recording() as st:
         seen = []
         for _ in range(3):
             n = len(a.output)
-            engine.step()
+            _sync_step(engine)
             seen.append((len(a.output) - n, _prefilled(engine, long_), _prefilled(engine, short)))
     assert seen == [(1, 32, 0), (1, 64, 0), (1, 70, 10)], seen
     assert len(long_.output) == len(short.output) == 1
@@ -231,13 +237,13 @@ def test_alternating_steps_give_the_same_tokens(alternating, alone):
     rng = np.random.default_rng(5)
     pa, pl, ps = _prompt(rng, 4), _prompt(rng, 70), _prompt(rng, 10)
     a = e.submit(pa, max_new_tokens=30)
-    e.step()
+    _sync_step(e)
     long_, short = e.submit(pl, max_new_tokens=5), e.submit(ps, max_new_tokens=5)
     with e.recording() as st:
         waited = []
         for _ in range(3):
             n = len(a.output)
-            e.step()
+            _sync_step(e)
             waited.append(len(a.output) - n)
     assert waited == [0, 0, 0] and st.prefill_steps == 3 and st.mixed_steps == 0
     got = [h.result().tokens for h in (a, long_, short)]
