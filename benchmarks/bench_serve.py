@@ -82,8 +82,8 @@ from flax import nnx
 from tqdm import tqdm
 
 import benchmarks as bm
-from benchmarks.bench_e2e import build_model, kv_dtype_arg, model_config
 from benchmarks.bench_mla_decode import decode_config
+from benchmarks.e2e_models import build_model, kv_dtype_arg, model_config
 from models import DeepSeekModel, Engine, compile_cache
 from models.engine import PREFILL_BUDGET, trace_counts
 
