@@ -103,6 +103,7 @@ from benchmarks.e2e_cells import (
     prompt_lengths,
     read_meta,
     segments,
+    token_agreement,
 )
 from benchmarks.e2e_floor import (
     decode_floor_bytes,
@@ -115,7 +116,7 @@ from benchmarks.e2e_floor import (
 )
 from benchmarks.e2e_kernels import KERNEL_TOKENS, kernel_profile
 from benchmarks.e2e_models import KV_DTYPES, MODELS, build_model, kv_dtype_arg, kv_pages, model_config
-from benchmarks.e2e_ours import EXIT_NO_GPU, run_ours_worker, run_ttft_worker, token_agreement, warm_prefill_seconds
+from benchmarks.e2e_ours import EXIT_NO_GPU, run_ours_worker, run_ttft_worker, warm_prefill_seconds
 from benchmarks.e2e_report import report
 from benchmarks.hf_peer import run_hf_worker
 from mla_jax import fp8_weights

@@ -242,3 +242,27 @@ def stat(stats, key):
         return stats[key]
     except (KeyError, TypeError, IndexError, AttributeError):
         return getattr(stats, key, None)
+
+
+# ------------------------------------------------------------------------------------------
+# Greedy tokens against a reference run
+# ------------------------------------------------------------------------------------------
+def common_prefix(tokens, reference) -> int:
+    """How many leading positions `tokens` and `reference` share (the index of their first difference, or the
+    shorter length when none)."""
+    n = 0
+    for a, b in zip(tokens, reference):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def token_agreement(tokens, reference) -> float:
+    """The fraction of generated positions where `tokens` equal `reference` (per request, up to the first
+    difference: after it the two continue from different contexts, so later positions do not count as
+    agreeing)."""
+    same = total = 0
+    for a, b in zip(tokens, reference):
+        same, total = same + common_prefix(a, b), total + max(len(a), len(b))
+    return same / total if total else 1.0

@@ -26,6 +26,7 @@ from benchmarks.e2e_cells import (
     parse_meshes,
     read_meta,
     stat,
+    token_agreement,
     write_meta,
 )
 from benchmarks.e2e_floor import cpu_ceilings, derive, total_params
@@ -311,19 +312,6 @@ def run_ours_worker(args) -> None:
             gc.collect()
             if not tiny:  # the tiny models' runs keep the eager build's compiled initializers
                 jax.clear_caches()
-
-
-def token_agreement(tokens, reference) -> float:
-    """The fraction of generated positions where `tokens` equal `reference` (per request, up to the first
-    difference: after it the two continue from different contexts, so later positions do not count as
-    agreeing)."""
-    same = total = 0
-    for a, b in zip(tokens, reference):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        same, total = same + n, total + max(len(a), len(b))
-    return same / total if total else 1.0
 
 
 # ------------------------------------------------------------------------------------------
