@@ -116,7 +116,7 @@ def warm_prefill_seconds(stats):
     """The warm seconds a cell's prompt tokens took: the prefill steps', plus the mixed steps' when there were
     warm prefill steps to time. A ragged batch's long prompts finish in mixed steps beside the short ones'
     decode rows, and their tokens count in the cell's prompt tokens; without their steps' time the rate credited
-    them for free (a ragged V2-Lite cell showed 203 % prefill MFU on the H200)."""
+    them for free (a ragged cell's prefill MFU could then exceed 100 %)."""
     seconds = warm_seconds(stats, "prefill")
     if stat(stats, "prefill_s") and stat(stats, "mixed_s"):
         seconds += stat(stats, "mixed_s")
