@@ -82,8 +82,9 @@ from flax import nnx
 from tqdm import tqdm
 
 import benchmarks as bm
-from benchmarks.bench_e2e import build_model, kv_dtype_arg, model_config
 from benchmarks.bench_mla_decode import decode_config
+from benchmarks.e2e_cells import common_prefix
+from benchmarks.e2e_models import build_model, kv_dtype_arg, model_config
 from models import DeepSeekModel, Engine, compile_cache
 from models.engine import PREFILL_BUDGET, trace_counts
 
@@ -238,17 +239,13 @@ def summarize(rate: float, reqs, handles, c: dict) -> dict:
 
 def agreement(tokens: list[int], ref: list[int]) -> float:
     """Fraction of `ref` equal in `tokens` up to the first difference."""
-    n = 0
-    for a, b in zip(tokens, ref):
-        if a != b:
-            break
-        n += 1
-    return n / len(ref) if ref else 1.0
+    return common_prefix(tokens, ref) / len(ref) if ref else 1.0
 
 
 def first_difference(tokens: list[int], ref: list[int]) -> int | None:
     """The first index where `tokens` and `ref` differ over their common length (None when none does)."""
-    return next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), None)
+    n = common_prefix(tokens, ref)
+    return n if n < min(len(tokens), len(ref)) else None
 
 
 class NearTieJudge:

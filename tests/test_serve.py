@@ -362,7 +362,7 @@ def test_near_tie_judge_tells_rounding_from_a_real_difference():
     fails), or one that judges the wrong position (a teacher-forced prefix off by one)."""
     import jax.numpy as jnp
 
-    from benchmarks.bench_e2e import build_model
+    from benchmarks.e2e_models import build_model
 
     cfg = ModelConfig.tiny()
     model, _ = build_model(cfg, jnp.bfloat16)
