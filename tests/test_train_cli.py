@@ -453,7 +453,7 @@ def test_memory_estimate_counts_weights_gradients_and_adamw(monkeypatch):
     """Guards: an estimate that forgets the optimizer state or the gradients, and a check that compares
     the wrong way. The built-in model's training.json records 1,431,968 variables (fp32), of which
     32 are router biases (4 MoE blocks x 8 experts), which get no gradient and no moments."""
-    from models import trainer
+    from models import train_setup as trainer  # check_memory reads available_memory there
 
     cfg = load_config("tiny")
     need = trainer.training_memory(cfg, trainer.TrainSettings())
@@ -475,7 +475,7 @@ def test_memory_check_on_a_mesh_is_per_device(monkeypatch):
     device's free memory. Guards: an FSDP run refused by the whole model's figure (the model that
     needs the mesh is the one it would refuse), and a per-device figure that misses the FSDP split. On
     data=2 every variable of the tiny model has an even free dim: each figure is exactly half."""
-    from models import trainer
+    from models import train_setup as trainer  # check_memory reads available_memory there
 
     cfg = load_config("tiny")
     s = trainer.TrainSettings(mesh="data=2")
@@ -755,7 +755,7 @@ def test_a_late_orbax_thread_report_after_a_failed_save_is_dropped(caplog):
     raised an exception"). After a failed save such reports are dropped; other absl records still pass."""
     import logging
 
-    from models.trainer import _OrbaxNoiseHeld
+    from models.train_checkpoint import _OrbaxNoiseHeld
 
     with pytest.raises(OSError):
         with _OrbaxNoiseHeld():
