@@ -21,6 +21,7 @@ from models.moe import MOE_TRAINING_IMPLS
 DEFAULT_CORPUS = CORPUS_PATH  # inside the package (models/data), so an installed wheel trains with no arguments
 PRESETS = ("tiny", "builtin", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
 DTYPES = ("fp32", "bf16")
+AUTO_WARMUP = 60  # the warm-up of a run of 600 steps or more when none is given (a tenth of a shorter run's)
 
 
 class TrainerError(ValueError):
@@ -36,7 +37,18 @@ class SettingError(TrainerError):
         super().__init__(self.message(str))
 
     def message(self, style) -> str:
-        return self.template.format(*(style(n) for n in self.names), **self.values)
+        own = self.template.format(*(style(n) for n in self.names), **self.values)
+        return "; ".join([own, *(e.message(style) for e in self.more)])
+
+    more: tuple[SettingError, ...] = ()  # errors said after this one (`joined`)
+
+    @staticmethod
+    def joined(errors: list[SettingError]) -> SettingError:
+        """One SettingError saying all of `errors` (non-empty), in order, "; " between them."""
+        first = errors[0]
+        first.more = (*first.more, *errors[1:])
+        first.args = (first.message(str),)
+        return first
 
 
 # ------------------------------------------------------------------------------------------
@@ -53,7 +65,7 @@ class TrainSettings:
     seq_len: int = 256  # tokens per training window
     lr: float = 4e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # final lr of the cosine decay, relative to lr
-    warmup: int = 60  # linear warmup steps
+    warmup: int | None = None  # linear warm-up steps; None: `warmup_steps` picks it from `steps`
     weight_decay: float = 0.1  # AdamW decay on matrices (not norms, biases)
     clip: float = 1.0  # global gradient-norm clip (0 = off)
     seed: int = 0  # initialisation and data-order seed
@@ -74,7 +86,9 @@ class TrainSettings:
     eval_windows: int = 64  # held-out windows per evaluation (at most what the split holds)
     save_every: int = 200  # checkpoint period in steps (0 = only at the end)
 
-    # The settings that change the training trajectory: a resumed run must use the same ones.
+    # The settings that change the training trajectory: a resumed run must use the same ones, but for `steps`
+    # (a resumed run may train to another total, its schedule that of the new total) and a warm-up left out
+    # (a resumed run then keeps the checkpoint's).
     TRAJECTORY: ClassVar[tuple[str, ...]] = (
         "config",
         "steps",
@@ -94,57 +108,83 @@ class TrainSettings:
     )
 
     def __post_init__(self):
+        problems = self.problems()
+        if problems:
+            raise SettingError.joined(problems)
+
+    def problems(self) -> list[SettingError]:
+        """Every bad value, each a SettingError (the constructor raises them joined, so one bad setting does not
+        hide the next)."""
+        out: list[SettingError] = []
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
-                raise SettingError("{0} must be >= 1, got {v}", name, v=getattr(self, name))
-        if self.seq_len < 3:
-            raise SettingError(
-                "{0} must be >= 3 (the MTP loss predicts two tokens ahead), got {v}", "seq_len", v=self.seq_len
+                out.append(SettingError("{0} must be >= 1, got {v}", name, v=getattr(self, name)))
+        if 1 <= self.seq_len < 3:
+            out.append(
+                SettingError(
+                    "{0} must be >= 3 (the MTP loss predicts two tokens ahead), got {v}", "seq_len", v=self.seq_len
+                )
             )
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise SettingError("{0} must be a positive number, got {v}", "lr", v=self.lr)
+            out.append(SettingError("{0} must be a positive number, got {v}", "lr", v=self.lr))
         for name in ("warmup", "eval_every", "save_every"):
-            if getattr(self, name) < 0:
-                raise SettingError("{0} must be >= 0, got {v}", name, v=getattr(self, name))
+            if (getattr(self, name) or 0) < 0:
+                out.append(SettingError("{0} must be >= 0, got {v}", name, v=getattr(self, name)))
         if self.eval_windows < 1:  # every evaluation (the final one at least) reads held-out windows
-            raise SettingError(
-                "{0} must be >= 1 (held-out windows per evaluation), got {v}", "eval_windows", v=self.eval_windows
+            out.append(
+                SettingError(
+                    "{0} must be >= 1 (held-out windows per evaluation), got {v}", "eval_windows", v=self.eval_windows
+                )
             )
-        if self.warmup >= self.steps:
-            raise SettingError(
-                "{0} ({w}) must be smaller than {1} ({s})", "warmup", "steps", w=self.warmup, s=self.steps
+        if self.warmup is not None and self.steps >= 1 and self.warmup >= self.steps:
+            out.append(
+                SettingError("{0} ({w}) must be smaller than {1} ({s})", "warmup", "steps", w=self.warmup, s=self.steps)
             )
         if not 0 <= self.min_lr_ratio <= 1:
-            raise SettingError("{0} must be in [0, 1], got {v}", "min_lr_ratio", v=self.min_lr_ratio)
+            out.append(SettingError("{0} must be in [0, 1], got {v}", "min_lr_ratio", v=self.min_lr_ratio))
         for name in ("weight_decay", "clip", "mtp_weight", "balance_alpha", "bias_update_rate"):
             if getattr(self, name) < 0:
-                raise SettingError("{0} must be >= 0, got {v}", name, v=getattr(self, name))
-        if self.dtype not in DTYPES:
-            raise SettingError("{0} must be one of {c}, got {v!r}", "dtype", c=DTYPES, v=self.dtype)
-        if self.moe_impl not in MOE_TRAINING_IMPLS:
-            raise SettingError("{0} must be one of {c}, got {v!r}", "moe_impl", c=MOE_TRAINING_IMPLS, v=self.moe_impl)
-        if self.remat != "none":
-            if self.remat not in REMAT_POLICIES:
-                raise SettingError("{0} must be one of {c}, got {v!r}", "remat", c=REMAT_POLICIES, v=self.remat)
+                out.append(SettingError("{0} must be >= 0, got {v}", name, v=getattr(self, name)))
+        for name, choices in (
+            ("dtype", DTYPES),
+            ("moe_impl", MOE_TRAINING_IMPLS),
+            ("remat", REMAT_POLICIES),
+            ("attn_impl", DECOMPRESSED_IMPLS),
+        ):
+            if getattr(self, name) not in choices:
+                out.append(SettingError("{0} must be one of {c}, got {v!r}", name, c=choices, v=getattr(self, name)))
         if self.ce_chunk < 0:
-            raise SettingError("{0} must be >= 0 (0 = unchunked), got {v}", "ce_chunk", v=self.ce_chunk)
+            out.append(SettingError("{0} must be >= 0 (0 = unchunked), got {v}", "ce_chunk", v=self.ce_chunk))
         if self.attn_q_block < 0:
-            raise SettingError(
-                "{0} must be >= 0 (0 = all queries at once), got {v}", "attn_q_block", v=self.attn_q_block
+            out.append(
+                SettingError("{0} must be >= 0 (0 = all queries at once), got {v}", "attn_q_block", v=self.attn_q_block)
             )
-        if self.attn_impl not in DECOMPRESSED_IMPLS:
-            raise SettingError("{0} must be one of {c}, got {v!r}", "attn_impl", c=DECOMPRESSED_IMPLS, v=self.attn_impl)
         if self.mesh is not None:
-            data = self.mesh_sizes().get("data", 1)
-            if self.batch_size % data:
-                raise SettingError(
-                    "{0} {b} is not divisible by data={d} of {1} {spec}: each data rank takes whole sequences",
-                    "batch_size",
-                    "mesh",
-                    b=self.batch_size,
-                    d=data,
-                    spec=self.mesh,
-                )
+            try:
+                data = self.mesh_sizes().get("data", 1)
+            except SettingError as e:
+                out.append(e)
+            else:
+                if self.batch_size >= 1 and self.batch_size % data:
+                    out.append(
+                        SettingError(
+                            "{0} {b} is not divisible by data={d} of {1} {spec}: each data rank takes whole sequences",
+                            "batch_size",
+                            "mesh",
+                            b=self.batch_size,
+                            d=data,
+                            spec=self.mesh,
+                        )
+                    )
+        return out
+
+    @property
+    def warmup_steps(self) -> int:
+        """The warm-up the schedule uses: `warmup`, or when it is None, min(AUTO_WARMUP, steps // 10), at least 1
+        and below `steps` (0 for a 1-step run)."""
+        if self.warmup is not None:
+            return self.warmup
+        return max(0, min(AUTO_WARMUP, max(1, self.steps // 10), self.steps - 1))
 
     def mesh_sizes(self) -> dict[str, int]:
         """{axis: size} of `mesh` ({} without one); SettingError on a spec `parse_mesh` refuses."""
@@ -157,7 +197,8 @@ class TrainSettings:
             raise SettingError("{0}: {e}", "mesh", e=e) from None
 
     def trajectory(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.TRAJECTORY}
+        """The TRAJECTORY settings as a checkpoint records them (the warm-up as the schedule uses it)."""
+        return {k: self.warmup_steps if k == "warmup" else getattr(self, k) for k in self.TRAJECTORY}
 
 
 def load_config(spec: str):

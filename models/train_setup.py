@@ -29,7 +29,7 @@ from models.training import TrainConfig, init_train_state, loss_fn, make_train_s
 
 def make_optimizer(s: TrainSettings):
     """(optax AdamW with warmup + cosine schedule and global-norm clipping, the schedule)."""
-    return _optimizer(s.lr, s.min_lr_ratio, s.warmup, s.steps, s.weight_decay, s.clip)
+    return _optimizer(s.lr, s.min_lr_ratio, s.warmup_steps, s.steps, s.weight_decay, s.clip)
 
 
 @functools.lru_cache(maxsize=8)

@@ -74,6 +74,7 @@ from models.train_data import (
 )
 from models.train_eval import MetricsLog, evaluate, load_balance, plot_losses
 from models.train_settings import (
+    AUTO_WARMUP,
     DEFAULT_CORPUS,
     DTYPES,
     PRESETS,
@@ -100,6 +101,7 @@ from models.train_setup import (
 from models.train_signals import Interrupted, StopRequest, interrupted_at_once
 
 __all__ = [
+    "AUTO_WARMUP",
     "DEFAULT_CORPUS",
     "DTYPES",
     "HELDOUT_FRACTION",
@@ -134,6 +136,7 @@ __all__ = [
     "plot_losses",
     "resolve_attn_impl",
     "restore_checkpoint",
+    "run_problems",
     "save_checkpoint",
     "split_corpus",
     "token_stream",
@@ -171,18 +174,70 @@ def _config_record(cfg) -> dict[str, Any]:
 
 
 def _directory_problem(path: str) -> str | None:
-    """Why `path` cannot be a directory to write in (it, or a folder on the way to it, is a file); None when
-    it is a directory or can be made one."""
+    """Why `path` cannot be a directory to write in (it, or a folder on the way to it, is a file, or the
+    nearest existing folder is not writable); None when it is a directory or can be made one."""
     p = os.path.normpath(path)
     while p and not os.path.exists(p):
         p = os.path.dirname(p)
-    if not p or os.path.isdir(p):
-        return None
-    return "is a file, not a directory" if p == os.path.normpath(path) else f"{p!r} is a file, not a directory"
+    where = "" if p == os.path.normpath(path) else f"{p!r} "
+    if p and not os.path.isdir(p):
+        return f"{where}is a file, not a directory"
+    if not os.access(p or os.curdir, os.W_OK | os.X_OK):
+        return f"{where or repr(p or os.curdir) + ' '}is not writable"
+    return None
+
+
+def run_problems(
+    out: str,
+    *,
+    export_dir: str | None = None,
+    stop_at: int | None = None,
+    config: str | None = None,
+    corpus: str | None = None,
+    attn_impl: str | None = None,
+) -> list[SettingError]:
+    """Every problem `train` can see in its arguments before it reads or writes anything, each a SettingError:
+    the run and export directories, `stop_at`, and those given of the config, the corpus path and an attention
+    this machine lacks. The command line joins them with the settings' own (`TrainSettings.problems`), so one
+    bad argument does not hide another."""
+    found = []
+    if stop_at is not None and stop_at < 1:
+        found.append(SettingError("{0} must be >= 1, got {v}", "stop_at", v=stop_at))
+    for name, d in (("out", out), ("export", export_dir)):
+        why = None if d is None else _directory_problem(d)
+        if why:
+            found.append(SettingError("{0} {d!r}: {why}", name, d=d, why=why))
+    if config is not None:
+        try:
+            load_config(config)
+        except SettingError as e:
+            found.append(e)
+    if corpus is not None and os.path.isdir(corpus):
+        found.append(SettingError("{0} {p!r} is a directory, not a text file", "corpus", p=corpus))
+    elif corpus is not None and not os.path.isfile(corpus):
+        found.append(SettingError("{0} {p!r}: no such file", "corpus", p=corpus))
+    needs = {
+        "cudnn": "a CUDA GPU (cuDNN's flash attention)",
+        "mgpu": "a Hopper GPU (the Mosaic GPU flash attention kernel)",
+    }
+    if attn_impl in needs and jax.default_backend() != "gpu":
+        found.append(
+            SettingError(
+                "{0} {a} needs {n}; this machine's backend is {b}",
+                "attn_impl",
+                a=attn_impl,
+                n=needs[attn_impl],
+                b=jax.default_backend(),
+            )
+        )
+    return found
 
 
 @dataclasses.dataclass
 class RunResult:
+    """What `train` ended with: the step reached, the last step's train CE and the last held-out evaluation
+    (of a run already complete: those its metrics.jsonl holds), the run and export directories."""
+
     step: int
     train_ce: float | None
     eval: dict[str, float]
@@ -203,16 +258,21 @@ class Trainer:
     def __init__(self, settings: TrainSettings, cfg=None):
         self.settings = settings
         self.cfg = load_config(settings.config) if cfg is None else cfg
-        layout = make_train_mesh(settings, self.cfg)  # before the memory check: it reads the mesh's shapes
-        self.mesh = None if layout is None else layout[0]
+        self.layout = make_train_mesh(settings, self.cfg)  # before the memory check: it reads the mesh's shapes
+        self.mesh = None if self.layout is None else self.layout[0]
         check_memory(self.cfg, settings)
         self.data = load_corpus(settings.corpus, settings.seq_len, settings.eval_windows)
-        self.tx, self.schedule = make_optimizer(settings)
-        if layout is None:
-            self.train_step, self.eval_step = compiled_steps(self.tx, train_config(settings))
+        self._build_steps()
+
+    def _build_steps(self) -> None:
+        """The optimizer, its schedule and the jitted steps of `self.settings`."""
+        s = self.settings
+        self.tx, self.schedule = make_optimizer(s)
+        if self.layout is None:
+            self.train_step, self.eval_step = compiled_steps(self.tx, train_config(s))
         else:
-            params = nnx.state(nnx.eval_shape(lambda: build_model(self.cfg, settings)), nnx.Param)
-            self.train_step, self.eval_step = compiled_mesh_steps(self.tx, train_config(settings), layout[1], params)
+            params = nnx.state(nnx.eval_shape(lambda: build_model(self.cfg, s)), nnx.Param)
+            self.train_step, self.eval_step = compiled_mesh_steps(self.tx, train_config(s), self.layout[1], params)
 
     def init(self) -> TrainState:
         return TrainState(*initial_state(self.settings, self.cfg, self.mesh), step=0)
@@ -243,12 +303,30 @@ class Trainer:
 
     def restore(self, mgr) -> TrainState:
         """The latest checkpoint of `mgr`, refused (TrainerError) unless it was written by a run of the same
-        corpus, trajectory settings and model config, and reads back exactly as it was saved."""
+        corpus, trajectory settings and model config, and reads back exactly as it was saved.
+
+        `steps` may differ (SettingError when it is below the checkpoint's step): the run goes on to the new
+        total, the schedule (warm-up, cosine decay) being the new total's from the checkpoint's step on, as if
+        the run had been started with it. A warm-up left out (`warmup=None`) is the checkpoint's: the
+        settings become those with it (`self.settings` is replaced, the steps rebuilt when it differs)."""
         step, where, saved = checkpoint_record(mgr)
         if saved["corpus_sha256"] != self.data.fingerprint:
             raise TrainerError(f"checkpoint {where} was trained on another corpus than {self.settings.corpus!r}")
+        if step > self.settings.steps:
+            raise SettingError(
+                "{0} {n}: checkpoint {where} is at step {k}, past it; pass {0} {k} or more to continue that run",
+                "steps",
+                n=self.settings.steps,
+                where=where,
+                k=step,
+            )
+        was = saved["trajectory"]
+        if self.settings.warmup is None and isinstance(was.get("warmup"), int):
+            if was["warmup"] != self.settings.warmup_steps:
+                self.settings = dataclasses.replace(self.settings, warmup=was["warmup"])
+                self._build_steps()
         given = self.settings.trajectory()
-        diff = {k: (v, given[k]) for k, v in saved["trajectory"].items() if k in given and given[k] != v}
+        diff = {k: (v, given[k]) for k, v in was.items() if k in given and k != "steps" and given[k] != v}
         if diff:
             raise TrainerError(
                 f"checkpoint {where} was trained with other settings (saved/given): "
@@ -310,35 +388,28 @@ def train(
 ) -> RunResult:
     """Train per `settings` in the run directory `out` (checkpoints/, metrics.jsonl, loss.png, export/).
 
-    resume: continue from the latest checkpoint in `out` (without it, `out` must hold none).
+    resume: continue from the latest checkpoint in `out` (without it, `out` must hold none). A larger
+        `settings.steps` than the run's trains it on to the new total (`Trainer.restore` says how the schedule
+        follows); a run already at `settings.steps`, evaluated and exported, is left as it is: one line says
+        so, and the result is what its metrics.jsonl holds.
     stop_at: stop after this step with a checkpoint, as if interrupted (an unfinished run is not exported).
     export_dir: where the finished model goes in HF layout (default `<out>/export`).
-    progress: a tqdm bar on stderr; without it, a log line at each evaluation.
-    Raises TrainerError on a bad input, setting or checkpoint (or a checkpoint that cannot be saved),
+    progress: a tqdm bar on stderr (steps done, time left); without it, a log line at each evaluation. Either
+        way a first line says the model's size, the tokens of each split and the steps to train.
+    Raises TrainerError on a bad input, setting or checkpoint (or a checkpoint that cannot be saved; every
+    problem `run_problems` finds, joined in one SettingError),
     FloatingPointError on a diverged loss, and `Interrupted` on SIGINT / SIGTERM: called from the main thread,
     the first signal ends the current step, saves its checkpoint and then raises it (`--resume` continues from
     there); a second one stops at once. Of several processes, each must receive the signal (as launchers send
     it): the processes stop together only then.
     """
 
-    if stop_at is not None and stop_at < 1:
-        raise SettingError("{0} must be >= 1, got {v}", "stop_at", v=stop_at)
-    if settings.attn_impl == "cudnn" and jax.default_backend() != "gpu":
-        raise SettingError(
-            "{0} cudnn needs a CUDA GPU (cuDNN's flash attention); this machine's backend is {b}",
-            "attn_impl",
-            b=jax.default_backend(),
-        )
-    if settings.attn_impl == "mgpu" and jax.default_backend() != "gpu":
-        raise SettingError(
-            "{0} mgpu needs a Hopper GPU (the Mosaic GPU flash attention kernel); this machine's backend is {b}",
-            "attn_impl",
-            b=jax.default_backend(),
-        )
-    for name, d in (("out", out), ("export", export_dir)):
-        why = None if d is None else _directory_problem(d)
-        if why:
-            raise SettingError("{0} {d!r}: {why}", name, d=d, why=why)
+    s = settings
+    problems = run_problems(
+        out, export_dir=export_dir, stop_at=stop_at, config=s.config, corpus=s.corpus, attn_impl=s.attn_impl
+    )
+    if problems:
+        raise SettingError.joined(problems)
     trainer = Trainer(settings, cfg)  # config, memory and corpus are checked before anything is written
     try:
         os.makedirs(out, exist_ok=True)
@@ -367,9 +438,21 @@ def train(
             )
         else:
             ts = trainer.init()
+        s = trainer.settings  # on resume, with the checkpoint's warm-up when none was given
         say = functools.partial(print, file=sys.stderr) if primary else lambda *a: None
-        log = MetricsLog(os.path.join(out, "metrics.jsonl"), upto_step=ts.step if resume else None, write=primary)
-        s = settings
+        metrics = os.path.join(out, "metrics.jsonl")
+        done_dir = export_dir or os.path.join(out, "export")
+        if resume and ts.step >= s.steps:  # a finished run: nothing to train, nothing to write
+            ended = _ending(MetricsLog(metrics, upto_step=ts.step, write=False).rows, ts.step)
+            if ended is not None and os.path.isfile(os.path.join(done_dir, "config.json")):
+                train_ce, ev = ended
+                say(
+                    f"mla-train: the run in {out} is already complete at step {ts.step}/{s.steps} (held-out CE "
+                    f"{ev['eval_ce']:.4f} nats/token; its model: {done_dir}); nothing to do: a larger --steps "
+                    "with --resume continues it"
+                )
+                return RunResult(ts.step, train_ce, ev, out, done_dir)
+        log = MetricsLog(metrics, upto_step=ts.step if resume else None, write=primary)
         start = ts.step
         stop = s.steps if stop_at is None else min(stop_at, s.steps)
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(ts.state))
@@ -381,28 +464,27 @@ def train(
                 plot_losses(log.rows, os.path.join(out, "loss.png"))
             return ev
 
+        on = "" if trainer.mesh is None else f" on the mesh {s.mesh} ({trainer.mesh.size} devices)"
+        say(
+            f"mla-train: {n_params / 1e6:.2f}M parameters{on}, {len(trainer.data.train_ids)} train / "
+            f"{len(trainer.data.heldout_ids)} held-out tokens, steps {start}->{stop}, attention "
+            f"{resolve_attn_impl(s)}"
+        )
         bar = tqdm(
             total=stop,
             initial=start,
-            disable=not (progress and primary),
+            disable=not (progress and primary) or start >= stop,
             desc="mla-train",
             dynamic_ncols=True,
             file=sys.stderr,
         )
-        if not progress:
-            on = "" if trainer.mesh is None else f" on the mesh {s.mesh} ({trainer.mesh.size} devices)"
-            say(
-                f"mla-train: {n_params / 1e6:.2f}M parameters{on}, {len(trainer.data.train_ids)} train / "
-                f"{len(trainer.data.heldout_ids)} held-out tokens, steps {start}->{stop}, attention "
-                f"{resolve_attn_impl(s)}"
-            )
         train_ce = None
         t_start = time.perf_counter()
         try:
             while ts.step < stop and stop_request.signal is None:
                 first = ts.step == start
                 ts, row = trainer.step(ts)
-                # the step alone (not evaluation or checkpoints); a session's first step includes compiling it
+                # the step alone (not evaluation or checkpoints); the first step of a call includes compiling it
                 if first:
                     row["tokens_per_s"] = float("nan")
                 log.append(row)
@@ -438,45 +520,49 @@ def train(
             raise Interrupted(
                 f"interrupted at step {ts.step}: checkpoint saved to {where}; continue with --resume", ts.step, where
             )
-        ev = run_eval(ts)
+        ended = _ending(log.rows, ts.step)  # a step without a new one (a resumed end): its logged evaluation
+        if ended is None:
+            ev = run_eval(ts)
+        else:
+            train_ce, ev = (train_ce if train_ce is not None else ended[0]), ended[1]
         last_ce = float("nan") if train_ce is None else train_ce
         say(
             f"mla-train: step {ts.step}/{s.steps}: train CE {last_ce:.4f}, "
             f"held-out CE {ev['eval_ce']:.4f} nats/token ({ev['eval_ce'] / math.log(2):.3f} bits), "
             f"held-out MTP CE {ev['eval_mtp_ce']:.4f}"
         )
-        done_dir = None
-        if ts.step >= s.steps:  # an interrupted run (stop_at) is not a finished model
-            done_dir = export_dir or os.path.join(out, "export")
-            run_args = {
-                "out": out,
-                **dataclasses.asdict(s),
-                "stop_at": stop_at,
-                "resume": resume,
-                "export": export_dir,
-                "attn_impl_used": resolve_attn_impl(s),
-            }
-            summary = {
-                "step": ts.step,
-                "train_ce_last_step": train_ce,
-                **ev,
-                "train_seconds_this_session": round(time.perf_counter() - t_start, 1),
-                "heldout_tokens_evaluated": int(trainer.data.windows.size),
-                "parameters": n_params,
-                "corpus_sha256": trainer.data.fingerprint,
-                "args": {k: _portable(v) for k, v in run_args.items()},
-            }
-            try:
-                export(ts.graphdef, ts.state, done_dir, summary)
-            except OSError as e:  # a full disk: the checkpoint of the last step is saved
-                raise SettingError(
-                    "{0} {d!r}: cannot write the exported model: {e} (the checkpoint of step {n} is saved)",
-                    "export",
-                    d=done_dir,
-                    e=e.strerror or e,
-                    n=ts.step,
-                ) from None
-            say(f"mla-train: exported to {done_dir}")
+        if ts.step < s.steps:  # an interrupted run (stop_at) is not a finished model
+            return RunResult(ts.step, train_ce, ev, out, None)
+        run_args = {
+            "out": out,
+            **dataclasses.asdict(s),
+            "warmup": s.warmup_steps,
+            "stop_at": stop_at,
+            "resume": resume,
+            "export": export_dir,
+            "attn_impl_used": resolve_attn_impl(s),
+        }
+        summary = {
+            "step": ts.step,
+            "train_ce_last_step": train_ce,
+            **ev,
+            "train_seconds_this_call": round(time.perf_counter() - t_start, 1),
+            "heldout_tokens_evaluated": int(trainer.data.windows.size),
+            "parameters": n_params,
+            "corpus_sha256": trainer.data.fingerprint,
+            "args": {k: _portable(v) for k, v in run_args.items()},
+        }
+        try:
+            export(ts.graphdef, ts.state, done_dir, summary)
+        except OSError as e:  # a full disk: the checkpoint of the last step is saved
+            raise SettingError(
+                "{0} {d!r}: cannot write the exported model: {e} (the checkpoint of step {n} is saved)",
+                "export",
+                d=done_dir,
+                e=e.strerror or e,
+                n=ts.step,
+            ) from None
+        say(f"mla-train: exported to {done_dir}")
         return RunResult(ts.step, train_ce, ev, out, done_dir)
     except KeyboardInterrupt as e:
         if isinstance(e, Interrupted):
@@ -485,3 +571,13 @@ def train(
     finally:
         stop_request.restore()
         mgr.close()
+
+
+def _ending(rows: list[dict], step: int) -> tuple[float | None, dict[str, float]] | None:
+    """(the train CE of `step`, its held-out evaluation) as metrics.jsonl `rows` hold them; None when they hold
+    no evaluation of `step`."""
+    evals = [r for r in rows if r["step"] == step and "eval_ce" in r]
+    if not evals:
+        return None
+    ces = [r["ce"] for r in rows if r["step"] == step and "ce" in r]
+    return (ces[-1] if ces else None), {k: v for k, v in evals[-1].items() if k != "step"}
