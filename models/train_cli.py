@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mla-train",
         description="Train a small DeepSeek-style model (MLA + MoE + MTP) on a corpus. "
         f"The defaults train ModelConfig.tiny() on 256-token windows for {d.steps} steps: about 10 minutes on a "
-        "2-core CPU (about 0.6 s a step; --steps 50 for a first try); a progress bar shows the steps done and "
+        "2-core CPU (--steps 50 for a first try); a progress bar shows the steps done and "
         "the time left. The built-in model's recipe is in models/builtin/training.json.",
         formatter_class=_Formatter,
     )
