@@ -453,7 +453,7 @@ def test_memory_estimate_counts_weights_gradients_and_adamw(monkeypatch):
     """Guards: an estimate that forgets the optimizer state or the gradients, and a check that compares
     the wrong way. The built-in model's training.json records 1,431,968 variables (fp32), of which
     32 are router biases (4 MoE blocks x 8 experts), which get no gradient and no moments."""
-    from models import trainer
+    from models import train_setup as trainer  # check_memory reads available_memory there
 
     cfg = load_config("tiny")
     need = trainer.training_memory(cfg, trainer.TrainSettings())
@@ -475,7 +475,7 @@ def test_memory_check_on_a_mesh_is_per_device(monkeypatch):
     device's free memory. Guards: an FSDP run refused by the whole model's figure (the model that
     needs the mesh is the one it would refuse), and a per-device figure that misses the FSDP split. On
     data=2 every variable of the tiny model has an even free dim: each figure is exactly half."""
-    from models import trainer
+    from models import train_setup as trainer  # check_memory reads available_memory there
 
     cfg = load_config("tiny")
     s = trainer.TrainSettings(mesh="data=2")
@@ -498,7 +498,7 @@ def test_memory_check_on_a_mesh_is_per_device(monkeypatch):
 @pytest.mark.parametrize(
     "hopper,dtype,mesh,want",
     [
-        (True, "bf16", None, "mgpu"),  # the fast path of docs/BENCHMARKS.md's 64 K-token step
+        (True, "bf16", None, "mgpu"),  # the fast path of the 64 K-token step (docs/PERFORMANCE.md, "Training")
         (True, "fp32", None, "xla"),  # the kernel computes in bf16: fp32 runs keep fp32 scores
         (True, "bf16", "data=1", "xla"),  # the kernels are not partitioned over a mesh
         (False, "bf16", None, "xla"),  # a CPU (or another GPU): the kernel does not exist there
@@ -581,7 +581,7 @@ def test_second_signal_between_saves_stops_at_once(tmp_path, capfd, monkeypatch)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever the test runner set
     try:
         rc = main(args)
-    except KeyboardInterrupt:  # caught here: escaping, it would end the pytest session
+    except KeyboardInterrupt:  # caught here: escaping, it would end the pytest run
         rc = "KeyboardInterrupt escaped"
     finally:
         after = signal.getsignal(signal.SIGINT)
@@ -755,7 +755,7 @@ def test_a_late_orbax_thread_report_after_a_failed_save_is_dropped(caplog):
     raised an exception"). After a failed save such reports are dropped; other absl records still pass."""
     import logging
 
-    from models.trainer import _OrbaxNoiseHeld
+    from models.train_checkpoint import _OrbaxNoiseHeld
 
     with pytest.raises(OSError):
         with _OrbaxNoiseHeld():
@@ -770,3 +770,100 @@ def test_a_late_orbax_thread_report_after_a_failed_save_is_dropped(caplog):
     absl.handle(late)
     absl.handle(other)
     assert [r.getMessage() for r in caplog.records if r.name == "absl"] == ["another error"]
+
+
+# ------------------------------------------------------------------------------------------
+# A first run from a fresh clone: short runs, errors together, the default run's time, extending a run
+# ------------------------------------------------------------------------------------------
+def test_short_runs_scale_their_warmup():
+    """Guards: `mla-train --steps 3` refused because the warm-up defaulted to 60 steps. A warm-up left out is
+    min(60, steps // 10), at least 1 and below `steps`; the default 800-step run keeps its 60; a warm-up given
+    that does not fit `steps` is still refused, naming both values."""
+    from models.trainer import TrainSettings, make_optimizer
+
+    for steps, want in ((1, 0), (2, 1), (3, 1), (40, 4), (800, 60), (5000, 60)):
+        s = settings(build_parser().parse_args(["--steps", str(steps)]))
+        assert s.warmup_steps == want, (steps, s.warmup_steps)
+    _, schedule = make_optimizer(TrainSettings())
+    assert float(schedule(59)) < float(schedule(60)) == pytest.approx(TrainSettings().lr)
+    with pytest.raises(TrainerError, match=r"^warmup \(5\) must be smaller than steps \(3\)$") as e:
+        settings(build_parser().parse_args(["--steps", "3", "--warmup", "5"]))
+    assert e.value.message(lambda n: "--" + n) == "--warmup (5) must be smaller than --steps (3)"
+
+
+def test_unwritable_out_is_reported_whatever_else_is_wrong(tmp_path, capsys):
+    """Guards: the warm-up error of `--steps 3` hid an `--out` that cannot be written (under a regular file),
+    and one bad flag hid the next: every argument check runs and all their errors come in one line, exit 2,
+    before anything is written."""
+    (tmp_path / "f").write_text("a file\n")
+    out = str(tmp_path / "f" / "run")
+    assert main(["--out", out, "--steps", "3", "--no-progress"]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"mla-train: error: --out {out!r}: {str(tmp_path / 'f')!r} is a file, not a directory\n"
+    )
+    assert main(["--out", out, "--warmup", "900", "--corpus", "missing.txt", "--stop-at", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mla-train: error: ") and err.count("\n") == 1, err
+    for needle in (
+        "--warmup (900) must be smaller than --steps (800)",
+        f"--out {out!r}: {str(tmp_path / 'f')!r} is a file, not a directory",
+        "--corpus 'missing.txt': no such file",
+        "--stop-at must be >= 1, got 0",
+    ):
+        assert needle in err, (needle, err)
+
+
+def test_help_says_how_long_the_default_run_takes():
+    """Guards: nothing said that the default run (800 steps) takes about ten minutes on a laptop's CPU."""
+    text = " ".join(build_parser().format_help().split())
+    assert "about 10 minutes on a 2-core CPU" in text, text
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+    """A finished run of 2 steps (evaluated at its end) and the arguments that made it."""
+    out = tmp_path_factory.mktemp("two") / "run"
+    args = ["--steps", "2", "--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--eval-windows", "2"]
+    args += ["--eval-every", "0", "--save-every", "0", "--no-progress"]
+    assert main(["--out", str(out), *args]) == 0
+    return out, args
+
+
+def test_resume_with_more_steps_extends_a_finished_run(two_step_run, tmp_path, capfd):
+    """Guards: `--resume --steps 4` on a finished 2-step run refused (steps=2/4) instead of training steps 3
+    and 4; it says the steps at its start (with the progress bar on) and ends a run of 4 steps."""
+    import shutil
+
+    run, args = two_step_run
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    capfd.readouterr()
+    more = [a for a in args if a != "--no-progress"]
+    more[more.index("--steps") + 1] = "4"
+    assert main(["--out", str(out), *more, "--resume"]) == 0
+    err = capfd.readouterr().err
+    assert "steps 2->4" in err and "step 4/4: train CE" in err and "nan" not in err, err
+    rows = _rows(out)
+    assert [r["step"] for r in rows if "ce" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "eval_ce" in r] == [2, 4]
+    assert sorted(os.listdir(out / "checkpoints"))[-1] == "4"
+    summary = json.load(open(out / "export" / "training.json"))
+    assert summary["step"] == summary["args"]["steps"] == 4
+
+
+def test_resume_of_a_finished_run_says_it_is_complete(two_step_run, tmp_path, capfd):
+    """Guards: `--resume` of a finished run (the same --steps) printed `train CE nan` and wrote its evaluation
+    into metrics.jsonl a second time. It says the run is complete, writes nothing, exit 0."""
+    import shutil
+
+    run, args = two_step_run
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    before = (out / "metrics.jsonl").read_text()
+    capfd.readouterr()
+    assert main(["--out", str(out), *args, "--resume"]) == 0
+    err = capfd.readouterr().err
+    assert "nan" not in err and "already complete at step 2/2" in err, err
+    assert (out / "metrics.jsonl").read_text() == before
+    assert [r["step"] for r in _rows(out) if "eval_ce" in r] == [2]
