@@ -409,7 +409,7 @@ def parser() -> argparse.ArgumentParser:
         help="prompt tokens a row prefills per step (0: the engine's default, models.engine.default_prefill_chunk)",
     )
     p.add_argument(
-        "--decode-steps", type=int, default=8, help="the engine's decode_steps: plain decode steps a device call runs"
+        "--decode-steps", type=int, default=1, help="the engine's decode_steps: model steps a device call runs"
     )
     p.add_argument(
         "--kernels",

@@ -105,7 +105,7 @@ DEFAULTS = {
     "page_size": (64, 16),
     "prefill_chunk": (512, 32),
     "min_table_tokens": (1024, 128),
-    "decode_steps": (8, 2),
+    "decode_steps": (1, 2),
     "prefill_budget": (PREFILL_BUDGET, 32),
     "dtype": ("bf16", "fp32"),
     "kv_dtype": ("bf16", "fp32"),
@@ -457,7 +457,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, help="tokens a page (full 64; tiny 16)")
     p.add_argument("--prefill-chunk", type=int, help="prompt tokens a row prefills per step (full 512; tiny 32)")
     p.add_argument("--min-table-tokens", type=int, help="the smallest block-table width (full 1024; tiny 128)")
-    p.add_argument("--decode-steps", type=int, help="decode steps a device call (full 8; tiny 2)")
+    p.add_argument("--decode-steps", type=int, help="decode steps a device call (full 1; tiny 2)")
     p.add_argument("--prefill-budget", type=int, help="prompt tokens a mixed step carries (full 256; tiny 32)")
     p.add_argument(
         "--no-mixed", action="store_true", help="no mixed steps: the decoding rows wait for each prefill step (A/B)"

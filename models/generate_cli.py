@@ -79,6 +79,14 @@ def _build_parser() -> _Parser:
         metavar="K",
         help="tokens the MTP head drafts a step, 1..3 (default: 1)",
     )
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=1,
+        metavar="N",
+        help="model steps (plain decode, or MTP verify) one device call runs; each call is enqueued before the "
+        "previous one is read, so 1 streams every token as its step ends (default: 1)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument(
         "--dtype",
@@ -289,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 attention_impl=args.attention_impl,
                 kv_dtype=page_format,
                 mesh=mesh,
+                decode_steps=args.decode_steps,
             )
         except ValueError as e:
             raise _UsageError(str(e)) from None
