@@ -124,9 +124,6 @@ def variants():
         # the scorer warpgroup's output columns through SMEM and one TMA store (opt-in until timed)
         "out_smem": MlaDecodeConfig(scorer_out_smem=True),
         "auto_out_smem": MlaDecodeConfig(schedule="auto", scorer_out_smem=True),
-        # three warpgroups: the scorer only scores, two accumulate 256 columns each (opt-in until timed)
-        "scorer3": MlaDecodeConfig(scorer_pv_cols=0),
-        "auto_scorer3": MlaDecodeConfig(schedule="auto", scorer_pv_cols=0),
         # fp8 pages (--kv-dtype fp8) only: the padded shared-buffer body where the transposed one
         # would serve (s_q * H <= 32); the same as the default on bf16 pages.
         "fp8_padded": MlaDecodeConfig(fp8_transposed=False),

@@ -874,43 +874,6 @@ def test_cross_lowers_tuning_configs(config):
     assert _mosaic_calls(lowered) == 2
 
 
-# The three-warpgroup scorer (`scorer_pv_cols=0`): the scorer only scores, two warpgroups accumulate 256 columns
-# each, warpgroup 2 issues the copies. Catches: a slot refilled before all three released it (the scorer's Q·Kᵀ or
-# the other accumulator's P·V reading the next page), a page never issued (a hang, or a stale page), Q not loaded
-# before the first scores, the 256-column halves written at the wrong offsets, an empty split or piece row that
-# loads what no one waits for (the interpreter checks every barrier phase is waited).
-@pytest.mark.parametrize(
-    "heads,s_q,causal,seq_lens,max_pages,num_splits,schedule",
-    full(
-        [(*INTERPRET_CASES[i], "per_sequence") for i in (1, 3, 4, 6, 7)] + [(*INTERPRET_CASES[4], "pieces")],
-        [(*INTERPRET_CASES[6], "per_sequence")],
-        "the three-warpgroup scorer's other cases (its race test runs a refilled slot by default)",
-    ),
-)
-def test_interpret_three_warpgroup_scorer_matches_reference(
-    heads, s_q, causal, seq_lens, max_pages, num_splits, schedule
-):
-    case = (heads, s_q, causal, seq_lens, max_pages, num_splits)
-    _assert_scorer_option_matches_reference(case, schedule, seed=17, scorer_pv_cols=0)
-
-
-def test_three_warpgroup_scorer_has_no_races(mla_decode_races):
-    """The interpreter's race detector over the three-warpgroup scorer: catches a slot refilled by warpgroup 2
-    before the scorer and the other accumulating warpgroup released it (a wait that the numbers alone may not show,
-    as the interpreter happened to order the copy after the reads), and P rewritten while it is read."""
-    args = make_inputs(2, 1, 32, [130, 70], 3, seed=23)  # 3 and 2 pages through one slot: refilled each page
-    config = MlaDecodeConfig(num_splits=1, scorer=True, scorer_pv_cols=0, max_concurrent_steps=1)
-    assert_matches_reference(args, causal=False, config=config, impl="interpret")
-    assert not mla_decode_races()
-
-
-@pytest.mark.parametrize("num_splits,schedule", [(1, "per_sequence"), (3, "per_sequence"), (None, "pieces")])
-def test_three_warpgroup_scorer_cross_lowers_for_sm90(num_splits, schedule):
-    config = MlaDecodeConfig(num_splits=num_splits, scorer_pv_cols=0, schedule=schedule)
-    lowered = lower_for_sm90(4, 2, 128, 300, causal=True, config=config)
-    assert _mosaic_calls(lowered) == (1 if num_splits == 1 else 2)
-
-
 @pytest.mark.parametrize("num_splits", full([1, 3], [3], "the bf16 stage (the interpret test stages bf16 by default)"))
 def test_scorer_out_through_smem_cross_lowers_for_sm90(num_splits):
     # The bf16 output (one split: the main kernel writes it) and the fp32 partials (three) staged in Q's SMEM:
@@ -1039,8 +1002,6 @@ def test_invalid_scale_and_impl_raise():
         MlaDecodeConfig(max_concurrent_steps=3)
     with pytest.raises(ValueError, match="combine_block_cols .* got 96"):
         MlaDecodeConfig(combine_block_cols=96)
-    with pytest.raises(ValueError, match="scorer_pv_cols must be 0 or 128, got 64"):
-        MlaDecodeConfig(scorer_pv_cols=64)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1127,17 +1088,6 @@ def test_gpu_scorer_out_through_smem_matches_reference(heads, s_q, causal, batch
     args = _gpu_ragged_inputs(heads, s_q, batch, mean_len, 7)
     splits = num_splits if schedule == "per_sequence" else None
     config = MlaDecodeConfig(num_splits=splits, scorer=True, scorer_out_smem=True, schedule=schedule)
-    assert_matches_reference(args, causal=causal, config=config, impl="kernel")
-
-
-@pytest.mark.gpu
-@requires_hopper
-@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", GPU_CASES[1::3])
-@pytest.mark.parametrize("schedule", ["per_sequence", "pieces"])
-def test_gpu_three_warpgroup_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_splits, schedule):
-    args = _gpu_ragged_inputs(heads, s_q, batch, mean_len, 9)
-    splits = num_splits if schedule == "per_sequence" else None
-    config = MlaDecodeConfig(num_splits=splits, scorer=True, scorer_pv_cols=0, schedule=schedule)
     assert_matches_reference(args, causal=causal, config=config, impl="kernel")
 
 

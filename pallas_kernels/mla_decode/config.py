@@ -84,19 +84,12 @@ class MlaDecodeConfig:
         instead of each thread storing its fragment: Nsight Compute put 11 % of the scorer's samples at H = 128
         in those stores, throttled (docs/NOTES.md, nineteenth session). Off: timed 0.2-0.8 % faster at H = 128 and
         flat at H = 64 (docs/BENCHMARKS.md, twentieth session), inside the run-to-run spread.
-      scorer_pv_cols: with the scorer body on the per_sequence and pieces schedules, the P·V columns of the
-        scoring warpgroup: 128 (four warpgroups: the scorer, two accumulating 192 columns each, one issuing the
-        TMA copies; 128 registers a thread at launch) or 0 (three warpgroups: the scorer only scores, the two
-        others accumulate 256 columns each and the second issues the copies; 168 registers at launch, so a
-        256-column accumulator compiles). 0 takes the scorer's own P·V (1 MFLOP a page at 64 rows) off its chain,
-        the H = 128 bound (docs/NOTES.md, nineteenth session). 128: 0 timed 3-7 % slower in every cell (its
-        scorer still runs Q·Kᵀ, the softmax and the P hand-off in sequence; docs/BENCHMARKS.md, twentieth session).
       fp8_scorer: for fp8 pages where the padded body would run (s_q * H > 32, or ``fp8_transposed=False``) on the
         per_sequence and pieces schedules, the scorer body instead, its TMA warpgroup replaced by a converting one:
         each page loaded from HBM, dequantised (scales applied) into the bf16 page slot the scorer and the
         accumulating warpgroups read, so the tensor work is the bf16 body's and the conversion runs beside it, on
         a warpgroup of its own (the padded body converts on its two compute warpgroups, then both score all 64
-        rows: 3.0-3.4x the bf16 kernel at H = 64 and 128). Four warpgroups (``scorer_pv_cols`` does not apply).
+        rows: 3.0-3.4x the bf16 kernel at H = 64 and 128).
         Off: timed no faster (3.0-3.4x bf16, the one converting warpgroup the bound; docs/BENCHMARKS.md, twentieth
         session).
     """
@@ -118,7 +111,6 @@ class MlaDecodeConfig:
     fp8_transposed: bool | None = None
     scorer: bool | None = None
     scorer_out_smem: bool = False
-    scorer_pv_cols: int = 128
     fp8_scorer: bool = False
 
     def __post_init__(self):
@@ -146,8 +138,6 @@ class MlaDecodeConfig:
             )
         if not 24 <= self.memory_registers <= 256 or self.memory_registers % 8:
             raise ValueError(f"memory_registers must be a multiple of 8 in [24, 256], got {self.memory_registers}")
-        if self.scorer_pv_cols not in (0, 128):
-            raise ValueError(f"scorer_pv_cols must be 0 or 128, got {self.scorer_pv_cols}")
         if self.combine_block_cols not in (64, 128, 256):
             raise ValueError(f"combine_block_cols must be one of 64, 128, 256, got {self.combine_block_cols}")
 

@@ -1,8 +1,7 @@
 """`mla_decode`'s scorer bodies over bf16 pages: one warpgroup scores each page once (Q·Kᵀ, the online softmax,
 P·V over 128 columns), two others accumulate P·V over 192 columns each, beside a TMA warpgroup that streams the
 pages, per sequence split or piece (`_decode_partials_scorer`, the default on bf16 pages; the balanced schedule's
-walk is `scorer_balanced`). It also serves fp8 pages (a converting warpgroup in place of the TMA one) and a
-three-warpgroup form (`MlaDecodeConfig.scorer_pv_cols`)."""
+walk is `scorer_balanced`). It also serves fp8 pages (a converting warpgroup in place of the TMA one)."""
 
 from __future__ import annotations
 
@@ -31,11 +30,6 @@ from pallas_kernels.mla_decode.steps import (
 _SCORER_COLS = 128  # P·V columns of the scoring warpgroup
 _ACC_COLS = (LATENT_DIM - _SCORER_COLS) // 2  # 192 for each of the two accumulating ones
 SCORER_MEMORY_REGISTERS = 24  # the TMA warpgroup's registers (setmaxnreg): a loop issuing copies
-# Three warpgroups (``scorer_pv_cols=0``): 168 registers a thread at launch; the scorer (S, P and the softmax's rows)
-# gives some to the two accumulating warpgroups (64 x 256 fp32 = 128 registers of accumulator a thread). 112 / 192
-# spills 104 bytes, 104 / 200 spilled 140 (ptxas on the H200; docs/BENCHMARKS.md, twentieth session).
-SCORER3_SCORER_REGISTERS = 112
-SCORER3_ACC_REGISTERS = 192
 # fp8 pages (`MlaDecodeConfig.fp8_scorer`): the TMA warpgroup becomes a converting one, which holds a 128-column
 # block of a page (fp16, then fp32 times its scale) at a time.
 SCORER_CONVERTER_REGISTERS = 96
@@ -76,8 +70,7 @@ def _scorer_scratch(nslots: int, out_stage=None) -> dict:
 
 
 def _scorer_kernel(out_type, grid, grid_names, scratch, interpret, num_threads=4):
-    """The `plgpu.kernel` decorator of a scorer body: four warpgroups (scorer, two accumulating, TMA), or three
-    (no TMA warpgroup)."""
+    """The `plgpu.kernel` decorator of a scorer body: four warpgroups (scorer, two accumulating, TMA)."""
     return functools.partial(
         plgpu.kernel,
         out_type=out_type,
@@ -130,11 +123,6 @@ def _decode_partials_scorer(
     accumulator registers a thread. The warpgroups still set their registers (24 for the TMA one,
     160 for the others), which removes spill code (docs/NOTES.md).
 
-    With ``config.scorer_pv_cols`` = 0, three warpgroups: the scorer only scores (its page released once P is
-    written), warpgroups 1 and 2 accumulate 256 columns each, and warpgroup 2 issues Q and the first pages, then
-    after each page's P·V waits for the slot's three releases and refills it: no TMA warpgroup, so 168 registers a
-    thread at launch, where a 256-column accumulator compiles.
-
     Each warpgroup writes its columns of the split's result after its loop (an empty split too:
     out 0, lse -inf; a piece row with no piece writes nothing); with ``config.scorer_out_smem`` the scorer's go
     through Q's SMEM and one TMA store. SMEM: Q 72 KB + two 72 KB page slots + P
@@ -146,11 +134,10 @@ def _decode_partials_scorer(
     scale_log2 = scale * _LOG2E
     nslots = config.max_concurrent_steps
     fp8 = kv_pages.dtype == jnp.uint8  # fp8 pages: a converting warpgroup instead of the TMA one
-    three = config.scorer_pv_cols == 0 and not fp8
-    c0 = 0 if three else _SCORER_COLS
-    acc_cols = (LATENT_DIM - c0) // 2
+    c0 = _SCORER_COLS
+    acc_cols = _ACC_COLS
     out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
-    staged = config.scorer_out_smem and not three
+    staged = config.scorer_out_smem
     scratch = _scorer_scratch(nslots, out_type[0].dtype if staged else None)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -158,7 +145,7 @@ def _decode_partials_scorer(
     # Keys every query row of the sequence sees: the first causal query row sees s_q - 1 fewer.
     lag = s_q - 1 if causal else 0
 
-    @_scorer_kernel(out_type, grid, grid_names, scratch, interpret, num_threads=3 if three else 4)
+    @_scorer_kernel(out_type, grid, grid_names, scratch, interpret)
     def mla_decode_partials_scorer(
         *refs,
         q_smem,
@@ -217,7 +204,7 @@ def _decode_partials_scorer(
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         def issue(i):
-            """Page i's copy into its slot (by the TMA warpgroup, or with three warpgroups by warpgroup 2)."""
+            """Page i's copy into its slot (by the TMA warpgroup)."""
             slot = lax.rem(i, nslots)
             plgpu.copy_gmem_to_smem(kv_ref.at[bt_ref[b, first_page + i]], kv_smem.at[slot], kv_ready.at[slot])
 
@@ -267,7 +254,7 @@ def _decode_partials_scorer(
                 def _(i):  # the last releases observed, as the TMA warpgroup does
                     plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
 
-        elif not three:  # the TMA warpgroup (three warpgroups: warpgroup 2 issues the copies)
+        else:  # the TMA warpgroup
 
             @pl.when(wg == 3)
             def _memory():
@@ -301,13 +288,10 @@ def _decode_partials_scorer(
 
         @pl.when(wg == 0)
         def _scorer():
-            if three:
-                plgpu.set_max_registers(SCORER3_SCORER_REGISTERS, action="decrease")
-            else:
-                plgpu.set_max_registers(compute_registers, action="increase")
+            plgpu.set_max_registers(compute_registers, action="increase")
 
             def step(i, carry):
-                acc, m, l = carry if not three else (None, *carry)
+                acc, m, l = carry
                 slot, page_start = page(i)
                 kv = kv_smem.at[slot]
                 if not fp8:  # (the converting warpgroup writes zeros there)
@@ -345,9 +329,6 @@ def _decode_partials_scorer(
                 stat_smem[1] = l
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready)
-                if three:  # no P·V here: the page is released once its scores are in
-                    plgpu.barrier_arrive(kv_free.at[slot])
-                    return m_new, l
                 acc = _pv_product(
                     acc * lax.broadcast_in_dim(alpha, acc.shape, [0]),
                     p_smem,
@@ -357,17 +338,13 @@ def _decode_partials_scorer(
                 plgpu.barrier_arrive(kv_free.at[slot])
                 return acc, m_new, l
 
-            if three:
-                m, l = lax.fori_loop(0, n_pages, step, (m0, l0))
-            else:
-                acc, m, l = lax.fori_loop(0, n_pages, step, (zeros(c0), m0, l0))
+            acc, m, l = lax.fori_loop(0, n_pages, step, (zeros(c0), m0, l0))
 
             @pl.when(n_pages > 0)
             def _():  # the last page's P released (see the memory warpgroup's last loop)
                 plgpu.barrier_wait(p_free)
 
-            if not three:
-                write_out(pl.ds(0, c0), acc, l, out_stage if staged else None)
+            write_out(pl.ds(0, c0), acc, l, out_stage if staged else None)
             lse2 = m + jnp.log2(l)
 
             @pl.when(live)
@@ -376,17 +353,8 @@ def _decode_partials_scorer(
 
         @pl.when((wg == 1) | (wg == 2))
         def _accumulate():
-            plgpu.set_max_registers(SCORER3_ACC_REGISTERS if three else compute_registers, action="increase")
+            plgpu.set_max_registers(compute_registers, action="increase")
             cols = pl.ds(c0 + (wg - 1) * acc_cols, acc_cols)
-            if three:  # warpgroup 2 issues the copies: Q and the first pages now, each later page once a slot frees
-
-                @pl.when((wg == 2) & (n_pages > 0))
-                def _():
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
-
-                @pl.when(wg == 2)
-                def _():
-                    pl.loop(0, jnp.minimum(n_pages, nslots))(issue)
 
             def step(i, carry):
                 acc, _ = carry
@@ -402,16 +370,6 @@ def _decode_partials_scorer(
                 )
                 plgpu.barrier_arrive(p_free)
                 plgpu.barrier_arrive(kv_free.at[slot])
-                if three:
-
-                    @pl.when(wg == 2)
-                    def _():  # every release observed; the slot refilled while pages remain
-                        plgpu.barrier_wait(kv_free.at[slot])
-
-                        @pl.when(i + nslots < n_pages)
-                        def _():
-                            issue(i + nslots)
-
                 return acc, l
 
             acc, l = lax.fori_loop(0, n_pages, step, (zeros(acc_cols), l0))
