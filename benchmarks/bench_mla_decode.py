@@ -127,9 +127,6 @@ def variants():
         # fp8 pages (--kv-dtype fp8) only: the padded shared-buffer body where the transposed one
         # would serve (s_q * H <= 32); the same as the default on bf16 pages.
         "fp8_padded": MlaDecodeConfig(fp8_transposed=False),
-        # fp8 pages only: the scorer body with a converting warpgroup where the padded body would run (opt-in)
-        "fp8_scorer": MlaDecodeConfig(fp8_scorer=True),
-        "auto_fp8_scorer": MlaDecodeConfig(schedule="auto", fp8_scorer=True),
     }
 
 

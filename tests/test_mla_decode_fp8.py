@@ -106,56 +106,6 @@ def test_interpret_matches_reference(heads, s_q, causal, seq_lens, max_pages, nu
     assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
-# The scorer body on fp8 pages (`fp8_scorer`): a converting warpgroup loads each page from HBM and dequantises it
-# into the bf16 slot the scorer and the accumulating warpgroups read.
-@pytest.mark.parametrize(
-    "heads,s_q,causal,seq_lens,max_pages,num_splits,schedule",
-    full(
-        [(*INTERPRET_CASES[i], "per_sequence") for i in (3, 4, 5)] + [(64, 1, False, [3, 200], 4, None, "pieces")],
-        [(*INTERPRET_CASES[4], "per_sequence")],
-        "the fp8 scorer's other cases (two row blocks, causal page boundaries, pieces)",
-    ),
-)
-def test_interpret_fp8_scorer_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits, schedule):
-    """Guards: a block's scale applied to another block or not at all, the rope not copied, NaN page tails not
-    zeroed (NaN through P·V), a slot announced ready before its conversion is visible, a slot converted into
-    before the scorer and both accumulating warpgroups released it, the wrong page of the table converted."""
-    args = make_fp8_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 5)
-    config = MlaDecodeConfig(
-        num_splits=num_splits if schedule == "per_sequence" else None,
-        min_pages_per_split=1,
-        min_piece_pages=1,
-        schedule=schedule,
-        fp8_scorer=True,
-        fp8_transposed=False,
-    )
-    assert_matches_reference(args, causal=causal, config=config, impl="interpret")
-
-
-def test_fp8_scorer_has_no_races(mla_decode_races):
-    """The interpreter's race detector over the converting warpgroup and its readers through one page slot
-    refilled every page: catches a conversion into the slot before its three releases."""
-    args = make_fp8_inputs(2, 1, 64, [130, 70], 3, seed=29)
-    config = MlaDecodeConfig(num_splits=1, fp8_scorer=True, max_concurrent_steps=1)
-    assert_matches_reference(args, causal=False, config=config, impl="interpret")
-    assert not mla_decode_races()
-
-
-_FP8_SCORER_CROSS = [(64, 1, 1, "per_sequence"), (128, 2, 3, "per_sequence"), (64, 2, None, "pieces")]
-
-
-@pytest.mark.parametrize(
-    "heads,s_q,num_splits,schedule",
-    full(_FP8_SCORER_CROSS, _FP8_SCORER_CROSS[1:2], "fp32 partials at two row blocks by default"),
-)
-def test_fp8_scorer_cross_lowers_for_sm90(heads, s_q, num_splits, schedule):
-    """Guards: the converting warpgroup's HBM loads (656-byte rows, the scales' strided column) or its stores into
-    the swizzled slot not lowering for sm_90; the final output (one split) and the fp32 partials both."""
-    config = MlaDecodeConfig(num_splits=num_splits, fp8_scorer=True, schedule=schedule)
-    lowered = _lower(4, s_q, heads, 130, causal=s_q > 1, config=config)
-    assert len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text())) == (1 if num_splits == 1 else 2)
-
-
 def test_transposed_body_refuses_more_than_32_rows():
     """Guards: fp8_transposed=True silently falling back (or computing garbage) where the transposed
     body does not serve: more than 32 query rows, or the balanced schedule."""
@@ -281,25 +231,6 @@ def _gpu_ragged_fp8_inputs(heads, s_q, batch, mean_len, *, seed):
 def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
     args = _gpu_ragged_fp8_inputs(heads, s_q, batch, mean_len, seed=heads * 100 + s_q)
     assert_matches_reference(args, causal=causal, config=MlaDecodeConfig(num_splits=num_splits), impl="kernel")
-
-
-@pytest.mark.gpu
-@requires_hopper
-@pytest.mark.parametrize(
-    "heads,s_q,causal,batch,mean_len,num_splits",
-    [
-        (64, 1, False, 40, 300, None),
-        (64, 4, False, 5, 2000, 7),
-        (128, 3, True, 40, 300, None),
-        (128, 1, False, 5, 2000, 7),
-    ],
-)
-@pytest.mark.parametrize("schedule", ["per_sequence", "pieces"])
-def test_gpu_fp8_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_splits, schedule):
-    args = _gpu_ragged_fp8_inputs(heads, s_q, batch, mean_len, seed=heads * 100 + s_q + 11)
-    splits = num_splits if schedule == "per_sequence" else None
-    config = MlaDecodeConfig(num_splits=splits, fp8_scorer=True, schedule=schedule)
-    assert_matches_reference(args, causal=causal, config=config, impl="kernel")
 
 
 @pytest.mark.gpu

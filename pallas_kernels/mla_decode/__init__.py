@@ -54,8 +54,7 @@ P·V steps every body shares, `bf16` and `scorer` the bodies over bf16 pages, `f
 * fp8 pages (`pallas_kernels.page_format.FP8_PAGES`): for R = s_q·H <= 32 query rows a transposed
   body (`_decode_partials_fp8_t`: Sᵀ = K·Qᵀ with the page's 64 tokens as the wgmma M and the R rows
   as N, the scales folded into the scores and P), else the padded body above over a bf16 key
-  buffer the two warpgroups dequantise into (`_decode_partials_fp8`); with ``config.fp8_scorer`` (opt-in) the
-  scorer body there, its TMA warpgroup replaced by one that loads and dequantises each page into the bf16 slot.
+  buffer the two warpgroups dequantise into (`_decode_partials_fp8`).
 """
 
 from __future__ import annotations
@@ -281,8 +280,6 @@ def _body(page_format: PageFormat, plan_, s_q: int, heads: int, config: MlaDecod
     if page_format.name == "fp8":
         if _use_transposed_fp8(plan_, s_q, heads, config):
             return _decode_partials_fp8_t
-        if config.fp8_scorer and plan_.schedule in ("per_sequence", "pieces"):
-            return _decode_partials_scorer  # its converting warpgroup reads the pages
         return _decode_partials_fp8
     if plan_.scorer:  # per sequence or per piece, or walking the balanced schedule's runs
         return _decode_partials_scorer_balanced if plan_.balanced else _decode_partials_scorer

@@ -84,14 +84,6 @@ class MlaDecodeConfig:
         instead of each thread storing its fragment: Nsight Compute put 11 % of the scorer's samples at H = 128
         in those stores, throttled (docs/NOTES.md, nineteenth session). Off: timed 0.2-0.8 % faster at H = 128 and
         flat at H = 64 (docs/BENCHMARKS.md, twentieth session), inside the run-to-run spread.
-      fp8_scorer: for fp8 pages where the padded body would run (s_q * H > 32, or ``fp8_transposed=False``) on the
-        per_sequence and pieces schedules, the scorer body instead, its TMA warpgroup replaced by a converting one:
-        each page loaded from HBM, dequantised (scales applied) into the bf16 page slot the scorer and the
-        accumulating warpgroups read, so the tensor work is the bf16 body's and the conversion runs beside it, on
-        a warpgroup of its own (the padded body converts on its two compute warpgroups, then both score all 64
-        rows: 3.0-3.4x the bf16 kernel at H = 64 and 128).
-        Off: timed no faster (3.0-3.4x bf16, the one converting warpgroup the bound; docs/BENCHMARKS.md, twentieth
-        session).
     """
 
     num_splits: int | None = None
@@ -111,7 +103,6 @@ class MlaDecodeConfig:
     fp8_transposed: bool | None = None
     scorer: bool | None = None
     scorer_out_smem: bool = False
-    fp8_scorer: bool = False
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:

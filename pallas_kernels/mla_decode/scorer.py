@@ -1,7 +1,7 @@
 """`mla_decode`'s scorer bodies over bf16 pages: one warpgroup scores each page once (Q·Kᵀ, the online softmax,
 P·V over 128 columns), two others accumulate P·V over 192 columns each, beside a TMA warpgroup that streams the
 pages, per sequence split or piece (`_decode_partials_scorer`, the default on bf16 pages; the balanced schedule's
-walk is `scorer_balanced`). It also serves fp8 pages (a converting warpgroup in place of the TMA one)."""
+walk is `scorer_balanced`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _fp8_tiles as _fp8
 from pallas_kernels.mla_decode.config import KEY_DIM, LATENT_DIM, PAGE_SIZE, ROWS, MlaDecodeConfig
-from pallas_kernels.mla_decode.fp8 import _fp8_views
 from pallas_kernels.mla_decode.schedule import _main_out_geometry, _Plan, _split_pages
 from pallas_kernels.mla_decode.steps import (
     _BF16_TRANSFORMS,
@@ -30,9 +28,6 @@ from pallas_kernels.mla_decode.steps import (
 _SCORER_COLS = 128  # P·V columns of the scoring warpgroup
 _ACC_COLS = (LATENT_DIM - _SCORER_COLS) // 2  # 192 for each of the two accumulating ones
 SCORER_MEMORY_REGISTERS = 24  # the TMA warpgroup's registers (setmaxnreg): a loop issuing copies
-# fp8 pages (`MlaDecodeConfig.fp8_scorer`): the TMA warpgroup becomes a converting one, which holds a 128-column
-# block of a page (fp16, then fp32 times its scale) at a time.
-SCORER_CONVERTER_REGISTERS = 96
 
 
 def _scorer_compute_registers(memory_registers: int = SCORER_MEMORY_REGISTERS) -> int:
@@ -133,7 +128,6 @@ def _decode_partials_scorer(
     final = plan_.num_splits == 1 and not pieces
     scale_log2 = scale * _LOG2E
     nslots = config.max_concurrent_steps
-    fp8 = kv_pages.dtype == jnp.uint8  # fp8 pages: a converting warpgroup instead of the TMA one
     c0 = _SCORER_COLS
     acc_cols = _ACC_COLS
     out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
@@ -141,7 +135,7 @@ def _decode_partials_scorer(
     scratch = _scorer_scratch(nslots, out_type[0].dtype if staged else None)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    compute_registers = _scorer_compute_registers(SCORER_CONVERTER_REGISTERS if fp8 else SCORER_MEMORY_REGISTERS)
+    compute_registers = _scorer_compute_registers(SCORER_MEMORY_REGISTERS)
     # Keys every query row of the sequence sees: the first causal query row sees s_q - 1 fewer.
     lag = s_q - 1 if causal else 0
 
@@ -158,12 +152,7 @@ def _decode_partials_scorer(
         p_ready,
         p_free,
     ):
-        if fp8:
-            (q_ref, lat_ref, sc_ref, rope_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(
-                refs, 6, pieces
-            )
-        else:
-            (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, pieces)
+        (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, pieces)
         if staged:
             q_smem, out_stage = q_smem
         g, wg = lax.axis_index("g"), lax.axis_index("wg")
@@ -208,77 +197,29 @@ def _decode_partials_scorer(
             slot = lax.rem(i, nslots)
             plgpu.copy_gmem_to_smem(kv_ref.at[bt_ref[b, first_page + i]], kv_smem.at[slot], kv_ready.at[slot])
 
-        def convert(i):
-            """fp8 pages: page i from HBM into its slot as bf16 [64, 576] (e4m3 -> f16 -> f32 x the token's block
-            scale -> bf16, rows past the sequence zeroed: V must be 0 there, and a scale may be NaN), then the slot
-            announced ready."""
-            slot = lax.rem(i, nslots)
-            page_id = bt_ref[b, first_page + i]
-            valid = seq_len - (first_page + i) * PAGE_SIZE
-            dst = kv_smem.at[slot]
-            tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, _fp8.BLOCK), 0, layout=_fp8.BLOCK_LAYOUT)
-            for k in range(LATENT_DIM // _fp8.BLOCK):
-                cols = pl.ds(k * _fp8.BLOCK, _fp8.BLOCK)
-                # HBM has no banks: the plain transfer (the optimized one is for SMEM only).
-                x8 = plgpu.load(lat_ref.at[page_id, :, cols], layout=_fp8.BLOCK_LAYOUT, optimized=False)
-                x = lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float16).astype(jnp.float32)
-                sc = plgpu.load(
-                    sc_ref.at[page_id, :, _fp8.SCALE_WORD + k], layout=_fp8.BLOCK_LAYOUT.reduce(1), optimized=False
-                )
-                sc = plgpu.layout_cast(lax.broadcast_in_dim(sc, (PAGE_SIZE, _fp8.BLOCK), [0]), _fp8.BLOCK_LAYOUT)
-                dst[:, cols] = jnp.where(tok < valid, x * sc, 0.0).astype(jnp.bfloat16)
-            rope = rope_ref.at[page_id, :, pl.ds(_fp8.ROPE_HALF, KEY_DIM - LATENT_DIM)]
-            dst[:, pl.ds(LATENT_DIM, KEY_DIM - LATENT_DIM)] = plgpu.load(rope, layout=_fp8.ROPE_LAYOUT, optimized=False)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(kv_ready.at[slot])
+        @pl.when(wg == 3)
+        def _memory():
+            plgpu.set_max_registers(SCORER_MEMORY_REGISTERS, action="decrease")
 
-        if fp8:  # the converting warpgroup
+            @pl.loop(0, n_pages)
+            def _(i):
+                slot = lax.rem(i, nslots)
 
-            @pl.when(wg == 3)
-            def _convert():
-                plgpu.set_max_registers(SCORER_CONVERTER_REGISTERS, action="decrease")
+                @pl.when(i == 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
 
-                @pl.loop(0, n_pages)
-                def _(i):
-                    @pl.when(i == 0)
-                    def _():
-                        plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+                @pl.when(i >= nslots)
+                def _():
+                    plgpu.barrier_wait(kv_free.at[slot])
 
-                    @pl.when(i >= nslots)
-                    def _():
-                        plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
+                issue(i)
 
-                    convert(i)
-
-                @pl.loop(jnp.maximum(n_pages - nslots, 0), n_pages)
-                def _(i):  # the last releases observed, as the TMA warpgroup does
-                    plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
-
-        else:  # the TMA warpgroup
-
-            @pl.when(wg == 3)
-            def _memory():
-                plgpu.set_max_registers(SCORER_MEMORY_REGISTERS, action="decrease")
-
-                @pl.loop(0, n_pages)
-                def _(i):
-                    slot = lax.rem(i, nslots)
-
-                    @pl.when(i == 0)
-                    def _():
-                        plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
-
-                    @pl.when(i >= nslots)
-                    def _():
-                        plgpu.barrier_wait(kv_free.at[slot])
-
-                    issue(i)
-
-                # Observe the last releases too, so that every barrier ends with all its phases waited
-                # (the interpreter checks this when the barriers are freed).
-                @pl.loop(jnp.maximum(n_pages - nslots, 0), n_pages)
-                def _(i):
-                    plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
+            # Observe the last releases too, so that every barrier ends with all its phases waited
+            # (the interpreter checks this when the barriers are freed).
+            @pl.loop(jnp.maximum(n_pages - nslots, 0), n_pages)
+            def _(i):
+                plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
 
         def zeros(cols):
             return plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), wgmma_layout)
@@ -294,8 +235,7 @@ def _decode_partials_scorer(
                 acc, m, l = carry
                 slot, page_start = page(i)
                 kv = kv_smem.at[slot]
-                if not fp8:  # (the converting warpgroup writes zeros there)
-                    _zero_v_tail(kv, seq_len - page_start, 0, LATENT_DIM)  # for every P·V warpgroup
+                _zero_v_tail(kv, seq_len - page_start, 0, LATENT_DIM)  # for every P·V warpgroup
 
                 @pl.when(i == 0)
                 def _():
@@ -375,5 +315,4 @@ def _decode_partials_scorer(
             acc, l = lax.fori_loop(0, n_pages, step, (zeros(acc_cols), l0))
             write_out(cols, acc, l)
 
-    pages = _fp8_views(kv_pages) if fp8 else (kv_pages,)
-    return mla_decode_partials_scorer(q_rows, *pages, block_table, seq_lens, *(schedule if pieces else ()))
+    return mla_decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *(schedule if pieces else ()))
