@@ -121,9 +121,6 @@ def variants():
         "pieces4": MlaDecodeConfig(schedule="pieces", pieces_per_share=4),
         # per call, on the device: pieces for ragged lengths, the default for the others
         "auto": MlaDecodeConfig(schedule="auto"),
-        # the scorer warpgroup's output columns through SMEM and one TMA store (opt-in until timed)
-        "out_smem": MlaDecodeConfig(scorer_out_smem=True),
-        "auto_out_smem": MlaDecodeConfig(schedule="auto", scorer_out_smem=True),
         # fp8 pages (--kv-dtype fp8) only: the padded shared-buffer body where the transposed one
         # would serve (s_q * H <= 32); the same as the default on bf16 pages.
         "fp8_padded": MlaDecodeConfig(fp8_transposed=False),

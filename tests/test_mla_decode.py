@@ -191,41 +191,6 @@ def test_interpret_scorer_matches_reference(heads, s_q, causal, seq_lens, max_pa
     assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
-# The scorer's output columns staged in Q's SMEM and stored with one TMA copy (`scorer_out_smem`).
-# Catches: the stage written before the last Q·Kᵀ is done with Q (wrong scores on the last page), a copy to the
-# wrong rows, columns or slot, the bf16 final output or the fp32 partials staged in the other's dtype, a copy
-# that skips an empty split (the combine reads every split).
-@pytest.mark.parametrize(
-    "heads,s_q,causal,seq_lens,max_pages,num_splits,schedule",
-    full(
-        [(*INTERPRET_CASES[i], "per_sequence") for i in (3, 6)] + [(*INTERPRET_CASES[4], "pieces")],
-        [(*INTERPRET_CASES[3], "per_sequence")],
-        "the final-output and pieces cases of the staged scorer output",
-    ),
-)
-def test_interpret_scorer_out_through_smem_matches_reference(
-    heads, s_q, causal, seq_lens, max_pages, num_splits, schedule
-):
-    case = (heads, s_q, causal, seq_lens, max_pages, num_splits)
-    _assert_scorer_option_matches_reference(case, schedule, seed=13, scorer_out_smem=True)
-
-
-def _assert_scorer_option_matches_reference(case, schedule, *, seed, **option):
-    """The scorer body with ``option`` (a config field) on an `INTERPRET_CASES` case and schedule, interpreted,
-    against the reference (pieces as small as one page, so a short case still has several)."""
-    heads, s_q, causal, seq_lens, max_pages, num_splits = case
-    args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + seed)
-    config = MlaDecodeConfig(
-        num_splits=num_splits if schedule == "per_sequence" else None,
-        min_pages_per_split=1,
-        min_piece_pages=1,
-        scorer=True,
-        schedule=schedule,
-        **option,
-    )
-    assert_matches_reference(args, causal=causal, config=config, impl="interpret")
-
-
 @pytest.mark.parametrize(
     "variant",
     [VARIANTS[2], *(pytest.param(v, marks=pytest.mark.full("the scorer body's case")) for v in VARIANTS[:2])],
@@ -874,15 +839,6 @@ def test_cross_lowers_tuning_configs(config):
     assert _mosaic_calls(lowered) == 2
 
 
-@pytest.mark.parametrize("num_splits", full([1, 3], [3], "the bf16 stage (the interpret test stages bf16 by default)"))
-def test_scorer_out_through_smem_cross_lowers_for_sm90(num_splits):
-    # The bf16 output (one split: the main kernel writes it) and the fp32 partials (three) staged in Q's SMEM:
-    # a stage tiling that does not suit the dtype, or a store layout the swizzle cannot take, fails here.
-    config = MlaDecodeConfig(num_splits=num_splits, scorer_out_smem=True)
-    lowered = lower_for_sm90(4, 2, 128, 300, causal=True, config=config)
-    assert _mosaic_calls(lowered) == (1 if num_splits == 1 else 2)
-
-
 def test_interpretable_variant_is_not_a_production_config():
     # The plain and split-QK bodies' SMEM-staged P buffers do not fit next to Q and two KV stages:
     # lowering must say so rather than the production path silently using them. (The scorer body
@@ -1078,17 +1034,6 @@ def test_gpu_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_s
     assert_matches_reference(
         args, causal=causal, config=MlaDecodeConfig(num_splits=num_splits, scorer=True), impl="kernel"
     )
-
-
-@pytest.mark.gpu
-@requires_hopper
-@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", GPU_CASES[::3])
-@pytest.mark.parametrize("schedule", ["per_sequence", "pieces"])
-def test_gpu_scorer_out_through_smem_matches_reference(heads, s_q, causal, batch, mean_len, num_splits, schedule):
-    args = _gpu_ragged_inputs(heads, s_q, batch, mean_len, 7)
-    splits = num_splits if schedule == "per_sequence" else None
-    config = MlaDecodeConfig(num_splits=splits, scorer=True, scorer_out_smem=True, schedule=schedule)
-    assert_matches_reference(args, causal=causal, config=config, impl="kernel")
 
 
 @pytest.mark.gpu

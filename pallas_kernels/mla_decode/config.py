@@ -79,11 +79,6 @@ class MlaDecodeConfig:
         the run, a piece restarts the softmax with alpha = 0; timed: 1.2-1.3x the pieces schedule on
         ragged cells); None there runs the plain / split-QK bodies. False picks between those two by
         ``split_qk``. fp8 pages have bodies of their own.
-      scorer_out_smem: with the scorer body on the per_sequence and pieces schedules, the scorer warpgroup
-        writes its 128 output columns through SMEM (Q's buffer, free after its last Q·Kᵀ) with one TMA copy
-        instead of each thread storing its fragment: Nsight Compute put 11 % of the scorer's samples at H = 128
-        in those stores, throttled (docs/NOTES.md, nineteenth session). Off: timed 0.2-0.8 % faster at H = 128 and
-        flat at H = 64 (docs/BENCHMARKS.md, twentieth session), inside the run-to-run spread.
     """
 
     num_splits: int | None = None
@@ -102,7 +97,6 @@ class MlaDecodeConfig:
     min_piece_pages: int = 16
     fp8_transposed: bool | None = None
     scorer: bool | None = None
-    scorer_out_smem: bool = False
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:

@@ -37,22 +37,11 @@ def _scorer_compute_registers(memory_registers: int = SCORER_MEMORY_REGISTERS) -
     return min(256, (512 - memory_registers) // 3) // 8 * 8
 
 
-def _scorer_scratch(nslots: int, out_stage=None) -> dict:
+def _scorer_scratch(nslots: int) -> dict:
     """SMEM and barriers of a scorer body: Q, ``nslots`` page slots, the scorer's P and its (alpha, l), the
-    barriers between the TMA warpgroup, the scorer and the two accumulating warpgroups. With ``out_stage`` (the
-    output dtype), Q's SMEM is shared with a [64, 128] tile of it: the scorer's columns staged for one TMA store
-    once its last Q·Kᵀ is done (only the scorer reads Q)."""
-    q = plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS)
-    if out_stage is not None:
-        tile = (8, 128 // jnp.dtype(out_stage).itemsize)  # 128-byte rows of the swizzle, as Q's
-        stage = plgpu.SMEM(
-            (ROWS, _SCORER_COLS),
-            out_stage,
-            transforms=(plgpu.TilingTransform(tile), plgpu.SwizzleTransform(128)),
-        )
-        q = plgpu.RefUnion(q, stage)
+    barriers between the TMA warpgroup, the scorer and the two accumulating warpgroups."""
     return dict(
-        q_smem=q,
+        q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
         kv_smem=plgpu.SMEM((nslots, PAGE_SIZE, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
         p_smem=plgpu.SMEM((ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
         stat_smem=plgpu.SMEM((2, ROWS), jnp.float32),  # alpha, l of the page's P
@@ -119,8 +108,7 @@ def _decode_partials_scorer(
     160 for the others), which removes spill code (docs/NOTES.md).
 
     Each warpgroup writes its columns of the split's result after its loop (an empty split too:
-    out 0, lse -inf; a piece row with no piece writes nothing); with ``config.scorer_out_smem`` the scorer's go
-    through Q's SMEM and one TMA store. SMEM: Q 72 KB + two 72 KB page slots + P
+    out 0, lse -inf; a piece row with no piece writes nothing). SMEM: Q 72 KB + two 72 KB page slots + P
     8 KB + 0.5 KB = 224.5 KB. Outputs as `_decode_partials` (per_sequence or pieces)."""
     B, Rp, _ = q_rows.shape
     pps = plan_.pages_per_split
@@ -131,8 +119,7 @@ def _decode_partials_scorer(
     c0 = _SCORER_COLS
     acc_cols = _ACC_COLS
     out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
-    staged = config.scorer_out_smem
-    scratch = _scorer_scratch(nslots, out_type[0].dtype if staged else None)
+    scratch = _scorer_scratch(nslots)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     compute_registers = _scorer_compute_registers(SCORER_MEMORY_REGISTERS)
@@ -153,8 +140,6 @@ def _decode_partials_scorer(
         p_free,
     ):
         (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, pieces)
-        if staged:
-            q_smem, out_stage = q_smem
         g, wg = lax.axis_index("g"), lax.axis_index("wg")
         rows = pl.ds(g * ROWS, ROWS)
         if pieces:
@@ -178,19 +163,13 @@ def _decode_partials_scorer(
             plgpu.barrier_wait(kv_ready.at[slot])
             return slot, (first_page + i) * PAGE_SIZE
 
-        def write_out(cols, acc, l, stage=None):
+        def write_out(cols, acc, l):
             l_safe = jnp.where(l == 0.0, 1.0, l)
             o = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_ref.dtype)
 
             @pl.when(live)
             def _():
-                if stage is None:  # each thread stores its fragment
-                    o_ref[(*out_index, cols)] = o
-                else:  # through SMEM, one TMA copy
-                    stage[...] = o
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(stage, o_ref.at[(*out_index, cols)])
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                o_ref[(*out_index, cols)] = o
 
         def issue(i):
             """Page i's copy into its slot (by the TMA warpgroup)."""
@@ -284,7 +263,7 @@ def _decode_partials_scorer(
             def _():  # the last page's P released (see the memory warpgroup's last loop)
                 plgpu.barrier_wait(p_free)
 
-            write_out(pl.ds(0, c0), acc, l, out_stage if staged else None)
+            write_out(pl.ds(0, c0), acc, l)
             lse2 = m + jnp.log2(l)
 
             @pl.when(live)
