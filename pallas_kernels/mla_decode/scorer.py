@@ -1,7 +1,6 @@
 """`mla_decode`'s scorer bodies over bf16 pages: one warpgroup scores each page once (Q·Kᵀ, the online softmax,
 P·V over 128 columns), two others accumulate P·V over 192 columns each, beside a TMA warpgroup that streams the
-pages, per sequence split or piece (`_decode_partials_scorer`, the default on bf16 pages; the balanced schedule's
-walk is `scorer_balanced`)."""
+pages, per sequence split or piece (`_decode_partials_scorer`, the default on bf16 pages)."""
 
 from __future__ import annotations
 
