@@ -106,7 +106,7 @@ def variants():
     """Named kernel configurations that ``--variants`` can time beside the default (and that `mla-bench e2e` /
     `serve --decode-config NAME` run the engine's decode kernel with)."""
     return {
-        # The bodies before the scorer body (MlaDecodeConfig.scorer, the default on bf16 pages).
+        # The bodies other than the scorer body (MlaDecodeConfig.scorer, the default on bf16 pages).
         "plain": MlaDecodeConfig(scorer=False, split_qk=False),
         "split_qk": MlaDecodeConfig(scorer=False, split_qk=True),
         "splits2": MlaDecodeConfig(num_splits=2),

@@ -490,8 +490,8 @@ def _mosaic_calls(lowered) -> int:
 # split: the main kernel writes the output; the largest grid), causal or not. Shape and causality rotate
 # so that every H and every s_q meets all three shapes and both maskings, and every shape both maskings
 # (the body depends on H, s_q and causal; the launch shape decides the split plan and the grid). 16
-# lowerings instead of the 96 of the full product (32 until the sixth session: each (H, s_q) both ways;
-# the interpret tests and the GPU suite run both maskings of the bodies).
+# lowerings instead of the 96 of the full product (the interpret tests and the GPU suite run both maskings of
+# the bodies).
 _LAUNCH_SHAPES = [(1, 1024), (8, 130), (256, 512)]
 CROSS_LOWERING_CASES = [
     (heads, s_q, *_LAUNCH_SHAPES[(h_i + s_q) % 3], (h_i + s_q) % 2 == 1)
@@ -589,7 +589,7 @@ def test_row_blocks_are_the_fastest_launched_grid_axis(schedule):
     # Pallas hands the grid's last axis to the GPU as its fastest one: the CTAs of one sequence's row blocks (H = 128
     # here: two) must be neighbours there, so they read each page together and the second read comes from L2. With
     # the row block first they ran a wave apart and each read every page from memory (Nsight Compute: 1.2 GB read
-    # for 604 MB of pages at 128 x 4096, H = 128; docs/BENCHMARKS.md, nineteenth session).
+    # for 604 MB of pages at 128 x 4096, H = 128; docs/PERFORMANCE.md, "Decode kernel").
     from pallas_kernels.mla_decode.schedule import _main_out_geometry
 
     p = plan(8, 1, 128, 64, MlaDecodeConfig(schedule=schedule))

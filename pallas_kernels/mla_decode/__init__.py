@@ -34,8 +34,8 @@ P·V steps every body shares, `bf16` and `scorer` the bodies over bf16 pages, `f
   tensor work, no synchronisation); the split-QK one has each compute S for 32 of the 64 tokens
   and exchange row maxima, P halves and row sums through SMEM (two CTA barriers per page).
   `MlaDecodeConfig.split_qk` picks; by default split-QK when all 64 rows of a CTA are real.
-* The scorer body (`_decode_partials_scorer`, the default on bf16 pages with the per_sequence
-  schedule): four warpgroups with loops of their own. The TMA one streams the pages; warpgroup 0
+* The scorer body (`_decode_partials_scorer`, the default on bf16 pages, per sequence split or
+  piece): four warpgroups with loops of their own. The TMA one streams the pages; warpgroup 0
   computes each page's S = Q·Kᵀ once and the softmax, writes P to SMEM and accumulates P·V over
   128 columns; warpgroups 1 and 2 accumulate P·V over 192 columns each, reading P from SMEM, so
   their P·V of page i runs under the scorer's Q·Kᵀ of page i + 1.

@@ -69,11 +69,9 @@ def prefers_pieces(seq_lens):
     """bool [] (of numpy lengths a numpy bool, on the host; else a jax one): the "auto" schedule's rule. The
     pieces schedule when the longest sequence holds more than `RAGGED_SPREAD` x the mean pages (idle rows,
     length 0, counted: the per-sequence schedule gives their CTAs nothing to do); else the per-sequence one.
-    Equal lengths and a single sequence never take it. Measured (docs/BENCHMARKS.md, eighteenth session, one
-    H200): lengths drawn uniformly from 256-16384, 256-8192 and 1-32768 and normal around 8192 (max / mean ~
-    1.9-2) ran 11-35 % faster in pieces; equal lengths 4-51 % slower (each piece pays its Q load, a partial
-    write and the combine; B = 8 the most). The threshold lies between those cells; nothing was measured near
-    it."""
+    Equal lengths and a single sequence never take it. Ragged lengths (max / mean ~ 1.9-2) run faster in
+    pieces, equal lengths slower (each piece pays its Q load, a partial write and the combine); the threshold
+    lies between the measured cells (docs/PERFORMANCE.md, "Decode schedules")."""
     xp = np if isinstance(seq_lens, np.ndarray) else jnp
     pages = (seq_lens.astype(xp.int64 if xp is np else xp.int32) + PAGE_SIZE - 1) // PAGE_SIZE
     return xp.max(pages).astype(xp.float32) * pages.shape[0] > RAGGED_SPREAD * xp.sum(pages).astype(xp.float32)
