@@ -424,7 +424,7 @@ def _decode_partials_fp8_t(
             (i,) = idx
             accs, m, l = carry
             page_start = (first_page + i) * PAGE_SIZE
-            # (The named scopes are what Mosaic GPU's profiler reports: scripts/lab/profile_fp8_decode.py.)
+            # (The named scopes are what Mosaic GPU's profiler reports, by warpgroup and phase.)
             with jax.named_scope("convert"):
                 _fp8_half_to_smem(wg, lat_lo, lat_hi, rope, seq_len - page_start, kv_smem)
             with jax.named_scope("qk"):
