@@ -422,7 +422,7 @@ def parser() -> argparse.ArgumentParser:
         "--decode-config",
         default="",
         help="the engine's decode-kernel config, by a name of `mla-bench mla_decode --variants` (e.g. pieces, "
-        "auto, balanced; default: the engine's, per sequence or in pieces chosen each step from the rows' lengths)",
+        "auto; default: the engine's, per sequence or in pieces chosen each step from the rows' lengths)",
     )
     p.add_argument(
         "--mesh",

@@ -1,7 +1,7 @@
 """Benchmark of the absorbed MLA decode kernel against XLA and the decompressing path.
 
 Usage: ``python -m benchmarks mla_decode [--quick] [--out DIR] [--iters N] [--sweep] [--kv-dtype fp8]
-[--cell-list CELLS] [--schedule balanced] [--peers DIR]``
+[--cell-list CELLS] [--schedule pieces] [--peers DIR]``
 
 For every cell (B, s_q, seq, H, fixed or ragged lengths):
 * kernel: `pallas_kernels.mla_decode` (whole call: main kernel + split combine + any pad/slice),
@@ -106,33 +106,20 @@ def variants():
     """Named kernel configurations that ``--variants`` can time beside the default (and that `mla-bench e2e` /
     `serve --decode-config NAME` run the engine's decode kernel with)."""
     return {
-        # The bodies before the scorer body (MlaDecodeConfig.scorer, the default on bf16 pages).
+        # The bodies other than the scorer body (MlaDecodeConfig.scorer, the default on bf16 pages).
         "plain": MlaDecodeConfig(scorer=False, split_qk=False),
         "split_qk": MlaDecodeConfig(scorer=False, split_qk=True),
         "splits2": MlaDecodeConfig(num_splits=2),
         "splits4": MlaDecodeConfig(num_splits=4),
-        "balanced": MlaDecodeConfig(schedule="balanced"),
-        "balanced_whole": MlaDecodeConfig(schedule="balanced", whole_requests=True),
-        # the scorer body walking the balanced schedule's runs (opt-in until timed)
-        "balanced_scorer": MlaDecodeConfig(schedule="balanced", scorer=True),
         # each sequence cut into pieces of at most a CTA's share / pieces_per_share pages, launched longest first
         "pieces": MlaDecodeConfig(schedule="pieces"),
         "pieces1": MlaDecodeConfig(schedule="pieces", pieces_per_share=1),
         "pieces4": MlaDecodeConfig(schedule="pieces", pieces_per_share=4),
         # per call, on the device: pieces for ragged lengths, the default for the others
         "auto": MlaDecodeConfig(schedule="auto"),
-        # the scorer warpgroup's output columns through SMEM and one TMA store (opt-in until timed)
-        "out_smem": MlaDecodeConfig(scorer_out_smem=True),
-        "auto_out_smem": MlaDecodeConfig(schedule="auto", scorer_out_smem=True),
-        # three warpgroups: the scorer only scores, two accumulate 256 columns each (opt-in until timed)
-        "scorer3": MlaDecodeConfig(scorer_pv_cols=0),
-        "auto_scorer3": MlaDecodeConfig(schedule="auto", scorer_pv_cols=0),
         # fp8 pages (--kv-dtype fp8) only: the padded shared-buffer body where the transposed one
         # would serve (s_q * H <= 32); the same as the default on bf16 pages.
         "fp8_padded": MlaDecodeConfig(fp8_transposed=False),
-        # fp8 pages only: the scorer body with a converting warpgroup where the padded body would run (opt-in)
-        "fp8_scorer": MlaDecodeConfig(fp8_scorer=True),
-        "auto_fp8_scorer": MlaDecodeConfig(schedule="auto", fp8_scorer=True),
     }
 
 
@@ -379,7 +366,7 @@ def run(args):
                 and (B * p.row_blocks >= 100 or cfg.num_splits > table.shape[1])
             ):
                 continue  # the sweep's split counts only matter where the default leaves SMs idle
-            # A device plan (balanced, pieces, auto) is built once a step and read by every layer's call, as
+            # A device plan (pieces, auto) is built once a step and read by every layer's call, as
             # FlashMLA's metadata is: built here outside the timed call, its own time in plan_us.
             plan_fn = jax.jit(functools.partial(mla_decode_schedule, heads=H, query_len=s_q, config=cfg))
             fn = jax.jit(
@@ -457,7 +444,7 @@ def run(args):
 # What each timing column is (``--peers``): written into the meta JSON and under the table.
 PEER_TIMING = {
     "us": "ours: CUPTI kernel-time sum of one jitted call, median of --iters calls (benchmarks.cupti_median_us); a "
-    "device plan (balanced, pieces, auto schedules) built before, outside timing, as FlashMLA's metadata",
+    "device plan (pieces, auto schedules) built before, outside timing, as FlashMLA's metadata",
     "plan_us": "ours: the device plan's own CUPTI time (mla_decode_schedule; once a step for every layer)",
     "<peer>_us": "the peer: the same CUPTI kernel-time sum of one call, median of --iters calls, same "
     "arguments every call, L2 not flushed (benchmarks.cupti_call_us); <peer>_method says so, "

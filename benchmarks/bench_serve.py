@@ -469,7 +469,7 @@ def parser() -> argparse.ArgumentParser:
         "--decode-config",
         default="",
         help="the engine's decode-kernel config, by a name of `mla-bench mla_decode --variants` (e.g. pieces, "
-        "auto, balanced; default: the engine's, per sequence or in pieces chosen each step from the rows' lengths)",
+        "auto; default: the engine's, per sequence or in pieces chosen each step from the rows' lengths)",
     )
     p.add_argument("--check", type=int, default=4, help="requests checked against their runs alone")
     p.add_argument("--soak-steps", type=int, default=0, help="after the rates, a soak of this many engine steps")

@@ -275,7 +275,7 @@ class FlashMLA(Peer):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                start_new_session=True,
+                process_group=0,  # a process group of its own, for killpg
             )
 
     def load(self):

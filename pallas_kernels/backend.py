@@ -9,7 +9,7 @@ Every public kernel entry point, the MLA layer's cached attention and the engine
 * ``"interpret"``: the kernel under the Pallas Mosaic GPU interpreter (CPU; slow; for tests).
 * ``"reference"``: the plain-jnp reference.
 
-``None`` is read as ``"auto"`` (the kernels' earlier spelling).
+``None`` is read as ``"auto"``.
 
 The Pallas GPU interpreter runs each warpgroup of a kernel as an XLA program whose callbacks block on the
 simulated barriers; XLA:CPU sizes its client's thread pool by the schedulable cores (the ``NPROC``

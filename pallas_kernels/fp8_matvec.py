@@ -24,8 +24,8 @@ is read in place, so a scanned model passes its whole stack and no per-layer sli
 
 The product's operands (`Fp8MatvecConfig.operands`): by default, for bf16 rows, float16: each row of x scaled
 by a power of two into f16's range and each weight tile converted e4m3 -> f16, one instruction for two values
-on Hopper (the conversion, not the bytes, set the time of the bf16 form: docs/BENCHMARKS.md); float32 rows stay
-exact. "x" converts the tiles to x's dtype (bf16 / f32), "e4m3" quantizes x and multiplies fp8 by fp8.
+on Hopper (the conversion, not the bytes, sets the time of the bf16 form: docs/PERFORMANCE.md, "FP8 weights");
+float32 rows stay exact. "x" converts the tiles to x's dtype (bf16 / f32), "e4m3" quantizes x and multiplies fp8 by fp8.
 
 Conversion with operands "x" (`Fp8MatvecConfig.convert`): "cast" is the e4m3 -> bf16/f32 conversion Triton
 lowers for sm_89+; "bits" loads the same bytes and decodes the e4m3fn bit fields with integer arithmetic
@@ -74,8 +74,8 @@ class Fp8MatvecConfig:
       convert: "cast" (Triton's e4m3 conversion) or "bits" (integer decoding, `e4m3_to_f32`); with
         ``operands="x"`` only.
       operands: the dtype of the tensor-core product; None: "f16" for bf16 rows (the fastest with exact weights,
-        docs/BENCHMARKS.md, and finer than bf16), "x" for float32 rows (kept exact) and with ``convert="bits"``.
-        "x": x as given (bf16 or f32), each weight tile converted to
+        docs/PERFORMANCE.md, "FP8 weights", and finer than bf16), "x" for float32 rows (kept exact) and with
+        ``convert="bits"``. "x": x as given (bf16 or f32), each weight tile converted to
         it by ``convert``. "f16": each row of x scaled by a power of two into float16's range (exact; undone on
         the output) and the weights converted e4m3 -> f16, which Hopper does in one instruction for two values
         (e4m3 -> bf16 goes through f32); e4m3 values are exact in f16 and f16 keeps 3 more bits of x than bf16.
@@ -116,9 +116,8 @@ class Fp8MatvecConfig:
 def default_config(N: int, K: int) -> Fp8MatvecConfig:
     """`fp8_matvec`'s config when none is given: 128 output columns a program for a wide output of twice its width's
     inputs (N >= 4096, K >= 2·N: the projections back to the hidden width, V3's wo and down), 64 elsewhere
-    (docs/BENCHMARKS.md, sixteenth session: at M = 32 wo 51.6 -> 46.7 µs and down 59.7 -> 50.4 with 128, gate_up
-    60.2 -> 68.5, q_a 11.6 -> 12.2, kv_a 9.2 -> 12.2, q_b 19.7 -> 21.1; at M = 1, in a kernel form since
-    withdrawn, wo 49.6 -> 36.8 and down 53.0 -> 42.1)."""
+    (128 columns are faster on wo and down, slower on gate_up, q_a, kv_a and q_b: docs/PERFORMANCE.md, "FP8
+    weights")."""
     return Fp8MatvecConfig(block_n=128 if N >= 4096 and K >= 2 * N else 64)
 
 

@@ -4,8 +4,8 @@ Dimension letters: B batch, P pages, T tokens gathered per sequence, K = 576 (51
 
 The prefill path attends with decompressed K/V over the cached prefix, which wants the prefix as a
 dense [B, T, 576] array. The kernel streams pages through SMEM with TMA (one bulk load and one bulk store
-per page, several pages in flight per CTA); its aim is the device-to-device copy rate (docs/BENCHMARKS.md
-has what it reaches).
+per page, several pages in flight per CTA); its aim is the device-to-device copy rate (docs/PERFORMANCE.md,
+"Paged gather", has what it reaches).
 
 The pages' format is a `PageFormat` (given, or read from the pages' dtype and width); the kernel serves
 `KERNEL_FORMATS` (`paged_gather_problems` says why not), the reference every format. Three bodies:
@@ -82,7 +82,7 @@ class PagedGatherConfig:
       staging_buffers: fp8 / fp4 pages only: bf16 staging buffers (72 KB each) the dequantised pages are
         stored from. With 2, a page is dequantised into one while the previous page's store still
         reads the other; they and the 41 KB input stages must fit the 227 KB of SMEM, so 2 buffers
-        take at most 2 steps in flight. None = 2 (the faster on an H200: docs/BENCHMARKS.md).
+        take at most 2 steps in flight. None = 2 (the faster on an H200: docs/PERFORMANCE.md, "Paged gather").
     """
 
     chunks: int | None = None
@@ -353,7 +353,7 @@ _FP4_ROPE_HALF = (_FP4_PACKED + _FP4_SCALES) // 2
 # A (64, 16) tile of bytes (16 values of one scale block, every token): a warp covers 16 rows x 2
 # lanes of 8 consecutive bytes. (Its 16 rows sit 256 bytes apart in SMEM, so the load conflicts
 # 16 ways on the banks: simple and correct; a wider tile needs the scales broadcast along 16
-# columns of a row, which the Lane-semantics broadcast does not express. docs/NOTES.md.)
+# columns of a row, which the Lane-semantics broadcast does not express.)
 _NIBBLE_LAYOUT = plgpu.Layout.TILED(
     Tiling(((64, _FP4_BLOCK), (16, _FP4_BLOCK), (8,))), warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1
 )

@@ -715,26 +715,17 @@ def test_interpret_kernels_match_reference():
     _kernel_vs_reference("interpret", _prompts(13, [5, 70]), max_new_tokens=5, max_batch=2, plain=False, k=3)
 
 
-BALANCED = MlaDecodeConfig(
-    schedule="balanced", whole_requests=True, target_ctas=4, min_pages_per_split=1, request_cost_pages=1
-)
-
-
 PIECES = MlaDecodeConfig(schedule="pieces", target_ctas=4, min_pages_per_split=1, min_piece_pages=1)
 
 
 @pytest.mark.full("test_decode_plan_is_built_once_a_forward_call_not_per_layer checks the plan's lengths and place")
-@pytest.mark.parametrize("decode_config", [BALANCED, PIECES], ids=["balanced", "pieces"])
-def test_interpret_balanced_schedule_engine_matches_reference(decode_config):
-    """An engine whose decode kernel runs the balanced schedule (runs of equal work over the step's rows,
-    planned once a step), or the pieces one, gives the jnp path's greedy tokens on a ragged batch: a one-token
-    prompt and one two tokens short of a page decoding together, beside a two-page prompt's chunks in mixed
-    steps (whose decoding rows carry padding queries past the page end). Catches a step that hands the kernel a
-    plan of other rows' lengths (the rows' lengths reversed: it fails) and the plan not reaching the kernel
-    through the engine's cache."""
-    _kernel_vs_reference(
-        "interpret", _prompts(17, [1, 62, 130]), max_new_tokens=3, max_batch=3, decode_config=decode_config
-    )
+def test_interpret_pieces_schedule_engine_matches_reference():
+    """An engine whose decode kernel runs the pieces schedule (planned once a step) gives the jnp path's greedy
+    tokens on a ragged batch: a one-token prompt and one two tokens short of a page decoding together, beside a
+    two-page prompt's chunks in mixed steps (whose decoding rows carry padding queries past the page end).
+    Catches a step that hands the kernel a plan of other rows' lengths (the rows' lengths reversed: it fails)
+    and the plan not reaching the kernel through the engine's cache."""
+    _kernel_vs_reference("interpret", _prompts(17, [1, 62, 130]), max_new_tokens=3, max_batch=3, decode_config=PIECES)
 
 
 def test_auto_decode_config_is_chosen_on_the_host_each_step(model, monkeypatch):
@@ -807,7 +798,7 @@ def _schedule_ops(jaxpr, in_scan=False, counts=None):
 
 
 def test_decode_plan_is_built_once_a_forward_call_not_per_layer():
-    """The balanced schedule's plan depends on the step's lengths only: the model builds it once, before its
+    """The pieces schedule's plan depends on the step's lengths only: the model builds it once, before its
     scanned layers, and each layer's kernel call reads it (`KVCache.decode_plan`). Counted in the traced step:
     the plan's ops sit outside every scan, none inside a layer body (which runs once a layer). Catches the plan
     built inside the layer (the mutation: `with_decode_plan` not called by the model), and the plan leaking
@@ -817,32 +808,32 @@ def test_decode_plan_is_built_once_a_forward_call_not_per_layer():
     pages = jnp.zeros((3, 8, 64, 576), jnp.bfloat16)
     table = jnp.arange(8, dtype=jnp.int32).reshape(4, 2)
     lens = np.array([1, 63, 66, 100], np.int32)  # after this step's writes
-    cache = KVCache.create(pages, table, lens, impl="interpret", decode_config=BALANCED)
+    cache = KVCache.create(pages, table, lens, impl="interpret", decode_config=PIECES)
     # A mixed step's shape: 4 query slots a row, valid ones first, padding (-1) after them.
     pos = jnp.asarray([[0, -1, -1, -1], [62, -1, -1, -1], [64, 65, -1, -1], [96, 97, 98, 99]], jnp.int32)
     ids = jnp.zeros((4, 4), jnp.int32)
     # The kernel counts padding queries in (query j at seq_len - 4 + j): lengths 1+3, 63+3, 66+2, 100+0, so
     # row 1's plan covers two pages, not one.
-    want = mla_decode_schedule(jnp.asarray([4, 66, 68, 100], jnp.int32), heads=16, query_len=4, config=BALANCED)
+    want = mla_decode_schedule(jnp.asarray([4, 66, 68, 100], jnp.int32), heads=16, query_len=4, config=PIECES)
     chex.assert_trees_all_equal(with_decode_plan(cfg, cache, pos).decode_plan, want)
     out = jax.eval_shape(lambda c: m(ids, pos, cache=c)[1], cache)
     assert out.decode_plan is None  # dropped when the call returns
     counts = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(cache).jaxpr)
     assert counts[True] == 0 and counts[False] > 0, counts
-    # "auto" (its plan: the pieces one and the rule's choice) and "pieces": built once the same way
-    for config, kind in ((MlaDecodeConfig(schedule="auto", target_ctas=4), AutoSchedule), (PIECES, PieceSchedule)):
-        other = dataclasses.replace(cache, decode_config=config)
-        assert isinstance(with_decode_plan(cfg, other, pos).decode_plan, kind)
-        counts = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(other).jaxpr)
-        assert counts[True] == 0 and counts[False] > 0, counts
+    assert isinstance(want, PieceSchedule)
+    # "auto" (its plan: the pieces one and the rule's choice): built once the same way
+    other = dataclasses.replace(cache, decode_config=MlaDecodeConfig(schedule="auto", target_ctas=4))
+    assert isinstance(with_decode_plan(cfg, other, pos).decode_plan, AutoSchedule)
+    counts = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(other).jaxpr)
+    assert counts[True] == 0 and counts[False] > 0, counts
     # the same model on the per-sequence schedule plans nothing on the device
     plain = dataclasses.replace(cache, decode_config=None)
     assert _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(plain).jaxpr) == {False: 0, True: 0}
     # a config that is not one: one line naming the argument, at construction
-    with pytest.raises(ValueError, match=r"^Engine decode_config must be an MlaDecodeConfig or None, got str: 'bal"):
-        Engine(m, decode_config="balanced")
+    with pytest.raises(ValueError, match=r"^Engine decode_config must be an MlaDecodeConfig or None, got str: 'pie"):
+        Engine(m, decode_config="pieces")
     with pytest.raises(ValueError, match=r"^KVCache decode_config must be an MlaDecodeConfig or None, got dict"):
-        dataclasses.replace(cache, decode_config={"schedule": "balanced"})
+        dataclasses.replace(cache, decode_config={"schedule": "pieces"})
 
 
 @pytest.mark.gpu
@@ -859,20 +850,19 @@ def test_gpu_kernels_match_reference():
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "plan",
-    [dict(), dict(whole_requests=True), dict(scorer=True), dict(schedule="auto"), dict(schedule="pieces")],
-    ids=["equal_runs", "whole_requests", "scorer", "auto", "pieces"],
+    [dict(schedule="auto"), dict(schedule="pieces")],
+    ids=["auto", "pieces"],
 )
-def test_gpu_balanced_schedule_engine_matches_reference(plan):
-    """The compiled engine on the balanced schedule (planned once a step, at the GPU's CTA count, runs of equal
-    pages or of equal work, the scorer body's walk) and on the pieces schedule ("auto" picks it for ragged
-    rows): the jnp path's greedy tokens on ragged prompts, plain decode and MTP verify. Catches what interpret
-    mode cannot: the plan handed through the compiled, scanned step to the kernel."""
+def test_gpu_planned_schedule_engine_matches_reference(plan):
+    """The compiled engine on the pieces schedule (planned once a step, at the GPU's CTA count; "auto" picks it
+    for ragged rows): the jnp path's greedy tokens on ragged prompts, plain decode and MTP verify. Catches what
+    interpret mode cannot: the plan handed through the compiled, scanned step to the kernel."""
     from pallas_kernels.backend import on_hopper
 
     if not on_hopper():
         pytest.skip("needs a Hopper GPU")
     prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
-    config = MlaDecodeConfig(**{"schedule": "balanced", **plan})
+    config = MlaDecodeConfig(**plan)
     _kernel_vs_reference("kernel", prompts, max_new_tokens=16, max_batch=4, k=3, decode_config=config)
 
 

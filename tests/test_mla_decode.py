@@ -12,7 +12,6 @@ arithmetic; the GPU tests and the benchmarks' byte counts are what bound them.)
 """
 
 import dataclasses
-import functools
 import math
 import re
 
@@ -26,14 +25,11 @@ from pallas_kernels import MlaDecodeConfig, backend, mla_decode, mla_decode_refe
 from pallas_kernels.mla_decode import (
     AutoSchedule,
     PieceSchedule,
-    balanced_schedule,
     mla_decode_schedule,
     num_piece_rows,
-    num_piece_slots,
     piece_schedule,
     plan,
     prefers_pieces,
-    sequence_of_page,
 )
 from tests.tiers import full
 
@@ -191,39 +187,14 @@ def test_interpret_scorer_matches_reference(heads, s_q, causal, seq_lens, max_pa
     assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
-# The scorer's output columns staged in Q's SMEM and stored with one TMA copy (`scorer_out_smem`).
-# Catches: the stage written before the last Q·Kᵀ is done with Q (wrong scores on the last page), a copy to the
-# wrong rows, columns or slot, the bf16 final output or the fp32 partials staged in the other's dtype, a copy
-# that skips an empty split (the combine reads every split).
-@pytest.mark.parametrize(
-    "heads,s_q,causal,seq_lens,max_pages,num_splits,schedule",
-    full(
-        [(*INTERPRET_CASES[i], "per_sequence") for i in (3, 6)] + [(*INTERPRET_CASES[4], "pieces")],
-        [(*INTERPRET_CASES[3], "per_sequence")],
-        "the final-output and pieces cases of the staged scorer output",
-    ),
-)
-def test_interpret_scorer_out_through_smem_matches_reference(
-    heads, s_q, causal, seq_lens, max_pages, num_splits, schedule
-):
-    case = (heads, s_q, causal, seq_lens, max_pages, num_splits)
-    _assert_scorer_option_matches_reference(case, schedule, seed=13, scorer_out_smem=True)
-
-
-def _assert_scorer_option_matches_reference(case, schedule, *, seed, **option):
-    """The scorer body with ``option`` (a config field) on an `INTERPRET_CASES` case and schedule, interpreted,
-    against the reference (pieces as small as one page, so a short case still has several)."""
-    heads, s_q, causal, seq_lens, max_pages, num_splits = case
-    args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + seed)
-    config = MlaDecodeConfig(
-        num_splits=num_splits if schedule == "per_sequence" else None,
-        min_pages_per_split=1,
-        min_piece_pages=1,
-        scorer=True,
-        schedule=schedule,
-        **option,
-    )
-    assert_matches_reference(args, causal=causal, config=config, impl="interpret")
+def test_scorer_has_no_races(mla_decode_races):
+    """The interpreter's race detector over the scorer body with one page slot, refilled every page: catches the
+    TMA warpgroup refilling the slot before the scorer and both accumulating warpgroups released it, and the
+    scorer rewriting P while an accumulating warpgroup still reads it (waits the numbers alone may not show)."""
+    args = make_inputs(2, 1, 32, [130, 70], 3, seed=23)  # 3 and 2 pages through one slot
+    config = MlaDecodeConfig(num_splits=1, scorer=True, max_concurrent_steps=1)
+    assert_matches_reference(args, causal=False, config=config, impl="interpret")
+    assert not mla_decode_races()
 
 
 @pytest.mark.parametrize(
@@ -251,268 +222,6 @@ def test_interpret_handles_unpadded_block_table_width():
     # padding of the table (which GMEM strides on the GPU want; the interpreter does not model them).
     args = make_inputs(1, 1, 16, [300], 5, seed=7)
     assert_matches_reference(args, causal=False, config=MlaDecodeConfig(num_splits=2), impl="interpret")
-
-
-# ------------------------------------------------------------------------------------------------
-# The token-balanced schedule (MlaDecodeConfig(schedule="balanced"))
-# ------------------------------------------------------------------------------------------------
-
-
-def numpy_balanced_split(seq_lens, num_ctas, min_pages):
-    """The balanced split by walking the batch's pages one by one: pages per CTA, total, per
-    global page its (sequence, page index), and per sequence the CTAs its pages fall into."""
-    pages = [-(-int(n) // 64) for n in seq_lens]
-    total = sum(pages)
-    ppc = max(-(-total // num_ctas), min_pages)
-    walk, ctas_of = [], [[] for _ in seq_lens]
-    for b, n in enumerate(pages):
-        for p in range(n):
-            cta = len(walk) // ppc
-            if cta not in ctas_of[b]:
-                ctas_of[b].append(cta)
-            walk.append((b, p))
-    return ppc, total, walk, ctas_of
-
-
-@pytest.mark.parametrize(
-    "seq_lens,num_ctas,min_pages",
-    [
-        ([1, 64, 65, 700, 3], 5, 1),  # a run ends exactly where a sequence starts; 3 pieces
-        ([0, 640, 1, 0, 1], 5, 4),  # empty sequences at both ends and inside; the min_pages floor
-        ([0, 0], 4, 1),  # no pages at all
-        ([130], 3, 1),  # one sequence (the search takes no step)
-    ],
-)
-def test_balanced_schedule_matches_a_page_walk(seq_lens, num_ctas, min_pages):
-    """Catches: a run boundary off by one page; a run's first or last sequence wrong; a global page
-    mapped to the wrong sequence or page (the kernel's own search, over every page); an empty sequence given a
-    page or a piece; two pieces sharing a partial slot (one sequence's partial overwriting another's); a piece range
-    that misses or double-counts one of the sequence's CTAs."""
-    lens = jnp.asarray(seq_lens, jnp.int32)
-    sched = jax.jit(balanced_schedule, static_argnames=("num_ctas", "min_pages_per_cta"))(
-        lens, num_ctas=num_ctas, min_pages_per_cta=min_pages
-    )
-    ppc, total, walk, ctas_of = numpy_balanced_split(seq_lens, num_ctas, min_pages)
-    runs = [[min(c * ppc, total), min((c + 1) * ppc, total)] for c in range(num_ctas)]
-    assert np.asarray(sched.ctas)[:, :2].tolist() == runs
-    B = len(seq_lens)
-    g = jnp.arange(total, dtype=jnp.int32)
-    seq = jax.vmap(lambda x: sequence_of_page(x, sched.ends, 0, B - 1))(g)
-    pos = g - (sched.ends[seq] - (lens[seq] + 63) // 64)
-    np.testing.assert_array_equal(np.stack([seq, pos], 1), np.asarray(walk, np.int32).reshape(total, 2))
-    for c in range(num_ctas):  # each run's first and last sequence (where the kernel's searches start)
-        if c * ppc < total:
-            run_end = min((c + 1) * ppc, total)
-            assert [int(x) for x in sched.ctas[c, 2:]] == [walk[c * ppc][0], walk[run_end - 1][0]]
-    slots = []
-    for b, ctas in enumerate(ctas_of):
-        assert int(sched.num_pieces[b]) == len(ctas)
-        if ctas:  # the kernel writes CTA c's piece of b to slot c + b: the range must list exactly those
-            want = [c + b for c in ctas]
-            start = int(sched.piece_start[b])
-            assert list(range(start, start + len(ctas))) == want
-            slots += want
-    assert len(set(slots)) == len(slots)
-    assert all(0 <= x < num_piece_slots(B, num_ctas) for x in slots)
-    assert all(c < num_ctas for ctas in ctas_of for c in ctas)
-
-
-def check_runs_and_pieces(sched, seq_lens, num_ctas):
-    """The schedule's invariants, from its runs alone -> per sequence the CTAs its pages fall into. Runs in
-    order cover every page once; no empty run lies inside a sequence's pieces; each run's first and last
-    sequences; the pieces' slots c + b are those CTAs, unique and in range."""
-    pages = [-(-int(n) // 64) for n in seq_lens]
-    total = sum(pages)
-    owner = [b for b, n in enumerate(pages) for _ in range(n)]  # global page -> sequence
-    ctas = np.asarray(sched.ctas)
-    assert ctas[0, 0] == 0 and ctas[-1, 1] == total and (ctas[1:, 0] == ctas[:-1, 1]).all(), ctas
-    assert (ctas[:, 0] <= ctas[:, 1]).all(), ctas
-    used = [c for c in range(num_ctas) if ctas[c, 0] < ctas[c, 1]]
-    ctas_of = [[] for _ in seq_lens]
-    for c in used:
-        start, stop = ctas[c, :2]
-        assert ctas[c, 2:].tolist() == [owner[start], owner[stop - 1]]
-        for b in sorted(set(owner[start:stop])):
-            ctas_of[b].append(c)
-    slots = []
-    for b, cs in enumerate(ctas_of):
-        assert int(sched.num_pieces[b]) == len(cs)
-        if cs:  # the combine reads slots piece_start .. + num_pieces: the CTAs must be consecutive
-            assert cs == list(range(cs[0], cs[0] + len(cs))), (b, cs)  # no empty run inside a sequence
-            assert list(range(int(sched.piece_start[b]), int(sched.piece_start[b]) + len(cs))) == [c + b for c in cs]
-            slots += [c + b for c in cs]
-    assert len(set(slots)) == len(slots) and all(0 <= x < num_piece_slots(len(seq_lens), num_ctas) for x in slots)
-    return ctas_of
-
-
-@pytest.mark.parametrize(
-    "seq_lens,num_ctas,cost",
-    [
-        ([300, 64, 5000, 1, 700, 0, 2000, 65], 8, 2),  # ragged: short requests whole, the long ones split
-        ([640] * 6, 4, 2),  # equal lengths, 1.5 shares each: whole where they fit
-        ([64] * 40, 4, 1),  # many one-page requests: none split
-        ([9000], 5, 2),  # one request larger than every share: split into the CTAs
-        ([0, 0, 0], 3, 2),  # no pages
-        ([4000, 64, 64, 64, 64, 64, 64, 64], 2, 0),  # the long request split, the short ones whole
-    ],
-)
-def test_whole_request_plan_never_splits_a_request_that_fits_a_share(seq_lens, num_ctas, cost):
-    """`balanced_schedule(whole_requests=True)` (runs of equal work). Catches: a request that fits one CTA's share
-    split across two (the plan's point), a page lost or read twice at a run boundary, an empty run inside a
-    sequence's pieces (its slot never written, the combine reading garbage), a run's first or last sequence wrong
-    (the kernel's searches start there), two pieces in one slot, a run's work past its bound (a cut moved too
-    far), pages past the last launched CTA."""
-    lens = jnp.asarray(seq_lens, jnp.int32)
-    sched = jax.jit(
-        balanced_schedule, static_argnames=("num_ctas", "min_pages_per_cta", "whole_requests", "request_cost")
-    )(lens, num_ctas=num_ctas, min_pages_per_cta=1, whole_requests=True, request_cost=cost)
-    ctas_of = check_runs_and_pieces(sched, seq_lens, num_ctas)
-    pages = [-(-n // 64) for n in seq_lens]
-    costs = [p + cost * (p > 0) for p in pages]
-    share = max(-(-sum(costs) // num_ctas), 1 + cost)
-    loads = [0] * num_ctas
-    for b, cs in enumerate(ctas_of):
-        if 0 < costs[b] <= share:
-            assert len(cs) == 1, (b, cs)  # fits a share: one piece
-        for c in cs:
-            loads[c] += cost
-    ctas = np.asarray(sched.ctas)
-    fitting = [c for c in costs if c <= share]
-    # A run's work: its share, plus the cost of a piece continuing a split request (not counted where the request
-    # starts), plus at most half of a request that fits a share at each end (a cut moved to its nearer end).
-    bound = share + cost + max(fitting, default=0)
-    for c in range(num_ctas):
-        assert loads[c] + ctas[c, 1] - ctas[c, 0] <= bound, (c, loads, ctas)
-
-
-def test_whole_request_plan_cuts_fewer_pieces_on_a_ragged_batch():
-    """64 requests of 1..16K tokens over 66 CTAs (H = 128's share of the SMs): fewer pieces than equal runs (the
-    combine merges fewer partials; whole requests write one), the invariants of the runs and pieces. Catches a
-    plan that splits as much as equal runs do."""
-    rng = np.random.default_rng(0)
-    seq_lens = [int(x) for x in rng.integers(1, 16384, 64)]
-    lens = jnp.asarray(seq_lens, jnp.int32)
-    whole = balanced_schedule(lens, num_ctas=66, whole_requests=True, request_cost=2)
-    equal = balanced_schedule(lens, num_ctas=66)
-    check_runs_and_pieces(whole, seq_lens, 66)
-    assert int(whole.num_pieces.sum()) < int(equal.num_pieces.sum())
-
-
-# (heads, s_q, causal, seq_lens, max_pages, target_ctas, split_qk). Pages [1, 1, 2, 3, 1] in runs of
-# 2: runs that end exactly where a sequence starts, seq 3 in two pieces (the first ends, the second
-# starts, mid-sequence), and, causal with s_q = 2, a length-1 sequence whose first query sees no
-# key. Pages [1, 0, 2, 1] in runs of 2: both runs cross a sequence boundary, one an empty sequence.
-BALANCED_CASES = [
-    (16, 2, True, [1, 64, 65, 190, 3], 3, 4, dict(split_qk=False)),
-    (64, 1, False, [1, 0, 65, 3], 2, 2, dict(split_qk=True)),
-    # Runs of equal work: pages [1, 2, 1, 6, 1] (+1 a request) in shares of 4 -> runs [0, 3) (two whole
-    # requests), [3, 4), [4, 8), [8, 11): seq 3 split in two, its second piece sharing a run with seq 4.
-    (16, 1, True, [64, 65, 1, 380, 3], 6, 4, dict(split_qk=False, whole_requests=True, request_cost_pages=1)),
-    # The scorer body walking the runs: pieces that start mid-sequence and at a sequence's last page (whose
-    # first causal query row sees no key there: its piece must restart from nothing, not the previous piece),
-    # an empty sequence inside a run, runs of equal work.
-    (16, 2, True, [1, 64, 65, 190, 3], 3, 4, dict(scorer=True)),
-    (64, 1, False, [1, 0, 65, 3], 2, 2, dict(scorer=True)),
-    (16, 4, True, [64, 65, 1, 380, 3], 6, 4, dict(scorer=True, whole_requests=True, request_cost_pages=1)),
-]
-
-
-_BALANCED_OPT_IN = (
-    "the balanced schedule is opt-in since the pieces one (auto and the engine's default take pieces); "
-    "test_balanced_cross_lowers_for_sm90 compiles its bodies by default"
-)
-_BALANCED_WHY = (
-    "the scorer walking the runs, and test_interpret_balanced_reads_the_schedule_it_is_given (the plain body on "
-    "runs of equal work)"
-)
-
-
-@pytest.mark.parametrize(
-    "heads,s_q,causal,seq_lens,max_pages,target_ctas,variant",
-    [
-        pytest.param(*BALANCED_CASES[0], marks=pytest.mark.full("the split-QK balanced case")),
-        pytest.param(*BALANCED_CASES[1], marks=pytest.mark.full(_BALANCED_WHY)),
-        pytest.param(*BALANCED_CASES[2], marks=pytest.mark.full(_BALANCED_WHY)),
-        pytest.param(*BALANCED_CASES[3], marks=pytest.mark.full(_BALANCED_OPT_IN)),
-        pytest.param(*BALANCED_CASES[4], marks=pytest.mark.full("the scorer's keyless-piece case")),
-        pytest.param(*BALANCED_CASES[5], marks=pytest.mark.full("the scorer's keyless-piece case")),
-    ],
-)
-def test_interpret_balanced_matches_reference(heads, s_q, causal, seq_lens, max_pages, target_ctas, variant):
-    """Catches, with runs that cross sequence boundaries: Q not reloaded (or reloaded too early)
-    for the next sequence; softmax state carried from one sequence into the next; a partial flushed
-    to the wrong slot or not at all; the combine reading another sequence's pieces; a page past a
-    sequence end or an unused slot reaching P·V (NaN-poisoned); seq_len 0 not giving out 0, lse -inf."""
-    args = make_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 2)
-    config = MlaDecodeConfig(schedule="balanced", target_ctas=target_ctas, min_pages_per_split=1, **variant)
-    assert_matches_reference(
-        args, causal=causal, config=config, impl="interpret", keyless_rows=min(seq_lens) < (s_q if causal else 1)
-    )
-
-
-@pytest.mark.full(_BALANCED_OPT_IN)
-def test_interpret_balanced_reads_the_schedule_it_is_given():
-    """`mla_decode(schedule=...)`, the plan a step builds once for all its layers (`mla_decode_schedule`).
-    Catches: the kernel planning again instead of reading the given plan (another plan then changes nothing),
-    the plan's shapes not checked against the call (a plan for another batch or CTA count), and
-    `mla_decode_schedule` planning other runs than the kernel's own (the given plan's output differs)."""
-    config = MlaDecodeConfig(
-        schedule="balanced",
-        target_ctas=4,
-        min_pages_per_split=1,
-        split_qk=False,
-        whole_requests=True,
-        request_cost_pages=1,
-    )
-    lens = [64, 65, 1, 380, 3]
-    args = make_inputs(len(lens), 1, 16, lens, 6, seed=11)
-    q, pages, table, seq_lens = args
-    sched = jax.jit(functools.partial(mla_decode_schedule, heads=16, query_len=1, config=config))(seq_lens)
-    got = mla_decode(*args, softmax_scale=SCALE, config=config, impl="interpret", schedule=sched)
-    ref = mla_decode_reference(*args, softmax_scale=SCALE)
-    rel = np.linalg.norm(np.asarray(got[0], np.float32) - np.asarray(ref[0], np.float32))
-    assert rel / np.linalg.norm(np.asarray(ref[0], np.float32)) < 1e-2
-    # Another valid plan of these lengths (equal runs of pages, not of work) is read as given: the sums run in
-    # that plan's order, bit for bit its own config's result and not the whole-request plan's.
-    equal_config = dataclasses.replace(config, whole_requests=False)
-    equal = mla_decode_schedule(seq_lens, heads=16, config=equal_config)
-    assert not np.array_equal(np.asarray(equal.ctas), np.asarray(sched.ctas))
-    given = mla_decode(*args, softmax_scale=SCALE, config=config, impl="interpret", schedule=equal)
-    chex.assert_trees_all_equal(given, mla_decode(*args, softmax_scale=SCALE, config=equal_config, impl="interpret"))
-    assert not np.array_equal(np.asarray(given[1]), np.asarray(got[1]))
-    assert mla_decode_schedule(seq_lens, heads=16, config=MlaDecodeConfig()) is None  # per_sequence: no plan
-    with pytest.raises(ValueError, match=r"^schedule.ctas is int32 \(4, 4\); B=5, s_q=1, H=128 .* \(2, 4\)"):
-        mla_decode(
-            q[:, :, :1].repeat(128, 2),
-            pages,
-            table,
-            seq_lens,
-            softmax_scale=SCALE,
-            config=config,
-            impl="interpret",
-            schedule=sched,
-        )
-    with pytest.raises(ValueError, match=r"^schedule= is a device plan's; config.schedule is 'per_sequence'"):
-        mla_decode(*args, softmax_scale=SCALE, impl="interpret", schedule=sched)
-
-
-@pytest.mark.parametrize(
-    "heads,s_q,variant",
-    [
-        (16, 1, "plain"),
-        (64, 1, "split_qk"),
-        (128, 2, "plain"),
-        (16, 2, "scorer"),
-        (64, 1, "scorer"),
-        (128, 4, "scorer"),
-    ],
-)
-def test_balanced_cross_lowers_for_sm90(heads, s_q, variant):
-    """Catches a balanced-body construct Mosaic GPU cannot lower for sm_90 (a scalar-predicate
-    select, a conditional Q reload, a dynamic-grid combine, the scorer's walk), which interpret mode accepts."""
-    config = MlaDecodeConfig(schedule="balanced", split_qk=variant == "split_qk", scorer=variant == "scorer")
-    lowered = lower_for_sm90(8, s_q, heads, 130, causal=s_q > 1, config=config)
-    assert _mosaic_calls(lowered) == 2  # the main kernel and the piece combine
 
 
 # ------------------------------------------------------------------------------------------------
@@ -647,6 +356,9 @@ def test_interpret_pieces_reads_the_schedule_it_is_given():
             impl="interpret",
             schedule=mla_decode_schedule(args[3], heads=16, config=config),
         )
+    assert mla_decode_schedule(args[3], heads=16, config=MlaDecodeConfig()) is None  # per_sequence: no plan
+    with pytest.raises(ValueError, match=r"^schedule= is a device plan's; config.schedule is 'per_sequence'"):
+        mla_decode(*args, softmax_scale=SCALE, impl="interpret", schedule=given)
 
 
 @pytest.mark.parametrize("heads,s_q,variant", [(16, 1, "scorer"), (128, 2, "scorer"), (64, 1, "split_qk")])
@@ -694,8 +406,9 @@ def test_host_config_picks_the_branch_from_the_lengths():
     assert host_config(auto, ragged) == dataclasses.replace(auto, schedule="pieces")
     assert host_config(dataclasses.replace(auto, scorer=False), ragged).scorer is False
     assert host_config(auto, None) == dataclasses.replace(auto, schedule="per_sequence")  # a step that does not decode
-    balanced = MlaDecodeConfig(schedule="balanced")
-    assert host_config(balanced, even) is balanced and step_decode_config(balanced, ragged) is balanced
+    pieces, split = MlaDecodeConfig(schedule="pieces"), MlaDecodeConfig(num_splits=2)
+    assert host_config(pieces, even) is pieces and step_decode_config(pieces, even) is pieces
+    assert host_config(split, ragged) is split and step_decode_config(split, ragged) is split
     assert step_decode_config(auto, ragged).schedule == "pieces"
     # the defaults (None) choose as "auto" does: None (the per-sequence defaults) or the pieces config
     assert step_decode_config(None, ragged) == MlaDecodeConfig(schedule="pieces")
@@ -745,27 +458,11 @@ def test_auto_schedule_cross_lowers_for_sm90():
     assert _mosaic_calls(lowered) == 4
 
 
-def test_the_scorer_body_walks_the_balanced_schedule_only_when_asked():
-    """The scorer body on the balanced schedule is opt-in (`scorer=True`) until timed on a GPU; None keeps the
-    plain / split-QK bodies there and the scorer per sequence."""
-    assert plan(8, 1, 64, 130, MlaDecodeConfig(schedule="balanced", scorer=True)).scorer
-    assert not plan(8, 1, 64, 130, MlaDecodeConfig(schedule="balanced")).scorer
-    assert plan(8, 1, 64, 130, MlaDecodeConfig()).scorer
-
-
 def test_bad_schedule_raises():
     with pytest.raises(ValueError, match="schedule must be one of .* got 'even'"):
         MlaDecodeConfig(schedule="even")
-    with pytest.raises(
-        ValueError, match="whole_requests=True plans the balanced schedule's runs, got .*'per_sequence'"
-    ):
-        MlaDecodeConfig(whole_requests=True)
-    with pytest.raises(ValueError, match="request_cost_pages must be >= 0, got -1"):
-        MlaDecodeConfig(schedule="balanced", request_cost_pages=-1)
     with pytest.raises(ValueError, match=r"pieces_per_share must be in \[1, 64\], got 0"):
         MlaDecodeConfig(schedule="pieces", pieces_per_share=0)
-    with pytest.raises(ValueError, match="whole_requests=True plans the balanced schedule's runs, got .*'pieces'"):
-        MlaDecodeConfig(schedule="pieces", whole_requests=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -793,8 +490,8 @@ def _mosaic_calls(lowered) -> int:
 # split: the main kernel writes the output; the largest grid), causal or not. Shape and causality rotate
 # so that every H and every s_q meets all three shapes and both maskings, and every shape both maskings
 # (the body depends on H, s_q and causal; the launch shape decides the split plan and the grid). 16
-# lowerings instead of the 96 of the full product (32 until the sixth session: each (H, s_q) both ways;
-# the interpret tests and the GPU suite run both maskings of the bodies).
+# lowerings instead of the 96 of the full product (the interpret tests and the GPU suite run both maskings of
+# the bodies).
 _LAUNCH_SHAPES = [(1, 1024), (8, 130), (256, 512)]
 CROSS_LOWERING_CASES = [
     (heads, s_q, *_LAUNCH_SHAPES[(h_i + s_q) % 3], (h_i + s_q) % 2 == 1)
@@ -874,52 +571,6 @@ def test_cross_lowers_tuning_configs(config):
     assert _mosaic_calls(lowered) == 2
 
 
-# The three-warpgroup scorer (`scorer_pv_cols=0`): the scorer only scores, two warpgroups accumulate 256 columns
-# each, warpgroup 2 issues the copies. Catches: a slot refilled before all three released it (the scorer's Q·Kᵀ or
-# the other accumulator's P·V reading the next page), a page never issued (a hang, or a stale page), Q not loaded
-# before the first scores, the 256-column halves written at the wrong offsets, an empty split or piece row that
-# loads what no one waits for (the interpreter checks every barrier phase is waited).
-@pytest.mark.parametrize(
-    "heads,s_q,causal,seq_lens,max_pages,num_splits,schedule",
-    full(
-        [(*INTERPRET_CASES[i], "per_sequence") for i in (1, 3, 4, 6, 7)] + [(*INTERPRET_CASES[4], "pieces")],
-        [(*INTERPRET_CASES[6], "per_sequence")],
-        "the three-warpgroup scorer's other cases (its race test runs a refilled slot by default)",
-    ),
-)
-def test_interpret_three_warpgroup_scorer_matches_reference(
-    heads, s_q, causal, seq_lens, max_pages, num_splits, schedule
-):
-    case = (heads, s_q, causal, seq_lens, max_pages, num_splits)
-    _assert_scorer_option_matches_reference(case, schedule, seed=17, scorer_pv_cols=0)
-
-
-def test_three_warpgroup_scorer_has_no_races(mla_decode_races):
-    """The interpreter's race detector over the three-warpgroup scorer: catches a slot refilled by warpgroup 2
-    before the scorer and the other accumulating warpgroup released it (a wait that the numbers alone may not show,
-    as the interpreter happened to order the copy after the reads), and P rewritten while it is read."""
-    args = make_inputs(2, 1, 32, [130, 70], 3, seed=23)  # 3 and 2 pages through one slot: refilled each page
-    config = MlaDecodeConfig(num_splits=1, scorer=True, scorer_pv_cols=0, max_concurrent_steps=1)
-    assert_matches_reference(args, causal=False, config=config, impl="interpret")
-    assert not mla_decode_races()
-
-
-@pytest.mark.parametrize("num_splits,schedule", [(1, "per_sequence"), (3, "per_sequence"), (None, "pieces")])
-def test_three_warpgroup_scorer_cross_lowers_for_sm90(num_splits, schedule):
-    config = MlaDecodeConfig(num_splits=num_splits, scorer_pv_cols=0, schedule=schedule)
-    lowered = lower_for_sm90(4, 2, 128, 300, causal=True, config=config)
-    assert _mosaic_calls(lowered) == (1 if num_splits == 1 else 2)
-
-
-@pytest.mark.parametrize("num_splits", full([1, 3], [3], "the bf16 stage (the interpret test stages bf16 by default)"))
-def test_scorer_out_through_smem_cross_lowers_for_sm90(num_splits):
-    # The bf16 output (one split: the main kernel writes it) and the fp32 partials (three) staged in Q's SMEM:
-    # a stage tiling that does not suit the dtype, or a store layout the swizzle cannot take, fails here.
-    config = MlaDecodeConfig(num_splits=num_splits, scorer_out_smem=True)
-    lowered = lower_for_sm90(4, 2, 128, 300, causal=True, config=config)
-    assert _mosaic_calls(lowered) == (1 if num_splits == 1 else 2)
-
-
 def test_interpretable_variant_is_not_a_production_config():
     # The plain and split-QK bodies' SMEM-staged P buffers do not fit next to Q and two KV stages:
     # lowering must say so rather than the production path silently using them. (The scorer body
@@ -938,7 +589,7 @@ def test_row_blocks_are_the_fastest_launched_grid_axis(schedule):
     # Pallas hands the grid's last axis to the GPU as its fastest one: the CTAs of one sequence's row blocks (H = 128
     # here: two) must be neighbours there, so they read each page together and the second read comes from L2. With
     # the row block first they ran a wave apart and each read every page from memory (Nsight Compute: 1.2 GB read
-    # for 604 MB of pages at 128 x 4096, H = 128; docs/BENCHMARKS.md, nineteenth session).
+    # for 604 MB of pages at 128 x 4096, H = 128; docs/PERFORMANCE.md, "Decode kernel").
     from pallas_kernels.mla_decode.schedule import _main_out_geometry
 
     p = plan(8, 1, 128, 64, MlaDecodeConfig(schedule=schedule))
@@ -961,8 +612,7 @@ def test_plan_fills_about_one_wave():
 
 
 def test_plan_body_defaults():
-    # The scorer body by default on the per_sequence schedule (the balanced one has none); without
-    # it, split-QK exactly when a CTA's 64 rows are all real query rows.
+    # The scorer body by default; without it, split-QK exactly when a CTA's 64 rows are all real query rows.
     assert all(
         plan(8, s_q, h, 64, MlaDecodeConfig()).scorer and not plan(8, s_q, h, 64, MlaDecodeConfig()).split_qk
         for s_q, h in [(1, 16), (2, 32), (1, 128)]
@@ -973,8 +623,7 @@ def test_plan_body_defaults():
     ] == [False, False, True, True, True, True]
     assert not plan(8, 1, 128, 64, MlaDecodeConfig(scorer=False, split_qk=False)).split_qk
     assert plan(8, 1, 16, 64, MlaDecodeConfig(scorer=False, split_qk=True)).split_qk
-    balanced = MlaDecodeConfig(schedule="balanced")
-    assert not plan(8, 1, 16, 64, balanced).scorer and plan(8, 1, 64, 64, balanced).split_qk
+    assert plan(8, 1, 64, 64, MlaDecodeConfig(schedule="pieces")).scorer
 
 
 @pytest.mark.skipif(backend.on_hopper(), reason="checks the non-Hopper default")
@@ -1039,8 +688,6 @@ def test_invalid_scale_and_impl_raise():
         MlaDecodeConfig(max_concurrent_steps=3)
     with pytest.raises(ValueError, match="combine_block_cols .* got 96"):
         MlaDecodeConfig(combine_block_cols=96)
-    with pytest.raises(ValueError, match="scorer_pv_cols must be 0 or 128, got 64"):
-        MlaDecodeConfig(scorer_pv_cols=64)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1121,28 +768,6 @@ def test_gpu_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_s
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", GPU_CASES[::3])
-@pytest.mark.parametrize("schedule", ["per_sequence", "pieces"])
-def test_gpu_scorer_out_through_smem_matches_reference(heads, s_q, causal, batch, mean_len, num_splits, schedule):
-    args = _gpu_ragged_inputs(heads, s_q, batch, mean_len, 7)
-    splits = num_splits if schedule == "per_sequence" else None
-    config = MlaDecodeConfig(num_splits=splits, scorer=True, scorer_out_smem=True, schedule=schedule)
-    assert_matches_reference(args, causal=causal, config=config, impl="kernel")
-
-
-@pytest.mark.gpu
-@requires_hopper
-@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", GPU_CASES[1::3])
-@pytest.mark.parametrize("schedule", ["per_sequence", "pieces"])
-def test_gpu_three_warpgroup_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_splits, schedule):
-    args = _gpu_ragged_inputs(heads, s_q, batch, mean_len, 9)
-    splits = num_splits if schedule == "per_sequence" else None
-    config = MlaDecodeConfig(num_splits=splits, scorer=True, scorer_pv_cols=0, schedule=schedule)
-    assert_matches_reference(args, causal=causal, config=config, impl="kernel")
-
-
-@pytest.mark.gpu
-@requires_hopper
 @pytest.mark.parametrize("heads,s_q,causal", [(64, 1, False), (128, 2, True)])
 def test_gpu_large_batch(heads, s_q, causal):
     """B = 256 (the top of the supported batch range): one split per sequence, ragged lengths."""
@@ -1174,31 +799,4 @@ def test_gpu_pieces_matches_reference(heads, s_q, causal, variant):
     args = make_inputs(batch, s_q, heads, lengths, -(-1400 // 64), seed=int(rng.integers(1 << 30)))
     assert_matches_reference(
         args, causal=causal, impl="kernel", keyless_rows=True, config=MlaDecodeConfig(schedule="pieces", **variant)
-    )
-
-
-@pytest.mark.gpu
-@requires_hopper
-@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)  # the scorer body: its walk of the runs
-@pytest.mark.parametrize("whole", [False, True], ids=["equal_runs", "whole_requests"])
-@pytest.mark.parametrize(
-    "heads,s_q,causal", [(16, 1, False), (64, 1, False), (64, 2, True), (128, 1, False), (128, 4, True)]
-)
-def test_gpu_balanced_matches_reference(heads, s_q, causal, variant, whole):
-    """The balanced schedule on the GPU, ragged lengths (an empty sequence, a length-1 one, one
-    that fills the table) over the default 132 CTAs, in equal runs and in runs of equal work (empty runs
-    among them). Catches what the interpreter cannot: the next sequence's Q landing while the other
-    warpgroup's Q·Kᵀ still reads the old one, a flush of a piece racing the pipeline, a page read past the
-    schedule's runs."""
-    rng = np.random.default_rng(heads + 10 * s_q)
-    batch = 40
-    lengths = _ragged_lengths(rng, batch, 700, s_q)
-    lengths[0], lengths[1], lengths[-1] = 0, 1, 1400
-    args = make_inputs(batch, s_q, heads, lengths, -(-1400 // 64), seed=int(rng.integers(1 << 30)))
-    assert_matches_reference(
-        args,
-        causal=causal,
-        impl="kernel",
-        keyless_rows=True,
-        config=MlaDecodeConfig(schedule="balanced", whole_requests=whole, **variant),
     )

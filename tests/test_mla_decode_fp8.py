@@ -106,82 +106,12 @@ def test_interpret_matches_reference(heads, s_q, causal, seq_lens, max_pages, nu
     assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
-# The scorer body on fp8 pages (`fp8_scorer`): a converting warpgroup loads each page from HBM and dequantises it
-# into the bf16 slot the scorer and the accumulating warpgroups read.
-@pytest.mark.parametrize(
-    "heads,s_q,causal,seq_lens,max_pages,num_splits,schedule",
-    full(
-        [(*INTERPRET_CASES[i], "per_sequence") for i in (3, 4, 5)] + [(64, 1, False, [3, 200], 4, None, "pieces")],
-        [(*INTERPRET_CASES[4], "per_sequence")],
-        "the fp8 scorer's other cases (two row blocks, causal page boundaries, pieces)",
-    ),
-)
-def test_interpret_fp8_scorer_matches_reference(heads, s_q, causal, seq_lens, max_pages, num_splits, schedule):
-    """Guards: a block's scale applied to another block or not at all, the rope not copied, NaN page tails not
-    zeroed (NaN through P·V), a slot announced ready before its conversion is visible, a slot converted into
-    before the scorer and both accumulating warpgroups released it, the wrong page of the table converted."""
-    args = make_fp8_inputs(len(seq_lens), s_q, heads, seq_lens, max_pages, seed=heads + s_q + 5)
-    config = MlaDecodeConfig(
-        num_splits=num_splits if schedule == "per_sequence" else None,
-        min_pages_per_split=1,
-        min_piece_pages=1,
-        schedule=schedule,
-        fp8_scorer=True,
-        fp8_transposed=False,
-    )
-    assert_matches_reference(args, causal=causal, config=config, impl="interpret")
-
-
-def test_fp8_scorer_has_no_races(mla_decode_races):
-    """The interpreter's race detector over the converting warpgroup and its readers through one page slot
-    refilled every page: catches a conversion into the slot before its three releases."""
-    args = make_fp8_inputs(2, 1, 64, [130, 70], 3, seed=29)
-    config = MlaDecodeConfig(num_splits=1, fp8_scorer=True, max_concurrent_steps=1)
-    assert_matches_reference(args, causal=False, config=config, impl="interpret")
-    assert not mla_decode_races()
-
-
-_FP8_SCORER_CROSS = [(64, 1, 1, "per_sequence"), (128, 2, 3, "per_sequence"), (64, 2, None, "pieces")]
-
-
-@pytest.mark.parametrize(
-    "heads,s_q,num_splits,schedule",
-    full(_FP8_SCORER_CROSS, _FP8_SCORER_CROSS[1:2], "fp32 partials at two row blocks by default"),
-)
-def test_fp8_scorer_cross_lowers_for_sm90(heads, s_q, num_splits, schedule):
-    """Guards: the converting warpgroup's HBM loads (656-byte rows, the scales' strided column) or its stores into
-    the swizzled slot not lowering for sm_90; the final output (one split) and the fp32 partials both."""
-    config = MlaDecodeConfig(num_splits=num_splits, fp8_scorer=True, schedule=schedule)
-    lowered = _lower(4, s_q, heads, 130, causal=s_q > 1, config=config)
-    assert len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text())) == (1 if num_splits == 1 else 2)
-
-
 def test_transposed_body_refuses_more_than_32_rows():
     """Guards: fp8_transposed=True silently falling back (or computing garbage) where the transposed
-    body does not serve: more than 32 query rows, or the balanced schedule."""
+    body does not serve: more than 32 query rows."""
     args = make_fp8_inputs(1, 1, 64, [70], 2)
-    with pytest.raises(ValueError, match="s_q \\* H = 64"):
+    with pytest.raises(ValueError, match="needs s_q \\* H <= 32 query rows, got s_q \\* H = 64"):
         mla_decode(*args, softmax_scale=SCALE, config=MlaDecodeConfig(fp8_transposed=True), impl="interpret")
-    args = make_fp8_inputs(1, 1, 16, [70], 2)
-    with pytest.raises(ValueError, match="per_sequence or pieces schedule, got s_q \\* H = 16, schedule 'balanced'"):
-        mla_decode(
-            *args,
-            softmax_scale=SCALE,
-            impl="interpret",
-            config=MlaDecodeConfig(fp8_transposed=True, schedule="balanced"),
-        )
-
-
-@pytest.mark.full("the balanced schedule is opt-in since the pieces one; test_interpret_pieces_matches_reference runs")
-def test_interpret_balanced_matches_reference():
-    """Guards the balanced schedule's fp8 body: pages [2, 2, 1] in runs of 3 (seq 1 in two pieces,
-    both runs crossing a sequence boundary), so a Q not reloaded for the next sequence, softmax
-    state carried across sequences, a piece written to the wrong slot, or a 0xFF byte of another
-    sequence's page shows."""
-    lens = [65, 70, 3]
-    args = make_fp8_inputs(len(lens), 1, 16, lens, 2, seed=9)
-    config = MlaDecodeConfig(schedule="balanced", target_ctas=2, min_pages_per_split=1)
-    assert_matches_reference(args, causal=False, config=config, impl="interpret")
 
 
 @pytest.mark.parametrize(
@@ -243,14 +173,6 @@ def test_cross_lowers_for_sm90(heads, s_q, batch, max_pages):
     assert len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text())) == kernels
 
 
-@pytest.mark.parametrize("heads,s_q", [(128, 2)])
-def test_balanced_cross_lowers_for_sm90(heads, s_q):
-    """Guards: the balanced fp8 body over 227 KB of SMEM (its extra barrier next to the full
-    buffers) or using a construct Lane semantics cannot lower."""
-    lowered = _lower(8, s_q, heads, 130, causal=s_q > 1, config=MlaDecodeConfig(schedule="balanced"))
-    assert len(re.findall(r"custom_call @mosaic_gpu", lowered.as_text())) == 2
-
-
 requires_hopper = pytest.mark.skipif(not backend.on_hopper(), reason="needs a Hopper (sm_90) GPU")
 
 
@@ -281,38 +203,6 @@ def _gpu_ragged_fp8_inputs(heads, s_q, batch, mean_len, *, seed):
 def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
     args = _gpu_ragged_fp8_inputs(heads, s_q, batch, mean_len, seed=heads * 100 + s_q)
     assert_matches_reference(args, causal=causal, config=MlaDecodeConfig(num_splits=num_splits), impl="kernel")
-
-
-@pytest.mark.gpu
-@requires_hopper
-@pytest.mark.parametrize(
-    "heads,s_q,causal,batch,mean_len,num_splits",
-    [
-        (64, 1, False, 40, 300, None),
-        (64, 4, False, 5, 2000, 7),
-        (128, 3, True, 40, 300, None),
-        (128, 1, False, 5, 2000, 7),
-    ],
-)
-@pytest.mark.parametrize("schedule", ["per_sequence", "pieces"])
-def test_gpu_fp8_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_splits, schedule):
-    args = _gpu_ragged_fp8_inputs(heads, s_q, batch, mean_len, seed=heads * 100 + s_q + 11)
-    splits = num_splits if schedule == "per_sequence" else None
-    config = MlaDecodeConfig(num_splits=splits, fp8_scorer=True, schedule=schedule)
-    assert_matches_reference(args, causal=causal, config=config, impl="kernel")
-
-
-@pytest.mark.gpu
-@requires_hopper
-@pytest.mark.parametrize("heads,s_q,causal", [(64, 1, False), (128, 2, True)])
-def test_gpu_balanced_matches_reference(heads, s_q, causal):
-    """The balanced schedule's fp8 body on the GPU over ragged lengths and the default 132 CTAs
-    (runs crossing sequence boundaries; races the interpreter cannot show)."""
-    rng = np.random.default_rng(heads + s_q)
-    lengths = np.clip(rng.normal(700, 350, 40), s_q, 1400).astype(int).tolist()
-    lengths[0], lengths[-1] = max(s_q, 1), 1400
-    args = make_fp8_inputs(40, s_q, heads, lengths, -(-1400 // 64), seed=int(rng.integers(1 << 30)))
-    assert_matches_reference(args, causal=causal, impl="kernel", config=MlaDecodeConfig(schedule="balanced"))
 
 
 @pytest.mark.gpu

@@ -398,10 +398,8 @@ def test_near_tie_judge_tells_rounding_from_a_real_difference():
 def test_decode_config_reaches_the_engine_by_name():
     """`--decode-config NAME` (a name of `mla-bench mla_decode --variants`) builds the engine with that decode-kernel
     config, and an unknown name is one line naming the known ones. Catches the flag parsed but not passed on."""
-    engine, *_ = bench_serve.build_engine(_args(["--decode-config", "balanced_scorer"]))
-    assert engine.decode_config.schedule == "balanced" and engine.decode_config.scorer
+    engine, *_ = bench_serve.build_engine(_args(["--decode-config", "pieces4"]))
+    assert engine.decode_config.schedule == "pieces" and engine.decode_config.pieces_per_share == 4
     assert bench_serve.build_engine(_args())[0].decode_config is None
-    with pytest.raises(
-        SystemExit, match=r"^unknown --decode-config 'scorer2'; known: plain, split_qk, .*balanced_scorer"
-    ):
+    with pytest.raises(SystemExit, match=r"^unknown --decode-config 'scorer2'; known: plain, split_qk, .*pieces4"):
         bench_serve.build_engine(_args(["--decode-config", "scorer2"]))

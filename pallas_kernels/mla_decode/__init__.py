@@ -21,16 +21,6 @@ P·V steps every body shares, `bf16` and `scorer` the bodies over bf16 pages, `f
   B·row_blocks·num_splits fills about one wave of the GPU's SMs. With one split, the kernel
   writes the final bf16 output and natural-log LSE itself. With more, it writes fp32 partials and a
   second, small Mosaic GPU kernel combines them (still a single jitted call; no XLA math).
-* Token-balanced schedule (`MlaDecodeConfig.schedule="balanced"`, FlashMLA's tile scheduler):
-  instead of cutting each sequence on its own, the batch's pages (Σ cdiv(seq_len, 64)) are laid
-  end to end and cut into contiguous runs, one per CTA (and row block): equal runs, or with
-  ``whole_requests`` runs of equal work (a request costs its pages plus a fixed cost, as in FlashMLA's
-  planner) where a request that fits one CTA's share is never split. A run may cross
-  sequence boundaries: the CTA reloads Q when the sequence changes and writes one fp32 partial per
-  sequence piece, into piece slot ``cta + b`` (unique: slots grow along the runs). The combine
-  reduces each sequence's pieces (``piece_start[b]``, ``num_pieces[b]``). `balanced_schedule`
-  computes the (B-sized) metadata on the device from ``seq_lens``; a page's sequence is a binary
-  search of the page prefix sums (`sequence_of_page`).
 * Pieces (`MlaDecodeConfig.schedule="pieces"`): each sequence cut into pieces of at most N pages (N from
   the lengths: a CTA's share of the batch's pages over ``pieces_per_share``), one piece a CTA, no piece
   crossing a sequence, so every CTA runs the per-sequence body; the CTAs are launched longest piece first and
@@ -44,8 +34,8 @@ P·V steps every body shares, `bf16` and `scorer` the bodies over bf16 pages, `f
   tensor work, no synchronisation); the split-QK one has each compute S for 32 of the 64 tokens
   and exchange row maxima, P halves and row sums through SMEM (two CTA barriers per page).
   `MlaDecodeConfig.split_qk` picks; by default split-QK when all 64 rows of a CTA are real.
-* The scorer body (`_decode_partials_scorer`, the default on bf16 pages with the per_sequence
-  schedule): four warpgroups with loops of their own. The TMA one streams the pages; warpgroup 0
+* The scorer body (`_decode_partials_scorer`, the default on bf16 pages, per sequence split or
+  piece): four warpgroups with loops of their own. The TMA one streams the pages; warpgroup 0
   computes each page's S = Q·Kᵀ once and the softmax, writes P to SMEM and accumulates P·V over
   128 columns; warpgroups 1 and 2 accumulate P·V over 192 columns each, reading P from SMEM, so
   their P·V of page i runs under the scorer's Q·Kᵀ of page i + 1.
@@ -54,8 +44,7 @@ P·V steps every body shares, `bf16` and `scorer` the bodies over bf16 pages, `f
 * fp8 pages (`pallas_kernels.page_format.FP8_PAGES`): for R = s_q·H <= 32 query rows a transposed
   body (`_decode_partials_fp8_t`: Sᵀ = K·Qᵀ with the page's 64 tokens as the wgmma M and the R rows
   as N, the scales folded into the scores and P), else the padded body above over a bf16 key
-  buffer the two warpgroups dequantise into (`_decode_partials_fp8`); with ``config.fp8_scorer`` (opt-in) the
-  scorer body there, its TMA warpgroup replaced by one that loads and dequantises each page into the bf16 slot.
+  buffer the two warpgroups dequantise into (`_decode_partials_fp8`).
 """
 
 from __future__ import annotations
@@ -89,20 +78,15 @@ from pallas_kernels.mla_decode.config import (
 from pallas_kernels.mla_decode.fp8 import NARROW_ROWS, _decode_partials_fp8, _decode_partials_fp8_t, _use_transposed_fp8
 from pallas_kernels.mla_decode.schedule import (
     AutoSchedule,
-    BalancedSchedule,
     PieceSchedule,
-    balanced_schedule,
     branch_configs,
     host_config,
     num_piece_rows,
-    num_piece_slots,
     piece_schedule,
     plan,
     prefers_pieces,
-    sequence_of_page,
 )
 from pallas_kernels.mla_decode.scorer import SCORER_MEMORY_REGISTERS, _decode_partials_scorer
-from pallas_kernels.mla_decode.scorer_balanced import _decode_partials_scorer_balanced
 from pallas_kernels.page_format import PageFormat, check_pages
 
 __all__ = [
@@ -119,10 +103,8 @@ __all__ = [
     "SCORER_MEMORY_REGISTERS",
     "SUPPORTED_HEADS",
     "AutoSchedule",
-    "BalancedSchedule",
     "MlaDecodeConfig",
     "PieceSchedule",
-    "balanced_schedule",
     "branch_configs",
     "host_config",
     "mla_decode",
@@ -130,11 +112,9 @@ __all__ = [
     "mla_decode_reference",
     "mla_decode_schedule",
     "num_piece_rows",
-    "num_piece_slots",
     "piece_schedule",
     "plan",
     "prefers_pieces",
-    "sequence_of_page",
 ]
 
 
@@ -279,13 +259,11 @@ def mla_decode_reference(
 def _body(page_format: PageFormat, plan_, s_q: int, heads: int, config: MlaDecodeConfig):
     """The partials function that serves these pages, query rows and config."""
     if page_format.name == "fp8":
-        if _use_transposed_fp8(plan_, s_q, heads, config):
+        if _use_transposed_fp8(s_q, heads, config):
             return _decode_partials_fp8_t
-        if config.fp8_scorer and plan_.schedule in ("per_sequence", "pieces"):
-            return _decode_partials_scorer  # its converting warpgroup reads the pages
         return _decode_partials_fp8
-    if plan_.scorer:  # per sequence or per piece, or walking the balanced schedule's runs
-        return _decode_partials_scorer_balanced if plan_.balanced else _decode_partials_scorer
+    if plan_.scorer:
+        return _decode_partials_scorer
     return _decode_partials
 
 
@@ -295,24 +273,15 @@ INTERPRET_PARAMS = plgpu.InterpretGPUParams()
 SCHEDULE_SCOPE = "mla_decode_schedule"  # the name scope of the schedule's ops (a test finds where they run)
 
 
-def _schedule_for(seq_lens, plan_, config: MlaDecodeConfig) -> BalancedSchedule | PieceSchedule:
+def _schedule_for(seq_lens, plan_, config: MlaDecodeConfig) -> PieceSchedule:
     with jax.named_scope(SCHEDULE_SCOPE):
-        if plan_.schedule == "pieces":
-            return piece_schedule(seq_lens, row_blocks=plan_.row_blocks, config=config)
-        return balanced_schedule(
-            seq_lens,
-            num_ctas=plan_.num_ctas,
-            min_pages_per_cta=config.min_pages_per_split,
-            whole_requests=config.whole_requests,
-            request_cost=config.request_cost_pages,
-        )
+        return piece_schedule(seq_lens, row_blocks=plan_.row_blocks, config=config)
 
 
 def mla_decode_schedule(seq_lens, *, heads: int, query_len: int = 1, config: MlaDecodeConfig | None = None):
-    """The work plan `mla_decode(..., config=config, schedule=...)` takes for these lengths: a
-    `BalancedSchedule` when ``config.schedule`` is "balanced", a `PieceSchedule` for "pieces", an `AutoSchedule`
-    (the pieces plan and the rule's choice) for "auto", else None (the per-sequence schedule has nothing to
-    plan on the device).
+    """The work plan `mla_decode(..., config=config, schedule=...)` takes for these lengths: a `PieceSchedule`
+    when ``config.schedule`` is "pieces", an `AutoSchedule` (the pieces plan and the rule's choice) for "auto",
+    else None (the per-sequence schedule has nothing to plan on the device).
 
     It depends on the lengths, the heads, s_q and the config only, so a forward pass builds it once and
     hands it to every layer's call (`mla_jax.kv_cache.KVCache.decode_plan`) instead of each layer
@@ -344,16 +313,12 @@ def _check_schedule(schedule, B: int, s_q: int, H: int, config: MlaDecodeConfig)
                 f"{schedule.use_pieces.shape}"
             )
         return _check_schedule(schedule.pieces, B, s_q, H, branch_configs(config)[1])
-    if config.schedule not in ("balanced", "pieces"):
+    if config.schedule != "pieces":
         raise ValueError(f"schedule= is a device plan's; config.schedule is {config.schedule!r}, which has none")
-    kind = BalancedSchedule if config.schedule == "balanced" else PieceSchedule
-    if not isinstance(schedule, kind):
-        raise ValueError(f"schedule must be a {kind.__name__} (mla_decode_schedule), got {type(schedule).__name__}")
+    if not isinstance(schedule, PieceSchedule):
+        raise ValueError(f"schedule must be a PieceSchedule (mla_decode_schedule), got {type(schedule).__name__}")
     ctas = plan(B, s_q, H, 1, config).num_ctas
-    if kind is BalancedSchedule:
-        want = {"ends": (B,), "ctas": (ctas, 4), "piece_start": (B,), "num_pieces": (B,)}
-    else:
-        want = {"pieces": (ctas, 4), "piece_start": (B,), "num_pieces": (B,)}
+    want = {"pieces": (ctas, 4), "piece_start": (B,), "num_pieces": (B,)}
     for name, shape in want.items():
         got = getattr(schedule, name)
         if got.shape != shape or got.dtype != jnp.int32:
@@ -470,7 +435,7 @@ def mla_decode(
       checked: also check traced block tables and lengths, with `jax.experimental.checkify`
         (the caller wraps the jitted function in `checkify.checkify`; see `_page_table`).
         Concrete ones are always checked.
-      schedule: with ``config.schedule`` "balanced", "pieces" or "auto", the work plan `mla_decode_schedule`
+      schedule: with ``config.schedule`` "pieces" or "auto", the work plan `mla_decode_schedule`
         built for these ``seq_lens`` (so the layers of a step share one); None builds it here. It must be the
         plan of these lengths: a plan of other lengths reads the wrong pages.
 

@@ -40,19 +40,13 @@ def _decode_partials(
 ):
     """Main kernel. With one split it returns the final (out [B, Rp, 512] bf16, lse [B, Rp] f32 ln);
     with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in log2) for `_combine`.
-    With ``schedule`` (plan_.schedule "balanced": a `BalancedSchedule`'s `kernel_refs`, ends and
-    ctas; "pieces": a `PieceSchedule`'s): fp32 partials per piece slot (o [NS, Rp, 512], lse [NS, Rp] in
-    log2, `_main_out_geometry`); slots no piece takes are never written."""
+    With ``schedule`` (plan_.schedule "pieces": a `PieceSchedule`'s `kernel_refs`): fp32 partials per piece
+    slot (o [NS, Rp, 512], lse [NS, Rp] in log2, `_main_out_geometry`); slots no piece takes are never written."""
     B, Rp, _ = q_rows.shape
-    balanced = plan_.schedule == "balanced"
     final = plan_.num_splits == 1 and not plan_.planned
     scale_log2 = scale * _LOG2E
     out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
     scratch = dict(q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS), q_bar=plgpu.Barrier())
-    if balanced:
-        # Both compute warpgroups are done reading Q (their Q·Kᵀ of a piece's last page) before
-        # warpgroup 0 reloads it for the next sequence.
-        scratch["q_free_bar"] = plgpu.Barrier(num_arrivals=2)
     if plan_.split_qk:
         # P (64 rows x 64 tokens, bf16, untiled so each warpgroup can store its 32-token half and
         # both can load all of it into registers), row maxima and row sums of each warpgroup, and
@@ -86,7 +80,7 @@ def _decode_partials(
         interpret=interpret,
     )
     def mla_decode_partials(
-        *refs, q_smem, q_bar, q_free_bar=None, p_smem=None, p_full_smem=None, stat_smem=None, max_bar=None, p_bar=None
+        *refs, q_smem, q_bar, p_smem=None, p_full_smem=None, stat_smem=None, max_bar=None, p_bar=None
     ):
         (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, plan_.planned)
         g = lax.axis_index("g")
@@ -100,7 +94,6 @@ def _decode_partials(
             lse_ref=lse_ref,
             q_smem=q_smem,
             q_bar=q_bar,
-            q_free_bar=q_free_bar,
             rows=rows,
             cols=cols,
             final=final,
@@ -130,7 +123,6 @@ def _decode_partials(
                 return acc_ref[...]
 
             sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE // 2), jnp.float32)) * scale_log2
-            steps.after_qk(i, at)
             key = (
                 page_start
                 + wg * (PAGE_SIZE // 2)
@@ -160,7 +152,7 @@ def _decode_partials(
             )
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = plgpu.load(p_full_smem, layout=wgmma_layout)
-            return steps.end_step((pv_update(acc, p16, kv.at[:, cols]), m_new, l), at)
+            return pv_update(acc, p16, kv.at[:, cols]), m_new, l
 
         def pv_update(acc, p16, v):
             """acc + P·V for this warpgroup's columns; P (64 x 64 bf16) in registers."""
@@ -177,11 +169,10 @@ def _decode_partials(
                 return acc_ref[...]
 
             sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32)) * scale_log2
-            steps.after_qk(i, at)
             p16, acc, m_new, l = _online_softmax(
                 sc, acc, m, l, page_start, _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
             )
-            return steps.end_step((pv_update(acc, p16, kv.at[:, cols]), m_new, l), at)
+            return pv_update(acc, p16, kv.at[:, cols]), m_new, l
 
         plgpu.emit_pipeline_warp_specialized(
             body_split_qk if plan_.split_qk else body,

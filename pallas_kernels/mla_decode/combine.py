@@ -1,5 +1,5 @@
 """The split combine of `mla_decode`: a small Mosaic GPU kernel that merges the fp32 partial outputs of a
-sequence's KV splits (or its balanced-schedule pieces) by their log-sum-exp."""
+sequence's KV splits (or its pieces) by their log-sum-exp."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pallas_kernels.mla_decode.steps import _LN2, _M_INIT
 def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret, pieces=None, transposed=False):
     """Split combine: o [B, S, Rp, 512] f32 and lse [B, S, Rp] (log2) -> out [B, Rp, 512], lse (ln).
 
-    With ``pieces`` = (piece_start [B], num_pieces [B]) int32 (the balanced and pieces schedules): o [NS,
+    With ``pieces`` = (piece_start [B], num_pieces [B]) int32 (the pieces schedule): o [NS,
     Rp, 512] and lse [NS, Rp] by piece slot, sequence b's pieces in slots [piece_start[b],
     piece_start[b] + num_pieces[b]) (none for an empty sequence: out = 0, lse = -inf).
 

@@ -11,7 +11,7 @@ ROWS = 64  # query rows per CTA = wgmma M of one warpgroup
 SUPPORTED_HEADS = (16, 32, 64, 128)
 MAX_QUERY_LEN = 4
 KERNEL_FORMATS = ("bf16", "fp8")  # page formats the kernel has bodies for (`pallas_kernels.page_format.NAMES`)
-SCHEDULES = ("per_sequence", "balanced", "pieces", "auto")
+SCHEDULES = ("per_sequence", "pieces", "auto")
 RAGGED_SPREAD = 1.5  # "auto": the pieces schedule when the longest sequence has more pages than this x the mean
 
 
@@ -35,7 +35,7 @@ class MlaDecodeConfig:
         page's 64 tokens (instead of both computing all 64); the two exchange row maxima, P halves
         (bf16) and row sums through SMEM with two CTA barriers per page. Halves the Q·Kᵀ tensor
         work. None = on when the 64 query rows of a CTA are all real (s_q * H >= 64), where it
-        measured faster (docs/NOTES.md).
+        measures faster (docs/PERFORMANCE.md, "Decode kernel").
       interpretable: use constructs the Pallas interpreter can run (P staged through SMEM, P·V
         accumulated with ``run_scoped`` instead of ``run_state``); slower, for interpret mode only.
       schedule: how pages are dealt to CTAs. "per_sequence": each CTA takes one split of one
@@ -44,61 +44,26 @@ class MlaDecodeConfig:
         ``pieces_per_share``, at least ``min_pages_per_split``), one piece a CTA, the CTAs launched longest
         piece first so the GPU's block scheduler deals them out as SMs free up (longest-processing-time
         first); a piece never crosses a sequence, so each CTA runs the per-sequence body on one piece, and
-        the combine merges every sequence's pieces. "balanced": the batch's pages are cut into
-        ``target_ctas // row_blocks`` equal runs (at least ``min_pages_per_split`` pages each) that may span
-        sequences (FlashMLA's partitions), every CTA walking its run; measured slower than "pieces" on every
-        cell (docs/BENCHMARKS.md, eighteenth session). With either, ``num_splits`` and ``max_splits`` do not
-        apply and the combine always runs. "auto": per call, the pieces schedule for ragged lengths and the
+        the combine merges every sequence's pieces; ``num_splits`` and ``max_splits`` do not apply and the
+        combine always runs. "auto": per call, the pieces schedule for ragged lengths and the
         per-sequence one otherwise (`prefers_pieces`: the longest sequence holds more than `RAGGED_SPREAD` x
         the mean pages, idle rows counted); a caller holding the lengths on the host picks the program there
         (`host_config`), else both are compiled under a device conditional.
-      whole_requests: with the balanced schedule, runs of equal work instead of equal pages: a request
-        costs its pages plus ``request_cost_pages`` (FlashMLA's planner counts the same), and a cut that
-        falls inside a request costing no more than a share moves to that request's nearer end, so only
-        requests larger than a share are split (`pallas_kernels.mla_decode.balanced_schedule`). Off by
-        default: measured 1.47-1.6x slower than equal runs on ragged batches of 64-128 requests (a run
-        can take up to a share plus half a request at each end; docs/NOTES.md).
-      request_cost_pages: with ``whole_requests``, what a request costs a CTA besides its pages, in
-        pages (its Q load, 73.7 KB, is about one page; its fp32 partial write, 128 KB, about two).
       pieces_per_share: with the "pieces" schedule, the pieces one CTA's share of the work (the batch's pages
         x row blocks over ``target_ctas``) is cut into: 1 gives the fewest partials (each costs a 128 KB
         fp32 write and its read in the combine), more give the scheduler finer pieces to even out.
       min_piece_pages: with the "pieces" schedule, pieces are at least min(this, a share) pages long, so a
         small batch's shares stay whole (each piece pays a Q load and a partial write, about three pages'
-        time; at B = 8 and 32 half-share pieces measured 25-51 % slower than the per-sequence splits).
+        time; small batches in half-share pieces run slower than the per-sequence splits: docs/PERFORMANCE.md,
+        "Decode schedules").
       fp8_transposed: for fp8 pages, the transposed body (`_decode_partials_fp8_t`: scores as
         Sᵀ = K·Qᵀ with the R = s_q * H query rows as the wgmma N, so no tensor work on padding
         rows, and no barrier around a shared key buffer) instead of the padded 64-row body. It
-        serves R <= 32 (H=16 and 32 at s_q=1, H=16 at s_q=2) on the per_sequence and pieces
-        schedules. None = on wherever it serves.
-      scorer: for bf16 pages on the per_sequence and pieces schedules, the scorer body
-        (`_decode_partials_scorer`): one warpgroup computes each page's Q·Kᵀ once, the softmax and
-        P·V over 128 columns, two others P·V over 192 columns each, beside the TMA warpgroup.
-        None = on there (the fastest there: docs/BENCHMARKS.md). On the balanced schedule True runs
-        it walking the schedule's runs (`_decode_partials_scorer_balanced`; every warpgroup follows
-        the run, a piece restarts the softmax with alpha = 0; timed: 1.2-1.3x the pieces schedule on
-        ragged cells); None there runs the plain / split-QK bodies. False picks between those two by
-        ``split_qk``. fp8 pages have bodies of their own.
-      scorer_out_smem: with the scorer body on the per_sequence and pieces schedules, the scorer warpgroup
-        writes its 128 output columns through SMEM (Q's buffer, free after its last Q·Kᵀ) with one TMA copy
-        instead of each thread storing its fragment: Nsight Compute put 11 % of the scorer's samples at H = 128
-        in those stores, throttled (docs/NOTES.md, nineteenth session). Off: timed 0.2-0.8 % faster at H = 128 and
-        flat at H = 64 (docs/BENCHMARKS.md, twentieth session), inside the run-to-run spread.
-      scorer_pv_cols: with the scorer body on the per_sequence and pieces schedules, the P·V columns of the
-        scoring warpgroup: 128 (four warpgroups: the scorer, two accumulating 192 columns each, one issuing the
-        TMA copies; 128 registers a thread at launch) or 0 (three warpgroups: the scorer only scores, the two
-        others accumulate 256 columns each and the second issues the copies; 168 registers at launch, so a
-        256-column accumulator compiles). 0 takes the scorer's own P·V (1 MFLOP a page at 64 rows) off its chain,
-        the H = 128 bound (docs/NOTES.md, nineteenth session). 128: 0 timed 3-7 % slower in every cell (its
-        scorer still runs Q·Kᵀ, the softmax and the P hand-off in sequence; docs/BENCHMARKS.md, twentieth session).
-      fp8_scorer: for fp8 pages where the padded body would run (s_q * H > 32, or ``fp8_transposed=False``) on the
-        per_sequence and pieces schedules, the scorer body instead, its TMA warpgroup replaced by a converting one:
-        each page loaded from HBM, dequantised (scales applied) into the bf16 page slot the scorer and the
-        accumulating warpgroups read, so the tensor work is the bf16 body's and the conversion runs beside it, on
-        a warpgroup of its own (the padded body converts on its two compute warpgroups, then both score all 64
-        rows: 3.0-3.4x the bf16 kernel at H = 64 and 128). Four warpgroups (``scorer_pv_cols`` does not apply).
-        Off: timed no faster (3.0-3.4x bf16, the one converting warpgroup the bound; docs/BENCHMARKS.md, twentieth
-        session).
+        serves R <= 32 (H=16 and 32 at s_q=1, H=16 at s_q=2). None = on wherever it serves.
+      scorer: for bf16 pages, the scorer body (`_decode_partials_scorer`): one warpgroup computes each
+        page's Q·Kᵀ once, the softmax and P·V over 128 columns, two others P·V over 192 columns each, beside
+        the TMA warpgroup. None or True = on (the fastest body: docs/PERFORMANCE.md, "Decode kernel"); False
+        picks between the plain and split-QK bodies by ``split_qk``. fp8 pages have bodies of their own.
     """
 
     num_splits: int | None = None
@@ -111,15 +76,10 @@ class MlaDecodeConfig:
     split_qk: bool | None = None
     interpretable: bool = False
     schedule: str = "per_sequence"
-    whole_requests: bool = False
-    request_cost_pages: int = 2
     pieces_per_share: int = 2
     min_piece_pages: int = 16
     fp8_transposed: bool | None = None
     scorer: bool | None = None
-    scorer_out_smem: bool = False
-    scorer_pv_cols: int = 128
-    fp8_scorer: bool = False
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -130,14 +90,10 @@ class MlaDecodeConfig:
             raise ValueError(f"target_ctas must be >= 1, got {self.target_ctas}")
         if self.max_splits < 1:
             raise ValueError(f"max_splits must be >= 1, got {self.max_splits}")
-        if self.request_cost_pages < 0:
-            raise ValueError(f"request_cost_pages must be >= 0, got {self.request_cost_pages}")
         if self.min_piece_pages < 1:
             raise ValueError(f"min_piece_pages must be >= 1, got {self.min_piece_pages}")
         if not 1 <= self.pieces_per_share <= 64:
             raise ValueError(f"pieces_per_share must be in [1, 64], got {self.pieces_per_share}")
-        if self.whole_requests and self.schedule in ("per_sequence", "pieces"):
-            raise ValueError(f"whole_requests=True plans the balanced schedule's runs, got schedule {self.schedule!r}")
         if self.min_pages_per_split < 1:
             raise ValueError(f"min_pages_per_split must be >= 1, got {self.min_pages_per_split}")
         if self.max_concurrent_steps not in (1, 2):
@@ -146,8 +102,6 @@ class MlaDecodeConfig:
             )
         if not 24 <= self.memory_registers <= 256 or self.memory_registers % 8:
             raise ValueError(f"memory_registers must be a multiple of 8 in [24, 256], got {self.memory_registers}")
-        if self.scorer_pv_cols not in (0, 128):
-            raise ValueError(f"scorer_pv_cols must be 0 or 128, got {self.scorer_pv_cols}")
         if self.combine_block_cols not in (64, 128, 256):
             raise ValueError(f"combine_block_cols must be one of 64, 128, 256, got {self.combine_block_cols}")
 

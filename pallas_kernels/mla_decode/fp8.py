@@ -65,7 +65,6 @@ def _decode_partials_fp8(
     stages  + the 72 KB buffer = 226 KB of the 227. Outputs and ``schedule`` as for
     `_decode_partials`."""
     B, Rp, _ = q_rows.shape
-    balanced = plan_.schedule == "balanced"
     final = plan_.num_splits == 1 and not plan_.planned
     scale_log2 = scale * _LOG2E
     out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
@@ -76,8 +75,6 @@ def _decode_partials_fp8(
         deq_bar=plgpu.Barrier(num_arrivals=2),
         free_bar=plgpu.Barrier(num_arrivals=2),
     )
-    if balanced:  # see `_decode_partials`
-        scratch["q_free_bar"] = plgpu.Barrier(num_arrivals=2)
     if config.interpretable:
         scratch["p_smem"] = plgpu.SMEM((2, ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS)
     half = LATENT_DIM // 2
@@ -100,7 +97,7 @@ def _decode_partials_fp8(
         ),
         interpret=interpret,
     )
-    def mla_decode_partials_fp8(*refs, q_smem, q_bar, lat_smem, deq_bar, free_bar, q_free_bar=None, p_smem=None):
+    def mla_decode_partials_fp8(*refs, q_smem, q_bar, lat_smem, deq_bar, free_bar, p_smem=None):
         ins, sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 6, plan_.planned)
         q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref = ins
         g = lax.axis_index("g")
@@ -114,7 +111,6 @@ def _decode_partials_fp8(
             lse_ref=lse_ref,
             q_smem=q_smem,
             q_bar=q_bar,
-            q_free_bar=q_free_bar,
             rows=rows,
             cols=cols,
             final=final,
@@ -142,11 +138,10 @@ def _decode_partials_fp8(
                 return acc_ref[...]
 
             sc = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32)) * scale_log2
-            steps.after_qk(i, at)
             p16, acc, m_new, l = _online_softmax(
                 sc, acc, m, l, page_start, _row_limits(seq_len, g, heads=heads, s_q=s_q, causal=causal)
             )
-            return steps.end_step((pv_update(acc, p16), m_new, l), at)
+            return pv_update(acc, p16), m_new, l
 
         plgpu.emit_pipeline_warp_specialized(
             body,
@@ -171,16 +166,13 @@ def _decode_partials_fp8(
 NARROW_ROWS = 32
 
 
-def _use_transposed_fp8(plan_: _Plan, s_q: int, heads: int, config: MlaDecodeConfig) -> bool:
+def _use_transposed_fp8(s_q: int, heads: int, config: MlaDecodeConfig) -> bool:
     """Whether fp8 pages go through `_decode_partials_fp8_t` (see `MlaDecodeConfig.fp8_transposed`)."""
-    fits = s_q * heads <= NARROW_ROWS and plan_.schedule in ("per_sequence", "pieces")
+    fits = s_q * heads <= NARROW_ROWS
     if config.fp8_transposed is None:
         return fits
     if config.fp8_transposed and not fits:
-        raise ValueError(
-            f"fp8_transposed=True needs s_q * H <= {NARROW_ROWS} query rows and the per_sequence or pieces "
-            f"schedule, got s_q * H = {s_q * heads}, schedule {plan_.schedule!r}"
-        )
+        raise ValueError(f"fp8_transposed=True needs s_q * H <= {NARROW_ROWS} query rows, got s_q * H = {s_q * heads}")
     return config.fp8_transposed
 
 
@@ -293,7 +285,7 @@ def _decode_partials_fp8_t(
     pieces = plan_.schedule == "pieces"
     final = S == 1 and not pieces
     scale_log2 = scale * _LOG2E
-    mma = jnp.bfloat16  # tensor-core inputs (f16 measured no better: docs/NOTES.md)
+    mma = jnp.bfloat16  # tensor-core inputs (f16 is no faster: docs/PERFORMANCE.md, "FP8 pages")
     blk = 128  # latent columns per fp8 scale
     nblk = LATENT_DIM // blk  # 4; warpgroup w owns blocks 2w, 2w+1
     if final:
@@ -432,7 +424,7 @@ def _decode_partials_fp8_t(
             (i,) = idx
             accs, m, l = carry
             page_start = (first_page + i) * PAGE_SIZE
-            # (The named scopes are what Mosaic GPU's profiler reports: scripts/lab/profile_fp8_decode.py.)
+            # (The named scopes are what Mosaic GPU's profiler reports, by warpgroup and phase.)
             with jax.named_scope("convert"):
                 _fp8_half_to_smem(wg, lat_lo, lat_hi, rope, seq_len - page_start, kv_smem)
             with jax.named_scope("qk"):

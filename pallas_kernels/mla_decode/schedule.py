@@ -1,6 +1,6 @@
 """How `mla_decode` deals pages to CTAs: the static launch plan (row blocks, KV splits, which body), the
-token-balanced schedule computed on the device from the lengths, the shapes of the partial outputs, and
-the page walk each body runs (`_schedule_steps`)."""
+pieces schedule computed on the device from the lengths, the "auto" rule between it and the per-sequence one,
+the shapes of the partial outputs, and the page walk each body runs (`_schedule_steps`)."""
 
 from __future__ import annotations
 
@@ -27,18 +27,14 @@ class _Plan:
     pages_per_split: int
     split_qk: bool  # the Q·Kᵀ-split body (see MlaDecodeConfig.split_qk)
     schedule: str = "per_sequence"
-    num_ctas: int = 0  # balanced: CTAs (page runs) a row block; pieces: piece rows (`num_piece_rows`); else 0
+    num_ctas: int = 0  # pieces: piece rows (`num_piece_rows`); else 0
     scorer: bool = False  # the scorer body (see MlaDecodeConfig.scorer; bf16 pages only)
 
     @property
-    def balanced(self) -> bool:
-        return self.schedule == "balanced"
-
-    @property
     def planned(self) -> bool:
-        """The main kernel reads a plan built on the device (`BalancedSchedule` or `PieceSchedule`), writes fp32
-        partials by slot and is always followed by the combine."""
-        return self.schedule in ("balanced", "pieces")
+        """The main kernel reads a plan built on the device (a `PieceSchedule`), writes fp32 partials by slot and
+        is always followed by the combine."""
+        return self.schedule == "pieces"
 
 
 def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConfig) -> _Plan:
@@ -55,14 +51,8 @@ def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConf
     splits = max(1, min(splits, max_pages))
     pages_per_split = pl.cdiv(max_pages, splits)
     split_qk = config.split_qk if config.split_qk is not None else s_q * heads >= ROWS
-    # The scorer body: the default per sequence and per piece; on the balanced schedule only when asked
-    per_piece = config.schedule in ("per_sequence", "pieces")
-    scorer = (config.scorer is None or config.scorer) if per_piece else bool(config.scorer)
+    scorer = config.scorer is None or config.scorer  # the scorer body unless asked otherwise
     split_qk = split_qk and not scorer
-    if config.schedule == "balanced":
-        return _Plan(
-            row_blocks, 1, pages_per_split, split_qk, "balanced", max(1, config.target_ctas // row_blocks), scorer
-        )
     if config.schedule == "pieces":
         rows = num_piece_rows(batch, row_blocks, config)
         return _Plan(row_blocks, 1, pages_per_split, split_qk, "pieces", rows, scorer)
@@ -71,7 +61,7 @@ def plan(batch: int, s_q: int, heads: int, max_pages: int, config: MlaDecodeConf
 
 def branch_configs(config: MlaDecodeConfig) -> tuple[MlaDecodeConfig, MlaDecodeConfig]:
     """The "auto" schedule's two programs: (the per-sequence config, the pieces config), the other knobs kept."""
-    per_sequence = dataclasses.replace(config, schedule="per_sequence", whole_requests=False)
+    per_sequence = dataclasses.replace(config, schedule="per_sequence")
     return per_sequence, dataclasses.replace(per_sequence, schedule="pieces")
 
 
@@ -79,11 +69,9 @@ def prefers_pieces(seq_lens):
     """bool [] (of numpy lengths a numpy bool, on the host; else a jax one): the "auto" schedule's rule. The
     pieces schedule when the longest sequence holds more than `RAGGED_SPREAD` x the mean pages (idle rows,
     length 0, counted: the per-sequence schedule gives their CTAs nothing to do); else the per-sequence one.
-    Equal lengths and a single sequence never take it. Measured (docs/BENCHMARKS.md, eighteenth session, one
-    H200): lengths drawn uniformly from 256-16384, 256-8192 and 1-32768 and normal around 8192 (max / mean ~
-    1.9-2) ran 11-35 % faster in pieces; equal lengths 4-51 % slower (each piece pays its Q load, a partial
-    write and the combine; B = 8 the most). The threshold lies between those cells; nothing was measured near
-    it."""
+    Equal lengths and a single sequence never take it. Ragged lengths (max / mean ~ 1.9-2) run faster in
+    pieces, equal lengths slower (each piece pays its Q load, a partial write and the combine); the threshold
+    lies between the measured cells (docs/PERFORMANCE.md, "Decode schedules")."""
     xp = np if isinstance(seq_lens, np.ndarray) else jnp
     pages = (seq_lens.astype(xp.int64 if xp is np else xp.int32) + PAGE_SIZE - 1) // PAGE_SIZE
     return xp.max(pages).astype(xp.float32) * pages.shape[0] > RAGGED_SPREAD * xp.sum(pages).astype(xp.float32)
@@ -98,27 +86,6 @@ def host_config(config: MlaDecodeConfig, seq_lens: np.ndarray | None) -> MlaDeco
         return config
     per_sequence, pieces = branch_configs(config)
     return pieces if seq_lens is not None and prefers_pieces(np.asarray(seq_lens)) else per_sequence
-
-
-class BalancedSchedule(NamedTuple):
-    """Token-balanced work split (`balanced_schedule`); every field int32.
-
-    The batch's pages in order (sequence 0's, then 1's, ...) are "global pages" g in [0, total); CTA c
-    takes the contiguous run [ctas[c, 0], ctas[c, 1]) of them (runs in order, together every page once; a
-    run past the last page is empty). Global page g belongs to sequence `sequence_of_page(g, ends, 0, B - 1)`,
-    as its page g - (ends[b] - cdiv(seq_lens[b], 64)).
-    """
-
-    ends: jax.Array  # [B]: pages of sequences 0..b (inclusive prefix sum of cdiv(len, 64))
-    ctas: jax.Array  # [C, 4]: run c's first global page, its end, and the sequences of its first and last
-    # pages (clipped to [0, B-1]; an empty run gets the last sequence twice)
-    piece_start: jax.Array  # [B]: piece slot of sequence b's first piece (= its first CTA + b)
-    num_pieces: jax.Array  # [B]: pieces (CTAs) sequence b's pages fall into; 0 for an empty one
-
-    @property
-    def kernel_refs(self) -> tuple:
-        """What a main kernel reads of the schedule (the combine reads `piece_start` and `num_pieces`)."""
-        return (self.ends, self.ctas)
 
 
 class PieceSchedule(NamedTuple):
@@ -191,103 +158,6 @@ class AutoSchedule(NamedTuple):
     use_pieces: jax.Array  # bool []
 
 
-def num_piece_slots(batch: int, num_ctas: int) -> int:
-    """Piece slots of the partials buffer: slot = cta + b grows strictly along the runs, and both
-    are below their counts."""
-    return num_ctas + batch - 1
-
-
-def _equal_run_starts(total, num_ctas: int, min_pages: int):
-    """Equal runs: ceil(total / num_ctas) pages each (at least `min_pages`), the last ones short or empty."""
-    ppc = jnp.maximum((total + num_ctas - 1) // num_ctas, min_pages)
-    return jnp.minimum(jnp.arange(num_ctas, dtype=jnp.int32) * ppc, total)
-
-
-def _whole_request_starts(pages, ends, num_ctas: int, min_pages: int, request_cost: int):
-    """Runs cut by work, not pages, and not inside a request that fits one CTA's share. A request costs its
-    pages plus `request_cost` (its Q load and partial write); the batch's cost laid end to end is cut into
-    equal shares, one per CTA. A cut that falls inside a request costing no more than a share moves to that
-    request's nearer end (so the request stays whole and a CTA's work moves by at most half a request); a cut
-    inside a larger request stays where it falls, at a page. No loop over the requests: O(B + C) vector work.
-    -> the first global page of each CTA's run [C] (non-decreasing; a CTA whose run is empty starts where
-    the next one does, at a request's start, never inside one)."""
-    C = num_ctas
-    total = ends[-1]
-    cost = pages + jnp.where(pages > 0, request_cost, 0)  # [B]
-    cost_end = jnp.cumsum(cost).astype(jnp.int32)  # inclusive
-    cost_start = cost_end - cost
-    share = jnp.maximum((cost_end[-1] + C - 1) // C, min_pages + request_cost)
-    cut = jnp.arange(1, C, dtype=jnp.int32) * share  # [C - 1] cost positions of the cuts
-    b = jnp.minimum(jnp.sum(cost_end[None, :] <= cut[:, None], axis=1, dtype=jnp.int32), pages.shape[0] - 1)
-    first_page = ends[b] - pages[b]
-    offset = cut - cost_start[b]  # cost units into request b (its Q load first, then its pages)
-    inside = jnp.clip(offset - request_cost, 0, pages[b])
-    nearer_end = jnp.where(2 * offset < cost[b], 0, pages[b])
-    page = first_page + jnp.where(cost[b] <= share, nearer_end, inside)
-    page = jnp.where(cut >= cost_end[-1], total, page)  # past the work: unused CTAs
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), page.astype(jnp.int32)])
-    return lax.cummax(jnp.minimum(starts, total))
-
-
-def balanced_schedule(
-    seq_lens, *, num_ctas: int, min_pages_per_cta: int = 1, whole_requests: bool = False, request_cost: int = 2
-) -> BalancedSchedule:
-    """FlashMLA-style scheduler metadata, on the device (jit-friendly: static shapes, B-sized).
-
-    Args:
-      seq_lens: int32 [B] (0 allowed: an idle row gets no pages).
-      num_ctas: CTAs to share the pages (static).
-      min_pages_per_cta: an equal run is at least this long (each CTA pays a Q load and a partial write);
-        with `whole_requests`, a share is at least this many pages plus `request_cost`.
-      whole_requests: False: the batch's pages cut into equal runs, crossing requests anywhere. True:
-        runs of equal work (`_whole_request_starts`): a request that fits one CTA's share is never split.
-      request_cost: with `whole_requests`, what a request costs a CTA besides its pages, in pages.
-
-    Returns:
-      `BalancedSchedule`. Pieces: CTA c's run meets sequence b in at most one contiguous piece,
-      written to slot c + b; sequence b's pieces are slots [piece_start[b], piece_start[b] +
-      num_pieces[b]), in key order.
-    """
-    B = seq_lens.shape[0]
-    pages = (seq_lens.astype(jnp.int32) + PAGE_SIZE - 1) // PAGE_SIZE  # [B]
-    ends = jnp.cumsum(pages).astype(jnp.int32)
-    total = ends[-1]
-    if whole_requests:
-        starts = _whole_request_starts(pages, ends, num_ctas, min_pages_per_cta, request_cost)
-    else:
-        starts = _equal_run_starts(total, num_ctas, min_pages_per_cta)
-    stops = jnp.concatenate([starts[1:], total[None]])
-    # The CTA whose run holds global page g < total: the last with a start <= g (an empty run starts where the
-    # next one does, so it holds no page and lies inside no sequence's pieces).
-    cta_of = lambda g: (starts[None, 1:] <= g[:, None]).sum(1, dtype=jnp.int32)  # noqa: E731
-    first_cta = cta_of(ends - pages)
-    last_cta = cta_of(jnp.maximum(ends - 1, 0))
-    num_pieces = jnp.where(pages > 0, last_cta - first_cta + 1, 0)
-    piece_start = first_cta + jnp.arange(B, dtype=jnp.int32)
-    # Per CTA, the sequences of its run's first and last page: the first b with ends[b] > g.
-    run_last = jnp.maximum(stops - 1, starts)
-    seq_of = lambda g: jnp.minimum((ends[None, :] <= g[:, None]).sum(1, dtype=jnp.int32), B - 1)  # noqa: E731
-    ctas = jnp.stack([starts, stops, seq_of(starts), seq_of(run_last)], 1)
-    return BalancedSchedule(ends, ctas.astype(jnp.int32), piece_start.astype(jnp.int32), num_pieces.astype(jnp.int32))
-
-
-def sequence_of_page(g, ends, lo, hi):
-    """The sequence holding global page g < total, known to be in [lo, hi]: the first b with
-    ends[b] > g, by binary search (a while loop: no step when lo == hi). ``ends`` is read as
-    ``ends[k]``: a kernel ref or an array."""
-
-    def step(bounds):
-        lo, hi = bounds
-        mid = lax.shift_right_logical(lo + hi, 1)
-        left = ends[mid] > g
-        return jnp.where(left, lo, mid + 1), jnp.where(left, mid, hi)
-
-    lo, _ = lax.while_loop(
-        lambda bounds: bounds[0] < bounds[1], step, (jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32))
-    )
-    return lo
-
-
 def _partials_out_type(B, S, Rp, dtype):
     """Outputs of a main kernel: with one split the final (out [B, Rp, 512] in q's dtype, lse
     [B, Rp] f32, natural log); with several, fp32 partials (o [B, S, Rp, 512], lse [B, S, Rp] in
@@ -299,16 +169,15 @@ def _partials_out_type(B, S, Rp, dtype):
 
 def _main_out_geometry(B, Rp, plan_: _Plan, dtype):
     """(out_type, grid, grid_names) of a main kernel. per_sequence: `_partials_out_type` over the grid
-    (split s, batch b, row block g). balanced and pieces: fp32 partials by piece slot (o [NS, Rp, 512], lse
-    [NS, Rp] in log2, NS = `num_piece_slots` or `num_piece_rows`; slots no piece takes are never written)
-    over the grid (CTA c, row block g).
+    (split s, batch b, row block g). pieces: fp32 partials by piece slot (o [NS, Rp, 512], lse [NS, Rp] in
+    log2, NS = `num_piece_rows`; slots no piece takes are never written) over the grid (CTA c, row block g).
 
     The row block is the grid's last axis, which the GPU launches fastest: the CTAs of one sequence's row blocks
     (H = 128, or s_q x H over 64) start together and read the same pages at the same time, so every page after the
     first CTA's read comes from L2. With the row block first they ran a wave apart and each read its pages from
     memory again: twice the bytes at H = 128."""
     if plan_.planned:
-        NS = num_piece_slots(B, plan_.num_ctas) if plan_.balanced else plan_.num_ctas
+        NS = plan_.num_ctas
         return (
             (jax.ShapeDtypeStruct((NS, Rp, LATENT_DIM), jnp.float32), jax.ShapeDtypeStruct((NS, Rp), jnp.float32)),
             (plan_.num_ctas, plan_.row_blocks),
@@ -328,14 +197,11 @@ def _split_pages(seq_len, first_page, pages_per_split):
 
 
 class _At(NamedTuple):
-    """Where a pipeline step is: sequence b, first key of the page, seq_len; balanced only: whether
-    the page ends the CTA's piece of b, and the sequence of the run's next page."""
+    """Where a pipeline step is: sequence b, first key of the page, seq_len."""
 
     b: jax.Array
     page_start: jax.Array
     seq_len: jax.Array
-    last: jax.Array | None = None
-    next_b: jax.Array | None = None
 
 
 class _Steps(NamedTuple):
@@ -344,8 +210,6 @@ class _Steps(NamedTuple):
     n_steps: jax.Array  # pages this CTA reads (its pipeline's dynamic grid)
     page_of: object  # step i -> physical page id (the TMA's index map)
     begin: object  # (i, carry) -> ((acc, m, l), _At): the body's first call
-    after_qk: object  # (i, at): called once both warpgroups' Q·Kᵀ of step i is done
-    end_step: object  # ((acc, m, l), at) -> the next carry
     compute_context: object  # the pipeline's compute context
 
 
@@ -359,7 +223,6 @@ def _schedule_steps(
     lens_ref,
     q_smem,
     q_bar,
-    q_free_bar,
     rows,
     cols,
     final,
@@ -370,77 +233,8 @@ def _schedule_steps(
     per_sequence: CTA (g, s, b) reads split s of sequence b; Q is loaded once; the context writes
     the result (final or the split's partial) after the pipeline. pieces (``sched_refs`` = a `PieceSchedule`'s
     `kernel_refs`): CTA (g, c) reads the piece of row c the same way and writes its partial to the row's slot.
-    balanced (``sched_refs`` = a `BalancedSchedule`'s `kernel_refs`: ends, ctas): CTA (g, c) reads
-    run c of the batch's pages, carrying the current sequence b next to (acc, m, l). The TMA
-    warpgroup finds each page's sequence by `sequence_of_page` among the run's sequences, the
-    compute warpgroups only at a piece's end. On the last page of each piece the body writes the
-    piece's partial to slot c + b and restarts the softmax state; after that page's Q·Kᵀ (both
-    warpgroups done with Q) warpgroup 0 starts loading the next sequence's Q, which the first page
-    of the next piece waits for.
     """
     wg = lax.axis_index("wg")
-    if plan_.schedule == "balanced":
-        ends_ref, cta_ref = sched_refs
-        c = lax.axis_index("c")
-        run_start = cta_ref[c, 0]
-        n_steps = cta_ref[c, 1] - run_start
-        # The run's first and last sequences: every search is between them, so it takes no step
-        # while the run stays in one sequence.
-        b_first, b_last = cta_ref[c, 2], cta_ref[c, 3]
-        seq_start = lambda b, seq_len: ends_ref[b] - pl.cdiv(seq_len, PAGE_SIZE)
-
-        def page_of(i):
-            gp = run_start + i
-            b = sequence_of_page(gp, ends_ref, b_first, b_last)
-            return bt_ref[b, gp - seq_start(b, lens_ref[b])]
-
-        def begin(i, carry):
-            *core, b = carry
-            gp = run_start + i
-            seq_len = lens_ref[b]
-            pos = gp - seq_start(b, seq_len)
-
-            @pl.when((i == 0) | (pos == 0))
-            def _():
-                plgpu.barrier_wait(q_bar)
-
-            last = (i == n_steps - 1) | (gp + 1 >= ends_ref[b])
-            next_b = lax.cond(last, lambda: sequence_of_page(gp + 1, ends_ref, b, b_last), lambda: b)
-            return tuple(core), _At(b, pos * PAGE_SIZE, seq_len, last, next_b)
-
-        def after_qk(i, at):
-            @pl.when(at.last & (i + 1 < n_steps))
-            def _():
-                plgpu.barrier_arrive(q_free_bar)
-                plgpu.barrier_wait(q_free_bar)
-
-                @pl.when(wg == 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(q_ref.at[at.next_b, rows], q_smem, q_bar)
-
-        def end_step(core, at):
-            @pl.when(at.last)
-            def _():
-                o, lse2 = _normalise(*core)
-                o_ref[c + at.b, rows, cols] = o
-
-                @pl.when(wg == 0)
-                def _():
-                    lse_ref[c + at.b, rows] = lse2
-
-            # (A scalar predicate does not broadcast implicitly under warpgroup semantics.)
-            restart = lambda x0, x: jnp.where(jnp.broadcast_to(at.last, x.shape), x0, x)
-            return (*map(restart, _init_carry(), core), at.next_b)
-
-        def compute_context(pipeline):
-            @pl.when((wg == 0) & (n_steps > 0))
-            def _():
-                plgpu.copy_gmem_to_smem(q_ref.at[b_first, rows], q_smem, q_bar)
-
-            pipeline((*_init_carry(), b_first))  # every piece is written by the body
-
-        return _Steps(n_steps, page_of, begin, after_qk, end_step, compute_context)
-
     if plan_.schedule == "pieces":  # one piece of one sequence: the per-sequence walk over a table row
         (piece_ref,) = sched_refs
         c = lax.axis_index("c")
@@ -482,7 +276,5 @@ def _schedule_steps(
         n_steps,
         lambda i: table[first_page + i],
         lambda i, carry: (carry, _At(b, (first_page + i) * PAGE_SIZE, seq_len)),
-        lambda i, at: None,
-        lambda core, at: core,
         compute_context,
     )

@@ -1,8 +1,6 @@
 """`mla_decode`'s scorer bodies over bf16 pages: one warpgroup scores each page once (Q·Kᵀ, the online softmax,
 P·V over 128 columns), two others accumulate P·V over 192 columns each, beside a TMA warpgroup that streams the
-pages, per sequence split or piece (`_decode_partials_scorer`, the default on bf16 pages; the balanced schedule's
-walk is `scorer_balanced`). It also serves fp8 pages (a converting warpgroup in place of the TMA one) and a
-three-warpgroup form (`MlaDecodeConfig.scorer_pv_cols`)."""
+pages, per sequence split or piece (`_decode_partials_scorer`, the default on bf16 pages)."""
 
 from __future__ import annotations
 
@@ -13,9 +11,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _fp8_tiles as _fp8
 from pallas_kernels.mla_decode.config import KEY_DIM, LATENT_DIM, PAGE_SIZE, ROWS, MlaDecodeConfig
-from pallas_kernels.mla_decode.fp8 import _fp8_views
 from pallas_kernels.mla_decode.schedule import _main_out_geometry, _Plan, _split_pages
 from pallas_kernels.mla_decode.steps import (
     _BF16_TRANSFORMS,
@@ -31,14 +27,6 @@ from pallas_kernels.mla_decode.steps import (
 _SCORER_COLS = 128  # P·V columns of the scoring warpgroup
 _ACC_COLS = (LATENT_DIM - _SCORER_COLS) // 2  # 192 for each of the two accumulating ones
 SCORER_MEMORY_REGISTERS = 24  # the TMA warpgroup's registers (setmaxnreg): a loop issuing copies
-# Three warpgroups (``scorer_pv_cols=0``): 168 registers a thread at launch; the scorer (S, P and the softmax's rows)
-# gives some to the two accumulating warpgroups (64 x 256 fp32 = 128 registers of accumulator a thread). 112 / 192
-# spills 104 bytes, 104 / 200 spilled 140 (ptxas on the H200; docs/BENCHMARKS.md, twentieth session).
-SCORER3_SCORER_REGISTERS = 112
-SCORER3_ACC_REGISTERS = 192
-# fp8 pages (`MlaDecodeConfig.fp8_scorer`): the TMA warpgroup becomes a converting one, which holds a 128-column
-# block of a page (fp16, then fp32 times its scale) at a time.
-SCORER_CONVERTER_REGISTERS = 96
 
 
 def _scorer_compute_registers(memory_registers: int = SCORER_MEMORY_REGISTERS) -> int:
@@ -48,22 +36,11 @@ def _scorer_compute_registers(memory_registers: int = SCORER_MEMORY_REGISTERS) -
     return min(256, (512 - memory_registers) // 3) // 8 * 8
 
 
-def _scorer_scratch(nslots: int, out_stage=None) -> dict:
+def _scorer_scratch(nslots: int) -> dict:
     """SMEM and barriers of a scorer body: Q, ``nslots`` page slots, the scorer's P and its (alpha, l), the
-    barriers between the TMA warpgroup, the scorer and the two accumulating warpgroups. With ``out_stage`` (the
-    output dtype), Q's SMEM is shared with a [64, 128] tile of it: the scorer's columns staged for one TMA store
-    once its last Q·Kᵀ is done (only the scorer reads Q)."""
-    q = plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS)
-    if out_stage is not None:
-        tile = (8, 128 // jnp.dtype(out_stage).itemsize)  # 128-byte rows of the swizzle, as Q's
-        stage = plgpu.SMEM(
-            (ROWS, _SCORER_COLS),
-            out_stage,
-            transforms=(plgpu.TilingTransform(tile), plgpu.SwizzleTransform(128)),
-        )
-        q = plgpu.RefUnion(q, stage)
+    barriers between the TMA warpgroup, the scorer and the two accumulating warpgroups."""
     return dict(
-        q_smem=q,
+        q_smem=plgpu.SMEM((ROWS, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
         kv_smem=plgpu.SMEM((nslots, PAGE_SIZE, KEY_DIM), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
         p_smem=plgpu.SMEM((ROWS, PAGE_SIZE), jnp.bfloat16, transforms=_BF16_TRANSFORMS),
         stat_smem=plgpu.SMEM((2, ROWS), jnp.float32),  # alpha, l of the page's P
@@ -76,8 +53,7 @@ def _scorer_scratch(nslots: int, out_stage=None) -> dict:
 
 
 def _scorer_kernel(out_type, grid, grid_names, scratch, interpret, num_threads=4):
-    """The `plgpu.kernel` decorator of a scorer body: four warpgroups (scorer, two accumulating, TMA), or three
-    (no TMA warpgroup)."""
+    """The `plgpu.kernel` decorator of a scorer body: four warpgroups (scorer, two accumulating, TMA)."""
     return functools.partial(
         plgpu.kernel,
         out_type=out_type,
@@ -128,16 +104,10 @@ def _decode_partials_scorer(
     i + 1. Registers: ptxas refuses an instruction that needs more than the launch's cap, 128 a
     thread for four warpgroups, even after setmaxnreg, hence the 128 / 192 / 192 split: 64 and 96
     accumulator registers a thread. The warpgroups still set their registers (24 for the TMA one,
-    160 for the others), which removes spill code (docs/NOTES.md).
-
-    With ``config.scorer_pv_cols`` = 0, three warpgroups: the scorer only scores (its page released once P is
-    written), warpgroups 1 and 2 accumulate 256 columns each, and warpgroup 2 issues Q and the first pages, then
-    after each page's P·V waits for the slot's three releases and refills it: no TMA warpgroup, so 168 registers a
-    thread at launch, where a 256-column accumulator compiles.
+    160 for the others), which removes spill code (docs/PERFORMANCE.md, "Decode kernel").
 
     Each warpgroup writes its columns of the split's result after its loop (an empty split too:
-    out 0, lse -inf; a piece row with no piece writes nothing); with ``config.scorer_out_smem`` the scorer's go
-    through Q's SMEM and one TMA store. SMEM: Q 72 KB + two 72 KB page slots + P
+    out 0, lse -inf; a piece row with no piece writes nothing). SMEM: Q 72 KB + two 72 KB page slots + P
     8 KB + 0.5 KB = 224.5 KB. Outputs as `_decode_partials` (per_sequence or pieces)."""
     B, Rp, _ = q_rows.shape
     pps = plan_.pages_per_split
@@ -145,20 +115,17 @@ def _decode_partials_scorer(
     final = plan_.num_splits == 1 and not pieces
     scale_log2 = scale * _LOG2E
     nslots = config.max_concurrent_steps
-    fp8 = kv_pages.dtype == jnp.uint8  # fp8 pages: a converting warpgroup instead of the TMA one
-    three = config.scorer_pv_cols == 0 and not fp8
-    c0 = 0 if three else _SCORER_COLS
-    acc_cols = (LATENT_DIM - c0) // 2
+    c0 = _SCORER_COLS
+    acc_cols = _ACC_COLS
     out_type, grid, grid_names = _main_out_geometry(B, Rp, plan_, q_rows.dtype)
-    staged = config.scorer_out_smem and not three
-    scratch = _scorer_scratch(nslots, out_type[0].dtype if staged else None)
+    scratch = _scorer_scratch(nslots)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    compute_registers = _scorer_compute_registers(SCORER_CONVERTER_REGISTERS if fp8 else SCORER_MEMORY_REGISTERS)
+    compute_registers = _scorer_compute_registers(SCORER_MEMORY_REGISTERS)
     # Keys every query row of the sequence sees: the first causal query row sees s_q - 1 fewer.
     lag = s_q - 1 if causal else 0
 
-    @_scorer_kernel(out_type, grid, grid_names, scratch, interpret, num_threads=3 if three else 4)
+    @_scorer_kernel(out_type, grid, grid_names, scratch, interpret)
     def mla_decode_partials_scorer(
         *refs,
         q_smem,
@@ -171,14 +138,7 @@ def _decode_partials_scorer(
         p_ready,
         p_free,
     ):
-        if fp8:
-            (q_ref, lat_ref, sc_ref, rope_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(
-                refs, 6, pieces
-            )
-        else:
-            (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, pieces)
-        if staged:
-            q_smem, out_stage = q_smem
+        (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, pieces)
         g, wg = lax.axis_index("g"), lax.axis_index("wg")
         rows = pl.ds(g * ROWS, ROWS)
         if pieces:
@@ -202,96 +162,42 @@ def _decode_partials_scorer(
             plgpu.barrier_wait(kv_ready.at[slot])
             return slot, (first_page + i) * PAGE_SIZE
 
-        def write_out(cols, acc, l, stage=None):
+        def write_out(cols, acc, l):
             l_safe = jnp.where(l == 0.0, 1.0, l)
             o = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_ref.dtype)
 
             @pl.when(live)
             def _():
-                if stage is None:  # each thread stores its fragment
-                    o_ref[(*out_index, cols)] = o
-                else:  # through SMEM, one TMA copy
-                    stage[...] = o
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(stage, o_ref.at[(*out_index, cols)])
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                o_ref[(*out_index, cols)] = o
 
         def issue(i):
-            """Page i's copy into its slot (by the TMA warpgroup, or with three warpgroups by warpgroup 2)."""
+            """Page i's copy into its slot (by the TMA warpgroup)."""
             slot = lax.rem(i, nslots)
             plgpu.copy_gmem_to_smem(kv_ref.at[bt_ref[b, first_page + i]], kv_smem.at[slot], kv_ready.at[slot])
 
-        def convert(i):
-            """fp8 pages: page i from HBM into its slot as bf16 [64, 576] (e4m3 -> f16 -> f32 x the token's block
-            scale -> bf16, rows past the sequence zeroed: V must be 0 there, and a scale may be NaN), then the slot
-            announced ready."""
-            slot = lax.rem(i, nslots)
-            page_id = bt_ref[b, first_page + i]
-            valid = seq_len - (first_page + i) * PAGE_SIZE
-            dst = kv_smem.at[slot]
-            tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, _fp8.BLOCK), 0, layout=_fp8.BLOCK_LAYOUT)
-            for k in range(LATENT_DIM // _fp8.BLOCK):
-                cols = pl.ds(k * _fp8.BLOCK, _fp8.BLOCK)
-                # HBM has no banks: the plain transfer (the optimized one is for SMEM only).
-                x8 = plgpu.load(lat_ref.at[page_id, :, cols], layout=_fp8.BLOCK_LAYOUT, optimized=False)
-                x = lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float16).astype(jnp.float32)
-                sc = plgpu.load(
-                    sc_ref.at[page_id, :, _fp8.SCALE_WORD + k], layout=_fp8.BLOCK_LAYOUT.reduce(1), optimized=False
-                )
-                sc = plgpu.layout_cast(lax.broadcast_in_dim(sc, (PAGE_SIZE, _fp8.BLOCK), [0]), _fp8.BLOCK_LAYOUT)
-                dst[:, cols] = jnp.where(tok < valid, x * sc, 0.0).astype(jnp.bfloat16)
-            rope = rope_ref.at[page_id, :, pl.ds(_fp8.ROPE_HALF, KEY_DIM - LATENT_DIM)]
-            dst[:, pl.ds(LATENT_DIM, KEY_DIM - LATENT_DIM)] = plgpu.load(rope, layout=_fp8.ROPE_LAYOUT, optimized=False)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(kv_ready.at[slot])
+        @pl.when(wg == 3)
+        def _memory():
+            plgpu.set_max_registers(SCORER_MEMORY_REGISTERS, action="decrease")
 
-        if fp8:  # the converting warpgroup
+            @pl.loop(0, n_pages)
+            def _(i):
+                slot = lax.rem(i, nslots)
 
-            @pl.when(wg == 3)
-            def _convert():
-                plgpu.set_max_registers(SCORER_CONVERTER_REGISTERS, action="decrease")
+                @pl.when(i == 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
 
-                @pl.loop(0, n_pages)
-                def _(i):
-                    @pl.when(i == 0)
-                    def _():
-                        plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+                @pl.when(i >= nslots)
+                def _():
+                    plgpu.barrier_wait(kv_free.at[slot])
 
-                    @pl.when(i >= nslots)
-                    def _():
-                        plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
+                issue(i)
 
-                    convert(i)
-
-                @pl.loop(jnp.maximum(n_pages - nslots, 0), n_pages)
-                def _(i):  # the last releases observed, as the TMA warpgroup does
-                    plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
-
-        elif not three:  # the TMA warpgroup (three warpgroups: warpgroup 2 issues the copies)
-
-            @pl.when(wg == 3)
-            def _memory():
-                plgpu.set_max_registers(SCORER_MEMORY_REGISTERS, action="decrease")
-
-                @pl.loop(0, n_pages)
-                def _(i):
-                    slot = lax.rem(i, nslots)
-
-                    @pl.when(i == 0)
-                    def _():
-                        plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
-
-                    @pl.when(i >= nslots)
-                    def _():
-                        plgpu.barrier_wait(kv_free.at[slot])
-
-                    issue(i)
-
-                # Observe the last releases too, so that every barrier ends with all its phases waited
-                # (the interpreter checks this when the barriers are freed).
-                @pl.loop(jnp.maximum(n_pages - nslots, 0), n_pages)
-                def _(i):
-                    plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
+            # Observe the last releases too, so that every barrier ends with all its phases waited
+            # (the interpreter checks this when the barriers are freed).
+            @pl.loop(jnp.maximum(n_pages - nslots, 0), n_pages)
+            def _(i):
+                plgpu.barrier_wait(kv_free.at[lax.rem(i, nslots)])
 
         def zeros(cols):
             return plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), wgmma_layout)
@@ -301,17 +207,13 @@ def _decode_partials_scorer(
 
         @pl.when(wg == 0)
         def _scorer():
-            if three:
-                plgpu.set_max_registers(SCORER3_SCORER_REGISTERS, action="decrease")
-            else:
-                plgpu.set_max_registers(compute_registers, action="increase")
+            plgpu.set_max_registers(compute_registers, action="increase")
 
             def step(i, carry):
-                acc, m, l = carry if not three else (None, *carry)
+                acc, m, l = carry
                 slot, page_start = page(i)
                 kv = kv_smem.at[slot]
-                if not fp8:  # (the converting warpgroup writes zeros there)
-                    _zero_v_tail(kv, seq_len - page_start, 0, LATENT_DIM)  # for every P·V warpgroup
+                _zero_v_tail(kv, seq_len - page_start, 0, LATENT_DIM)  # for every P·V warpgroup
 
                 @pl.when(i == 0)
                 def _():
@@ -345,9 +247,6 @@ def _decode_partials_scorer(
                 stat_smem[1] = l
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready)
-                if three:  # no P·V here: the page is released once its scores are in
-                    plgpu.barrier_arrive(kv_free.at[slot])
-                    return m_new, l
                 acc = _pv_product(
                     acc * lax.broadcast_in_dim(alpha, acc.shape, [0]),
                     p_smem,
@@ -357,17 +256,13 @@ def _decode_partials_scorer(
                 plgpu.barrier_arrive(kv_free.at[slot])
                 return acc, m_new, l
 
-            if three:
-                m, l = lax.fori_loop(0, n_pages, step, (m0, l0))
-            else:
-                acc, m, l = lax.fori_loop(0, n_pages, step, (zeros(c0), m0, l0))
+            acc, m, l = lax.fori_loop(0, n_pages, step, (zeros(c0), m0, l0))
 
             @pl.when(n_pages > 0)
             def _():  # the last page's P released (see the memory warpgroup's last loop)
                 plgpu.barrier_wait(p_free)
 
-            if not three:
-                write_out(pl.ds(0, c0), acc, l, out_stage if staged else None)
+            write_out(pl.ds(0, c0), acc, l)
             lse2 = m + jnp.log2(l)
 
             @pl.when(live)
@@ -376,17 +271,8 @@ def _decode_partials_scorer(
 
         @pl.when((wg == 1) | (wg == 2))
         def _accumulate():
-            plgpu.set_max_registers(SCORER3_ACC_REGISTERS if three else compute_registers, action="increase")
+            plgpu.set_max_registers(compute_registers, action="increase")
             cols = pl.ds(c0 + (wg - 1) * acc_cols, acc_cols)
-            if three:  # warpgroup 2 issues the copies: Q and the first pages now, each later page once a slot frees
-
-                @pl.when((wg == 2) & (n_pages > 0))
-                def _():
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
-
-                @pl.when(wg == 2)
-                def _():
-                    pl.loop(0, jnp.minimum(n_pages, nslots))(issue)
 
             def step(i, carry):
                 acc, _ = carry
@@ -402,20 +288,9 @@ def _decode_partials_scorer(
                 )
                 plgpu.barrier_arrive(p_free)
                 plgpu.barrier_arrive(kv_free.at[slot])
-                if three:
-
-                    @pl.when(wg == 2)
-                    def _():  # every release observed; the slot refilled while pages remain
-                        plgpu.barrier_wait(kv_free.at[slot])
-
-                        @pl.when(i + nslots < n_pages)
-                        def _():
-                            issue(i + nslots)
-
                 return acc, l
 
             acc, l = lax.fori_loop(0, n_pages, step, (zeros(acc_cols), l0))
             write_out(cols, acc, l)
 
-    pages = _fp8_views(kv_pages) if fp8 else (kv_pages,)
-    return mla_decode_partials_scorer(q_rows, *pages, block_table, seq_lens, *(schedule if pieces else ()))
+    return mla_decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *(schedule if pieces else ()))

@@ -1,4 +1,4 @@
-"""Lab probe (one H200): where the time of a training step goes, kernel by kernel (CUPTI), for the V2-Lite cut
+"""Where the time of a training step goes, kernel by kernel (CUPTI), for the V2-Lite cut
 `mla-bench train` measures, and the decompressed attention alone in its two implementations.
 
 For each cell (`--cells B x T : remat : CE chunk : attention q block : attention impl`, e.g.
@@ -10,7 +10,7 @@ GEMMs, cuDNN attention, XLA fusions, copies) and the top kernels. Then, with `--
 decompressed attention alone (forward + backward of `mla_decompressed_attention` at V2-Lite's widths, one layer)
 for each implementation: CUPTI time and TFLOP/s.
 
-    PYTHONPATH=. python3 scripts/lab/profile_train_step.py --out $OUT/prof [--cells ...] [--attention]
+    PYTHONPATH=. python3 scripts/profile_train_step.py --out $OUT/prof [--cells ...] [--attention]
 
 Writes under --out: profile.json (every cell: categories, top kernels, totals), log.txt.
 """

@@ -12,15 +12,15 @@ the jnp path: attention_impl "reference", so it runs on a CPU) with each page fo
 * free-running greedy: `Engine.generate` with kv_dtype "bf16", "fp8" and "fp4", N new tokens each;
   the tokens up to the first difference, and the share of positions that agree.
 
-  PYTHONPATH=. python3 scripts/lab/fp8_accuracy.py [--new-tokens 256] [--prompt TEXT] [--formats fp8 fp4]
-  PYTHONPATH=. python3 scripts/lab/fp8_accuracy.py --checkpoint tests/fixtures/hf_v3_tiny   # an HF fixture
+  PYTHONPATH=. python3 scripts/fp8_accuracy.py [--new-tokens 256] [--prompt TEXT] [--formats fp8 fp4]
+  PYTHONPATH=. python3 scripts/fp8_accuracy.py --checkpoint tests/fixtures/hf_v3_tiny   # an HF fixture
 
 `--checkpoint DIR`: another HF checkpoint (the committed HF fixtures are random tiny models without a
 tokenizer: the prompt is then `--prompt-ids` token ids, and no text is printed). A format that cannot
 store the model's latent (fp8 needs kv_lora_rank a multiple of 128; the fixtures' is 32) is left out
 with its one-line reason.
 
-docs/BENCHMARKS.md ("FP8 pages — accuracy", "FP4 pages — accuracy") quotes its output;
+docs/PERFORMANCE.md ("FP8 pages — accuracy", "FP4 pages — accuracy") quotes its output;
 tests/test_builtin_model.py bounds a short fp8 run (fp4's error is measured here, not asserted).
 """
 

@@ -1,10 +1,10 @@
-"""One `mla_decode` call for Nsight Compute (issue 29's H = 128 profile): compiled and run twice first, then once
-more between the driver's `cuProfilerStart` / `Stop` (ncu's `--profile-from-start off`), so the report holds the
-measured call's kernels only. Filter ncu to the main kernel: profiling the XLA fusions around it hung ncu before
-(fourteenth session).
+"""One `mla_decode` call for Nsight Compute: compiled and run twice first, then once more between the driver's
+`cuProfilerStart` / `Stop` (ncu's `--profile-from-start off`), so the report holds the measured call's kernels
+only. Filter ncu to the main kernel (``--kernel-name regex:mla_decode_partials``): profiling the XLA fusions
+around it can hang ncu.
 
     ncu --profile-from-start off --kernel-name regex:mla_decode_partials --launch-count 1 --set full \\
-        --import-source yes -o $OUT/mla_decode_h128 python scripts/lab/ncu_mla_decode.py --cell 128,1,4096,128
+        --import-source yes -o $OUT/mla_decode_h128 python scripts/ncu_mla_decode.py --cell 128,1,4096,128
 """
 
 import argparse

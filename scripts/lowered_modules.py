@@ -1,7 +1,7 @@
 """Dump the Mosaic GPU modules our kernels lower to (sm_90, cross-lowered on any host), without debug info.
 
 A refactor that moves kernel code (a file split, a formatter) must leave these modules byte-identical:
-`python scripts/lab/lowered_modules.py OUT_DIR` before and after, then `diff -r` the two folders.
+`python scripts/lowered_modules.py OUT_DIR` before and after, then `diff -r` the two folders.
 Each kernel call of a case is one file `<case>.<n>.mlir` (locations stripped, so line moves do not show).
 """
 
@@ -74,10 +74,10 @@ CASES = {
     "decode_h128_sq4": lambda: decode_case(8, 4, 128, 130),
     "decode_plain": lambda: decode_case(8, 1, 64, 130, config=MlaDecodeConfig(scorer=False, split_qk=False)),
     "decode_splitqk": lambda: decode_case(8, 1, 64, 130, config=MlaDecodeConfig(scorer=False, split_qk=True)),
-    "decode_balanced": lambda: decode_case(8, 2, 64, 130, config=MlaDecodeConfig(schedule="balanced")),
+    "decode_pieces": lambda: decode_case(8, 2, 64, 130, config=MlaDecodeConfig(schedule="pieces")),
     "decode_fp8_t": lambda: decode_case(8, 1, 16, 130, fmt="fp8"),
     "decode_fp8_padded": lambda: decode_case(8, 1, 64, 130, fmt="fp8"),
-    "decode_fp8_balanced": lambda: decode_case(8, 1, 64, 130, fmt="fp8", config=MlaDecodeConfig(schedule="balanced")),
+    "decode_fp8_pieces": lambda: decode_case(8, 1, 64, 130, fmt="fp8", config=MlaDecodeConfig(schedule="pieces")),
     "gather_bf16": lambda: gather_case(8, 33, "bf16"),
     "gather_fp8": lambda: gather_case(8, 33, "fp8"),
     "gather_fp4": lambda: gather_case(8, 33, "fp4"),

@@ -2,9 +2,9 @@
 the lines holding at least ``--min-share`` of the warp stall samples with their main stall reasons, then the
 samples by region of equal execution count (a warpgroup's loop, its epilogue) and by stall reason within each.
 
-    python scripts/lab/ncu_sass_summary.py R_sass.csv > R_sass_top.txt
+    python scripts/ncu_sass_summary.py R_sass.csv > R_sass_top.txt
 
-The nineteenth session read the H = 128 scorer body this way (docs/NOTES.md): which warpgroup waits on what.
+Read this way, a warp-specialised body shows which warpgroup waits on what.
 """
 
 import argparse
