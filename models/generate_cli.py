@@ -82,10 +82,11 @@ def _build_parser() -> _Parser:
     p.add_argument(
         "--decode-steps",
         type=int,
-        default=1,
+        default=8,
         metavar="N",
         help="model steps (plain decode, or MTP verify) one device call runs; each call is enqueued before the "
-        "previous one is read, so 1 streams every token as its step ends (default: 1)",
+        "previous one is read, so 1 streams every token as its step ends, while more steps a call hide the "
+        "host's share of a step where a small model's step is shorter than it (default: 8)",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument(

@@ -96,11 +96,12 @@ class SamplingArrays(NamedTuple):
 
     @staticmethod
     def from_params(params: list[SamplingParams]) -> "SamplingArrays":
+        # numpy, not jnp: built on the host before every step, where an eager jnp array costs a dispatch
         return SamplingArrays(
-            temperature=jnp.asarray([p.temperature for p in params], _F32),
-            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
-            top_p=jnp.asarray([p.top_p for p in params], _F32),
-            min_p=jnp.asarray([p.min_p for p in params], _F32),
+            temperature=np.asarray([p.temperature for p in params], np.float32),
+            top_k=np.asarray([p.top_k for p in params], np.int32),
+            top_p=np.asarray([p.top_p for p in params], np.float32),
+            min_p=np.asarray([p.min_p for p in params], np.float32),
         )
 
 
