@@ -8,7 +8,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "results" / "2026-11-30-h200"  # session results: in the repository, not the wheel
+RESULTS = ROOT / "results" / "2026-11-30-h200"  # measured results: in the repository, not the wheel
 
 
 def test_roofline_redraws_from_the_committed_csv(tmp_path):

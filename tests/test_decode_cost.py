@@ -61,7 +61,7 @@ def test_compiled_decode_step_copies_no_pool(builtin):
 
 @pytest.mark.full(
     "test_compiled_decode_step_copies_no_pool pins the same bug in the compiled program; a timing on the loaded "
-    "2-core CI machine failed once at 1.39x (fourteenth session) while passing alone"
+    "2-core CI machine failed once at 1.39x while passing alone"
 )
 def test_decode_step_time_follows_the_tokens_not_the_pool(builtin):
     """Per-step decode time at the same position, an engine sized for 48 new tokens against one sized for

@@ -760,7 +760,7 @@ def test_default_decode_config_takes_pieces_on_ragged_rows_where_the_kernel_runs
     decode kernel runs: per sequence (None, the kernel's defaults) on near-equal lengths, pieces on ragged ones;
     a prefill step and the reference backend (no kernel: a second program would only retrace) keep one
     program; `warm_up` compiles both where both can be taken. Catches the default left per sequence on ragged
-    rows (the eighteenth session measured such a V2-Lite step 12 % slower), a retrace on the reference backend,
+    rows (such a V2-Lite step measured 12 % slower), a retrace on the reference backend,
     and a warm-up that leaves the ragged program to compile mid-serving."""
     m = DeepSeekModel(KERNEL_CFG, rngs=nnx.Rngs(0))
     ragged, even = np.asarray([64, 0, 0, 4096], np.int32), np.asarray([4096, 4000, 4090, 4096], np.int32)

@@ -220,7 +220,7 @@ def test_ctrl_c_ends_the_text_in_one_line_exit_130(capsys, monkeypatch, interrup
         code = 0
     except SystemExit as e:
         code = e.code
-    except KeyboardInterrupt:  # caught here: escaping, it would end the pytest session
+    except KeyboardInterrupt:  # caught here: escaping, it would end the pytest run
         code = "KeyboardInterrupt escaped (its traceback on the console)"
     out, err = capsys.readouterr()
     assert code == 130, code
