@@ -124,7 +124,7 @@ from models import DeepSeekModel
 
 # The command's parts live in benchmarks.e2e_models (the models), e2e_cells (cells, prompts, rows), e2e_floor (the
 # floor and FLOPs arithmetic), e2e_ours (our engine's worker), e2e_kernels (--kernels), hf_peer (the HF peer) and
-# e2e_report (table and plot); the names the benchmarks, the lab scripts and the tests use stay importable here.
+# e2e_report (table and plot); the names the benchmarks and the tests use stay importable here.
 __all__ = [
     "DeepSeekModel",
     "EXIT_NO_GPU",

@@ -3,7 +3,7 @@
 `nnx.initializers.normal` calls `jax.random.normal(key, shape)`, a jitted function that XLA compiles
 once per parameter shape; its threefry graph costs ~0.3-0.6 s of XLA:CPU compile each, so building
 `DeepSeekModel(ModelConfig.tiny())` eagerly spent ~12 of its ~20 s compiling the same random
-generator for 30-odd shapes (measured, docs/NOTES.md "The CPU suite's time"). `normal` here draws a flat
+generator for 30-odd shapes (measured). `normal` here draws a flat
 vector whose length is the next power of 4 (at least 4**5) and takes its first prod(shape) values:
 one generator compile per bucket, and a cheap slice/reshape/scale per shape. The values are i.i.d.
 N(0, stddev^2) as before (a prefix of i.i.d. draws), drawn in float32 and rounded to `dtype` once.

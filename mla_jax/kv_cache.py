@@ -369,8 +369,8 @@ class KVCache:
     decode_config   static: the `pallas_kernels.mla_decode.MlaDecodeConfig` the decode kernel runs with
                     (None: its defaults).
     decode_plan     None, or the decode kernel's work plan for this forward call (a
-                    `pallas_kernels.mla_decode.PieceSchedule`, `BalancedSchedule` or `AutoSchedule`, when
-                    ``decode_config`` asks for the pieces, balanced or "auto" schedule): built once from the
+                    `pallas_kernels.mla_decode.PieceSchedule` or `AutoSchedule`, when
+                    ``decode_config`` asks for the pieces or "auto" schedule): built once from the
                     lengths before the layers run (`mla_jax.attention.with_decode_plan`) and read by every
                     layer's kernel call, then dropped (`without_decode_plan`) when the call returns, since
                     the next call's lengths differ.

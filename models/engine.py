@@ -52,7 +52,7 @@ from models.steps import (
 
 ATTENTION_IMPLS = CACHE_IMPLS  # "auto" | "kernel" | "interpret" | "reference" (`pallas_kernels.backend`)
 ON_CACHE_FULL = ("fail_request", "raise")
-# The default prefill chunk (docs/NOTES.md "Flash prefill over the cached prefix"). With the jnp attention a
+# The default prefill chunk (docs/PERFORMANCE.md, "Prefill"). With the jnp attention a
 # chunk's fp32 scores are B x H x T x S, so chunks stay at PREFILL_CHUNK. With the flash forward over the prefix
 # nothing grows with T x S, and a step's matmuls want many rows: every chunk reads every weight once, and a
 # routed expert gets about tokens * K / E of the step's rows. So a step's tokens get a budget,
@@ -62,7 +62,7 @@ FLASH_PREFILL_TOKENS = 16384
 FLASH_PREFILL_CHUNK = 8192
 # Prompt tokens a mixed step carries by default (`Engine(prefill_budget=...)`): measured on V2-Lite at B=32 (one
 # H200), the inter-token latency p99 under arrivals is 2.4-2.6x the median decode step with 256 and 2.9-3.1x
-# with 512 (docs/NOTES.md, "Mixed steps"; BENCHMARKS.md, twelfth session).
+# with 512 (docs/PERFORMANCE.md, "Serving").
 PREFILL_BUDGET = 256
 
 __all__ = [
@@ -245,8 +245,8 @@ class Engine:
         on the device. Every call is enqueued before the host reads the one before it (the lane:
         `models.scheduler`), so with 1 (the default) each token streams as its step completes; more steps a
         call make the host's share smaller where it, not the device, sets a step's time (docs/PERFORMANCE.md,
-        "Decode lane"), at the price of tokens arriving `decode_steps` at a time. Pages are held up front; a
-        row that stops early idles until the call ends.
+        "MTP speculative decoding"), at the price of tokens arriving `decode_steps` at a time. Pages are held up
+        front; a row that stops early idles until the call ends.
       mixed_steps: while some rows decode and others are in their prompts, one step carries both (`models.
         scheduler`): every decoding row's next token and up to `prefill_budget` prompt tokens, so a long prompt
         never stops the decoding rows. Not with MTP (`use_mtp`) nor with data ranks > 1: there, and with
@@ -268,7 +268,7 @@ class Engine:
         ``schedule="auto"`` does (`mla_jax.attention.step_decode_config`): per sequence on near-equal lengths,
         in pieces on ragged ones (the longest row more than 1.5x the mean pages), each program compiled when
         first taken or by `warm_up`, no conditional on the device; one program where no decode kernel runs or
-        with data ranks. A step on the pieces or balanced schedule plans the kernel's work once from its
+        with data ranks. A step on the pieces schedule plans the kernel's work once from its
         lengths and every layer's call reads that plan (`mla_jax.attention.with_decode_plan`).
 
     `compile_log`: one dict per step that compiled, {"step", "bucket", "seconds"} (wall time of that

@@ -59,7 +59,7 @@ __all__ = ["FINISH_REASONS", "GenerationStats", "MIN_STOP_IDS", "MIXED_TILE", "r
 FINISH_REASONS = ("stop", "length", "context", "error", "cancelled")
 MIN_STOP_IDS = 4  # the smallest stop-id width of a decode call
 # Query tokens a row of a mixed step carries: those of a verify step's row, so that the layers attend with the
-# decode kernel straight on the pages (docs/ARCHITECTURE.md, "Mixed steps").
+# decode kernel straight on the pages (docs/ARCHITECTURE.md, "The engine and its host scheduler").
 MIXED_TILE = MAX_DRAFT_TOKENS + 1
 _PER_STEP = object()  # `_run`: the decode config from the step's own lengths
 

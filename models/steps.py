@@ -460,7 +460,7 @@ def _bind(kind: str, step, graphdef):
     return traced
 
 
-# XLA options the steps' programs compile with on a GPU (none elsewhere); docs/NOTES.md says what each measured.
+# XLA options the steps' programs compile with on a GPU (none elsewhere).
 GPU_COMPILER_OPTIONS: dict = {}
 
 

@@ -105,7 +105,7 @@ def moe_decode_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfi
 def fp8_default_config(D: int, I: int) -> MoeDecodeConfig:
     """`moe_decode_fp8`'s config when none is given: the down kernel's tiles 128 wide where the widths allow (its
     e4m3 tile at bf16's 64 x 64 holds 4 KB, a quarter of bf16's bytes in flight), 4 pipeline stages and f16
-    products for bf16 rows (0.6x bf16's time: docs/PERFORMANCE.md, "MoE decode")."""
+    products for bf16 rows (0.6x bf16's time: docs/PERFORMANCE.md, "FP8 weights")."""
     wide = lambda n: QUANT_BLOCK if n % QUANT_BLOCK == 0 else 64  # noqa: E731
     return MoeDecodeConfig(block_o=wide(D), block_k=wide(I), num_stages=4, fp8_f16=True)
 

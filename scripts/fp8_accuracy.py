@@ -20,7 +20,7 @@ tokenizer: the prompt is then `--prompt-ids` token ids, and no text is printed).
 store the model's latent (fp8 needs kv_lora_rank a multiple of 128; the fixtures' is 32) is left out
 with its one-line reason.
 
-docs/PERFORMANCE.md ("FP8 pages — accuracy", "FP4 pages — accuracy") quotes its output;
+docs/PERFORMANCE.md ("FP8 and FP4 page accuracy") quotes its output;
 tests/test_builtin_model.py bounds a short fp8 run (fp4's error is measured here, not asserted).
 """
 

@@ -199,8 +199,8 @@ def test_fp8_pages_track_bf16_pages(builtin):
     """FP8 latent pages against bf16 ones on the shipped model (jnp path, CPU): the engine's greedy
     tokens, and the decode-step logits with both caches fed the bf16 run's tokens.
 
-    Measured (CPU; scripts/lab/fp8_accuracy.py --new-tokens 24 and this test's own loop; docs/BENCHMARKS.md
-    "FP8 pages — accuracy" has the 256-token run): greedy agrees on all 24 tokens (the first
+    Measured (CPU; scripts/fp8_accuracy.py --new-tokens 24 and this test's own loop; docs/PERFORMANCE.md,
+    "FP8 and FP4 page accuracy", has the 256-token run): greedy agrees on all 24 tokens (the first
     difference comes at token 27; bf16 pages against fp32 ones differ from token 7 on: this model's
     greedy text turns on near-ties); decode logits fp8 vs bf16 max |d| 0.735, mean |d| 0.0269 (bf16
     vs fp32: 0.383, 0.0418), the same next token in 24 of 24 steps; the logits' spread is 2.8 a

@@ -114,8 +114,7 @@ def test_dequantize_group_rows_is_the_numpy_blocks_of_those_rows():
 def test_absorbed_products_dequantize_each_half_of_fp8_wkv_b_once():
     """The absorbed path (decode) on an FP8 wkv_b: W_UK and W_UV each dequantize only their half, in the stored
     layout. The bug it pins: both products dequantized the whole [H·(N+V), L] matrix and transposed it, twice a
-    layer (the V3 cut's fp8 decode step spent ~126 us a step in those copies at B = 1, docs/BENCHMARKS.md); it
-    would convert 2x the weight's values and transpose a wkv_b-sized array."""
+    layer; it would convert 2x the weight's values and transpose a wkv_b-sized array."""
     from mla_jax.attention import MLA
 
     cfg = MICRO_V3

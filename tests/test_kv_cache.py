@@ -371,7 +371,7 @@ def test_fp8_write_and_gather_match_numpy():
 
 def test_the_interpreter_is_refused_on_a_pool_per_data_rank():
     """KVCache(impl="interpret") with data ranks: one line, before any step runs (jax 0.11.2's Mosaic GPU
-    interpreter fails, 1 run in 8 on two CPU devices, when two devices run a kernel at once: docs/NOTES.md);
+    interpreter fails, 1 run in 8 on two CPU devices, when two devices run a kernel at once);
     "kernel" and "reference" are taken. Catches the refusal lost (a flaky CI) or applied to the compiled
     kernels too (data-parallel attention back on the jnp path on GPUs)."""
     from jax.sharding import AbstractMesh

@@ -589,7 +589,7 @@ def test_row_blocks_are_the_fastest_launched_grid_axis(schedule):
     # Pallas hands the grid's last axis to the GPU as its fastest one: the CTAs of one sequence's row blocks (H = 128
     # here: two) must be neighbours there, so they read each page together and the second read comes from L2. With
     # the row block first they ran a wave apart and each read every page from memory (Nsight Compute: 1.2 GB read
-    # for 604 MB of pages at 128 x 4096, H = 128; docs/PERFORMANCE.md, "Decode kernel").
+    # for 604 MB of pages at 128 x 4096, H = 128).
     from pallas_kernels.mla_decode.schedule import _main_out_geometry
 
     p = plan(8, 1, 128, 64, MlaDecodeConfig(schedule=schedule))

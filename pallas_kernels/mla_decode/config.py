@@ -35,7 +35,7 @@ class MlaDecodeConfig:
         page's 64 tokens (instead of both computing all 64); the two exchange row maxima, P halves
         (bf16) and row sums through SMEM with two CTA barriers per page. Halves the Q·Kᵀ tensor
         work. None = on when the 64 query rows of a CTA are all real (s_q * H >= 64), where it
-        measures faster (docs/PERFORMANCE.md, "Decode kernel").
+        measures faster.
       interpretable: use constructs the Pallas interpreter can run (P staged through SMEM, P·V
         accumulated with ``run_scoped`` instead of ``run_state``); slower, for interpret mode only.
       schedule: how pages are dealt to CTAs. "per_sequence": each CTA takes one split of one
@@ -55,14 +55,14 @@ class MlaDecodeConfig:
       min_piece_pages: with the "pieces" schedule, pieces are at least min(this, a share) pages long, so a
         small batch's shares stay whole (each piece pays a Q load and a partial write, about three pages'
         time; small batches in half-share pieces run slower than the per-sequence splits: docs/PERFORMANCE.md,
-        "Decode schedules").
+        "Decode kernel beside FlashMLA and vLLM's Triton kernel").
       fp8_transposed: for fp8 pages, the transposed body (`_decode_partials_fp8_t`: scores as
         Sᵀ = K·Qᵀ with the R = s_q * H query rows as the wgmma N, so no tensor work on padding
         rows, and no barrier around a shared key buffer) instead of the padded 64-row body. It
         serves R <= 32 (H=16 and 32 at s_q=1, H=16 at s_q=2). None = on wherever it serves.
       scorer: for bf16 pages, the scorer body (`_decode_partials_scorer`): one warpgroup computes each
         page's Q·Kᵀ once, the softmax and P·V over 128 columns, two others P·V over 192 columns each, beside
-        the TMA warpgroup. None or True = on (the fastest body: docs/PERFORMANCE.md, "Decode kernel"); False
+        the TMA warpgroup. None or True = on (the fastest body: docs/PERFORMANCE.md, "Tried and rejected"); False
         picks between the plain and split-QK bodies by ``split_qk``. fp8 pages have bodies of their own.
     """
 

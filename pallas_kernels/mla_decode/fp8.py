@@ -285,7 +285,7 @@ def _decode_partials_fp8_t(
     pieces = plan_.schedule == "pieces"
     final = S == 1 and not pieces
     scale_log2 = scale * _LOG2E
-    mma = jnp.bfloat16  # tensor-core inputs (f16 is no faster: docs/PERFORMANCE.md, "FP8 pages")
+    mma = jnp.bfloat16  # tensor-core inputs (f16 is no faster: docs/PERFORMANCE.md, "Tried and rejected")
     blk = 128  # latent columns per fp8 scale
     nblk = LATENT_DIM // blk  # 4; warpgroup w owns blocks 2w, 2w+1
     if final:

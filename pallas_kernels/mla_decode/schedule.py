@@ -71,7 +71,7 @@ def prefers_pieces(seq_lens):
     length 0, counted: the per-sequence schedule gives their CTAs nothing to do); else the per-sequence one.
     Equal lengths and a single sequence never take it. Ragged lengths (max / mean ~ 1.9-2) run faster in
     pieces, equal lengths slower (each piece pays its Q load, a partial write and the combine); the threshold
-    lies between the measured cells (docs/PERFORMANCE.md, "Decode schedules")."""
+    lies between the measured cells (docs/PERFORMANCE.md, "Decode kernel beside FlashMLA and vLLM's Triton kernel")."""
     xp = np if isinstance(seq_lens, np.ndarray) else jnp
     pages = (seq_lens.astype(xp.int64 if xp is np else xp.int32) + PAGE_SIZE - 1) // PAGE_SIZE
     return xp.max(pages).astype(xp.float32) * pages.shape[0] > RAGGED_SPREAD * xp.sum(pages).astype(xp.float32)

@@ -104,7 +104,8 @@ def _decode_partials_scorer(
     i + 1. Registers: ptxas refuses an instruction that needs more than the launch's cap, 128 a
     thread for four warpgroups, even after setmaxnreg, hence the 128 / 192 / 192 split: 64 and 96
     accumulator registers a thread. The warpgroups still set their registers (24 for the TMA one,
-    160 for the others), which removes spill code (docs/PERFORMANCE.md, "Decode kernel").
+    160 for the others), which removes spill code (docs/PERFORMANCE.md,
+    "Decode kernel beside FlashMLA and vLLM's Triton kernel").
 
     Each warpgroup writes its columns of the split's result after its loop (an empty split too:
     out 0, lse -inf; a piece row with no piece writes nothing). SMEM: Q 72 KB + two 72 KB page slots + P

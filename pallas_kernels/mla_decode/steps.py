@@ -94,7 +94,7 @@ def _pv_product(acc, p, v, interpretable):
 
 
 def _kernel_refs(refs, num_inputs, planned):
-    """A main kernel's refs: (its inputs, the device plan's refs (`BalancedSchedule` / `PieceSchedule`
+    """A main kernel's refs: (its inputs, the device plan's refs (a `PieceSchedule`'s
     `kernel_refs`) or None, (o, lse))."""
     ins, rest = refs[:num_inputs], refs[num_inputs:]
     return ins, (rest[:-2] if planned else None), rest[-2:]
