@@ -13,7 +13,8 @@ class GenerationStats(collections.abc.Mapping):
     `Engine.recording()` block); also a read-only mapping: `stats["name"]`, `dict(stats)`.
 
     Times are wall clock on the host; with calls overlapped (`models.scheduler`), a call's time runs from when
-    the device could start it (the previous call read, or its launch if later) to when it was read. Steps that compiled are kept apart (`compile_s`); `prefill_s`
+    the device could start it (the previous call read, or its launch if later) to when it was read. Steps that
+    compiled are kept apart (`compile_s`); `prefill_s`
     and `decode_s` sum the steps that did not, and the tokens/s figures are over those (over all
     steps when every step compiled). `ttft_s`: from the call to the first new token of any of its
     requests (None outside `generate`). decode_tokens counts tokens computed by decode steps, including
