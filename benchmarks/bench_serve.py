@@ -564,7 +564,7 @@ def main(argv=None):
         longest = max(len(r["prompt"]) + r["max_new_tokens"] for r in reqs)
         if args.soak_steps:  # the soak draws fresh requests, up to the longest the distributions allow
             longest = max(longest, args.prompt_max + args.output_max)
-        warm_compiles = engine.warm_up(min(longest, engine.max_context))
+        warm_compiles = engine.warm_up(min(longest, engine.max_context), progress=True)
         bm.log(f"# warm-up: {warm_compiles} step compilations, {time.perf_counter() - t_warm:.1f} s")
     rows, outputs = [], {}
     for rate in args.rate_list:

@@ -601,14 +601,17 @@ class Engine:
         while self.step():
             pass
 
-    def warm_up(self, max_tokens: int | None = None, use_mtp: bool = False, mtp_draft_tokens: int = 1) -> int:
+    def warm_up(
+        self, max_tokens: int | None = None, use_mtp: bool = False, mtp_draft_tokens: int = 1, progress: bool = False
+    ) -> int:
         """Compile, ahead of any request, the steps of every shape a request of up to `max_tokens` tokens
         (prompt + new; default `max_context`) can meet: each prefill chunk bucket and each decode-loop length
         (with `use_mtp`: the MTP verify) at each block-table width, and the mixed step at each of its widths
         (when `mixed_steps` serves: no MTP, one data rank), the decoding ones with each decode-kernel program a
         step can take (`decode_config`: near-equal and ragged lengths), greedy sampling (another sampler compiles
-        on first use). Each runs once on idle rows, which write and read nothing. Only while no request waits
-        or runs (ValueError otherwise). -> the step compilations it caused (0 when all were compiled)."""
+        on first use). The programs compile in parallel threads (`progress`: a progress bar on stderr), then
+        each runs once on idle rows, which write and read nothing. Only while no request waits or runs
+        (ValueError otherwise). -> the step compilations it caused (0 when all were compiled)."""
         if max_tokens is not None and (
             isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
         ):
@@ -617,7 +620,7 @@ class Engine:
             raise ValueError(f"warm_up needs an idle engine; {len(self._sched.requests)} request(s) wait or run")
         k, _ = self._check_options(1, use_mtp, mtp_draft_tokens, ())
         self._sched.configure(k)
-        return self._sched.warm_up(self.max_context if max_tokens is None else max_tokens)
+        return self._sched.warm_up(self.max_context if max_tokens is None else max_tokens, progress=progress)
 
     @property
     def num_requests(self) -> int:

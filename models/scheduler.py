@@ -39,13 +39,16 @@ Without `mixing`, a step with any row in its prompt is a prefill step and the de
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import os
 import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 
 from mla_jax.attention import step_decode_config
 from mla_jax.kv_cache import CacheFullError, KVCache, next_pow2
@@ -191,6 +194,7 @@ class _Generation:
         self.flights = 0
         self.landed_at = 0.0  # when the last call was read
         self.lane = new_lane(engine.max_batch)
+        self._traced: list | None = None  # warm-up's traced calls, while it traces
         self.configure(k)
 
     def configure(self, k: int) -> None:
@@ -452,17 +456,51 @@ class _Generation:
             raise first
 
     # --- compiling ahead ----------------------------------------------------------------------
-    def warm_up(self, max_tokens: int) -> int:
-        """Run every call shape a request of up to `max_tokens` tokens can meet once, on idle rows (positions
-        -1: nothing written, nothing attended): each prefill chunk bucket and each decode-loop length (or the
-        MTP verify) at each block-table width, and when `mixing` the mixed step at each of its widths, the
-        decoding ones with each decode-kernel config a step can take (`_warm_decode_configs`), with the greedy
-        sampler. Only while no request waits or runs. -> the step compilations it caused."""
+    def warm_up(self, max_tokens: int, progress: bool = False) -> int:
+        """Compile, then run once on idle rows (positions -1: nothing written, nothing attended), every call
+        shape a request of up to `max_tokens` tokens can meet: each prefill chunk bucket and each decode-loop
+        length (or the MTP verify) at each block-table width, and when `mixing` the mixed step at each of its
+        widths, the decoding ones with each decode-kernel config a step can take (`_warm_decode_configs`), with the
+        greedy sampler. The programs are traced one after another, then compiled in parallel threads (XLA
+        compiles outside the GIL), with a progress bar when `progress`; the runs then find them compiled. Only
+        while no request waits or runs. -> the step compilations it caused."""
         if self.requests:
             raise RuntimeError(f"warm_up needs an idle engine; {len(self.requests)} request(s) in flight")
         self.drain()
-        e, c, B = self.e, self.cache, self.e.max_batch
         traces0 = sum(trace_counts().values())
+        saved = (self.cache.pages, self.lane, self.drafts, self.draft_probs)
+        self._traced = []  # `_run` traces instead of running
+        try:
+            self._warm_calls(max_tokens)
+        finally:
+            traced, self._traced = self._traced, None
+            self.cache.pages, self.lane, self.drafts, self.draft_probs = saved
+        self._compile_all(traced, progress)
+        self._warm_calls(max_tokens)  # each call once: compiled above, so only run
+        jax.block_until_ready(self.cache.pages)
+        return sum(trace_counts().values()) - traces0
+
+    def _compile_all(self, traced: list, progress: bool) -> None:
+        """Compile traced calls [(kind, bucket, jax.stages.Traced)] in parallel threads; each into jit's cache,
+        which the calls' next runs find (and into `compile_log`)."""
+        if not traced:
+            return
+
+        def compile_one(item):
+            kind, bucket, t = item
+            t0 = time.perf_counter()
+            t.lower().compile()
+            return dict(step=kind, bucket=bucket, seconds=time.perf_counter() - t0)
+
+        workers = max(1, min(8, len(traced), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            done = pool.map(compile_one, traced)
+            bar = tqdm.tqdm(done, total=len(traced), desc="warm-up: compiling", unit="program", disable=not progress)
+            for entry in bar:
+                self.e.compile_log.append(entry)
+
+    def _warm_calls(self, max_tokens: int) -> None:
+        e, c, B = self.e, self.cache, self.e.max_batch
         self.sampler = "greedy"
         self._match_draft_probs()
         longest = min(max_tokens, e.max_context)
@@ -489,8 +527,6 @@ class _Generation:
                 else:
                     for n in loops:
                         self._decode_call(self._idle(1, P), idle, stop_ids, n, decode_config=dc)
-        jax.block_until_ready(self.cache.pages)
-        return sum(trace_counts().values()) - traces0
 
     def _idle(self, T: int, P: int, row_slots=None) -> StepInputs:
         ids, pos, lengths, last, keys, sp, bt = self._inputs([], T, P * self.cache.page_size, row_slots)
@@ -565,6 +601,13 @@ class _Generation:
             data_parallel=dp,
             decode_config=decode_config,
         )
+        if self._traced is not None:  # warm-up's first pass: trace only; outputs are their shapes
+            B, T = inp.ids.shape
+            t = fn.trace(self.e.state, cache, inp, *args, **static)
+            self._traced.append((kind, f"B={B} T={T} P={inp.block_table.shape[1]}", t))
+            cache, *outs = t.out_info
+            self.cache.pages = cache.pages
+            return outs, 0.0, False
         cache, *outs = fn(self.e.state, cache, inp, *args, **static)
         self.cache.pages = cache.pages
         dt = time.perf_counter() - t0
