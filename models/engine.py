@@ -42,6 +42,7 @@ from models.scheduler import FINISH_REASONS, MIXED_TILE, _Generation, _Request, 
 from models.stats import GenerationStats
 from models.steps import (
     MAX_DRAFT_TOKENS,
+    DraftOracle,
     StepInputs,
     compiled_steps,
     decode_step,
@@ -621,6 +622,27 @@ class Engine:
         k, _ = self._check_options(1, use_mtp, mtp_draft_tokens, ())
         self._sched.configure(k)
         return self._sched.warm_up(self.max_context if max_tokens is None else max_tokens, progress=progress)
+
+    def draft_oracle(self, sequences: Sequence[Sequence[int]] | None, accept: float = 0.8, seed: int = 0) -> None:
+        """Benchmarks only: MTP drafts that are right at the rate `accept`, for timing the verify path on a model
+        whose own drafts are noise (random weights). `sequences[b]`: the whole token sequence (prompt, then the
+        tokens plain greedy decoding makes) of the request that will sit in slot b (a `generate` call's prompts
+        take slots 0, 1, ... in order on an idle engine). Every verify step's new drafts become those tokens,
+        each kept with probability `accept` and made wrong otherwise; the MTP module still runs. None: the
+        model's own drafts again."""
+        if sequences is None:
+            self._sched.oracle = None
+            return
+        if not 0.0 <= accept <= 1.0:
+            raise ValueError(f"draft_oracle accept must be in [0, 1], got {accept!r}")
+        if len(sequences) > self.max_batch:
+            raise ValueError(f"draft_oracle got {len(sequences)} sequences for {self.max_batch} slots")
+        L = self.max_context + MIXED_TILE
+        table = np.zeros((self.max_batch, L), np.int32)
+        for b, seq in enumerate(sequences):
+            table[b, : min(len(seq), L)] = list(seq)[:L]
+        key = np.asarray(jax.random.PRNGKey(seed), np.uint32)
+        self._sched.oracle = DraftOracle(jnp.asarray(table), jnp.float32(accept), jnp.asarray(key))
 
     @property
     def num_requests(self) -> int:

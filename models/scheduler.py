@@ -195,6 +195,7 @@ class _Generation:
         self.landed_at = 0.0  # when the last call was read
         self.lane = new_lane(engine.max_batch)
         self._traced: list | None = None  # warm-up's traced calls, while it traces
+        self.oracle = None  # benchmarks only: a `models.steps.DraftOracle` for the verify calls (`Engine.draft_oracle`)
         self.configure(k)
 
     def configure(self, k: int) -> None:
@@ -659,6 +660,7 @@ class _Generation:
             self.drafts,
             self.draft_probs,
             *args,
+            self.oracle,
             decode_config=decode_config,
             sampler=self.sampler,
             num_steps=num_steps,

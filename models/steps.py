@@ -289,6 +289,28 @@ def verify_step(model, cache: KVCache, inp: StepInputs, drafts, draft_probs, n_s
     return cache, tokens, accepted, d, draft_probs if q is None else q
 
 
+class DraftOracle(NamedTuple):
+    """Drafts that are right at a chosen rate, for benchmarks on random weights (`verify_loop`'s `oracle`).
+
+    tokens_BL int32 [B, L]: each slot's sequence by position (prompt, then the tokens plain greedy decoding makes);
+    accept float32 []: the probability a draft is the sequence's token (else that token + 1, wrong); key uint32
+    [2]: the draws' key (folded with the row and the position)."""
+
+    tokens_BL: jax.Array
+    accept: jax.Array
+    key: jax.Array
+
+    def drafts(self, pos_B, k: int):
+        """Drafts for the k positions after each row's pending token at `pos_B` -> int32 [B, k]."""
+        B, L = self.tokens_BL.shape
+        q = pos_B[:, None] + 1 + jnp.arange(k)[None, :]  # [B, k] positions the drafts stand for
+        true = jnp.take_along_axis(self.tokens_BL, jnp.clip(q, 0, L - 1), axis=1)
+        rows = jnp.broadcast_to(jnp.arange(B)[:, None], q.shape)
+        fold = lambda b, p: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(self.key, b), p))  # noqa: E731
+        u = jax.vmap(jax.vmap(fold))(rows, q)
+        return jnp.where(u < self.accept, true, true + 1).astype(jnp.int32)
+
+
 def verify_loop(
     model,
     cache: KVCache,
@@ -299,6 +321,7 @@ def verify_loop(
     spec_B,
     end_B,
     stop_ids_BS,
+    oracle=None,
     *,
     sampler,
     num_steps,
@@ -313,6 +336,9 @@ def verify_loop(
     take (its length budget and the context): a step verifies min(spec, end - n - 1) drafts, so no position
     passes end, and a row with n >= end is done. stop_ids_BS as in `decode_loop` (a stop token is kept, the
     tokens after it are not emitted). Draws use the keys of `verify_step`, so the tokens equal a sequence of its calls.
+    oracle: None, or (benchmarks only) a `DraftOracle`: each step's new drafts are replaced by the known tokens of
+    the row's sequence, each kept with probability `accept` and made wrong otherwise (the MTP module still runs:
+    a verify step's cost timed at a chosen acceptance on a model whose own drafts are noise).
     -> (cache, tokens int32 [B, num_steps * (k + 1)] (-1 past a row's last), count [B] (its new tokens, the
     tokens its cache gained), drafted [B], accepted [B], drafts, draft_probs).
     """
@@ -334,6 +360,8 @@ def verify_loop(
             model, cache.with_lengths(lengths), step_inp, drafts, draft_probs, n_spec, sampler=sampler
         )
         acc = jnp.where(active, acc, 0)
+        if oracle is not None:
+            d = oracle.drafts(pos_B + 1 + acc, k)
         emit = active[:, None] & (j <= acc[:, None])
         stop = (jnp.any(toks[:, :, None] == stop_ids_BS[:, None, :], axis=-1) | (toks == NON_FINITE)) & emit
         emit &= (jnp.cumsum(stop, axis=1) - stop) == 0  # nothing after the first stop
@@ -400,7 +428,20 @@ def decode_call(model, cache, inp, lane, steps_B, stop_ids_BS, *, sampler, num_s
 
 
 def verify_call(
-    model, cache, inp, lane, drafts, draft_probs, steps_B, spec_B, end_B, stop_ids_BS, *, sampler, num_steps
+    model,
+    cache,
+    inp,
+    lane,
+    drafts,
+    draft_probs,
+    steps_B,
+    spec_B,
+    end_B,
+    stop_ids_BS,
+    oracle=None,
+    *,
+    sampler,
+    num_steps,
 ):
     """`verify_loop` from the slots' pending tokens and positions (the lane): -> (cache, tokens, count, drafted,
     accepted, lane, drafts, draft_probs)."""
@@ -415,6 +456,7 @@ def verify_call(
         spec_B,
         end_B,
         stop_ids_BS,
+        oracle,
         sampler=sampler,
         num_steps=num_steps,
     )

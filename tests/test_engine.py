@@ -1216,3 +1216,24 @@ def test_default_prefill_chunk_rule(model):
     assert default_prefill_chunk(False, 1) == 512
     e = Engine(model, **{**STD, "prefill_chunk": None})
     assert (e.prefill_attention, e.prefill_chunk) == ("xla", 512)
+
+
+def test_draft_oracle_sets_the_acceptance_and_keeps_the_tokens(model):
+    """The benchmark's oracle drafts (`Engine.draft_oracle`) on a random model, whose own drafts are noise: with
+    every draft right (accept 1) nearly all are accepted, with none right almost none, and the tokens are plain
+    greedy's either way. Catches: oracle drafts standing for the wrong positions (acceptance near 0 at accept 1),
+    an oracle that changes what is emitted."""
+    e = Engine(model, **STD, decode_steps=2)
+    prompts = _prompts(36, [3, 9, 5])
+    plain = e.generate(prompts, max_new_tokens=16).tokens
+    e.draft_oracle([p + t for p, t in zip(prompts, plain)], accept=1.0)
+    right = e.generate(prompts, max_new_tokens=16, use_mtp=True)
+    e.draft_oracle([p + t for p, t in zip(prompts, plain)], accept=0.0)
+    wrong = e.generate(prompts, max_new_tokens=16, use_mtp=True)
+    e.draft_oracle(None)
+    assert right.tokens == plain and wrong.tokens == plain
+    # the first drafts of a request come from the prefill (the model's own), the rest from the oracle
+    assert right.stats["mtp_acceptance"] > 0.85, right.stats
+    assert wrong.stats["mtp_acceptance"] < 0.15, wrong.stats
+    with pytest.raises(ValueError, match="accept must be in"):
+        e.draft_oracle([prompts[0]], accept=1.5)
