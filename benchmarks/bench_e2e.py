@@ -403,6 +403,14 @@ def parser() -> argparse.ArgumentParser:
         help="speculative decoding with the MTP head, for models that have one",
     )
     p.add_argument(
+        "--mtp-oracle",
+        type=float,
+        default=None,
+        metavar="RATE",
+        help="MTP cells draft the tokens plain greedy decoding makes, each right with probability RATE "
+        "(random weights draft noise; this times the verify path at a chosen acceptance)",
+    )
+    p.add_argument(
         "--prefill-chunk",
         type=int,
         default=0,

@@ -161,8 +161,14 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
         decode_config=decode_config(getattr(args, "decode_config", "")),
     )
     kw = dict(max_new_tokens=N, sampling=SamplingParams(temperature=0.0))
+    oracle = getattr(args, "mtp_oracle", None)
     if mtp:
         kw["use_mtp"] = True
+        if oracle is not None:  # drafts right at the chosen rate: the plain greedy sequences, known first
+            bm.log(f"  {name} B={batch} T={prompt}: plain generate for the draft oracle ...")
+            plain = engine.generate(prompts, max_new_tokens=N, sampling=SamplingParams(temperature=0.0))
+            engine.draft_oracle([p + t for p, t in zip(prompts, plain.tokens)], accept=oracle)
+            row["mtp_oracle"] = oracle
     log = getattr(engine, "compile_log", None)
     log0 = len(log) if log is not None else 0
     traces0 = _trace_total()
