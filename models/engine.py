@@ -627,9 +627,10 @@ class Engine:
         """Benchmarks only: MTP drafts that are right at the rate `accept`, for timing the verify path on a model
         whose own drafts are noise (random weights). `sequences[b]`: the whole token sequence (prompt, then the
         tokens plain greedy decoding makes) of the request that will sit in slot b (a `generate` call's prompts
-        take slots 0, 1, ... in order on an idle engine). Every verify step's new drafts become those tokens,
-        each kept with probability `accept` and made wrong otherwise; the MTP module still runs. None: the
-        model's own drafts again."""
+        take slots 0, 1, ... in order on an idle engine). Verify steps are teacher-forced on those sequences (the
+        drafts that are their tokens are accepted; the tokens emitted are theirs) and their new drafts become
+        those tokens, each kept with probability `accept` and made wrong otherwise; the model and the MTP
+        module still run. None: the model's own drafts and verification again."""
         if sequences is None:
             self._sched.oracle = None
             return

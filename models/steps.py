@@ -310,6 +310,18 @@ class DraftOracle(NamedTuple):
         u = jax.vmap(jax.vmap(fold))(rows, q)
         return jnp.where(u < self.accept, true, true + 1).astype(jnp.int32)
 
+    def verify(self, drafts_Bk, pos_B, n_spec_B):
+        """Teacher-forced verification of the drafts after the pending tokens at `pos_B`: the leading drafts that
+        are the sequence's tokens are accepted (of the first `n_spec_B`), and the tokens emitted are the sequence's
+        -> (tokens int32 [B, k + 1], accepted int32 [B])."""
+        B, L = self.tokens_BL.shape
+        k = drafts_Bk.shape[1]
+        q = pos_B[:, None] + 1 + jnp.arange(k + 1)[None, :]
+        true = jnp.take_along_axis(self.tokens_BL, jnp.clip(q, 0, L - 1), axis=1)
+        ok = (drafts_Bk == true[:, :k]) & (jnp.arange(k)[None, :] < n_spec_B[:, None])
+        accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+        return true, accepted
+
 
 def verify_loop(
     model,
@@ -336,9 +348,10 @@ def verify_loop(
     take (its length budget and the context): a step verifies min(spec, end - n - 1) drafts, so no position
     passes end, and a row with n >= end is done. stop_ids_BS as in `decode_loop` (a stop token is kept, the
     tokens after it are not emitted). Draws use the keys of `verify_step`, so the tokens equal a sequence of its calls.
-    oracle: None, or (benchmarks only) a `DraftOracle`: each step's new drafts are replaced by the known tokens of
-    the row's sequence, each kept with probability `accept` and made wrong otherwise (the MTP module still runs:
-    a verify step's cost timed at a chosen acceptance on a model whose own drafts are noise).
+    oracle: None, or (benchmarks only) a `DraftOracle`: the row's known sequence is teacher-forced (the drafts that
+    are its tokens are accepted, the tokens emitted are its own), and each step's new drafts are its tokens, each
+    kept with probability `accept` and made wrong otherwise. The model, the MTP module and the verification still
+    run: a verify step's cost timed at a chosen acceptance on a model whose own drafts are noise.
     -> (cache, tokens int32 [B, num_steps * (k + 1)] (-1 past a row's last), count [B] (its new tokens, the
     tokens its cache gained), drafted [B], accepted [B], drafts, draft_probs).
     """
@@ -359,6 +372,8 @@ def verify_loop(
         cache, toks, acc, d, q = verify_step(
             model, cache.with_lengths(lengths), step_inp, drafts, draft_probs, n_spec, sampler=sampler
         )
+        if oracle is not None:  # teacher forcing: the oracle's sequence decides what is kept and emitted
+            toks, acc = oracle.verify(drafts, pos_B, n_spec)
         acc = jnp.where(active, acc, 0)
         if oracle is not None:
             d = oracle.drafts(pos_B + 1 + acc, k)

@@ -1220,9 +1220,9 @@ def test_default_prefill_chunk_rule(model):
 
 def test_draft_oracle_sets_the_acceptance_and_keeps_the_tokens(model):
     """The benchmark's oracle drafts (`Engine.draft_oracle`) on a random model, whose own drafts are noise: with
-    every draft right (accept 1) nearly all are accepted, with none right almost none, and the tokens are plain
-    greedy's either way. Catches: oracle drafts standing for the wrong positions (acceptance near 0 at accept 1),
-    an oracle that changes what is emitted."""
+    every draft right (accept 1) nearly all are accepted, with none right almost none, and the tokens are the
+    teacher-forced sequence's (plain greedy's) either way. Catches: oracle drafts standing for the wrong positions
+    (acceptance near 0 at accept 1), a teacher-forced token taken from the wrong position."""
     e = Engine(model, **STD, decode_steps=2)
     prompts = _prompts(36, [3, 9, 5])
     plain = e.generate(prompts, max_new_tokens=16).tokens
