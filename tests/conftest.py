@@ -97,7 +97,7 @@ def pytest_xdist_make_scheduler(config, log):
     return ModulesWhole(config, log)
 
 
-# Two tiers (tests/tiers.py): the default run (the README's command, CI) and `pytest --full`.
+# Two tiers (tests/tiers.py): the quick tier (the default run: the README's command) and `pytest --full`.
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", default=False, help="also run the full tier (tests marked `full`)")
 
@@ -116,7 +116,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
     from tests.tiers import full_tier
 
-    return f"test tier: {'full' if full_tier(config) else 'CI (pytest --full adds the tests marked full)'}"
+    return f"test tier: {'full' if full_tier(config) else 'quick (pytest --full adds the tests marked full)'}"
 
 
 @pytest.fixture

@@ -610,6 +610,10 @@ def _child(code: str, args: list[str]) -> subprocess.Popen:
     )
 
 
+@pytest.mark.full(
+    "test_sigterm_before_the_first_checkpoint_saves_it_and_resume_continues (the save and the resume) and "
+    "test_second_ctrl_c_during_the_save_quits_at_once (a real process: exit 130, no traceback, no abort)"
+)
 def test_ctrl_c_in_a_real_process_saves_and_exits_130(tmp_path):
     """The console path: SIGINT from outside once the first step is logged. Guards: no checkpoint before step
     200, a false "resume from the last checkpoint", a KeyboardInterrupt traceback, and the abort "terminate

@@ -1,10 +1,12 @@
 """The suite's two tiers.
 
-The default run (the README's command, what CI runs) holds every behaviour at least once; `pytest --full` (or
-MLA_JAX_FULL_TESTS=1) adds the tests marked `full`: the matrices over which the default tier takes representatives
-(each mesh shape alone beside the mixed mesh that has every axis at once; each decode body at every head count
-beside the default body's cases) and further k values of tests the default tier runs at one. A `full` mark's
-reason names what covers it by default.
+The quick tier is the default run: the README's test command, the first thing `.ci/run` runs. It holds every
+public behaviour at least once. The full tier, `pytest --full` (or MLA_JAX_FULL_TESTS=1), adds the tests marked
+`full`: the matrices over which the quick tier takes representatives (each mesh shape alone beside the eight-way
+meshes and the mixed mesh that has every axis at once; each decode body at every head count beside the default
+body's cases), further k values of tests the quick tier runs at one, and slow tests whose behaviour faster ones
+cover. `.ci/run` runs the full tier after the quick one. A `full` mark's reason names what covers it in the
+quick tier.
 """
 
 from __future__ import annotations
