@@ -40,10 +40,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import os
 import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +51,7 @@ import tqdm
 from mla_jax.attention import step_decode_config
 from mla_jax.kv_cache import CacheFullError, KVCache, next_pow2
 from mla_jax.sharding import shard_batch
+from models.requests import _Flight, _Request, _Seq
 from models.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
 from models.stats import GenerationStats
 from models.steps import MAX_DRAFT_TOKENS, NON_FINITE, StepInputs, new_lane, trace_counts
@@ -80,93 +79,6 @@ def rows_needed(cached: int, k: int, n_spec: int = 0) -> int:
     if k == 0:
         return cached + 1
     return max(cached + n_spec + k, cached + 1 + k)
-
-
-# ------------------------------------------------------------------------------------------
-# Requests
-# ------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class _Request:
-    """One request's record, shared by the scheduler (while it waits or runs) and its handle.
-
-    tokens: its new tokens so far (the stop token included when one ended it); token_times: the host's
-    `time.perf_counter()` when each came back from the device; finish_reason: None while it waits or
-    runs, then one of `FINISH_REASONS`; error: the message of what ended it with "error"."""
-
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    key: np.ndarray  # uint32 [2]
-    stops: frozenset
-    max_new_tokens: int
-    on_token: Callable[[int], None] | None = None
-    raise_on_full: bool = False  # a CacheFullError ending it propagates out of the step
-    submitted_at: float = 0.0
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    token_times: list[float] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclasses.dataclass
-class _Seq:
-    """Host state of a request in a slot.
-
-    `prefilled` counts the prompt tokens of every launched call; `cached` the tokens in the cache after
-    the landed calls; `flying` maps each call in flight to the (most, fewest) tokens it adds to the cache
-    (each added token is also a new one of the output, except a prompt's)."""
-
-    req: int  # the request's id
-    request: _Request
-    end: int  # the last position a token of it may take: its length budget and the context
-    prefilled: int = 0
-    cached: int = 0
-    flying: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.request.prompt
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
-
-    @property
-    def out(self) -> list[int]:
-        return self.request.tokens
-
-    @property
-    def decoding(self) -> bool:
-        return self.prefilled == len(self.prompt)
-
-    def bounds(self) -> tuple[int, int]:
-        """(lo, hi): the fewest and most tokens its cache holds once the calls in flight land, i.e. the
-        position of its pending token then (never past `end` once decoding: no call writes past it)."""
-        lo = self.cached + sum(n for _, n in self.flying.values())
-        hi = self.cached + sum(n for n, _ in self.flying.values())
-        return (min(lo, self.end), min(hi, self.end)) if self.decoding else (lo, hi)
-
-
-@dataclasses.dataclass
-class _Flight:
-    """A launched call, not read yet. `outs`: its device outputs; `rows`: slot -> (request id, tokens the slot
-    gains in the cache by prefill (0 for a decoding row), the row of its first token or -1); `steps`: model
-    steps of the call; `t0` / `launch_s`: when it was enqueued and how long that took (compilation included
-    when `compiled`)."""
-
-    id: int
-    kind: str
-    outs: tuple
-    rows: dict
-    steps: int
-    t0: float
-    launch_s: float
-    compiled: bool
-    prompt_tokens: int = 0
 
 
 # ------------------------------------------------------------------------------------------
