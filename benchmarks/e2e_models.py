@@ -21,6 +21,20 @@ MODELS = ("v2-lite", "v3-cut")
 KV_DTYPES = PAGE_FORMAT_NAMES  # what the engine's cache allocates
 
 
+# What makes a model V2-Lite's kind rather than V3's, taken from its preset for the tiny CPU cells.
+V2_LITE_KIND = (
+    "q_lora_rank",
+    "n_group",
+    "topk_group",
+    "scoring_func",
+    "topk_method",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+    "num_mtp_layers",
+    "model_type",
+)
+
+
 def model_config(name: str, *, config: str = "full", layers: int | None = None, kv_dtype: str = "bf16"):
     """The ModelConfig of a benchmark model.
 
@@ -34,18 +48,9 @@ def model_config(name: str, *, config: str = "full", layers: int | None = None, 
         cfg = ModelConfig.tiny()
         if kv_dtype == "fp8":
             cfg = cfg.replace(kv_lora_rank=128)
-        if name == "v2-lite":
-            cfg = cfg.replace(
-                q_lora_rank=None,
-                n_group=1,
-                topk_group=1,
-                scoring_func="softmax",
-                topk_method="greedy",
-                norm_topk_prob=False,
-                routed_scaling_factor=1.0,
-                num_mtp_layers=0,
-                model_type="deepseek_v2",
-            )
+        if name == "v2-lite":  # V2-Lite's kind (one query projection, its routing, no MTP) at tiny() sizes
+            lite = ModelConfig.deepseek_v2_lite()
+            cfg = cfg.replace(**{f: getattr(lite, f) for f in V2_LITE_KIND})
         if layers:
             cfg = cfg.replace(
                 num_hidden_layers=layers, first_k_dense_replace=min(cfg.first_k_dense_replace, layers - 1)

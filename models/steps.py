@@ -442,38 +442,12 @@ def decode_call(model, cache, inp, lane, steps_B, stop_ids_BS, *, sampler, num_s
     return cache, tokens, count, Lane(jnp.where(count > 0, last, lane.pending), lane.pos + count)
 
 
-def verify_call(
-    model,
-    cache,
-    inp,
-    lane,
-    drafts,
-    draft_probs,
-    steps_B,
-    spec_B,
-    end_B,
-    stop_ids_BS,
-    oracle=None,
-    *,
-    sampler,
-    num_steps,
-):
-    """`verify_loop` from the slots' pending tokens and positions (the lane): -> (cache, tokens, count, drafted,
-    accepted, lane, drafts, draft_probs)."""
+def verify_call(model, cache, inp, lane, drafts, draft_probs, *loop_args, sampler, num_steps):
+    """`verify_loop` from the slots' pending tokens and positions (the lane); `loop_args`: its steps_B, spec_B,
+    end_B, stop_ids_BS and oracle. -> (cache, tokens, count, drafted, accepted, lane, drafts, draft_probs)."""
     inp = inp._replace(ids=inp.ids.at[:, 0].set(lane.pending), positions=inp.positions.at[:, 0].set(lane.pos))
     cache, tokens, count, drafted, accepted, drafts, draft_probs = verify_loop(
-        model,
-        cache,
-        inp,
-        drafts,
-        draft_probs,
-        steps_B,
-        spec_B,
-        end_B,
-        stop_ids_BS,
-        oracle,
-        sampler=sampler,
-        num_steps=num_steps,
+        model, cache, inp, drafts, draft_probs, *loop_args, sampler=sampler, num_steps=num_steps
     )
     last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
     lane = Lane(jnp.where(count > 0, last, lane.pending), lane.pos + count)
