@@ -26,6 +26,27 @@ def test_ci_runs_the_readme_test_command():
     assert test_cmd in ci.splitlines(), (test_cmd, ci)
 
 
+def _section(title: str) -> str:
+    """The README's section that starts with `## title` (up to the next `## `), or '' when there is none."""
+    m = re.search(rf"^## {re.escape(title)}.*?(?=^## |\Z)", README, re.S | re.M)
+    return m.group(0) if m else ""
+
+
+def test_readme_answers_what_a_newcomer_asked():
+    """What a newcomer on a fresh clone could not find: a GPU quick start, a walk-through for serving a released
+    DeepSeek checkpoint (where it comes from, memory, mesh, FP8 weights), how long the default training run takes,
+    how to extend a finished run, and what MTP measurably does. Catches any of them dropped from the README."""
+    gpu = _section("On a Hopper GPU")
+    assert '".[cuda]"' in gpu and "pytest -m gpu" in gpu, gpu
+    walk = _section("Serving a real DeepSeek checkpoint")
+    for needle in ("deepseek-ai/", "mla-capacity", 'weights="fp8"', "mesh", 'kv_dtype="fp8"'):
+        assert needle in walk, needle
+    tools = _section("Command-line tools")
+    assert re.search(r"800 steps, ~10 min on 2 CPU cores", tools) and "--resume --steps" in tools
+    main_job = _section("Two commands")
+    assert re.search(r"[\d ]+ tok/s against [\d ]+ without `--mtp`", main_job), main_job[:600]
+
+
 def test_python_version_file_selects_312():
     assert (ROOT / ".python-version").read_text().strip() == "3.12"
 
