@@ -76,6 +76,7 @@ from pallas_kernels.mla_decode.config import (
     checked_config,
 )
 from pallas_kernels.mla_decode.fp8 import NARROW_ROWS, _decode_partials_fp8, _decode_partials_fp8_t, _use_transposed_fp8
+from pallas_kernels.mla_decode.fp8_math import fp8_math_decode, quantize_query_rows
 from pallas_kernels.mla_decode.schedule import (
     AutoSchedule,
     PieceSchedule,
@@ -108,6 +109,7 @@ __all__ = [
     "branch_configs",
     "host_config",
     "mla_decode",
+    "mla_decode_fp8_math_reference",
     "mla_decode_problems",
     "mla_decode_reference",
     "mla_decode_schedule",
@@ -115,6 +117,7 @@ __all__ = [
     "piece_schedule",
     "plan",
     "prefers_pieces",
+    "quantize_query_rows",
 ]
 
 
@@ -249,6 +252,37 @@ def mla_decode_reference(
     out_BTHL = out_BTHL / jnp.where(l_BTH == 0, 1.0, l_BTH)[..., None]
     lse_BTH = jnp.where(l_BTH == 0, -jnp.inf, m_BTH + jnp.log(l_BTH))
     return out_BTHL.astype(q.dtype), lse_BTH
+
+
+def mla_decode_fp8_math_reference(
+    q,
+    kv_pages,
+    block_table,
+    seq_lens,
+    *,
+    softmax_scale,
+    causal=False,
+    page_format=None,
+    config=None,
+    impl=None,
+    checked=False,
+    schedule=None,
+):
+    """Plain-jnp absorbed MLA decode over fp8 pages with the FP8 math (the
+    query quantized to e4m3 per row, e4m3 products with the pages' block scales applied per 128 columns,
+    P quantized to e4m3 with the scales folded in; `pallas_kernels.mla_decode.fp8_math`); the oracle of the
+    e4m3 tensor-core bodies. Same contract and checks as `mla_decode_reference`, for fp8 pages only (a
+    ValueError names any other format); ``config``, ``impl`` and ``schedule`` are accepted and ignored.
+    """
+    del config, impl, schedule
+    fmt = _validate(q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked)
+    if fmt.name != "fp8":
+        raise ValueError(f"mla_decode_fp8_math_reference reads fp8 pages, got {fmt.name} pages")
+    B, s_q = q.shape[:2]
+    keys = jnp.arange(block_table.shape[1] * kv_pages.shape[1], dtype=jnp.int32)
+    visible_BTS = keys[None, None, :] < _key_limits(seq_lens, s_q, causal)[..., None]
+    out, lse = fp8_math_decode(q, kv_pages[block_table], seq_lens, visible_BTS, softmax_scale=float(softmax_scale))
+    return out.astype(q.dtype), lse
 
 
 # ------------------------------------------------------------------------------------------------
