@@ -1,4 +1,4 @@
-"""The FP8 math of `mla_decode` over fp8 pages, in plain jnp: the query's
+"""The FP8 math of `mla_decode` over fp8 pages (`MlaDecodeConfig.fp8_math="fp8"`), in plain jnp: the query's
 quantization (`quantize_query_rows`, which a kernel's wrapper can run as it is) and the decode the e4m3
 tensor-core bodies compute (`fp8_math_decode`; `mla_decode_fp8_math_reference` is its checked face).
 
