@@ -63,6 +63,7 @@ from pallas_kernels._page_table import check_page_table
 from pallas_kernels.mla_decode.bf16 import _decode_partials
 from pallas_kernels.mla_decode.combine import _combine
 from pallas_kernels.mla_decode.config import (
+    FP8_MATHS,
     KERNEL_FORMATS,
     KEY_DIM,
     LATENT_DIM,
@@ -76,6 +77,7 @@ from pallas_kernels.mla_decode.config import (
     checked_config,
 )
 from pallas_kernels.mla_decode.fp8 import NARROW_ROWS, _decode_partials_fp8, _decode_partials_fp8_t, _use_transposed_fp8
+from pallas_kernels.mla_decode.fp8_math import fp8_math_decode, quantize_query_rows
 from pallas_kernels.mla_decode.schedule import (
     AutoSchedule,
     PieceSchedule,
@@ -90,6 +92,7 @@ from pallas_kernels.mla_decode.scorer import SCORER_MEMORY_REGISTERS, _decode_pa
 from pallas_kernels.page_format import PageFormat, check_pages
 
 __all__ = [
+    "FP8_MATHS",
     "KERNEL_FORMATS",
     "KEY_DIM",
     "LATENT_DIM",
@@ -108,6 +111,7 @@ __all__ = [
     "branch_configs",
     "host_config",
     "mla_decode",
+    "mla_decode_fp8_math_reference",
     "mla_decode_problems",
     "mla_decode_reference",
     "mla_decode_schedule",
@@ -115,6 +119,7 @@ __all__ = [
     "piece_schedule",
     "plan",
     "prefers_pieces",
+    "quantize_query_rows",
 ]
 
 
@@ -251,6 +256,37 @@ def mla_decode_reference(
     return out_BTHL.astype(q.dtype), lse_BTH
 
 
+def mla_decode_fp8_math_reference(
+    q,
+    kv_pages,
+    block_table,
+    seq_lens,
+    *,
+    softmax_scale,
+    causal=False,
+    page_format=None,
+    config=None,
+    impl=None,
+    checked=False,
+    schedule=None,
+):
+    """Plain-jnp absorbed MLA decode over fp8 pages with the FP8 math (`MlaDecodeConfig.fp8_math="fp8"`: the
+    query quantized to e4m3 per row, e4m3 products with the pages' block scales applied per 128 columns,
+    P quantized to e4m3 with the scales folded in; `pallas_kernels.mla_decode.fp8_math`); the oracle of the
+    e4m3 tensor-core bodies. Same contract and checks as `mla_decode_reference`, for fp8 pages only (a
+    ValueError names any other format); ``config``, ``impl`` and ``schedule`` are accepted and ignored.
+    """
+    del config, impl, schedule
+    fmt = _validate(q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked)
+    if fmt.name != "fp8":
+        raise ValueError(f"mla_decode_fp8_math_reference reads fp8 pages, got {fmt.name} pages")
+    B, s_q = q.shape[:2]
+    keys = jnp.arange(block_table.shape[1] * kv_pages.shape[1], dtype=jnp.int32)
+    visible_BTS = keys[None, None, :] < _key_limits(seq_lens, s_q, causal)[..., None]
+    out, lse = fp8_math_decode(q, kv_pages[block_table], seq_lens, visible_BTS, softmax_scale=float(softmax_scale))
+    return out.astype(q.dtype), lse
+
+
 # ------------------------------------------------------------------------------------------------
 # The kernel: the choice of body, then its launch (and the combine)
 # ------------------------------------------------------------------------------------------------
@@ -259,6 +295,11 @@ def mla_decode_reference(
 def _body(page_format: PageFormat, plan_, s_q: int, heads: int, config: MlaDecodeConfig):
     """The partials function that serves these pages, query rows and config."""
     if page_format.name == "fp8":
+        if config.fp8_math == "fp8":
+            raise ValueError(
+                "fp8_math='fp8' has no Mosaic GPU body yet; use fp8_math='bf16' or impl='reference' "
+                "(mla_decode_fp8_math_reference)"
+            )
         if _use_transposed_fp8(s_q, heads, config):
             return _decode_partials_fp8_t
         return _decode_partials_fp8
@@ -429,7 +470,8 @@ def mla_decode(
         non-causal queries see all seq_len keys.
       page_format: the pages' `PageFormat`, checked against their dtype and width; None reads it from
         them (`pallas_kernels.page_format_of`), as `paged_gather` does.
-      config: `MlaDecodeConfig` (static); None = defaults.
+      config: `MlaDecodeConfig` (static); None = defaults. On fp8 pages its ``fp8_math`` picks the math;
+        the reference follows it ("fp8": `mla_decode_fp8_math_reference`).
       impl: one of `pallas_kernels.backend.IMPLS`: "auto" (the kernel on a Hopper GPU where it serves the
         inputs, `mla_decode_problems`; else the reference), "kernel", "interpret" or "reference".
       checked: also check traced block tables and lengths, with `jax.experimental.checkify`
@@ -456,7 +498,8 @@ def mla_decode(
         _check_schedule(schedule, B, s_q, H, config)
     impl = backend.choose(impl, mla_decode_problems(H, kv_pages.shape[1], fmt, s_q))
     if impl == "reference":
-        return mla_decode_reference(
+        reference = mla_decode_fp8_math_reference if fmt.name == "fp8" and config.fp8_math == "fp8" else None
+        return (reference or mla_decode_reference)(
             q,
             kv_pages,
             block_table,
