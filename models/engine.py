@@ -139,9 +139,9 @@ class RequestHandle:
     `tokens()` iterates over its new tokens as they come, one engine step at a time (each token as the device
     call that made it is read, one step after it was launched), running steps (for every running request)
     while none is ready; it ends when the request does, and at once after `cancel()`. `result()` runs steps
-    until it ends. Neither may be called from an `on_token`
-    callback (a step is running then). Timing: `submitted_at` and `token_times` are `time.perf_counter()`
-    values (when it was submitted; when each token reached the host).
+    until it ends. Neither may be called from an `on_token` callback (a step is running then). Timing:
+    `submitted_at` and `token_times` are `time.perf_counter()` values (when it was submitted; when each token
+    reached the host).
     """
 
     def __init__(self, engine: Engine, request: _Request):
