@@ -467,17 +467,14 @@ def trace_counts() -> dict[str, int]:
 
 
 class Steps(NamedTuple):
-    """The jitted steps of one model structure: `prefill(state, cache, inp, mtp_next_ids, prompt_ends,
-    drafts, draft_probs, *, use_mtp, sampler)`, `decode(state, cache, inp, *, sampler)`,
-    `decode_loop(state, cache, inp, steps_B, stop_ids_BS, *, sampler, num_steps)`,
-    `verify(state, cache, inp, drafts, draft_probs, n_spec, *, sampler)`, and the scheduler's calls over the
-    lane: `prefill_call`, `decode_call`, `verify_call` (their functions above, the model replaced by its
-    state); the cache, the lane and the draft state donated."""
+    """The jitted steps of one model structure: the scheduler's calls over the lane, `prefill_call`,
+    `decode_call`, `verify_call` (their functions above, the model replaced by its state), and the plain
+    `prefill(state, cache, inp, mtp_next_ids, prompt_ends, drafts, draft_probs, *, use_mtp, sampler)` and
+    `decode(state, cache, inp, *, sampler)` whose programs the tests inspect (the calls' bodies); the cache, the
+    lane and the draft state donated."""
 
     prefill: object
     decode: object
-    decode_loop: object
-    verify: object
     prefill_call: object
     decode_call: object
     verify_call: object
@@ -510,10 +507,6 @@ def compiled_steps(graphdef) -> Steps:
             _bind("prefill", prefill_step, graphdef), static_argnames=("use_mtp", "sampler"), donate_argnums=(1, 5, 6)
         ),
         decode=jit(_bind("decode", decode_step, graphdef), static_argnames=("sampler",), donate_argnums=(1,)),
-        decode_loop=jit(
-            _bind("decode", decode_loop, graphdef), static_argnames=("sampler", "num_steps"), donate_argnums=(1,)
-        ),
-        verify=jit(_bind("verify", verify_step, graphdef), static_argnames=("sampler",), donate_argnums=(1, 3, 4)),
         prefill_call=jit(
             _bind("prefill", prefill_call, graphdef),
             static_argnames=("use_mtp", "sampler"),

@@ -63,7 +63,6 @@ from pallas_kernels._page_table import check_page_table
 from pallas_kernels.mla_decode.bf16 import _decode_partials
 from pallas_kernels.mla_decode.combine import _combine
 from pallas_kernels.mla_decode.config import (
-    FP8_MATHS,
     KERNEL_FORMATS,
     KEY_DIM,
     LATENT_DIM,
@@ -92,7 +91,6 @@ from pallas_kernels.mla_decode.scorer import SCORER_MEMORY_REGISTERS, _decode_pa
 from pallas_kernels.page_format import PageFormat, check_pages
 
 __all__ = [
-    "FP8_MATHS",
     "KERNEL_FORMATS",
     "KEY_DIM",
     "LATENT_DIM",
@@ -257,26 +255,15 @@ def mla_decode_reference(
 
 
 def mla_decode_fp8_math_reference(
-    q,
-    kv_pages,
-    block_table,
-    seq_lens,
-    *,
-    softmax_scale,
-    causal=False,
-    page_format=None,
-    config=None,
-    impl=None,
-    checked=False,
-    schedule=None,
+    q, kv_pages, block_table, seq_lens, *, softmax_scale, causal=False, page_format=None, checked=False
 ):
-    """Plain-jnp absorbed MLA decode over fp8 pages with the FP8 math (`MlaDecodeConfig.fp8_math="fp8"`: the
-    query quantized to e4m3 per row, e4m3 products with the pages' block scales applied per 128 columns,
-    P quantized to e4m3 with the scales folded in; `pallas_kernels.mla_decode.fp8_math`); the oracle of the
-    e4m3 tensor-core bodies. Same contract and checks as `mla_decode_reference`, for fp8 pages only (a
-    ValueError names any other format); ``config``, ``impl`` and ``schedule`` are accepted and ignored.
+    """Plain-jnp absorbed MLA decode over fp8 pages with the FP8 math decided for the fp8 bodies: the query
+    quantized to e4m3 per row, e4m3 products with the pages' block scales applied per 128 columns, P quantized
+    to e4m3 with the scales folded in (`pallas_kernels.mla_decode.fp8_math`). No kernel body computes it yet:
+    it is the oracle such a body will be checked against, and what measures that math's error
+    (docs/PERFORMANCE.md, "Limits and open gaps"). Same arguments and checks as `mla_decode_reference`, for fp8
+    pages only (a ValueError names any other format).
     """
-    del config, impl, schedule
     fmt = _validate(q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked)
     if fmt.name != "fp8":
         raise ValueError(f"mla_decode_fp8_math_reference reads fp8 pages, got {fmt.name} pages")
@@ -295,11 +282,6 @@ def mla_decode_fp8_math_reference(
 def _body(page_format: PageFormat, plan_, s_q: int, heads: int, config: MlaDecodeConfig):
     """The partials function that serves these pages, query rows and config."""
     if page_format.name == "fp8":
-        if config.fp8_math == "fp8":
-            raise ValueError(
-                "fp8_math='fp8' has no Mosaic GPU body yet; use fp8_math='bf16' or impl='reference' "
-                "(mla_decode_fp8_math_reference)"
-            )
         if _use_transposed_fp8(s_q, heads, config):
             return _decode_partials_fp8_t
         return _decode_partials_fp8
@@ -470,8 +452,7 @@ def mla_decode(
         non-causal queries see all seq_len keys.
       page_format: the pages' `PageFormat`, checked against their dtype and width; None reads it from
         them (`pallas_kernels.page_format_of`), as `paged_gather` does.
-      config: `MlaDecodeConfig` (static); None = defaults. On fp8 pages its ``fp8_math`` picks the math;
-        the reference follows it ("fp8": `mla_decode_fp8_math_reference`).
+      config: `MlaDecodeConfig` (static); None = defaults.
       impl: one of `pallas_kernels.backend.IMPLS`: "auto" (the kernel on a Hopper GPU where it serves the
         inputs, `mla_decode_problems`; else the reference), "kernel", "interpret" or "reference".
       checked: also check traced block tables and lengths, with `jax.experimental.checkify`
@@ -498,8 +479,7 @@ def mla_decode(
         _check_schedule(schedule, B, s_q, H, config)
     impl = backend.choose(impl, mla_decode_problems(H, kv_pages.shape[1], fmt, s_q))
     if impl == "reference":
-        reference = mla_decode_fp8_math_reference if fmt.name == "fp8" and config.fp8_math == "fp8" else None
-        return (reference or mla_decode_reference)(
+        return mla_decode_reference(
             q,
             kv_pages,
             block_table,

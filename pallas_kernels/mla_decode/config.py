@@ -12,7 +12,6 @@ SUPPORTED_HEADS = (16, 32, 64, 128)
 MAX_QUERY_LEN = 4
 KERNEL_FORMATS = ("bf16", "fp8")  # page formats the kernel has bodies for (`pallas_kernels.page_format.NAMES`)
 SCHEDULES = ("per_sequence", "pieces", "auto")
-FP8_MATHS = ("bf16", "fp8")  # what the tensor cores take on fp8 pages (`MlaDecodeConfig.fp8_math`)
 RAGGED_SPREAD = 1.5  # "auto": the pieces schedule when the longest sequence has more pages than this x the mean
 
 
@@ -65,13 +64,6 @@ class MlaDecodeConfig:
         page's Q·Kᵀ once, the softmax and P·V over 128 columns, two others P·V over 192 columns each, beside
         the TMA warpgroup. None or True = on (the fastest body: docs/PERFORMANCE.md, "Tried and rejected"); False
         picks between the plain and split-QK bodies by ``split_qk``. fp8 pages have bodies of their own.
-      fp8_math: the math on fp8 pages, one of `FP8_MATHS`. "bf16": the bodies convert every e4m3 latent to bf16
-        and multiply in bf16 (exact up to bf16's rounding of the scaled keys). "fp8": e4m3 tensor-core products,
-        the query and P quantized to e4m3 with the pages' block scales applied per 128 columns
-        (`pallas_kernels.mla_decode.fp8_math`, whose oracle is `mla_decode_fp8_math_reference`; coarser than
-        "bf16" by e4m3's 3 mantissa bits on the query and P). No Mosaic GPU body computes it yet: the kernel
-        refuses it with a ValueError, the reference (``impl="reference"``) computes it. The default stays
-        "bf16" until an "fp8" body is measured faster on the GPU (unmeasured). Other page formats ignore it.
     """
 
     num_splits: int | None = None
@@ -88,11 +80,8 @@ class MlaDecodeConfig:
     min_piece_pages: int = 16
     fp8_transposed: bool | None = None
     scorer: bool | None = None
-    fp8_math: str = "bf16"
 
     def __post_init__(self):
-        if self.fp8_math not in FP8_MATHS:
-            raise ValueError(f"fp8_math must be one of {FP8_MATHS}, got {self.fp8_math!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.num_splits is not None and not 1 <= self.num_splits <= 1024:
