@@ -48,6 +48,7 @@ from pallas_kernels.flash_attention import CTA_ROWS
 from pallas_kernels.mla_decode import host_config, mla_decode_schedule
 from pallas_kernels.mla_decode.config import MlaDecodeConfig, checked_config
 from pallas_kernels.page_format import PageFormat, resolve_page_format
+from pallas_kernels.stacked_matmul import stacked_head_matmul, stacked_head_matmul_problems
 
 _F32 = jnp.float32
 
@@ -488,35 +489,63 @@ class MLA(nnx.Module):
         c_BTL = self.kv_norm(c_BTL)
         return jnp.concatenate([c_BTL.astype(k_pe_BTR.dtype), k_pe_BTR], axis=-1)
 
-    def wkv_b_LHK(self) -> jax.Array:
-        """wkv_b as [L, H, N+V]: per head, the K_nope columns then the V columns (W_UK ; W_UV); an FP8 wkv_b
-        dequantized to the compute dtype."""
-        cfg = self.cfg
-        return fp8_weights.dense_kernel(self.wkv_b).reshape(
-            cfg.kv_lora_rank, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim
-        )
+    def _wkv_b_stack(self, stacked: Stacked | None, M: int, K: int, N: int):
+        """wkv_b's whole stack [L, R, H·(N+V)] when this call reads it in place with
+        `pallas_kernels.stacked_matmul.stacked_head_matmul` (per-head products of M rows, K -> N), else None."""
+        if stacked is None or not isinstance(self.wkv_b, nnx.Linear) or self.wkv_b.kernel[...].ndim != 3:
+            return None
+        if stacked_head_matmul_problems(M, self.cfg.num_attention_heads, K, N):
+            return None
+        return self.wkv_b.kernel[...]
 
-    def absorb_query(self, q_nope: jax.Array, q_pe: jax.Array) -> jax.Array:
+    def wkv_b_LHK(self, stacked: Stacked | None = None) -> jax.Array:
+        """wkv_b as [L, H, N+V]: per head, the K_nope columns then the V columns (W_UK ; W_UV); an FP8 wkv_b
+        dequantized to the compute dtype; a whole stack's (`stacked`) layer `stacked.index`."""
+        cfg = self.cfg
+        kernel = fp8_weights.dense_kernel(self.wkv_b)
+        if kernel.ndim == 3:
+            kernel = jax.lax.dynamic_index_in_dim(kernel, stacked.index, axis=0, keepdims=False)
+        return kernel.reshape(cfg.kv_lora_rank, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+
+    def absorb_query(self, q_nope: jax.Array, q_pe: jax.Array, stacked: Stacked | None = None) -> jax.Array:
         """[q_nope · W_UK ; q_pe] -> [B,T,H,L+R]: the query the absorbed path / decode kernel takes."""
-        N = self.cfg.qk_nope_head_dim
-        if isinstance(self.wkv_b, fp8_weights.Fp8Linear):  # W_UK alone, in the stored layout [H, N, L]
-            w_uk_HNL = fp8_weights.dequantize_group_rows(self.wkv_b, self.cfg.num_attention_heads, 0, N)
+        cfg = self.cfg
+        N = cfg.qk_nope_head_dim
+        B, T, H, _ = q_nope.shape
+        whole = self._wkv_b_stack(stacked, B * T, N, cfg.kv_lora_rank)
+        if whole is not None:  # W_UK of the stack's layer, read in place
+            q_lat = stacked_head_matmul(
+                q_nope.reshape(B * T, H, N), whole, stacked.index, col_offset=0, contract_rows=False, impl=stacked.impl
+            ).reshape(B, T, H, cfg.kv_lora_rank)
+        elif isinstance(self.wkv_b, fp8_weights.Fp8Linear):  # W_UK alone, in the stored layout [H, N, L]
+            w_uk_HNL = fp8_weights.dequantize_group_rows(self.wkv_b, cfg.num_attention_heads, 0, N)
             q_lat = einsum_f32("bthn,hnl->bthl", q_nope, w_uk_HNL.astype(q_nope.dtype))
         else:
-            w_uk_LHN = self.wkv_b_LHK()[..., :N]
+            w_uk_LHN = self.wkv_b_LHK(stacked)[..., :N]
             q_lat = einsum_f32("bthn,lhn->bthl", q_nope, w_uk_LHN.astype(q_nope.dtype))
         return jnp.concatenate([q_lat.astype(q_pe.dtype), q_pe], axis=-1)
 
     def output_from_latent(self, o_lat_BTHL: jax.Array, stacked: Stacked | None = None) -> jax.Array:
         """Un-absorb W_UV and apply the output projection: [B,T,H,L] -> [B,T,D]."""
         cfg = self.cfg
-        N = cfg.qk_nope_head_dim
-        if isinstance(self.wkv_b, fp8_weights.Fp8Linear):  # W_UV alone, in the stored layout [H, V, L]
-            H = cfg.num_attention_heads
-            w_uv_HVL = fp8_weights.dequantize_group_rows(self.wkv_b, H, N, N + cfg.v_head_dim)
+        N, V = cfg.qk_nope_head_dim, cfg.v_head_dim
+        B, T, H, L = o_lat_BTHL.shape
+        whole = self._wkv_b_stack(stacked, B * T, L, V)
+        if whole is not None:  # W_UV of the stack's layer, read in place
+            o = stacked_head_matmul(
+                o_lat_BTHL.reshape(B * T, H, L),
+                whole,
+                stacked.index,
+                col_offset=N,
+                contract_rows=True,
+                width=V,
+                impl=stacked.impl,
+            ).reshape(B, T, H, V)
+        elif isinstance(self.wkv_b, fp8_weights.Fp8Linear):  # W_UV alone, in the stored layout [H, V, L]
+            w_uv_HVL = fp8_weights.dequantize_group_rows(self.wkv_b, H, N, N + V)
             o = einsum_f32("bthl,hvl->bthv", o_lat_BTHL, w_uv_HVL.astype(o_lat_BTHL.dtype))
         else:
-            w_uv_LHV = self.wkv_b_LHK()[..., N:]
+            w_uv_LHV = self.wkv_b_LHK(stacked)[..., N:]
             o = einsum_f32("bthl,lhv->bthv", o_lat_BTHL, w_uv_LHV.astype(o_lat_BTHL.dtype))
         return project(self.wo, o.astype(o_lat_BTHL.dtype).reshape(o.shape[:2] + (-1,)), stacked)
 
@@ -540,7 +569,7 @@ class MLA(nnx.Module):
         cfg = self.cfg
         if absorbed:
             o_lat, _ = mla_absorbed_attention(
-                self.absorb_query(q_nope, q_pe),
+                self.absorb_query(q_nope, q_pe, stacked),
                 kv_latent,
                 q_positions,
                 kv_positions,
@@ -552,7 +581,7 @@ class MLA(nnx.Module):
             q_nope,
             q_pe,
             kv_latent,
-            self.wkv_b_LHK(),
+            self.wkv_b_LHK(stacked),
             q_positions,
             kv_positions,
             softmax_scale=cfg.softmax_scale,
@@ -576,7 +605,9 @@ class MLA(nnx.Module):
         path = self.cached_path(T, cache)
         if path == "decode_kernel":
             # bf16 queries: the pages' own dtype, or what fp8 pages dequantise to in the kernel
-            q_BTHC = self.absorb_query(q_nope, q_pe).astype(jnp.bfloat16 if cache.quantized else cache.pages.dtype)
+            q_BTHC = self.absorb_query(q_nope, q_pe, stacked).astype(
+                jnp.bfloat16 if cache.quantized else cache.pages.dtype
+            )
 
             def decode(pages, table, q, seq_lens):  # on the whole pool, or one data rank's (map_pages)
                 return mla_decode(

@@ -24,7 +24,7 @@ from pallas_kernels.fp8_matvec import fp8_matvec_problems
 from pallas_kernels.stacked_matmul import MAX_ROWS, stacked_matmul, stacked_matmul_problems
 
 # A decoder layer's projections (module paths inside `models.layer.DecoderLayer`) that may be passed whole.
-# Not `wkv_b` (read as [L, H, N+V] by the absorbed einsums) nor the router (fp32, HIGHEST precision).
+# Not `wkv_b` (read per head: `HEAD_PROJECTIONS`) nor the router (fp32, HIGHEST precision).
 STACKED_PROJECTIONS = frozenset(
     {
         ("self_attn", "wq"),
@@ -40,6 +40,11 @@ STACKED_PROJECTIONS = frozenset(
         ("mlp", "shared_experts", "down_proj"),
     }
 )
+
+
+# Projections read per head by the absorbed attention (`MLA.absorb_query`, `MLA.output_from_latent`), passed whole
+# as a bf16 / f32 kernel [L, R, H·P] for `pallas_kernels.stacked_matmul.stacked_head_matmul` (FP8 ones stay sliced).
+HEAD_PROJECTIONS = frozenset({("self_attn", "wkv_b")})
 
 
 class Stacked(NamedTuple):
@@ -63,13 +68,17 @@ def stacked_impl(cache_impl: str | None, rows: int) -> str | None:
 def stacked_filter(rows: int):
     """An nnx filter of the projection weights to pass whole for a call of `rows` tokens: those of the modules in
     `STACKED_PROJECTIONS` whose stack the kernel serves: an `nnx.Linear`'s kernel [L, K, N] (`stacked_matmul`),
+    `HEAD_PROJECTIONS`' kernels [L, R, H·P] (`stacked_head_matmul`, their MLA layer falls back to the layer's slice
+    where it cannot serve the heads' widths),
     an `Fp8Linear`'s e4m3 weight [L, N, K] and its scales [L, nb, kb] (`fp8_matvec`, whose limits are on the rows
     alone, so a weight and its scales are passed or kept together)."""
 
     def keep(path, value) -> bool:
+        shape = value.shape if hasattr(value, "shape") else value[...].shape
+        if tuple(path[:-1]) in HEAD_PROJECTIONS:  # its widths are checked where it is read (per head)
+            return path[-1] == "kernel" and len(shape) == 3 and rows <= MAX_ROWS
         if tuple(path[:-1]) not in STACKED_PROJECTIONS:
             return False
-        shape = value.shape if hasattr(value, "shape") else value[...].shape
         if len(shape) != 3:
             return False
         if path[-1] == "kernel":

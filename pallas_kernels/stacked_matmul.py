@@ -158,3 +158,132 @@ def stacked_matmul(x_MK, w_LKN, layer, *, config: StackedMatmulConfig | None = N
     if impl == "reference":
         return stacked_matmul_reference(x_MK, w_LKN, layer)
     return _stacked_matmul_kernel(x_MK, w_LKN, layer, config=config, interpret=impl == "interpret")
+
+
+# ------------------------------------------------------------------------------------------
+# Per-head products against a head-interleaved stack (MLA's absorbed W_UK / W_UV)
+# ------------------------------------------------------------------------------------------
+# 64-wide blocks: a V2-Lite / V3 head's W_UK (128 x 512) and W_UV (512 x 128) give 128 or more programs a call
+HEAD_CONFIG = StackedMatmulConfig(block_n=64, block_k=64)
+
+
+def stacked_head_matmul_problems(M: int, H: int, K: int, N: int, config: StackedMatmulConfig = HEAD_CONFIG):
+    """Why `stacked_head_matmul` cannot take per-head [M, K] · [K, N] products over H heads (empty when it can)."""
+    out = []
+    if M > MAX_ROWS:
+        out.append(f"M = {M} rows is more than the {MAX_ROWS} a decode-shaped call takes")
+    for name, dim, block in (("K", K, config.block_k), ("N", N, config.block_n)):
+        b = min(block, dim)
+        if dim % b or b < 16 or b & (b - 1):
+            out.append(f"{name} = {dim} is not a multiple of the block {block} (nor a power of two >= 16 below it)")
+    return out
+
+
+def stacked_head_matmul_reference(
+    x_MHK, w_LRC, layer, *, col_offset: int, contract_rows: bool, width: int | None = None
+):
+    """The per-head products of `stacked_head_matmul` in plain XLA -> f32 [M, H, N]."""
+    M, H, K = x_MHK.shape
+    w = lax.dynamic_index_in_dim(w_LRC, layer, axis=0, keepdims=False)  # [R, H·P]
+    w_RHP = w.reshape(w.shape[0], H, -1).astype(x_MHK.dtype)
+    if contract_rows:  # w[k, h, off + n]
+        return jnp.einsum(
+            "mhk,khn->mhn", x_MHK, w_RHP[..., col_offset : col_offset + width], preferred_element_type=jnp.float32
+        )
+    return jnp.einsum(
+        "mhk,nhk->mhn", x_MHK, w_RHP[..., col_offset : col_offset + K], preferred_element_type=jnp.float32
+    )
+
+
+def _head_kernel(layer_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k_steps, K, N, P, col_offset, contract_rows):
+    h, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    rows = pl.ds(0, bm)
+
+    def chunk(t, acc):
+        k0 = (s * k_steps + t) * bk
+        x = plt.load(x_ref.at[rows, pl.ds(h * K + k0, bk)])  # [bm, bk]
+        if contract_rows:  # w tile [bk, bn]: rows k, the head's columns off + n
+            w = plt.load(w_ref.at[layer, pl.ds(k0, bk), pl.ds(h * P + col_offset + j * bn, bn)])
+            return acc + plt.dot(x, w)
+        w = plt.load(w_ref.at[layer, pl.ds(j * bn, bn), pl.ds(h * P + col_offset + k0, bk)])  # [bn, bk]
+        return acc + plt.dot(x, w, trans_b=True)
+
+    acc = lax.fori_loop(0, k_steps, chunk, jnp.zeros((bm, bn), jnp.float32))
+    plt.store(o_ref.at[s, rows, pl.ds(h * N + j * bn, bn)], acc)
+
+
+def stacked_head_matmul(
+    x_MHK,
+    w_LRC,
+    layer,
+    *,
+    col_offset: int,
+    contract_rows: bool,
+    width: int | None = None,
+    config: StackedMatmulConfig | None = None,
+    impl: str | None = "auto",
+):
+    """Per-head products against one layer of a head-interleaved stack, read in place -> f32 [M, H, N].
+
+    `w_LRC` [L, R, H·P] holds for head h the columns [h·P, (h + 1)·P) (MLA's `wkv_b` kernel: R = kv_lora_rank,
+    P = qk_nope_head_dim + v_head_dim). Layer `layer` (an int scalar, may be traced) is used:
+      contract_rows=True:  y[m, h, n] = Σ_k x[m, h, k] · w[layer, k, h·P + col_offset + n], K = R, N = `width`
+                           (W_UV applied to the attention's latent output);
+      contract_rows=False: y[m, h, n] = Σ_k x[m, h, k] · w[layer, n, h·P + col_offset + k], N = R
+                           (W_UK folded into the query).
+    Grid (H, N / block_n, split over K): a skinny decode call still has a few hundred programs; the split
+    partials are summed by XLA. Rows are padded to 16 (the smallest tensor-core M), M <= `MAX_ROWS`.
+    impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
+    """
+    config = HEAD_CONFIG if config is None else config
+    if x_MHK.ndim != 3 or w_LRC.ndim != 3:
+        raise ValueError(f"x must be [M, H, K] and w a stack [L, R, H·P], got {x_MHK.shape} and {w_LRC.shape}")
+    M, H, K = x_MHK.shape
+    L, R, C = w_LRC.shape
+    if C % H:
+        raise ValueError(f"w's {C} columns do not split into H = {H} heads")
+    P = C // H
+    if contract_rows:
+        if R != K or width is None or col_offset + width > P:
+            raise ValueError(f"contract_rows: w's rows R = {R} must equal K = {K} and col_offset + width <= P = {P}")
+        N = width
+    else:
+        if col_offset + K > P:
+            raise ValueError(f"col_offset + K = {col_offset + K} is more than the head's P = {P} columns")
+        N = R
+    problems = stacked_head_matmul_problems(M, H, K, N, config)
+    if problems:
+        raise ValueError("stacked_head_matmul: " + "; ".join(problems))
+    impl = backend.resolve(impl)
+    if impl == "reference":
+        return stacked_head_matmul_reference(
+            x_MHK, w_LRC, layer, col_offset=col_offset, contract_rows=contract_rows, width=N
+        )
+    bm = _block_m(M)
+    bk, bn = min(config.block_k, K), min(config.block_n, N)
+    steps, programs = K // bk, H * (N // bn)
+    split = config.split_k or 1
+    while config.split_k is None and steps % (split * 2) == 0 and programs * split * 2 <= TARGET_PROGRAMS:
+        split *= 2
+    x = jnp.pad(x_MHK, ((0, bm - M), (0, 0), (0, 0))).reshape(bm, H * K)
+    partials = pl.pallas_call(
+        functools.partial(
+            _head_kernel,
+            bm=bm,
+            bn=bn,
+            bk=bk,
+            k_steps=steps // split,
+            K=K,
+            N=N,
+            P=P,
+            col_offset=col_offset,
+            contract_rows=contract_rows,
+        ),
+        out_shape=jax.ShapeDtypeStruct((split, bm, H * N), jnp.float32),
+        grid=(H, N // bn, split),
+        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=impl == "interpret",
+        name="stacked_head_matmul",
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, w_LRC.astype(x_MHK.dtype))
+    return jnp.sum(partials, axis=0)[:M].reshape(M, H, N)

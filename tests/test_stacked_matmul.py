@@ -13,6 +13,8 @@ from mla_jax.linear import stacked_filter
 from models import DeepSeekModel, Engine
 from pallas_kernels.stacked_matmul import (
     StackedMatmulConfig,
+    stacked_head_matmul,
+    stacked_head_matmul_problems,
     stacked_matmul,
     stacked_matmul_problems,
     stacked_matmul_reference,
@@ -57,6 +59,44 @@ def test_what_it_cannot_serve_is_one_line_each():
         stacked_matmul(x, w[0], 0, config=SMALL, impl="interpret")
 
 
+@pytest.mark.parametrize("M, split_k", [(1, None), (19, 2)])
+def test_head_matmul_reads_each_head_of_the_named_layer(M, split_k):
+    """Both per-head forms through the interpreter against numpy on every layer of a head-interleaved stack
+    [L, R, H·(N+V)] (catches a wrong head stride or column offset, W_UK read where W_UV is meant, the contraction
+    taken over the wrong axis, the split partials summed wrongly, another layer's weights)."""
+    rng = np.random.default_rng(M)
+    L, R, H, N, V = 3, 64, 4, 32, 16
+    w = jnp.asarray(rng.standard_normal((L, R, H * (N + V))) / 8, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((M, H, N)), jnp.float32)
+    o = jnp.asarray(rng.standard_normal((M, H, R)), jnp.float32)
+    config = StackedMatmulConfig(block_n=16, block_k=16, split_k=split_k)
+    uk = jax.jit(
+        lambda q, w, i: stacked_head_matmul(q, w, i, col_offset=0, contract_rows=False, config=config, impl="interpret")
+    )
+    uv = jax.jit(
+        lambda o, w, i: stacked_head_matmul(
+            o, w, i, col_offset=N, contract_rows=True, width=V, config=config, impl="interpret"
+        )
+    )
+    for layer in range(L):
+        w_RHP = np.asarray(w[layer], np.float64).reshape(R, H, N + V)
+        want_uk = np.einsum("mhn,lhn->mhl", np.asarray(q, np.float64), w_RHP[..., :N])
+        want_uv = np.einsum("mhl,lhv->mhv", np.asarray(o, np.float64), w_RHP[..., N:])
+        chex.assert_trees_all_close(np.asarray(uk(q, w, jnp.int32(layer)), np.float64), want_uk, rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(np.asarray(uv(o, w, jnp.int32(layer)), np.float64), want_uv, rtol=1e-5, atol=1e-5)
+
+
+def test_head_matmul_limits_are_one_line_each():
+    assert stacked_head_matmul_problems(1, 16, 128, 512) == []  # V2-Lite's W_UK
+    assert stacked_head_matmul_problems(129, 16, 24, 512) == [
+        "M = 129 rows is more than the 128 a decode-shaped call takes",
+        "K = 24 is not a multiple of the block 64 (nor a power of two >= 16 below it)",
+    ]
+    w = jnp.zeros((2, 64, 4 * 48), jnp.float32)
+    with pytest.raises(ValueError, match=r"^col_offset \+ K = 64 is more than the head's P = 48 columns$"):
+        stacked_head_matmul(jnp.zeros((1, 4, 32)), w, 0, col_offset=32, contract_rows=False, impl="interpret")
+
+
 def test_cross_lowers_for_sm90():
     from jax._src import mesh as mesh_lib
 
@@ -66,6 +106,18 @@ def test_cross_lowers_for_sm90():
     with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",), abstract_device=h200)):
         traced = jax.jit(lambda x, w, i: stacked_matmul(x, w, i, impl="kernel")).trace(x, w, layer)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1
+
+
+def test_head_matmul_cross_lowers_for_sm90():
+    from jax._src import mesh as mesh_lib
+
+    q, w = jnp.zeros((1, 16, 128), jnp.bfloat16), jnp.zeros((26, 512, 4096), jnp.bfloat16)
+    layer = jnp.int32(3)
+    h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    f = lambda q, w, i: stacked_head_matmul(q, w, i, col_offset=0, contract_rows=False, impl="kernel")  # noqa: E731
+    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        text = jax.jit(f).trace(q, w, layer).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
 
 
@@ -79,7 +131,8 @@ def test_decode_step_with_whole_stack_projections_equals_the_sliced_one():
     """A cached decode call on the interpret backend passes the served projections whole and reads each layer's
     in place: its logits equal the reference backend's (sliced by the scan; catches a projection reading another
     layer's weights or skipping the stacked path), and the program holds one stacked_matmul a served projection
-    (wq and wo in the dense stack; wq, wo and the three shared-expert ones in the MoE stack)."""
+    (wq and wo in the dense stack; wq, wo and the three shared-expert ones in the MoE stack) and one
+    stacked_head_matmul for each of the absorbed W_UK and W_UV in each stack."""
     model = DeepSeekModel(SERVED, rngs=nnx.Rngs(0))
     e = Engine(model, page_size=16, num_pages=8, max_batch=2, kv_dtype=jnp.float32)
     B, S = 2, 5
@@ -98,12 +151,13 @@ def test_decode_step_with_whole_stack_projections_equals_the_sliced_one():
     (got, jaxpr), (want, ref_jaxpr) = run("interpret"), run("reference")
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
     assert str(jaxpr).count("name=stacked_matmul") == 7
-    assert "name=stacked_matmul" not in str(ref_jaxpr)
+    assert str(jaxpr).count("name=stacked_head_matmul") == 4  # W_UK and W_UV in each stack
+    assert "name=stacked_matmul" not in str(ref_jaxpr) and "name=stacked_head_matmul" not in str(ref_jaxpr)
 
 
 def test_the_filter_takes_served_projections_only():
-    """Only `STACKED_PROJECTIONS` kernels of served shapes go whole: not the router, not wkv_b (the absorbed
-    einsums read it per head), not a projection whose widths the blocks do not divide."""
+    """Only `STACKED_PROJECTIONS` kernels of served shapes and `HEAD_PROJECTIONS` kernels (wkv_b, read per head by
+    `stacked_head_matmul`) go whole: not the router, not a projection whose widths the blocks do not divide."""
     stack = nnx.eval_shape(lambda: DeepSeekModel(SERVED, rngs=nnx.Rngs(0))).moe_layers
     _, whole, _ = nnx.split(stack, stacked_filter(2), ...)
     paths = sorted("/".join(map(str, p)) for p, _ in nnx.to_flat_state(whole))
@@ -111,6 +165,7 @@ def test_the_filter_takes_served_projections_only():
         "mlp/shared_experts/down_proj/kernel",
         "mlp/shared_experts/gate_proj/kernel",
         "mlp/shared_experts/up_proj/kernel",
+        "self_attn/wkv_b/kernel",
         "self_attn/wo/kernel",
         "self_attn/wq/kernel",
     ]
@@ -131,3 +186,25 @@ def test_gpu_kernel_equals_the_reference_at_v2_lite_shapes(M, K, N):
     got = jax.jit(lambda x, w, i: stacked_matmul(x, w, i, impl="kernel"))(x, w, jnp.int32(17))
     want = jax.jit(stacked_matmul_reference)(x, w, jnp.int32(17))
     chex.assert_trees_all_close(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 32, 128])
+def test_gpu_head_matmul_equals_the_reference_at_v2_lite_shapes(M):
+    """The compiled per-head kernel (bf16, V2-Lite's wkv_b stack [26, 512, 16·256], a traced layer), W_UK and
+    W_UV, against XLA's einsum of the same layer."""
+    from pallas_kernels.backend import on_hopper
+    from pallas_kernels.stacked_matmul import stacked_head_matmul_reference
+
+    if not on_hopper():
+        pytest.skip("needs a Hopper GPU")
+    rng = np.random.default_rng(M)
+    w = jnp.asarray(rng.standard_normal((26, 512, 16 * 256)) / np.sqrt(512), jnp.bfloat16)
+    for x, kw in (
+        (rng.standard_normal((M, 16, 128)), dict(col_offset=0, contract_rows=False)),
+        (rng.standard_normal((M, 16, 512)), dict(col_offset=128, contract_rows=True, width=128)),
+    ):
+        x = jnp.asarray(x, jnp.bfloat16)
+        got = jax.jit(lambda x, w, i, kw=kw: stacked_head_matmul(x, w, i, impl="kernel", **kw))(x, w, jnp.int32(17))
+        want = jax.jit(lambda x, w, i, kw=kw: stacked_head_matmul_reference(x, w, i, **kw))(x, w, jnp.int32(17))
+        chex.assert_trees_all_close(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)
