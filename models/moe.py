@@ -52,6 +52,7 @@ from pallas_kernels import (
     moe_decode_problems,
     moe_decode_reference,
 )
+from pallas_kernels.moe_decode import SharedExperts
 
 _F32 = jnp.float32
 MOE_IMPLS = ("auto", "ragged_dot", "mgpu", "decode", "dense")
@@ -281,20 +282,42 @@ ragged_dot_mgpu.defvjp(_mgpu_fwd, _mgpu_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, expert_offset, kernel_impl):
+def _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, expert_offset, kernel_impl, shared=None):
     """silu(x W_g) * (x W_u) W_d per row's expert through `pallas_kernels.moe_decode` -> f32 [M, D]; the
-    gradient is `lax.ragged_dot`'s (the kernel is forward only)."""
-    return moe_decode(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset=expert_offset, impl=kernel_impl)
+    gradient is `lax.ragged_dot`'s (the kernel is forward only). `shared` (x_TD, `SharedExperts`): the shared
+    experts too, in the same launches -> (f32 [M, D], f32 [T, D])."""
+    xs, sh = (None, None) if shared is None else shared
+    return moe_decode(
+        x_MD,
+        group_sizes_E,
+        gate_EDI,
+        up_EDI,
+        down_EID,
+        expert_offset=expert_offset,
+        impl=kernel_impl,
+        shared=sh,
+        x_shared_TD=xs,
+    )
 
 
-def _experts_decode_fwd(x, g, u, d, gs, off, kernel_impl):
-    return _experts_decode(x, g, u, d, gs, off, kernel_impl), (x, g, u, d, gs, off)
+def _experts_decode_fwd(x, g, u, d, gs, off, kernel_impl, shared=None):
+    return _experts_decode(x, g, u, d, gs, off, kernel_impl, shared), (x, g, u, d, gs, off, shared)
 
 
 def _experts_decode_bwd(kernel_impl, res, ct):
-    x, g, u, d, gs, off = res
-    _, vjp = jax.vjp(lambda *w: moe_decode_reference(w[0], gs, *w[1:], expert_offset=off), x, g, u, d)
-    return (*vjp(ct.astype(jnp.float32)), None, None)
+    x, g, u, d, gs, off, shared = res
+    if shared is None:
+        _, vjp = jax.vjp(lambda *w: moe_decode_reference(w[0], gs, *w[1:], expert_offset=off), x, g, u, d)
+        return (*vjp(ct.astype(jnp.float32)), None, None, None)
+    xs, sh = shared
+
+    def ref(x, g, u, d, xs, sg, su, sd):
+        s = sh._replace(gate_LDS=sg, up_LDS=su, down_LSD=sd)
+        return moe_decode_reference(x, gs, g, u, d, expert_offset=off, shared=s, x_shared_TD=xs)
+
+    _, vjp = jax.vjp(ref, x, g, u, d, xs, sh.gate_LDS, sh.up_LDS, sh.down_LSD)
+    dx, dg, du, dd, dxs, dsg, dsu, dsd = vjp(tuple(c.astype(jnp.float32) for c in ct))
+    return dx, dg, du, dd, None, None, (dxs, sh._replace(gate_LDS=dsg, up_LDS=dsu, down_LSD=dsd, layer=None))
 
 
 _experts_decode.defvjp(_experts_decode_fwd, _experts_decode_bwd)
@@ -347,6 +370,7 @@ def moe_grouped(
     expert_offset=None,
     scales=None,
     decode_impl: str | None = None,
+    shared: SharedExperts | None = None,
 ) -> jax.Array:
     """Σ_k w_k · expert_{idx_k}(x) as a grouped GEMM over the T·K assignments sorted by expert. -> [T, D].
 
@@ -365,6 +389,8 @@ def moe_grouped(
     [E, I, D], down [E, D, I] e4m3), run by `pallas_kernels.moe_decode_fp8` (decode impls only; no gradient).
     `decode_impl`: the decode kernel's `pallas_kernels.backend` impl (None: "auto"; "decode_interpret" is
     "interpret").
+    `shared` (`pallas_kernels.moe_decode.SharedExperts`; decode impls and bf16 experts only): the shared experts
+    run inside the decode kernel's two launches, and the result is routed + shared (summed in fp32, rounded once).
     """
     T, D = x_TD.shape
     K = indices_TK.shape[1]
@@ -373,6 +399,8 @@ def moe_grouped(
     decode = impl in ("decode", "decode_interpret")
     if scales is not None and not decode:
         raise ValueError(f"moe_grouped: FP8 experts (scales given) run by the decode kernel only, got impl={impl!r}")
+    if shared is not None and (not decode or scales is not None):
+        raise ValueError(f"moe_grouped: shared experts run in the bf16 decode kernel only, got impl={impl!r}")
     if not decode and gate_EDI.shape[0] != E:
         gate_EDI, up_EDI, down_EID = (
             jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in (gate_EDI, up_EDI, down_EID)
@@ -396,9 +424,13 @@ def moe_grouped(
                 x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, *scales, expert_offset=off, impl=kernel_impl
             )
         else:
-            y_MD = _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, off, kernel_impl)
+            fused = None if shared is None else (x_TD, shared)
+            y_MD = _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, off, kernel_impl, fused)
+        y_shared_TD = 0.0
+        if shared is not None:
+            y_MD, y_shared_TD = y_MD
         y_MD = jnp.where(valid_M, y_MD * w_M[:, None], 0.0)
-        return y_MD[inv_M].reshape(T, K, D).sum(axis=1).astype(dt)
+        return (y_MD[inv_M].reshape(T, K, D).sum(axis=1) + y_shared_TD).astype(dt)
     if impl == "mgpu":
         gdot = functools.partial(ragged_dot_mgpu, group_sizes_G=group_sizes_E, tuning=tuning)
     elif impl == "ragged_dot":
@@ -576,6 +608,35 @@ class MoE(nnx.Module):
             fp8=isinstance(self.experts, Fp8Experts),
         )
 
+    def _decode_shared(self, impl: str, stacked: Stacked | None) -> SharedExperts | None:
+        """The shared experts as the decode kernel takes them, when it runs them with the routed ones (bf16
+        experts on a decode impl, `nnx.Linear` projections computing in the MoE's dtype whose kernels are a
+        whole stack [L, D, S] read at `stacked.index` or one layer's [D, S], widths `moe_decode_problems`
+        allows); else None (the shared experts run apart, as `self.shared_experts`)."""
+        mlp = self.shared_experts
+        if mlp is None or impl not in ("decode", "decode_interpret") or isinstance(self.experts, Fp8Experts):
+            return None
+        lins = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
+        def served(lin) -> bool:
+            return (
+                type(lin) is nnx.Linear
+                and lin.bias is None
+                and lin.dtype is not None
+                and jnp.dtype(lin.dtype) == jnp.dtype(self.dtype)
+            )
+
+        if not all(served(lin) for lin in lins):
+            return None
+        ks = tuple(lin.kernel[...] for lin in lins)
+        stack = ks[0].ndim == 3
+        if any(k.ndim != ks[0].ndim for k in ks) or ks[0].ndim not in (2, 3) or (stack and stacked is None):
+            return None
+        D, S = ks[0].shape[-2:]
+        if moe_decode_problems(D, self.cfg.moe_intermediate_size, S=S):
+            return None
+        return SharedExperts(*ks, stacked.index if stack else 0)
+
     def __call__(self, x: jax.Array, *, return_router: bool = False, stack_index=None, stacked: Stacked | None = None):
         """`stack_index` (a scalar, may be traced): the routed experts' variables are a whole scanned
         stack, [L, E, ...], and this call is layer `stack_index` of it (see `models.deepseek`).
@@ -597,6 +658,9 @@ class MoE(nnx.Module):
             ws = tuple(w.reshape((-1,) + w.shape[2:]) for w in ws)
             off = stack_index * E
         decode_impl = None if stacked is None else stacked.impl
+        # the shared experts inside the decode kernel's launches, where it serves them (not under the expert
+        # ranks' shard_map, whose ranks would each add them)
+        shared = self._decode_shared(impl, stacked) if self.parallel is None or off is not None else None
 
         def routed(x_TD, w_TK, idx_TK, ws, off):
             if impl == "dense":
@@ -614,12 +678,13 @@ class MoE(nnx.Module):
                 expert_offset=off,
                 scales=ws[3:] or None,
                 decode_impl=decode_impl,
+                shared=shared,
             )
 
         if self.parallel is not None and off is None:
             routed = self._parallel(routed, x_TD.shape[0])
         y_TD = routed(x_TD, r.weights, r.indices, ws, off)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and shared is None:
             y_TD = y_TD + self.shared_experts(x_TD, stacked)
         y = y_TD.reshape(lead + (D,))
         return (y, r) if return_router else y

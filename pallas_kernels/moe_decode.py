@@ -16,6 +16,14 @@ exactly once, which is the floor of a decode step's MoE: Σ over touched experts
 Rows are the assignments sorted by expert (`group_sizes` [E] rows each, in expert order); rows past
 sum(group_sizes) are not written (the caller masks them). Accumulation in fp32, inputs bf16.
 
+Shared experts (`SharedExperts`, optional): DeepSeek's n_shared experts are one SwiGLU MLP of width
+S = n_shared · I over every token, stored as a model keeps an `nnx.Linear` stack (gate/up [L, D, S], down
+[L, S, D], read in place at a layer index). They run inside the same two launches as S / I pseudo-experts of
+width I after the E routed ones (grids (E + S/I, ...)): program h reads columns (gate/up) or rows (down)
+[h·I, (h+1)·I) of the shared weights and all T token rows, 16 at a time. The gate/up launch writes their h
+[T, S] as a second output, the down launch their partial products f32 [S/I, T, D] (summed after). A decode
+step's MoE layer is then two launches, routed and shared experts together.
+
 `moe_decode_reference` is the same function through `jax.lax.ragged_dot` (plain XLA).
 
 FP8 experts (`moe_decode_fp8`): DeepSeek-V3's release layout, gate/up [E, I, D] and down [E, D, I] e4m3 (torch's
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -89,8 +98,24 @@ class MoeDecodeConfig:
         return bool(self.fp8_f16) and jnp.dtype(x_dtype) != jnp.float32
 
 
-def moe_decode_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfig()) -> list[str]:
-    """Why `moe_decode` cannot take these widths (empty when it can)."""
+class SharedExperts(NamedTuple):
+    """The shared experts `moe_decode` runs with the routed ones: one SwiGLU MLP of width S (n_shared · I).
+
+    gate_LDS, up_LDS: [L, D, S] (a scanned stack of `nnx.Linear` kernels, [in, out]) or [D, S] (one layer);
+    down_LSD: [L, S, D] or [S, D]; all read in place at `layer` (an int scalar, may be traced; 0 <= layer < L,
+    not checked when traced; ignored for 2-D weights). Cast to the rows' dtype.
+    """
+
+    gate_LDS: Any
+    up_LDS: Any
+    down_LSD: Any
+    layer: Any = 0
+
+
+def moe_decode_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfig(), S: int | None = None) -> list[str]:
+    """Why `moe_decode` cannot take these widths (empty when it can). `S`: the shared experts' width, when
+    they run in the kernel too: a multiple of I (they run as S / I pseudo-experts of width I; S = n_shared · I
+    for DeepSeek, 2816 = 2 · 1408 for V2-Lite), hence of the blocks that divide I."""
     out = []
     for name, dim, blocks in (
         ("D (hidden_size)", D, (config.block_d, config.block_o)),
@@ -99,6 +124,8 @@ def moe_decode_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfi
         for b in sorted(set(blocks)):
             if dim % b:
                 out.append(f"{name} = {dim} is not a multiple of the block {b}")
+    if S is not None and (S < I or S % I):
+        out.append(f"S (the shared experts' width) = {S} is not a multiple of I = {I}")
     return out
 
 
@@ -128,8 +155,34 @@ def _expert_slice(w, expert_offset, E):
     return lax.dynamic_slice_in_dim(w, jnp.asarray(expert_offset, jnp.int32), E, axis=0)
 
 
-def moe_decode_reference(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset=0):
-    """silu(x·W_gate) * (x·W_up) · W_down per row's expert -> f32 [M, D] (rows past the groups: 0)."""
+def _shared_layer(shared: SharedExperts):
+    """The shared experts' (gate [D, S], up [D, S], down [S, D]) of `shared.layer` (2-D weights as given)."""
+    ws = (shared.gate_LDS, shared.up_LDS, shared.down_LSD)
+    if ws[0].ndim == 2:
+        return ws
+    return tuple(lax.dynamic_index_in_dim(w, jnp.asarray(shared.layer, jnp.int32), 0, keepdims=False) for w in ws)
+
+
+def shared_experts_reference(x_TD, shared: SharedExperts):
+    """silu(x·W_gate) * (x·W_up) · W_down of the shared experts over every row -> f32 [T, D]: the products in
+    fp32, h rounded to x's dtype (as the routed experts' h), the weights cast to x's dtype."""
+    dt = x_TD.dtype
+    g, u, d = (w.astype(dt) for w in _shared_layer(shared))
+    gs = jnp.dot(x_TD, g, preferred_element_type=jnp.float32)
+    us = jnp.dot(x_TD, u, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(gs) * us).astype(dt)
+    return jnp.dot(h, d, preferred_element_type=jnp.float32)
+
+
+def moe_decode_reference(
+    x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset=0, *, shared=None, x_shared_TD=None
+):
+    """silu(x·W_gate) * (x·W_up) · W_down per row's expert -> f32 [M, D] (rows past the groups: 0); with
+    `shared` (`SharedExperts`) also the shared experts over `x_shared_TD` -> (f32 [M, D], f32 [T, D])
+    (`shared_experts_reference`)."""
+    if shared is not None:
+        y = moe_decode_reference(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset)
+        return y, shared_experts_reference(x_shared_TD, shared)
     E = group_sizes_E.shape[0]
     gate_EDI, up_EDI, down_EID = (_expert_slice(w, expert_offset, E) for w in (gate_EDI, up_EDI, down_EID))
     gs = group_sizes_E.astype(jnp.int32)
@@ -156,7 +209,7 @@ def moe_decode_fp8_reference(
     return moe_decode_reference(x_MD, group_sizes_E, gate, up, down)
 
 
-def _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config):
+def _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config, shared=None, x_shared_TD=None):
     if x_MD.ndim != 2:
         raise ValueError(f"x must be [M, D], got shape {x_MD.shape}")
     M, D = x_MD.shape
@@ -169,7 +222,27 @@ def _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config):
         raise ValueError(
             f"group_sizes must be [E] with E dividing the {Ew} experts of the weights, got {group_sizes_E.shape}"
         )
-    problems = moe_decode_problems(D, I, config)
+    S = None
+    if (shared is None) != (x_shared_TD is None):
+        raise ValueError("moe_decode: shared experts need both `shared` and `x_shared_TD`, got only one")
+    if shared is not None:
+        if not isinstance(shared, SharedExperts):
+            raise ValueError(f"moe_decode: shared must be a SharedExperts, got {type(shared).__name__}")
+        g, u, d = shared.gate_LDS, shared.up_LDS, shared.down_LSD
+        if g.ndim not in (2, 3) or g.shape[-2] != D or u.shape != g.shape:
+            raise ValueError(
+                f"shared gate/up weights must both be [L, D={D}, S] or [D={D}, S], got {g.shape} and {u.shape}"
+            )
+        S = g.shape[-1]
+        if d.shape != g.shape[:-2] + (S, D):
+            raise ValueError(f"shared down weights must be {g.shape[:-2] + (S, D)}, got {d.shape}")
+        if x_shared_TD.ndim != 2 or x_shared_TD.shape[1] != D or x_shared_TD.dtype != x_MD.dtype:
+            raise ValueError(
+                f"x_shared must be {x_MD.dtype} [T, D={D}], got {x_shared_TD.dtype} {tuple(x_shared_TD.shape)}"
+            )
+        if jnp.ndim(shared.layer) != 0:
+            raise ValueError(f"shared.layer must be an int scalar, got shape {jnp.shape(shared.layer)}")
+    problems = moe_decode_problems(D, I, config, S)
     if problems:
         raise ValueError("moe_decode: " + "; ".join(problems))
 
@@ -184,20 +257,12 @@ def _product(x, w_ref, s_ref, e, k0, block_k, c0, block_c, convert):
     return plt.dot(x, w, trans_b=True) * s_ref[e, c0 // QUANT_BLOCK, k0 // QUANT_BLOCK]
 
 
-def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d, D, convert, row_scaled):
-    """``row_scaled``: x holds rows scaled into f16 and the next ref their factors [rows, 1], which multiply the
-    fp32 products before the SiLU."""
-    rf_ref = None
-    if row_scaled:
-        rf_ref, *refs = refs
-    if convert is None:  # bf16 experts
-        (wg_ref, wu_ref, h_ref), sg_ref, su_ref = refs, None, None
-    else:
-        wg_ref, wu_ref, sg_ref, su_ref, h_ref = refs
-    j = pl.program_id(1)
-    start, n = start_ref[pl.program_id(0)], size_ref[pl.program_id(0)]
-    e = off_ref[0] + pl.program_id(0)  # the expert's index in the weights (a layer stack, flattened)
-    cols = pl.ds(j * block_i, block_i)
+def _gate_up_rows(
+    x_ref, wg_ref, wu_ref, sg_ref, su_ref, rf_ref, h_ref, w, start, n, c0, *, block_i, block_d, D, convert
+):
+    """h[start : start + n, c0 : c0 + block_i] = silu(x·W_gate[w]) * (x·W_up[w]) over those columns, 16 rows at a
+    time (rows past start + n neither read nor written); `w` the weights' leading index (expert or layer)."""
+    cols = pl.ds(c0, block_i)
 
     def row_tile(t, carry):
         r0 = start + t * ROW_TILE
@@ -207,8 +272,8 @@ def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d
             acc_g, acc_u = accs
             d = pl.ds(k * block_d, block_d)
             x = plt.load(x_ref.at[pl.ds(r0, ROW_TILE), d], mask=rmask, other=0.0)  # [R, block_d]
-            acc_g += _product(x, wg_ref, sg_ref, e, k * block_d, block_d, j * block_i, block_i, convert)
-            acc_u += _product(x, wu_ref, su_ref, e, k * block_d, block_d, j * block_i, block_i, convert)
+            acc_g += _product(x, wg_ref, sg_ref, w, k * block_d, block_d, c0, block_i, convert)
+            acc_u += _product(x, wu_ref, su_ref, w, k * block_d, block_d, c0, block_i, convert)
             return acc_g, acc_u
 
         zero = jnp.zeros((ROW_TILE, block_i), jnp.float32)
@@ -223,42 +288,117 @@ def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d
     lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
 
 
-def _down_kernel(start_ref, size_ref, off_ref, h_ref, *refs, block_o, block_k, I, convert):
-    if convert is None:
-        (wd_ref, y_ref), sd_ref = refs, None
+def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d, D, convert, row_scaled, shared):
+    """``row_scaled``: x holds rows scaled into f16 and the next ref their factors [rows, 1], which multiply the
+    fp32 products before the SiLU. ``shared`` (None, or (E, I, T)): the last four inputs are the shared experts'
+    layer [1], rows x_shared [T', D], gate and up [L, D, S], and the last output their h [T', S]; programs
+    E + h of axis 0 compute its columns [h·I, (h+1)·I)."""
+    if shared is not None:
+        *refs, layer_ref, xs_ref, wgs_ref, wus_ref, h_ref, hs_ref = refs
+        refs = (*refs, h_ref)
+    rf_ref = None
+    if row_scaled:
+        rf_ref, *refs = refs
+    if convert is None:  # bf16 experts
+        (wg_ref, wu_ref, h_ref), sg_ref, su_ref = refs, None, None
     else:
-        wd_ref, sd_ref, y_ref = refs
-    j = pl.program_id(1)
-    start, n = start_ref[pl.program_id(0)], size_ref[pl.program_id(0)]
-    e = off_ref[0] + pl.program_id(0)
-    cols = pl.ds(j * block_o, block_o)
+        wg_ref, wu_ref, sg_ref, su_ref, h_ref = refs
+    p, j = pl.program_id(0), pl.program_id(1)
+    kw = dict(block_i=block_i, block_d=block_d, D=D, convert=convert)
+
+    def routed():
+        e = off_ref[0] + p  # the expert's index in the weights (a layer stack, flattened)
+        start, n = start_ref[p], size_ref[p]
+        _gate_up_rows(x_ref, wg_ref, wu_ref, sg_ref, su_ref, rf_ref, h_ref, e, start, n, j * block_i, **kw)
+
+    if shared is None:
+        routed()
+        return
+    E, I, T = shared
+    pl.when(p < E)(routed)
+
+    @pl.when(p >= E)
+    def _():
+        c0 = (p - E) * I + j * block_i
+        _gate_up_rows(xs_ref, wgs_ref, wus_ref, None, None, None, hs_ref, layer_ref[0], 0, T, c0, **kw)
+
+
+def _down_rows(h_ref, wd_ref, sd_ref, y_ref, w, start, n, out_start, k_base, c0, *, block_o, block_k, I, convert):
+    """y[out_start + r, c0 : c0 + block_o] = h[start + r, k_base : k_base + I] · W_down[w][k_base : k_base + I,
+    those columns] for r < n, 16 rows at a time."""
+    cols = pl.ds(c0, block_o)
 
     def row_tile(t, carry):
         r0 = start + t * ROW_TILE
         rmask = (r0 + jnp.arange(ROW_TILE) < start + n)[:, None]
 
         def chunk(k, acc):
-            i = pl.ds(k * block_k, block_k)
-            h = plt.load(h_ref.at[pl.ds(r0, ROW_TILE), i], mask=rmask, other=0.0)  # [R, block_k]
-            return acc + _product(h, wd_ref, sd_ref, e, k * block_k, block_k, j * block_o, block_o, convert)
+            k0 = k_base + k * block_k
+            h = plt.load(h_ref.at[pl.ds(r0, ROW_TILE), pl.ds(k0, block_k)], mask=rmask, other=0.0)  # [R, block_k]
+            return acc + _product(h, wd_ref, sd_ref, w, k0, block_k, c0, block_o, convert)
 
         acc = lax.fori_loop(0, I // block_k, chunk, jnp.zeros((ROW_TILE, block_o), jnp.float32))
-        plt.store(y_ref.at[pl.ds(r0, ROW_TILE), cols], acc, mask=rmask)
+        plt.store(y_ref.at[pl.ds(out_start + t * ROW_TILE, ROW_TILE), cols], acc, mask=rmask)
         return carry
 
     lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
 
 
-def _moe_decode_kernel(x_MD, group_sizes_E, gate, up, down, scales, expert_offset, *, config, interpret):
+def _down_kernel(start_ref, size_ref, off_ref, h_ref, *refs, block_o, block_k, I, convert, shared):
+    """``shared`` (None, or (E, T, T')): the last three inputs are the shared experts' layer [1], h [T', S] and
+    down weights [L, S, D], and the last output their partial products [S/I · T', D]: program E + h of axis 0
+    writes rows [h·T', h·T' + T), the product of h's columns [h·I, (h+1)·I)."""
+    if shared is not None:
+        *refs, layer_ref, hs_ref, wds_ref, y_ref, ys_ref = refs
+        refs = (*refs, y_ref)
+    if convert is None:
+        (wd_ref, y_ref), sd_ref = refs, None
+    else:
+        wd_ref, sd_ref, y_ref = refs
+    p, j = pl.program_id(0), pl.program_id(1)
+    kw = dict(block_o=block_o, block_k=block_k, I=I, convert=convert)
+
+    def routed():
+        start, n = start_ref[p], size_ref[p]
+        _down_rows(h_ref, wd_ref, sd_ref, y_ref, off_ref[0] + p, start, n, start, 0, j * block_o, **kw)
+
+    if shared is None:
+        routed()
+        return
+    E, T, Tp = shared
+    pl.when(p < E)(routed)
+
+    @pl.when(p >= E)
+    def _():
+        hh = p - E
+        _down_rows(hs_ref, wds_ref, None, ys_ref, layer_ref[0], 0, T, hh * Tp, hh * I, j * block_o, **kw)
+
+
+def _moe_decode_kernel(
+    x_MD,
+    group_sizes_E,
+    gate,
+    up,
+    down,
+    scales,
+    expert_offset,
+    *,
+    config,
+    interpret,
+    shared=None,
+    x_shared_TD=None,
+    group_starts_E=None,
+):
     """The two pallas_calls. bf16 experts: gate/up [E', D, I], down [E', I, D], `scales` None; FP8 experts:
-    gate/up [E', I, D], down [E', D, I] e4m3 and `scales` (gate, up, down)."""
+    gate/up [E', I, D], down [E', D, I] e4m3 and `scales` (gate, up, down). `shared` (bf16 experts only): the
+    shared experts run as S / I more programs of each grid -> (y [M, D], y_shared [T, D]), both f32."""
     M, D = x_MD.shape
     E = group_sizes_E.shape[0]
     fp8 = scales is not None
     I = gate.shape[1] if fp8 else gate.shape[2]
     dt = x_MD.dtype
     sizes = group_sizes_E.astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
+    starts = jnp.cumsum(sizes) - sizes if group_starts_E is None else group_starts_E.astype(jnp.int32)
     off = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))
     params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     convert = config.fp8_convert if fp8 else None
@@ -274,6 +414,23 @@ def _moe_decode_kernel(x_MD, group_sizes_E, gate, up, down, scales, expert_offse
         gate_up = (jnp.pad(factors, ((0, ROW_TILE), (0, 0)), constant_values=1.0), *gate_up)
     # The row tiles may read past M (masked); pad so that no address leaves the buffers.
     x = jnp.pad(x, ((0, ROW_TILE), (0, 0)))
+    n_programs, gu_shared, down_shared = E, None, None
+    gu_out = [jax.ShapeDtypeStruct((M + ROW_TILE, I), h_dtype)]
+    down_out = [jax.ShapeDtypeStruct((M + ROW_TILE, D), jnp.float32)]
+    if shared is not None:
+        if fp8:
+            raise ValueError("moe_decode_fp8 does not take shared experts")
+        T = x_shared_TD.shape[0]
+        Tp = pl.cdiv(T, ROW_TILE) * ROW_TILE  # whole row tiles: no tile reads past the buffer
+        ws = [w.astype(dt) for w in (shared.gate_LDS, shared.up_LDS, shared.down_LSD)]
+        ws = [w[None] if w.ndim == 2 else w for w in ws]  # one layer: a stack of one (a free reshape)
+        S = ws[0].shape[-1]
+        layer = jnp.reshape(jnp.asarray(shared.layer if shared.gate_LDS.ndim == 3 else 0, jnp.int32), (1,))
+        n_programs += S // I
+        gate_up = (*gate_up, layer, jnp.pad(x_shared_TD, ((0, Tp - T), (0, 0))), ws[0], ws[1])
+        gu_out.append(jax.ShapeDtypeStruct((Tp, S), dt))
+        down_out.append(jax.ShapeDtypeStruct((S // I * Tp, D), jnp.float32))
+        gu_shared, down_shared = (E, I, T), (E, T, Tp)
     name = "moe_decode_fp8" if fp8 else "moe_decode"
     h = pl.pallas_call(
         functools.partial(
@@ -283,27 +440,37 @@ def _moe_decode_kernel(x_MD, group_sizes_E, gate, up, down, scales, expert_offse
             D=D,
             convert=convert,
             row_scaled=row_scaled,
+            shared=gu_shared,
         ),
-        out_shape=jax.ShapeDtypeStruct((M + ROW_TILE, I), h_dtype),
-        grid=(E, I // config.block_i),
+        out_shape=tuple(gu_out) if shared is not None else gu_out[0],
+        grid=(n_programs, I // config.block_i),
         compiler_params=params,
         interpret=interpret,
         name=name + "_gate_up",
     )(starts, sizes, off, x, *gate_up)
+    if shared is not None:
+        h, h_shared = h
+        down_w = (*down_w, layer, h_shared, ws[2])
     h_factors = None
     if row_scaled:  # h's rows into f16 the same way; y's rows are multiplied back below
         h, _, h_factors = prepare_rows(h, "f16")
     y = pl.pallas_call(
-        functools.partial(_down_kernel, block_o=config.block_o, block_k=config.block_k, I=I, convert=convert),
-        out_shape=jax.ShapeDtypeStruct((M + ROW_TILE, D), jnp.float32),
-        grid=(E, D // config.block_o),
+        functools.partial(
+            _down_kernel, block_o=config.block_o, block_k=config.block_k, I=I, convert=convert, shared=down_shared
+        ),
+        out_shape=tuple(down_out) if shared is not None else down_out[0],
+        grid=(n_programs, D // config.block_o),
         compiler_params=params,
         interpret=interpret,
         name=name + "_down",
     )(starts, sizes, off, h, *down_w)
+    if shared is not None:
+        y, y_shared = y
+        y_shared = jnp.sum(y_shared.reshape(S // I, Tp, D)[:, :T], axis=0)  # the S / I partials, in f32
     y = y[:M] if h_factors is None else y[:M] * h_factors[:M]
     rows = jnp.arange(M)[:, None]
-    return jnp.where(rows < jnp.sum(sizes), y, 0.0)  # rows past the groups were never written
+    y = jnp.where(rows < jnp.sum(sizes), y, 0.0)  # rows past the groups were never written
+    return y if shared is None else (y, y_shared)
 
 
 def moe_decode(
@@ -316,8 +483,12 @@ def moe_decode(
     expert_offset=0,
     config: MoeDecodeConfig | None = None,
     impl: str | None = "auto",
+    shared: SharedExperts | None = None,
+    x_shared_TD=None,
+    group_starts_E=None,
 ):
-    """The routed experts of sorted assignment rows -> f32 [M, D].
+    """The routed experts of sorted assignment rows -> f32 [M, D]; with `shared`, also the shared experts of the
+    tokens -> (f32 [M, D], f32 [T, D]).
 
     Args:
       x_MD: [M, D] bf16 (or f32) rows, sorted by expert: the first group_sizes[0] use expert 0, ...
@@ -328,13 +499,23 @@ def moe_decode(
         may be traced: layer · E). The kernel reads them in place: no per-layer copy.
       config: `MoeDecodeConfig`; D and I must be multiples of its blocks (`moe_decode_problems`).
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
-    Fast while every expert has at most 16 rows (weights read once); correct for any sizes.
+      shared: `SharedExperts` or None. Given, the shared experts (width S, a multiple of I:
+        `moe_decode_problems(D, I, config, S)`) run in the same two launches over `x_shared_TD`, and the call
+        returns (y_MD, y_shared_TD): y_shared = silu(x_shared·W_gate) * (x_shared·W_up) · W_down in fp32, h
+        rounded to x's dtype between the two products (`shared_experts_reference`). Not added to anything.
+      x_shared_TD: [T, D] the tokens (any order; x's dtype), with `shared` only.
+      group_starts_E: int [E] the groups' first rows (the exclusive cumsum of group_sizes), when the caller has
+        it; None: computed here. Not checked: a wrong one reads and writes other groups' rows.
+    Fast while every expert has at most 16 rows (weights read once); correct for any sizes. The shared programs
+    read their weights once per 16 tokens. (`moe_decode_fp8` takes no shared experts.)
     """
     config = MoeDecodeConfig() if config is None else config
-    _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config)
+    _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config, shared, x_shared_TD)
     impl = backend.resolve(impl)
     if impl == "reference":
-        return moe_decode_reference(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset)
+        return moe_decode_reference(
+            x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset, shared=shared, x_shared_TD=x_shared_TD
+        )
     return _moe_decode_kernel(
         x_MD,
         group_sizes_E,
@@ -345,6 +526,9 @@ def moe_decode(
         expert_offset,
         config=config,
         interpret=impl == "interpret",
+        shared=shared,
+        x_shared_TD=x_shared_TD,
+        group_starts_E=group_starts_E,
     )
 
 
@@ -387,7 +571,8 @@ def moe_decode_fp8(
     config: MoeDecodeConfig | None = None,
     impl: str | None = "auto",
 ):
-    """`moe_decode` on FP8 experts as DeepSeek-V3 releases them -> f32 [M, D].
+    """`moe_decode` on FP8 experts as DeepSeek-V3 releases them -> f32 [M, D]. Routed experts only: no shared
+    experts (`SharedExperts`) here; a caller runs those apart.
 
     Args:
       x_MD, group_sizes_E: as `moe_decode` (x bf16, or f32).

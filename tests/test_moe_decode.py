@@ -4,7 +4,9 @@
 Guards against: a row tile that skips or double-counts rows when an expert has more than 16 rows
 (or 0); rows past the groups written with garbage; the contraction loop missing a chunk (block
 sizes not dividing D / I are refused instead); the custom gradient drifting from ragged_dot's;
-"auto" choosing the decode kernel for prefill-sized calls (its weights would be re-read per tile).
+"auto" choosing the decode kernel for prefill-sized calls (its weights would be re-read per tile);
+the shared experts run as pseudo-experts in the same launches reading another layer, another pseudo-expert's
+columns or the routed rows, or added twice (or not at all) by the MoE layer.
 """
 
 import chex
@@ -14,9 +16,10 @@ import numpy as np
 import pytest
 
 from models import moe as moe_mod
-from models.moe import moe_dense_reference, moe_grouped, resolve_moe_impl
+from models.moe import MoE, moe_dense_reference, moe_grouped, resolve_moe_impl
 from pallas_kernels.moe_decode import (
     MoeDecodeConfig,
+    SharedExperts,
     fp8_default_config,
     moe_decode,
     moe_decode_fp8,
@@ -310,3 +313,207 @@ def test_gpu_fp8_kernel_matches_reference_at_v3_widths(tokens):
         rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
         assert rel < 1e-2, (convert, f16, rel)
         assert not np.asarray(got[int(sizes.sum()) :]).any()
+
+
+# ------------------------------------------------------------------------------------------
+# Shared experts in the same two launches (`SharedExperts`: S / I pseudo-experts after the E routed ones)
+# ------------------------------------------------------------------------------------------
+def _shared(T, n_shared, D=64, I=64, layers=3, seed=5, dtype=jnp.bfloat16, stacked=True):
+    """Tokens [T, D] and shared experts of width S = n_shared · I: a stack of `layers` layers (each its own
+    weights, so another layer's show) or one layer's 2-D weights."""
+    rng = np.random.default_rng(seed)
+    S = n_shared * I
+    xs = jnp.asarray(rng.standard_normal((T, D)), dtype)
+    lead = (layers,) if stacked else ()
+    ws = [jnp.asarray(rng.standard_normal(lead + s) / np.sqrt(s[0]), dtype) for s in ((D, S), (D, S), (S, D))]
+    return xs, ws
+
+
+def _np_swiglu(x, g, u, d):
+    """float64 silu(x·g) * (x·u) · d: the shared MLP, written apart from the code under test."""
+    x, g, u, d = (np.asarray(a, np.float64) for a in (x, g, u, d))
+    a = x @ g
+    return (a / (1 + np.exp(-a)) * (x @ u)) @ d
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stack", "2d"])
+@pytest.mark.parametrize("n_shared", [1, 2])
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_shared_interpret_matches_reference_and_leaves_the_routed_rows(T, n_shared, stacked):
+    """Routed and shared experts in one pair of launches, layer 1 of a 3-layer stack at a traced index (or 2-D
+    weights) against the reference. Catches: the shared programs reading another layer (or layer 0), a wrong
+    column offset h·I of a pseudo-expert, a partial dropped from the sum (S/I = 2), the second row tile of 17
+    tokens skipped, and shared programs writing into the routed rows (the routed output must be bit-identical
+    to a call without shared experts)."""
+    args = _problem([1, 0, 17, 2])
+    xs, ws = _shared(T, n_shared, stacked=stacked)
+
+    @jax.jit
+    def run(layer):
+        sh = SharedExperts(*ws, layer)
+        return moe_decode(*args, config=SMALL, impl="interpret", shared=sh, x_shared_TD=xs)
+
+    y, ys = run(jnp.int32(1))
+    y_ref, ys_ref = moe_decode_reference(*args, shared=SharedExperts(*ws, 1), x_shared_TD=xs)
+    assert ys.dtype == jnp.float32 and ys.shape == (T, 64)
+    chex.assert_trees_all_close(ys, ys_ref, rtol=1e-2, atol=1e-2)  # bf16 h rounded alike; sums in fp32
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(moe_decode(*args, config=SMALL, impl="interpret")))
+    chex.assert_trees_all_close(y, y_ref, rtol=1e-2, atol=1e-2)
+
+
+def test_shared_result_is_a_plain_swiglu_of_the_layers_weights():
+    """f32 rows (no rounding of h): the kernel's and the reference's shared output against numpy's float64 SwiGLU
+    of the layer's weights, independent of the code under test. Catches a shared reference (and kernel) that
+    agree with each other but not with the MLP: the SiLU on the up product, gate and up swapped, h·W_down's
+    rows taken at another pseudo-expert's offset, the layer index ignored."""
+    T, n_shared = 17, 2
+    xs, ws = _shared(T, n_shared, dtype=jnp.float32)
+    args = _problem([2, 0, 1, 1], dtype=jnp.float32)
+    want = _np_swiglu(xs, *(w[2] for w in ws))
+    sh = SharedExperts(*ws, jnp.int32(2))
+    _, got = jax.jit(lambda *a: moe_decode(*a, config=SMALL, impl="interpret", shared=sh, x_shared_TD=xs))(*args)
+    _, ref = moe_decode_reference(*args, shared=sh, x_shared_TD=xs)
+    for y in (got, ref):
+        chex.assert_trees_all_close(np.asarray(y, np.float64), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_shared_cross_lowers_for_sm90_in_two_launches():
+    """V2-Lite's widths (D = 2048, I = 1408, S = 2816) with a 26-layer shared stack at a traced layer: still two
+    Triton kernels (a third launch, or a shared path the Triton lowering refuses, fails here)."""
+    from jax._src import mesh as mesh_lib
+
+    E, D, I, S, L = 8, 2048, 1408, 2816, 26
+    args = (
+        jax.ShapeDtypeStruct((12, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((E,), jnp.int32),
+        *(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((E, D, I), (E, D, I), (E, I, D))),
+        jax.ShapeDtypeStruct((2, D), jnp.bfloat16),
+        *(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((L, D, S), (L, D, S), (L, S, D))),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+
+    def call(x, sizes, g, u, d, xs, sg, su, sd, layer):
+        sh = SharedExperts(sg, su, sd, layer)
+        return moe_decode(x, sizes, g, u, d, impl="kernel", shared=sh, x_shared_TD=xs)
+
+    h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 2, "routed and shared experts in the gate/up and down kernels"
+
+
+def test_shared_widths_and_arguments_refused_in_one_line():
+    """S must be a multiple of I (the pseudo-experts are I wide): a kernel that took S = 96 with I = 64 would
+    drop (or read past) its last 32 columns. Also: shared weights without the tokens, mismatched shapes."""
+    assert moe_decode_problems(2048, 1408, S=2816) == []  # V2-Lite: 2 shared experts of 1408
+    assert moe_decode_problems(7168, 2048, S=2048) == []  # V3: 1 shared expert
+    assert moe_decode_problems(128, 64, S=96) == ["S (the shared experts' width) = 96 is not a multiple of I = 64"]
+    args = _problem([1, 1])
+    xs, ws = _shared(2, 1, I=64)
+    bad = [w[..., :96] if i < 2 else w[:, :96] for i, w in enumerate(_shared(2, 2)[1])]
+    with pytest.raises(
+        ValueError, match=r"^moe_decode: S \(the shared experts' width\) = 96 is not a multiple of I = 64$"
+    ):
+        moe_decode(*args, config=SMALL, impl="interpret", shared=SharedExperts(*bad, 0), x_shared_TD=xs)
+    with pytest.raises(ValueError, match=r"^moe_decode: shared experts need both"):
+        moe_decode(*args, config=SMALL, impl="interpret", shared=SharedExperts(*ws, 0))
+    with pytest.raises(ValueError, match=r"^shared down weights must be \(3, 64, 64\)"):
+        moe_decode(
+            *args, config=SMALL, impl="interpret", shared=SharedExperts(ws[0], ws[1], ws[2][:, :32], 0), x_shared_TD=xs
+        )
+    with pytest.raises(ValueError, match=r"^x_shared must be bfloat16 \[T, D=64\]"):
+        moe_decode(*args, config=SMALL, shared=SharedExperts(*ws, 0), x_shared_TD=xs.astype(jnp.float32))
+
+
+def test_moe_grouped_with_shared_gradients_equal_the_unfused_ones():
+    """moe_grouped's decode path with the shared experts fused: the value and the gradients (x, routed and shared
+    weights) against ragged_dot + a jnp SwiGLU. Catches the custom gradient dropping the shared experts'
+    cotangents (x's through them, or their weights')."""
+    rng = np.random.default_rng(2)
+    T, K, E, D, I = 5, 2, 4, 128, 64
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
+    w = jnp.asarray(rng.random((T, K)), jnp.float32)
+    routed = [jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32) for s in ((E, D, I),) * 2 + ((E, I, D),)]
+    _, sw = _shared(T, 2, D=D, I=I, dtype=jnp.float32)
+
+    def fused(x, gate, sg, sd):
+        sh = SharedExperts(sg, sw[1], sd, jnp.int32(1))
+        return moe_grouped(x, w, idx, gate, *routed[1:], impl="decode_interpret", shared=sh)
+
+    def apart(x, gate, sg, sd):
+        y = moe_grouped(x, w, idx, gate, *routed[1:], impl="ragged_dot")
+        return y + jnp.dot(jax.nn.silu(x @ sg[1]) * (x @ sw[1][1]), sd[1])
+
+    args = (x, routed[0], sw[0], sw[2])
+    chex.assert_trees_all_close(fused(*args), apart(*args), rtol=1e-4, atol=1e-4)
+    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3))(*args) for f in (fused, apart)]
+    chex.assert_trees_all_close(*grads, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stack", "2d"])
+def test_moe_layer_with_fused_shared_experts_equals_the_unfused_layer(monkeypatch, stacked):
+    """An MoE layer's decode path (bf16, the kernels interpreted) with its shared experts inside the decode kernel
+    equals the same layer running them apart (`self.shared_experts`, by stacked_matmul for a whole stack) to bf16
+    rounding, for shared kernels that are a whole stack [L, D, S] read at `Stacked.index` and for 2-D ones. The
+    fused call must not run the MLP as well (it would add the shared experts twice), and the unfused must run it."""
+    from flax import nnx
+
+    from mla_jax import ModelConfig
+    from mla_jax.linear import Stacked
+    from models.mlp import MLP
+
+    cfg = ModelConfig.tiny().replace(n_shared_experts=2)  # D = 128, I = 64, S = 128
+    m = MoE(cfg, rngs=nnx.Rngs(3), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, impl="decode")
+    if stacked:  # a 3-layer stack of the shared experts' kernels, as a scanned model passes them whole
+        rng = np.random.default_rng(4)
+        for lin in (m.shared_experts.gate_proj, m.shared_experts.up_proj, m.shared_experts.down_proj):
+            k = lin.kernel[...]
+            lin.kernel = nnx.Param(jnp.asarray(rng.standard_normal((3,) + k.shape) * 0.05, jnp.bfloat16))
+    x = jax.random.normal(jax.random.key(7), (1, 3, cfg.hidden_size), jnp.bfloat16)
+    st = Stacked(jnp.int32(1), "interpret")
+    assert m._decode_shared("decode", st) is not None
+
+    calls = []
+    mlp_call = MLP.__call__
+    monkeypatch.setattr(MLP, "__call__", lambda self, *a: calls.append(1) or mlp_call(self, *a))
+    fused = m(x, stacked=st)
+    assert not calls, "the fused call ran the shared MLP too"
+    monkeypatch.setattr(MoE, "_decode_shared", lambda self, impl, stacked: None)
+    apart = m(x, stacked=st)
+    assert calls
+    assert fused.dtype == apart.dtype == jnp.bfloat16
+    scale = float(jnp.abs(apart.astype(jnp.float32)).max())
+    chex.assert_trees_all_close(fused.astype(jnp.float32), apart.astype(jnp.float32), rtol=2e-2, atol=1e-2 * scale)
+
+
+def test_model_decode_step_runs_the_shared_experts_in_the_moe_kernel():
+    """A scanned model's cached decode step with moe_impl="decode" on the interpret backend: the shared experts'
+    kernels go in whole ([L, D, S]) and run inside the two moe_decode launches at the scan's layer index. Its
+    logits equal the reference backend's (catches the shared experts read at another layer, or added twice or
+    not at all), and the program holds no stacked_matmul for them (wq and wo of the dense and MoE stacks only)
+    and two moe_decode launches."""
+    from flax import nnx
+    from micro_configs import narrow_v2_lite
+
+    from mla_jax.kv_cache import KVCache
+    from models import DeepSeekModel, Engine
+
+    cfg = narrow_v2_lite(3).replace(hidden_size=128, v_head_dim=32, moe_intermediate_size=64, n_routed_experts=8)
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0), moe_impl="decode")
+    e = Engine(model, page_size=16, num_pages=8, max_batch=2, kv_dtype=jnp.float32)
+    B, S = 2, 5
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (B, S)), jnp.int32)
+    table = jnp.asarray([[0], [1]], jnp.int32)
+    fwd = jax.jit(lambda ids, positions, cache: model(ids, positions, cache=cache))
+
+    def run(impl):
+        cache = KVCache.create(e.cache.pages, table, jnp.zeros((B,), jnp.int32), impl=impl)
+        _, cache = fwd(ids[:, :-1], jnp.broadcast_to(jnp.arange(S - 1), (B, S - 1)), cache)
+        last = (ids[:, -1:], jnp.full((B, 1), S - 1, jnp.int32), cache)
+        return fwd(*last)[0], str(jax.make_jaxpr(fwd)(*last))
+
+    (got, jaxpr), (want, _) = run("interpret"), run("reference")
+    chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
+    assert jaxpr.count("name=stacked_matmul") == 4
+    assert jaxpr.count("name=moe_decode_gate_up") == jaxpr.count("name=moe_decode_down") == 1
