@@ -129,6 +129,13 @@ def moe_decode_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfi
     return out
 
 
+def default_config(D: int, I: int) -> MoeDecodeConfig:
+    """`moe_decode`'s config when none is given: the down kernel's contraction chunk 128 wide where I allows (V2-Lite
+    B = 1: 14.0 against 16.1 us a layer; B = 32 unchanged, both at the copy rate: docs/PERFORMANCE.md, "MoE decode
+    kernel"), the rest `MoeDecodeConfig`'s defaults."""
+    return MoeDecodeConfig(block_k=QUANT_BLOCK if I % QUANT_BLOCK == 0 else 64)
+
+
 def fp8_default_config(D: int, I: int) -> MoeDecodeConfig:
     """`moe_decode_fp8`'s config when none is given: the down kernel's tiles 128 wide where the widths allow (its
     e4m3 tile at bf16's 64 x 64 holds 4 KB, a quarter of bf16's bytes in flight), 4 pipeline stages and f16
@@ -288,11 +295,14 @@ def _gate_up_rows(
     lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
 
 
-def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d, D, convert, row_scaled, shared):
+def _gate_up_kernel(
+    expert_ref, start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d, D, convert, row_scaled, shared
+):
     """``row_scaled``: x holds rows scaled into f16 and the next ref their factors [rows, 1], which multiply the
-    fp32 products before the SiLU. ``shared`` (None, or (E, I, T)): the last four inputs are the shared experts'
+    fp32 products before the SiLU. ``expert_ref``, ``start_ref``, ``size_ref``: each routed program's expert and rows.
+    ``shared`` (None, or (A, I, T)): the last four inputs are the shared experts'
     layer [1], rows x_shared [T', D], gate and up [L, D, S], and the last output their h [T', S]; programs
-    E + h of axis 0 compute its columns [h·I, (h+1)·I)."""
+    A + h of axis 0 compute its columns [h·I, (h+1)·I)."""
     if shared is not None:
         *refs, layer_ref, xs_ref, wgs_ref, wus_ref, h_ref, hs_ref = refs
         refs = (*refs, h_ref)
@@ -307,19 +317,19 @@ def _gate_up_kernel(start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d
     kw = dict(block_i=block_i, block_d=block_d, D=D, convert=convert)
 
     def routed():
-        e = off_ref[0] + p  # the expert's index in the weights (a layer stack, flattened)
+        e = off_ref[0] + expert_ref[p]  # the expert's index in the weights (a layer stack, flattened)
         start, n = start_ref[p], size_ref[p]
         _gate_up_rows(x_ref, wg_ref, wu_ref, sg_ref, su_ref, rf_ref, h_ref, e, start, n, j * block_i, **kw)
 
     if shared is None:
         routed()
         return
-    E, I, T = shared
-    pl.when(p < E)(routed)
+    A, I, T = shared  # A routed programs, then the shared ones
+    pl.when(p < A)(routed)
 
-    @pl.when(p >= E)
+    @pl.when(p >= A)
     def _():
-        c0 = (p - E) * I + j * block_i
+        c0 = (p - A) * I + j * block_i
         _gate_up_rows(xs_ref, wgs_ref, wus_ref, None, None, None, hs_ref, layer_ref[0], 0, T, c0, **kw)
 
 
@@ -344,10 +354,10 @@ def _down_rows(h_ref, wd_ref, sd_ref, y_ref, w, start, n, out_start, k_base, c0,
     lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
 
 
-def _down_kernel(start_ref, size_ref, off_ref, h_ref, *refs, block_o, block_k, I, convert, shared):
-    """``shared`` (None, or (E, T, T')): the last three inputs are the shared experts' layer [1], h [T', S] and
-    down weights [L, S, D], and the last output their partial products [S/I · T', D]: program E + h of axis 0
-    writes rows [h·T', h·T' + T), the product of h's columns [h·I, (h+1)·I)."""
+def _down_kernel(expert_ref, start_ref, size_ref, off_ref, h_ref, *refs, block_o, block_k, I, convert, shared):
+    """``shared`` (None, or (A, T, T')): the last three inputs are the shared experts' layer [1], h [T', S] and
+    down weights [L, S, D], and the last output their partial products [S/I · T', D]: program A + h of axis 0
+    writes rows [h·T', h·T' + T), the product of h's columns [h·I, (h+1)·I) (A: the routed programs)."""
     if shared is not None:
         *refs, layer_ref, hs_ref, wds_ref, y_ref, ys_ref = refs
         refs = (*refs, y_ref)
@@ -360,17 +370,17 @@ def _down_kernel(start_ref, size_ref, off_ref, h_ref, *refs, block_o, block_k, I
 
     def routed():
         start, n = start_ref[p], size_ref[p]
-        _down_rows(h_ref, wd_ref, sd_ref, y_ref, off_ref[0] + p, start, n, start, 0, j * block_o, **kw)
+        _down_rows(h_ref, wd_ref, sd_ref, y_ref, off_ref[0] + expert_ref[p], start, n, start, 0, j * block_o, **kw)
 
     if shared is None:
         routed()
         return
-    E, T, Tp = shared
-    pl.when(p < E)(routed)
+    A, T, Tp = shared  # A routed programs, then the shared ones
+    pl.when(p < A)(routed)
 
-    @pl.when(p >= E)
+    @pl.when(p >= A)
     def _():
-        hh = p - E
+        hh = p - A
         _down_rows(hs_ref, wds_ref, None, ys_ref, layer_ref[0], 0, T, hh * Tp, hh * I, j * block_o, **kw)
 
 
@@ -388,6 +398,7 @@ def _moe_decode_kernel(
     shared=None,
     x_shared_TD=None,
     group_starts_E=None,
+    expert_programs=None,
 ):
     """The two pallas_calls. bf16 experts: gate/up [E', D, I], down [E', I, D], `scales` None; FP8 experts:
     gate/up [E', I, D], down [E', D, I] e4m3 and `scales` (gate, up, down). `shared` (bf16 experts only): the
@@ -399,6 +410,12 @@ def _moe_decode_kernel(
     dt = x_MD.dtype
     sizes = group_sizes_E.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes if group_starts_E is None else group_starts_E.astype(jnp.int32)
+    # axis 0's routed programs: their experts and rows (one an expert, or the caller's list)
+    if expert_programs is None:
+        programs = (jnp.arange(E, dtype=jnp.int32), starts, sizes)
+    else:
+        programs = tuple(jnp.asarray(a, jnp.int32) for a in expert_programs)
+    A = programs[0].shape[0]
     off = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))
     params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     convert = config.fp8_convert if fp8 else None
@@ -414,7 +431,7 @@ def _moe_decode_kernel(
         gate_up = (jnp.pad(factors, ((0, ROW_TILE), (0, 0)), constant_values=1.0), *gate_up)
     # The row tiles may read past M (masked); pad so that no address leaves the buffers.
     x = jnp.pad(x, ((0, ROW_TILE), (0, 0)))
-    n_programs, gu_shared, down_shared = E, None, None
+    n_programs, gu_shared, down_shared = A, None, None
     gu_out = [jax.ShapeDtypeStruct((M + ROW_TILE, I), h_dtype)]
     down_out = [jax.ShapeDtypeStruct((M + ROW_TILE, D), jnp.float32)]
     if shared is not None:
@@ -430,7 +447,7 @@ def _moe_decode_kernel(
         gate_up = (*gate_up, layer, jnp.pad(x_shared_TD, ((0, Tp - T), (0, 0))), ws[0], ws[1])
         gu_out.append(jax.ShapeDtypeStruct((Tp, S), dt))
         down_out.append(jax.ShapeDtypeStruct((S // I * Tp, D), jnp.float32))
-        gu_shared, down_shared = (E, I, T), (E, T, Tp)
+        gu_shared, down_shared = (A, I, T), (A, T, Tp)
     name = "moe_decode_fp8" if fp8 else "moe_decode"
     h = pl.pallas_call(
         functools.partial(
@@ -447,7 +464,7 @@ def _moe_decode_kernel(
         compiler_params=params,
         interpret=interpret,
         name=name + "_gate_up",
-    )(starts, sizes, off, x, *gate_up)
+    )(*programs, off, x, *gate_up)
     if shared is not None:
         h, h_shared = h
         down_w = (*down_w, layer, h_shared, ws[2])
@@ -463,7 +480,7 @@ def _moe_decode_kernel(
         compiler_params=params,
         interpret=interpret,
         name=name + "_down",
-    )(starts, sizes, off, h, *down_w)
+    )(*programs, off, h, *down_w)
     if shared is not None:
         y, y_shared = y
         y_shared = jnp.sum(y_shared.reshape(S // I, Tp, D)[:, :T], axis=0)  # the S / I partials, in f32
@@ -486,6 +503,7 @@ def moe_decode(
     shared: SharedExperts | None = None,
     x_shared_TD=None,
     group_starts_E=None,
+    expert_programs=None,
 ):
     """The routed experts of sorted assignment rows -> f32 [M, D]; with `shared`, also the shared experts of the
     tokens -> (f32 [M, D], f32 [T, D]).
@@ -506,11 +524,26 @@ def moe_decode(
       x_shared_TD: [T, D] the tokens (any order; x's dtype), with `shared` only.
       group_starts_E: int [E] the groups' first rows (the exclusive cumsum of group_sizes), when the caller has
         it; None: computed here. Not checked: a wrong one reads and writes other groups' rows.
+      expert_programs: (experts, starts, sizes), int [A] each, A <= E: the routed programs' experts (group ids)
+        and their rows, e.g. only the experts that got rows (`pallas_kernels.moe_route`'s): A · (I / block_i)
+        gate/up programs instead of E · (I / block_i), none of them idle at B = 1 (a program of size 0 returns).
+        None: one program per expert, its rows from group_sizes / group_starts. Not checked against group_sizes.
     Fast while every expert has at most 16 rows (weights read once); correct for any sizes. The shared programs
     read their weights once per 16 tokens. (`moe_decode_fp8` takes no shared experts.)
     """
-    config = MoeDecodeConfig() if config is None else config
+    config = default_config(x_MD.shape[-1], gate_EDI.shape[-1]) if config is None else config
     _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config, shared, x_shared_TD)
+    if expert_programs is not None:
+        A = jnp.shape(expert_programs[0])[0]
+        if (
+            len(expert_programs) != 3
+            or any(jnp.shape(a) != (A,) for a in expert_programs)
+            or A > group_sizes_E.shape[0]
+        ):
+            raise ValueError(
+                f"expert_programs must be three int [A] arrays (experts, starts, sizes) with A <= E = "
+                f"{group_sizes_E.shape[0]}, got shapes {[jnp.shape(a) for a in expert_programs]}"
+            )
     impl = backend.resolve(impl)
     if impl == "reference":
         return moe_decode_reference(
@@ -529,6 +562,7 @@ def moe_decode(
         shared=shared,
         x_shared_TD=x_shared_TD,
         group_starts_E=group_starts_E,
+        expert_programs=expert_programs,
     )
 
 

@@ -517,3 +517,34 @@ def test_model_decode_step_runs_the_shared_experts_in_the_moe_kernel():
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
     assert jaxpr.count("name=stacked_matmul") == 4
     assert jaxpr.count("name=moe_decode_gate_up") == jaxpr.count("name=moe_decode_down") == 1
+
+
+@pytest.mark.parametrize("with_shared", [False, True], ids=["routed", "shared"])
+def test_expert_programs_run_only_the_listed_experts(with_shared):
+    """`expert_programs` (the experts that got rows, their starts and sizes; padded with programs of size 0) give
+    the same rows as one program an expert (catches a program reading its expert by program id instead of the
+    list, a size-0 program writing, the shared programs placed after E rather than after the A listed ones)."""
+    sizes = [0, 3, 0, 0, 17, 0, 1, 0]
+    x, gs, g, u, d = _problem(sizes)
+    starts = np.cumsum(sizes) - sizes
+    touched = [e for e, n in enumerate(sizes) if n]
+    pad = 5 - len(touched)  # A = 5 programs: the three touched experts and two of size 0
+    programs = tuple(
+        jnp.asarray(a, jnp.int32)
+        for a in (
+            touched + [0] * pad,
+            [starts[e] for e in touched] + [0] * pad,
+            [sizes[e] for e in touched] + [0] * pad,
+        )
+    )
+    kw = {}
+    if with_shared:
+        rng = np.random.default_rng(3)
+        T = 3
+        sh = [jnp.asarray(rng.standard_normal(s) / 8, jnp.bfloat16) for s in ((64, 128), (64, 128), (128, 64))]
+        kw = dict(shared=SharedExperts(*sh), x_shared_TD=x[:T])
+    want = moe_decode(x, gs, g, u, d, config=SMALL, impl="interpret", **kw)
+    got = moe_decode(x, gs, g, u, d, config=SMALL, impl="interpret", expert_programs=programs, **kw)
+    chex.assert_trees_all_equal(got, want)
+    with pytest.raises(ValueError, match=r"^expert_programs must be three int \[A\] arrays"):
+        moe_decode(x, gs, g, u, d, config=SMALL, impl="interpret", expert_programs=programs[:2])
