@@ -249,7 +249,9 @@ def _down_kernel(start_ref, size_ref, off_ref, h_ref, *refs, block_o, block_k, I
     lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
 
 
-def _moe_decode_kernel(x_MD, group_sizes_E, gate, up, down, scales, expert_offset, *, config, interpret):
+def _moe_decode_kernel(
+    x_MD, group_sizes_E, gate, up, down, scales, expert_offset, *, config, interpret, group_starts_E=None
+):
     """The two pallas_calls. bf16 experts: gate/up [E', D, I], down [E', I, D], `scales` None; FP8 experts:
     gate/up [E', I, D], down [E', D, I] e4m3 and `scales` (gate, up, down)."""
     M, D = x_MD.shape
@@ -258,7 +260,9 @@ def _moe_decode_kernel(x_MD, group_sizes_E, gate, up, down, scales, expert_offse
     I = gate.shape[1] if fp8 else gate.shape[2]
     dt = x_MD.dtype
     sizes = group_sizes_E.astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
+    if group_starts_E is not None and group_starts_E.shape != sizes.shape:
+        raise ValueError(f"group_starts must be [E={E}] like group_sizes, got shape {group_starts_E.shape}")
+    starts = jnp.cumsum(sizes) - sizes if group_starts_E is None else group_starts_E.astype(jnp.int32)
     off = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))
     params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     convert = config.fp8_convert if fp8 else None
@@ -316,6 +320,7 @@ def moe_decode(
     expert_offset=0,
     config: MoeDecodeConfig | None = None,
     impl: str | None = "auto",
+    group_starts_E=None,
 ):
     """The routed experts of sorted assignment rows -> f32 [M, D].
 
@@ -328,6 +333,8 @@ def moe_decode(
         may be traced: layer · E). The kernel reads them in place: no per-layer copy.
       config: `MoeDecodeConfig`; D and I must be multiples of its blocks (`moe_decode_problems`).
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
+      group_starts_E: None, or int [E] the first row of each group (the exclusive cumsum of `group_sizes_E`, which
+        the kernel computes when not given).
     Fast while every expert has at most 16 rows (weights read once); correct for any sizes.
     """
     config = MoeDecodeConfig() if config is None else config
@@ -345,6 +352,7 @@ def moe_decode(
         expert_offset,
         config=config,
         interpret=impl == "interpret",
+        group_starts_E=group_starts_E,
     )
 
 
@@ -386,6 +394,7 @@ def moe_decode_fp8(
     expert_offset=0,
     config: MoeDecodeConfig | None = None,
     impl: str | None = "auto",
+    group_starts_E=None,
 ):
     """`moe_decode` on FP8 experts as DeepSeek-V3 releases them -> f32 [M, D].
 
@@ -398,6 +407,7 @@ def moe_decode_fp8(
         None: `fp8_default_config(D, I)`.
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else
         `moe_decode_fp8_reference`).
+      group_starts_E: as `moe_decode`.
     Each touched expert's e4m3 bytes are read once while every expert has at most 16 rows. "auto" takes the
     reference for expert stacks the Triton lowering cannot index (`backend.triton_offset_problems`), "kernel"
     refuses them.
@@ -423,4 +433,5 @@ def moe_decode_fp8(
         expert_offset,
         config=config,
         interpret=impl == "interpret",
+        group_starts_E=group_starts_E,
     )
