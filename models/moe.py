@@ -23,7 +23,8 @@ only, its gradient `lax.ragged_dot`'s; its `ragged_dot` reference off a Hopper G
 `moe_decode_fp8`, their e4m3 bytes read in place and converted in registers), "dense"
 (`moe_dense_reference`: every expert on every token, the oracle), or "auto": on a Hopper GPU with
 bf16 compute, "decode" when a call has at most `DECODE_ROWS_PER_EXPERT` assignment rows per expert
-on average (decode steps) and "mgpu" otherwise; elsewhere "ragged_dot".
+on average (decode steps) and "mgpu" otherwise; elsewhere "ragged_dot". On "decode" the routing after the
+logits (scores, top-k, the sort by expert) is one kernel, `pallas_kernels.moe_route`, where it serves the call.
 """
 
 from __future__ import annotations
@@ -45,12 +46,18 @@ from mla_jax.config import ModelConfig
 from mla_jax.linear import Stacked
 from models.mlp import MLP
 from pallas_kernels import (
+    DecodeRoute,
+    RouteSpec,
     backend,
     moe_decode,
     moe_decode_fp8,
     moe_decode_fp8_problems,
     moe_decode_problems,
     moe_decode_reference,
+    moe_route,
+    moe_route_problems,
+    route_reference,
+    route_scores,
 )
 from pallas_kernels.moe_decode import SharedExperts
 
@@ -83,50 +90,15 @@ class RouterOutput(NamedTuple):
 
 
 # ------------------------------------------------------------------------------------------
-# Routing functions (pure)
+# Routing functions (pure): the rules live in `pallas_kernels.moe_route`
 # ------------------------------------------------------------------------------------------
-def _keep_top_groups(choice_TE: jax.Array, group_score_TG: jax.Array, topk_group: int) -> jax.Array:
-    """Set to −inf the experts of every group outside each token's `topk_group` best groups."""
-    T, E = choice_TE.shape
-    G = group_score_TG.shape[-1]
-    _, keep_TK = jax.lax.top_k(group_score_TG, topk_group)
-    keep_TG = jnp.any(jax.nn.one_hot(keep_TK, G, dtype=jnp.bool_), axis=1)
-    keep_TE = jnp.repeat(keep_TG, E // G, axis=1)
-    # −inf, not 0: a negative bias can push kept scores below 0 (flashinfer #2168).
-    return jnp.where(keep_TE, choice_TE, -jnp.inf)
-
-
 def route(logits_TE: jax.Array, bias_E: jax.Array | None, cfg: ModelConfig) -> RouterOutput:
-    """Pick K experts per token from router logits [T, E] (fp32); see the module docstring for the rules.
+    """Pick K experts per token from router logits [T, E] (fp32); see the module docstring for the rules
+    (`pallas_kernels.moe_route.route_reference`).
 
     `bias_E` (fp32 [E]) is used by `noaux_tc` only and must be None for the V2 methods.
     """
-    logits_TE = logits_TE.astype(_F32)
-    T, E = logits_TE.shape
-    G, K = cfg.n_group, cfg.num_experts_per_tok
-    if cfg.topk_method == "noaux_tc":
-        if bias_E is None:
-            raise ValueError("topk_method='noaux_tc' needs the e_score_correction_bias, got None")
-        scores_TE = jax.nn.sigmoid(logits_TE) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits_TE, -1)
-        choice_TE = scores_TE + bias_E.astype(_F32)[None, :]
-        top2, _ = jax.lax.top_k(choice_TE.reshape(T, G, E // G), 2)
-        choice_TE = _keep_top_groups(choice_TE, top2.sum(-1), cfg.topk_group)
-        _, idx_TK = jax.lax.top_k(choice_TE, K)
-        # Gather the UNBIASED scores: never recover them as (s + b) − b (vLLM #12002, HF #41647).
-        w_TK = jnp.take_along_axis(scores_TE, idx_TK, axis=-1)
-        if cfg.norm_topk_prob:
-            w_TK = w_TK / (jnp.sum(w_TK, axis=-1, keepdims=True) + 1e-20)
-    elif cfg.topk_method in ("greedy", "group_limited_greedy"):
-        if bias_E is not None:
-            raise ValueError(f"topk_method={cfg.topk_method!r} takes no correction bias")
-        scores_TE = jax.nn.softmax(logits_TE, axis=-1) if cfg.scoring_func == "softmax" else jax.nn.sigmoid(logits_TE)
-        choice_TE = scores_TE
-        if cfg.topk_method == "group_limited_greedy":
-            choice_TE = _keep_top_groups(scores_TE, scores_TE.reshape(T, G, E // G).max(-1), cfg.topk_group)
-        w_TK, idx_TK = jax.lax.top_k(choice_TE, K)
-    else:
-        raise ValueError(f"unknown topk_method {cfg.topk_method!r}")
-    return RouterOutput(w_TK * cfg.routed_scaling_factor, idx_TK.astype(jnp.int32), scores_TE)
+    return RouterOutput(*route_reference(logits_TE, bias_E, spec=RouteSpec.from_config(cfg)))
 
 
 class Router(nnx.Module):
@@ -150,9 +122,20 @@ class Router(nnx.Module):
         """[T, D] -> fp32 [T, E]."""
         return jnp.dot(x_TD.astype(_F32), self.kernel[...], precision=jax.lax.Precision.HIGHEST)
 
+    def bias(self) -> jax.Array | None:
+        """The correction bias fp32 [E] (`noaux_tc`), else None."""
+        return None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
+
     def __call__(self, x_TD: jax.Array) -> RouterOutput:
-        bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
-        return route(self.logits(x_TD), bias, self.cfg)
+        return route(self.logits(x_TD), self.bias(), self.cfg)
+
+    def decode(self, x_TD: jax.Array, impl: str | None = None) -> tuple[RouterOutput, DecodeRoute]:
+        """`__call__`'s routing through `pallas_kernels.moe_route` (`impl`: its backend), with the assignments
+        sorted by expert for `moe_grouped`'s decode impls. Forward only."""
+        logits_TE = self.logits(x_TD)
+        spec = RouteSpec.from_config(self.cfg)
+        r = moe_route(logits_TE, self.bias(), spec=spec, impl=impl)
+        return RouterOutput(r.weights_TK, r.indices_TK, route_scores(logits_TE, spec)), r
 
 
 # ------------------------------------------------------------------------------------------
@@ -282,11 +265,15 @@ ragged_dot_mgpu.defvjp(_mgpu_fwd, _mgpu_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, expert_offset, kernel_impl, shared=None):
+def _experts_decode(
+    x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, expert_offset, kernel_impl, shared=None, layout=None
+):
     """silu(x W_g) * (x W_u) W_d per row's expert through `pallas_kernels.moe_decode` -> f32 [M, D]; the
     gradient is `lax.ragged_dot`'s (the kernel is forward only). `shared` (x_TD, `SharedExperts`): the shared
-    experts too, in the same launches -> (f32 [M, D], f32 [T, D])."""
+    experts too, in the same launches -> (f32 [M, D], f32 [T, D]). `layout` (None, or (group_starts_E,
+    expert_programs) of a `pallas_kernels.moe_route.DecodeRoute`): the rows' layout, already computed."""
     xs, sh = (None, None) if shared is None else shared
+    starts, programs = (None, None) if layout is None else layout
     return moe_decode(
         x_MD,
         group_sizes_E,
@@ -297,18 +284,20 @@ def _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, expert_offs
         impl=kernel_impl,
         shared=sh,
         x_shared_TD=xs,
+        group_starts_E=starts,
+        expert_programs=programs,
     )
 
 
-def _experts_decode_fwd(x, g, u, d, gs, off, kernel_impl, shared=None):
-    return _experts_decode(x, g, u, d, gs, off, kernel_impl, shared), (x, g, u, d, gs, off, shared)
+def _experts_decode_fwd(x, g, u, d, gs, off, kernel_impl, shared=None, layout=None):
+    return _experts_decode(x, g, u, d, gs, off, kernel_impl, shared, layout), (x, g, u, d, gs, off, shared)
 
 
 def _experts_decode_bwd(kernel_impl, res, ct):
     x, g, u, d, gs, off, shared = res
     if shared is None:
         _, vjp = jax.vjp(lambda *w: moe_decode_reference(w[0], gs, *w[1:], expert_offset=off), x, g, u, d)
-        return (*vjp(ct.astype(jnp.float32)), None, None, None)
+        return (*vjp(ct.astype(jnp.float32)), None, None, None, None)
     xs, sh = shared
 
     def ref(x, g, u, d, xs, sg, su, sd):
@@ -317,7 +306,8 @@ def _experts_decode_bwd(kernel_impl, res, ct):
 
     _, vjp = jax.vjp(ref, x, g, u, d, xs, sh.gate_LDS, sh.up_LDS, sh.down_LSD)
     dx, dg, du, dd, dxs, dsg, dsu, dsd = vjp(tuple(c.astype(jnp.float32) for c in ct))
-    return dx, dg, du, dd, None, None, (dxs, sh._replace(gate_LDS=dsg, up_LDS=dsu, down_LSD=dsd, layer=None))
+    shared_ct = (dxs, sh._replace(gate_LDS=dsg, up_LDS=dsu, down_LSD=dsd, layer=None))
+    return dx, dg, du, dd, None, None, shared_ct, None
 
 
 _experts_decode.defvjp(_experts_decode_fwd, _experts_decode_bwd)
@@ -371,6 +361,7 @@ def moe_grouped(
     scales=None,
     decode_impl: str | None = None,
     shared: SharedExperts | None = None,
+    route: DecodeRoute | None = None,
 ) -> jax.Array:
     """Σ_k w_k · expert_{idx_k}(x) as a grouped GEMM over the T·K assignments sorted by expert. -> [T, D].
 
@@ -391,6 +382,8 @@ def moe_grouped(
     "interpret").
     `shared` (`pallas_kernels.moe_decode.SharedExperts`; decode impls and bf16 experts only): the shared experts
     run inside the decode kernel's two launches, and the result is routed + shared (summed in fp32, rounded once).
+    `route` (decode impls only): these assignments already sorted by expert (`pallas_kernels.moe_route`, of
+    `weights_TK` and `indices_TK` over the E experts), used instead of sorting them here.
     """
     T, D = x_TD.shape
     K = indices_TK.shape[1]
@@ -405,27 +398,46 @@ def moe_grouped(
         gate_EDI, up_EDI, down_EID = (
             jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in (gate_EDI, up_EDI, down_EID)
         )
+    if route is not None and (not decode or route.group_sizes_E.shape != (E,)):
+        raise ValueError(
+            f"moe_grouped: a precomputed route serves the decode impls over its E experts, got impl={impl!r} and "
+            f"{route.group_sizes_E.shape[0]} experts for E = {E}"
+        )
     dt = x_TD.dtype
-    flat_M = indices_TK.reshape(-1)
-    order_M = jnp.argsort(flat_M, stable=True)  # assignment rows grouped by expert
-    token_M = order_M // K
-    group_sizes_E = jnp.bincount(flat_M, length=E).astype(jnp.int32)
+    group_starts_E = None
+    if route is None:
+        flat_M = indices_TK.reshape(-1)
+        order_M = jnp.argsort(flat_M, stable=True)  # assignment rows grouped by expert
+        token_M = order_M // K
+        group_sizes_E = jnp.bincount(flat_M, length=E).astype(jnp.int32)
+        # rows of experts >= E (none unless a caller passes them) sort last, past every group: masked below
+        valid_M = (flat_M[order_M] < E)[:, None]
+        w_M = weights_TK.reshape(-1)[order_M].astype(_F32)
+        inv_M = jnp.argsort(order_M)
+    else:  # every row is of an expert < E
+        token_M, group_sizes_E, group_starts_E = route.token_M, route.group_sizes_E, route.group_starts_E
+        valid_M, w_M, inv_M = True, route.weight_M, route.row_TK.reshape(-1)
     x_MD = x_TD[token_M]
-    # rows of experts >= E (none unless a caller passes them) sort last, past every group: masked below
-    valid_M = (flat_M[order_M] < E)[:, None]
-    w_M = weights_TK.reshape(-1)[order_M].astype(_F32)
-    inv_M = jnp.argsort(order_M)
     if decode:
         # "decode": the kernel on a Hopper GPU, its reference elsewhere (pallas_kernels' rule)
         kernel_impl = "interpret" if impl == "decode_interpret" else decode_impl
         off = jnp.asarray(off, jnp.int32)
         if scales is not None:
             y_MD = moe_decode_fp8(
-                x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, *scales, expert_offset=off, impl=kernel_impl
+                x_MD,
+                group_sizes_E,
+                gate_EDI,
+                up_EDI,
+                down_EID,
+                *scales,
+                expert_offset=off,
+                impl=kernel_impl,
+                group_starts_E=group_starts_E,
             )
         else:
             fused = None if shared is None else (x_TD, shared)
-            y_MD = _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, off, kernel_impl, fused)
+            layout = None if route is None else (group_starts_E, route.expert_programs)
+            y_MD = _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, off, kernel_impl, fused, layout)
         y_shared_TD = 0.0
         if shared is not None:
             y_MD, y_shared_TD = y_MD
@@ -644,7 +656,6 @@ class MoE(nnx.Module):
         the decode kernel of the routed experts (the step's backend; None: "auto")."""
         lead, D = x.shape[:-1], x.shape[-1]
         x_TD = x.reshape(-1, D).astype(self.dtype)
-        r = self.gate(x_TD)
         ex = self.experts
         impl = self.resolved_impl(x_TD.shape[0])
         E = self.cfg.n_routed_experts
@@ -661,6 +672,17 @@ class MoE(nnx.Module):
         # the shared experts inside the decode kernel's launches, where it serves them (not under the expert
         # ranks' shard_map, whose ranks would each add them)
         shared = self._decode_shared(impl, stacked) if self.parallel is None or off is not None else None
+        # The decode kernel's routing and sort in one kernel (not under `parallel`'s shard_map, which renumbers
+        # the experts of each rank).
+        sort = None
+        if (
+            impl == "decode"
+            and (self.parallel is None or off is not None)
+            and not moe_route_problems(x_TD.shape[0], E, RouteSpec.from_config(self.cfg))
+        ):
+            r, sort = self.gate.decode(x_TD, decode_impl)
+        else:
+            r = self.gate(x_TD)
 
         def routed(x_TD, w_TK, idx_TK, ws, off):
             if impl == "dense":
@@ -679,6 +701,7 @@ class MoE(nnx.Module):
                 scales=ws[3:] or None,
                 decode_impl=decode_impl,
                 shared=shared,
+                route=sort,
             )
 
         if self.parallel is not None and off is None:

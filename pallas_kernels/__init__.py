@@ -1,10 +1,10 @@
-"""Pallas kernels for Hopper (Mosaic GPU, sm_90; `moe_decode`, `stacked_matmul`, `fp8_matvec` on Pallas' Triton
-backend) with their plain-jnp references; `backend`, the one "which implementation" vocabulary (auto / kernel /
+"""Pallas kernels for Hopper (Mosaic GPU, sm_90; `moe_decode`, `moe_route`, `stacked_matmul`, `fp8_matvec` on Pallas'
+Triton backend) with their plain-jnp references; `backend`, the one "which implementation" vocabulary (auto / kernel /
 interpret / reference) with the one Hopper check; `page_format`, the one page-format type.
 
 Each kernel takes its pages' format explicitly (a `PageFormat`, or read from the pages) and says what it
-serves (`mla_decode_problems`, `paged_gather_problems`, `moe_decode_problems`, `fp8_matmul_problems`,
-`fp8_matvec_problems`). Imports nothing from the rest of the project.
+serves (`mla_decode_problems`, `paged_gather_problems`, `moe_decode_problems`, `moe_route_problems`,
+`fp8_matmul_problems`, `fp8_matvec_problems`). Imports nothing from the rest of the project.
 """
 
 from pallas_kernels import backend
@@ -27,6 +27,15 @@ from pallas_kernels.moe_decode import (
     moe_decode_problems,
     moe_decode_reference,
 )
+from pallas_kernels.moe_route import (
+    DecodeRoute,
+    RouteSpec,
+    moe_route,
+    moe_route_problems,
+    moe_route_reference,
+    route_reference,
+    route_scores,
+)
 from pallas_kernels.page_format import (
     BF16_PAGES,
     FP4_PAGES,
@@ -43,6 +52,7 @@ from pallas_kernels.paged_gather import PagedGatherConfig, paged_gather, paged_g
 
 __all__ = [
     "BF16_PAGES",
+    "DecodeRoute",
     "FP4_PAGES",
     "FP8_PAGES",
     "FlashAttentionConfig",
@@ -52,6 +62,7 @@ __all__ = [
     "MoeDecodeConfig",
     "PageFormat",
     "PagedGatherConfig",
+    "RouteSpec",
     "backend",
     "dequantize_latent_fp4",
     "dequantize_latent_fp8",
@@ -74,6 +85,9 @@ __all__ = [
     "moe_decode_fp8_reference",
     "moe_decode_problems",
     "moe_decode_reference",
+    "moe_route",
+    "moe_route_problems",
+    "moe_route_reference",
     "page_format_of",
     "paged_gather",
     "paged_gather_problems",
@@ -81,4 +95,6 @@ __all__ = [
     "quantize_latent_fp4",
     "quantize_latent_fp8",
     "resolve_page_format",
+    "route_reference",
+    "route_scores",
 ]

@@ -409,6 +409,8 @@ def _moe_decode_kernel(
     I = gate.shape[1] if fp8 else gate.shape[2]
     dt = x_MD.dtype
     sizes = group_sizes_E.astype(jnp.int32)
+    if group_starts_E is not None and group_starts_E.shape != sizes.shape:
+        raise ValueError(f"group_starts must be [E={E}] like group_sizes, got shape {group_starts_E.shape}")
     starts = jnp.cumsum(sizes) - sizes if group_starts_E is None else group_starts_E.astype(jnp.int32)
     # axis 0's routed programs: their experts and rows (one an expert, or the caller's list)
     if expert_programs is None:
@@ -524,10 +526,11 @@ def moe_decode(
       x_shared_TD: [T, D] the tokens (any order; x's dtype), with `shared` only.
       group_starts_E: int [E] the groups' first rows (the exclusive cumsum of group_sizes), when the caller has
         it; None: computed here. Not checked: a wrong one reads and writes other groups' rows.
-      expert_programs: (experts, starts, sizes), int [A] each, A <= E: the routed programs' experts (group ids)
-        and their rows, e.g. only the experts that got rows (`pallas_kernels.moe_route`'s): A · (I / block_i)
-        gate/up programs instead of E · (I / block_i), none of them idle at B = 1 (a program of size 0 returns).
-        None: one program per expert, its rows from group_sizes / group_starts. Not checked against group_sizes.
+      expert_programs: (experts, starts, sizes), int [A] each: the routed programs' experts (group ids; one of
+        size 0 may name any id, its weights are not read) and their rows, e.g. only the experts that got rows
+        (`pallas_kernels.moe_route`'s): A · (I / block_i) gate/up programs instead of E · (I / block_i), none
+        of them idle at B = 1 (a program of size 0 returns). None: one program per expert, its rows from
+        group_sizes / group_starts. Not checked against group_sizes.
     Fast while every expert has at most 16 rows (weights read once); correct for any sizes. The shared programs
     read their weights once per 16 tokens. (`moe_decode_fp8` takes no shared experts.)
     """
@@ -535,14 +538,10 @@ def moe_decode(
     _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config, shared, x_shared_TD)
     if expert_programs is not None:
         A = jnp.shape(expert_programs[0])[0]
-        if (
-            len(expert_programs) != 3
-            or any(jnp.shape(a) != (A,) for a in expert_programs)
-            or A > group_sizes_E.shape[0]
-        ):
+        if len(expert_programs) != 3 or any(jnp.shape(a) != (A,) for a in expert_programs):
             raise ValueError(
-                f"expert_programs must be three int [A] arrays (experts, starts, sizes) with A <= E = "
-                f"{group_sizes_E.shape[0]}, got shapes {[jnp.shape(a) for a in expert_programs]}"
+                f"expert_programs must be three int [A] arrays (experts, starts, sizes), got shapes "
+                f"{[jnp.shape(a) for a in expert_programs]}"
             )
     impl = backend.resolve(impl)
     if impl == "reference":
@@ -604,6 +603,7 @@ def moe_decode_fp8(
     expert_offset=0,
     config: MoeDecodeConfig | None = None,
     impl: str | None = "auto",
+    group_starts_E=None,
 ):
     """`moe_decode` on FP8 experts as DeepSeek-V3 releases them -> f32 [M, D]. Routed experts only: no shared
     experts (`SharedExperts`) here; a caller runs those apart.
@@ -617,6 +617,7 @@ def moe_decode_fp8(
         None: `fp8_default_config(D, I)`.
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else
         `moe_decode_fp8_reference`).
+      group_starts_E: as `moe_decode`.
     Each touched expert's e4m3 bytes are read once while every expert has at most 16 rows. "auto" takes the
     reference for expert stacks the Triton lowering cannot index (`backend.triton_offset_problems`), "kernel"
     refuses them.
@@ -642,4 +643,5 @@ def moe_decode_fp8(
         expert_offset,
         config=config,
         interpret=impl == "interpret",
+        group_starts_E=group_starts_E,
     )
