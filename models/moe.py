@@ -59,7 +59,8 @@ from pallas_kernels import (
     route_reference,
     route_scores,
 )
-from pallas_kernels.moe_decode import SharedExperts
+from pallas_kernels.moe_decode import SHARED_MAX_ROWS, SharedExperts
+from pallas_kernels.moe_route import moe_route_is_fast
 
 _F32 = jnp.float32
 MOE_IMPLS = ("auto", "ragged_dot", "mgpu", "decode", "dense")
@@ -620,13 +621,15 @@ class MoE(nnx.Module):
             fp8=isinstance(self.experts, Fp8Experts),
         )
 
-    def _decode_shared(self, impl: str, stacked: Stacked | None) -> SharedExperts | None:
+    def _decode_shared(self, impl: str, stacked: Stacked | None, rows: int) -> SharedExperts | None:
         """The shared experts as the decode kernel takes them, when it runs them with the routed ones (bf16
-        experts on a decode impl, `nnx.Linear` projections computing in the MoE's dtype whose kernels are a
-        whole stack [L, D, S] read at `stacked.index` or one layer's [D, S], widths `moe_decode_problems`
-        allows); else None (the shared experts run apart, as `self.shared_experts`)."""
+        experts on a decode impl, at most `SHARED_MAX_ROWS` tokens, `nnx.Linear` projections computing in the MoE's
+        dtype whose kernels are a whole stack [L, D, S] read at `stacked.index` or one layer's [D, S], widths
+        `moe_decode_problems` allows); else None (the shared experts run apart, as `self.shared_experts`)."""
         mlp = self.shared_experts
         if mlp is None or impl not in ("decode", "decode_interpret") or isinstance(self.experts, Fp8Experts):
+            return None
+        if rows > SHARED_MAX_ROWS:
             return None
         lins = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
@@ -671,7 +674,7 @@ class MoE(nnx.Module):
         decode_impl = None if stacked is None else stacked.impl
         # the shared experts inside the decode kernel's launches, where it serves them (not under the expert
         # ranks' shard_map, whose ranks would each add them)
-        shared = self._decode_shared(impl, stacked) if self.parallel is None or off is not None else None
+        shared = self._decode_shared(impl, stacked, x_TD.shape[0]) if self.parallel is None or off is not None else None
         # The decode kernel's routing and sort in one kernel (not under `parallel`'s shard_map, which renumbers
         # the experts of each rank).
         sort = None
@@ -679,6 +682,7 @@ class MoE(nnx.Module):
             impl == "decode"
             and (self.parallel is None or off is not None)
             and not moe_route_problems(x_TD.shape[0], E, RouteSpec.from_config(self.cfg))
+            and moe_route_is_fast(x_TD.shape[0], E)
         ):
             r, sort = self.gate.decode(x_TD, decode_impl)
         else:

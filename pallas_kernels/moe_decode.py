@@ -52,6 +52,10 @@ from pallas_kernels.fp8_gemm.reference import dequantize_blocks
 from pallas_kernels.fp8_matvec import CONVERTS, FP8_DTYPE, prepare_rows, to_compute
 
 ROW_TILE = 16  # rows a tile: the smallest M of a tensor-core dot
+# Tokens up to which the shared experts ride in the routed launches: their programs read the weights once a 16-row
+# tile, so past one tile they outlast the routed programs (V2-Lite on an H200, gate/up of a step: 5.2 / 7.9 ms at
+# B = 32 / 128 with them against 4.6 / 5.6 ms without; docs/PERFORMANCE.md, "MoE decode kernel").
+SHARED_MAX_ROWS = ROW_TILE
 
 
 @dataclasses.dataclass(frozen=True)

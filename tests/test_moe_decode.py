@@ -18,6 +18,7 @@ import pytest
 from models import moe as moe_mod
 from models.moe import MoE, moe_dense_reference, moe_grouped, resolve_moe_impl
 from pallas_kernels.moe_decode import (
+    SHARED_MAX_ROWS,
     MoeDecodeConfig,
     SharedExperts,
     fp8_default_config,
@@ -472,14 +473,16 @@ def test_moe_layer_with_fused_shared_experts_equals_the_unfused_layer(monkeypatc
             lin.kernel = nnx.Param(jnp.asarray(rng.standard_normal((3,) + k.shape) * 0.05, jnp.bfloat16))
     x = jax.random.normal(jax.random.key(7), (1, 3, cfg.hidden_size), jnp.bfloat16)
     st = Stacked(jnp.int32(1), "interpret")
-    assert m._decode_shared("decode", st) is not None
+    assert m._decode_shared("decode", st, 1) is not None
+    # past one row tile the shared experts run apart (their programs would re-read the weights a tile)
+    assert m._decode_shared("decode", st, SHARED_MAX_ROWS + 1) is None
 
     calls = []
     mlp_call = MLP.__call__
     monkeypatch.setattr(MLP, "__call__", lambda self, *a: calls.append(1) or mlp_call(self, *a))
     fused = m(x, stacked=st)
     assert not calls, "the fused call ran the shared MLP too"
-    monkeypatch.setattr(MoE, "_decode_shared", lambda self, impl, stacked: None)
+    monkeypatch.setattr(MoE, "_decode_shared", lambda self, impl, stacked, rows: None)
     apart = m(x, stacked=st)
     assert calls
     assert fused.dtype == apart.dtype == jnp.bfloat16
