@@ -7,8 +7,8 @@ backend, `models.deepseek` passes the projections named in `STACKED_PROJECTIONS`
 stack in place with `pallas_kernels.stacked_matmul`. FP8 projections (`mla_jax.fp8_weights.Fp8Linear`) go the
 same way: their e4m3 weights [L, N, K] and scales [L, nb, kb] pass whole and `pallas_kernels.fp8_matvec` reads
 the layer's in place. MLA's `wkv_b` (`HEAD_PROJECTIONS`) passes whole too, read per head by
-`pallas_kernels.stacked_matmul.stacked_head_matmul` in the absorbed products. A projection whose weights are 2-D (a layer of its own, or one the kernel does not serve)
-is applied as the module it is.
+`pallas_kernels.stacked_matmul.stacked_head_matmul` in the absorbed products. A projection whose weights are
+2-D (a layer of its own, or one the kernel does not serve) is applied as the module it is.
 """
 
 from __future__ import annotations
