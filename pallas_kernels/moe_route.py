@@ -40,10 +40,10 @@ from pallas_kernels import backend
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
 MAX_TILE = 16384  # elements of the kernel's [T, E] tiles (T, E padded to powers of two): 64 tokens of 256 experts
-# The tiles up to which one program's routing beat XLA's sorts on an H200 (V2-Lite, 64 experts: 3.6 us a layer at
-# T = 1 against ~13 small kernels; 7.4 us at T = 32 and 28.6 us at T = 128, where the sorts' few kernels win):
-# `models.moe` takes the kernel up to here.
-FAST_TILE = 1024
+# The tiles up to which one program's routing beat XLA's sorts in a whole decode step on an H200 (V2-Lite, 64 experts:
+# 3.7 us a layer at T = 1 against ~13 small kernels; T = 32 10.85 against 11.05 ms a step; T = 128, 28.7 us a layer,
+# 14.46 against 14.23 ms): `models.moe` takes the kernel up to here (32 tokens of 64 experts, 8 of 256).
+FAST_TILE = 2048
 
 
 def moe_route_is_fast(T: int, E: int) -> bool:

@@ -13,10 +13,12 @@ from mla_jax.linear import Stacked
 from models import moe as moe_mod
 from models.moe import MoE
 from pallas_kernels.moe_route import (
+    FAST_TILE,
     MAX_TILE,
     DecodeRoute,
     RouteSpec,
     moe_route,
+    moe_route_is_fast,
     moe_route_problems,
     moe_route_reference,
     route_reference,
@@ -245,6 +247,25 @@ def test_moe_decode_path_with_moe_route_equals_the_path_without(kind, monkeypatc
     assert len(calls) == 1
     np.testing.assert_array_equal(np.asarray(r.indices), np.asarray(r0.indices))
     chex.assert_trees_all_close((y, r.weights, r.scores), (y0, r0.weights, r0.scores), rtol=1e-6, atol=1e-6)
+
+
+def test_the_layer_routes_by_kernel_only_up_to_the_measured_tile(monkeypatch):
+    """`MoE` takes the routing kernel while [T, E] fits `FAST_TILE` (where an H200 measured it faster than XLA's
+    sorts) and sorts with XLA past it (catches the measured limit dropped: B = 128 steps 1.6 % slower)."""
+    cfg = ModelConfig.tiny().replace(
+        n_routed_experts=16, num_experts_per_tok=4, hidden_size=128, moe_intermediate_size=64
+    )
+    m = MoE(cfg, rngs=nnx.Rngs(0), impl="decode")
+    stacked = Stacked(jnp.int32(0), "interpret")
+    calls = []
+    monkeypatch.setattr(
+        moe_mod, "moe_route", lambda *a, **k: calls.append(a[0].shape) or moe_route_reference(*a[:2], spec=k["spec"])
+    )
+    last_fast = FAST_TILE // 16
+    for T in (1, last_fast, last_fast + 1):
+        jax.eval_shape(lambda x: m(x, stacked=stacked), jax.ShapeDtypeStruct((T, 128), jnp.float32))
+    assert calls == [(1, 16), (last_fast, 16)]
+    assert moe_route_is_fast(32, 64) and not moe_route_is_fast(33, 64) and moe_route_is_fast(8, 256)
 
 
 def test_moe_decode_takes_the_starts_it_is_given():
