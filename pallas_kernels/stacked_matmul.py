@@ -81,15 +81,19 @@ def _block_m(M: int) -> int:
     return max(16, 1 << (M - 1).bit_length())
 
 
-def _split_k(M: int, K: int, N: int, config: StackedMatmulConfig) -> int:
+def _split(steps: int, programs: int, config: StackedMatmulConfig) -> int:
+    """Programs along K for a call of `programs` output tiles whose contraction is `steps` chunks: the config's
+    `split_k`, else the largest power of two dividing `steps` that keeps the call within `TARGET_PROGRAMS`."""
     if config.split_k is not None:
         return config.split_k
-    steps = K // config.block_k
-    programs = pl.cdiv(M, _block_m(M)) * (N // config.block_n)
     s = 1
-    while s * 2 <= steps and steps % (s * 2) == 0 and programs * s * 2 <= TARGET_PROGRAMS:
+    while steps % (s * 2) == 0 and programs * s * 2 <= TARGET_PROGRAMS:
         s *= 2
     return s
+
+
+def _split_k(M: int, K: int, N: int, config: StackedMatmulConfig) -> int:
+    return _split(K // config.block_k, pl.cdiv(M, _block_m(M)) * (N // config.block_n), config)
 
 
 def stacked_matmul_reference(x_MK, w_LKN, layer):
@@ -176,6 +180,9 @@ def stacked_head_matmul_problems(M: int, H: int, K: int, N: int, config: Stacked
         b = min(block, dim)
         if dim % b or b < 16 or b & (b - 1):
             out.append(f"{name} = {dim} is not a multiple of the block {block} (nor a power of two >= 16 below it)")
+    steps = K // min(config.block_k, K)
+    if config.split_k is not None and K % min(config.block_k, K) == 0 and steps % config.split_k:
+        out.append(f"split_k = {config.split_k} does not divide K / block_k = {steps}")
     return out
 
 
@@ -262,10 +269,8 @@ def stacked_head_matmul(
         )
     bm = _block_m(M)
     bk, bn = min(config.block_k, K), min(config.block_n, N)
-    steps, programs = K // bk, H * (N // bn)
-    split = config.split_k or 1
-    while config.split_k is None and steps % (split * 2) == 0 and programs * split * 2 <= TARGET_PROGRAMS:
-        split *= 2
+    steps = K // bk
+    split = _split(steps, H * (N // bn), config)
     x = jnp.pad(x_MHK, ((0, bm - M), (0, 0), (0, 0))).reshape(bm, H * K)
     partials = pl.pallas_call(
         functools.partial(

@@ -92,6 +92,10 @@ def test_head_matmul_limits_are_one_line_each():
         "M = 129 rows is more than the 128 a decode-shaped call takes",
         "K = 24 is not a multiple of the block 64 (nor a power of two >= 16 below it)",
     ]
+    # a split that does not divide the contraction's chunks would drop the last ones: refused, not summed short
+    assert stacked_head_matmul_problems(1, 16, 128, 512, StackedMatmulConfig(block_n=64, block_k=32, split_k=3)) == [
+        "split_k = 3 does not divide K / block_k = 4"
+    ]
     w = jnp.zeros((2, 64, 4 * 48), jnp.float32)
     with pytest.raises(ValueError, match=r"^col_offset \+ K = 64 is more than the head's P = 48 columns$"):
         stacked_head_matmul(jnp.zeros((1, 4, 32)), w, 0, col_offset=32, contract_rows=False, impl="interpret")
