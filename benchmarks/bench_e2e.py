@@ -414,7 +414,8 @@ def parser() -> argparse.ArgumentParser:
         "--prefill-chunk",
         type=int,
         default=0,
-        help="prompt tokens a row prefills per step (0: the engine's default, models.engine.default_prefill_chunk)",
+        help="prompt tokens a row prefills per step (0: the engine default, models.serving.engine."
+        "default_prefill_chunk)",
     )
     p.add_argument(
         "--decode-steps", type=int, default=1, help="the engine's decode_steps: model steps a device call runs"

@@ -86,7 +86,7 @@ from benchmarks.bench_mla_decode import decode_config
 from benchmarks.e2e_cells import common_prefix
 from benchmarks.e2e_models import build_model, kv_dtype_arg, model_config
 from models import DeepSeekModel, Engine, compile_cache
-from models.engine import PREFILL_BUDGET, trace_counts
+from models.serving.engine import PREFILL_BUDGET, trace_counts
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

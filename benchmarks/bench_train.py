@@ -1,5 +1,5 @@
 """Training-step benchmark: one cell (model, B x T tokens a step, remat policy, CE chunk, MoE impl) through the
-step `mla-train` uses (`models.training.make_train_step`, the AdamW of `models.trainer.make_optimizer`).
+step `mla-train` uses (`models.training.step.make_train_step`, the AdamW of `models.training.loop.make_optimizer`).
 
 Usage: ``python -m benchmarks train [--model v2-lite] [--layers 4] [--batch 1] [--seq 4096] [--remat none]
 [--ce-chunk 0] [--moe-impl auto] [--steps 5] [--out DIR]`` (``--help`` for every option; ``--model tiny
@@ -48,8 +48,8 @@ from mla_jax.attention import DECOMPRESSED_IMPLS, resolve_decompressed_impl
 from models import DeepSeekModel
 from models.deepseek import REMAT_POLICIES
 from models.moe import MOE_TRAINING_IMPLS, resolve_moe_impl
-from models.trainer import TrainSettings, make_optimizer
-from models.training import TrainConfig, init_train_state, make_train_step
+from models.training.loop import TrainSettings, make_optimizer
+from models.training.step import TrainConfig, init_train_state, make_train_step
 
 MODELS = ("v2-lite", "builtin", "tiny")
 H200_BF16_TFLOPS = 790.0

@@ -160,7 +160,7 @@ def kv_dtype_arg(name: str):
 
 def kv_pages(cfg, batch: int, prompt: int, new_tokens: int) -> int:
     """Pages of a pool that holds every row's prompt + new tokens (+ the engine's draft room with an MTP head)."""
-    draft = 3 if cfg.num_mtp_layers else 0  # models.engine.MAX_DRAFT_TOKENS: room the engine keeps
+    draft = 3 if cfg.num_mtp_layers else 0  # models.serving.engine.MAX_DRAFT_TOKENS: room the engine keeps
     plan = plan_kv_cache(cfg, context_len=prompt + new_tokens, num_sequences=batch, page_size=PAGE, draft_tokens=draft)
     return batch * plan.pages_per_sequence
 

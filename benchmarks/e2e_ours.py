@@ -46,7 +46,7 @@ from benchmarks.e2e_models import (
 from benchmarks.e2e_report import summary
 from mla_jax.sharding import make_mesh
 from models import Engine, SamplingParams, compile_cache
-from models.engine import trace_counts
+from models.serving.engine import trace_counts
 
 EXIT_NO_GPU = 3  # a worker's exit status when it needs a GPU and has none
 

@@ -22,14 +22,14 @@ Fully sharded data parallelism (FSDP, ZeRO-3; `fsdp=True` of `spec_for`, `model_
 the rules leave unsharded and that the batch's mesh axes (`rules["batch"]`: `data`) divide is sharded over
 them (ties: the first such dim; never the stacked layer axis, which the scan slices one layer at a time;
 a variable with no such dim stays as the rules place it). The optimizer state follows the parameters
-(`models.training.init_train_state`), so a weight, its gradient and its AdamW moments each take 1/data of
+(`models.training.step.init_train_state`), so a weight, its gradient and its AdamW moments each take 1/data of
 the memory the rules alone give them; under `jax.jit` GSPMD gathers each weight where it is used.
 
     mesh = make_mesh(data=1, expert=2, tensor=2)
     model = shard_model(model, mesh)              # a new model; the argument is left as it was
     model = shard_model(model, mesh, fsdp=True)   # for training: and each variable over `data` (FSDP)
     ids = shard_batch(ids, mesh)
-    engine = Engine(model, mesh=mesh, ...)        # models.engine: the page pools replicated on the mesh
+    engine = Engine(model, mesh=mesh, ...)        # models.serving.engine: the page pools replicated on the mesh
                                                   # (with data > 1: a pool per data rank, split over data)
 
 Under `jax.jit` GSPMD partitions the rest (the forward, the training step, the engine's steps); no

@@ -28,14 +28,14 @@ from models.mtp import MTP
 from models.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 _LAZY = {
-    "TrainConfig": "models.training",
-    "loss_fn": "models.training",
-    "make_train_step": "models.training",
-    "init_train_state": "models.training",
-    "router_bias_update": "models.training",
-    "Engine": "models.engine",
-    "GenerationResult": "models.engine",
-    "SamplingParams": "models.sampling",
+    "TrainConfig": "models.training.step",
+    "loss_fn": "models.training.step",
+    "make_train_step": "models.training.step",
+    "init_train_state": "models.training.step",
+    "router_bias_update": "models.training.step",
+    "Engine": "models.serving.engine",
+    "GenerationResult": "models.serving.engine",
+    "SamplingParams": "models.serving.sampling",
 }
 
 

@@ -40,7 +40,7 @@ class ModelOutput(NamedTuple):
     mtp_hidden tuple over MTP depth k of [B, T-1-k, D]: what the LM head reads for depth k
                (`shared_head_norm` of the block's output)
     With `forward(..., head=False)` logits is None and mtp_logits empty: a loss that applies the LM
-    head itself, in chunks of tokens, reads `hidden` and `mtp_hidden` (`models.training`).
+    head itself, in chunks of tokens, reads `hidden` and `mtp_hidden` (`models.training.step`).
     """
 
     logits: jax.Array | None

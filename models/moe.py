@@ -72,7 +72,7 @@ class RouterBias(nnx.Variable):
     """The aux-loss-free load-balancing bias (HF `e_score_correction_bias`), fp32 [E].
 
     Not an `nnx.Param`: it only enters a top-k, so no gradient reaches it; it is changed by
-    `models.training.router_bias_update` outside the optimizer.
+    `models.training.step.router_bias_update` outside the optimizer.
     """
 
 

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models import Engine, SamplingParams, load_hf_checkpoint  # noqa: E402
 from models.builtin import BUILTIN_DIR  # noqa: E402
 from models.tokenizer import load_tokenizer  # noqa: E402
-from models.trainer import DEFAULT_CORPUS, split_corpus  # noqa: E402
+from models.training.loop import DEFAULT_CORPUS, split_corpus  # noqa: E402
 
 
 def main(argv=None) -> int:

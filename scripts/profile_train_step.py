@@ -86,8 +86,8 @@ def profile_cell(spec: str, args) -> dict:
 
     sys.path.insert(0, ".")
     import benchmarks.bench_train as bt
-    from models.trainer import TrainSettings, make_optimizer
-    from models.training import TrainConfig, make_train_step
+    from models.training.loop import TrainSettings, make_optimizer
+    from models.training.step import TrainConfig, make_train_step
 
     B, T, remat, chunk, qb, impl = parse_cell(spec)
     cfg = bt.model_config(args.model, args.layers)

@@ -5,7 +5,7 @@ rest of the suite keeps its one device).
 For each mesh in MESHES it shards a micro model (`mla_jax.sharding.shard_model`) and an input batch
 (`shard_batch`), runs the same jitted forward (logits and MTP logits), on EAGER_MESHES the same forward
 eagerly (`model(ids, with_mtp=True)`, no jit: the MTP layer's MoE then runs outside any trace) and, for
-the meshes in TRAIN_MESHES, one training step (`models.training.make_train_step`, AdamW), and prints one JSON line
+the meshes in TRAIN_MESHES, one training step (`models.training.step.make_train_step`, AdamW), and prints one JSON line
 a mesh: the largest differences from the single-device run and the shard shapes of a few
 parameters as `addressable_shards` hold them. On FSDP_MESH it also runs the step of fully sharded
 data parallelism (`shard_model(..., fsdp=True)`, the state's shardings pinned). The tests assert on
@@ -51,10 +51,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mla_jax.capacity import plan_kv_cache  # noqa: E402
 from mla_jax.sharding import make_mesh, shard_batch, shard_model  # noqa: E402
 from models import DeepSeekModel  # noqa: E402
-from models.engine import Engine  # noqa: E402
-from models.sampling import SamplingParams  # noqa: E402
-from models.trainer import checkpoint_manager, restore_checkpoint, save_checkpoint  # noqa: E402
-from models.training import TrainConfig, init_train_state, make_train_step  # noqa: E402
+from models.serving.engine import Engine  # noqa: E402
+from models.serving.sampling import SamplingParams  # noqa: E402
+from models.training.loop import checkpoint_manager, restore_checkpoint, save_checkpoint  # noqa: E402
+from models.training.step import TrainConfig, init_train_state, make_train_step  # noqa: E402
 from tests.micro_configs import MICRO_V3  # noqa: E402
 
 # Eight heads and eight experts, so that tensor=8 and expert=8 still give every device whole heads and

@@ -306,7 +306,7 @@ def test_page_format_errors(call, match):
 def test_generate_attention_impl_kernel_without_a_gpu_says_so(capsys):
     """`mla-generate --attention-impl kernel` on a CPU: one line naming the flag and "no Hopper GPU" (it never
     said so; the kernels were tried and failed far from the flag)."""
-    from models.generate_cli import main
+    from models.serving.cli import main
 
     line = _one_line_exit_2(main, ["--attention-impl", "kernel", "--max-new-tokens", "2"], capsys, "mla-generate")
     assert line.startswith(
@@ -316,7 +316,7 @@ def test_generate_attention_impl_kernel_without_a_gpu_says_so(capsys):
 
 def test_generate_kv_dtype_fp8_on_a_narrow_latent(tmp_path, capsys):
     """`mla-generate --kv-dtype fp8` on a checkpoint whose kv_lora_rank (32) fp8 pages cannot hold."""
-    from models.generate_cli import main
+    from models.serving.cli import main
 
     fixture = os.path.join(os.path.dirname(__file__), "fixtures", "hf_v3_tiny")
     for name in os.listdir(fixture):
@@ -399,7 +399,7 @@ def test_bench_train_flags(argv, tail, capsys):
 
 
 # ------------------------------------------------------------------------------------------------
-# Sampling: tiny temperatures and non-finite logits (models.sampling)
+# Sampling: tiny temperatures and non-finite logits (models.serving.sampling)
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("filtered", [False, True], ids=["random", "filtered"])
 @pytest.mark.parametrize(
@@ -413,7 +413,7 @@ def test_bench_train_flags(argv, tail, capsys):
     ],
 )
 def test_sampling_tiny_temperature_is_greedy_and_finite(temperature, filtered):
-    from models.sampling import SamplingArrays, SamplingParams, filtered_probs, row_keys, sample_from_probs
+    from models.serving.sampling import SamplingArrays, SamplingParams, filtered_probs, row_keys, sample_from_probs
 
     logits = jax.random.normal(jax.random.PRNGKey(0), (4, 300), jnp.float32) * jnp.asarray(
         [[1.0], [30.0], [1e3], [1e-3]]
@@ -429,7 +429,7 @@ def test_sampling_tiny_temperature_is_greedy_and_finite(temperature, filtered):
 
 def test_sampling_finite_rows_flags_nan_and_inf():
     """NaN weights gave NaN logits, and the sampler turned them into token 0 (a NUL byte)."""
-    from models.sampling import NonFiniteLogitsError, check_finite_rows, finite_rows
+    from models.serving.sampling import NonFiniteLogitsError, check_finite_rows, finite_rows
 
     x = np.zeros((5, 8), np.float32)
     x[1, 3] = np.nan
@@ -1092,7 +1092,7 @@ BAD_CHECKPOINTS = [
 @pytest.mark.parametrize("corrupt,match", BAD_CHECKPOINTS)
 def test_generate_cli_bad_checkpoint(tmp_path, capsys, corrupt, match):
     """mla-generate --checkpoint DIR: one line naming the file, exit 2; the directory is left as it was."""
-    from models.generate_cli import main
+    from models.serving.cli import main
 
     d = _byte_checkpoint(tmp_path)
     corrupt(d)
@@ -1139,7 +1139,7 @@ def test_generate_cli_bad_checkpoint(tmp_path, capsys, corrupt, match):
 def test_generate_cli_mesh_spec(spec, match, capsys):
     """`mla-generate --mesh SPEC`: a spec that names no mesh this process can build is one line, before the
     model loads."""
-    from models.generate_cli import main
+    from models.serving.cli import main
 
     line = _one_line_exit_2(main, ["--mesh", spec, "--max-new-tokens", "1", "--no-warmup"], capsys, "mla-generate")
     assert re.search("^mla-generate: error: " + match + "$", line), line
@@ -1147,7 +1147,7 @@ def test_generate_cli_mesh_spec(spec, match, capsys):
 
 def test_generate_cli_tiny_temperature_is_greedy(capsys):
     """`mla-generate --temperature 1e-10` printed NUL bytes (NaN probabilities) and exited 0."""
-    from models.generate_cli import main
+    from models.serving.cli import main
 
     texts = []
     for t in ("1e-10", "0"):
@@ -1159,7 +1159,7 @@ def test_generate_cli_tiny_temperature_is_greedy(capsys):
 def test_generate_cli_non_utf8_prompt_is_one_line(capsys):
     """A non-UTF-8 --prompt (bytes 0xff on the command line arrive as U+DCFF) gave UnicodeEncodeError's
     message (byte tokenizer) or a TypeError traceback (tokenizer.json)."""
-    from models.generate_cli import main
+    from models.serving.cli import main
 
     line = _one_line_exit_2(
         main, ["--prompt", "ab\udcff", "--max-new-tokens", "1", "--no-warmup"], capsys, "mla-generate"
@@ -1168,7 +1168,7 @@ def test_generate_cli_non_utf8_prompt_is_one_line(capsys):
 
 
 def test_generate_cli_non_utf8_prompt_names_the_flag(capsys):
-    from models.generate_cli import main
+    from models.serving.cli import main
 
     line = _one_line_exit_2(
         main, ["--prompt", "ab\udcff", "--max-new-tokens", "1", "--no-warmup"], capsys, "mla-generate"
@@ -1179,7 +1179,7 @@ def test_generate_cli_non_utf8_prompt_names_the_flag(capsys):
 def test_generate_cli_nan_weights(tmp_path, capsys):
     """NaN weights: the sampler drew token 0 from NaN logits, printing NUL bytes, exit 0."""
     from models.checkpoint import read_safetensors, write_safetensors
-    from models.generate_cli import main
+    from models.serving.cli import main
 
     d = _byte_checkpoint(tmp_path)
     tensors = {k: np.array(v) for k, v in read_safetensors(str(d / "model.safetensors")).items()}
@@ -1230,7 +1230,7 @@ def test_capacity_cli_bad_config(tmp_path, capsys, text, match):
     "argv,match",
     [
         pytest.param(
-            ["-m", "models.generate_cli", b"--prompt", b"\xff", "--max-new-tokens", "1", "--no-warmup"],
+            ["-m", "models.serving.cli", b"--prompt", b"\xff", "--max-new-tokens", "1", "--no-warmup"],
             "the byte 0xff, which is not UTF-8",
             id="generate-non-utf8-argv",
         ),
@@ -1273,7 +1273,7 @@ def test_capacity_cli_closed_stdout():
 @pytest.mark.xla_optimized
 def test_generate_cli_says_when_the_context_limit_ends_the_text(capsys):
     """A 2047-token prompt with 96 new tokens stopped after 2 tokens without a word."""
-    from models.generate_cli import main
+    from models.serving.cli import main
 
     assert main(["--prompt", "a" * 2046, "--max-new-tokens", "96", "--no-warmup"]) == 0  # + BOS = 2047 tokens
     _, err = capsys.readouterr()

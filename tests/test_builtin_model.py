@@ -28,7 +28,7 @@ from mla_jax import ModelConfig
 from models import load_hf_checkpoint
 from models.builtin import BUILTIN_DIR, BUILTIN_PROMPT
 from models.tokenizer import ByteTokenizer, load_tokenizer
-from models.trainer import DEFAULT_CORPUS, eval_windows, split_corpus, token_stream
+from models.training.loop import DEFAULT_CORPUS, eval_windows, split_corpus, token_stream
 
 SEQ_LEN, WINDOWS = 2048, 2  # 4094 predicted tokens (8 windows cost 3x the CPU time and moved no figure by 0.01)
 # Measured with `_heldout_losses` on the shipped model (CPU, fp32), over the first 2 windows: main CE
@@ -78,7 +78,7 @@ def test_files_and_config(builtin):
         "max_position_embeddings",
     ):
         assert getattr(model.cfg, field) == getattr(want, field), field
-    from models.engine import kernel_problems
+    from models.serving.engine import kernel_problems
 
     assert kernel_problems(model.cfg, 64, "bf16") == []  # mla-generate on a Hopper GPU runs the kernels
     # the router biases were trained by the aux-loss-free rule (they start at 0)

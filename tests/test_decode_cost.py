@@ -16,8 +16,8 @@ import pytest
 from mla_jax.kv_cache import KVCache
 from models import Engine, load_hf_checkpoint
 from models.builtin import BUILTIN_DIR
-from models.sampling import SamplingArrays, SamplingParams
-from models.steps import StepInputs, new_lane
+from models.serving.sampling import SamplingArrays, SamplingParams
+from models.serving.steps import StepInputs, new_lane
 from tests import hlo
 
 
@@ -87,7 +87,7 @@ def test_decode_step_time_follows_the_tokens_not_the_pool(builtin):
 
 @pytest.mark.parametrize("sampler", ["greedy", "filtered"])
 def test_decode_loop_program_has_static_loops_no_conditional_and_no_big_copy(builtin, sampler):
-    """The compiled multi-step decode program (`models.steps.decode_call`, 8 steps): every while loop has a
+    """The compiled multi-step decode program (`models.serving.steps.decode_call`, 8 steps): every while loop has a
     trip count known at compile time (XLA's GPU while thunk copies the predicate of any other to the host on
     every iteration, blocking the launch stream), no conditional (its predicate goes to the host too), and
     no copy over 1 MB (the pools were copied at every layer; the weights must be read where they are)."""
@@ -113,7 +113,7 @@ def test_decode_loop_program_has_static_loops_no_conditional_and_no_big_copy(bui
 
 
 def test_verify_loop_program_has_static_loops_no_conditional_and_no_big_copy(builtin):
-    """The compiled MTP verify call (`models.steps.verify_call`, 4 verify steps of one draft): as the decode
+    """The compiled MTP verify call (`models.serving.steps.verify_call`, 4 verify steps of one draft): as the decode
     loop above, no host round trip (a while loop of unknown trip count, a conditional) and no copy over 1 MB.
     Catches: the verify loop written as a while loop over a device predicate (rows done), which would read
     the predicate back to the host every verify step and break the lane's overlap."""

@@ -1,6 +1,6 @@
 """Two processes on 127.0.0.1 joined into one JAX runtime by `models.distributed` from mla-train's own flags
 (`--coordinator --num-processes --process-id`): one CPU device each, a mesh over both, a batch split
-across them as `mla-train --mesh` splits it, and `models.trainer.host_array` gathering it back (what
+across them as `mla-train --mesh` splits it, and `models.training.loop.host_array` gathering it back (what
 the checkpoints' checksums and the export read). The flag checks and the call itself are tested in
 tests/test_train_cli.py and tests/test_generate_cli.py."""
 
@@ -17,12 +17,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = """
 import json, sys
 from models import distributed
-from models.train_cli import build_parser
+from models.training.cli import build_parser
 distributed.initialize(build_parser().parse_args(sys.argv[1:]))   # before any other use of jax
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from mla_jax.sharding import make_mesh, shard_batch
-from models.trainer import host_array
+from models.training.loop import host_array
 mesh = make_mesh(data=2)
 ids = shard_batch(np.arange(8, dtype=np.int32).reshape(4, 2), mesh)
 total = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, PartitionSpec()))(ids)

@@ -21,8 +21,8 @@ from mla_jax import ModelConfig
 from mla_jax.attention import with_decode_plan
 from mla_jax.kv_cache import CacheFullError, KVCache, write_latents
 from models import DeepSeekModel
-from models.engine import Engine, GenerationResult, trace_counts
-from models.sampling import SamplingParams
+from models.serving.engine import Engine, GenerationResult, trace_counts
+from models.serving.sampling import SamplingParams
 from pallas_kernels.mla_decode import (
     SCHEDULE_SCOPE,
     AutoSchedule,
@@ -271,7 +271,7 @@ def test_cancel_while_iterating_ends_the_iterator_at_once(model):
 
 
 def test_mtp_verify_loop_equals_plain_greedy_and_warm_up_covers_it(spec_model):
-    """MTP with 2 drafts a step and 3 verify steps a device call (`models.steps.verify_call`: positions,
+    """MTP with 2 drafts a step and 3 verify steps a device call (`models.serving.steps.verify_call`: positions,
     lengths and the drafts verified found on the device), overlapped, after `warm_up(use_mtp=True)`: the tokens
     of plain greedy (with a stop id ending one request early and length budgets that end others mid-call), no
     compilation, every page back. Catches: a verify step past a row's budget or context (end_B), a draft
@@ -534,7 +534,7 @@ def test_admission_goes_to_a_data_rank_with_pages():
     import types
 
     from mla_jax.kv_cache import PagedLatentCache
-    from models.engine import _Generation
+    from models.serving.engine import _Generation
 
     cache = PagedLatentCache(
         num_layers=1,
@@ -734,7 +734,7 @@ def test_auto_decode_config_is_chosen_on_the_host_each_step(model, monkeypatch):
     conditional cost 3-16 µs a kernel call on the H200): four equal rows decode per sequence; a 2-token prompt
     beside a 40-token one (1 and 10 pages of 4) decodes in pieces. Catches the engine passing "auto" through and
     a choice from stale or other rows' lengths, and a prefill step that compiles twice."""
-    import models.scheduler as scheduler
+    import models.serving.scheduler as scheduler
 
     real, seen = scheduler.step_decode_config, []
 
@@ -1040,7 +1040,7 @@ def test_engine_kv_dtype_names_and_errors(model):
     assert fp4.cache.page_format.name == "fp4" and fp4.cache.pages.shape[-2:] == (4, 32 + 4 + 32)
     with pytest.raises(ValueError, match="page format 'fp6' is unknown"):
         Engine(model, **{**STD, "kv_dtype": "fp6"})
-    from models.engine import kernel_problems
+    from models.serving.engine import kernel_problems
     from pallas_kernels import BF16_PAGES, FP8_PAGES, mla_decode_problems
 
     # the kernels' own limits decide: the decode kernel reads fp8 pages of the 512 + 64 latent
@@ -1096,8 +1096,8 @@ def test_prefill_mtp_state_equals_the_uncached_mtp_forward(model):
     distribution is the uncached MTP forward over the prompt's pairs and (h_{n-1}, t_n). Guards
     against the pairs shifted by one (then the draft attends over wrong rows; greedy output would
     not show it, only the acceptance rate would drop)."""
-    from models.sampling import SamplingArrays
-    from models.steps import StepInputs
+    from models.serving.sampling import SamplingArrays
+    from models.serving.steps import StepInputs
 
     e = Engine(model, page_size=4, num_pages=16, max_batch=1, kv_dtype=jnp.float32)
     prompt = _prompts(21, [11])[0]
@@ -1210,7 +1210,7 @@ def test_default_prefill_chunk_rule(model):
     reference backend); with the flash prefill a 16384-token step budget over max_batch rows, a power of two
     in [512, 8192]. Catches the flash chunk given to the jnp attention (its fp32 scores grow with T x S) and
     the budget dropped (B=8 x 8192-token chunks: 65536 tokens a step)."""
-    from models.engine import default_prefill_chunk
+    from models.serving.engine import default_prefill_chunk
 
     assert [default_prefill_chunk(True, b) for b in (1, 2, 3, 8, 32, 64)] == [8192, 8192, 4096, 2048, 512, 512]
     assert default_prefill_chunk(False, 1) == 512

@@ -309,7 +309,7 @@ def test_train_step_with_mgpu_attention_cross_lowers(monkeypatch):
     import mla_jax.attention as attention
     from mla_jax.config import ModelConfig
     from models.deepseek import DeepSeekModel
-    from models.training import TrainConfig, loss_fn
+    from models.training.step import TrainConfig, loss_fn
 
     original = attention._mgpu_causal_attention
     monkeypatch.setattr(attention, "_mgpu_causal_attention", lambda *a: original(*a, kernel_impl="kernel"))

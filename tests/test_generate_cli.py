@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from models.generate_cli import format_stats, main
+from models.serving.cli import format_stats, main
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_v3_tiny")
 
@@ -183,7 +183,7 @@ def test_distributed_flags_and_environment(capsys, monkeypatch):
 
 def _interrupt_the_stream(monkeypatch):
     """Ctrl-C after the third generated token (the KeyboardInterrupt Python raises for SIGINT)."""
-    from models import generate_cli
+    from models.serving import cli as generate_cli
 
     real = generate_cli._TextStream.__call__
 
@@ -201,7 +201,7 @@ def _interrupt_the_load(monkeypatch):
     def load(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("models.generate_cli._load", load)
+    monkeypatch.setattr("models.serving.cli._load", load)
 
 
 @pytest.mark.parametrize(

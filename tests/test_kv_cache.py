@@ -138,7 +138,7 @@ def test_engine_pool_equals_the_planner(mtp_layers, max_batch, max_context, page
     from flax import nnx
 
     from models import DeepSeekModel
-    from models.engine import Engine
+    from models.serving.engine import Engine
 
     cfg = ModelConfig.tiny().replace(num_hidden_layers=2, num_mtp_layers=mtp_layers)
     model = nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0)))  # the pool needs no weights
@@ -304,7 +304,7 @@ def test_fp8_engine_pool_equals_the_planner(mtp_layers):
     from flax import nnx
 
     from models import DeepSeekModel
-    from models.engine import Engine
+    from models.serving.engine import Engine
 
     cfg = ModelConfig.tiny().replace(
         num_hidden_layers=2, num_mtp_layers=mtp_layers, kv_lora_rank=512, qk_rope_head_dim=64

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.sampling import (
+from models.serving.sampling import (
     SamplingArrays,
     SamplingParams,
     filtered_probs,

@@ -15,9 +15,9 @@ from micro_configs import narrow_v2_lite
 
 from mla_jax.kv_cache import KVCache
 from models import DeepSeekModel
-from models.engine import Engine
-from models.sampling import SamplingArrays, SamplingParams
-from models.steps import StepInputs, new_lane
+from models.serving.engine import Engine
+from models.serving.sampling import SamplingArrays, SamplingParams
+from models.serving.steps import StepInputs, new_lane
 from tests import hlo as hlo_text
 
 B, P = 2, 4

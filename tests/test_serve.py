@@ -20,7 +20,7 @@ from flax import nnx
 from benchmarks import bench_serve
 from mla_jax import ModelConfig
 from models import DeepSeekModel
-from models.engine import Engine, RequestHandle, trace_counts
+from models.serving.engine import Engine, RequestHandle, trace_counts
 
 TINY_ARGS = ["--config", "tiny"]
 

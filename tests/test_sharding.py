@@ -431,7 +431,7 @@ def test_batch_not_divisible_by_data(cases):
     ),
 )
 def test_train_step_equals_one_device(cases, mesh):
-    """One AdamW step (eps = 1: near SGD, see sharding_cases.TX; models.training's step: loss, MTP loss,
+    """One AdamW step (eps = 1: near SGD, see sharding_cases.TX; models.training.step's step: loss, MTP loss,
     balance loss, router-bias rule) on the sharded state and batch gives the single-device loss and
     updated variables: catches a gradient that misses its all-reduce over `data` (each half-batch's
     gradient would be applied), or a sharded parameter's gradient taken from one shard; and the step

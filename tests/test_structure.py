@@ -76,7 +76,7 @@ def test_imports_go_one_way_and_reach_no_private_module_of_another_package():
 def test_the_engine_imports_no_kernel():
     """The engine schedules; the MLA layer decides how attention reads the cache (it imported the kernels'
     limits and the private Hopper check before)."""
-    assert not [t for t, _ in GRAPH["models.engine"] if t.startswith("pallas_kernels")]
+    assert not [t for t, _ in GRAPH["models.serving.engine"] if t.startswith("pallas_kernels")]
 
 
 def test_no_import_circle():
@@ -128,10 +128,10 @@ def _choices(parser: argparse.ArgumentParser, flag: str) -> tuple:
 @pytest.mark.parametrize(
     "parser,flag,names",
     [
-        pytest.param("models.generate_cli:_build_parser", "--attention-impl", CACHE_IMPLS, id="generate-attention"),
-        pytest.param("models.generate_cli:_build_parser", "--kv-dtype", ("auto", *PAGE_FORMATS), id="generate-pages"),
-        pytest.param("models.train_cli:build_parser", "--attn-impl", DECOMPRESSED_IMPLS, id="train-attention"),
-        pytest.param("models.train_cli:build_parser", "--moe-impl", MOE_TRAINING_IMPLS, id="train-moe"),
+        pytest.param("models.serving.cli:_build_parser", "--attention-impl", CACHE_IMPLS, id="generate-attention"),
+        pytest.param("models.serving.cli:_build_parser", "--kv-dtype", ("auto", *PAGE_FORMATS), id="generate-pages"),
+        pytest.param("models.training.cli:build_parser", "--attn-impl", DECOMPRESSED_IMPLS, id="train-attention"),
+        pytest.param("models.training.cli:build_parser", "--moe-impl", MOE_TRAINING_IMPLS, id="train-moe"),
         pytest.param("benchmarks.bench_train:parser", "--attn-impl", DECOMPRESSED_IMPLS, id="bench-train-attention"),
         pytest.param("benchmarks.bench_train:parser", "--moe-impl", MOE_TRAINING_IMPLS, id="bench-train-moe"),
         pytest.param("mla_jax.capacity:_build_parser", "--kv-dtype", PAGE_FORMATS, id="capacity-pages"),

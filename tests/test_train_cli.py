@@ -18,8 +18,8 @@ import pytest
 
 from models import load_hf_checkpoint
 from models.tokenizer import ByteTokenizer, load_tokenizer
-from models.train_cli import build_parser, main, settings
-from models.trainer import (
+from models.training.cli import build_parser, main, settings
+from models.training.loop import (
     TrainerError,
     checkpoint_manager,
     initial_state,
@@ -305,7 +305,7 @@ def saved_run(tmp_path_factory):
     import jax.numpy as jnp
 
     from mla_jax import ModelConfig
-    from models.trainer import Trainer, TrainState
+    from models.training.loop import Trainer, TrainState
 
     d = tmp_path_factory.mktemp("saved")
     config = d / "config.json"
@@ -418,7 +418,7 @@ def test_undamaged_copy_restores_exactly(saved_run, tmp_path):
     latest state bit for bit (so each failure above is the damage's)."""
     import shutil
 
-    from models.trainer import Trainer
+    from models.training.loop import Trainer
 
     run, config, args, moved = saved_run
     out = tmp_path / "run"
@@ -453,7 +453,7 @@ def test_memory_estimate_counts_weights_gradients_and_adamw(monkeypatch):
     """Guards: an estimate that forgets the optimizer state or the gradients, and a check that compares
     the wrong way. The built-in model's training.json records 1,431,968 variables (fp32), of which
     32 are router biases (4 MoE blocks x 8 experts), which get no gradient and no moments."""
-    from models import train_setup as trainer  # check_memory reads available_memory there
+    from models.training import setup as trainer  # check_memory reads available_memory there
 
     cfg = load_config("tiny")
     need = trainer.training_memory(cfg, trainer.TrainSettings())
@@ -475,7 +475,7 @@ def test_memory_check_on_a_mesh_is_per_device(monkeypatch):
     device's free memory. Guards: an FSDP run refused by the whole model's figure (the model that
     needs the mesh is the one it would refuse), and a per-device figure that misses the FSDP split. On
     data=2 every variable of the tiny model has an even free dim: each figure is exactly half."""
-    from models import train_setup as trainer  # check_memory reads available_memory there
+    from models.training import setup as trainer  # check_memory reads available_memory there
 
     cfg = load_config("tiny")
     s = trainer.TrainSettings(mesh="data=2")
@@ -508,7 +508,7 @@ def test_auto_attention_picks_the_flash_kernel_only_for_bf16_on_one_hopper(monke
     """`--attn-impl auto` (the default): our Mosaic GPU flash attention for bf16 on one Hopper GPU without a
     mesh, else the jnp attention; an explicit choice is kept. Catches auto choosing the kernel in fp32, on a
     mesh or off Hopper (the trace would fail there), and the resolved choice not reaching the step's config."""
-    from models.trainer import TrainSettings, resolve_attn_impl, train_config
+    from models.training.loop import TrainSettings, resolve_attn_impl, train_config
     from pallas_kernels import backend
 
     monkeypatch.setattr(backend, "on_hopper", lambda: hopper)
@@ -527,7 +527,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _signal_after_step(monkeypatch, sig, at, times=1):
     """Trainer.step sends this process `sig` (`times` times) once it has finished step `at`."""
-    from models.trainer import Trainer
+    from models.training.loop import Trainer
 
     real_step = Trainer.step
 
@@ -599,7 +599,7 @@ def _child(code: str, args: list[str]) -> subprocess.Popen:
     """`mla-train args` in a process of its own, after `code` (test hooks); SIGINT raises KeyboardInterrupt
     there whatever the test runner did with it."""
     prelude = "import os, signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    main_call = "from models.train_cli import main; sys.exit(main(sys.argv[1:]))"
+    main_call = "from models.training.cli import main; sys.exit(main(sys.argv[1:]))"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
     return subprocess.Popen(
         [sys.executable, "-c", prelude + code + "; " + main_call, *args],
@@ -619,8 +619,9 @@ def test_ctrl_c_in_a_real_process_saves_and_exits_130(tmp_path):
     200, a false "resume from the last checkpoint", a KeyboardInterrupt traceback, and the abort "terminate
     called without an active exception" (exit 134) of an orbax thread killed mid-save."""
     out = tmp_path / "run"
+    # 0.2 s a step: the run cannot end first
     slow = (
-        "from models import trainer; step = trainer.Trainer.step; "  # 0.2 s a step: the run cannot end first
+        "from models.training import loop as trainer; step = trainer.Trainer.step; "
         "trainer.Trainer.step = lambda self, ts: (time.sleep(0.2), step(self, ts))[1]"
     )
     p = _child(slow, ["--out", str(out), "--eval-every", "0", *FAST])
@@ -652,7 +653,7 @@ def test_second_ctrl_c_during_the_save_quits_at_once(tmp_path, capfd):
     tracebacks, not "terminate called without an active exception"); the next run removes the partial save."""
     out = tmp_path / "run"
     hooks = (  # the first signal after step 1, the second once orbax's threads write its checkpoint
-        "import orbax.checkpoint as ocp; from models import trainer; pid = os.getpid(); "
+        "import orbax.checkpoint as ocp; from models.training import loop as trainer; pid = os.getpid(); "
         "step, save = trainer.Trainer.step, ocp.CheckpointManager.save; "
         "trainer.Trainer.step = lambda self, ts: (lambda r: (os.kill(pid, signal.SIGINT), r)[1])(step(self, ts)); "
         "ocp.CheckpointManager.save = lambda self, *a, **k: (save(self, *a, **k), os.kill(pid, signal.SIGINT))[0]"
@@ -759,7 +760,7 @@ def test_a_late_orbax_thread_report_after_a_failed_save_is_dropped(caplog):
     raised an exception"). After a failed save such reports are dropped; other absl records still pass."""
     import logging
 
-    from models.train_checkpoint import _OrbaxNoiseHeld
+    from models.training.checkpoints import _OrbaxNoiseHeld
 
     with pytest.raises(OSError):
         with _OrbaxNoiseHeld():
@@ -783,7 +784,7 @@ def test_short_runs_scale_their_warmup():
     """Guards: `mla-train --steps 3` refused because the warm-up defaulted to 60 steps. A warm-up left out is
     min(60, steps // 10), at least 1 and below `steps`; the default 800-step run keeps its 60; a warm-up given
     that does not fit `steps` is still refused, naming both values."""
-    from models.trainer import TrainSettings, make_optimizer
+    from models.training.loop import TrainSettings, make_optimizer
 
     for steps, want in ((1, 0), (2, 1), (3, 1), (40, 4), (800, 60), (5000, 60)):
         s = settings(build_parser().parse_args(["--steps", str(steps)]))

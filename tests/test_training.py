@@ -14,7 +14,7 @@ from flax import nnx
 from micro_configs import MICRO_V3  # noqa: E402
 
 from models import DeepSeekModel, RouterBias, RouterOutput
-from models.training import (
+from models.training.step import (
     TrainConfig,
     chunked_cross_entropy,
     init_train_state,
@@ -259,7 +259,7 @@ def test_chunked_cross_entropy_sums_a_bf16_head_gradient_in_fp32():
     within bf16 rounding of the exact one (float64 from the same bf16 values), several times closer than
     the same blocks summed in bf16 (the weights handed to the scan as they are), which the test also
     measures so that it shows the difference it guards. Catches `lm_head_fn` passing the bf16 weights."""
-    from models.training import lm_head_fn
+    from models.training.step import lm_head_fn
 
     bf16 = jnp.bfloat16
     model = init_model(CFG.replace(num_mtp_layers=0), seed=3, dtype=bf16, param_dtype=bf16)

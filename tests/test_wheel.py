@@ -101,7 +101,7 @@ def test_installed_packages_come_from_the_wheel(installed):
     out = _run(
         installed,
         "-c",
-        "import sys, mla_jax, models, models.data, models.builtin, models.trainer, "
+        "import sys, mla_jax, models, models.data, models.builtin, models.training.loop, "
         "pallas_kernels, benchmarks\nfor m in sorted(sys.modules):\n"
         "    if m.split('.')[0] in ('mla_jax', 'models', 'pallas_kernels', 'benchmarks'):\n"
         "        print(sys.modules[m].__file__)",

@@ -1,4 +1,4 @@
-"""The records the host scheduler (`models.scheduler`) keeps: a request (`_Request`, shared with its handle), a
+"""The records the host scheduler (`models.serving.scheduler`) keeps: a request (`_Request`, shared with its handle), a
 request in a slot (`_Seq`, with the bounds of its position while calls are in flight) and a launched call not read
 yet (`_Flight`)."""
 
@@ -9,7 +9,7 @@ from typing import Callable
 
 import numpy as np
 
-from models.sampling import SamplingParams
+from models.serving.sampling import SamplingParams
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ MTP speculative decoding (DEEPSEEK_SEMANTICS.md §3.3): after the main model sam
 h_n, the MTP module drafts t_{n+2} from (h_n, t_{n+1}); with k > 1 drafts a step it is chained
 on its own output (draft j+1 from (o_j, draft j)), one module reused. The next step runs the main
 model on [t_{n+1}, d_1 .. d_k] (s_q = k + 1 <= 4, causal) and accepts drafts in order by rejection
-sampling (`models.sampling.speculative_accept`: exact for greedy and for temperature > 0), then
+sampling (`models.serving.sampling.speculative_accept`: exact for greedy and for temperature > 0), then
 emits the replacement of the first rejected one or a bonus token. The MTP block keeps its own
 latent pool (after the main layers' pools, same page ids): its row i holds the pair (h_i, t_{i+1}),
 rewritten from the main model's hiddens for every kept position, so after every step the MTP cache
@@ -32,7 +32,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax.kv_cache import KVCache
-from models.sampling import SamplingArrays, filtered_probs, finite_rows, row_keys, sample_from_probs, speculative_accept
+from models.serving.sampling import (
+    SamplingArrays,
+    filtered_probs,
+    finite_rows,
+    row_keys,
+    sample_from_probs,
+    speculative_accept,
+)
 
 NON_FINITE = -1  # the token a row gets when its logits are not finite (NaN weights, overflow)
 
@@ -71,7 +78,7 @@ class Lane(NamedTuple):
     pending int32 [B]: the slot's last sampled token, not yet in the cache (the next call's input);
     pos     int32 [B]: its position, i.e. the tokens the slot's cache holds.
     Every call that samples a slot's token updates its entries; the others keep them. The host never reads
-    them: it reads each call's tokens one call later (`models.scheduler`), so call n + 1 is enqueued first."""
+    them: it reads each call's tokens one call later (`models.serving.scheduler`), so call n + 1 is enqueued first."""
 
     pending: jax.Array
     pos: jax.Array
@@ -146,7 +153,7 @@ def prefill_step(
     bool [B]: the chunk holds the row's last prompt token, whose MTP pair takes the token sampled
     here; drafts int32 [B,k] / draft_probs f32 [B,k,V]: the MTP draft state, replaced in the rows
     that end their prompt (draft_probs is passed through when `sampler` is "greedy", see
-    `models.sampling.sampler_kind`). Returns (cache, tokens int32 [B], drafts, draft_probs); a row
+    `models.serving.sampling.sampler_kind`). Returns (cache, tokens int32 [B], drafts, draft_probs); a row
     whose logits are not finite (NaN weights, an overflow) gets the token `NON_FINITE`.
     """
     B, T = inp.ids.shape

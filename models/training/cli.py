@@ -7,11 +7,11 @@
     mla-train --out runs/small --steps 200 --seq-len 128 --dtype bf16 --export runs/small-hf
     mla-train --out runs/fsdp --mesh data=2,tensor=2     # four devices: FSDP over data, heads over tensor
 
-The command line over `models.trainer` (the loop; the data, evaluation, checkpoints, resume and export in
-the `models.train_*` modules beside it; the flags are `TrainSettings`' fields; `--coordinator/--num-processes/
+The command line over `models.training.loop` (the loop; the data, evaluation, checkpoints, resume and export in
+the modules of `models.training` beside it; the flags are `TrainSettings`' fields; `--coordinator/--num-processes/
 --process-id` join several processes first, `models.distributed`). Errors in arguments, inputs or checkpoints
 (also a checkpoint that cannot be saved: a full disk): one line on stderr, exit status 2, with every bad
-argument in it (`TrainSettings.problems` and `models.trainer.run_problems` joined by "; "); a diverged run: one
+argument in it (`TrainSettings.problems` and `models.training.loop.run_problems` joined by "; "); a diverged run: one
 line, exit status 1. Ctrl-C (SIGINT) or SIGTERM: the current step ends, its checkpoint is saved, one line says
 where, exit status 130 (`--resume` continues from it); a second one stops at once.
 """
@@ -26,7 +26,7 @@ import sys
 from mla_jax.attention import DECOMPRESSED_IMPLS
 from models import compile_cache, distributed
 from models.moe import MOE_TRAINING_IMPLS
-from models.trainer import (
+from models.training.loop import (
     AUTO_WARMUP,
     DTYPES,
     PRESETS,

@@ -1,33 +1,33 @@
 """Training a small DeepSeek-style model (MLA + MoE + MTP) on a text corpus: the loop. `mla-train` is the
 command line over this module.
 
-    from models.trainer import TrainSettings, train
+    from models.training.loop import TrainSettings, train
     result = train(TrainSettings(steps=200, seq_len=128), out="runs/small")      # -> RunResult
     result = train(TrainSettings(steps=400, seq_len=128), out="runs/small", resume=True)
 
-What one step is: `models.training.make_train_step` (CE + λ·MTP + α·sequence-wise balance loss,
+What one step is: `models.training.step.make_train_step` (CE + λ·MTP + α·sequence-wise balance loss,
 AdamW on the Params, then the aux-loss-free router-bias update outside the gradient). `Trainer` holds one
 run's pieces and `TrainState` its state between steps, so a caller can drive the steps itself
 (`Trainer.init`, `.restore`, `.step`, `.evaluate`, `.save`); `train` drives them with evaluation, logging,
 checkpoints and export. The pieces around the loop, one module each (every public name is also importable
 from here):
 
-    models.train_settings    TrainSettings, the model presets, TrainerError / SettingError
-    models.train_data        the corpus split, the token streams, the batches (a function of seed and step)
-    models.train_setup       the model, the optimizer and schedule, the jitted steps, the mesh, the memory check
-    models.train_eval        held-out evaluation, metrics.jsonl, loss.png
-    models.train_checkpoint  orbax checkpoints with checksums, exact restore, the HF-layout export
-    models.train_signals     SIGINT / SIGTERM: stop after the step, with a checkpoint
+    models.training.settings    TrainSettings, the model presets, TrainerError / SettingError
+    models.training.data        the corpus split, the token streams, the batches (a function of seed and step)
+    models.training.setup       the model, the optimizer and schedule, the jitted steps, the mesh, the memory check
+    models.training.evaluation  held-out evaluation, metrics.jsonl, loss.png
+    models.training.checkpoints  orbax checkpoints with checksums, exact restore, the HF-layout export
+    models.training.signals     SIGINT / SIGTERM: stop after the step, with a checkpoint
 
 Resuming refuses different settings, another corpus or another model config, and a damaged checkpoint
-(`models.train_checkpoint`): each is one `TrainerError` naming the checkpoint directory.
+(`models.training.checkpoints`): each is one `TrainerError` naming the checkpoint directory.
 SIGINT / SIGTERM during `train`: the current step ends, its checkpoint is saved (even before the first
 periodic one), then `Interrupted` (a KeyboardInterrupt) says where; `resume=True` continues from it.
 
 A device mesh (`TrainSettings.mesh`, `mla-train --mesh data=2,tensor=2`): fully sharded data parallelism
 on top of the tensor / expert rules (`mla_jax.sharding`, `fsdp=True`): every variable and its AdamW
 moments sharded over `data` as well, the batch split over `data`, the donated state returned with the
-shardings it came with (`models.training.make_train_step(shardings=...)`). Checkpoints hold the global
+shardings it came with (`models.training.step.make_train_step(shardings=...)`). Checkpoints hold the global
 arrays, so a run may resume on another mesh, or on one device (restored onto the run's own placement).
 Several processes (`jax.distributed`, `models.distributed`): every process runs the same loop on the
 same batches (the data order is a function of the step) and holds its devices' shards; process 0 alone
@@ -53,7 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from mla_jax.sharding import shard_batch
-from models.train_checkpoint import (
+from models.training.checkpoints import (
     checkpoint_manager,
     checkpoint_record,
     export,
@@ -62,7 +62,7 @@ from models.train_checkpoint import (
     save_checkpoint,
     tree_sha256,
 )
-from models.train_data import (
+from models.training.data import (
     HELDOUT_FRACTION,
     CorpusData,
     corpus_fingerprint,
@@ -72,8 +72,8 @@ from models.train_data import (
     token_stream,
     train_batch,
 )
-from models.train_eval import MetricsLog, evaluate, load_balance, plot_losses
-from models.train_settings import (
+from models.training.evaluation import MetricsLog, evaluate, load_balance, plot_losses
+from models.training.settings import (
     AUTO_WARMUP,
     DEFAULT_CORPUS,
     DTYPES,
@@ -83,7 +83,7 @@ from models.train_settings import (
     TrainSettings,
     load_config,
 )
-from models.train_setup import (
+from models.training.setup import (
     available_memory,
     build_model,
     check_memory,
@@ -98,7 +98,7 @@ from models.train_setup import (
     train_config,
     training_memory,
 )
-from models.train_signals import Interrupted, StopRequest, interrupted_at_once
+from models.training.signals import Interrupted, StopRequest, interrupted_at_once
 
 __all__ = [
     "AUTO_WARMUP",
@@ -147,7 +147,7 @@ __all__ = [
     "tree_sha256",
 ]
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above models/
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from models.tokenizer import ByteTokenizer
-from models.train_settings import SettingError, TrainerError
+from models.training.settings import SettingError, TrainerError
 
 HELDOUT_FRACTION = 0.05
 

@@ -12,7 +12,7 @@ class GenerationStats(collections.abc.Mapping):
     """Counters and timings of the steps run while it was recording (one `generate` call, or an
     `Engine.recording()` block); also a read-only mapping: `stats["name"]`, `dict(stats)`.
 
-    Times are wall clock on the host; with calls overlapped (`models.scheduler`), a call's time runs from when
+    Times are wall clock on the host; with calls overlapped (`models.serving.scheduler`), a call's time runs from when
     the device could start it (the previous call read, or its launch if later) to when it was read. Steps that
     compiled are kept apart (`compile_s`); `prefill_s`
     and `decode_s` sum the steps that did not, and the tokens/s figures are over those (over all

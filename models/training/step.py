@@ -30,7 +30,7 @@ On a mesh: a model placed by `mla_jax.sharding.shard_model` (`fsdp=True` for FSD
 `make_train_step(..., shardings=...)` returns both as they came. GSPMD partitions the rest.
 
 Mixed precision: this module keeps whatever dtypes the model and the optimizer were built with; it
-casts nothing. What `models.trainer` (mla-train) builds: fp32 parameters (the master copy the
+casts nothing. What `models.training.loop` (mla-train) builds: fp32 parameters (the master copy the
 optimizer updates), compute in `TrainSettings.dtype` (bf16: each layer casts its fp32 weights to
 bf16 at use; RMSNorm, RoPE, softmax statistics, the router and the loss stay fp32), gradients in fp32
 (the parameters' dtype), AdamW moments in fp32 (optax keeps them in the parameters' dtype). A model

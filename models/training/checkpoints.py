@@ -1,7 +1,7 @@
 """A run's checkpoints (orbax `CheckpointManager`, `<out>/checkpoints/<step>`) and its HF-layout export.
 
 A checkpoint holds every variable of the model (Params and router biases), the optax state (moments and the
-schedule's step count) and a JSON record: the step, what `models.trainer.Trainer.record` adds (data-order
+schedule's step count) and a JSON record: the step, what `models.training.loop.Trainer.record` adds (data-order
 seed, trajectory settings, model config, corpus fingerprint) and a sha256 of each array tree, so a restore
 refuses files that do not read back exactly as they were saved (truncated, edited, renamed, half written):
 each is one `TrainerError` naming the checkpoint directory. A save that fails (a full disk, no permission) is
@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 
 from models.checkpoint import save_hf_checkpoint
 from models.tokenizer import save_byte_tokenizer
-from models.train_settings import TrainerError
+from models.training.settings import TrainerError
 
 _ITEMS = ("state", "opt_state")
 

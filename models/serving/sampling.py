@@ -48,7 +48,7 @@ class SamplingParams:
     top_p: in (0, 1]; 1 = no nucleus filter.
     min_p: in [0, 1]; 0 = no min-p filter.
     seed: an integer in [0, 2**32); with the same seed, prompt and parameters a request draws the
-        same tokens (see `models.engine.Engine.generate` for how the key is derived).
+        same tokens (see `models.serving.engine.Engine.generate` for how the key is derived).
     """
 
     temperature: float = 1.0

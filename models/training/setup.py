@@ -3,7 +3,7 @@ learning-rate schedule, the jitted train and eval steps (on one device or a mesh
 refuses a model that cannot fit before anything is allocated.
 
 Precision: fp32 parameters (the master copy), compute in `TrainSettings.dtype` (bf16 casts each weight at use),
-fp32 gradients and fp32 AdamW moments (they follow the parameters); see `models.training`.
+fp32 gradients and fp32 AdamW moments (they follow the parameters); see `models.training.step`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from mla_jax.attention import resolve_decompressed_impl
 from mla_jax.sharding import MESH_AXES, make_mesh, model_shardings, model_specs, shard_model
 from models.deepseek import DeepSeekModel
 from models.moe import resolve_moe_impl
-from models.train_settings import SettingError, TrainSettings, load_config
-from models.training import TrainConfig, init_train_state, loss_fn, make_train_step, optimizer_shardings
+from models.training.settings import SettingError, TrainSettings, load_config
+from models.training.step import TrainConfig, init_train_state, loss_fn, make_train_step, optimizer_shardings
 
 
 def make_optimizer(s: TrainSettings):
@@ -85,7 +85,7 @@ def compiled_steps(tx, tc):
 
 def compiled_mesh_steps(tx, tc, state_shardings, params_like):
     """(train_step, eval_step) on a mesh: the step returns the state and the AdamW state placed as
-    `state_shardings` and `models.training.optimizer_shardings` say (not cached: a new Trainer compiles)."""
+    `state_shardings` and `models.training.step.optimizer_shardings` say (not cached: a new Trainer compiles)."""
 
     params_sh = nnx.split_state(state_shardings, nnx.Param, ...)[0]
     opt_sh = optimizer_shardings(tx, params_like, params_sh)

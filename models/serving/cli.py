@@ -33,8 +33,8 @@ from models import compile_cache, distributed
 from models.builtin import BUILTIN_DIR, BUILTIN_PROMPT
 from models.checkpoint import load_hf_checkpoint
 from models.deepseek import DeepSeekModel
-from models.engine import ATTENTION_IMPLS, Engine
-from models.sampling import SamplingParams
+from models.serving.engine import ATTENTION_IMPLS, Engine
+from models.serving.sampling import SamplingParams
 from models.tokenizer import ByteTokenizer, load_tokenizer
 from pallas_kernels.page_format import NAMES as PAGE_FORMAT_NAMES
 from pallas_kernels.page_format import resolve_page_format

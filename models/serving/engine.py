@@ -1,11 +1,11 @@
-"""Generation engine: continuous batching over the jitted steps of `models.steps`, with a paged latent
+"""Generation engine: continuous batching over the jitted steps of `models.serving.steps`, with a paged latent
 KV cache, stop tokens, streaming, MTP speculative decoding, and an online API.
 
 Dimension letters: B slots (max_batch), T tokens a step, P block-table width (pages), G page size.
 
 The engine never opens a layer: the forward pass (cache writes, attention path, MTP block) is the
-model's (`model(ids, positions, cache=cache)`), the steps are pure functions in `models.steps`, and the
-host scheduler around them (admission, page reservation, steps, emission, stops) is `models.scheduler`.
+model's (`model(ids, positions, cache=cache)`), the steps are pure functions in `models.serving.steps`, and the
+host scheduler around them (admission, page reservation, steps, emission, stops) is `models.serving.scheduler`.
 What lives here is the public face:
 - `Engine.generate(prompts, ...)`: a batch of prompts to their outputs;
 - the online API it is built on: `Engine.submit(prompt, ...)` -> a `RequestHandle` at any time (its tokens
@@ -37,10 +37,10 @@ from mla_jax.attention import (
 )
 from mla_jax.kv_cache import INTERPRET_ON_DATA_RANKS, CacheFullError, PagedLatentCache, next_pow2
 from mla_jax.sharding import batch_axes, shard_model
-from models.sampling import SamplingParams
-from models.scheduler import FINISH_REASONS, MIXED_TILE, _Generation, _Request, rows_needed
-from models.stats import GenerationStats
-from models.steps import (
+from models.serving.sampling import SamplingParams
+from models.serving.scheduler import FINISH_REASONS, MIXED_TILE, _Generation, _Request, rows_needed
+from models.serving.stats import GenerationStats
+from models.serving.steps import (
     MAX_DRAFT_TOKENS,
     DraftOracle,
     StepInputs,
@@ -242,9 +242,9 @@ class Engine:
         widths are powers of two of pages. Larger minimums mean fewer compilations and a little
         padded work on short sequences.
       decode_steps: model steps one decode device call runs: plain decode steps, or MTP verify steps with
-        `use_mtp` (`models.steps.decode_call`, `verify_call`), sampling, feeding tokens back and finding stops
+        `use_mtp` (`models.serving.steps.decode_call`, `verify_call`), sampling, feeding tokens back and finding stops
         on the device. Every call is enqueued before the host reads the one before it (the lane:
-        `models.scheduler`), so with 1 (the default) each token streams as its step completes; more steps a
+        `models.serving.scheduler`), so with 1 (the default) each token streams as its step completes; more steps a
         call make the host's share smaller where it, not the device, sets a step's time (docs/PERFORMANCE.md,
         "MTP speculative decoding"), at the price of tokens arriving `decode_steps` at a time. Pages are held up
         front; a row that stops early idles until the call ends.

@@ -4,19 +4,19 @@ Dimension letters: B slots (max_batch), T tokens a step, P block-table width (pa
 
 A request (`_Request`) is submitted at any time and waits; `_Generation.step()` runs one engine step:
 - admission: a waiting prompt takes a free slot when its whole prompt fits in the page pool (on a
-  mesh with data ranks: the pool of the slot's rank, see `models.engine.Engine`'s `mesh`);
+  mesh with data ranks: the pool of the slot's rank, see `models.serving.engine.Engine`'s `mesh`);
 - reservation: before each call every row holds pages for the rows the call may write (an upper bound
   when MTP acceptance is not known yet; `rows_needed` is the draft-room arithmetic); a row that cannot get
   them fails alone;
 - launch: the rows' inputs as bucketed arrays (B is always max_batch, idle rows padding; T and the
   block-table width P powers of two, so a long generation compiles a bounded number of times) and the
-  jitted call (`models.steps`), enqueued on the device;
+  jitted call (`models.serving.steps`), enqueued on the device;
 - landing: the call launched one step earlier is read back, and its tokens go to their requests
   (emission: stop / length / context; finishing: the slot's pages back to the pool), then to their
   `on_token` callbacks.
 
 **The lane.** A call's sampled tokens never go through the host on their way to the next call: each slot's
-last token and its position stay on the device (`models.steps.Lane`), and every call reads its decoding
+last token and its position stay on the device (`models.serving.steps.Lane`), and every call reads its decoding
 rows' inputs from there. So the host enqueues call n + 1 before it reads call n: the device never waits for
 the host, and each token reaches its request as its own call completes. What the host does not know yet it
 bounds: a row's position after the calls in flight lies in [lo, hi] (`_Seq.bounds`; the same with plain
@@ -31,8 +31,8 @@ A call is one of four kinds:
 - mixed (`mixing`: the engine's `mixed_steps`, no MTP, one data rank): some rows decode and some are in their
   prompts; every decoding row makes one token, and the prompts take up to the engine's prefill budget of
   tokens, first come first served, cut into `MIXED_TILE`-token rows of the step (`launch_mixed`);
-- decode: every row decodes: up to `decode_steps` plain steps in one device call (`models.steps.decode_call`);
-- verify (MTP): up to `decode_steps` verify steps in one device call (`models.steps.verify_call`).
+- decode: every row decodes: up to `decode_steps` plain steps in one device call (`models.serving.steps.decode_call`);
+- verify (MTP): up to `decode_steps` verify steps in one device call (`models.serving.steps.verify_call`).
 Without `mixing`, a step with any row in its prompt is a prefill step and the decoding rows wait.
 """
 
@@ -51,10 +51,10 @@ import tqdm
 from mla_jax.attention import step_decode_config
 from mla_jax.kv_cache import CacheFullError, KVCache, next_pow2
 from mla_jax.sharding import shard_batch
-from models.requests import _Flight, _Request, _Seq
-from models.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
-from models.stats import GenerationStats
-from models.steps import MAX_DRAFT_TOKENS, NON_FINITE, StepInputs, new_lane, trace_counts
+from models.serving.requests import _Flight, _Request, _Seq
+from models.serving.sampling import NonFiniteLogitsError, SamplingArrays, SamplingParams, sampler_kind
+from models.serving.stats import GenerationStats
+from models.serving.steps import MAX_DRAFT_TOKENS, NON_FINITE, StepInputs, new_lane, trace_counts
 
 __all__ = ["FINISH_REASONS", "GenerationStats", "MIN_STOP_IDS", "MIXED_TILE", "rows_needed"]
 
@@ -107,7 +107,9 @@ class _Generation:
         self.landed_at = 0.0  # when the last call was read
         self.lane = new_lane(engine.max_batch)
         self._traced: list | None = None  # warm-up's traced calls, while it traces
-        self.oracle = None  # benchmarks only: a `models.steps.DraftOracle` for the verify calls (`Engine.draft_oracle`)
+        self.oracle = (
+            None  # benchmarks only: a `models.serving.steps.DraftOracle` for the verify calls (`Engine.draft_oracle`)
+        )
         self.configure(k)
 
     def configure(self, k: int) -> None:
@@ -290,7 +292,7 @@ class _Generation:
         for b in rows:
             seq = self.slots[b]
             _, hi = seq.bounds()
-            if k:  # no call writes past end + k (`models.steps.verify_loop`)
+            if k:  # no call writes past end + k (`models.serving.steps.verify_loop`)
                 n = max_steps or self.e.decode_steps
                 want, need, least = (n, k), min(hi + n * (k + 1) + k, seq.end + k), hi + 1 + k
             else:  # step i writes position hi + i and makes the token at hi + i + 1 <= end
@@ -596,7 +598,7 @@ class _Generation:
         return stop_ids
 
     def launch_prefill(self, rows: list[int]) -> _Flight:
-        """One prompt chunk for each row in `rows` (`models.steps.prefill_call`)."""
+        """One prompt chunk for each row in `rows` (`models.serving.steps.prefill_call`)."""
         t0 = time.perf_counter()
         B, slots = self.e.max_batch, self.slots
         chunk = {b: min(self.e.prefill_chunk, len(slots[b].prompt) - slots[b].prefilled) for b in rows}
@@ -629,7 +631,7 @@ class _Generation:
         return f
 
     def launch_mixed(self, prefilling: list[int], decoding: list[int]) -> _Flight:
-        """One mixed step (`models.steps.prefill_call` over [B + mixed_rows, MIXED_TILE]): the next token of
+        """One mixed step (`models.serving.steps.prefill_call` over [B + mixed_rows, MIXED_TILE]): the next token of
         every row in `decoding` (its pages reserved), and the next chunks of the prompts in `prefilling`.
 
         Rows 0 .. B-1 are the slots: row b carries slot b's pending token (from the lane) when it decodes, else
@@ -691,7 +693,7 @@ class _Generation:
         return f
 
     def launch_decode(self, budget: dict[int, tuple[int, int]]) -> _Flight:
-        """Up to `budget[b]` plain decode steps for each row in one device call (`models.steps.decode_call`): the
+        """Up to `budget[b]` plain decode steps for each row in one device call (`steps.decode_call`): the
         loop's length is a power of two <= the engine's `decode_steps` (a bounded number of compilations), the
         table covers every row's pages for its steps, stops are found on the device."""
         t0 = time.perf_counter()
@@ -715,7 +717,7 @@ class _Generation:
 
     def launch_verify(self, budget: dict[int, tuple[int, int]]) -> _Flight:
         """Up to the engine's `decode_steps` MTP verify steps for each row in one device call
-        (`models.steps.verify_call`): positions, lengths and drafts from the device; pages held for the most a
+        (`models.serving.steps.verify_call`): positions, lengths and drafts from the device; pages held for the most a
         row may reach (`reserve_decode`)."""
         t0 = time.perf_counter()
         k, B = self.k, self.e.max_batch

@@ -1,0 +1,30 @@
+"""Serving: the engine and everything around its jitted steps.
+
+engine.py     `Engine` (the public face: options, the page pool, the compiled steps), `RequestHandle`
+scheduler.py  the host scheduler: admission, pages, the decode lane, stops and cancels
+requests.py   a request's own state, its slot's sequence bounds, a call in flight
+steps.py      the jitted steps (prefill, mixed, decode and verify calls) and the device lane
+sampling.py   `SamplingParams`, the samplers, speculative acceptance
+stats.py      `GenerationStats`
+cli.py        `mla-generate`
+"""
+
+from models.serving.engine import (
+    CacheFullError,
+    Engine,
+    GenerationResult,
+    GenerationStats,
+    RequestHandle,
+    RequestResult,
+)
+from models.serving.sampling import SamplingParams
+
+__all__ = [
+    "CacheFullError",
+    "Engine",
+    "GenerationResult",
+    "GenerationStats",
+    "RequestHandle",
+    "RequestResult",
+    "SamplingParams",
+]
