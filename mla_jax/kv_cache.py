@@ -82,6 +82,7 @@ class PagedLatentCache:
                   its own; block tables hold ids LOCAL to the rank (0 .. N/D - 1), what each rank's
                   shard of the pool is indexed by (`KVCache.data_parallel`). A rank out of pages fails
                   its own reservation only.
+    allocate=False: `pages` is a `jax.ShapeDtypeStruct` of the pool (nothing allocated), for tracing.
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class PagedLatentCache:
         rope_dim: int = 64,
         ranks: int = 1,
         dtype=None,
+        allocate: bool = True,
     ):
         for name, v in (
             ("num_layers", num_layers),
@@ -133,7 +135,9 @@ class PagedLatentCache:
         # (NaN: e4m3 0x7F, a NaN scale and NaN rope, NaN in every value; 0: all-zero bytes, 0).
         shape = (num_layers, num_pages) + self._page_format.page_shape(page_size)
         fmt = self._page_format
-        if fmt.quantized:
+        if not allocate:  # the pool's shape alone (an engine's memory plan traces its steps over it)
+            self.pages = jax.ShapeDtypeStruct(shape, self.dtype)
+        elif fmt.quantized:
             row = fmt.encode(jnp.full((latent_dim,), fill_value, jnp.float32))
             self.pages: jax.Array = jnp.broadcast_to(row, shape)
         else:

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from mla_jax import MLA, ModelConfig, mla_absorbed_attention, mla_decompressed_attention
-from tests.tiers import full
+from tests.tiers import full, gpu_full
 
 
 def _randomize(module, seed):
@@ -207,7 +207,7 @@ def test_unknown_attention_impl_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["cudnn", "mgpu"])
+@pytest.mark.parametrize("impl", gpu_full(["cudnn", "mgpu"], ("mgpu",)))
 @pytest.mark.parametrize("N,R,V", [(128, 64, 128), (16, 64, 16)], ids=["v2-v3-widths", "builtin-widths"])
 def test_flash_attention_impls_equal_the_jnp_form_with_gradients(N, R, V, impl):
     """impl="cudnn" (cuDNN's flash attention, training's fast path) and impl="mgpu" (this project's Mosaic

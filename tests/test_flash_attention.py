@@ -33,6 +33,7 @@ from pallas_kernels.flash_attention import (
     flash_attention_reference,
     smem_bytes,
 )
+from tests.tiers import gpu_full
 
 D, V = 192, 128  # MLA's decompressed widths (128 nope + 64 rope; v 128)
 SCALE = D**-0.5
@@ -475,7 +476,10 @@ def test_prefill_bad_inputs_are_one_line_value_errors(change, message):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("B, T, H, causal", [(2, 1024, 4, True), (1, 2048, 2, True), (2, 512, 2, False)])
+@pytest.mark.parametrize(
+    "B, T, H, causal",
+    gpu_full([(2, 1024, 4, True), (1, 2048, 2, True), (2, 512, 2, False)], [(2, 1024, 4, True), (2, 512, 2, False)]),
+)
 def test_gpu_kernel_matches_reference(B, T, H, causal):
     """The production kernels on the GPU (async wgmma, TMA, register-A operands: what the
     interpreter cannot model) against the reference, forward and gradients: catches wgmma/TMA races

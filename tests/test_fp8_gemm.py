@@ -25,6 +25,7 @@ from pallas_kernels.fp8_gemm import (
     quantize_activations,
     smem_bytes,
 )
+from tests.tiers import gpu_full
 
 # DeepSeek-V3's projections (N, K): q_a, q_b, kv_a, wo, MLP gate/up, down, routed expert up, down.
 V3_SHAPES = {
@@ -298,8 +299,8 @@ requires_hopper = pytest.mark.skipif(not backend.on_hopper(), reason="needs a Ho
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("M", [1, 32, 4096])
-@pytest.mark.parametrize("name", ["q_a", "kv_a", "q_b", "down"])
+@pytest.mark.parametrize("M", gpu_full([1, 32, 4096], (32, 4096)))
+@pytest.mark.parametrize("name", gpu_full(["q_a", "kv_a", "q_b", "down"], ("kv_a", "down")))
 def test_gpu_kernel_matches_references_at_v3_shapes(M, name):
     """The kernel on an H200 (async wgmma, TMA, the persistent grid over many tiles: what the
     interpreter cannot model) against the same-recipe reference (tight) and the exact dequantized

@@ -21,6 +21,7 @@ from pallas_kernels.fp8_matvec import (
     fp8_matvec_reference,
     resolve_operands,
 )
+from tests.tiers import gpu_full
 
 
 def make_fp8(shape, *, seed=0):
@@ -234,8 +235,8 @@ V3_PROJECTIONS = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("convert", ["cast", "bits"])
-@pytest.mark.parametrize("M", [1, 5, 32])
-@pytest.mark.parametrize("name", list(V3_PROJECTIONS))
+@pytest.mark.parametrize("M", gpu_full([1, 5, 32], (1, 32)))
+@pytest.mark.parametrize("name", gpu_full(list(V3_PROJECTIONS), list(V3_PROJECTIONS)[:2]))
 def test_gpu_kernel_equals_the_reference_at_v3_shapes(name, M, convert):
     """The compiled kernel (bf16 rows, a 4-layer stack, a traced layer) against the reference's dequantize + dot."""
     from pallas_kernels.backend import on_hopper
@@ -255,7 +256,7 @@ def test_gpu_kernel_equals_the_reference_at_v3_shapes(name, M, convert):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("operands", ["f16", "e4m3"])
-@pytest.mark.parametrize("M", [1, 32])
+@pytest.mark.parametrize("M", gpu_full([1, 32], (1,)))
 @pytest.mark.parametrize("name", ["wo", "kv_a"])
 def test_gpu_operands_equal_their_numpy_products(name, M, operands):
     """The compiled f16 / fp8 x fp8 products at V3 shapes (kv_a: a partial scale block) against numpy: f16 against
@@ -277,7 +278,7 @@ def test_gpu_operands_equal_their_numpy_products(name, M, operands):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 5, 32])
-@pytest.mark.parametrize("name", list(V3_PROJECTIONS))
+@pytest.mark.parametrize("name", gpu_full(list(V3_PROJECTIONS), list(V3_PROJECTIONS)[2:4]))
 def test_gpu_default_config_equals_numpy_at_v3_shapes(name, M):
     """The call without a config (`default_config`: f16 products, 128 columns for wo and down)
     at every V3 projection, rows of magnitudes 2^-10..2^10 apart, against float64 numpy, row by row."""

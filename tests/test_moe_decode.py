@@ -29,6 +29,7 @@ from pallas_kernels.moe_decode import (
     moe_decode_problems,
     moe_decode_reference,
 )
+from tests.tiers import gpu_full
 
 SMALL = MoeDecodeConfig(block_i=32, block_d=32, block_o=32, block_k=32)
 
@@ -107,7 +108,7 @@ def test_auto_takes_the_decode_kernel_only_for_decode_shaped_calls(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 32, 128])
+@pytest.mark.parametrize("tokens", gpu_full([1, 32, 128], (1, 32)))
 def test_gpu_kernel_matches_reference_at_v2_lite_widths(tokens):
     from pallas_kernels.backend import on_hopper
 
@@ -288,7 +289,7 @@ def test_fp8_cross_lowers_for_sm90(f16):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 32])
+@pytest.mark.parametrize("tokens", gpu_full([1, 32], (1,)))
 def test_gpu_fp8_kernel_matches_reference_at_v3_widths(tokens):
     """V3's routed experts (256 of D = 7168, I = 2048, top-8) of layer 1 of a 2-layer stack, bf16 rows."""
     from pallas_kernels.backend import on_hopper

@@ -23,6 +23,7 @@ from pallas_kernels import (
     quantize_latent_fp8,
 )
 from pallas_kernels.paged_gather import plan_chunks
+from tests.tiers import gpu_full
 
 
 def make_inputs(batch, max_pages, *, seed=0, spare_pages=2):
@@ -304,7 +305,7 @@ requires_hopper = pytest.mark.skipif(not backend.on_hopper(), reason="needs a Ho
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("batch,max_pages,num_tokens", [(32, 64, 4096), (5, 40, 2500), (1, 300, 1)])
-@pytest.mark.parametrize("chunks,steps", [(None, 3), (7, 2)])
+@pytest.mark.parametrize("chunks,steps", gpu_full([(None, 3), (7, 2)], [(7, 2)]))
 def test_gpu_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps):
     kv, table = make_inputs(batch, max_pages, seed=batch)
     got = paged_gather(
@@ -321,8 +322,12 @@ def test_gpu_kernel_is_bit_exact(batch, max_pages, num_tokens, chunks, steps):
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-@pytest.mark.parametrize("batch,max_pages,num_tokens", [(32, 64, 4096), (5, 40, 2500), (1, 300, 1)])
-@pytest.mark.parametrize("chunks,steps,staging", [(None, 3, 1), (7, 2, 1), (None, 2, 2), (7, 2, 2)])
+@pytest.mark.parametrize(
+    "batch,max_pages,num_tokens", gpu_full([(32, 64, 4096), (5, 40, 2500), (1, 300, 1)], [(5, 40, 2500)])
+)
+@pytest.mark.parametrize(
+    "chunks,steps,staging", gpu_full([(None, 3, 1), (7, 2, 1), (None, 2, 2), (7, 2, 2)], [(None, 3, 1), (7, 2, 2)])
+)
 def test_gpu_quantized_kernel_is_bit_exact(fmt, batch, max_pages, num_tokens, chunks, steps, staging):
     """The fp8 and fp4 bodies on the GPU against the numpy decode, bit for bit."""
     make, values, page_format = {

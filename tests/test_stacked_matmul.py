@@ -20,6 +20,7 @@ from pallas_kernels.stacked_matmul import (
     stacked_matmul_reference,
 )
 from tests.micro_configs import narrow_v2_lite
+from tests.tiers import gpu_full
 
 SMALL = StackedMatmulConfig(block_n=32, block_k=32)
 
@@ -176,8 +177,10 @@ def test_the_filter_takes_served_projections_only():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 8, 32, 128])
-@pytest.mark.parametrize("K, N", [(2048, 3072), (2048, 576), (2048, 2816), (2816, 2048)])  # V2-Lite wq, wkv_a, MLP
+@pytest.mark.parametrize("M", gpu_full([1, 8, 32, 128], (1, 128)))
+@pytest.mark.parametrize(
+    "K, N", gpu_full([(2048, 3072), (2048, 576), (2048, 2816), (2816, 2048)], [(2048, 576), (2816, 2048)])
+)  # V2-Lite wq, wkv_a, MLP
 def test_gpu_kernel_equals_the_reference_at_v2_lite_shapes(M, K, N):
     """The compiled kernel (bf16, a 26-layer stack, a traced layer) against XLA's GEMM of the same layer."""
     from pallas_kernels.backend import on_hopper
@@ -193,7 +196,7 @@ def test_gpu_kernel_equals_the_reference_at_v2_lite_shapes(M, K, N):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 32, 128])
+@pytest.mark.parametrize("M", gpu_full([1, 32, 128], (1, 32)))
 def test_gpu_head_matmul_equals_the_reference_at_v2_lite_shapes(M):
     """The compiled per-head kernel (bf16, V2-Lite's wkv_b stack [26, 512, 16·256], a traced layer), W_UK and
     W_UV, against XLA's einsum of the same layer."""

@@ -31,3 +31,8 @@ def full(values, default, why: str):
         return pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.full(why))
 
     return [v if v in default else param(v) for v in values]
+
+
+def gpu_full(values, default):
+    """`full` for a GPU test's matrix: the GPU quick tier (`pytest -m gpu`) runs `default`, `--full` all of it."""
+    return full(values, default, "the GPU quick tier runs representatives of this matrix; --full runs all of it")

@@ -28,6 +28,7 @@ from flax import nnx
 from mla_jax import ModelConfig
 from mla_jax.attention import resolve_cache_impl
 from mla_jax.kv_cache import CacheFullError
+from mla_jax.memory import DEFAULT_MEMORY_FRACTION, check_fraction
 from mla_jax.sharding import make_mesh, parse_mesh, shard_model
 from models import compile_cache, distributed
 from models.builtin import BUILTIN_DIR, BUILTIN_PROMPT
@@ -122,6 +123,14 @@ def _build_parser() -> _Parser:
         help="a device mesh, e.g. data=2,tensor=2 (axes data, expert, tensor; left out = 1): weights "
         "placed by mla_jax.sharding's table (heads and MLP width over tensor, routed experts "
         "over expert), the cache replicated on every device (default: one device)",
+    )
+    p.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=DEFAULT_MEMORY_FRACTION,
+        metavar="F",
+        help="share of the GPU's memory (what JAX's allocator may use) the engine plans for: weights, the largest "
+        f"step's temporaries and the page pool (default: {DEFAULT_MEMORY_FRACTION})",
     )
 
     compile_cache.add_argument(p)
@@ -237,6 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         if not 1 <= args.mtp_draft_tokens <= 3:
             raise _UsageError(f"--mtp-draft-tokens must be in [1, 3], got {args.mtp_draft_tokens}")
+        try:
+            check_fraction(args.memory_fraction, "--memory-fraction")
+        except ValueError as e:
+            raise _UsageError(str(e)) from None
 
         compile_cache.enable(args.compile_cache)
         try:
@@ -299,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kv_dtype=page_format,
                 mesh=mesh,
                 decode_steps=args.decode_steps,
+                memory_fraction=args.memory_fraction,
             )
         except ValueError as e:
             raise _UsageError(str(e)) from None

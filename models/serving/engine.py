@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 import dataclasses
+import functools
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -35,7 +36,23 @@ from mla_jax.attention import (
     resolve_cache_impl,
     resolve_decompressed_impl,
 )
-from mla_jax.kv_cache import INTERPRET_ON_DATA_RANKS, CacheFullError, PagedLatentCache, next_pow2
+from mla_jax.capacity import plan_kv_cache
+from mla_jax.kv_cache import (
+    INTERPRET_ON_DATA_RANKS,
+    CacheFullError,
+    PagedLatentCache,
+    next_pow2,
+    resolve_page_format,
+)
+from mla_jax.memory import (
+    DEFAULT_MEMORY_FRACTION,
+    MemoryPlanError,
+    check_fraction,
+    device_bytes_in_use,
+    device_bytes_limit,
+    plan_pool,
+    tree_device_bytes,
+)
 from mla_jax.sharding import batch_axes, shard_model
 from models.serving.sampling import SamplingParams
 from models.serving.scheduler import FINISH_REASONS, MIXED_TILE, _Generation, _Request, rows_needed
@@ -74,6 +91,7 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "MIXED_TILE",
+    "MemoryPlanError",
     "PREFILL_BUDGET",
     "RequestHandle",
     "RequestResult",
@@ -219,8 +237,10 @@ class Engine:
     Args:
       model: a `models.DeepSeekModel` (its weights are captured at construction).
       page_size: tokens a page (the decode kernel reads 64; tests use small pages on the jnp path).
-      num_pages: pages in the pool; None = enough for max_batch sequences of max_context tokens
-        (plus the MTP draft room), what `mla_jax.capacity.plan_kv_cache` predicts.
+      num_pages: pages in the pool; None = enough for max_batch sequences of max_context tokens (plus the MTP
+        draft room, `mla_jax.capacity.plan_kv_cache`'s pages a sequence), or, where the device holds fewer beside
+        the weights and the steps, as many as fit (a request then waits for pages). Checked against the device's
+        memory when there is a plan (`memory_fraction`).
       max_batch: slots decoded together (B of every step).
       prefill_chunk: prompt tokens a row prefills per step; None = `default_prefill_chunk` (512 with the jnp
         attention; up to 8192 when long chunks run the flash forward over the prefix: a Hopper GPU, bf16).
@@ -264,6 +284,14 @@ class Engine:
         a rank with a free slot and room for its prompt; a rank out of pages fails its own request only;
         the cache write, gather and decode kernel run per rank (`KVCache.data_parallel`). "interpret" is
         refused with data ranks (`mla_jax.kv_cache.INTERPRET_ON_DATA_RANKS`).
+      memory_fraction: the share of the device's memory the engine plans for (vLLM's `gpu_memory_utilization`):
+        the weights, the largest step's temporaries (measured: the largest steps are compiled at construction and
+        their `memory_analysis()` read) and the page pool must fit in it (`mla_jax.memory.plan_pool`;
+        `memory_plan` holds the result). A pool that cannot hold one sequence of `max_context` tokens, or an
+        explicit `num_pages` that does not fit, raises `MemoryPlanError` (a ValueError) in one line naming the
+        bytes. The device's memory is what JAX's allocator may use (`memory_stats()["bytes_limit"]`); a device
+        that reports none (a CPU) has no plan unless `device_memory` is given.
+      device_memory: bytes to plan for instead of what the device reports (None: the device's own).
       decode_config: the decode kernel's `pallas_kernels.MlaDecodeConfig` for every step. None (the default):
         its defaults, with the schedule chosen on the host before each decoding step from the rows' lengths, as
         ``schedule="auto"`` does (`mla_jax.attention.step_decode_config`): per sequence on near-equal lengths,
@@ -273,7 +301,8 @@ class Engine:
         lengths and every layer's call reads that plan (`mla_jax.attention.with_decode_plan`).
 
     `compile_log`: one dict per step that compiled, {"step", "bucket", "seconds"} (wall time of that
-    call, compilation included).
+    call, compilation included). `memory_plan`: the `mla_jax.memory.MemoryPlan` the pool was sized by (None
+    without one); `step_temporaries`: {step kind: temporary bytes} of the programs it measured.
     """
 
     def __init__(
@@ -296,6 +325,8 @@ class Engine:
         mixed_steps: bool = True,
         prefill_budget: int = PREFILL_BUDGET,
         decode_config=None,
+        memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+        device_memory: int | None = None,
     ):
         cfg = model.cfg
         if naive_threshold is not None:  # the earlier name
@@ -328,6 +359,11 @@ class Engine:
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"Engine attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
         check_decode_config(decode_config, name="Engine decode_config")
+        check_fraction(memory_fraction, "Engine memory_fraction")
+        if device_memory is not None and (
+            isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 1
+        ):
+            raise ValueError(f"Engine device_memory must be a positive number of bytes or None, got {device_memory!r}")
         # Data-parallel attention: D > 1 data ranks (the batch's mesh axes) each own max_batch / D slots
         # and num_pages / D pages.
         self.data_axes, self.data_ranks = batch_axes(mesh)
@@ -350,16 +386,21 @@ class Engine:
             cap = 2048 if num_pages is None else num_pages // D * page_size  # a sequence holds its rank's pages
             max_context = min(cfg.max_position_embeddings, cap)
         self.has_mtp = len(model.mtp) > 0
-        # A model with an MTP head may address up to MAX_DRAFT_TOKENS rows past max_context
-        # (`rows_needed`); the default pool is what `plan_kv_cache(cfg, context_len=max_context,
-        # num_sequences=max_batch, include_mtp=True, draft_tokens=self.draft_room)` predicts.
+        # A model with an MTP head may address up to MAX_DRAFT_TOKENS rows past max_context (`rows_needed`).
         self.draft_room = rows_needed(max_context - 1, MAX_DRAFT_TOKENS) - max_context if self.has_mtp else 0
-        pages_per_seq = -(-(max_context + self.draft_room) // page_size)
-        if num_pages is None:
-            num_pages = max_batch * pages_per_seq
+        page_format = resolve_page_format(kv_dtype, value_dim=cfg.latent_dim, rope_dim=cfg.qk_rope_head_dim)
+        # The capacity planner's arithmetic: pages a sequence holds, bytes a token over every cached layer.
+        kv_plan = plan_kv_cache(
+            cfg,
+            context_len=max_context,
+            num_sequences=max_batch,
+            page_size=page_size,
+            kv_dtype=page_format.name,
+            include_mtp=self.has_mtp,
+            draft_tokens=self.draft_room,
+        )
         self.cfg = cfg
         self.page_size = page_size
-        self.num_pages = num_pages
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.decompressed_threshold = decompressed_threshold
@@ -376,28 +417,66 @@ class Engine:
         self.mesh = mesh
         graphdef, self.state = nnx.split(model)
         self.steps = compiled_steps(graphdef)
-        self.cache = PagedLatentCache(
+        self.attention_impl = attention_impl
+        self.compile_log: list[dict] = []
+        self.step_temporaries: dict[str, int] = {}
+        make_cache = functools.partial(
+            PagedLatentCache,
             num_layers=cfg.num_hidden_layers + (1 if self.has_mtp else 0),
-            num_pages=num_pages,
             page_size=page_size,
             latent_dim=cfg.latent_dim,
             max_seqs=max_batch,
             # A block table also covers the padding queries a verify or mixed step's row has past its last
             # token (the decode kernel counts them in), up to MIXED_TILE - 1 = MAX_DRAFT_TOKENS past max_context.
             max_pages_per_seq=next_pow2(-(-(max_context + MIXED_TILE - 1) // page_size)),
-            page_format=kv_dtype,
+            page_format=page_format,
             fill_value=cache_fill,
             rope_dim=cfg.qk_rope_head_dim,
             ranks=D,
         )
+        wanted = max_batch * kv_plan.pages_per_sequence if num_pages is None else num_pages
+        self.memory_plan = self._plan_memory(
+            make_cache, kv_plan, wanted, num_pages, memory_fraction, device_memory, mesh
+        )
+        self.num_pages = wanted if self.memory_plan is None else self.memory_plan.num_pages
+        self.cache = make_cache(num_pages=self.num_pages)
         if mesh is not None:
             # The latent has no head axis to split: every device of a data rank holds all of that rank's
             # pages (the whole pool when data = 1); the pool's N axis is split over the data ranks.
             pool = PartitionSpec(None, self.data_axes) if D > 1 else PartitionSpec()
             self.cache.pages = jax.device_put(self.cache.pages, NamedSharding(mesh, pool))
-        self.attention_impl = attention_impl
-        self.compile_log: list[dict] = []
         self._sched = _Generation(self)  # the one scheduler: generate() and submit() both queue into it
+
+    def _plan_memory(self, make_cache, kv_plan, wanted, num_pages, fraction, device_memory, mesh):
+        """The pool that fits the device (`mla_jax.memory.plan_pool`) -> a `MemoryPlan`, or None where the device
+        reports no memory and none was given (a CPU). The largest steps are compiled over an abstract pool of
+        `wanted` pages to measure their temporaries (`_Generation.step_temporaries`); those programs are the
+        ones the engine runs when the plan keeps `wanted` pages."""
+        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+        limit = device_memory if device_memory is not None else device_bytes_limit(device)
+        if limit is None:
+            return None
+        self.cache = make_cache(num_pages=wanted, allocate=False)
+        probe = _Generation(self)
+        try:
+            self.step_temporaries = probe.step_temporaries()
+        finally:
+            del self.cache
+        weights = tree_device_bytes(self.state)
+        in_use = device_bytes_in_use(device) if device_memory is None else weights
+        return plan_pool(
+            device_bytes=limit,
+            fraction=fraction,
+            weight_bytes=weights,
+            other_bytes=max(0, in_use - weights),
+            temp_bytes=max(self.step_temporaries.values()),
+            page_bytes=kv_plan.mla.bytes_per_token * self.page_size,
+            pages_per_sequence=kv_plan.pages_per_sequence,
+            max_batch=self.max_batch,
+            num_pages=num_pages,
+            ranks=self.data_ranks,
+            max_context=self.max_context,
+        )
 
     # --- input checking ---------------------------------------------------------------------
     def _check_prompt(self, p, name: str) -> list[int]:

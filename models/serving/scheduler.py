@@ -395,24 +395,63 @@ class _Generation:
         jax.block_until_ready(self.cache.pages)
         return sum(trace_counts().values()) - traces0
 
-    def _compile_all(self, traced: list, progress: bool) -> None:
+    def step_temporaries(self, progress: bool = False) -> dict[str, int]:
+        """Compile the calls with the largest temporaries an engine step can have and read their sizes ->
+        {kind: temporary bytes} (`compiled.memory_analysis()`): the prefill at the largest chunk bucket over the
+        widest block table (with the MTP block and one draft when the model has one), the decode call at the
+        widest table and, when `mixing`, the mixed step there. A verify call's k + 1 query tokens a row are
+        fewer than a prefill chunk's. The programs land in jit's cache, as warm-up's do; nothing runs. The pool
+        may be abstract (a `jax.ShapeDtypeStruct`): nothing is allocated."""
+        if self.requests:
+            raise RuntimeError(f"step_temporaries needs an idle engine; {len(self.requests)} request(s) in flight")
+        e, c, B = self.e, self.cache, self.e.max_batch
+        k0, saved = self.k, (c.pages, self.lane)
+        P = c.max_pages_per_seq
+        idle = np.zeros((B,), np.int32)
+        stop_ids = np.full((B, MIN_STOP_IDS), -1, np.int32)
+        self._traced = []
+        self.sampler = "greedy"
+        try:
+            if e.has_mtp:
+                self.configure(1)
+            inp = self._idle(next_pow2(max(e.min_chunk_bucket, e.prefill_chunk)), P)
+            nxt = np.zeros_like(inp.ids) if self.k else None
+            self._prefill_call("prefill", inp, np.zeros((B,), bool), idle - 1, nxt, np.zeros((B,), bool))
+            self.configure(0)
+            self._decode_call(self._idle(1, P), idle, stop_ids, e.decode_steps)
+            if self.mixing:
+                inp = self._idle(MIXED_TILE, P, list(range(B)) + [0] * e.mixed_rows)
+                self._prefill_call("mixed", inp, np.zeros((B,), bool), idle - 1, None, None)
+        finally:
+            traced, self._traced = self._traced, None
+            c.pages, self.lane = saved
+            self.configure(k0)
+        out: dict[str, int] = {}
+        for (kind, _, _), compiled in zip(traced, self._compile_all(traced, progress, "memory plan: compiling")):
+            out[kind] = max(out.get(kind, 0), int(compiled.memory_analysis().temp_size_in_bytes))
+        return out
+
+    def _compile_all(self, traced: list, progress: bool, desc: str = "warm-up: compiling") -> list:
         """Compile traced calls [(kind, bucket, jax.stages.Traced)] in parallel threads; each into jit's cache,
-        which the calls' next runs find (and into `compile_log`)."""
+        which the calls' next runs find (and into `compile_log`) -> the compiled programs, in order."""
         if not traced:
-            return
+            return []
 
         def compile_one(item):
             kind, bucket, t = item
             t0 = time.perf_counter()
-            t.lower().compile()
-            return dict(step=kind, bucket=bucket, seconds=time.perf_counter() - t0)
+            compiled = t.lower().compile()
+            return compiled, dict(step=kind, bucket=bucket, seconds=time.perf_counter() - t0)
 
         workers = max(1, min(8, len(traced), os.cpu_count() or 1))
+        out = []
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             done = pool.map(compile_one, traced)
-            bar = tqdm.tqdm(done, total=len(traced), desc="warm-up: compiling", unit="program", disable=not progress)
-            for entry in bar:
+            bar = tqdm.tqdm(done, total=len(traced), desc=desc, unit="program", disable=not progress)
+            for compiled, entry in bar:
                 self.e.compile_log.append(entry)
+                out.append(compiled)
+        return out
 
     def _warm_calls(self, max_tokens: int) -> None:
         e, c, B = self.e, self.cache, self.e.max_batch
