@@ -483,7 +483,7 @@ class Fp8Experts(nnx.Module):
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = initializers.normal(cfg.initializer_range)
         for name, shape in (("gate_proj", (E, I, D)), ("up_proj", (E, I, D)), ("down_proj", (E, D, I))):
-            q, s = fp8_weights.quantize_blocks(init(rngs.params(), shape, _F32))
+            q, s = fp8_weights.random_blocks(init, rngs.params(), shape)
             setattr(self, name + "_fp8", fp8_weights.Fp8Weight(q))
             setattr(self, name + "_scale_inv", fp8_weights.Fp8Scale(s))
 
