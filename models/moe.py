@@ -324,10 +324,13 @@ def resolve_moe_impl(
     *,
     training: bool = False,
     fp8: bool = False,
+    stack_experts: int | None = None,
 ) -> str:
     """Map `impl` ("auto" included) to "ragged_dot" | "mgpu" | "decode" | "dense"; ValueError on an unknown
     name. `rows` (assignments, T·K), `num_experts` and `widths` (D, I) let "auto" pick the decode kernel
-    (`moe_decode_fp8`'s limits for FP8 experts, `fp8=True`).
+    (`moe_decode_fp8`'s limits for FP8 experts, `fp8=True`, with `stack_experts` the experts of the stack it would
+    read: one it cannot index goes to the chunked grouped GEMM, not to its reference, which dequantizes the
+    layer whole).
 
     "auto": on a Hopper GPU with bf16 compute, "decode" for calls of at most `DECODE_ROWS_PER_EXPERT` rows
     an expert on average that `moe_decode` serves, else "mgpu"; elsewhere "ragged_dot", except for training
@@ -343,7 +346,9 @@ def resolve_moe_impl(
     if not (jnp.dtype(dtype) == jnp.bfloat16 and backend.on_hopper()):
         return "ragged_dot"
     if not training and rows is not None and num_experts and rows <= DECODE_ROWS_PER_EXPERT * num_experts:
-        if widths is None or not (moe_decode_fp8_problems if fp8 else moe_decode_problems)(*widths):
+        if widths is None:
+            return "decode"
+        if not (moe_decode_fp8_problems(*widths, experts=stack_experts) if fp8 else moe_decode_problems(*widths)):
             return "decode"
     return "mgpu"
 
@@ -594,13 +599,15 @@ class MoE(nnx.Module):
     def resolved_impl(self, num_tokens: int) -> str:
         """The expert implementation a call over `num_tokens` tokens runs (`impl` with "auto" resolved)."""
         cfg = self.cfg
+        fp8 = isinstance(self.experts, Fp8Experts)
         return resolve_moe_impl(
             self.impl,
             self.dtype,
             rows=num_tokens * cfg.num_experts_per_tok,
             num_experts=cfg.n_routed_experts,
             widths=(cfg.hidden_size, cfg.moe_intermediate_size),
-            fp8=isinstance(self.experts, Fp8Experts),
+            fp8=fp8,
+            stack_experts=math.prod(self.experts.gate_proj_fp8.shape[:-2]) if fp8 else None,
         )
 
     def _decode_shared(self, impl: str, stacked: Stacked | None, rows: int) -> SharedExperts | None:

@@ -106,6 +106,23 @@ def test_gpu_fp8_grouped_on_mgpu_equals_dequantize_then_matmul(monkeypatch):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
 
 
+def test_fp8_experts_the_decode_kernel_cannot_index_take_the_chunked_gemm(monkeypatch):
+    """On a Hopper GPU a decode-sized call over V3's experts takes `moe_decode_fp8` where it can index the stack
+    it reads (2 layers, 7.5e9 bytes: 64-bit offsets; 128 experts), and the chunked grouped GEMM ("mgpu") for one
+    layer of 256 (3.76e9 bytes, 32-bit offsets that wrap: the MTP layer's), where the kernel's "auto" took its
+    reference, which dequantizes the whole layer (22.5 GB). The MoE module names its own stack."""
+    from models.moe import MoE, resolve_moe_impl
+
+    monkeypatch.setattr("pallas_kernels.backend.on_hopper", lambda: True)
+    kw = dict(rows=32 * 8, num_experts=256, widths=(7168, 2048), fp8=True)
+    assert resolve_moe_impl("auto", jnp.bfloat16, **kw, stack_experts=2 * 256) == "decode"
+    assert resolve_moe_impl("auto", jnp.bfloat16, **kw, stack_experts=128) == "decode"
+    assert resolve_moe_impl("auto", jnp.bfloat16, **kw, stack_experts=256) == "mgpu"
+    v3 = ModelConfig.deepseek_v3()
+    moe = nnx.eval_shape(lambda: MoE(v3, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, weights="fp8"))
+    assert moe.resolved_impl(32) == "mgpu"
+
+
 # ------------------------------------------------------------------------------------------
 # The compiled steps of an FP8 model: no dequantized layer of experts, no whole stack
 # ------------------------------------------------------------------------------------------
