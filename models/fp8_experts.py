@@ -11,12 +11,12 @@ D) into chunks of at most `DEQUANT_BYTES` of dequantized weights, and runs the g
 one chunk at a time (a `lax.fori_loop`), writing the chunk's columns of h [M, I] (then of y [M, D]) in place.
 
 Why output columns and not chunks of experts: each output column of a grouped GEMM is the full contraction of
-its row with one column of its expert, so a column chunk computes every product once and each result exactly as
-the whole GEMM does (no partial sums), and the GEMM keeps all M rows with all E groups. A chunk of experts would
+its row with one column of its expert, so a column chunk computes every product once and each result as the
+whole GEMM does (no partial sums), and the GEMM keeps all M rows with all E groups. A chunk of experts would
 own a ragged, data-dependent run of the sorted rows; a static-shape GEMM over it must span all M rows (the Mosaic
 GPU kernel's grid is cdiv(M, block_m) + G - 1 row tiles, each running its full K loop whatever the groups hold),
-so the GEMM's work would grow with the number of chunks. The bytes moved are today's whole-layer recipe's (each
-e4m3 weight read once, written once in bf16 and read once by the GEMM); only the temporaries shrink.
+so the GEMM's work would grow with the number of chunks. The bytes moved are those of dequantizing the layer whole
+(each e4m3 weight read once, written once in bf16 and read once by the GEMM); only the temporaries shrink.
 """
 
 from __future__ import annotations
