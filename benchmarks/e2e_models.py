@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mla_jax import ModelConfig, fp8_weights
+from mla_jax import ModelConfig, fp8_weights, initializers
 from mla_jax.capacity import plan_kv_cache
 from mla_jax.sharding import model_shardings, shard_model
 from models import DeepSeekModel
@@ -106,23 +106,20 @@ FP8_SPREAD = 16.0  # random e4m3 values are N(0, 16^2): well inside e4m3's range
 
 
 def random_fp8_model(make, std: float):
-    """The FP8 model `make()` builds, without its init's fp32 copy of every weight (a V3 MoE layer's experts
-    are 45 GB in fp32 before quantization): the dense variables from one jitted init that leaves the FP8 ones
-    out (XLA drops their quantization), every `Fp8Weight` drawn directly as e4m3 (N(0, FP8_SPREAD²), one
-    fused program a weight) and every `Fp8Scale` = std / FP8_SPREAD, so W = q · s has the init's spread."""
+    """The FP8 model `make()` builds, without its init's quantization of a dense draw (`fp8_weights.random_blocks`,
+    a slab at a time): the dense variables from one jitted init that leaves the FP8 ones out (XLA drops their
+    quantization), every `Fp8Weight` drawn directly as e4m3 (N(0, FP8_SPREAD²), `mla_jax.initializers.normal`) and
+    every `Fp8Scale` = std / FP8_SPREAD, so W = q · s has the init's spread."""
     fp8_kinds = (fp8_weights.Fp8Weight, fp8_weights.Fp8Scale)
     abstract = nnx.eval_shape(make)
     graphdef, fp8_state, _ = nnx.split(abstract, fp8_kinds, ...)
     rest = jax.jit(lambda: nnx.split(make(), fp8_kinds, ...)[2])()
-    draw = jax.jit(
-        lambda key, shape: (jax.random.normal(key, shape, jnp.float32) * FP8_SPREAD).astype(fp8_weights.FP8_DTYPE),
-        static_argnums=1,
-    )
+    draw = initializers.normal(FP8_SPREAD)  # a large weight drawn a slab at a time: no float32 copy of a stack
     keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(fp8_state))))
 
     def fill(v):
         if isinstance(v, fp8_weights.Fp8Weight):
-            return v.replace(draw(next(keys), v.shape))
+            return v.replace(draw(next(keys), v.shape, fp8_weights.FP8_DTYPE))
         return v.replace(jnp.full(v.shape, std / FP8_SPREAD, jnp.float32))
 
     fp8_state = jax.tree.map(fill, fp8_state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -38,12 +38,14 @@ does not train.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mla_jax import initializers
 from pallas_kernels import backend
 from pallas_kernels.fp8_gemm import dequantize_blocks as kernel_dequantize_blocks
 from pallas_kernels.fp8_gemm import fp8_matmul, fp8_matmul_problems
@@ -102,6 +104,30 @@ def quantize_blocks(w_NK: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array,
     q = jnp.clip(blocks / scale[..., :, None, :, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     q = q.reshape(*lead, nb * block, kb * block)[..., :n, :k]
     return q, scale.astype(_F32)
+
+
+def random_blocks(init, key: jax.Array, shape) -> tuple[jax.Array, jax.Array]:
+    """A random FP8 weight [..., N, K]: `quantize_blocks(init(key, shape, float32))` (`init` an nnx initializer)
+    for at most `initializers.MAX_BUCKETED` elements. A larger weight is drawn and quantized in one jitted program a
+    slab of whole 128-row blocks (whole matrices when N is not a multiple of 128) at a time
+    (`initializers.fill_slabs`: slab i drawn by `init` from `fold_in(key, i)`), so its float32 values never exist
+    whole (a V3 layer's routed experts: 45 GB)."""
+    shape = tuple(int(d) for d in shape)
+    if math.prod(shape) <= initializers.MAX_BUCKETED:
+        return quantize_blocks(init(key, shape, _F32))
+    return _random_blocks_in_slabs(key, init=init, shape=shape)
+
+
+@functools.partial(jax.jit, static_argnames=("init", "shape"))
+def _random_blocks_in_slabs(key: jax.Array, *, init, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    *lead, n, k = shape
+    unit = FP8_BLOCK if n % FP8_BLOCK == 0 else n  # rows a slab takes together: no scaling block is cut
+    units = math.prod(lead) * n // unit
+    per = initializers.largest_divisor(units, initializers.MAX_BUCKETED // (unit * k))
+    sds = jax.ShapeDtypeStruct
+    out = (sds((units, unit, k), FP8_DTYPE), sds((units, *scale_shape(unit, k)), _F32))
+    q, s = initializers.fill_slabs(key, out, per, lambda kk: quantize_blocks(init(kk, (per, unit, k), _F32)))
+    return q.reshape(shape), s.reshape(*lead, *scale_shape(n, k))
 
 
 def dequantize_blocks(q_NK: jax.Array, scale: jax.Array, dtype=_F32) -> jax.Array:
@@ -194,14 +220,14 @@ class Fp8Scale(nnx.Variable):
 
 class Fp8Linear(nnx.Module):
     """A bias-free projection [..., K] -> [..., N] with an FP8 weight: `weight_fp8` (`Fp8Weight` [N, K]) and
-    `scale_inv` (`Fp8Scale` [nb, kb]). Built from a random dense init quantized with `quantize_blocks` (a
-    loader overwrites both). `dtype`: the compute and output dtype; `impl`: `fp8_linear`'s."""
+    `scale_inv` (`Fp8Scale` [nb, kb]). Built from a random dense init quantized by `random_blocks` (a loader
+    overwrites both). `dtype`: the compute and output dtype; `impl`: `fp8_linear`'s."""
 
     def __init__(
         self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=_F32, kernel_init=None, impl="auto"
     ):
         init = kernel_init or nnx.initializers.lecun_normal()
-        q, s = quantize_blocks(init(rngs.params(), (out_features, in_features), _F32))
+        q, s = random_blocks(init, rngs.params(), (out_features, in_features))
         self.weight_fp8 = Fp8Weight(q)
         self.scale_inv = Fp8Scale(s)
         self.in_features, self.out_features = in_features, out_features

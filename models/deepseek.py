@@ -106,9 +106,11 @@ def _scan_layers(
     as a constant and the kernel reads its layer's experts in place (`MoE(stack_index=...)`).
     Training keeps them scanned (sliced): the gradient of a whole-stack constant would be
     accumulated at full size in every iteration; so do prefill-sized calls, whose grouped GEMM
-    takes one layer's experts. The same holds for the layer's projections (`mla_jax.linear`): a
-    decode-sized cached call on a kernel backend passes them whole and `pallas_kernels.stacked_matmul`
-    reads each layer's weights in place.
+    takes one layer's experts. FP8 experts (they do not train) always go in whole: every impl reads them
+    in place (the prefill-sized ones a chunk of columns at a time, `models.fp8_experts`), where a slice
+    of the layer fed to the chunks' loop may be copied (11 GB of e4m3 a V3 layer). The same holds for
+    the layer's projections (`mla_jax.linear`): a decode-sized cached call on a kernel backend passes
+    them whole and `pallas_kernels.stacked_matmul` reads each layer's weights in place.
 
     `remat` (REMAT_POLICIES, training only; a cached call must leave it "none") wraps the layer body in
     `jax.checkpoint` with that policy, so the backward of the scan keeps per layer only what the policy
@@ -118,12 +120,8 @@ def _scan_layers(
     policy = remat_policy(remat)
     if remat != "none" and cache is not None:
         raise ValueError(f"remat={remat!r} is for training; a cached (inference) call takes remat='none'")
-    whole = (
-        cache is not None
-        and stack.is_moe
-        and stack.mlp.resolved_impl(h_BTD.shape[0] * h_BTD.shape[1]) in ("decode", "decode_interpret")
-    )
     rows = h_BTD.shape[0] * h_BTD.shape[1]
+    whole = stack.is_moe and stack.mlp.reads_whole_stack(rows, cache is not None)
     proj_impl = None if cache is None else stacked_impl(cache.impl, rows)
     constant = nnx.Nothing()  # what goes in whole (the rest is sliced by the scan)
     if whole:

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec
 from mla_jax import fp8_weights, initializers
 from mla_jax.config import ModelConfig
 from mla_jax.linear import Stacked
+from models.fp8_experts import Fp8Experts, dequantize_experts, fp8_grouped
 from models.mlp import MLP
 from pallas_kernels import (
     DecodeRoute,
@@ -323,10 +324,13 @@ def resolve_moe_impl(
     *,
     training: bool = False,
     fp8: bool = False,
+    stack_experts: int | None = None,
 ) -> str:
     """Map `impl` ("auto" included) to "ragged_dot" | "mgpu" | "decode" | "dense"; ValueError on an unknown
     name. `rows` (assignments, T·K), `num_experts` and `widths` (D, I) let "auto" pick the decode kernel
-    (`moe_decode_fp8`'s limits for FP8 experts, `fp8=True`).
+    (`moe_decode_fp8`'s limits for FP8 experts, `fp8=True`, with `stack_experts` the experts of the stack it would
+    read: one it cannot index goes to the chunked grouped GEMM, not to its reference, which dequantizes the
+    layer whole).
 
     "auto": on a Hopper GPU with bf16 compute, "decode" for calls of at most `DECODE_ROWS_PER_EXPERT` rows
     an expert on average that `moe_decode` serves, else "mgpu"; elsewhere "ragged_dot", except for training
@@ -342,7 +346,9 @@ def resolve_moe_impl(
     if not (jnp.dtype(dtype) == jnp.bfloat16 and backend.on_hopper()):
         return "ragged_dot"
     if not training and rows is not None and num_experts and rows <= DECODE_ROWS_PER_EXPERT * num_experts:
-        if widths is None or not (moe_decode_fp8_problems if fp8 else moe_decode_problems)(*widths):
+        if widths is None:
+            return "decode"
+        if not (moe_decode_fp8_problems(*widths, experts=stack_experts) if fp8 else moe_decode_problems(*widths)):
             return "decode"
     return "mgpu"
 
@@ -372,13 +378,15 @@ def moe_grouped(
 
     The weights may hold several layers' experts, flattened ([L·E, D, I]): then `num_experts` = E
     and this call uses experts [expert_offset, expert_offset + E) (a traced layer · E). The decode
-    kernel reads them in place; the other impls take that slice first.
+    kernel and FP8 experts read them in place; the other impls take that slice first.
 
     An assignment to an expert id >= E contributes nothing (its rows sort last, past every group):
     an expert-parallel rank passes E = its own experts and the others' ids as E.
 
     `scales` (gate, up, down; fp32 [E, nb, kb]): the experts are FP8 as released (`Fp8Experts.blocks`: gate/up
-    [E, I, D], down [E, D, I] e4m3), run by `pallas_kernels.moe_decode_fp8` (decode impls only; no gradient).
+    [E, I, D], down [E, D, I] e4m3; no gradient), run by `pallas_kernels.moe_decode_fp8` on the decode impls, read
+    in place, and by `models.fp8_experts.fp8_grouped` on the others, dequantized a chunk of columns at a time
+    (never a whole layer's experts, nor a stack's: the stack is read at `expert_offset` in place).
     `decode_impl`: the decode kernel's `pallas_kernels.backend` impl (None: "auto"; "decode_interpret" is
     "interpret").
     `shared` (`pallas_kernels.moe_decode.SharedExperts`; decode impls and bf16 experts only): the shared experts
@@ -391,11 +399,9 @@ def moe_grouped(
     E = gate_EDI.shape[0] if num_experts is None else num_experts
     off = 0 if expert_offset is None else expert_offset
     decode = impl in ("decode", "decode_interpret")
-    if scales is not None and not decode:
-        raise ValueError(f"moe_grouped: FP8 experts (scales given) run by the decode kernel only, got impl={impl!r}")
     if shared is not None and (not decode or scales is not None):
         raise ValueError(f"moe_grouped: shared experts run in the bf16 decode kernel only, got impl={impl!r}")
-    if not decode and gate_EDI.shape[0] != E:
+    if not decode and scales is None and gate_EDI.shape[0] != E:
         gate_EDI, up_EDI, down_EID = (
             jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in (gate_EDI, up_EDI, down_EID)
         )
@@ -450,8 +456,12 @@ def moe_grouped(
         gdot = lambda a, b: jax.lax.ragged_dot(a, b.astype(a.dtype), group_sizes_E)  # noqa: E731
     else:
         raise ValueError(f"moe_grouped impl must be 'ragged_dot', 'mgpu' or 'decode', got {impl!r}")
-    h_MI = jax.nn.silu(gdot(x_MD, gate_EDI)) * gdot(x_MD, up_EDI)
-    y_MD = gdot(h_MI, down_EID)
+    if scales is not None:
+        blocks = (gate_EDI, up_EDI, down_EID, *scales)
+        y_MD = fp8_grouped(x_MD, blocks, gdot, num_experts=E, expert_offset=expert_offset)
+    else:
+        h_MI = jax.nn.silu(gdot(x_MD, gate_EDI)) * gdot(x_MD, up_EDI)
+        y_MD = gdot(h_MI, down_EID)
     y_MD = jnp.where(valid_M, y_MD.astype(_F32) * w_M[:, None], 0.0)  # rows past the groups may hold anything
     # Un-sort (a gather, deterministic, unlike a scatter-add) and sum each token's K rows.
     return y_MD[inv_M].reshape(T, K, D).sum(axis=1).astype(dt)
@@ -472,38 +482,6 @@ class Experts(nnx.Module):
         return self.gate_proj[...], self.up_proj[...], self.down_proj[...]
 
 
-class Fp8Experts(nnx.Module):
-    """The E routed experts in FP8 as released (`mla_jax.fp8_weights`): per projection p of gate_proj / up_proj
-    [E, I, D] and down_proj [E, D, I] (torch's [out, in] per expert), `p_fp8` (`Fp8Weight`, e4m3) and
-    `p_scale_inv` (`Fp8Scale`, fp32 [E, ceil(out/128), ceil(in/128)]). `blocks()` gives them as stored (what the
-    decode kernel reads in place); `stacked(dtype)` dequantizes them into `Experts`' layout for the other
-    grouped GEMMs (the jnp reference recipe: dequantize, then matmul)."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        init = initializers.normal(cfg.initializer_range)
-        for name, shape in (("gate_proj", (E, I, D)), ("up_proj", (E, I, D)), ("down_proj", (E, D, I))):
-            q, s = fp8_weights.quantize_blocks(init(rngs.params(), shape, _F32))
-            setattr(self, name + "_fp8", fp8_weights.Fp8Weight(q))
-            setattr(self, name + "_scale_inv", fp8_weights.Fp8Scale(s))
-
-    def blocks(self) -> tuple[jax.Array, ...]:
-        """(gate [E, I, D], up [E, I, D], down [E, D, I] e4m3, then their fp32 scales) as stored."""
-        names = ("gate_proj", "up_proj", "down_proj")
-        return tuple(getattr(self, p + "_fp8")[...] for p in names) + tuple(
-            getattr(self, p + "_scale_inv")[...] for p in names
-        )
-
-    def stacked(self, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(gate [E, D, I], up [E, D, I], down [E, I, D]) dequantized to `dtype`."""
-        return tuple(
-            fp8_weights.dequantize_blocks(
-                getattr(self, p + "_fp8")[...], getattr(self, p + "_scale_inv")[...], dtype
-            ).swapaxes(-1, -2)
-            for p in ("gate_proj", "up_proj", "down_proj")
-        )
-
-
 class MoE(nnx.Module):
     """Routed experts + shared experts: `moe(x [..., D]) -> [..., D]` in `dtype`.
 
@@ -511,8 +489,8 @@ class MoE(nnx.Module):
     (an MLP of width n_shared·I, or None when n_shared_experts == 0). `weights`
     (`mla_jax.fp8_weights.WEIGHT_FORMATS`): "fp8" keeps the routed and shared experts in FP8; the router
     stays fp32. FP8 experts run by the decode kernel read in place as stored (`moe_decode_fp8`); the other
-    impls dequantize them per call. `impl` selects the expert computation
-    (see the module docstring); `return_router=True` also returns the RouterOutput over the
+    impls dequantize them a chunk of columns at a time (`models.fp8_experts.fp8_grouped`). `impl` selects the
+    expert computation (see the module docstring); `return_router=True` also returns the RouterOutput over the
     flattened tokens (leading axes of x flattened into T).
 
     `parallel` (None by default): (mesh, mesh axes of the batch, mesh axes of the experts), set by
@@ -609,16 +587,27 @@ class MoE(nnx.Module):
             return lambda x_TD, w_TK, idx_TK, ws, off: mapped(x_TD, w_TK, idx_TK, ws)
         return lambda x_TD, w_TK, idx_TK, ws, off: mapped(x_TD, w_TK, idx_TK, ws).sum(0)
 
+    def reads_whole_stack(self, num_tokens: int, cached: bool) -> bool:
+        """Whether a scanned stack of these routed experts should go into the layers' scan whole, each layer's call
+        reading its experts at `stack_index` in place, rather than sliced by the scan (a slice that feeds a kernel
+        or a loop is a copy of the layer's experts): FP8 experts always, unless expert-parallel (`parallel`, whose
+        shard_map takes one layer's), and bf16 ones when a cached call runs the decode kernel."""
+        if isinstance(self.experts, Fp8Experts):
+            return self.parallel is None
+        return cached and self.resolved_impl(num_tokens) in ("decode", "decode_interpret")
+
     def resolved_impl(self, num_tokens: int) -> str:
         """The expert implementation a call over `num_tokens` tokens runs (`impl` with "auto" resolved)."""
         cfg = self.cfg
+        fp8 = isinstance(self.experts, Fp8Experts)
         return resolve_moe_impl(
             self.impl,
             self.dtype,
             rows=num_tokens * cfg.num_experts_per_tok,
             num_experts=cfg.n_routed_experts,
             widths=(cfg.hidden_size, cfg.moe_intermediate_size),
-            fp8=isinstance(self.experts, Fp8Experts),
+            fp8=fp8,
+            stack_experts=math.prod(self.experts.gate_proj_fp8.shape[:-2]) if fp8 else None,
         )
 
     def _decode_shared(self, impl: str, stacked: Stacked | None, rows: int) -> SharedExperts | None:
@@ -662,11 +651,10 @@ class MoE(nnx.Module):
         ex = self.experts
         impl = self.resolved_impl(x_TD.shape[0])
         E = self.cfg.n_routed_experts
-        if isinstance(ex, Fp8Experts):
-            # the decode kernel reads the e4m3 blocks as stored; the other impls take them dequantized
-            ws = ex.blocks() if impl == "decode" else ex.stacked(self.dtype)
-        else:
-            ws = ex.stacked()
+        fp8 = isinstance(ex, Fp8Experts)
+        # FP8 experts go as stored: the decode kernel reads the e4m3 blocks in place, the other grouped GEMMs
+        # dequantize them a chunk at a time (`moe_grouped`)
+        ws = ex.blocks() if fp8 else ex.stacked()
         off = None
         if stack_index is not None:  # [L, E, ...] -> [L·E, ...]: a free reshape, no copy
             ws = tuple(w.reshape((-1,) + w.shape[2:]) for w in ws)
@@ -692,7 +680,7 @@ class MoE(nnx.Module):
             if impl == "dense":
                 if off is not None:
                     ws = tuple(jax.lax.dynamic_slice_in_dim(w, off, E, axis=0) for w in ws)
-                return moe_dense_reference(x_TD, w_TK, idx_TK, *ws)
+                return moe_dense_reference(x_TD, w_TK, idx_TK, *(dequantize_experts(ws, self.dtype) if fp8 else ws))
             return moe_grouped(
                 x_TD,
                 w_TK,

@@ -31,3 +31,25 @@ def host_round_trips(text: str) -> list[str]:
     loops = [ln for ln in lines if re.search(r" while\(", ln) and 'known_trip_count":{"n":"' not in ln]
     conds = [ln for ln in lines if re.search(r" conditional\(", ln)]
     return [ln.strip()[:160] for ln in loops + conds]
+
+
+def buffers(text: str, limit: int, dtypes=("f16", "bf16", "f32", "f64")) -> list[str]:
+    """The arrays of `dtypes` of more than `limit` bytes that a compiled module's text holds as buffers: the
+    outputs of instructions outside fused computations (a fusion's own instructions are not buffers), tuple
+    elements included (a while loop's carried arrays), as `shape opcode` strings."""
+    fused = set(re.findall(r"calls=(%[\w.\-]+)", text))
+    out, current = [], None
+    for line in text.splitlines():
+        head = re.match(r"(?:ENTRY )?(%[\w.\-]+) \(", line)
+        if head:
+            current = head.group(1)
+            continue
+        if current in fused or " = " not in line:
+            continue
+        kind = re.match(r"(.*?) ([\w\-]+)\(", line.split(" = ", 1)[1])
+        if not kind:
+            continue
+        for dtype, dims in re.findall(r"\b(\w+)\[([\d,]*)\]", kind.group(1)):
+            if dtype in dtypes and shape_bytes(f"{dtype}[{dims}]") > limit:
+                out.append(f"{dtype}[{dims}] {kind.group(2)}")
+    return out

@@ -331,9 +331,9 @@ def _micro_fp8_logits(runs, dtype=jnp.float32):
 def test_fp8_cached_call_on_the_kernels_equals_the_reference_path():
     """The micro FP8 model's cached call of decode size on the interpret backend with the decode experts passes
     every FP8 projection of the scanned stacks whole to `fp8_matvec` and the routed experts whole to
-    `moe_decode_fp8`; its logits equal those of the reference backend with `ragged_dot` experts (every weight
-    sliced by the scan and dequantized). Catches a layer reading another layer's weights, scales or experts, a
-    projection skipping the FP8 path."""
+    `moe_decode_fp8`; its logits equal those of the reference backend with `ragged_dot` experts (every projection
+    sliced by the scan and dequantized, the experts dequantized in chunks out of the whole stack). Catches a layer
+    reading another layer's weights, scales or experts, a projection skipping the FP8 path."""
     (got, jaxpr), (want, ref_jaxpr) = _micro_fp8_logits([("interpret", "decode"), ("reference", "ragged_dot")])
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
     # wq_a, wq_b, wkv_a, wo and the dense MLP's 3 in the dense stack; the attention's 4 and the shared expert's 3

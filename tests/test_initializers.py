@@ -47,3 +47,51 @@ def test_keys_and_shapes_in_one_bucket_give_their_own_values():
     assert not np.allclose(a, b)
     c = init(jax.random.key(0), (8, 32))
     np.testing.assert_array_equal(np.asarray(c).ravel(), np.asarray(a).ravel()[:256])
+
+
+def test_largest_divisor_within_a_limit():
+    """Against a brute-force search: a wrong divisor would make the slabs of a large draw miss or overrun the
+    parameter's elements."""
+    for n, limit in [(720720, 5000), (2 * 3 * 1009 * 1013, 6000), (97, 50), (1 << 20, 1 << 20), (12, 0)]:
+        assert initializers.largest_divisor(n, limit) == max([1] + [d for d in range(1, limit + 1) if n % d == 0])
+
+
+def test_a_large_draw_is_its_slabs_each_from_its_own_key(monkeypatch):
+    """A parameter over MAX_BUCKETED elements (here 4 slabs of 1024) is slab i = N(0, std^2) drawn from
+    fold_in(key, i), in the flat order of the parameter. Catches every slab drawn from one key (repeated values),
+    a slab written at another's place, a scale or cast left out."""
+    monkeypatch.setattr(initializers, "MAX_BUCKETED", 1024)
+    key = jax.random.key(7)
+    got = np.asarray(initializers.normal(0.5)(key, (8, 512), jnp.float32)).reshape(4, 1024)
+    for i in range(4):
+        want = np.asarray(jax.random.normal(jax.random.fold_in(key, i), (1024,), jnp.float32)) * np.float32(0.5)
+        np.testing.assert_array_equal(got[i], want)
+    assert np.unique(got).size == got.size
+    with pytest.raises(ValueError, match=r"^fill_slabs: slabs of 3 rows must tile every output's 8 rows"):
+        initializers.fill_slabs(key, (jax.ShapeDtypeStruct((8,), jnp.float32),), 3, lambda k: (jnp.zeros(3),))
+
+
+@pytest.mark.parametrize("weights", [None, "fp8"])
+def test_model_init_program_holds_no_float32_parameter(weights):
+    """The init program of a model with wide routed experts (2 scanned MoE layers of 32 experts 2048 x 2048, and
+    the MTP layer's), dense bf16 or FP8, holds no float32 array (nor random bits, uint32) of a quarter of one
+    layer's projection or more: it held the float32 draw of every large parameter under the layers' vmap (the
+    whole stack's: the 28 GiB that kept the V3 cut from being built on an H100) and, for FP8, the quantizer's
+    float32 blocks. XLA:CPU compile only (the model is never built), with the optimisations a real run has."""
+    from flax import nnx
+
+    from mla_jax import ModelConfig
+    from models import DeepSeekModel
+    from tests import hlo
+    from tests.xla_opt import optimized
+
+    cfg = ModelConfig.tiny().replace(
+        n_routed_experts=32, hidden_size=2048, moe_intermediate_size=2048, intermediate_size=256, num_hidden_layers=3
+    )
+    make = lambda: DeepSeekModel(  # noqa: E731
+        cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, weights=weights
+    )
+    with optimized():
+        text = jax.jit(lambda: nnx.state(make())).lower().compile().as_text()
+    layer_f32 = cfg.n_routed_experts * cfg.hidden_size * cfg.moe_intermediate_size * 4
+    assert hlo.buffers(text, layer_f32 // 4, dtypes=("f32", "u32")) == []

@@ -163,15 +163,25 @@ def fp8_default_config(D: int, I: int) -> MoeDecodeConfig:
     return MoeDecodeConfig(block_o=wide(D), block_k=wide(I), num_stages=4, fp8_f16=True)
 
 
-def moe_decode_fp8_problems(D: int, I: int, config: MoeDecodeConfig | None = None) -> list[str]:
+def moe_decode_fp8_problems(
+    D: int, I: int, config: MoeDecodeConfig | None = None, *, experts: int | None = None
+) -> list[str]:
     """Why `moe_decode_fp8` cannot take these widths (empty when it can): `moe_decode_problems`, and every
-    block at most 128 wide (a weight tile must lie in one 128x128 scale block). config None: `fp8_default_config`."""
+    block at most 128 wide (a weight tile must lie in one 128x128 scale block). config None: `fp8_default_config`.
+    `experts`: the experts of the (flattened) stack it would read; its arrays must be ones the Triton lowering
+    indexes (`_stack_problems`; "auto" takes the reference for the others)."""
     config = fp8_default_config(D, I) if config is None else config
     out = moe_decode_problems(D, I, config)
     for f in ("block_i", "block_d", "block_o", "block_k"):
         if (v := getattr(config, f)) > QUANT_BLOCK:
             out.append(f"{f} = {v} spans more than one {QUANT_BLOCK}-wide scale block")
-    return out
+    return out + ([] if experts is None else _stack_problems((experts, I, D), (experts, D, I)))
+
+
+def _stack_problems(gate_shape, down_shape) -> list[str]:
+    """The e4m3 expert arrays (gate / up, down) the Triton lowering cannot index (`backend.triton_offset_problems`)."""
+    pairs = (("gate", gate_shape), ("down", down_shape))
+    return [p for n, shape in pairs for p in backend.triton_offset_problems(n, shape, FP8_DTYPE)]
 
 
 def _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config, shared=None, x_shared_TD=None):
@@ -345,12 +355,7 @@ def moe_decode_fp8(
     config = fp8_default_config(x_MD.shape[-1], gate_EID.shape[1]) if config is None else config
     scales = (gate_scale, up_scale, down_scale)
     _validate_fp8(x_MD, group_sizes_E, gate_EID, up_EID, down_EDI, scales, config)
-    too_large = [
-        p
-        for n, w in (("gate", gate_EID), ("down", down_EDI))
-        for p in backend.triton_offset_problems(n, w.shape, w.dtype)
-    ]
-    impl = backend.choose(impl, too_large, name="moe_decode_fp8 impl")
+    impl = backend.choose(impl, _stack_problems(gate_EID.shape, down_EDI.shape), name="moe_decode_fp8 impl")
     if impl == "reference":
         return moe_decode_fp8_reference(x_MD, group_sizes_E, gate_EID, up_EID, down_EDI, *scales, expert_offset)
     return _moe_decode_kernel(
