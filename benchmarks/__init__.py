@@ -1,8 +1,13 @@
-"""Kernel microbenchmarks: shared timing, ceilings and reporting helpers.
+"""Benchmarks' shared helpers: timing, ceilings, reporting, and the rows written as they come.
 
 Method (shared/BENCHMARKING.md): CUPTI kernel time, recorded as jax's ``profiler.measure`` records it
 (`cupti_median_us`: median over >= 30 iterations after a warm-up), a correctness check before every timed
 cell, and ceilings measured in the same run.
+
+Every benchmark writes what it measured as it goes (`write_csv` / `append_row` after each row, `write_json` after
+each phase, each through a temporary file): a failure late in a run keeps what came before. A row or phase that
+fails gets an ``error`` field (`record_failure`: the error's first line, also logged), and the run ends with exit
+status 1 and one line (`exit_if_failed`).
 """
 
 from __future__ import annotations
@@ -219,21 +224,85 @@ def read_csv(path):
         return [{k: conv(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
+def _replace(path, write) -> None:
+    """Writes `path` through a temporary file beside it, then renames it in place: a run killed mid-write keeps
+    the file's last whole version."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", newline="") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
 def write_csv(path, rows):
+    """`rows` (dicts) as a CSV with the union of their keys as columns (the first row's first), written whole
+    through a temporary file (`_replace`); nothing for no rows."""
     if not rows:
         return
     fields = list(rows[0].keys())
     for r in rows:
         fields += [k for k in r if k not in fields]
-    with open(path, "w", newline="") as f:
+
+    def write(f):
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(rows)
 
+    _replace(path, write)
+
 
 def write_json(path, obj):
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
+    """`obj` as indented JSON (dataclasses as dicts, anything else unknown as its str), written whole through a
+    temporary file (`_replace`): a benchmark rewrites its JSON after each phase."""
+    _replace(
+        path,
+        lambda f: json.dump(
+            obj, f, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)
+        ),
+    )
+
+
+def append_row(path, row: dict, *, columns=None, jsonl=None) -> None:
+    """Adds `row` to the CSV at `path` as it comes (the rows already there read back, the file rewritten whole by
+    `write_csv`), so that a run that fails or is killed later keeps it. `columns`: the CSV's columns in order (a
+    row may leave any empty; `row`'s other scalar fields follow them); `jsonl`: a file that gets `row` whole,
+    lists and dicts included, as one JSON line."""
+    rows = read_csv(path) if os.path.exists(path) else []
+    flat = {k: row.get(k, "") for k in columns} if columns else {}
+    flat.update({k: v for k, v in row.items() if k not in flat and not isinstance(v, (list, dict))})
+    write_csv(path, rows + [flat])
+    if jsonl:
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
+
+# ------------------------------------------------------------------------------------------
+# Failures: one line, recorded, and the exit status
+# ------------------------------------------------------------------------------------------
+def one_line(e: BaseException) -> str:
+    """An exception in one line: its type and its message's first line (an XLA error's first line says what
+    failed, e.g. RESOURCE_EXHAUSTED and the allocation)."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+
+
+def record_failure(row: dict, what: str, e: BaseException) -> dict:
+    """Marks `row` (a row or a phase of a run) failed: its ``error`` field is `e` in one line (`one_line`),
+    logged after `what` (the cell or the phase); the run goes on to what does not depend on it. -> `row`."""
+    row["error"] = one_line(e)
+    log(f"# FAILED {what}: {row['error']}")
+    return row
+
+
+def exit_if_failed(prog: str, rows, where: str, name=lambda r: "") -> None:
+    """Ends the run with exit status 1 and one line on stderr when any of `rows` failed (has an ``error``): how
+    many, the first one (`name(row)` and its error) and `where` its rows are on disk."""
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        first = f"{name(failed[0])}: " if name(failed[0]) else ""
+        raise SystemExit(
+            f"{prog}: error: {len(failed)} of {len(rows)} rows failed (the first, {first}{failed[0]['error']}); "
+            f"the rows are in {where}"
+        )
 
 
 def print_table(rows, columns):

@@ -4,8 +4,9 @@ experts top-6, narrow widths) generating through `Engine` at several depths, eac
 Usage: ``python -m benchmarks compile_depth [--layers 4,27] [--out DIR]`` (CPU or GPU)
 
 Reports (first `generate` - warm `generate`) per depth, which is compilation (and tracing), and its
-ratio to the shallowest depth. With the layers scanned it stays about flat; with a Python loop over
-layers it grew ~5x from 4 to 27 layers.
+ratio to the shallowest depth (the shallowest that ran). With the layers scanned it stays about flat; with a
+Python loop over layers it grew ~5x from 4 to 27 layers. compile_depth.csv is rewritten after each depth; a
+depth whose process fails is a row with its last stderr line (``error``), and the run ends with exit status 1.
 """
 
 from __future__ import annotations
@@ -41,17 +42,34 @@ print(json.dumps(dict(layers=layers, first_s=first, warm_s=warm, compile_s=first
 """
 
 
+class DepthFailed(RuntimeError):
+    """A depth's child process exited non-zero (its stderr's last line is the message)."""
+
+
+def measure(layers: int) -> dict:
+    """One depth in a fresh process -> its row; DepthFailed when the child fails."""
+    env = dict(os.environ, MLA_JAX_COMPILE_CACHE="off")
+    res = subprocess.run([sys.executable, "-c", _CHILD, str(layers)], capture_output=True, text=True, env=env)
+    if res.returncode:
+        lines = res.stderr.strip().splitlines() or [f"exit status {res.returncode}"]
+        raise DepthFailed(lines[-1])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def run(args):
+    os.makedirs(args.out, exist_ok=True)
+    csv_path = os.path.join(args.out, "compile_depth.csv")
     rows = []
     for layers in [int(x) for x in args.layers.split(",")]:
-        env = dict(os.environ, MLA_JAX_COMPILE_CACHE="off")
-        res = subprocess.run([sys.executable, "-c", _CHILD, str(layers)], capture_output=True, text=True, env=env)
-        if res.returncode:
-            raise SystemExit(f"compile_depth: the {layers}-layer run failed: {res.stderr.strip().splitlines()[-1]}")
-        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    base = rows[0]["compile_s"]
-    for r in rows:
-        r["x_shallowest"] = r["compile_s"] / base
+        try:
+            row = measure(layers)
+        except Exception as e:  # noqa: BLE001 - a depth that fails must not cost the others
+            row = bm.record_failure(dict(layers=layers), f"the {layers}-layer run", e)
+        rows.append(row)
+        done = [r for r in rows if not r.get("error")]
+        for r in done:
+            r["x_shallowest"] = r["compile_s"] / done[0]["compile_s"]
+        bm.write_csv(csv_path, rows)
     print(f"# compile_depth on {jax.devices()[0].device_kind}, jax {jax.__version__}")
     bm.print_table(
         rows,
@@ -62,10 +80,10 @@ def run(args):
             ("compile_s", "first - warm s", "{:.2f}"),
             ("x_shallowest", "x shallowest", "{:.2f}"),
             ("compiles", "compiled steps", "{}"),
+            ("error", "error", "{}"),
         ],
     )
-    os.makedirs(args.out, exist_ok=True)
-    bm.write_csv(os.path.join(args.out, "compile_depth.csv"), rows)
+    bm.exit_if_failed("compile_depth", rows, csv_path, name=lambda r: f"{r['layers']} layers")
     return rows
 
 

@@ -63,7 +63,8 @@ the comparison. A cell whose B the data ranks do not divide is a "skipped" row.
 Processes: the driver never touches the GPU. Our cells run in one fresh worker process per run of
 consecutive same-model cells (clean memory, cold compiles), then the HF peer in its own process, so JAX's
 preallocation and torch never share the GPU. Every finished cell is appended to ``e2e.csv`` at once (a
-killed run keeps its rows); a failing cell becomes a row with the error's first line. ``--time-budget``
+killed run keeps its rows); a failing cell becomes a row with the error's first line (its ``error``), the run
+goes on to the next cell and ends with exit status 1 and one line naming the first failure. ``--time-budget``
 stops starting cells (ours stop ``--hf-reserve`` seconds early so the peer gets its turn).
 ``--ttft-subprocess`` instead runs the first cell twice in fresh processes with JAX's persistent compilation
 cache on (``--compile-cache DIR``, default a fresh temporary folder) and reports, per process, the
@@ -97,7 +98,6 @@ from benchmarks.e2e_cells import (
     lengths_label,
     make_prompts,
     mesh_label,
-    one_line,
     parse_cells,
     parse_meshes,
     prompt_lengths,
@@ -209,13 +209,13 @@ def run_ttft(args, argv) -> list[dict]:
                 compile_s=r["compile_s"],
             )
         except (OSError, ValueError, KeyError) as e:
-            row["error"] = f"worker exited with code {rc}: {one_line(e)}"
+            row["error"] = f"worker exited with code {rc}: {bm.one_line(e)}"
         finally:
             if os.path.exists(result):
                 os.remove(result)
         rows.append(row)
+        bm.write_csv(os.path.join(args.out, TTFT_CSV), rows)
         bm.log("  " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-    bm.write_csv(os.path.join(args.out, TTFT_CSV), rows)
     print()
     bm.print_table(
         rows,
@@ -232,6 +232,7 @@ def run_ttft(args, argv) -> list[dict]:
         ],
     )
     print(f"# compilation cache: {cache}")
+    bm.exit_if_failed("e2e", rows, os.path.join(args.out, TTFT_CSV), name=lambda r: f"run {r['run']}")
     return rows
 
 
@@ -319,7 +320,13 @@ def drive(args, argv) -> list[dict]:
         rc = run_worker(args, argv, "hf", format_cells([c for c in cells if c[0] == m]), [], deadline)
         if rc != 0:
             bm.log(f"# HF peer {m}: worker exited with code {rc}")
-    return report(os.path.join(args.out, CSV_NAME), args.out)
+    rows = report(os.path.join(args.out, CSV_NAME), args.out)
+    bm.exit_if_failed("e2e", rows, os.path.join(args.out, CSV_NAME), name=cell_name)
+    return rows
+
+
+def cell_name(row: dict) -> str:
+    return f"{row['model']} {row['impl']} B={row['B']} prompt={row['prompt']}"
 
 
 def run_worker(args, argv, kind: str, cells: str, extra, deadline) -> int:

@@ -11,7 +11,9 @@ For every cell (B, s_q, seq, H, fixed or ragged lengths):
 * decompressed: what a non-absorbed implementation does every step: up-project the whole latent cache
   to per-head K_nope/V through W_UK/W_UV [H, 128, 512], then attend (may not fit: marked OOM).
 The kernel is checked against the XLA path before it is timed. Bytes and FLOPs follow FlashMLA's
-formulas (shared/BENCHMARKING.md); ceilings are measured in the same run.
+formulas (shared/BENCHMARKING.md); ceilings are measured in the same run. mla_decode.csv is rewritten after each
+row (mla_decode_meta.json, the header and ceilings, first); a cell whose inputs or kernel fail (out of memory, a
+result unlike XLA's) is a row with the error's first line (``error``), and the run ends with exit status 1.
 
 ``--kv-dtype fp8``: the pages are fp8 (random latents quantised, `pallas_kernels.quantize_latent_fp8`:
 656 bytes a token, so the cache bytes are sum(seq_lens) * 656); the XLA and decompressing paths read the
@@ -32,16 +34,13 @@ import os
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 
 import benchmarks as bm
 from benchmarks import peers
+from benchmarks.mla_decode_report import cell_name, peer_summary, report
 from pallas_kernels import BF16_PAGES, FP8_PAGES, MlaDecodeConfig, mla_decode, page_format_of, quantize_latent_fp8
 from pallas_kernels.mla_decode import SCHEDULES, mla_decode_schedule, plan
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 
 SCALE = 192**-0.5
 PAGE = 64
@@ -269,6 +268,8 @@ def run(args):
         header["peers"] = dict(
             bundle.describe(), timing=PEER_TIMING, xla_mem=dict((k, os.environ.get(k)) for k in PEER_XLA_ENV)
         )
+    csv_path = os.path.join(args.out, "mla_decode.csv")
+    bm.write_json(os.path.join(args.out, "mla_decode_meta.json"), dict(header, ceilings=ceil))
     configs = {"default": MlaDecodeConfig(schedule=args.schedule)}
     if args.sweep:
         configs["split_qk"] = MlaDecodeConfig(scorer=False, split_qk=True)
@@ -310,9 +311,15 @@ def run(args):
     for pass_idx, cfgs, (B, s_q, seq, H, ragged) in bm.progress(work, desc="mla_decode cells"):
         causal = s_q > 1
         key = (B, s_q, seq, H, ragged)
-        q, kv, table, lens, total = make_cell(
-            B, s_q, seq, H, ragged, kv_dtype=args.kv_dtype, group_pages=bundle is not None
-        )
+        try:
+            q, kv, table, lens, total = make_cell(
+                B, s_q, seq, H, ragged, kv_dtype=args.kv_dtype, group_pages=bundle is not None
+            )
+        except Exception as e:  # noqa: BLE001 - one cell's inputs out of memory must not end the run
+            row = dict(B=B, s_q=s_q, seq=seq, H=H, lengths=lengths_name(ragged), config=",".join(cfgs))
+            rows.append(bm.record_failure(row, f"the inputs of B={B} s_q={s_q} seq={seq} H={H}", e))
+            bm.write_csv(csv_path, rows)
+            continue
         nbytes = total * token_bytes(args.kv_dtype) + (B * s_q * H * 576 + B * s_q * H * 512) * 2
         flops = s_q * total * H * (576 + 512) * 2
         ref_out = ref_lse = None
@@ -395,8 +402,7 @@ def run(args):
                 row["bw_frac"] = row["gbps"] / ceil["bandwidth_gbps"]
                 row["flop_frac"] = row["tflops"] / ceil["matmul_tflops"]
             except Exception as e:  # noqa: BLE001
-                row["note"] = f"kernel failed: {type(e).__name__}: {str(e)[:200]}"
-                bm.log(row["note"])
+                bm.record_failure(row, f"the kernel at B={B} s_q={s_q} seq={seq} H={H} {cname}", e)
             row.update(bl)
             if bl["xla_us"] and row.get("us"):
                 row["x_vs_xla"] = bl["xla_us"] / row["us"]
@@ -416,7 +422,7 @@ def run(args):
                     if k not in ("gbytes", "gflop", "causal")
                 )
             )
-            bm.write_csv(os.path.join(args.out, "mla_decode.csv"), rows)  # partial results survive a kill
+            bm.write_csv(csv_path, rows)  # partial results survive a kill
         if bundle is not None and cell_rows:
             # After our own timing (a peer's CUDA error cannot cost our row), on the same arrays.
             rows_of.setdefault(key, []).extend(cell_rows)
@@ -429,15 +435,16 @@ def run(args):
             for row in cell_rows:
                 attach_peers(row, peer_cols[key], bundle)
             bm.log("  peers: " + peer_summary(cell_rows[0], bundle))
-            bm.write_csv(os.path.join(args.out, "mla_decode.csv"), rows)
+            bm.write_csv(csv_path, rows)
         del q, kv, table, lens, ref_out, ref_lse
         if pending and bundle.ready():
             late_peers(pending, peer_cols, rows_of, bundle, xla_jit)
-            bm.write_csv(os.path.join(args.out, "mla_decode.csv"), rows)
+            bm.write_csv(csv_path, rows)
     if pending:
         bm.log(f"# peers: {len(pending)} cell(s) waited for the FlashMLA build; measuring them now")
         late_peers(pending, peer_cols, rows_of, bundle, xla_jit)
     report(rows, ceil, header, args.out)
+    bm.exit_if_failed("mla_decode", rows, csv_path, name=cell_name)
     return rows
 
 
@@ -495,139 +502,6 @@ def late_peers(pending, peer_cols, rows_of, bundle, xla_jit):
             + peer_summary(rows_of[key][0], bundle)
         )
         del q, kv, table, lens, ref
-
-
-def peer_summary(row, bundle) -> str:
-    parts = []
-    for p in bundle.peers:
-        k = p.key
-        if row.get(f"{k}_us"):
-            parts.append(
-                f"{p.label} {row[f'{k}_us']:.1f} µs ({row.get(f'{k}_variant', '')}, events "
-                f"{row.get(f'{k}_event_us', float('nan')):.1f} µs)"
-            )
-        else:
-            parts.append(f"{p.label} {row.get(f'{k}_status', '?')}: {row.get(f'{k}_note', '')}")
-    return "; ".join(parts)
-
-
-def _peer_display(rows):
-    """Rows for printing: a peer that was not timed shows its status in its µs column."""
-    out = []
-    for r in rows:
-        d = dict(r)
-        for k in ("fmla", "triton"):
-            if d.get(f"{k}_us") in (None, "") and d.get(f"{k}_status") not in (None, ""):
-                d[f"{k}_us"] = {"disagrees": "WRONG", "unavailable": "n/a"}.get(d[f"{k}_status"], d[f"{k}_status"])
-        out.append(d)
-    return out
-
-
-def report(rows, ceil, header, out_dir):
-    """Prints the table and writes CSV, JSON metadata and the roofline plot under ``out_dir``."""
-    columns = [
-        ("B", "B", "{}"),
-        ("s_q", "s_q", "{}"),
-        ("seq", "seq", "{}"),
-        ("H", "H", "{}"),
-        ("lengths", "len", "{}"),
-        ("config", "cfg", "{}"),
-        ("splits", "spl", "{}"),
-        ("us", "kernel µs", "{:.1f}"),
-        ("main_us", "main µs", "{:.1f}"),
-        ("plan_us", "plan µs", "{:.1f}"),
-        ("gbps", "GB/s", "{:.0f}"),
-        ("tflops", "TFLOP/s", "{:.0f}"),
-        ("bw_frac", "%BW", "{:.0%}"),
-        ("flop_frac", "%MMA", "{:.0%}"),
-        ("xla_us", "XLA µs", "{:.0f}"),
-        ("x_vs_xla", "xXLA", "{:.1f}"),
-        ("decompressed_us", "decompressed µs", "{:.0f}"),
-        ("flashmla_us", "FlashMLA µs", "{}"),
-        ("vs_flashmla", "FM/ours", "{:.2f}"),
-        ("rel_err", "rel err", "{:.1e}"),
-        ("note", "note", "{}"),
-    ]
-    with_peers = any(r.get("fmla_status") or r.get("triton_status") for r in rows)
-    if with_peers:
-        at = [k for k, _, _ in columns].index("note")
-        columns[at:at] = [
-            ("schedule", "schedule", "{}"),
-            ("fmla_us", "FlashMLA µs", "{:.1f}"),
-            ("ours_over_fmla", "ours/FM", "{:.2f}"),
-            ("triton_us", "Triton µs", "{:.1f}"),
-            ("ours_over_triton", "ours/Tr", "{:.2f}"),
-        ]
-        columns = [(k, {"flashmla_us": "FM pub. µs", "vs_flashmla": "FMpub/ours"}.get(k, h), f) for k, h, f in columns]
-    print()
-    bm.print_table(_peer_display(rows) if with_peers else rows, columns)
-    if with_peers:
-        print(
-            "# FlashMLA µs, Triton µs: measured now, in this process, on the same arrays; ours/FM and ours/Tr ="
-            " our µs / theirs (< 1: ours faster), CUPTI kernel sum to CUPTI kernel sum (the CSV's *_method"
-            " says where not); FM pub. µs: the published figure (FLASHMLA_US). WRONG = disagrees with the"
-            " reference, not timed; n/a = the peer did not load:"
-        )
-        for k in ("fmla", "triton"):
-            notes = sorted({str(r.get(f"{k}_note")) for r in rows if r.get(f"{k}_status") not in (None, "", "ok")})
-            for n in notes[:4]:
-                print(f"#   {k}: {n}")
-    bm.write_csv(os.path.join(out_dir, "mla_decode.csv"), rows)
-    bm.write_json(os.path.join(out_dir, "mla_decode_meta.json"), dict(header, ceilings=ceil))
-    plot_roofline(rows, ceil, os.path.join(out_dir, "mla_decode_roofline.png"), header)
-
-
-def plot_roofline(rows, ceil, path, header):
-    bw, peak = ceil["bandwidth_gbps"], ceil["matmul_tflops"]
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    xs = [10 ** (i / 20) for i in range(0, 81)]
-    ax.plot(
-        xs,
-        [min(bw * x / 1e3, peak) for x in xs],
-        "k-",
-        lw=1,
-        label=f"roof: {bw:.0f} GB/s, {peak:.0f} TFLOP/s (measured)",
-    )
-    for key, label, marker in (
-        ("us", "Mosaic GPU kernel", "o"),
-        ("xla_us", "XLA absorbed", "s"),
-        ("decompressed_us", "decompressed", "x"),
-    ):
-        pts = [
-            (r["gflop"] / r["gbytes"], r["gflop"] / r[key] * 1e3)
-            for r in rows
-            if r.get(key) and r.get("config") == "default"
-        ]
-        if pts:
-            ax.scatter(*zip(*pts), marker=marker, label=label, alpha=0.7)
-    fm = [
-        (r["gflop"] / r["gbytes"], r["gflop"] / r["flashmla_us"] * 1e3)
-        for r in rows
-        if r.get("flashmla_us") and r.get("config") == "default"
-    ]
-    if fm:
-        ax.scatter(*zip(*fm), marker="*", s=90, label="FlashMLA (H200, published run)")
-    for key, label, marker in (
-        ("fmla_us", "FlashMLA (measured in this run)", "P"),
-        ("triton_us", "vLLM Triton (measured in this run)", "v"),
-    ):
-        pts = [
-            (r["gflop"] / r["gbytes"], r["gflop"] / r[key] * 1e3)
-            for r in rows
-            if isinstance(r.get(key), (int, float)) and r.get(key) and r.get("config") == "default"
-        ]
-        if pts:
-            ax.scatter(*zip(*pts), marker=marker, s=60, label=label, alpha=0.8)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"Absorbed MLA decode, {header['device']}, jax {header['jax']}")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"# wrote {path}")
 
 
 def main(argv=None):

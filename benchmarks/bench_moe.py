@@ -9,6 +9,10 @@ copy bandwidth measured in the same run. FLOPs = 2 · T · K · 3 · D · I (wha
 is judged by, against the bf16 matmul rate measured in the same run). Each implementation is
 checked against `lax.ragged_dot`'s result (relative L2 < 1e-2) before it is timed; times are the
 CUPTI median of the whole `moe_grouped` call (sort, gather, expert GEMMs, weighting, un-sort).
+
+Rows go to ``moe_<model>.csv`` as they come (the ceilings to ``moe_<model>_meta.json`` first); a cell that fails
+(out of memory, a result unlike ragged_dot's) is a row with the error's first line (``error``), and the run ends
+with exit status 1.
 """
 
 from __future__ import annotations
@@ -36,18 +40,26 @@ def run(args):
     gate = (jax.random.normal(k0, (E, D, I), jnp.bfloat16) * scale).astype(jnp.bfloat16)
     up = (jax.random.normal(k1, (E, D, I), jnp.bfloat16) * scale).astype(jnp.bfloat16)
     down = (jax.random.normal(k2, (E, I, D), jnp.bfloat16) * scale).astype(jnp.bfloat16)
+    csv_path = os.path.join(args.out, f"moe_{args.model}.csv")
+    bm.write_json(os.path.join(args.out, f"moe_{args.model}_meta.json"), dict(header, ceilings=ceil))
     rows = []
     for T in bm.progress([int(t) for t in args.tokens.split(",")], desc="moe cells"):
-        rng = np.random.default_rng(T)
-        idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
-        touched = len(np.unique(idx))
-        x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
-        w = jnp.asarray(rng.random((T, K)), jnp.float32)
-        idx = jnp.asarray(idx)
+        try:
+            rng = np.random.default_rng(T)
+            idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+            touched = len(np.unique(idx))
+            x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+            w = jnp.asarray(rng.random((T, K)), jnp.float32)
+            idx = jnp.asarray(idx)
+            ref = jax.jit(lambda *a: moe_grouped(*a, impl="ragged_dot"))(x, w, idx, gate, up, down).astype(jnp.float32)
+        except Exception as e:  # noqa: BLE001 - one cell's failure (out of memory) must not cost the others
+            for impl in IMPLS:
+                rows.append(bm.record_failure(dict(model=args.model, T=T, impl=impl), f"T={T} inputs", e))
+            bm.write_csv(csv_path, rows)
+            continue
         wbytes = touched * 3 * D * I * 2
         floor_us = wbytes / (ceil["bandwidth_gbps"] * 1e3)
         flops = 2 * T * K * 3 * D * I
-        ref = jax.jit(lambda *a: moe_grouped(*a, impl="ragged_dot"))(x, w, idx, gate, up, down).astype(jnp.float32)
         for impl in IMPLS:
             row = dict(model=args.model, T=T, impl=impl, touched=touched, weight_mb=wbytes / 1e6, floor_us=floor_us)
             fn = jax.jit(lambda *a, impl=impl: moe_grouped(*a, impl=impl))
@@ -65,8 +77,9 @@ def run(args):
                     mfu=flops / us / 1e6 / ceil["matmul_tflops"],
                 )
             except Exception as e:  # noqa: BLE001
-                row["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                bm.record_failure(row, f"T={T} {impl}", e)
             rows.append(row)
+            bm.write_csv(csv_path, rows)
     bm.print_table(
         rows,
         [
@@ -81,11 +94,10 @@ def run(args):
             ("tflops", "TFLOP/s", "{:.0f}"),
             ("mfu", "%matmul", "{:.0%}"),
             ("rel_err", "rel err", "{:.1e}"),
-            ("note", "note", "{}"),
+            ("error", "error", "{}"),
         ],
     )
-    bm.write_csv(os.path.join(args.out, f"moe_{args.model}.csv"), rows)
-    bm.write_json(os.path.join(args.out, f"moe_{args.model}_meta.json"), dict(header, ceilings=ceil))
+    bm.exit_if_failed("moe", rows, csv_path, name=lambda r: f"T={r['T']} {r['impl']}")
     return rows
 
 

@@ -7,6 +7,10 @@ are fp8 (fp4): random latents quantised, 656 (416) bytes a token, and the kernel
 B * T * (656 + 1152) (B * T * (416 + 1152)), against XLA's ``dequantize(kv[bt])``. The ceiling is a
 device-to-device copy measured in the same run.
 Every kernel result is compared bit-exactly with XLA's before it is timed.
+
+Rows go to ``paged_gather.csv`` as they come (the ceilings to ``paged_gather_meta.json`` first); a cell that
+fails (out of memory, a result unlike XLA's) is a row with the error's first line (``error``), and the run ends
+with exit status 1.
 """
 
 from __future__ import annotations
@@ -43,18 +47,27 @@ def run(args):
                 configs[f"c{chunks}s{steps}"] = PagedGatherConfig(chunks=chunks, max_concurrent_steps=steps)
         configs["ctas132"] = PagedGatherConfig(target_ctas=132)
         configs["ctas528"] = PagedGatherConfig(target_ctas=528)
+    csv_path = os.path.join(args.out, "paged_gather.csv")
+    bm.write_json(os.path.join(args.out, "paged_gather_meta.json"), dict(header, ceilings=ceil))
     rows = []
     for B, T in bm.progress(grid(args.quick), desc="paged_gather cells"):
         n_pages = -(-T // 64)
-        k1, k2 = jax.random.split(jax.random.key(B * T))
-        table = jax.random.permutation(k1, B * n_pages).astype(np.int32).reshape(B, n_pages)
-        kv = jax.random.normal(k2, (B * n_pages, 64, 576), jax.numpy.bfloat16)
-        if fmt.quantized:
-            kv = jax.jit(fmt.encode)(kv)
         nbytes = B * T * (fmt.token_bytes + 576 * 2)
-        xla_fn = jax.jit(lambda kv, bt: fmt.dequantize_reference(kv[bt]).reshape(B, -1, 576)[:, :T])
-        want = xla_fn(kv, table)
-        xla_us = bm.cupti_median_us(xla_fn, kv, table, iterations=args.iters)
+        try:
+            k1, k2 = jax.random.split(jax.random.key(B * T))
+            table = jax.random.permutation(k1, B * n_pages).astype(np.int32).reshape(B, n_pages)
+            kv = jax.random.normal(k2, (B * n_pages, 64, 576), jax.numpy.bfloat16)
+            if fmt.quantized:
+                kv = jax.jit(fmt.encode)(kv)
+            xla_fn = jax.jit(lambda kv, bt: fmt.dequantize_reference(kv[bt]).reshape(B, -1, 576)[:, :T])
+            want = xla_fn(kv, table)
+            xla_us = bm.cupti_median_us(xla_fn, kv, table, iterations=args.iters)
+        except Exception as e:  # noqa: BLE001 - one cell's failure (out of memory) must not cost the others
+            for name in configs:
+                row = dict(B=B, T=T, kv_dtype=fmt.name, config=name, gbytes=nbytes / 1e9)
+                rows.append(bm.record_failure(row, f"B={B} T={T} XLA's gather", e))
+            bm.write_csv(csv_path, rows)
+            continue
         for name, cfg in configs.items():
             fn = jax.jit(
                 lambda kv, bt, cfg=cfg: paged_gather(kv, bt, num_tokens=T, config=cfg, page_format=fmt, impl="kernel")
@@ -79,8 +92,9 @@ def run(args):
                 row.update(us=us, gbps=nbytes / us / 1e3, x_vs_xla=xla_us / us)
                 row["bw_frac"] = row["gbps"] / ceil["bandwidth_gbps"]
             except Exception as e:  # noqa: BLE001
-                row["note"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                bm.record_failure(row, f"B={B} T={T} {name}", e)
             rows.append(row)
+            bm.write_csv(csv_path, rows)
         del kv, table, want
     bm.print_table(
         rows,
@@ -97,11 +111,10 @@ def run(args):
             ("xla_gbps", "XLA GB/s", "{:.0f}"),
             ("x_vs_xla", "xXLA", "{:.2f}"),
             ("exact", "exact", "{}"),
-            ("note", "note", "{}"),
+            ("error", "error", "{}"),
         ],
     )
-    bm.write_csv(os.path.join(args.out, "paged_gather.csv"), rows)
-    bm.write_json(os.path.join(args.out, "paged_gather_meta.json"), dict(header, ceilings=ceil))
+    bm.exit_if_failed("paged_gather", rows, csv_path, name=lambda r: f"B={r['B']} T={r['T']} {r['config']}")
     return rows
 
 

@@ -49,10 +49,17 @@ engine) and their tokens compared with those each rate produced: ``alone_match``
 and ``alone_agree`` (the fraction of tokens equal up to each request's first difference). In float32 (the
 tiny config) they must be equal; with random bf16 weights the logits are nearly flat, so a different batch
 make-up (another MoE grouping, another reduction order) may flip a near tie. Each difference is judged by
-`NearTieJudge` (bf16 runs): ``alone_ties`` counts those bf16 rounding explains (the two tokens' float32 logit gap
-within twice the bf16 pass's logit error at that position), ``alone_unexplained`` the others; serve.json's rows
-hold every judgement. The run exits with status 1 when a difference is unexplained (always, in float32).
+`NearTieJudge` (bf16 runs; `benchmarks.serve_check`): ``alone_ties`` counts those bf16 rounding explains (the two
+tokens' float32 logit gap, computed from the model's own bf16 weights upcast a layer at a time, within twice the
+bf16 pass's logit error at that position), ``alone_unexplained`` the others; serve.json's rows hold every
+judgement. The run exits with status 1 when a difference is unexplained (always, in float32).
 serve.png: latency (TTFT p50 / p99, TPOT p50) against output throughput, one point per rate.
+
+Written as the run goes: serve.json and serve.csv after the warm-up (no rows), after each rate and after the
+check (serve.json's ``check``: its requests and seconds; ``complete`` true at the end), serve.png after the rates.
+A rate or a check that fails (out of device memory) is recorded in serve.json (the rate's row, or ``check``,
+with an ``error``: the error's first line), and the run stops with exit status 1 and one line; the figures of
+the rates before it stay on disk. A soak that fails leaves soak.json's last figures with its ``error``.
 
 Soak (``--soak-steps N``, after the rates): N engine steps driven step by step, not by the clock: before each
 step Poisson(``--soak-arrivals``) new requests of the same length distributions (fresh prompts) are submitted,
@@ -78,13 +85,12 @@ import jax
 import jax.numpy as jnp
 import matplotlib
 import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
 import benchmarks as bm
 from benchmarks.bench_mla_decode import decode_config
-from benchmarks.e2e_cells import common_prefix
 from benchmarks.e2e_models import build_model, kv_dtype_arg, model_config
+from benchmarks.serve_check import NearTieJudge, check_alone
 from models import DeepSeekModel, Engine, compile_cache
 from models.serving.engine import PREFILL_BUDGET, trace_counts
 
@@ -133,6 +139,7 @@ COLUMNS = [
     "alone_ties",
     "alone_unexplained",
     "wall_s",
+    "error",
 ]
 
 
@@ -237,94 +244,15 @@ def summarize(rate: float, reqs, handles, c: dict) -> dict:
     )
 
 
-def agreement(tokens: list[int], ref: list[int]) -> float:
-    """Fraction of `ref` equal in `tokens` up to the first difference."""
-    return common_prefix(tokens, ref) / len(ref) if ref else 1.0
-
-
-def first_difference(tokens: list[int], ref: list[int]) -> int | None:
-    """The first index where `tokens` and `ref` differ over their common length (None when none does)."""
-    n = common_prefix(tokens, ref)
-    return n if n < min(len(tokens), len(ref)) else None
-
-
-class NearTieJudge:
-    """Tells a greedy difference that bf16 rounding explains from one it does not (bf16 runs).
-
-    At the first position j where a request served in a batch (`got`) differs from its run alone (`ref`),
-    one teacher-forced pass over prompt + ref[:j] in float32 (a float32 twin of the model: the same weights,
-    float32 compute) gives the two tokens' logit gap, and the same pass in the model's own dtype gives that
-    dtype's largest logit error at j. The difference is a near tie when |gap| <= 2 x error: the rounding each
-    of the two runs makes can order the two tokens either way. Anything else is a real difference (a slot's
-    stale state, a page shared or freed early), which the benchmark reports as `alone_unexplained`.
-    Sequences are padded to a power of two of at least `bucket` tokens (causal: the padding does not reach
-    position j), so a few shapes compile."""
-
-    def __init__(self, model, bucket: int = 256):
-        self.model, self.bucket, self._twin = model, bucket, None
-
-    def _logits(self, model, ids: list[int], pos: int) -> np.ndarray:
-        n = max(self.bucket, 1 << (len(ids) - 1).bit_length())
-        arr = jnp.asarray([ids + [0] * (n - len(ids))], jnp.int32)
-        return np.asarray(_logits_at(model, arr, jnp.int32(pos)), np.float64)
-
-    def twin(self):
-        if self._twin is None:
-            m = self.model
-            make = lambda: DeepSeekModel(  # noqa: E731
-                m.cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32, weights=m.weights
-            )
-            graphdef, _ = nnx.split(nnx.eval_shape(make))
-            state = jax.tree.map(
-                lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, nnx.state(m)
-            )
-            self._twin = nnx.merge(graphdef, state)
-        return self._twin
-
-    def __call__(self, prompt: list[int], ref: list[int], got: list[int]) -> dict | None:
-        j = first_difference(got, ref)
-        if j is None:
-            return None
-        ids = list(prompt) + list(ref[:j])
-        exact = self._logits(self.twin(), ids, len(ids) - 1)
-        own = self._logits(self.model, ids, len(ids) - 1)
-        gap = float(exact[ref[j]] - exact[got[j]])
-        err = float(np.max(np.abs(own - exact)))
-        return dict(position=j, logit_gap=gap, logit_error=err, tie=abs(gap) <= 2 * err)
-
-
-@nnx.jit
-def _logits_at(model, ids_BT, pos):
-    # The LM head at one position, attention in blocks of 512 queries: a long teacher-forced sequence fits beside
-    # the engine's pages.
-    T = ids_BT.shape[1]
-    out = model.forward(ids_BT, with_mtp=False, head=False, q_block=512 if T > 512 else None)
-    return model.logits_from_hidden(out.hidden[:, pos])[0].astype(jnp.float32)
-
-
-def check_alone(pairs, judge: NearTieJudge | None) -> dict:
-    """Requests served beside others against their runs alone. pairs: [(prompt, got, ref)] (`ref` cut to
-    `got`'s length for a cancelled request) -> {"alone_match": "equal/checked", "alone_agree": mean fraction
-    equal up to the first difference, "alone_ties": differences that are near ties (`NearTieJudge`),
-    "alone_unexplained": the others, "differences": each difference's judgement}. Without a judge (float32
-    runs) every difference is unexplained."""
-    equal, agree, diffs = 0, [], []
-    for prompt, got, ref in pairs:
-        equal += got == ref
-        agree.append(agreement(got, ref))
-        if got != ref:
-            verdict = judge(prompt, ref, got) if judge is not None else None
-            if verdict is None:  # float32, or one a prefix of the other (a length difference)
-                verdict = dict(position=first_difference(got, ref), tie=False)
-            diffs.append(verdict)
-    ties = sum(d["tie"] for d in diffs)
-    return dict(
-        alone_match=f"{equal}/{len(pairs)}",
-        alone_agree=statistics.mean(agree) if agree else None,
-        alone_ties=ties,
-        alone_unexplained=len(diffs) - ties,
-        differences=diffs,
-    )
+def greedy_check(engine: Engine, reqs, outputs: dict, rows: list[dict], n: int, judge) -> dict:
+    """The first `n` requests run alone on the idle engine; each rate's row gets `check_alone` of its tokens
+    (outputs[rate]) against them -> the phase's record for serve.json."""
+    t0 = time.perf_counter()
+    alone = [engine.generate([r["prompt"]], max_new_tokens=r["max_new_tokens"]).tokens[0] for r in reqs[:n]]
+    for row in rows:
+        got = outputs[row["rate"]][:n]
+        row.update(check_alone([(r["prompt"], g, a) for r, g, a in zip(reqs, got, alone)], judge))
+    return dict(requests=n, judged=judge is not None, wall_s=time.perf_counter() - t0)
 
 
 def device_bytes() -> int | None:
@@ -566,12 +494,48 @@ def main(argv=None):
             longest = max(longest, args.prompt_max + args.output_max)
         warm_compiles = engine.warm_up(min(longest, engine.max_context), progress=True)
         bm.log(f"# warm-up: {warm_compiles} step compilations, {time.perf_counter() - t_warm:.1f} s")
+    judge = NearTieJudge(model) if args.dtype != "fp32" else None
+    settings = {k: v for k, v in vars(args).items() if k != "rate_list"}
     rows, outputs = [], {}
+    report = dict(
+        header=header,
+        settings=settings,
+        engine=dict(
+            num_pages=engine.num_pages,
+            max_context=engine.max_context,
+            backend=engine.backend,
+            mixed_steps=engine.mixed_steps,
+            prefill_budget=engine.prefill_budget,
+        ),
+        build_s=build_s,
+        warm_up=dict(compiles=warm_compiles, seconds=time.perf_counter() - t_warm if not args.no_warmup else 0),
+        requests=[dict(prompt=len(r["prompt"]), max_new_tokens=r["max_new_tokens"]) for r in reqs],
+        rows=rows,
+        check=None,
+        complete=False,
+        compile_log=engine.compile_log,
+    )
+    json_path = os.path.join(args.out, JSON_NAME)
+
+    def save():  # after each phase: a failure later keeps what came before
+        bm.write_csv(os.path.join(args.out, CSV_NAME), [{k: r.get(k, "") for k in COLUMNS} for r in rows])
+        bm.write_json(json_path, dict(report, compile_log=engine.compile_log))
+
+    def failed(what: str, at: dict):
+        save()
+        raise SystemExit(f"serve: error: {what} failed: {at['error']}; what came before is in {json_path}")
+
+    save()
     for rate in args.rate_list:
-        handles, counters = serve(engine, reqs, offsets[rate])
+        try:
+            handles, counters = serve(engine, reqs, offsets[rate])
+        except Exception as e:  # noqa: BLE001 - the rates before keep their figures; the engine's state is unknown
+            rows.append(dict(rate=rate, requests=len(reqs), error=bm.one_line(e)))
+            failed(f"rate {rate:g}/s", rows[-1])
         row = summarize(rate, reqs, handles, counters)
         outputs[rate] = [h.output for h in handles]
         rows.append(row)
+        save()
         bm.log(
             f"rate {rate:g}/s: {row['req_s']:.2f} req/s, {row['out_tok_s']:.0f} tok/s, TTFT p50 "
             f"{row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s, ITL p99 {row['itl_p99_ms']:.1f} ms, TPOT p50 "
@@ -579,51 +543,38 @@ def main(argv=None):
             f"{row['prefill_steps']} prefill / {row['mixed_steps']} mixed steps, {row['compiles']} compiles, "
             f"{row['lost']} lost"
         )
-    # Greedy check: the first requests alone on the idle engine.
-    alone = [engine.generate([r["prompt"]], max_new_tokens=r["max_new_tokens"]).tokens[0] for r in reqs[: args.check]]
-    judge = NearTieJudge(model) if args.dtype != "fp32" else None
-    for row in rows:
-        got = outputs[row["rate"]][: args.check]
-        row.update(check_alone([(r["prompt"], g, a) for r, g, a in zip(reqs, got, alone)], judge))
-    bm.print_table(rows, [(k, k, "{:.4g}" if k not in ("rate", "alone_match") else "{}") for k in COLUMNS])
-    bm.write_csv(os.path.join(args.out, CSV_NAME), [{k: r.get(k, "") for k in COLUMNS} for r in rows])
-    settings = {k: v for k, v in vars(args).items() if k != "rate_list"}
-    bm.write_json(
-        os.path.join(args.out, JSON_NAME),
-        dict(
-            header=header,
-            settings=settings,
-            engine=dict(
-                num_pages=engine.num_pages,
-                max_context=engine.max_context,
-                backend=engine.backend,
-                mixed_steps=engine.mixed_steps,
-                prefill_budget=engine.prefill_budget,
-            ),
-            build_s=build_s,
-            warm_up=dict(compiles=warm_compiles, seconds=time.perf_counter() - t_warm if not args.no_warmup else 0),
-            requests=[dict(prompt=len(r["prompt"]), max_new_tokens=r["max_new_tokens"]) for r in reqs],
-            rows=rows,
-            compile_log=engine.compile_log,
-        ),
-    )
     title = (
         f"serve: {args.model} ({args.config}), B={args.max_batch}, {len(reqs)} requests a rate, "
         f"{header.get('device', jax.default_backend())}"
     )
     plot(rows, os.path.join(args.out, PNG_NAME), title)
+    try:
+        report["check"] = greedy_check(engine, reqs, outputs, rows, args.check, judge)
+    except Exception as e:  # noqa: BLE001 - the rates keep their figures
+        report["check"] = dict(requests=args.check, error=bm.one_line(e))
+    bm.print_table(rows, [(k, k, "{:.4g}" if k not in ("rate", "alone_match") else "{}") for k in COLUMNS])
+    if report["check"].get("error"):
+        failed("the greedy check against runs alone", report["check"])
+    report["complete"] = not args.soak_steps
+    save()
     bm.log(f"# wrote {CSV_NAME}, {JSON_NAME}, {PNG_NAME} in {args.out}")
     soaked = None
     if args.soak_steps:
         soak_json = os.path.join(args.out, "soak.json")
-        soaked = soak(
-            engine,
-            args,
-            cfg.vocab_size,
-            judge,
-            partial=lambda d: bm.write_json(soak_json, dict(header=header, settings=settings, **d)),
-        )
+        last = {}
+
+        def partial(d):
+            last.update(d)
+            bm.write_json(soak_json, dict(header=header, settings=settings, **d))
+
+        try:
+            soaked = soak(engine, args, cfg.vocab_size, judge, partial=partial)
+        except Exception as e:  # noqa: BLE001 - soak.json keeps its last figures, with the error
+            bm.write_json(soak_json, dict(header=header, settings=settings, **last, error=bm.one_line(e)))
+            raise SystemExit(f"serve: error: the soak failed: {bm.one_line(e)}; its figures so far are in {soak_json}")
         bm.write_json(soak_json, dict(header=header, settings=settings, complete=True, **soaked))
+        report["complete"] = True
+        save()
         bm.log(
             f"# soak: {soaked['engine_steps']} engine steps ({soaked['decode_model_steps']} decode model steps, "
             f"{soaked['mixed_steps']} mixed), {soaked['requests']} requests ({soaked['cancelled']} cancelled), "

@@ -24,14 +24,13 @@ MFU = train FLOPs / step seconds / ``--peak-tflops`` (790 TFLOP/s, the H200's bf
     positions MTP depth k sees; norms and the embedding lookup are not matmuls and do not count;
     causal attention (forward) = 2 * H * (qk_head_dim + v_head_dim) * B * T(T+1)/2 per layer (scores and
     weighted values of the decompressed path; MTP depth k: T-1-k tokens); the backward is twice the forward.
-Rows go to ``train.csv`` (appended; a failing cell, e.g. out of memory, is a row with the error's first line)
-and ``train.jsonl`` under ``--out``.
+Rows go to ``train.csv`` (appended; a failing cell, e.g. out of memory, is a row with the error's first line,
+and the run's exit status is then 1) and ``train.jsonl`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -145,11 +144,6 @@ def total_params(state) -> int:
 # ------------------------------------------------------------------------------------------
 # One cell
 # ------------------------------------------------------------------------------------------
-def one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
-
-
 def memory_columns(compiled) -> dict:
     """memory_analysis() of a compiled step in GB (peak = argument + output + temp - alias)."""
     m = compiled.memory_analysis()
@@ -269,20 +263,19 @@ def run_cell(args) -> dict:
 # Output
 # ------------------------------------------------------------------------------------------
 def append_row(out_dir: str, row: dict) -> None:
-    """Adds `row` to train.csv (rewritten through a temporary file) and to train.jsonl."""
+    """Adds `row` to train.csv (`benchmarks.append_row`: rewritten whole through a temporary file) and to
+    train.jsonl."""
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, CSV_NAME)
-    rows = bm.read_csv(path) if os.path.exists(path) else []
-    rows.append({k: row.get(k, "") for k in COLUMNS})
-    bm.write_csv(path + ".tmp", rows)
-    os.replace(path + ".tmp", path)
-    with open(os.path.join(out_dir, JSONL_NAME), "a") as f:
-        f.write(json.dumps(row, default=str) + "\n")
+    bm.append_row(os.path.join(out_dir, CSV_NAME), row, columns=COLUMNS, jsonl=os.path.join(out_dir, JSONL_NAME))
+
+
+def cell_name(row: dict) -> str:
+    return f"{row['model']} L{row['layers']} {row['B']}x{row['T']} remat={row['remat']}"
 
 
 def summary(row: dict) -> str:
     if row.get("error"):
-        return f"{row['model']} L{row['layers']} {row['B']}x{row['T']} remat={row['remat']}: {row['error']}"
+        return f"{cell_name(row)}: {row['error']}"
     return (
         f"{row['model']} L{row['layers']} {row['B']}x{row['T']} remat={row['remat']} ce_chunk={row['ce_chunk']} "
         f"attn={row['attn_impl']}{'/' + str(row['attn_q_block']) if row['attn_q_block'] else ''} "
@@ -397,10 +390,11 @@ def main(argv=None):
             moe_impl=args.moe_impl,
             dtype=args.dtype,
             param_dtype=args.param_dtype,
-            error=one_line(e),
+            error=bm.one_line(e),
         )
     append_row(args.out, row)
     print(summary(row))
+    bm.exit_if_failed("train", [row], os.path.join(args.out, CSV_NAME), name=cell_name)
     return row
 
 

@@ -206,17 +206,9 @@ def mesh_label(sizes) -> str:
 # Rows and the run's metadata
 # ------------------------------------------------------------------------------------------
 def append_row(out_dir: str, row: dict) -> None:
-    """Adds `row` to e2e.csv (rewritten through a temporary file, so a kill never leaves half a file) and to
-    e2e.jsonl (every field, lists included)."""
-    path = os.path.join(out_dir, CSV_NAME)
-    rows = bm.read_csv(path) if os.path.exists(path) else []
-    flat = {k: row.get(k, "") for k in COLUMNS}
-    flat.update({k: v for k, v in row.items() if k not in flat and not isinstance(v, (list, dict))})
-    rows.append(flat)
-    bm.write_csv(path + ".tmp", rows)
-    os.replace(path + ".tmp", path)
-    with open(os.path.join(out_dir, JSONL_NAME), "a") as f:
-        f.write(json.dumps(row, default=str) + "\n")
+    """Adds `row` to e2e.csv (`benchmarks.append_row`: rewritten whole through a temporary file, so a kill never
+    leaves half a file) and to e2e.jsonl (every field, lists included)."""
+    bm.append_row(os.path.join(out_dir, CSV_NAME), row, columns=COLUMNS, jsonl=os.path.join(out_dir, JSONL_NAME))
 
 
 def read_meta(out_dir: str) -> dict:
@@ -229,11 +221,6 @@ def read_meta(out_dir: str) -> dict:
 
 def write_meta(out_dir: str, meta: dict) -> None:
     bm.write_json(os.path.join(out_dir, META_NAME), meta)
-
-
-def one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:240]
 
 
 def stat(stats, key):

@@ -22,7 +22,6 @@ from benchmarks.e2e_cells import (
     lengths_label,
     make_prompts,
     mesh_label,
-    one_line,
     parse_meshes,
     read_meta,
     stat,
@@ -280,7 +279,7 @@ def run_ours_worker(args) -> None:
                 model, build_s = build_model(cfg, dtype, mesh, weights=model_weights(args))
             except Exception as e:  # noqa: BLE001 - an OOM while building must not end the run
                 for _, b, t in group:
-                    append_row(args.out, dict(base, B=b, prompt=t, error=f"model build failed: {one_line(e)}"))
+                    append_row(args.out, dict(base, B=b, prompt=t, error=f"model build failed: {bm.one_line(e)}"))
                 continue
             if args.weights == "fp8":
                 set_fp8_impl(model, args.fp8_impl)
@@ -304,7 +303,7 @@ def run_ours_worker(args) -> None:
                         try:
                             row = run_cell(model, cfg, name, b, t, args, ceil, mtp=mtp, mesh=mesh, sizes=sizes)
                         except Exception as e:  # noqa: BLE001 - one cell's OOM must not cost the others
-                            row = dict(base, B=b, prompt=t, mtp="on" if mtp else "off", error=one_line(e))
+                            row = dict(base, B=b, prompt=t, mtp="on" if mtp else "off", error=bm.one_line(e))
                         row.update(build_s=build_s, weights_gb=wgb)
                         tokens = row.pop("tokens", None)
                         if tokens is not None and not sizes:

@@ -10,7 +10,7 @@ import tempfile
 import time
 
 import benchmarks as bm
-from benchmarks.e2e_cells import append_row, grid, make_prompts, one_line, read_meta
+from benchmarks.e2e_cells import append_row, grid, make_prompts, read_meta
 from benchmarks.e2e_floor import derive, prefill_flops, total_params
 from benchmarks.e2e_models import model_config
 from benchmarks.e2e_report import summary
@@ -122,14 +122,14 @@ def run_hf_worker(args) -> None:
     try:
         model = build_hf_model(cfg, args.hf_attn)
     except ValueError as e:  # an attention implementation this model or install does not support
-        bm.log(f"# HF peer {name}: attention {args.hf_attn!r} refused ({one_line(e)}); using eager")
+        bm.log(f"# HF peer {name}: attention {args.hf_attn!r} refused ({bm.one_line(e)}); using eager")
         model = None
     except Exception as e:  # noqa: BLE001
-        return skip_all(f"build failed: {one_line(e)}")
+        return skip_all(f"build failed: {bm.one_line(e)}")
     try:
         model = model or build_hf_model(cfg, "eager")
     except Exception as e:  # noqa: BLE001
-        return skip_all(f"build failed: {one_line(e)}")
+        return skip_all(f"build failed: {bm.one_line(e)}")
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     attn = getattr(model.config, "_attn_implementation", args.hf_attn)
@@ -172,7 +172,7 @@ def run_hf_worker(args) -> None:
                 prev = (b, t, prefill_s)
                 derive(row, cfg, ceil)
             except Exception as e:  # noqa: BLE001 - torch.cuda.OutOfMemoryError and friends
-                row["error"] = one_line(e)
+                row["error"] = bm.one_line(e)
             ids = None
             torch.cuda.empty_cache()
         append_row(args.out, row)

@@ -287,3 +287,34 @@ def test_tiny_config_cell_end_to_end(tmp_path):
     assert rows[0]["decode_steps"] == 3 and rows[0]["same_tokens"] is True
     assert rows[0]["lengths"] == "uniform 16-256"
     assert float(rows[0]["prompt_mean"]) == e2e.prompt_lengths(1, 256, ragged=True)[0] < 256
+
+
+def test_a_cell_that_fails_late_keeps_the_rows_before_and_fails_the_run(tmp_path, monkeypatch):
+    """`mla-bench e2e` whose second cell fails (out of memory): e2e.csv holds the first cell's figures and the
+    second's row with its error, and the run exits with one line naming the cell, status 1 (it exited 0, so a
+    script running the benchmark saw no failure)."""
+    import benchmarks as bm
+    from benchmarks import e2e_ours
+
+    calls = []
+
+    def cell(model, cfg, name, b, t, args, ceil, **kw):
+        calls.append(t)
+        if len(calls) == 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB.\nthe details")
+        return dict(model=name, impl="ours", B=b, prompt=t, new_tokens=args.new_tokens, decode_ms_step=1.5)
+
+    monkeypatch.setattr(e2e_ours, "run_cell", cell)
+    argv = ["--config", "tiny", "--cells", "v3-cut:1x16,1x32", "--layers", "1", "--new-tokens", "4", "--no-hf"]
+    with pytest.raises(SystemExit) as exc:
+        e2e.main(argv + ["--in-process", "--out", str(tmp_path)])
+    msg = exc.value.code
+    assert isinstance(msg, str) and "\n" not in msg, msg
+    assert msg.startswith(
+        "e2e: error: 1 of 2 rows failed (the first, v3-cut ours B=1 prompt=32: RuntimeError: RESOURCE_EXHAUSTED"
+    ), msg
+    rows = bm.read_csv(str(tmp_path / "e2e.csv"))
+    assert [(r["prompt"], r["decode_ms_step"], r["error"][:32]) for r in rows] == [
+        (16, 1.5, ""),
+        (32, "", "RuntimeError: RESOURCE_EXHAUSTED"),
+    ]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from benchmarks import bench_mla_decode as bench
-from benchmarks import peers
+from benchmarks import mla_decode_report, peers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -145,7 +145,7 @@ def project_row(spec, us=10.0):
 
 def run_cell(tmp_path, bundle, cell, monkeypatch):
     """One cell through the peers and the benchmark's report (the roofline plot left out); the CSV row."""
-    monkeypatch.setattr(bench, "plot_roofline", lambda *a, **k: None)
+    monkeypatch.setattr(mla_decode_report, "plot_roofline", lambda *a, **k: None)
     spec, arrays, ref = cell
     cols = bundle.measure(*arrays, causal=True, scale=bench.SCALE, ref=ref)
     row = project_row(spec)

@@ -1,7 +1,8 @@
-"""`mla-bench train` on a CPU: the FLOP count against hand arithmetic, and one micro cell end to end."""
+"""`mla-bench train` on a CPU: the FLOP count against hand arithmetic, one micro cell end to end, a failing cell."""
 
 import math
 
+import pytest
 from micro_configs import MICRO_V3
 
 from benchmarks import bench_train as bt
@@ -96,3 +97,33 @@ def test_micro_cell_end_to_end(tmp_path, monkeypatch):
     assert math.isclose(
         row["peak_gb"], row["argument_gb"] + row["output_gb"] + row["temp_gb"] - row["alias_gb"], rel_tol=1e-6
     )
+
+
+def test_a_failing_cell_is_a_row_after_the_earlier_ones_and_fails_the_run(tmp_path, monkeypatch):
+    """train.csv gathers cells run after run: a cell that fails (out of memory) is appended after the earlier
+    run's row with its error, and the run exits with one line and status 1 (it exited 0: a script sweeping cells
+    saw no failure)."""
+    import benchmarks as bm
+
+    done = dict(
+        model="tiny", layers=4, B=1, T=8, remat="none", ce_chunk=0, attn_q_block=0, attn_impl="xla", moe_impl="auto"
+    )
+    done.update(step_ms=2.0, tok_s=4000.0, mfu=0.1, peak_gb=0.01, compile_s=1.0)
+    outcomes = iter([done, RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.0GiB.\nmore")])
+
+    def cell(args):
+        out = next(outcomes)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    monkeypatch.setattr(bt, "run_cell", cell)
+    argv = ["--model", "tiny", "--batch", "1", "--seq", "8", "--out", str(tmp_path)]
+    bt.main(argv)
+    with pytest.raises(SystemExit) as exc:
+        bt.main(argv)
+    msg = exc.value.code
+    assert isinstance(msg, str) and "\n" not in msg, msg
+    assert msg.startswith("train: error: 1 of 1 rows failed (the first, tiny L4 1x8 remat=none: RuntimeError"), msg
+    rows = bm.read_csv(str(tmp_path / "train.csv"))
+    assert [(r["step_ms"], r["error"][:32]) for r in rows] == [(2.0, ""), ("", "RuntimeError: RESOURCE_EXHAUSTED")]

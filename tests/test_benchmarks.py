@@ -178,3 +178,156 @@ def test_cupti_record_splits_calls_by_their_kernels_and_sums_a_conditional_whole
     assert parts is None and us == (1.0 + 2.0 + 2.5 + 0.5 + 1.0 + 2.0 + 2.0 + 1.0) / 4 * 1e3
     with pytest.raises(RuntimeError, match="not the same number each call"):
         _record(monkeypatch, lambda n: [("a", 1.0)] * (1 + n % 2), iterations=3)
+
+
+# ------------------------------------------------------------------------------------------
+# A failure late in a run: the rows before it stay on disk, one line says it, the exit status is 1
+# ------------------------------------------------------------------------------------------
+OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.90GiB.\nthe allocator's details"
+
+
+def _no_gpu_timing(monkeypatch):
+    """The GPU-only parts of a kernel benchmark replaced: no GPU check, fixed ceilings, every timing 10 µs."""
+    import os
+
+    import benchmarks as bm
+
+    def begin_run(name, out_dir, iters):
+        os.makedirs(out_dir, exist_ok=True)
+        return dict(device="test", jax="test", date="test", command="test"), dict(
+            bandwidth_gbps=1000.0, matmul_tflops=100.0, xla_copy_gbps=1000.0, torch_copy_gbps=None
+        )
+
+    monkeypatch.setattr(bm, "require_gpu", lambda prog: None)
+    monkeypatch.setattr(bm, "begin_run", begin_run)
+    monkeypatch.setattr(
+        bm,
+        "cupti_median_us",
+        lambda fn, *a, iterations=30, per_kernel=False: (10.0, {"0:k": 10.0}) if per_kernel else 10.0,
+    )
+
+
+def _one_line_failure(exc, prog: str, first: str) -> str:
+    msg = exc.value.code
+    assert isinstance(msg, str) and "\n" not in msg, msg  # a string: exit status 1 and the line on stderr
+    assert msg.startswith(f"{prog}: error: "), msg
+    assert f"(the first, {first}: RuntimeError: RESOURCE_EXHAUSTED: Out of memory" in msg, msg
+    return msg
+
+
+def test_paged_gather_cell_that_fails_keeps_the_rows_before(tmp_path, monkeypatch):
+    """`mla-bench paged_gather` whose second cell fails (out of memory): paged_gather.csv holds the first cell's
+    timed row and the second's with its error, the ceilings' meta JSON is written, and the run exits with one line
+    and status 1. Catches a run that wrote its CSV only at the end, or exited 0 with a failed cell in a note."""
+    from benchmarks import bench_paged_gather as pg
+
+    _no_gpu_timing(monkeypatch)
+    monkeypatch.setattr(pg, "grid", lambda quick: [(1, 64), (2, 100)])
+    real = pg.paged_gather
+
+    def gather(kv, bt, **kw):
+        if bt.shape[0] == 2:
+            raise RuntimeError(OOM)
+        return real(kv, bt, **dict(kw, impl="reference"))
+
+    monkeypatch.setattr(pg, "paged_gather", gather)
+    with pytest.raises(SystemExit) as exc:
+        pg.main(["--out", str(tmp_path)])
+    _one_line_failure(exc, "paged_gather", "B=2 T=100 default")
+    import benchmarks as bm
+
+    rows = bm.read_csv(str(tmp_path / "paged_gather.csv"))
+    assert [(r["B"], r["us"], r["exact"], r["error"]) for r in rows[:1]] == [(1, 10.0, True, "")]
+    assert rows[1]["B"] == 2 and rows[1]["error"].startswith("RuntimeError: RESOURCE_EXHAUSTED") and rows[1]["us"] == ""
+    assert (tmp_path / "paged_gather_meta.json").exists()
+
+
+def test_moe_cell_that_fails_keeps_the_rows_before(tmp_path, monkeypatch):
+    """`mla-bench moe` (a tiny layer's shape) whose mgpu call at the second token count fails: moe_<model>.csv
+    holds every other row, timed, and that one with its error; the run exits with one line and status 1 (it exited
+    0 with the failure in a note)."""
+    from types import SimpleNamespace
+
+    from benchmarks import bench_moe
+    from mla_jax import ModelConfig
+
+    _no_gpu_timing(monkeypatch)
+    monkeypatch.setattr(bench_moe, "ModelConfig", SimpleNamespace(deepseek_v2_lite=ModelConfig.tiny))
+    real = bench_moe.moe_grouped
+
+    def grouped(x, *a, impl):
+        if impl == "mgpu" and x.shape[0] == 8:
+            raise RuntimeError(OOM)
+        return real(x, *a, impl="ragged_dot")
+
+    monkeypatch.setattr(bench_moe, "moe_grouped", grouped)
+    with pytest.raises(SystemExit) as exc:
+        bench_moe.main(["--tokens", "1,8", "--out", str(tmp_path)])
+    _one_line_failure(exc, "moe", "T=8 mgpu")
+    import benchmarks as bm
+
+    rows = bm.read_csv(str(tmp_path / "moe_v2-lite.csv"))
+    assert [(r["T"], r["impl"], bool(r["error"]), r["us"]) for r in rows] == [
+        (1, "decode", False, 10.0),
+        (1, "mgpu", False, 10.0),
+        (1, "ragged_dot", False, 10.0),
+        (8, "decode", False, 10.0),
+        (8, "mgpu", True, ""),
+        (8, "ragged_dot", False, 10.0),
+    ]
+
+
+def test_mla_decode_cell_that_fails_keeps_the_rows_before(tmp_path, monkeypatch):
+    """`mla-bench mla_decode` over two small cells whose second cell's kernel fails: mla_decode.csv holds the first
+    cell's timed row and the second's with its error (it was a note), and the run exits with one line and status 1
+    (it exited 0)."""
+    from benchmarks import bench_mla_decode as md
+
+    _no_gpu_timing(monkeypatch)
+
+    def kernel(q, kv, table, lens, *, causal, **kw):
+        if table.shape[1] > 1:
+            raise RuntimeError(OOM)
+        return md.xla_absorbed(q, kv, table, lens, causal=causal)
+
+    monkeypatch.setattr(md, "mla_decode", kernel)
+    with pytest.raises(SystemExit) as exc:
+        md.main(["--cell-list", "1,1,64,16;1,1,128,16", "--no-decompressed", "--out", str(tmp_path)])
+    _one_line_failure(exc, "mla_decode", "B=1 s_q=1 seq=128 H=16 fixed default")
+    import benchmarks as bm
+
+    rows = bm.read_csv(str(tmp_path / "mla_decode.csv"))
+    assert [(r["seq"], r["us"], r["error"]) for r in rows[:1]] == [(64, 10.0, "")]
+    assert rows[1]["seq"] == 128 and rows[1]["error"].startswith("RuntimeError: RESOURCE_EXHAUSTED")
+    assert (tmp_path / "mla_decode_meta.json").exists()
+
+
+def test_compile_depth_that_fails_keeps_the_other_depths(tmp_path, monkeypatch):
+    """`mla-bench compile_depth --layers 4,27,8` whose 27-layer process fails: compile_depth.csv holds the 4- and
+    8-layer rows (the ratio against the shallowest that ran) and the 27-layer one with the process's last stderr
+    line; the run exits with one line and status 1. It exited at the failure, before writing any row."""
+    import json
+
+    from benchmarks import bench_compile_depth as cd
+
+    def child(cmd, **kw):
+        layers = int(cmd[-1])
+        if layers == 27:
+            return subprocess.CompletedProcess(cmd, 1, "", f"Traceback ...\nRuntimeError: {OOM.splitlines()[0]}\n")
+        row = dict(layers=layers, first_s=1.0 + layers / 4, warm_s=1.0, compile_s=layers / 4, compiles=4)
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(row) + "\n", "")
+
+    monkeypatch.setattr(cd.subprocess, "run", child)
+    with pytest.raises(SystemExit) as exc:
+        cd.main(["--layers", "4,27,8", "--out", str(tmp_path)])
+    msg = exc.value.code
+    assert isinstance(msg, str) and "\n" not in msg and msg.startswith("compile_depth: error: 1 of 3 rows failed"), msg
+    assert "27 layers: DepthFailed: RuntimeError: RESOURCE_EXHAUSTED: Out of memory" in msg, msg
+    import benchmarks as bm
+
+    rows = bm.read_csv(str(tmp_path / "compile_depth.csv"))
+    assert [(r["layers"], r["x_shallowest"], bool(r["error"])) for r in rows] == [
+        (4, 1.0, False),
+        (27, "", True),
+        (8, 2.0, False),
+    ]

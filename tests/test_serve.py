@@ -372,8 +372,8 @@ def test_near_tie_judge_tells_rounding_from_a_real_difference():
     ref = _prompt(rng, 6)  # teacher forcing takes any tokens as the run alone's
     j = 3
     ids = prompt + ref[:j]
-    exact = judge._logits(judge.twin(), ids, len(ids) - 1)
-    own = judge._logits(model, ids, len(ids) - 1)
+    exact = judge.logits(ids, len(ids) - 1, exact=True)
+    own = judge.logits(ids, len(ids) - 1, exact=False)
     err = float(np.max(np.abs(own - exact)))
     assert 0 < err < 0.1 * float(np.ptp(exact)), err  # bf16 differs from float32, by little
     order = np.argsort(exact)
@@ -393,6 +393,121 @@ def test_near_tie_judge_tells_rounding_from_a_real_difference():
     assert checked["alone_unexplained"] == 1 and checked["alone_ties"] == 0 and checked["alone_match"] == "0/1"
     unjudged = bench_serve.check_alone([(prompt, ref[:j] + [b], ref[:j] + [a])], None)
     assert unjudged["alone_unexplained"] == 1  # float32 runs: every difference counts
+
+
+def _float32_twin(model):
+    """A float32 copy of `model` (every weight upcast whole, float32 compute): the judge's former exact pass,
+    cheap at the tiny config, the oracle of the one it has now."""
+    import jax
+    import jax.numpy as jnp
+
+    make = lambda: DeepSeekModel(model.cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)  # noqa: E731
+    graphdef = nnx.split(nnx.eval_shape(make))[0]
+    up = lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+    return nnx.merge(graphdef, jax.tree.map(up, nnx.state(model)))
+
+
+def test_near_tie_judge_equals_the_float32_twin():
+    """The judge's exact pass (float32 compute over the model's bf16 weights, upcast a layer at a time) against a
+    float32 twin of the model (its weights upcast whole, called as `model(ids)`, not through the judge): the same
+    logit gaps to 1e-5 and the same verdicts, for a near tie, a far difference and one a position earlier. Catches
+    an exact pass that computes anything in bf16 (its gaps off by bf16's error, verdicts flipped) or reads
+    another position."""
+    import jax.numpy as jnp
+
+    from benchmarks.e2e_models import build_model
+
+    model, _ = build_model(ModelConfig.tiny(), jnp.bfloat16)
+    twin = _float32_twin(model)
+    judge = bench_serve.NearTieJudge(model, bucket=16)
+    rng = np.random.default_rng(1)
+    prompt, ref = _prompt(rng, 9), _prompt(rng, 5)
+    for j in (1, 3):
+        ids = prompt + ref[:j]
+        exact = np.asarray(twin(jnp.asarray([ids]))[0, -1], np.float64)
+        own = np.asarray(model(jnp.asarray([ids]))[0, -1].astype(jnp.float32), np.float64)
+        np.testing.assert_allclose(judge.logits(ids, len(ids) - 1, exact=True), exact, rtol=1e-5, atol=1e-6)
+        err = float(np.max(np.abs(own - exact)))
+        order = np.argsort(exact)
+        k = int(np.argmin(np.diff(exact[order])))
+        for a, b in ((int(order[k + 1]), int(order[k])), (int(order[-1]), int(order[0]))):
+            verdict = judge(prompt, ref[:j] + [a], ref[:j] + [b])
+            gap = exact[a] - exact[b]
+            assert verdict["position"] == j and verdict["logit_gap"] == pytest.approx(gap, rel=1e-5, abs=1e-6)
+            assert verdict["logit_error"] == pytest.approx(err, rel=1e-3) and verdict["tie"] == (abs(gap) <= 2 * err)
+
+
+def test_near_tie_judge_holds_no_float32_copy_of_a_stack():
+    """The judge's exact pass as compiled (XLA's memory analysis on the CPU), on a tiny bf16 model of 7 MoE
+    layers: its arguments are the model's own bf16 weights, its temporaries less than half the MoE stack in
+    float32 (one layer's weights upcast at a time, whatever the depth), its output the logits alone. Catches
+    the float32 twin (twice the weights as arguments: V2-Lite's 63 GB, out of memory on an 80 GB H100), an
+    upcast XLA hoists out of the scan (a whole stack in float32 among the temporaries) and a program that
+    returns the model's state (nnx.jit's: a copy of every weight as output)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.e2e_models import build_model, model_config
+
+    cfg = model_config("v2-lite", config="tiny", layers=8)
+    model, _ = build_model(cfg, jnp.bfloat16)
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    stack_f32 = 2 * sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.moe_layers)))
+    judge = bench_serve.NearTieJudge(model, bucket=16)
+    m = judge.lower(16).compile().memory_analysis()
+    assert m.argument_size_in_bytes <= weights + 1024, (m.argument_size_in_bytes, weights)
+    assert m.temp_size_in_bytes < stack_f32 / 2, (m.temp_size_in_bytes, stack_f32)
+    assert m.output_size_in_bytes <= 4 * cfg.vocab_size + 1024, m.output_size_in_bytes
+
+
+def _serve_failing(tmp_path, monkeypatch, target: str, fail_on: int):
+    """`mla-bench serve --config tiny` (two rates, 4 requests checked) whose `target` raises an out-of-memory
+    error on its call number `fail_on` (1-based) -> (the SystemExit, serve.json or None, serve.csv's rows)."""
+    real, calls = getattr(bench_serve, target), []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == fail_on:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 63.00GiB.\nmore detail")
+        return real(*a, **k)
+
+    monkeypatch.setattr(bench_serve, target, flaky)
+    with pytest.raises(SystemExit) as exc:
+        bench_serve.main(TINY_ARGS + ["--out", str(tmp_path), "--compile-cache", "off"])
+    path = tmp_path / "serve.json"
+    report = json.loads(path.read_text()) if path.exists() else None
+    import benchmarks as bm
+
+    rows = bm.read_csv(str(tmp_path / "serve.csv")) if (tmp_path / "serve.csv").exists() else []
+    return exc.value, report, rows
+
+
+def test_serve_check_that_fails_keeps_the_rates(tmp_path, monkeypatch, engine):
+    """The greedy check against runs alone ran out of device memory on an 80 GB H100 (its float32 twin of
+    V2-Lite), and the run died with a traceback before writing serve.json: every rate's figures were lost. Now
+    serve.json holds both rates' rows and the check's error, and the run exits non-zero with one line."""
+    err, report, rows = _serve_failing(tmp_path, monkeypatch, "check_alone", 1)
+    assert isinstance(err.code, str) and "\n" not in err.code, err.code
+    assert err.code.startswith(
+        "serve: error: the greedy check against runs alone failed: RuntimeError: RESOURCE_EXHAUSTED: Out of memory"
+    ), err.code
+    assert report is not None and [r["rate"] for r in report["rows"]] == [4.0, 16.0]
+    assert all(r["out_tok_s"] > 0 and r["lost"] == 0 for r in report["rows"]), report["rows"]
+    assert report["check"]["error"].startswith("RuntimeError: RESOURCE_EXHAUSTED") and not report["complete"]
+    assert [r["rate"] for r in rows] == [4.0, 16.0] and (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_serve_rate_that_fails_keeps_the_rates_before(tmp_path, monkeypatch, engine):
+    """A rate that fails (out of device memory in a step) after one that ran: serve.json and serve.csv hold the
+    first rate's figures and the second's row with its error, and the run exits non-zero with one line naming
+    the rate (it lost every figure with a traceback)."""
+    err, report, rows = _serve_failing(tmp_path, monkeypatch, "serve", 2)
+    assert isinstance(err.code, str) and "\n" not in err.code, err.code
+    assert err.code.startswith("serve: error: rate 16/s failed: RuntimeError: RESOURCE_EXHAUSTED"), err.code
+    first, failed = report["rows"]
+    assert first["rate"] == 4.0 and first["out_tok_s"] > 0 and "error" not in first
+    assert failed["rate"] == 16.0 and failed["error"].startswith("RuntimeError: RESOURCE_EXHAUSTED")
+    assert report["check"] is None and [r["rate"] for r in rows] == [4.0, 16.0] and rows[1]["error"]
 
 
 def test_decode_config_reaches_the_engine_by_name():
