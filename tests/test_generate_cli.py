@@ -34,6 +34,29 @@ def test_no_arguments_streams_text_and_stats(capsys, monkeypatch):
         assert "randomly initialised" in err
 
 
+def test_the_timed_run_compiles_nothing(capsys, monkeypatch):
+    """Guards the stats line of every plain run: the warm-up generated 2 tokens, so it compiled only a 1-step
+    decode call, and the timed run compiled its 8-step and 4-step calls inside the clock, charged to prefill
+    and decode (prefill 21 tok/s and decode 42 where the steps run at ~1 900 and ~330). The warm-up compiles
+    what the timed run (the second `generate`) takes: nothing compiles there."""
+    from models.serving.engine import Engine, trace_counts
+
+    compiled, real = [], Engine.generate
+
+    def counting(self, *a, **k):
+        before = sum(trace_counts().values())
+        try:
+            return real(self, *a, **k)
+        finally:
+            compiled.append(sum(trace_counts().values()) - before)
+
+    monkeypatch.setattr(Engine, "generate", counting)
+    assert main(["--max-new-tokens", "20"]) == 0  # 19 decode tokens: calls of 8, 8 and 3 (a 4-step loop)
+    assert len(compiled) == 2 and compiled[1] == 0, compiled
+    stats = capsys.readouterr().out.rstrip("\n").split("\n")[-1]
+    assert "(19 tokens, 19 steps)" in stats, stats
+
+
 def test_prompt_sampling_and_mtp(capsys):
     assert (
         main(

@@ -6,8 +6,10 @@
     mla-generate --checkpoint DIR                  # an HF-layout checkpoint + its tokenizer.json
 
 The text is printed as it is generated, then one stats line (prefill and decode tokens/s, MTP
-acceptance, cache pages used). Steps that compiled are left out of the tokens/s figures and
-reported as compile time. Compiled steps are kept in jax's persistent compilation cache
+acceptance, cache pages used). A silent run of the same request first compiles the programs the
+timed run takes (each decode-loop length it reaches), so the tokens/s figures are the steps' own;
+steps that compile (the warm-up's, or any with `--no-warmup`) are left out of them and reported as
+compile time. Compiled steps are kept in jax's persistent compilation cache
 (`--compile-cache`, see `models.compile_cache`), so a second run starts warm. `--mesh` places the
 weights on a device mesh; `--coordinator/--num-processes/--process-id` join several processes first
 (`models.distributed`). Errors in arguments or inputs: one line on stderr, exit status 2. Ctrl-C: the
@@ -306,11 +308,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         compile_s = 0.0
         try:
             if not args.no_warmup:
-                # Compile prefill/decode (and MTP verify) on the same shapes first, so that the
-                # stats line measures warm steps rather than XLA compilation.
+                # The same request first, silently: it compiles (or loads from the cache) exactly the programs
+                # the timed run takes (its prompt's chunk, each decode-loop length it reaches, its sampler; the
+                # tokens are the same), so that the stats line measures warm steps rather than XLA compilation.
                 warm = engine.generate(
                     [ids],
-                    max_new_tokens=min(2, args.max_new_tokens),
+                    max_new_tokens=args.max_new_tokens,
                     sampling=sampling,
                     use_mtp=args.mtp,
                     stop_tokens=stops,
