@@ -151,6 +151,31 @@ def test_errors_are_one_line_exit_2(argv, match, capsys, monkeypatch):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--mtp-draft-tokens", "2"], "mla-generate: error: --mtp-draft-tokens 2 drafts with the MTP head: add --mtp"),
+        (["--decode-steps", "0"], "mla-generate: error: --decode-steps must be >= 1, got 0"),
+    ],
+)
+def test_flags_are_handled_evenly(argv, line, capsys):
+    """Guards: `--mtp-draft-tokens 2` without `--mtp` was ignored without a word (while 4 was refused), and
+    `--decode-steps 0` was refused naming the Python parameter (`Engine decode_steps must be ...`), not the flag."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_a_stop_at_the_end_of_text_token_is_said(capsys):
+    """Guards: a run that ended at the end-of-text token said nothing (only a stop at the context limit was
+    said), so 130 tokens of 200 asked for looked like a cut. The built-in story ends after 130 new tokens."""
+    assert main(["--max-new-tokens", "200"]) == 0
+    out, err = capsys.readouterr()
+    assert "(129 tokens, 129 steps)" in out.rstrip("\n").split("\n")[-1]
+    assert err.endswith("mla-generate: note: stopped after 130 of 200 new tokens at the end-of-text token (257)\n")
+
+
 def test_format_stats():
     line = format_stats(
         dict(
