@@ -670,6 +670,22 @@ def test_a_call_in_flight_while_the_next_one_compiles_is_not_timed_as_warm(model
     assert again["decode_tokens"] == 11 and again["decode_calls"] == 2
 
 
+def test_a_cancelled_handle_keeps_the_tokens_that_reached_the_host(model):
+    """`RequestHandle.output` is what was generated and read back, a whole device call at a time, not what
+    `tokens()` yielded: cancelled after 3 tokens were read with 8 steps a call, it holds 9 (the prefill's and a
+    decode call's), the first of the request run alone. Catches: an output cut to the tokens yielded, or the
+    landed call's tokens dropped at cancel, either way against its docstring."""
+    e = Engine(model, **{**STD, "max_batch": 3}, decode_steps=8)  # the shapes of the test above
+    prompt = _prompts(14, [5])[0]
+    alone = e.generate([prompt], max_new_tokens=12).tokens[0]
+    h = e.submit(prompt, max_new_tokens=12)
+    stream = h.tokens()
+    read = [next(stream) for _ in range(3)]
+    assert h.cancel() and list(stream) == [] and h.finish_reason == "cancelled"
+    assert read == alone[:3] and h.output == alone[:9]
+    assert e.cache.pages_used == 0
+
+
 # --- the Pallas kernels (interpret mode on CPU, the real kernels on a Hopper GPU) -------------------
 KERNEL_CFG = ModelConfig.tiny().replace(  # the kernels' shape: latent 512 + rope 64, 16 heads
     num_hidden_layers=1,
