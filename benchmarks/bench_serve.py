@@ -559,13 +559,14 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed + 1)
     offsets = {rate: arrival_offsets(rng, len(reqs), rate) for rate in args.rate_list}
     t_warm = time.perf_counter()
-    warm_compiles = 0
+    warm_compiles, warm_s = 0, 0.0
     if not args.no_warmup:
         longest = max(len(r["prompt"]) + r["max_new_tokens"] for r in reqs)
         if args.soak_steps:  # the soak draws fresh requests, up to the longest the distributions allow
             longest = max(longest, args.prompt_max + args.output_max)
         warm_compiles = engine.warm_up(min(longest, engine.max_context), progress=True)
-        bm.log(f"# warm-up: {warm_compiles} step compilations, {time.perf_counter() - t_warm:.1f} s")
+        warm_s = time.perf_counter() - t_warm
+        bm.log(f"# warm-up: {warm_compiles} step compilations, {warm_s:.1f} s")
     rows, outputs = [], {}
     for rate in args.rate_list:
         handles, counters = serve(engine, reqs, offsets[rate])
@@ -601,7 +602,7 @@ def main(argv=None):
                 prefill_budget=engine.prefill_budget,
             ),
             build_s=build_s,
-            warm_up=dict(compiles=warm_compiles, seconds=time.perf_counter() - t_warm if not args.no_warmup else 0),
+            warm_up=dict(compiles=warm_compiles, seconds=warm_s),
             requests=[dict(prompt=len(r["prompt"]), max_new_tokens=r["max_new_tokens"]) for r in reqs],
             rows=rows,
             compile_log=engine.compile_log,
