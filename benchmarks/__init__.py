@@ -64,7 +64,7 @@ def begin_run(name: str, out_dir: str, iters: int):
     print(
         f"# ceilings: copy XLA {ceil['xla_copy_gbps']:.0f} GB/s, torch "
         f"{ceil['torch_copy_gbps'] or float('nan'):.0f} GB/s; bf16 matmul "
-        f"{ceil['matmul_tflops']:.0f} TFLOP/s"
+        f"{figure(ceil['matmul_tflops'])} TFLOP/s"
     )
     return header, ceil
 
@@ -201,6 +201,21 @@ def _torch_copy_gbps():
 
 def progress(iterable, **kwargs):
     return tqdm(iterable, **kwargs)
+
+
+def count(n: float) -> str:
+    """A count in three significant digits with K / M / B / T: 1_431_936 -> "1.43M", 15_706_000_000 ->
+    "15.7B" (the tiny model's parameters printed as "0.00B")."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def figure(x: float) -> str:
+    """A measured rate for a log line: whole above 100, else three significant digits (a CPU's 0.3 TFLOP/s
+    printed as "0")."""
+    return f"{x:.0f}" if abs(x) >= 100 or x != x else f"{x:.3g}"
 
 
 def log(msg: str) -> None:

@@ -75,6 +75,7 @@ so a run stopped by a time limit keeps its figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -91,6 +92,7 @@ import benchmarks as bm
 from benchmarks.bench_mla_decode import decode_config
 from benchmarks.e2e_models import build_model, kv_dtype_arg, model_config
 from benchmarks.serve_check import NearTieJudge, check_alone
+from mla_jax.memory import DEFAULT_MEMORY_FRACTION, check_fraction
 from models import DeepSeekModel, Engine, compile_cache
 from models.serving.engine import PREFILL_BUDGET, trace_counts
 
@@ -400,6 +402,14 @@ def parser() -> argparse.ArgumentParser:
         "auto; default: the engine's, per sequence or in pieces chosen each step from the rows' lengths)",
     )
     p.add_argument("--check", type=int, default=4, help="requests checked against their runs alone")
+    p.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=DEFAULT_MEMORY_FRACTION,
+        metavar="F",
+        help="share of the GPU's memory the engine plans for (weights, the largest step's temporaries, the page "
+        f"pool; `Engine(memory_fraction=)`) (default: {DEFAULT_MEMORY_FRACTION})",
+    )
     p.add_argument("--soak-steps", type=int, default=0, help="after the rates, a soak of this many engine steps")
     p.add_argument("--soak-arrivals", type=float, default=0.15, help="mean new requests a soak step (Poisson)")
     p.add_argument("--soak-check", type=int, default=16, help="soak requests, drawn at random, checked alone")
@@ -439,6 +449,10 @@ def resolve(args) -> argparse.Namespace:
             f"serve: error: --soak-steps and --soak-check must be >= 0 and --soak-arrivals > 0, got "
             f"{args.soak_steps}, {args.soak_check} and {args.soak_arrivals}"
         )
+    try:
+        check_fraction(args.memory_fraction, "--memory-fraction")
+    except ValueError as e:
+        raise SystemExit(f"serve: error: {e}") from None
     if args.check < 0 or args.check > args.requests:
         raise SystemExit(f"serve: error: --check must be in [0, --requests={args.requests}], got {args.check}")
     return args
@@ -465,6 +479,7 @@ def build_engine(args, cache_fill: float = 0.0) -> tuple[Engine, object, float, 
         mixed_steps=not args.no_mixed,
         prefill_budget=args.prefill_budget,
         decode_config=decode_config(args.decode_config),
+        memory_fraction=args.memory_fraction,
     )
     return engine, cfg, build_s, model
 
@@ -487,13 +502,14 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed + 1)
     offsets = {rate: arrival_offsets(rng, len(reqs), rate) for rate in args.rate_list}
     t_warm = time.perf_counter()
-    warm_compiles = 0
+    warm_compiles, warm_s = 0, 0.0
     if not args.no_warmup:
         longest = max(len(r["prompt"]) + r["max_new_tokens"] for r in reqs)
         if args.soak_steps:  # the soak draws fresh requests, up to the longest the distributions allow
             longest = max(longest, args.prompt_max + args.output_max)
         warm_compiles = engine.warm_up(min(longest, engine.max_context), progress=True)
-        bm.log(f"# warm-up: {warm_compiles} step compilations, {time.perf_counter() - t_warm:.1f} s")
+        warm_s = time.perf_counter() - t_warm
+        bm.log(f"# warm-up: {warm_compiles} step compilations, {warm_s:.1f} s")
     judge = NearTieJudge(model) if args.dtype != "fp32" else None
     settings = {k: v for k, v in vars(args).items() if k != "rate_list"}
     rows, outputs = [], {}
@@ -506,9 +522,11 @@ def main(argv=None):
             backend=engine.backend,
             mixed_steps=engine.mixed_steps,
             prefill_budget=engine.prefill_budget,
+            memory_plan=None if engine.memory_plan is None else dataclasses.asdict(engine.memory_plan),
+            step_temporaries=engine.step_temporaries,
         ),
         build_s=build_s,
-        warm_up=dict(compiles=warm_compiles, seconds=time.perf_counter() - t_warm if not args.no_warmup else 0),
+        warm_up=dict(compiles=warm_compiles, seconds=warm_s),
         requests=[dict(prompt=len(r["prompt"]), max_new_tokens=r["max_new_tokens"]) for r in reqs],
         rows=rows,
         check=None,

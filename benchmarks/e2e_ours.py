@@ -274,7 +274,7 @@ def run_ours_worker(args) -> None:
             base = dict(base, impl=mesh_label(sizes))
             where = f" on {mesh_label(sizes)[5:]}" if sizes else ""
             what = args.dtype if args.weights == "bf16" else f"fp8 weights, {args.dtype} compute"
-            bm.log(f"# {name}: building {total_params(cfg) / 1e9:.2f}B parameters ({what}){where} ...")
+            bm.log(f"# {name}: building {bm.count(total_params(cfg))} parameters ({what}){where} ...")
             try:
                 model, build_s = build_model(cfg, dtype, mesh, weights=model_weights(args))
             except Exception as e:  # noqa: BLE001 - an OOM while building must not end the run

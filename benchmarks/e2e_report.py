@@ -75,7 +75,7 @@ def report(csv_path: str, out_dir: str) -> list[dict]:
     if ceil:
         print(
             f"# ceilings: copy {ceil.get('bandwidth_gbps', float('nan')):.0f} GB/s, bf16 matmul "
-            f"{ceil.get('matmul_tflops', float('nan')):.0f} TFLOP/s"
+            f"{bm.figure(ceil.get('matmul_tflops', float('nan')))} TFLOP/s"
             + (f" ({ceil['method']})" if "method" in ceil else "")
         )
     clip = lambda v: v if not isinstance(v, str) or len(v) <= 70 else v[:67] + "..."  # noqa: E731

@@ -28,7 +28,7 @@ import numbers
 import os
 import sys
 from dataclasses import dataclass, field
-from decimal import Decimal
+from decimal import ROUND_DOWN, Decimal
 from fractions import Fraction
 from typing import NoReturn, Sequence
 
@@ -317,10 +317,11 @@ _MAX_DECIMALS = 6
 
 
 def format_bytes(n: int) -> str:
-    """A byte count in binary units: 1023 -> "1023 B", 1536 -> "1.5 KiB", 9059696640 -> "8.4375 GiB".
+    """A byte count in binary units: 1023 -> "1023 B", 1536 -> "1.5 KiB", 9059696640 -> "8.4375 GiB",
+    685082400000 -> "638.03 GiB".
 
-    The largest unit not above `n`, with up to six decimals (exact for counts such as 8.4375 GiB,
-    rounded half-even beyond that), trailing zeros trimmed.
+    The largest unit not above `n`: exact where six decimals hold the value (8.4375 GiB), else cut to two
+    decimals (never up to the next unit: 1024**2 - 1 -> "1023.99 KiB"), trailing zeros trimmed.
     """
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
         raise ValueError(f"n must be a non-negative integer number of bytes, got {n!r}")
@@ -332,7 +333,8 @@ def format_bytes(n: int) -> str:
         exp += 1
     # Decimal division of an integer by a power of two is exact at this precision.
     value = Decimal(n) / Decimal(1024**exp)
-    text = f"{value.quantize(Decimal(1).scaleb(-_MAX_DECIMALS)):f}".rstrip("0").rstrip(".")
+    exact = value.quantize(Decimal(1).scaleb(-_MAX_DECIMALS))
+    text = f"{exact if exact == value else value.quantize(Decimal('0.01'), ROUND_DOWN):f}".rstrip("0").rstrip(".")
     return f"{text} {_UNITS[exp - 1]}"
 
 
@@ -594,9 +596,9 @@ def _build_parser() -> _Parser:
     p.add_argument(
         "--device-memory",
         type=float,
-        default=DEFAULT_DEVICE_GIB,
+        default=None,
         metavar="GIB",
-        help=f"memory of one device in GiB, for --weights (default: {DEFAULT_DEVICE_GIB}, an H200)",
+        help=f"memory of one device in GiB, with --weights (default: {DEFAULT_DEVICE_GIB}, an H200)",
     )
     p.add_argument(
         "--mtp",
@@ -619,6 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, TypeError) as e:  # missing file, bad JSON, invalid values
         parser.error(f"--config {args.config}: {e}")
     name = args.config if args.config else args.preset
+    if args.device_memory is not None and not args.weights:
+        parser.error(f"--device-memory {args.device_memory:g} needs --weights bf16|fp8: it sizes the room they leave")
     if args.mtp and not cfg.num_mtp_layers:
         parser.error(f"--mtp: {name} has no MTP layers (num_nextn_predict_layers=0); drop --mtp")
     try:
@@ -650,9 +654,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(msg)
     text = format_plan(plan, name if args.config is None else f"{name} ({cfg.model_type})")
     if args.weights:
-        if not (math.isfinite(args.device_memory) and args.device_memory > 0):
-            parser.error(f"--device-memory: must be a positive number of GiB, got {args.device_memory}")
-        device_bytes = int(args.device_memory * 1024**3)
+        gib = DEFAULT_DEVICE_GIB if args.device_memory is None else args.device_memory
+        if not (math.isfinite(gib) and gib > 0):
+            parser.error(f"--device-memory: must be a positive number of GiB, got {gib}")
+        device_bytes = int(gib * 1024**3)
         fits = plan_weights(cfg, args.weights, plan, device_bytes=device_bytes)
         text += "\n\n" + format_weights(cfg, args.weights, plan, fits, device_bytes)
     try:

@@ -21,6 +21,29 @@ from models.tokenizer import load_tokenizer  # noqa: E402
 from models.training.loop import DEFAULT_CORPUS, split_corpus  # noqa: E402
 
 
+def measure(prompts: int = 8, prompt_bytes: int = 32, max_new_tokens: int = 128, draft_tokens: int = 1) -> dict:
+    """Greedy generation of the first `prompts` held-out paragraphs' first `prompt_bytes` bytes, plain and with
+    MTP -> {"accepted", "drafted", "mtp_steps", "plain_steps", "same"} (the README's and PERFORMANCE.md's
+    figures; `tests/test_readme.py` checks them against this)."""
+    model, tok = load_hf_checkpoint(BUILTIN_DIR), load_tokenizer(BUILTIN_DIR)
+    _, held = split_corpus(open(DEFAULT_CORPUS, encoding="utf-8").read())
+    ids = [tok.encode(para[:prompt_bytes]) for para in held[:prompts]]
+    engine = Engine(model, page_size=64, max_batch=len(ids), max_context=512)
+    greedy = SamplingParams(temperature=0.0)
+    plain = engine.generate(ids, max_new_tokens=max_new_tokens, sampling=greedy)
+    spec = engine.generate(
+        ids, max_new_tokens=max_new_tokens, sampling=greedy, use_mtp=True, mtp_draft_tokens=draft_tokens
+    )
+    s = spec.stats
+    return dict(
+        accepted=s["mtp_accepted"],
+        drafted=s["mtp_drafted"],
+        mtp_steps=s["decode_steps"],
+        plain_steps=plain.stats["decode_steps"],
+        same=spec.tokens == plain.tokens,
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=8)
@@ -28,24 +51,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-tokens", type=int, default=1)
     args = p.parse_args(argv)
-    model, tok = load_hf_checkpoint(BUILTIN_DIR), load_tokenizer(BUILTIN_DIR)
-    _, held = split_corpus(open(DEFAULT_CORPUS, encoding="utf-8").read())
-    prompts = [tok.encode(para[: args.prompt_bytes]) for para in held[: args.prompts]]
-    engine = Engine(model, page_size=64, max_batch=len(prompts), max_context=512)
-    greedy = SamplingParams(temperature=0.0)
-    plain = engine.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=greedy)
-    spec = engine.generate(
-        prompts, max_new_tokens=args.max_new_tokens, sampling=greedy, use_mtp=True, mtp_draft_tokens=args.draft_tokens
-    )
-    s = spec.stats
-    print(f"prompts {len(prompts)} x {args.max_new_tokens} new tokens, {args.draft_tokens} draft(s) a step")
+    m = measure(args.prompts, args.prompt_bytes, args.max_new_tokens, args.draft_tokens)
+    print(f"prompts {args.prompts} x {args.max_new_tokens} new tokens, {args.draft_tokens} draft(s) a step")
     print(
-        f"MTP acceptance {100 * s['mtp_acceptance']:.1f}% ({s['mtp_accepted']}/{s['mtp_drafted']}); "
-        f"decode steps {s['decode_steps']} with MTP vs {plain.stats['decode_steps']} without"
+        f"MTP acceptance {100 * m['accepted'] / m['drafted']:.1f}% ({m['accepted']}/{m['drafted']}); "
+        f"decode steps {m['mtp_steps']} with MTP vs {m['plain_steps']} without"
     )
-    same = spec.tokens == plain.tokens
-    print(f"greedy tokens with MTP equal those without: {same}")
-    return 0 if same else 1
+    print(f"greedy tokens with MTP equal those without: {m['same']}")
+    return 0 if m["same"] else 1
 
 
 if __name__ == "__main__":

@@ -318,3 +318,17 @@ def test_a_cell_that_fails_late_keeps_the_rows_before_and_fails_the_run(tmp_path
         (16, 1.5, ""),
         (32, "", "RuntimeError: RESOURCE_EXHAUSTED"),
     ]
+
+
+def test_small_figures_keep_their_digits(tmp_path, capsys):
+    """Guards: `mla-bench e2e --config tiny` printed `building 0.00B parameters` (the tiny model's 1.43M) and
+    `bf16 matmul 0 TFLOP/s` (a CPU's fraction of one) beside a prefill MFU of 20.8 % computed from it."""
+    import benchmarks as bm
+    from benchmarks import e2e_cells, e2e_report
+
+    assert bm.count(e2e.total_params(TINY)) == "1.43M"  # 1 431 936
+    assert bm.count(e2e.total_params(ModelConfig.deepseek_v2_lite())) == "15.7B"
+    assert [bm.figure(x) for x in (0.2873, 12.34, 789.6)] == ["0.287", "12.3", "790"]
+    e2e_cells.write_meta(str(tmp_path), dict(ceilings=dict(bandwidth_gbps=21.4, matmul_tflops=0.2873)))
+    e2e_report.report(str(tmp_path / "none.csv"), str(tmp_path))
+    assert "bf16 matmul 0.287 TFLOP/s" in capsys.readouterr().out

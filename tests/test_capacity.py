@@ -82,7 +82,6 @@ def test_mla_kv_bytes_rejects_bad_element_bytes(bad):
         (1024, "1 KiB"),
         (1536, "1.5 KiB"),
         (69_120, "67.5 KiB"),
-        (1024**2 - 1, "1023.999023 KiB"),
         (1024**2, "1 MiB"),
         (4_997_120, "4.765625 MiB"),
         (GiB, "1 GiB"),
@@ -380,6 +379,32 @@ def test_cli_errors_exit_2_with_one_line(argv, needle, capsys):
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
     assert err.count("\n") == 1 and err.startswith("mla-capacity: error:")
+
+
+def test_cli_device_memory_without_weights_is_refused(capsys):
+    """Guards: `--device-memory 80` without `--weights` printed the cache table alone, as if the flag had been
+    read: it sizes only the weights' section."""
+    with pytest.raises(SystemExit) as e:
+        main(["--device-memory", "80"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "mla-capacity: error: --device-memory 80 needs --weights bf16|fp8: it sizes the room they leave (see --help)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (685_082_400_000, "638.03 GiB"),  # was 638.034804 GiB (V3's fp8 weights on one device)
+        (186_075_560_416, "173.29 GiB"),  # was 173.29637 GiB
+        (1024**2 - 1, "1023.99 KiB"),  # was 1023.999023 KiB; cut, never rounded up to "1024 KiB"
+        (9_361_686_528, "8.71875 GiB"),  # exact figures stay exact
+    ],
+)
+def test_format_bytes_inexact_figures_have_two_decimals(n, text):
+    """Guards: a figure that six decimals do not hold exactly printed all six (`638.034804 GiB` in
+    `mla-capacity --weights fp8`): it has two, cut."""
+    assert format_bytes(n) == text
 
 
 def test_cli_bad_config_json(tmp_path, capsys):

@@ -649,6 +649,43 @@ def test_long_generation_compiles_a_bounded_number_of_times(model):
     assert again.stats["decode_steps"] == 55
 
 
+def test_a_call_in_flight_while_the_next_one_compiles_is_not_timed_as_warm(model):
+    """Guards the tokens/s figures against compilation: the lane launches call n + 1 (compiling it there when
+    it is new) before it reads call n, and call n's time ran to that read, so a warm prefill call was charged
+    the next decode call's compilation (`mla-generate` printed prefill 21 tok/s where the step runs at ~1 900,
+    its warm-up having compiled the 1-step decode call only). Such a call's time goes to `compile_s`, the
+    warm figures keep only calls timed alone."""
+    e = Engine(model, **{**STD, "max_batch": 3}, decode_steps=8)  # a shape no other test uses: it compiles here
+    prompt = _prompts(14, [5])
+    e.generate(prompt, max_new_tokens=2)  # compiles the prefill call and the 1-step decode call only
+    before = sum(trace_counts().values())
+    # 1 token from the prefill call, then decode calls of 8 steps and of 3 (a 4-step loop): both compile at
+    # their launch, while the call before each is in flight
+    res = e.generate(prompt, max_new_tokens=12)
+    assert sum(trace_counts().values()) - before == 2
+    st = res.stats
+    assert st["prefill_s"] == 0.0 and st["decode_s"] == 0.0 and st["compile_s"] > 0, dict(st)
+    again = e.generate(prompt, max_new_tokens=12).stats  # nothing compiles: every call is timed
+    assert again["compile_s"] == 0.0 and again["prefill_s"] > 0 and again["decode_s"] > 0, dict(again)
+    assert again["decode_tokens"] == 11 and again["decode_calls"] == 2
+
+
+def test_a_cancelled_handle_keeps_the_tokens_that_reached_the_host(model):
+    """`RequestHandle.output` is what was generated and read back, a whole device call at a time, not what
+    `tokens()` yielded: cancelled after 3 tokens were read with 8 steps a call, it holds 9 (the prefill's and a
+    decode call's), the first of the request run alone. Catches: an output cut to the tokens yielded, or the
+    landed call's tokens dropped at cancel, either way against its docstring."""
+    e = Engine(model, **{**STD, "max_batch": 3}, decode_steps=8)  # the shapes of the test above
+    prompt = _prompts(14, [5])[0]
+    alone = e.generate([prompt], max_new_tokens=12).tokens[0]
+    h = e.submit(prompt, max_new_tokens=12)
+    stream = h.tokens()
+    read = [next(stream) for _ in range(3)]
+    assert h.cancel() and list(stream) == [] and h.finish_reason == "cancelled"
+    assert read == alone[:3] and h.output == alone[:9]
+    assert e.cache.pages_used == 0
+
+
 # --- the Pallas kernels (interpret mode on CPU, the real kernels on a Hopper GPU) -------------------
 KERNEL_CFG = ModelConfig.tiny().replace(  # the kernels' shape: latent 512 + rope 64, 16 heads
     num_hidden_layers=1,

@@ -34,6 +34,29 @@ def test_no_arguments_streams_text_and_stats(capsys, monkeypatch):
         assert "randomly initialised" in err
 
 
+def test_the_timed_run_compiles_nothing(capsys, monkeypatch):
+    """Guards the stats line of every plain run: the warm-up generated 2 tokens, so it compiled only a 1-step
+    decode call, and the timed run compiled its 8-step and 4-step calls inside the clock, charged to prefill
+    and decode (prefill 21 tok/s and decode 42 where the steps run at ~1 900 and ~330). The warm-up compiles
+    what the timed run (the second `generate`) takes: nothing compiles there."""
+    from models.serving.engine import Engine, trace_counts
+
+    compiled, real = [], Engine.generate
+
+    def counting(self, *a, **k):
+        before = sum(trace_counts().values())
+        try:
+            return real(self, *a, **k)
+        finally:
+            compiled.append(sum(trace_counts().values()) - before)
+
+    monkeypatch.setattr(Engine, "generate", counting)
+    assert main(["--max-new-tokens", "20"]) == 0  # 19 decode tokens: calls of 8, 8 and 3 (a 4-step loop)
+    assert len(compiled) == 2 and compiled[1] == 0, compiled
+    stats = capsys.readouterr().out.rstrip("\n").split("\n")[-1]
+    assert "(19 tokens, 19 steps)" in stats, stats
+
+
 def test_prompt_sampling_and_mtp(capsys):
     assert (
         main(
@@ -126,6 +149,31 @@ def test_errors_are_one_line_exit_2(argv, match, capsys, monkeypatch):
     lines = [ln for ln in err.strip().split("\n") if not ln.startswith("warning:")]
     assert len(lines) == 1 and lines[0].startswith("mla-generate: error: ") and match in lines[0], err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--mtp-draft-tokens", "2"], "mla-generate: error: --mtp-draft-tokens 2 drafts with the MTP head: add --mtp"),
+        (["--decode-steps", "0"], "mla-generate: error: --decode-steps must be >= 1, got 0"),
+    ],
+)
+def test_flags_are_handled_evenly(argv, line, capsys):
+    """Guards: `--mtp-draft-tokens 2` without `--mtp` was ignored without a word (while 4 was refused), and
+    `--decode-steps 0` was refused naming the Python parameter (`Engine decode_steps must be ...`), not the flag."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_a_stop_at_the_end_of_text_token_is_said(capsys):
+    """Guards: a run that ended at the end-of-text token said nothing (only a stop at the context limit was
+    said), so 130 tokens of 200 asked for looked like a cut. The built-in story ends after 130 new tokens."""
+    assert main(["--max-new-tokens", "200"]) == 0
+    out, err = capsys.readouterr()
+    assert "(129 tokens, 129 steps)" in out.rstrip("\n").split("\n")[-1]
+    assert err.endswith("mla-generate: note: stopped after 130 of 200 new tokens at the end-of-text token (257)\n")
 
 
 def test_format_stats():

@@ -1,8 +1,10 @@
 """The README runs as written: every ```python block executes on its own (a fresh namespace, on CPU), and
 the README's test command is what CI runs."""
 
+import os
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -61,3 +63,72 @@ def test_readme_python_block_runs(index, capsys):
     calls an API the code no longer has."""
     code = _blocks("python")[index]
     exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": f"readme_block_{index}"})
+
+
+def _claim(pattern: str) -> tuple[str, ...]:
+    """The groups of `pattern` in the README (a claim it makes), which must be there."""
+    m = re.search(pattern, README)
+    assert m, f"the README no longer says {pattern!r}"
+    return m.groups()
+
+
+def test_the_builtin_model_and_corpus_are_as_the_readme_says():
+    """Guards the README's figures of what ships against a retrained model or an edited corpus that leave them
+    stale: the built-in model's file size and parameter count (in its section and in the Usage example) and the
+    corpus's size."""
+    import jax
+    from flax import nnx
+
+    from models import load_hf_checkpoint
+    from models.builtin import BUILTIN_DIR
+    from models.data import CORPUS_PATH
+
+    mb, millions = _claim(r"`models/builtin/` \(HF layout, ([\d.]+) MB, ([\d.]+) M parameters")
+    assert f"{os.path.getsize(os.path.join(BUILTIN_DIR, 'model.safetensors')) / 1e6:.1f}" == mb
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(load_hf_checkpoint(BUILTIN_DIR), nnx.Param)))
+    assert f"{params / 1e6:.2f}" == millions == _claim(r"the built-in ([\d.]+)M-parameter model")[0]
+    (kb,) = _claim(r"The corpus \((\d+) KB of simple English stories\)")
+    assert f"{os.path.getsize(CORPUS_PATH) / 1e3:.0f}" == kb
+
+
+@pytest.mark.full("the MTP acceptance counts the README quotes; tests/test_engine.py holds MTP to plain greedy")
+@pytest.mark.parametrize(
+    "draft_tokens, pattern",
+    [
+        (1, r"accepted \*\*([\d.]+) %\*\* of drafts \((\d+)/(\d+)\) and needed (\d+) decode\s+steps instead of (\d+)"),
+        (2, r"\(`--draft-tokens 2`\) ([\d.]+) % \((\d+)/(\d+)\), (\d+) steps"),
+    ],
+)
+def test_mtp_acceptance_is_what_the_readme_quotes(draft_tokens, pattern):
+    """Guards the README's MTP counts against the model, engine or sampler they measure: it said 491/528 and
+    597/844 while `scripts/measure_mtp_acceptance.py` printed 488/525 and 592/838. The script's measurement,
+    run here, gives the README's figures."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from measure_mtp_acceptance import measure
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    percent, accepted, drafted, steps, *plain = _claim(pattern)
+    m = measure(draft_tokens=draft_tokens)
+    assert (m["accepted"], m["drafted"], m["mtp_steps"]) == (int(accepted), int(drafted), int(steps)), m
+    assert f"{100 * m['accepted'] / m['drafted']:.1f}" == percent and m["same"]
+    if plain:  # the steps without MTP, quoted beside the one-draft figures
+        assert m["plain_steps"] == int(plain[0])
+
+
+def test_the_usage_example_prints_readable_lines(capsys):
+    """Guards: the README's Usage example printed a raw `GenerationStats(...)` and ran its streamed text into
+    the finish reason (`, there length`)."""
+    code = next(b for b in _blocks("python") if "handle.finish_reason" in b)
+    exec(compile(code, "README.md usage block", "exec"), {"__name__": "readme_usage"})
+    out = capsys.readouterr().out
+    assert "GenerationStats(" not in out and out.endswith("\nlength\n"), out
+    assert re.search(r"^MTP acceptance \d+% \(\d+/\d+\)$", out, re.M), out
+
+
+def test_the_checkpoint_walk_through_downloads_with_the_current_client():
+    """Guards: the V2-Lite walk-through told `pip install -U "huggingface_hub[cli]"` then `huggingface-cli
+    download`, a command the current client no longer installs; its command is `hf download`."""
+    walk = _blocks("bash", _section("Serving a real DeepSeek checkpoint"))[0].splitlines()
+    assert any(line.startswith("hf download deepseek-ai/") for line in walk), walk
+    assert not any(line.startswith("huggingface-cli") for line in walk), walk

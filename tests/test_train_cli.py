@@ -819,6 +819,18 @@ def test_unwritable_out_is_reported_whatever_else_is_wrong(tmp_path, capsys):
         assert needle in err, (needle, err)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_out_where_nothing_can_be_written_is_reported_with_the_rest(capsys):
+    """Guards: the writability check read the permission bits, which do not bind root, so as root an `--out`
+    on a file system that refuses every write (/proc here; a read-only mount) passed it and was reported alone,
+    once nothing else was wrong, when the run directory was made. It is one of the problems said together."""
+    out = "/proc/mla-train-test/run"
+    assert main(["--out", out, "--steps", "3", "--warmup", "5", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        f"mla-train: error: --warmup (5) must be smaller than --steps (3); --out {out!r}: '/proc' is not writable\n"
+    )
+
+
 def test_help_says_how_long_the_default_run_takes():
     """Guards: nothing said that the default run (800 steps) takes about ten minutes on a laptop's CPU."""
     text = " ".join(build_parser().format_help().split())
@@ -872,3 +884,68 @@ def test_resume_of_a_finished_run_says_it_is_complete(two_step_run, tmp_path, ca
     assert "nan" not in err and "already complete at step 2/2" in err, err
     assert (out / "metrics.jsonl").read_text() == before
     assert [r["step"] for r in _rows(out) if "eval_ce" in r] == [2]
+
+
+def test_resume_without_steps_of_a_finished_run_says_it_is_complete(two_step_run, tmp_path, capfd):
+    """Guards: `--resume` without `--steps` took the default total (800): a finished 2-step run printed
+    `steps 2->800` and trained on, pruning its checkpoints and re-planning its schedule for 800 steps. It keeps
+    the run's own total: complete, nothing written (`--stop-at 3` bounds the old behaviour to one step)."""
+    import shutil
+
+    run, args = two_step_run
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    i = args.index("--steps")
+    capfd.readouterr()
+    assert main(["--out", str(out), *args[:i], *args[i + 2 :], "--resume", "--stop-at", "3"]) == 0
+    err = capfd.readouterr().err
+    assert "already complete at step 2/2" in err, err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_resume_without_steps_of_an_interrupted_run_ends_at_its_own_total(tmp_path, capfd):
+    """Guards: a run stopped at step 37 of 40 (its message: "continue with --resume"), resumed without
+    `--steps`, trained on towards 800 steps with the learning rate of an 800-step schedule and its checkpoints
+    pruned. It ends at step 40, exported, each step's learning rate that of the run's own 40-step schedule."""
+    import optax
+
+    out = str(tmp_path / "run")
+    args = ["--eval-every", "0", "--save-every", "0", *FAST]
+    assert main(["--out", out, *args, "--stop-at", "37"]) == 0
+    i = args.index("--steps")
+    capfd.readouterr()
+    assert main(["--out", out, *args[:i], *args[i + 2 :], "--resume"]) == 0
+    assert "steps 37->40" in capfd.readouterr().err
+    rows = [r for r in _rows(out) if "ce" in r]
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    # FAST: --lr default 4e-3, --warmup 4, --min-lr-ratio default 0.1, 40 steps; the row of step n used lr(n - 1)
+    lr = optax.warmup_cosine_decay_schedule(0.0, 4e-3, 4, 40, 4e-4)
+    assert [r["lr"] for r in rows[-3:]] == pytest.approx([float(lr(n)) for n in (37, 38, 39)], rel=1e-6)
+    assert sorted(os.listdir(os.path.join(out, "checkpoints")), key=int) == ["37", "40"]
+    assert json.load(open(os.path.join(out, "export", "training.json")))["step"] == 40
+
+
+def test_metrics_are_strict_json(two_step_run):
+    """Guards: metrics.jsonl wrote a bare `NaN` (`"tokens_per_s": NaN`, the first step of every call, which
+    includes compiling): not JSON, so strict parsers (a browser's JSON.parse) rejected the file. Not measured
+    is null there."""
+
+    def no_constants(name):
+        raise ValueError(f"{name} is not JSON")
+
+    run, _ = two_step_run
+    with open(run / "metrics.jsonl") as f:
+        rows = [json.loads(line, parse_constant=no_constants) for line in f]
+    assert rows[0]["step"] == 1 and rows[0]["tokens_per_s"] is None
+    assert rows[1]["tokens_per_s"] > 0
+
+
+def test_progress_bar_shows_only_measured_figures():
+    """Guards: the progress bar showed `tok_s=nan` after the first step of every call (its time includes
+    compiling) and `mtp=nan` without an MTP loss."""
+    from models.training.loop import _postfix
+
+    row = dict(ce=2.5, mtp_ce=float("nan"), tokens_per_s=float("nan"), load_max_over_mean=1.25)
+    assert _postfix(row) == {"loss": "2.500", "load": "1.25"}
+    assert _postfix({**row, "tokens_per_s": 1234.4, "mtp_ce": 3.0})["tok_s"] == "1234"

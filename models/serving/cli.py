@@ -6,8 +6,10 @@
     mla-generate --checkpoint DIR                  # an HF-layout checkpoint + its tokenizer.json
 
 The text is printed as it is generated, then one stats line (prefill and decode tokens/s, MTP
-acceptance, cache pages used). Steps that compiled are left out of the tokens/s figures and
-reported as compile time. Compiled steps are kept in jax's persistent compilation cache
+acceptance, cache pages used). A silent run of the same request first compiles the programs the
+timed run takes (each decode-loop length it reaches), so the tokens/s figures are the steps' own;
+steps that compile (the warm-up's, or any with `--no-warmup`) are left out of them and reported as
+compile time. Compiled steps are kept in jax's persistent compilation cache
 (`--compile-cache`, see `models.compile_cache`), so a second run starts warm. `--mesh` places the
 weights on a device mesh; `--coordinator/--num-processes/--process-id` join several processes first
 (`models.distributed`). Errors in arguments or inputs: one line on stderr, exit status 2. Ctrl-C: the
@@ -76,9 +78,9 @@ def _build_parser() -> _Parser:
     p.add_argument(
         "--mtp-draft-tokens",
         type=int,
-        default=1,
+        default=None,
         metavar="K",
-        help="tokens the MTP head drafts a step, 1..3 (default: 1)",
+        help="tokens the MTP head drafts a step with --mtp, 1..3 (default: 1)",
     )
     p.add_argument(
         "--decode-steps",
@@ -103,7 +105,8 @@ def _build_parser() -> _Parser:
         help="latent cache format; auto = bf16 on a GPU (the decode kernel's fastest), fp32 "
         "elsewhere, where the jnp path keeps the latents exact; fp8 = 656-byte tokens (e4m3 "
         "latent + fp32 scale per 128 + bf16 rope), 1.76x the tokens of bf16; fp4 = 416-byte "
-        "tokens (e2m1 pairs + e4m3 scale per 16 + bf16 rope), 2.77x (default: auto)",
+        "tokens (e2m1 pairs + e4m3 scale per 16 + bf16 rope), 2.77x. The built-in model's greedy text depends "
+        "on it: bf16 pages change it within a few words, fp16 and fp32 pages agree (default: auto)",
     )
     p.add_argument(
         "--no-warmup",
@@ -244,8 +247,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(str(e)) from None
         if args.max_new_tokens < 1:
             raise _UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-        if not 1 <= args.mtp_draft_tokens <= 3:
+        if args.mtp_draft_tokens is not None and not 1 <= args.mtp_draft_tokens <= 3:
             raise _UsageError(f"--mtp-draft-tokens must be in [1, 3], got {args.mtp_draft_tokens}")
+        if args.mtp_draft_tokens is not None and not args.mtp:
+            raise _UsageError(f"--mtp-draft-tokens {args.mtp_draft_tokens} drafts with the MTP head: add --mtp")
+        args.mtp_draft_tokens = args.mtp_draft_tokens or 1
+        if args.decode_steps < 1:
+            raise _UsageError(f"--decode-steps must be >= 1, got {args.decode_steps}")
         try:
             check_fraction(args.memory_fraction, "--memory-fraction")
         except ValueError as e:
@@ -320,11 +328,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         compile_s = 0.0
         try:
             if not args.no_warmup:
-                # Compile prefill/decode (and MTP verify) on the same shapes first, so that the
-                # stats line measures warm steps rather than XLA compilation.
+                # The same request first, silently: it compiles (or loads from the cache) exactly the programs
+                # the timed run takes (its prompt's chunk, each decode-loop length it reaches, its sampler; the
+                # tokens are the same), so that the stats line measures warm steps rather than XLA compilation.
                 warm = engine.generate(
                     [ids],
-                    max_new_tokens=min(2, args.max_new_tokens),
+                    max_new_tokens=args.max_new_tokens,
                     sampling=sampling,
                     use_mtp=args.mtp,
                     stop_tokens=stops,
@@ -357,6 +366,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(res.errors[0])
         print(format_stats(dict(res.stats, compile_s=res.stats["compile_s"] + compile_s)), file=out)
         out.flush()
+        if res.finish_reasons[0] == "stop":
+            print(
+                f"mla-generate: note: stopped after {len(res.tokens[0])} of {args.max_new_tokens} new tokens at the "
+                f"end-of-text token ({tok.eos_id})",
+                file=err,
+            )
         if res.finish_reasons[0] == "context":
             print(
                 f"mla-generate: note: stopped after {len(res.tokens[0])} of {args.max_new_tokens} new tokens at "

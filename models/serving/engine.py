@@ -172,7 +172,9 @@ class RequestHandle:
 
     @property
     def output(self) -> list[int]:
-        """Its new tokens so far (a copy)."""
+        """Its new tokens that reached the host so far (a copy): a device call's at a time, so with `decode_steps`
+        > 1 up to that many ahead of what `tokens()` has yielded, and after `cancel()` every token read back,
+        yielded or not (what was generated, not only what was delivered)."""
         return list(self._r.tokens)
 
     @property
@@ -219,8 +221,8 @@ class RequestHandle:
             raise RuntimeError(f"request {self.id} neither waits nor runs, yet has not ended")
 
     def cancel(self) -> bool:
-        """End the request now (finish reason "cancelled", its tokens so far kept, its pages back to the
-        pool; no other request is touched); False when it had already ended."""
+        """End the request now (finish reason "cancelled", its tokens so far kept in `output`, `tokens()` ends, its
+        pages back to the pool; no other request is touched); False when it had already ended."""
         return self._engine._sched.abort(self._r.id)
 
     def __repr__(self) -> str:

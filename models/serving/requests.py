@@ -83,7 +83,8 @@ class _Flight:
     """A launched call, not read yet. `outs`: its device outputs; `rows`: slot -> (request id, tokens the slot
     gains in the cache by prefill (0 for a decoding row), the row of its first token or -1); `steps`: model
     steps of the call; `t0` / `launch_s`: when it was enqueued and how long that took (compilation included
-    when `compiled`)."""
+    when `compiled`); `compiled_beside`: how long the launch of the next call compiled while this one flew
+    (a part of its wall time that is not its own; it is then timed as a call that compiled)."""
 
     id: int
     kind: str
@@ -94,3 +95,4 @@ class _Flight:
     launch_s: float
     compiled: bool
     prompt_tokens: int = 0
+    compiled_beside: float = 0.0

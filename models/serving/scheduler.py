@@ -190,6 +190,8 @@ class _Generation:
         launched = self.launch()
         prev, self.flight = self.flight, launched
         if prev is not None:
+            if launched is not None and launched.compiled:  # prev's wall time holds that compilation
+                prev.compiled_beside = launched.launch_s
             self.land(prev)
         return launched is not None or prev is not None or bool(self.waiting)
 
@@ -788,6 +790,8 @@ class _Generation:
         now = time.perf_counter()
         # A call's time: from when the device could start it (the previous call read, or its launch) to its end.
         seconds = now - f.t0 if f.compiled else now - max(f.t0 + f.launch_s, self.landed_at)
+        seconds = max(0.0, seconds - f.compiled_beside)  # the next call's compilation: counted as that call's
+        compiled = f.compiled or f.compiled_beside > 0  # the rest is no warm call's time either
         self.landed_at = now
         tokens = host[0]
         counts = host[1] if f.kind in ("decode", "verify") else None
@@ -818,9 +822,9 @@ class _Generation:
                     break
         for st in self.sinks:
             if f.kind == "mixed":
-                st.record_mixed(f.prompt_tokens, emitted, seconds, f.compiled)
+                st.record_mixed(f.prompt_tokens, emitted, seconds, compiled)
             elif f.kind == "prefill":
-                st.record("prefill", f.prompt_tokens, seconds, f.compiled)
+                st.record("prefill", f.prompt_tokens, seconds, compiled)
             else:
                 # model steps: a plain row makes one token a step (its longest row's count); a verify call's
                 # rows step together (its trip count, when it served a row).
@@ -828,7 +832,7 @@ class _Generation:
                     "decode",
                     emitted,
                     seconds,
-                    f.compiled,
+                    compiled,
                     steps=steps if f.kind == "decode" else f.steps * (emitted > 0),
                 )
                 st.mtp_drafted += drafted

@@ -14,7 +14,8 @@ class GenerationStats(collections.abc.Mapping):
 
     Times are wall clock on the host; with calls overlapped (`models.serving.scheduler`), a call's time runs from when
     the device could start it (the previous call read, or its launch if later) to when it was read. Steps that
-    compiled are kept apart (`compile_s`); `prefill_s`
+    compiled are kept apart (`compile_s`), and so is a call in flight while the next one compiled (the rest of
+    its time: the compilation is the next call's); `prefill_s`
     and `decode_s` sum the steps that did not, and the tokens/s figures are over those (over all
     steps when every step compiled). `ttft_s`: from the call to the first new token of any of its
     requests (None outside `generate`). decode_tokens counts tokens computed by decode steps, including

@@ -208,6 +208,22 @@ def checkpoint_record(mgr, step: int | None = None) -> tuple[int, str, dict]:
     return step, where, meta
 
 
+def recorded_steps(out: str) -> int | None:
+    """The total steps of the run in `out` as its latest checkpoint records them (the run's own total, what
+    `--resume` without `--steps` continues to); None when `out` holds no checkpoint or its record cannot be
+    read (restoring it says why)."""
+    if not os.path.isdir(os.path.join(out, "checkpoints")):
+        return None
+    mgr = checkpoint_manager(out, create=False)
+    try:
+        steps = checkpoint_record(mgr)[2]["trajectory"].get("steps")
+    except (TrainerError, AttributeError):
+        return None
+    finally:
+        mgr.close()
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+
+
 def restore_checkpoint(mgr, state_template, opt_template, step: int | None = None):
     """(state, opt_state, meta) of `step` (default the latest), restored into the templates' structure and
     checked against the checksums saved with them. TrainerError, naming the step directory and what is

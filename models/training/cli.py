@@ -2,7 +2,7 @@
 
     mla-train --out runs/tiny                        # shipped corpus, tiny config (the built-in model's
                                                      # recipe: models/builtin/training.json)
-    mla-train --out runs/tiny --resume               # continue an interrupted run, bit for bit
+    mla-train --out runs/tiny --resume               # continue an interrupted run to its own total, bit for bit
     mla-train --out runs/tiny --resume --steps 1600  # train a finished run further, to 1600 steps in all
     mla-train --out runs/small --steps 200 --seq-len 128 --dtype bf16 --export runs/small-hf
     mla-train --out runs/fsdp --mesh data=2,tensor=2     # four devices: FSDP over data, heads over tensor
@@ -26,6 +26,7 @@ import sys
 from mla_jax.attention import DECOMPRESSED_IMPLS
 from models import compile_cache, distributed
 from models.moe import MOE_TRAINING_IMPLS
+from models.training.checkpoints import recorded_steps
 from models.training.loop import (
     AUTO_WARMUP,
     DTYPES,
@@ -76,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--steps",
         type=int,
-        default=d.steps,
-        help="total optimizer steps; with --resume, a larger total trains a finished run further",
+        default=None,
+        help=f"total optimizer steps (default: {d.steps}; with --resume, the run's own total, and a larger one "
+        "trains a finished run further)",
     )
     a("--batch-size", type=int, default=d.batch_size, help="sequences per step")
     a("--seq-len", type=int, default=d.seq_len, help="tokens per training window")
@@ -168,10 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings(args: argparse.Namespace) -> TrainSettings:
-    """The TrainSettings of parsed arguments (SettingError on a bad value)."""
+    """The TrainSettings of parsed arguments (SettingError on a bad value). Without `--steps`, a run resumed
+    keeps its own total (its latest checkpoint's record) and a new run trains `TrainSettings.steps`."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainSettings)}
-    if given["corpus"] is None:
-        del given["corpus"]
+    for name in ("corpus", "steps"):
+        if given[name] is None:
+            del given[name]
+    if args.steps is None and args.resume:
+        steps = recorded_steps(args.out)
+        if steps is not None:
+            given["steps"] = steps
     return TrainSettings(**given)
 
 

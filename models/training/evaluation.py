@@ -4,6 +4,7 @@ loss curve (`loss.png`)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import jax.numpy as jnp
@@ -36,7 +37,9 @@ def load_balance(expert_load_NE) -> float:
 
 class MetricsLog:
     """`metrics.jsonl`: one JSON row per training step ({"step", "loss", "ce", ...}) or evaluation
-    ({"step", "eval_ce", ...}); `rows` holds what the file holds."""
+    ({"step", "eval_ce", ...}); `rows` holds what the file holds. A value that was not measured (the first step's
+    tokens_per_s, which includes compiling; an MTP CE without MTP loss) is NaN in `rows` and null in the file:
+    strict JSON, which every parser reads."""
 
     def __init__(self, path: str, upto_step: int | None = None, write: bool = True):
         """Keep the rows of an existing file up to `upto_step` (what a resumed run continues; None = none).
@@ -45,17 +48,28 @@ class MetricsLog:
         self.rows: list[dict] = []
         if upto_step is not None and os.path.isfile(path):
             with open(path) as f:
-                self.rows = [r for r in map(json.loads, filter(str.strip, f)) if r["step"] <= upto_step]
+                rows = (_from_json(json.loads(line)) for line in f if line.strip())
+                self.rows = [r for r in rows if r["step"] <= upto_step]
         if write:
             with open(path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in self.rows)
+                f.writelines(_to_json(r) + "\n" for r in self.rows)
 
     def append(self, row: dict) -> None:
         self.rows.append(row)
         if not self.write:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(_to_json(row) + "\n")
+
+
+def _to_json(row: dict) -> str:
+    """A row as one line of strict JSON: NaN and infinities (no JSON number) as null."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()})
+
+
+def _from_json(row: dict) -> dict:
+    """A row read back: null as NaN, as it was before it was written (also the bare NaN earlier files hold)."""
+    return {k: float("nan") if v is None else v for k, v in row.items()}
 
 
 def plot_losses(rows: list[dict], path: str) -> None:

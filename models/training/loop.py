@@ -3,7 +3,7 @@ command line over this module.
 
     from models.training.loop import TrainSettings, train
     result = train(TrainSettings(steps=200, seq_len=128), out="runs/small")      # -> RunResult
-    result = train(TrainSettings(steps=400, seq_len=128), out="runs/small", resume=True)
+    result = train(TrainSettings(steps=400, seq_len=128), out="runs/small", resume=True)   # on to 400 steps
 
 What one step is: `models.training.step.make_train_step` (CE + λ·MTP + α·sequence-wise balance loss,
 AdamW on the Params, then the aux-loss-free router-bias update outside the gradient). `Trainer` holds one
@@ -42,6 +42,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -58,6 +59,7 @@ from models.training.checkpoints import (
     checkpoint_record,
     export,
     host_array,
+    recorded_steps,
     restore_checkpoint,
     save_checkpoint,
     tree_sha256,
@@ -134,6 +136,7 @@ __all__ = [
     "make_optimizer",
     "make_train_mesh",
     "plot_losses",
+    "recorded_steps",
     "resolve_attn_impl",
     "restore_checkpoint",
     "run_problems",
@@ -175,16 +178,26 @@ def _config_record(cfg) -> dict[str, Any]:
 
 def _directory_problem(path: str) -> str | None:
     """Why `path` cannot be a directory to write in (it, or a folder on the way to it, is a file, or the
-    nearest existing folder is not writable); None when it is a directory or can be made one."""
+    nearest existing folder is not writable); None when it is a directory or can be made one. Writable means
+    a folder can be made there (made and removed at once): permission bits do not bind root, while a read-only
+    or virtual file system (/proc, /sys) refuses everyone."""
     p = os.path.normpath(path)
     while p and not os.path.exists(p):
         p = os.path.dirname(p)
     where = "" if p == os.path.normpath(path) else f"{p!r} "
     if p and not os.path.isdir(p):
         return f"{where}is a file, not a directory"
-    if not os.access(p or os.curdir, os.W_OK | os.X_OK):
+    if not os.access(p or os.curdir, os.W_OK | os.X_OK) or not _can_make_folder_in(p or os.curdir):
         return f"{where or repr(p or os.curdir) + ' '}is not writable"
     return None
+
+
+def _can_make_folder_in(directory: str) -> bool:
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mla-train-probe-", dir=directory))
+    except OSError:
+        return False
+    return True
 
 
 def run_problems(
@@ -388,10 +401,11 @@ def train(
 ) -> RunResult:
     """Train per `settings` in the run directory `out` (checkpoints/, metrics.jsonl, loss.png, export/).
 
-    resume: continue from the latest checkpoint in `out` (without it, `out` must hold none). A larger
-        `settings.steps` than the run's trains it on to the new total (`Trainer.restore` says how the schedule
-        follows); a run already at `settings.steps`, evaluated and exported, is left as it is: one line says
-        so, and the result is what its metrics.jsonl holds.
+    resume: continue from the latest checkpoint in `out` (without it, `out` must hold none) to
+        `settings.steps`: the run's own total (`recorded_steps(out)`; `mla-train --resume` without `--steps`
+        takes it) continues it as it was; a larger one trains it on to the new total (`Trainer.restore` says how
+        the schedule follows); a run already at `settings.steps`, evaluated and exported, is left as it is: one
+        line says so, and the result is what its metrics.jsonl holds.
     stop_at: stop after this step with a checkpoint, as if interrupted (an unfinished run is not exported).
     export_dir: where the finished model goes in HF layout (default `<out>/export`).
     progress: a tqdm bar on stderr (steps done, time left); without it, a log line at each evaluation. Either
@@ -490,13 +504,7 @@ def train(
                 log.append(row)
                 train_ce = row["ce"]
                 bar.update(1)
-                bar.set_postfix(
-                    loss=f"{row['ce']:.3f}",
-                    mtp=f"{row['mtp_ce']:.3f}",
-                    tok_s=f"{row['tokens_per_s']:.0f}",
-                    load=f"{row['load_max_over_mean']:.2f}",
-                    refresh=False,
-                )
+                bar.set_postfix(_postfix(row), refresh=False)
                 if stop_request.signal is not None:  # no evaluation, no export: the checkpoint below, then stop
                     break
                 if s.eval_every and ts.step % s.eval_every == 0 and ts.step != stop:
@@ -545,7 +553,7 @@ def train(
         summary = {
             "step": ts.step,
             "train_ce_last_step": train_ce,
-            **ev,
+            **{k: v if math.isfinite(v) else None for k, v in ev.items()},  # strict JSON: null where not measured
             "train_seconds_this_call": round(time.perf_counter() - t_start, 1),
             "heldout_tokens_evaluated": int(trainer.data.windows.size),
             "parameters": n_params,
@@ -571,6 +579,18 @@ def train(
     finally:
         stop_request.restore()
         mgr.close()
+
+
+def _postfix(row: dict) -> dict[str, str]:
+    """The progress bar's figures of a step's metrics row, those measured (not the first step's tokens/s, which
+    includes compiling, nor an MTP CE without MTP loss)."""
+    shown = (
+        ("loss", "ce", ".3f"),
+        ("mtp", "mtp_ce", ".3f"),
+        ("tok_s", "tokens_per_s", ".0f"),
+        ("load", "load_max_over_mean", ".2f"),
+    )
+    return {name: format(row[key], spec) for name, key, spec in shown if math.isfinite(row[key])}
 
 
 def _ending(rows: list[dict], step: int) -> tuple[float | None, dict[str, float]] | None:
