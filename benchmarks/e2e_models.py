@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax import ModelConfig, fp8_weights, initializers
-from mla_jax.capacity import plan_kv_cache
+from mla_jax.capacity import plan_kv_cache, weight_bytes
+from mla_jax.memory import check_weights_fit, device_bytes_limit
 from mla_jax.sharding import model_shardings, shard_model
 from models import DeepSeekModel
 from pallas_kernels.page_format import NAMES as PAGE_FORMAT_NAMES
@@ -82,7 +83,14 @@ def build_model(cfg, dtype, mesh=None, weights=None):
     same keys), so the mesh's tokens can be compared with one device's.
 
     `weights="fp8"` (one device): `random_fp8_model`.
+
+    On one device that reports its memory, bf16 or FP8 weights that alone exceed its planned share
+    (`mla_jax.memory.check_weights_fit`) are refused before anything is built: `MemoryPlanError`, one line.
     """
+    if mesh is None and (weights == "fp8" or jnp.dtype(dtype) == jnp.bfloat16):
+        # one line before anything is allocated, where the weights alone cannot fit the device
+        fmt = "fp8" if weights == "fp8" else "bf16"
+        check_weights_fit(weight_bytes(cfg, fmt), device_bytes_limit(), what=f"the {fmt} weights")
     t0 = time.perf_counter()
     make = lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, weights=weights)  # noqa: E731
     if weights == "fp8":

@@ -37,6 +37,7 @@ __all__ = [
     "MemoryPlan",
     "MemoryPlanError",
     "check_fraction",
+    "check_weights_fit",
     "device_bytes_in_use",
     "device_bytes_limit",
     "plan_pool",
@@ -170,6 +171,24 @@ def plan_pool(
     if wanted > plan.max_pages:
         plan = dataclasses.replace(plan, num_pages=plan.max_pages)
     return plan
+
+
+def check_weights_fit(
+    weight_bytes: int,
+    device_bytes: int | None,
+    fraction: float = DEFAULT_MEMORY_FRACTION,
+    what: str = "the model's weights",
+) -> None:
+    """Before a model is built: `MemoryPlanError` in one line when its weights alone exceed the budget of a device
+    of `device_bytes` (None: nothing to check, e.g. a CPU)."""
+    if device_bytes is None:
+        return
+    budget = math.floor(device_bytes * check_fraction(fraction))
+    if weight_bytes > budget:
+        raise MemoryPlanError(
+            f"{what} need {_gib(weight_bytes)}; the device offers {_gib(budget)} ({fraction:g} x "
+            f"{_gib(device_bytes)}): fewer layers, FP8 weights or a mesh of several devices"
+        )
 
 
 def device_bytes_limit(device=None) -> int | None:

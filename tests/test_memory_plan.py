@@ -143,3 +143,25 @@ def test_a_request_short_of_pages_fails_alone_and_the_others_are_served(model, p
             assert res.finish_reasons[i] == "length" and alone.generate([p], max_new_tokens=20).tokens[0] == got
     assert e.cache.pages_used == 0
     assert e.generate(prompts[:2], max_new_tokens=20).errors == [None, None]
+
+
+def test_a_benchmark_model_too_large_for_the_device_is_refused_before_it_is_built(monkeypatch):
+    """`mla-bench e2e --quick`'s V3 cut in bf16 on an 80 GB card: refused in one line naming the bytes, before a
+    single weight is allocated (it died out of memory while building); FP8 weights priced as the release's."""
+    from benchmarks import e2e_models
+    from mla_jax.memory import check_weights_fit
+
+    with pytest.raises(MemoryPlanError, match=r"the bf16 weights need 1.0 MiB; the device offers 0.9 MiB"):
+        check_weights_fit(1 << 20, 1 << 20, what="the bf16 weights")
+    check_weights_fit(1 << 40, None)  # a CPU: nothing to check
+    cfg = ModelConfig.tiny()
+    monkeypatch.setattr(e2e_models, "device_bytes_limit", lambda: weight_bytes(cfg, "bf16"))
+    built = []
+    monkeypatch.setattr(e2e_models, "DeepSeekModel", lambda *a, **k: built.append(1))
+    with pytest.raises(MemoryPlanError, match="the bf16 weights need") as err:
+        e2e_models.build_model(cfg, jnp.bfloat16)
+    assert "\n" not in str(err.value) and not built
+    fp8 = cfg.replace(kv_lora_rank=128)
+    monkeypatch.setattr(e2e_models, "device_bytes_limit", lambda: weight_bytes(fp8, "fp8"))
+    with pytest.raises(MemoryPlanError, match="the fp8 weights need"):
+        e2e_models.build_model(fp8, jnp.bfloat16, weights="fp8")
