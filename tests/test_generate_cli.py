@@ -156,6 +156,7 @@ def test_errors_are_one_line_exit_2(argv, match, capsys, monkeypatch):
     [
         (["--mtp-draft-tokens", "2"], "mla-generate: error: --mtp-draft-tokens 2 drafts with the MTP head: add --mtp"),
         (["--decode-steps", "0"], "mla-generate: error: --decode-steps must be >= 1, got 0"),
+        (["--memory-fraction", "1.5"], "mla-generate: error: --memory-fraction must be a number in (0, 1], got 1.5"),
     ],
 )
 def test_flags_are_handled_evenly(argv, line, capsys):
