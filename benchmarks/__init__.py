@@ -79,6 +79,13 @@ def run_header() -> dict:
     )
 
 
+KEPT_OUTPUT_BYTES = 4 << 30
+
+
+def _tree_bytes(tree) -> int:
+    return sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree))
+
+
 def cupti_median_us(fn, *args, iterations=30, per_kernel=False):
     """Median CUPTI time of ``fn(*args)`` in µs (sum over its kernels), after one warm-up call.
 
@@ -88,13 +95,24 @@ def cupti_median_us(fn, *args, iterations=30, per_kernel=False):
     ``MlaDecodeConfig(schedule="auto")``) has no per-call split of the record: its time is then the
     whole record's sum over ``iterations`` (the mean), and its parts None.
     """
-    outs = [fn(*args)]  # every call's results kept until the sync waits for them (as profiler.measure does)
+    # Every call's results are kept until the sync waits for them (as profiler.measure does), up to
+    # KEPT_OUTPUT_BYTES: past that a call's results are dropped as it is enqueued (their buffers return to the
+    # allocator when the call completes). 30 kept copies of the 2 GiB bandwidth probe ran an 80 GB card out of memory.
+    outs = [fn(*args)]
+    kept = [_tree_bytes(outs[0])]
 
     def sync():
         jax.block_until_ready(outs)
         outs.clear()
+        kept[0] = 0
 
-    us, parts = _cupti_record(lambda: outs.append(fn(*args)), sync, iterations, warmup=0)
+    def call():
+        out = fn(*args)
+        if kept[0] < KEPT_OUTPUT_BYTES:
+            outs.append(out)
+            kept[0] += _tree_bytes(out)
+
+    us, parts = _cupti_record(call, sync, iterations, warmup=0)
     return (us, parts) if per_kernel else us
 
 

@@ -32,6 +32,9 @@ os.environ.setdefault("NPROC", "8")
 # with the optimisations on (the `_xla_optimized` fixture below), where they run 2x faster.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+elif os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -m gpu -n 4`: four processes share the card, so none may take JAX's default 75 % up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 @pytest.fixture(autouse=True)
