@@ -534,7 +534,7 @@ def test_admission_goes_to_a_data_rank_with_pages():
     import types
 
     from mla_jax.kv_cache import PagedLatentCache
-    from models.serving.engine import _Generation
+    from models.serving.scheduler import _Generation
 
     cache = PagedLatentCache(
         num_layers=1,
@@ -771,15 +771,15 @@ def test_auto_decode_config_is_chosen_on_the_host_each_step(model, monkeypatch):
     conditional cost 3-16 µs a kernel call on the H200): four equal rows decode per sequence; a 2-token prompt
     beside a 40-token one (1 and 10 pages of 4) decodes in pieces. Catches the engine passing "auto" through and
     a choice from stale or other rows' lengths, and a prefill step that compiles twice."""
-    import models.serving.scheduler as scheduler
+    import models.serving.calls as calls
 
-    real, seen = scheduler.step_decode_config, []
+    real, seen = calls.step_decode_config, []
 
     def spy(config, lengths):
         seen.append((real(config, lengths), None if lengths is None else np.array(lengths)))
         return seen[-1][0]
 
-    monkeypatch.setattr(scheduler, "step_decode_config", spy)
+    monkeypatch.setattr(calls, "step_decode_config", spy)
     e = Engine(model, **{**STD, "decode_config": MlaDecodeConfig(schedule="auto")})
     e.generate(_prompts(3, [20, 20, 20, 20]), max_new_tokens=3)
     assert {c.schedule for c, _ in seen} == {"per_sequence"}

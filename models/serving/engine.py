@@ -54,8 +54,11 @@ from mla_jax.memory import (
     tree_device_bytes,
 )
 from mla_jax.sharding import batch_axes, shard_model
+from models.serving.launches import MIXED_TILE
+from models.serving.pages import rows_needed
+from models.serving.requests import FINISH_REASONS, _Request
 from models.serving.sampling import SamplingParams
-from models.serving.scheduler import FINISH_REASONS, MIXED_TILE, _Generation, _Request, rows_needed
+from models.serving.scheduler import _Generation
 from models.serving.stats import GenerationStats
 from models.serving.steps import (
     MAX_DRAFT_TOKENS,
