@@ -1247,7 +1247,7 @@ def test_default_prefill_chunk_rule(model):
     reference backend); with the flash prefill a 16384-token step budget over max_batch rows, a power of two
     in [512, 8192]. Catches the flash chunk given to the jnp attention (its fp32 scores grow with T x S) and
     the budget dropped (B=8 x 8192-token chunks: 65536 tokens a step)."""
-    from models.serving.engine import default_prefill_chunk
+    from models.serving.options import default_prefill_chunk
 
     assert [default_prefill_chunk(True, b) for b in (1, 2, 3, 8, 32, 64)] == [8192, 8192, 4096, 2048, 512, 512]
     assert default_prefill_chunk(False, 1) == 512

@@ -1,6 +1,10 @@
 """Serving: the engine and everything around its jitted steps.
 
-engine.py     `Engine` (the public face: options, the page pool, the compiled steps), `RequestHandle`
+engine.py     `Engine`, the public face
+  options.py    its constructor's options, checked and resolved
+  checks.py     its calls' arguments, checked
+  pool.py       its page pool, sized by the memory plan and placed on the mesh
+  handles.py    `GenerationResult`, `RequestHandle`, `RequestResult`
 scheduler.py  the host scheduler, a thin class over its parts:
   pages.py      admission and the pages each row holds
   launches.py   what each call carries (prefill, mixed, decode, verify), built from the rows
