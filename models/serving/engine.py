@@ -275,18 +275,10 @@ class Engine:
         self.cache.peak_pages_used = self.cache.pages_used
         t0 = time.perf_counter()
         with self.recording(use_mtp=k > 0) as stats:
-            reqs = [
-                sched.add(
-                    p,
-                    sp,
-                    key,
-                    stops,
-                    max_new_tokens,
-                    on_token=None if stream is None else (lambda t, i=i: stream(i, t)),
-                    raise_on_full=on_cache_full == "raise",
-                )
-                for i, (p, sp, key) in enumerate(zip(prompts, params, keys))
-            ]
+            reqs = []
+            for i, (p, sp, key) in enumerate(zip(prompts, params, keys)):
+                on_token = None if stream is None else (lambda t, i=i: stream(i, t))
+                reqs.append(sched.add(p, sp, key, stops, max_new_tokens, on_token, on_cache_full == "raise"))
             try:
                 while not all(r.done for r in reqs) and sched.step():
                     pass
@@ -366,12 +358,11 @@ class Engine:
         drafts that are their tokens are accepted; the tokens emitted are theirs) and their new drafts become
         those tokens, each kept with probability `accept` and made wrong otherwise; the model and the MTP
         module still run. None: the model's own drafts and verification again."""
-        if sequences is None:
-            self._sched.oracle = None
-            return
-        # a verify step's positions reach MIXED_TILE - 1 past max_context
-        length = self.max_context + MIXED_TILE
-        self._sched.oracle = DraftOracle.of(sequences, accept, seed, slots=self.max_batch, length=length)
+        length = self.max_context + MIXED_TILE  # a verify step's positions reach MIXED_TILE - 1 past max_context
+        B = self.max_batch
+        self._sched.oracle = (
+            None if sequences is None else DraftOracle.of(sequences, accept, seed, slots=B, length=length)
+        )
 
     @property
     def num_requests(self) -> int:
