@@ -43,7 +43,8 @@ from jax import lax
 from tqdm import tqdm
 
 from mla_jax import fp8_weights
-from mla_jax.config import ModelConfig, read_json_object
+from mla_jax.config import ModelConfig
+from mla_jax.hf_config import read_json_object
 from models.deepseek import DeepSeekModel
 
 _ST_TO_NP = {
