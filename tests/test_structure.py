@@ -9,7 +9,7 @@ import os
 import pytest
 
 from mla_jax.attention import CACHE_IMPLS, DECOMPRESSED_IMPLS
-from models.moe import MOE_IMPLS, MOE_TRAINING_IMPLS
+from models.experts import MOE_IMPLS, MOE_TRAINING_IMPLS
 from pallas_kernels import backend
 from pallas_kernels.page_format import NAMES as PAGE_FORMATS
 
