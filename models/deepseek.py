@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax import fp8_weights, initializers
-from mla_jax.attention import with_decode_plan
+from mla_jax.cache_paths import with_decode_plan
 from mla_jax.config import ModelConfig
 from mla_jax.linear import Stacked, stacked_filter, stacked_impl
 from mla_jax.norm import RMSNorm

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from mla_jax import ModelConfig
-from mla_jax.attention import with_decode_plan
+from mla_jax.cache_paths import with_decode_plan
 from mla_jax.kv_cache import CacheFullError, KVCache, write_latents
 from models import DeepSeekModel
 from models.serving.engine import Engine, GenerationResult, trace_counts

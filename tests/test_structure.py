@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from mla_jax.attention import CACHE_IMPLS, DECOMPRESSED_IMPLS
+from mla_jax.attention import DECOMPRESSED_IMPLS
+from mla_jax.cache_paths import CACHE_IMPLS
 from models.experts import MOE_IMPLS, MOE_TRAINING_IMPLS
 from pallas_kernels import backend
 from pallas_kernels.page_format import NAMES as PAGE_FORMATS

@@ -12,7 +12,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from mla_jax.attention import step_decode_config
+from mla_jax.cache_paths import step_decode_config
 from mla_jax.kv_cache import KVCache
 from mla_jax.sharding import shard_batch
 from models.serving.steps import StepInputs, trace_counts

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mla_jax.attention import cache_kernel_problems
+from mla_jax.cache_paths import cache_kernel_problems
 from mla_jax.kv_cache import CacheFullError
 from mla_jax.memory import DEFAULT_MEMORY_FRACTION, MemoryPlanError
 from mla_jax.sharding import shard_model
@@ -78,7 +78,7 @@ __all__ = [
 
 def kernel_problems(cfg, page_size: int, page_format) -> list[str]:
     """Why the Pallas kernels cannot serve this model's cache of `page_size`-token pages in `page_format`
-    (a name, a jnp dtype or a `PageFormat`): [] when they can (`mla_jax.attention.cache_kernel_problems`)."""
+    (a name, a jnp dtype or a `PageFormat`): [] when they can (`mla_jax.cache_paths.cache_kernel_problems`)."""
     return cache_kernel_problems(cfg, page_size, page_format)
 
 
@@ -100,7 +100,7 @@ class Engine:
         attention; up to 8192 when long chunks run the flash forward over the prefix: a Hopper GPU, bf16).
       decompressed_threshold: prefill chunks of at least this many tokens use the decompressed path
         (`naive_threshold` is its earlier name, still accepted).
-      attention_impl: how attention reads the cache, one of `ATTENTION_IMPLS` (`mla_jax.attention.
+      attention_impl: how attention reads the cache, one of `ATTENTION_IMPLS` (`mla_jax.cache_paths.
         resolve_cache_impl`): "auto" (the Pallas kernels on a Hopper GPU when they serve the model's
         cache, else jnp), "reference" (jnp), "kernel" or "interpret" (the kernels; ValueError naming every
         limit the model or pages break).
@@ -148,11 +148,11 @@ class Engine:
       device_memory: bytes to plan for instead of what the device reports (None: the device's own).
       decode_config: the decode kernel's `pallas_kernels.MlaDecodeConfig` for every step. None (the default):
         its defaults, with the schedule chosen on the host before each decoding step from the rows' lengths, as
-        ``schedule="auto"`` does (`mla_jax.attention.step_decode_config`): per sequence on near-equal lengths,
+        ``schedule="auto"`` does (`mla_jax.cache_paths.step_decode_config`): per sequence on near-equal lengths,
         in pieces on ragged ones (the longest row more than 1.5x the mean pages), each program compiled when
         first taken or by `warm_up`, no conditional on the device; one program where no decode kernel runs or
         with data ranks. A step on the pieces schedule plans the kernel's work once from its
-        lengths and every layer's call reads that plan (`mla_jax.attention.with_decode_plan`).
+        lengths and every layer's call reads that plan (`mla_jax.cache_paths.with_decode_plan`).
 
     `compile_log`: one dict per step that compiled, {"step", "bucket", "seconds"} (wall time of that
     call, compilation included). `memory_plan`: the `mla_jax.memory.MemoryPlan` the pool was sized by (None

@@ -8,7 +8,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from mla_jax.attention import CACHE_IMPLS, check_decode_config, resolve_cache_impl, resolve_decompressed_impl
+from mla_jax.attention import resolve_decompressed_impl
+from mla_jax.cache_paths import CACHE_IMPLS, check_decode_config, resolve_cache_impl
 from mla_jax.kv_cache import INTERPRET_ON_DATA_RANKS, resolve_page_format
 from mla_jax.memory import check_fraction
 from mla_jax.sharding import batch_axes
