@@ -421,7 +421,7 @@ def parser() -> argparse.ArgumentParser:
         "--prefill-chunk",
         type=int,
         default=0,
-        help="prompt tokens a row prefills per step (0: the engine default, models.serving.engine."
+        help="prompt tokens a row prefills per step (0: the engine default, models.serving.options."
         "default_prefill_chunk)",
     )
     p.add_argument(

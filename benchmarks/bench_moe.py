@@ -26,7 +26,7 @@ import numpy as np
 
 import benchmarks as bm
 from mla_jax import ModelConfig
-from models.moe import moe_grouped
+from models.experts import moe_grouped
 
 IMPLS = ("decode", "mgpu", "ragged_dot")
 

@@ -46,7 +46,7 @@ from mla_jax import ModelConfig
 from mla_jax.attention import DECOMPRESSED_IMPLS, resolve_decompressed_impl
 from models import DeepSeekModel
 from models.deepseek import REMAT_POLICIES
-from models.moe import MOE_TRAINING_IMPLS, resolve_moe_impl
+from models.experts import MOE_TRAINING_IMPLS, resolve_moe_impl
 from models.training.loop import TrainSettings, make_optimizer
 from models.training.step import TrainConfig, init_train_state, make_train_step
 
@@ -351,7 +351,7 @@ def parser() -> argparse.ArgumentParser:
         "--moe-impl",
         choices=MOE_TRAINING_IMPLS,
         default="auto",
-        help="expert computation (models.moe.resolve_moe_impl)",
+        help="expert computation (models.experts.resolve_moe_impl)",
     )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute dtype")
     p.add_argument(

@@ -5,17 +5,13 @@ MLA caches one latent per token per layer, shared by every head: the normalised 
 DeepSeek-V2/V3. A multi-head cache of the same model would hold, per token per layer, a key of
 qk_head_dim = nope + rope values and a value of v_head_dim values for each of H heads.
 
-Every figure is an exact integer number of bytes; `format_bytes` prints binary units
+Every figure is an exact integer number of bytes; `mla_jax.units.format_bytes` prints binary units
 (KiB = 1024 B, MiB = 1024**2 B, GiB = 1024**3 B).
 
     plan = plan_kv_cache(ModelConfig.deepseek_v3(), context_len=131072, tp=8)
     print(format_plan(plan))
 
-Weights (`weight_bytes`, `plan_weights`; `mla-capacity --weights fp8|bf16`): the bytes of the model's
-weights in a format, in all and on each device of an (expert x tensor) mesh placed by
-`mla_jax.sharding`'s tables, and what each device has left for the cache. "fp8" is the release's
-(`mla_jax.fp8_weights`): every decoder and MTP-block projection 1 B a value plus a 4 B scale per 128x128
-block; embeddings, norms, `eh_proj` and the LM head 2 B a value; the router and its bias 4 B (fp32) in both.
+The weights' side (`mla-capacity --weights`) is `mla_jax.weights_plan`.
 
 Console script: `mla-capacity = "mla_jax.capacity:main"` (also `python -m mla_jax.capacity`).
 """
@@ -28,13 +24,12 @@ import numbers
 import os
 import sys
 from dataclasses import dataclass, field
-from decimal import ROUND_DOWN, Decimal
 from fractions import Fraction
 from typing import NoReturn, Sequence
 
 from mla_jax.config import ModelConfig
-from mla_jax.fp8_weights import FP8_BLOCK as FP8_WEIGHT_BLOCK
-from mla_jax.sharding import DEFAULT_RULES, PARAM_AXES
+from mla_jax.units import ceil_div, format_bytes, positive_int
+from mla_jax.weights_plan import DEFAULT_DEVICE_GIB, WEIGHT_FORMATS, format_weights, plan_weights
 from pallas_kernels.page_format import FP4_BLOCK, FP8_BLOCK, NAMES, PageFormat
 
 
@@ -56,9 +51,9 @@ from pallas_kernels.page_format import FP4_BLOCK, FP8_BLOCK, NAMES, PageFormat
 def _page_format_bytes(name: str):
     def latent_bytes(L: int, R: int) -> int:
         if name == "fp8" and L % FP8_BLOCK:
-            return L + _ceil_div(L, FP8_BLOCK) * 4 + R * 2
+            return L + ceil_div(L, FP8_BLOCK) * 4 + R * 2
         if name == "fp4" and L % (2 * FP4_BLOCK):
-            return _ceil_div(L, 2) + _ceil_div(L, FP4_BLOCK) + R * 2
+            return ceil_div(L, 2) + ceil_div(L, FP4_BLOCK) + R * 2
         return PageFormat(name, latent_dim=L, rope_dim=R).token_bytes
 
     return latent_bytes
@@ -69,7 +64,7 @@ _COMPARISON_BYTES_AND_DESCRIPTION = {
     "fp16": (lambda w: 2 * w, "float16, 2 B a value"),
     "fp32": (lambda w: 4 * w, "float32, 4 B a value"),
     "fp8": (lambda w: w, "e4m3 latent + fp32 scale per 128 + bf16 rope"),
-    "fp4": (lambda w: _ceil_div(w, 2) + _ceil_div(w, 16), "e2m1 pairs + e4m3 scale per 16 + bf16 rope"),
+    "fp4": (lambda w: ceil_div(w, 2) + ceil_div(w, 16), "e2m1 pairs + e4m3 scale per 16 + bf16 rope"),
 }
 assert set(_COMPARISON_BYTES_AND_DESCRIPTION) == set(NAMES), (
     f"mla_jax.capacity prices the page formats {sorted(_COMPARISON_BYTES_AND_DESCRIPTION)}, "
@@ -80,16 +75,6 @@ KV_DTYPES: dict[str, tuple] = {
 }
 
 DEFAULT_GQA_GROUPS = 8
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,11 +96,11 @@ def mla_kv_bytes(
     >>> mla_kv_bytes(60, 512, 64, 2, 131072) == 8.4375 * 1024**3
     True
     """
-    layers = _positive_int("layers", layers)
-    kv_lora_rank = _positive_int("kv_lora_rank", kv_lora_rank)
-    rope_dim = _positive_int("rope_dim", rope_dim)
-    tokens = _positive_int("tokens", tokens)
-    sequences = _positive_int("sequences", sequences)
+    layers = positive_int("layers", layers)
+    kv_lora_rank = positive_int("kv_lora_rank", kv_lora_rank)
+    rope_dim = positive_int("rope_dim", rope_dim)
+    tokens = positive_int("tokens", tokens)
+    sequences = positive_int("sequences", sequences)
     if (
         isinstance(element_bytes, bool)
         or not isinstance(element_bytes, numbers.Real)
@@ -245,11 +230,11 @@ def plan_kv_cache(
     unknown `kv_dtype`, a `tp` that splits heads unevenly, or a `context_len` beyond
     `cfg.max_position_embeddings`.
     """
-    context_len = _positive_int("context_len", context_len)
-    num_sequences = _positive_int("num_sequences", num_sequences)
-    page_size = _positive_int("page_size", page_size)
-    tp = _positive_int("tp", tp)
-    gqa_groups = _positive_int("gqa_groups", gqa_groups)
+    context_len = positive_int("context_len", context_len)
+    num_sequences = positive_int("num_sequences", num_sequences)
+    page_size = positive_int("page_size", page_size)
+    tp = positive_int("tp", tp)
+    gqa_groups = positive_int("gqa_groups", gqa_groups)
     if not isinstance(include_mtp, bool):
         raise ValueError(f"include_mtp must be a bool, got {include_mtp!r}")
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, numbers.Integral) or draft_tokens < 0:
@@ -270,12 +255,12 @@ def plan_kv_cache(
             "tensor parallelism gives every device whole heads"
         )
     groups = min(gqa_groups, heads)
-    pages = _ceil_div(context_len + int(draft_tokens), page_size)
+    pages = ceil_div(context_len + int(draft_tokens), page_size)
     alloc_tokens = pages * page_size
 
-    seqs_per_device = _ceil_div(num_sequences, tp) if dp_attention else num_sequences
-    heads_per_device = _ceil_div(heads, tp)
-    groups_per_device = _ceil_div(groups, tp)
+    seqs_per_device = ceil_div(num_sequences, tp) if dp_attention else num_sequences
+    heads_per_device = ceil_div(heads, tp)
+    groups_per_device = ceil_div(groups, tp)
     per_head = head_vec_fn(cfg.qk_head_dim) + head_vec_fn(cfg.v_head_dim)  # one K and one V vector
 
     def row(name: str, per_token_layer: int, device_per_token_layer: int, device_seqs: int) -> CacheRow:
@@ -312,32 +297,6 @@ def plan_kv_cache(
 
 
 # --------------------------------------------------------------------------------------------
-_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
-_MAX_DECIMALS = 6
-
-
-def format_bytes(n: int) -> str:
-    """A byte count in binary units: 1023 -> "1023 B", 1536 -> "1.5 KiB", 9059696640 -> "8.4375 GiB",
-    685082400000 -> "638.03 GiB".
-
-    The largest unit not above `n`: exact where six decimals hold the value (8.4375 GiB), else cut to two
-    decimals (never up to the next unit: 1024**2 - 1 -> "1023.99 KiB"), trailing zeros trimmed.
-    """
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-        raise ValueError(f"n must be a non-negative integer number of bytes, got {n!r}")
-    n = int(n)
-    if n < 1024:
-        return f"{n} B"
-    exp = 1
-    while exp < len(_UNITS) and n >= 1024 ** (exp + 1):
-        exp += 1
-    # Decimal division of an integer by a power of two is exact at this precision.
-    value = Decimal(n) / Decimal(1024**exp)
-    exact = value.quantize(Decimal(1).scaleb(-_MAX_DECIMALS))
-    text = f"{exact if exact == value else value.quantize(Decimal('0.01'), ROUND_DOWN):f}".rstrip("0").rstrip(".")
-    return f"{text} {_UNITS[exp - 1]}"
-
-
 def format_plan(plan: KVPlan, name: str | None = None) -> str:
     """A readable table of `plan`: latent MLA, MHA and GQA rows, then MLA's saving in percent. The header
     names the model `name` (a preset's, e.g. "deepseek-v3"; default: the config's `model_type`) and its
@@ -398,156 +357,6 @@ def format_plan(plan: KVPlan, name: str | None = None) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-WEIGHT_FORMATS = ("bf16", "fp8")
-DEFAULT_DEVICE_GIB = 140  # an H200 (nvidia-smi: 143771 MiB)
-MESH_DEVICES = (1, 2, 4, 8, 16, 32)
-
-
-def _weight_tensors(cfg: ModelConfig, include_mtp: bool = True):
-    """(PARAM_AXES key, kernel shape ([in, out], experts [E, in, out]), how many, bytes a value when fixed
-    (fp32 router) or None, quantized in the release) for every weight of `models.DeepSeekModel(cfg)`."""
-    D, H, E = cfg.hidden_size, cfg.num_attention_heads, cfg.n_routed_experts
-    L, R, Q, I = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.q_lora_rank, cfg.moe_intermediate_size
-    out = [(("embed_tokens", "embedding"), (cfg.vocab_size, D), 1, None, False), (("weight",), (D,), 1, None, False)]
-    if not cfg.tie_word_embeddings:
-        out.append((("lm_head", "kernel"), (D, cfg.vocab_size), 1, None, False))
-
-    def layer(moe: bool, n: int):
-        t = [(("weight",), (D,), 2 * n, None, False), (("weight",), (L,), n, None, False)]
-        if Q is None:
-            t.append((("wq", "kernel"), (D, H * cfg.qk_head_dim), n, None, True))
-        else:
-            t += [(("wq_a", "kernel"), (D, Q), n, None, True), (("weight",), (Q,), n, None, False)]
-            t.append((("wq_b", "kernel"), (Q, H * cfg.qk_head_dim), n, None, True))
-        t += [
-            (("wkv_a", "kernel"), (D, L + R), n, None, True),
-            (("wkv_b", "kernel"), (L, H * (cfg.qk_nope_head_dim + cfg.v_head_dim)), n, None, True),
-            (("wo", "kernel"), (H * cfg.v_head_dim, D), n, None, True),
-        ]
-        F = cfg.n_shared_experts * I if moe else cfg.intermediate_size
-        if moe:
-            t.append((("gate", "kernel"), (D, E), n, 4, False))
-            if cfg.topk_method == "noaux_tc":
-                t.append((("gate", "e_score_correction_bias"), (E,), n, 4, False))
-            t += [(("experts", p), (E, D, I), n, None, True) for p in ("gate_proj", "up_proj")]
-            t.append((("experts", "down_proj"), (E, I, D), n, None, True))
-        if F:
-            t += [((p, "kernel"), (D, F), n, None, True) for p in ("gate_proj", "up_proj")]
-            t.append((("down_proj", "kernel"), (F, D), n, None, True))
-        return t
-
-    n_moe = cfg.num_moe_layers
-    out += layer(False, cfg.num_hidden_layers - n_moe) + layer(True, n_moe)
-    if include_mtp and cfg.num_mtp_layers:
-        k = cfg.num_mtp_layers
-        out += [(("weight",), (D,), 3 * k, None, False), (("eh_proj", "kernel"), (2 * D, D), k, None, False)]
-        out += layer(E > 0, k)
-    return [t for t in out if t[2] > 0]
-
-
-def _tensor_bytes(shape: tuple, fixed: int | None, quantized: bool, weights: str) -> int:
-    values = math.prod(shape)
-    if fixed is not None:
-        return values * fixed
-    if weights == "fp8" and quantized:
-        *lead, k, n = shape
-        return values + 4 * math.prod(lead) * _ceil_div(k, FP8_WEIGHT_BLOCK) * _ceil_div(n, FP8_WEIGHT_BLOCK)
-    return 2 * values
-
-
-def _check_weights(weights: object) -> str:
-    if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"weights={weights!r} is unknown; known: {', '.join(WEIGHT_FORMATS)}")
-    return weights  # type: ignore[return-value]
-
-
-def weight_bytes(cfg: ModelConfig, weights: str, *, expert: int = 1, tensor: int = 1, include_mtp: bool = True) -> int:
-    """Bytes of the model's weights in format `weights` ("bf16" | "fp8", see the module docstring): in all
-    (expert = tensor = 1), or on the most loaded device of a mesh with those `expert` and `tensor` axes,
-    each weight split as `mla_jax.sharding.DEFAULT_RULES` places it (a split that does not divide rounds
-    up; FP8 scales split with their weight). `include_mtp`: the MTP modules' weights too."""
-    _check_weights(weights)
-    mesh = {"data": 1, "expert": _positive_int("expert", expert), "tensor": _positive_int("tensor", tensor)}
-    total = 0
-    for key, shape, count, fixed, quantized in _weight_tensors(cfg, include_mtp):
-        split = 1
-        for logical in PARAM_AXES[key]:
-            rule = DEFAULT_RULES[logical]
-            split *= math.prod(mesh[a] for a in ((rule,) if isinstance(rule, str) else rule or ()))
-        total += count * _ceil_div(_tensor_bytes(shape, fixed, quantized, weights), split)
-    return total
-
-
-@dataclass(frozen=True)
-class MeshFit:
-    """One mesh's weights and the room left for the cache, per device."""
-
-    expert: int
-    tensor: int
-    weight_bytes: int  # on the most loaded device
-    room_bytes: int  # device memory - weight_bytes (negative: the weights do not fit)
-    cache_tokens: int  # tokens of the latent cache (all cached layers) that fit in the room, 0 if none
-
-
-def plan_weights(cfg: ModelConfig, weights: str, plan: KVPlan, *, device_bytes: int) -> list[MeshFit]:
-    """The weights of `cfg` in `weights` on meshes of `MESH_DEVICES` devices, each split all over `expert`
-    and all over `tensor` (the expert count and the head count must allow it), with the room each device
-    has left for the latent cache of `plan` (its per-device bytes per token: the latent of every cached
-    layer, replicated under tensor parallelism). Room is before activations and XLA's workspace."""
-    _check_weights(weights)
-    device_bytes = _positive_int("device_bytes", device_bytes)
-    fits = []
-    for n in MESH_DEVICES:
-        for expert, tensor in ((n, 1), (1, n)) if n > 1 else ((1, 1),):
-            if cfg.n_routed_experts % expert or cfg.num_attention_heads % tensor:
-                continue
-            w = weight_bytes(
-                cfg, weights, expert=expert, tensor=tensor, include_mtp=plan.layers > cfg.num_hidden_layers
-            )
-            room = device_bytes - w
-            fits.append(MeshFit(expert, tensor, w, room, max(room, 0) // plan.mla.bytes_per_token))
-    return fits
-
-
-def format_weights(cfg: ModelConfig, weights: str, plan: KVPlan, fits: list[MeshFit], device_bytes: int) -> str:
-    """The weights section of `mla-capacity --weights`: the total, a row per mesh, and the smallest mesh
-    that holds them."""
-    total = weight_bytes(cfg, weights, include_mtp=plan.layers > cfg.num_hidden_layers)
-    desc = {
-        "fp8": "projections e4m3 + fp32 scale per 128x128 block, the rest bf16, router fp32",
-        "bf16": "bf16, router fp32",
-    }[weights]
-    lines = [
-        f"weights: {weights} ({desc}): {format_bytes(total)} in all; device memory {format_bytes(device_bytes)}",
-        "",
-    ]
-    header = ("mesh", "devices", "weights/device", "room for cache/device", "cache tokens/device")
-    body = [
-        (
-            f"expert={f.expert} tensor={f.tensor}",
-            str(f.expert * f.tensor),
-            format_bytes(f.weight_bytes),
-            format_bytes(f.room_bytes) if f.room_bytes >= 0 else "does not fit",
-            f"{f.cache_tokens:,}",
-        )
-        for f in fits
-    ]
-    widths = [max(len(r[i]) for r in (header, *body)) for i in range(len(header))]
-    fmt = lambda r: "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])])  # noqa: E731
-    lines += [fmt(header), "  ".join("-" * w for w in widths), *map(fmt, body), ""]
-    held = [f for f in fits if f.room_bytes > 0]
-    if held:
-        f = min(held, key=lambda f: (f.expert * f.tensor, -f.room_bytes))
-        lines.append(
-            f"smallest mesh that holds the {weights} weights: {f.expert * f.tensor} device(s), expert={f.expert} "
-            f"tensor={f.tensor}: {format_bytes(f.room_bytes)} left a device = {f.cache_tokens:,} tokens of "
-            f"{plan.kv_dtype} latent cache ({plan.mla.bytes_per_token:,} B a token over {plan.layers} layers)"
-        )
-    else:
-        lines.append(f"no mesh of up to {MESH_DEVICES[-1]} devices holds the {weights} weights")
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------------------------
 PRESETS = {
     "deepseek-v3": ModelConfig.deepseek_v3,

@@ -375,7 +375,7 @@ class KVCache:
     decode_plan     None, or the decode kernel's work plan for this forward call (a
                     `pallas_kernels.mla_decode.PieceSchedule` or `AutoSchedule`, when
                     ``decode_config`` asks for the pieces or "auto" schedule): built once from the
-                    lengths before the layers run (`mla_jax.attention.with_decode_plan`) and read by every
+                    lengths before the layers run (`mla_jax.cache_paths.with_decode_plan`) and read by every
                     layer's kernel call, then dropped (`without_decode_plan`) when the call returns, since
                     the next call's lengths differ.
                     With a pool per data rank it stays None and each layer's call plans its rank's rows.

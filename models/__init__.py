@@ -9,21 +9,10 @@ import importlib
 
 from models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from models.deepseek import DeepSeekModel, ModelOutput
+from models.experts import MOE_IMPLS, Experts, MgpuTuning, moe_dense_reference, moe_grouped, ragged_dot_mgpu
 from models.layer import DecoderLayer
 from models.mlp import MLP
-from models.moe import (
-    MOE_IMPLS,
-    Experts,
-    MgpuTuning,
-    MoE,
-    Router,
-    RouterBias,
-    RouterOutput,
-    moe_dense_reference,
-    moe_grouped,
-    ragged_dot_mgpu,
-    route,
-)
+from models.moe import MoE, Router, RouterBias, RouterOutput, route
 from models.mtp import MTP
 from models.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 

@@ -7,7 +7,7 @@ keys `mlp.experts.{e}.{gate,up,down}_proj.weight` (stacked to [E, D, I] / [E, I,
 module k at `model.layers.{num_hidden_layers + k}.*`. That layer's `embed_tokens.weight` and
 `shared_head.head.weight` are copies of the main embedding and LM head (our MTP shares them):
 on load they are CHECKED equal to the main ones (a mismatch raises); on save they are written
-as copies, as the release does.
+as copies, as the release does. The names of each variable are `models.hf_names`.
 
 FP8 releases: a weight stored as F8_E4M3 with a `<name>_scale_inv` companion
 (`weight_scale_inv` fp32 [ceil(out/128), ceil(in/128)]) is dequantized on load, W = q · s per
@@ -32,7 +32,6 @@ import functools
 import json
 import math
 import os
-from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +42,10 @@ from jax import lax
 from tqdm import tqdm
 
 from mla_jax import fp8_weights
-from mla_jax.config import ModelConfig, read_json_object
+from mla_jax.config import ModelConfig
+from mla_jax.hf_config import read_json_object
 from models.deepseek import DeepSeekModel
+from models.hf_names import SCALE_SUFFIX, Entry, hf_entries, hf_shape, mtp_copies, variable
 
 _ST_TO_NP = {
     "F64": np.dtype(np.float64),
@@ -63,7 +64,6 @@ _ST_TO_NP = {
 _NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 FP8_BLOCK = 128
-SCALE_SUFFIX = "_scale_inv"
 # Buffers some exporters write that carry no parameters (recomputed from the config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -295,118 +295,6 @@ def read_hf_tensors(path: str, *, dequantize: bool = True) -> dict[str, np.ndarr
 
 
 # ------------------------------------------------------------------------------------------
-# The name map: HF tensor name(s) <-> a variable of DeepSeekModel
-# ------------------------------------------------------------------------------------------
-# kind "T": torch [out, in] <-> kernel [in, out]; "id": as is; "stackT": E per-expert tensors,
-# each transposed, stacked along a new leading axis; "stack": the same without the transpose (FP8 experts
-# and their scales keep torch's layout). Main layer i lives at index j of one of the
-# model's two scanned stacks (`dense_layers` / `moe_layers`, variables [n, ...]): its entries carry
-# that index and fill (load) or read (save) slice j; every other entry has index None.
-Entry = tuple[tuple, "int | None", str, object]  # (path in the model, stack index, kind, hf name | list)
-
-
-def _projection(path: tuple, index: int | None, name: str, weights) -> Iterator[Entry]:
-    """A quantizable projection: its dense kernel (kind "T"), or with weights="fp8" its `Fp8Linear`'s e4m3
-    weight and scales as stored."""
-    if weights == "fp8":
-        yield path + ("weight_fp8",), index, "id", name
-        yield path + ("scale_inv",), index, "id", name + SCALE_SUFFIX
-    else:
-        yield path + ("kernel",), index, "T", name
-
-
-def _layer_entries(
-    cfg: ModelConfig, prefix: str, base: tuple, is_moe: bool, index: int | None, weights=None
-) -> Iterator[Entry]:
-    yield base + ("input_layernorm", "weight"), index, "id", prefix + "input_layernorm.weight"
-    yield base + ("post_attention_layernorm", "weight"), index, "id", prefix + "post_attention_layernorm.weight"
-    a, sa = base + ("self_attn",), prefix + "self_attn."
-    if cfg.q_lora_rank is None:
-        yield from _projection(a + ("wq",), index, sa + "q_proj.weight", weights)
-    else:
-        yield from _projection(a + ("wq_a",), index, sa + "q_a_proj.weight", weights)
-        yield a + ("q_norm", "weight"), index, "id", sa + "q_a_layernorm.weight"
-        yield from _projection(a + ("wq_b",), index, sa + "q_b_proj.weight", weights)
-    yield from _projection(a + ("wkv_a",), index, sa + "kv_a_proj_with_mqa.weight", weights)
-    yield a + ("kv_norm", "weight"), index, "id", sa + "kv_a_layernorm.weight"
-    yield from _projection(a + ("wkv_b",), index, sa + "kv_b_proj.weight", weights)
-    yield from _projection(a + ("wo",), index, sa + "o_proj.weight", weights)
-    m, sm = base + ("mlp",), prefix + "mlp."
-    if not is_moe:
-        for p in ("gate_proj", "up_proj", "down_proj"):
-            yield from _projection(m + (p,), index, sm + p + ".weight", weights)
-        return
-    yield m + ("gate", "kernel"), index, "T", sm + "gate.weight"
-    if cfg.topk_method == "noaux_tc":
-        yield m + ("gate", "e_score_correction_bias"), index, "id", sm + "gate.e_score_correction_bias"
-    for p in ("gate_proj", "up_proj", "down_proj"):
-        names = [f"{sm}experts.{e}.{p}.weight" for e in range(cfg.n_routed_experts)]
-        if weights == "fp8":
-            yield m + ("experts", p + "_fp8"), index, "stack", names
-            yield m + ("experts", p + SCALE_SUFFIX), index, "stack", [n + SCALE_SUFFIX for n in names]
-        else:
-            yield m + ("experts", p), index, "stackT", names
-    if cfg.n_shared_experts > 0:
-        for p in ("gate_proj", "up_proj", "down_proj"):
-            yield from _projection(m + ("shared_experts", p), index, f"{sm}shared_experts.{p}.weight", weights)
-
-
-def hf_entries(cfg: ModelConfig, weights=None) -> list[Entry]:
-    """Every (model path, stack index, kind, HF name(s)) of a `DeepSeekModel(cfg, weights=weights)`; covers
-    each variable (each layer's slice of a stacked one) exactly once. With weights="fp8" a quantized
-    projection is two entries, its e4m3 weight and its `_scale_inv`."""
-    out: list[Entry] = [
-        (("embed_tokens", "embedding"), None, "id", "model.embed_tokens.weight"),
-        (("norm", "weight"), None, "id", "model.norm.weight"),
-    ]
-    if not cfg.tie_word_embeddings:
-        out.append((("lm_head", "kernel"), None, "T", "lm_head.weight"))
-    n_dense = cfg.num_hidden_layers - cfg.num_moe_layers
-    for i in range(cfg.num_hidden_layers):
-        moe = i >= n_dense
-        stack, j = ("moe_layers", i - n_dense) if moe else ("dense_layers", i)
-        out += _layer_entries(cfg, f"model.layers.{i}.", (stack,), moe, j, weights)
-    for k in range(cfg.num_mtp_layers):
-        p, b = f"model.layers.{cfg.num_hidden_layers + k}.", ("mtp", k)
-        out += [
-            (b + ("enorm", "weight"), None, "id", p + "enorm.weight"),
-            (b + ("hnorm", "weight"), None, "id", p + "hnorm.weight"),
-            (b + ("eh_proj", "kernel"), None, "T", p + "eh_proj.weight"),
-            (b + ("shared_head_norm", "weight"), None, "id", p + "shared_head.norm.weight"),
-        ]
-        out += _layer_entries(cfg, p, b + ("block",), cfg.n_routed_experts > 0, None, weights)
-    return out
-
-
-def _mtp_copies(cfg: ModelConfig) -> dict[str, str]:
-    """MTP-layer tensors that duplicate main ones: {copy name: main name}."""
-    out = {}
-    for k in range(cfg.num_mtp_layers):
-        p = f"model.layers.{cfg.num_hidden_layers + k}."
-        out[p + "embed_tokens.weight"] = "model.embed_tokens.weight"
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        out[p + "shared_head.head.weight"] = head
-    return out
-
-
-def _variable(model, path: tuple) -> nnx.Variable:
-    node = model
-    for p in path:
-        node = node[p] if isinstance(p, int) else getattr(node, p)
-    if not isinstance(node, nnx.Variable):
-        raise TypeError(f"model path {path} is {type(node).__name__}, not a variable")
-    return node
-
-
-def _hf_shape(shape: tuple, kind: str) -> tuple:
-    if kind == "T":
-        return tuple(shape[::-1])
-    if kind == "stackT":
-        return tuple(shape[1:][::-1])
-    return tuple(shape[1:]) if kind == "stack" else tuple(shape)
-
-
-# ------------------------------------------------------------------------------------------
 # Load / save
 # ------------------------------------------------------------------------------------------
 def _check_fp8_release(config_dir: str) -> None:
@@ -434,7 +322,7 @@ def _dequantized_on_load(model, entries: list[Entry], stored: dict[str, _Stored]
         return fp8
     kept = set()
     for mpath, _, _, names in entries:
-        if not isinstance(_variable(model, mpath), fp8_weights.Fp8Weight):
+        if not isinstance(variable(model, mpath), fp8_weights.Fp8Weight):
             continue
         for n in [names] if isinstance(names, str) else names:
             kept.add(n)
@@ -506,7 +394,7 @@ def load_hf_checkpoint(
     )
     entries = hf_entries(cfg, weights)
     dequantized = _dequantized_on_load(model, entries, stored, path, weights)
-    copies = _mtp_copies(cfg)
+    copies = mtp_copies(cfg)
     expected = {n for _, _, _, names in entries for n in ([names] if isinstance(names, str) else names)}
     missing = sorted(expected - stored.keys())
     if missing:
@@ -531,9 +419,9 @@ def load_hf_checkpoint(
     # the MTP copy that no longer matches it.
     target: dict[str, tuple] = {}  # HF name -> (variable path, leading indices in the variable, kind)
     for mpath, index, kind, names in entries:
-        var = _variable(model, mpath)
+        var = variable(model, mpath)
         shape = tuple(var.shape) if index is None else tuple(var.shape[1:])
-        want = _hf_shape(shape, kind)
+        want = hf_shape(shape, kind)
         lead = () if index is None else (index,)
         for e, n in enumerate([names] if isinstance(names, str) else names):
             if stored[n].shape != want:
@@ -569,7 +457,7 @@ def load_hf_checkpoint(
                 if n not in target:
                     continue
                 mpath, start, kind = target[n]
-                var = _variable(model, mpath)
+                var = variable(model, mpath)
                 arr = view
                 if n in dequantized:
                     arr = dequantize_fp8_blocks(view, _read(stored, n + SCALE_SUFFIX, views))
@@ -587,7 +475,7 @@ def load_hf_checkpoint(
                 bar.update(view.nbytes)
             del views  # the file's memory map goes with its last view
     for mpath, buf in bufs.items():
-        _variable(model, mpath).set_value(buf)
+        variable(model, mpath).set_value(buf)
     left = [
         jax.tree_util.keystr(k)
         for k, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))
@@ -613,7 +501,7 @@ def to_hf_tensors(model) -> dict[str, np.ndarray]:
     host: dict[tuple, np.ndarray] = {}  # each (stacked) variable copied to the host once
     for mpath, index, kind, names in hf_entries(cfg, getattr(model, "weights", None)):
         if mpath not in host:
-            host[mpath] = np.asarray(jax.device_get(_variable(model, mpath)[...]))
+            host[mpath] = np.asarray(jax.device_get(variable(model, mpath)[...]))
         a = host[mpath] if index is None else host[mpath][index]
         if kind == "T":
             out[names] = np.ascontiguousarray(a.T)
@@ -625,7 +513,7 @@ def to_hf_tensors(model) -> dict[str, np.ndarray]:
                 out[n] = np.ascontiguousarray(a[e])
         else:
             out[names] = a
-    for copy, main in _mtp_copies(cfg).items():
+    for copy, main in mtp_copies(cfg).items():
         out[copy] = out[main] if main in out else np.ascontiguousarray(np.asarray(model.embed_tokens.embedding[...]))
     return out
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax import fp8_weights, initializers
-from mla_jax.attention import with_decode_plan
+from mla_jax.cache_paths import with_decode_plan
 from mla_jax.config import ModelConfig
 from mla_jax.linear import Stacked, stacked_filter, stacked_impl
 from mla_jax.norm import RMSNorm
@@ -180,7 +180,7 @@ class DeepSeekModel(nnx.Module):
     Attributes: `embed_tokens` (nnx.Embed), `dense_layers`, `moe_layers`, `norm`, `lm_head`
     (nnx.Linear D -> V, no bias; None when tie_word_embeddings), `mtp` (list of
     `cfg.num_mtp_layers` MTP modules). `dtype` is the compute dtype, `param_dtype` the storage
-    dtype (the router kernel and bias are fp32 always). `moe_impl` is `models.moe.MOE_IMPLS`.
+    dtype (the router kernel and bias are fp32 always). `moe_impl` is `models.experts.MOE_IMPLS`.
     `weights` (`mla_jax.fp8_weights.WEIGHT_FORMATS`): None = every weight in `param_dtype`; "fp8" = the
     projections of every decoder layer and MTP block (attention, dense MLP, shared and routed experts) in FP8
     with 128x128 block scales, as DeepSeek-V3 releases them (`mla_jax.fp8_weights`); embeddings, norms,

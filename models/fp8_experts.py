@@ -1,6 +1,6 @@
 """FP8 routed experts (`Fp8Experts`) and their grouped GEMM off the decode kernel, dequantized a chunk at a time.
 
-Dimension letters: as `models.moe` (E experts, D hidden_size, I moe_intermediate_size, M assignment rows sorted
+Dimension letters: as `models.experts` (E experts, D hidden_size, I moe_intermediate_size, M assignment rows sorted
 by expert), plus C a chunk of one projection's output columns (of I for gate / up, of D for down).
 
 The decode kernel (`pallas_kernels.moe_decode_fp8`) reads the e4m3 experts in place. Every other grouped GEMM
@@ -39,7 +39,7 @@ class Fp8Experts(nnx.Module):
     [E, I, D] and down_proj [E, D, I] (torch's [out, in] per expert), `p_fp8` (`Fp8Weight`, e4m3) and
     `p_scale_inv` (`Fp8Scale`, fp32 [E, ceil(out/128), ceil(in/128)]). `blocks()` gives them as stored (what the
     decode kernel reads in place and `fp8_grouped` dequantizes a chunk at a time); `stacked(dtype)` dequantizes
-    them whole into `models.moe.Experts`' layout (the "dense" oracle's operands)."""
+    them whole into `models.experts.Experts`' layout (the "dense" oracle's operands)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size

@@ -22,7 +22,7 @@ from typing import Iterable
 
 from tokenizers import Tokenizer
 
-from mla_jax.config import read_json_object
+from mla_jax.hf_config import read_json_object
 
 BYTE_TOKENIZER_FILE = "byte_tokenizer.json"  # the marker a byte-level checkpoint carries
 HF_TOKENIZER_FILE = "tokenizer.json"

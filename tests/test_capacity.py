@@ -9,16 +9,10 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from mla_jax.capacity import (
-    KV_DTYPES,
-    format_bytes,
-    format_plan,
-    main,
-    mla_kv_bytes,
-    plan_kv_cache,
-    weight_bytes,
-)
+from mla_jax.capacity import KV_DTYPES, format_plan, main, mla_kv_bytes, plan_kv_cache
 from mla_jax.config import ModelConfig
+from mla_jax.units import format_bytes
+from mla_jax.weights_plan import weight_bytes
 from pallas_kernels import PageFormat
 
 GiB = 1024**3

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from mla_jax import ModelConfig
-from mla_jax.attention import with_decode_plan
+from mla_jax.cache_paths import with_decode_plan
 from mla_jax.kv_cache import CacheFullError, KVCache, write_latents
 from models import DeepSeekModel
 from models.serving.engine import Engine, GenerationResult, trace_counts
@@ -534,7 +534,7 @@ def test_admission_goes_to_a_data_rank_with_pages():
     import types
 
     from mla_jax.kv_cache import PagedLatentCache
-    from models.serving.engine import _Generation
+    from models.serving.scheduler import _Generation
 
     cache = PagedLatentCache(
         num_layers=1,
@@ -771,15 +771,15 @@ def test_auto_decode_config_is_chosen_on_the_host_each_step(model, monkeypatch):
     conditional cost 3-16 µs a kernel call on the H200): four equal rows decode per sequence; a 2-token prompt
     beside a 40-token one (1 and 10 pages of 4) decodes in pieces. Catches the engine passing "auto" through and
     a choice from stale or other rows' lengths, and a prefill step that compiles twice."""
-    import models.serving.scheduler as scheduler
+    import models.serving.calls as calls
 
-    real, seen = scheduler.step_decode_config, []
+    real, seen = calls.step_decode_config, []
 
     def spy(config, lengths):
         seen.append((real(config, lengths), None if lengths is None else np.array(lengths)))
         return seen[-1][0]
 
-    monkeypatch.setattr(scheduler, "step_decode_config", spy)
+    monkeypatch.setattr(calls, "step_decode_config", spy)
     e = Engine(model, **{**STD, "decode_config": MlaDecodeConfig(schedule="auto")})
     e.generate(_prompts(3, [20, 20, 20, 20]), max_new_tokens=3)
     assert {c.schedule for c, _ in seen} == {"per_sequence"}
@@ -1247,7 +1247,7 @@ def test_default_prefill_chunk_rule(model):
     reference backend); with the flash prefill a 16384-token step budget over max_batch rows, a power of two
     in [512, 8192]. Catches the flash chunk given to the jnp attention (its fp32 scores grow with T x S) and
     the budget dropped (B=8 x 8192-token chunks: 65536 tokens a step)."""
-    from models.serving.engine import default_prefill_chunk
+    from models.serving.options import default_prefill_chunk
 
     assert [default_prefill_chunk(True, b) for b in (1, 2, 3, 8, 32, 64)] == [8192, 8192, 4096, 2048, 512, 512]
     assert default_prefill_chunk(False, 1) == 512

@@ -111,7 +111,8 @@ def test_fp8_experts_the_decode_kernel_cannot_index_take_the_chunked_gemm(monkey
     it reads (2 layers, 7.5e9 bytes: 64-bit offsets; 128 experts), and the chunked grouped GEMM ("mgpu") for one
     layer of 256 (3.76e9 bytes, 32-bit offsets that wrap: the MTP layer's), where the kernel's "auto" took its
     reference, which dequantizes the whole layer (22.5 GB). The MoE module names its own stack."""
-    from models.moe import MoE, resolve_moe_impl
+    from models.experts import resolve_moe_impl
+    from models.moe import MoE
 
     monkeypatch.setattr("pallas_kernels.backend.on_hopper", lambda: True)
     kw = dict(rows=32 * 8, num_experts=256, widths=(7168, 2048), fp8=True)

@@ -12,8 +12,9 @@ import pytest
 from flax import nnx
 
 from mla_jax import ModelConfig
-from mla_jax.capacity import plan_kv_cache, weight_bytes
+from mla_jax.capacity import plan_kv_cache
 from mla_jax.memory import MemoryPlanError, plan_pool, tree_device_bytes
+from mla_jax.weights_plan import weight_bytes
 from models import DeepSeekModel
 from models.serving import Engine
 from pallas_kernels.page_format import resolve_page_format

@@ -395,9 +395,9 @@ def test_auto_schedule_rule_on_the_lengths():
 def test_host_config_picks_the_branch_from_the_lengths():
     """`host_config` (a serving loop's per-step choice): "auto" becomes the per-sequence program on equal lengths
     and the pieces program on ragged ones (`branch_configs`, the other knobs kept); any other config passes
-    unchanged, and None's defaults through `mla_jax.attention.step_decode_config` choose as "auto" does. Catches the
+    unchanged, and None's defaults through `mla_jax.cache_paths.step_decode_config` choose as "auto" does. Catches the
     branches swapped and an "auto" config reaching the compiled step (its device conditional)."""
-    from mla_jax.attention import step_decode_config
+    from mla_jax.cache_paths import step_decode_config
     from pallas_kernels.mla_decode import host_config
 
     auto = MlaDecodeConfig(schedule="auto", target_ctas=8)

@@ -12,15 +12,8 @@ import pytest
 from flax import nnx
 
 from mla_jax import ModelConfig
-from models.moe import (
-    MgpuTuning,
-    MoE,
-    RouterBias,
-    moe_dense_reference,
-    moe_grouped,
-    resolve_moe_impl,
-    route,
-)
+from models.experts import MgpuTuning, moe_dense_reference, moe_grouped, resolve_moe_impl
+from models.moe import MoE, RouterBias, route
 from tests.tiers import gpu_full
 
 V3 = ModelConfig.tiny().replace(

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import moe as moe_mod
-from models.moe import MoE, moe_dense_reference, moe_grouped, resolve_moe_impl
+from models import experts
+from models.experts import moe_dense_reference, moe_grouped, resolve_moe_impl
+from models.moe import MoE
 from pallas_kernels.moe_decode import (
     SHARED_MAX_ROWS,
     MoeDecodeConfig,
@@ -104,7 +105,7 @@ def test_auto_takes_the_decode_kernel_only_for_decode_shaped_calls(monkeypatch):
     assert resolve_moe_impl("auto", bf16, rows=3072, num_experts=64, widths=(2048, 1408)) == "mgpu"  # prefill
     assert resolve_moe_impl("auto", bf16, rows=6, num_experts=64, widths=(64, 48)) == "mgpu"  # widths refused
     assert resolve_moe_impl("auto", jnp.float32, rows=6, num_experts=64) == "ragged_dot"
-    assert moe_mod.DECODE_ROWS_PER_EXPERT == 16
+    assert experts.DECODE_ROWS_PER_EXPERT == 16
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """The shape of the project, checked: the direction of imports, no import circle, no private module of another
-package imported, the engine free of kernels, the kernel package's file sizes, and one tuple of names per
-implementation choice, the command lines' choices included (they were six lists that had drifted apart)."""
+package imported, the engine and its scheduler free of kernels, the sizes of files and classes, and one tuple of names
+per implementation choice, the command lines' choices included (they were six lists that had drifted apart)."""
 
 import argparse
 import ast
@@ -8,8 +8,9 @@ import os
 
 import pytest
 
-from mla_jax.attention import CACHE_IMPLS, DECOMPRESSED_IMPLS
-from models.moe import MOE_IMPLS, MOE_TRAINING_IMPLS
+from mla_jax.attention import DECOMPRESSED_IMPLS
+from mla_jax.cache_paths import CACHE_IMPLS
+from models.experts import MOE_IMPLS, MOE_TRAINING_IMPLS
 from pallas_kernels import backend
 from pallas_kernels.page_format import NAMES as PAGE_FORMATS
 
@@ -73,10 +74,19 @@ def test_imports_go_one_way_and_reach_no_private_module_of_another_package():
     assert not bad, "\n".join(bad)
 
 
-def test_the_engine_imports_no_kernel():
+# The engine and its host scheduler, and the modules each is made of.
+ENGINE_MODULES = ("engine", "options", "checks", "pool", "handles")
+SCHEDULER_MODULES = ("scheduler", "pages", "launches", "calls", "outputs", "warmup", "requests")
+
+
+@pytest.mark.parametrize("module", ENGINE_MODULES + SCHEDULER_MODULES)
+def test_the_engine_imports_no_kernel(module):
     """The engine schedules; the MLA layer decides how attention reads the cache (it imported the kernels'
-    limits and the private Hopper check before)."""
-    assert not [t for t, _ in GRAPH["models.serving.engine"] if t.startswith("pallas_kernels")]
+    limits and the private Hopper check before). The same holds for each module the engine and its
+    scheduler are made of, so a limit cannot come back through one of them."""
+    name = f"models.serving.{module}"
+    assert name in GRAPH, f"{name} is gone: update ENGINE_MODULES / SCHEDULER_MODULES"
+    assert not [t for t, _ in GRAPH[name] if t.startswith("pallas_kernels")]
 
 
 def test_no_import_circle():
@@ -118,6 +128,31 @@ def test_kernel_files_stay_small():
     """A kernel is a package of small files (mla_decode was one file of 1 541 lines)."""
     sizes = {n: sum(1 for _ in open(p)) for n, p in MODULES.items() if n.startswith("pallas_kernels")}
     assert {n: s for n, s in sizes.items() if s > 600} == {}
+
+
+MAX_MODULE_LINES = 650  # a module outside `pallas_kernels/` (whose files stay under 600, above)
+MAX_CLASS_LINES = 300  # a class a reader can hold in mind (DESIGN.md)
+
+
+def test_modules_outside_the_kernels_stay_under_650_lines():
+    """No module of `mla_jax`, `models` or `benchmarks` past `MAX_MODULE_LINES` (the host scheduler's module was
+    839 lines, the engine's 743; moe, checkpoint, attention and capacity 673-705)."""
+    sizes = {n: sum(1 for _ in open(p)) for n, p in MODULES.items() if not n.startswith("pallas_kernels")}
+    long = {n: s for n, s in sizes.items() if s > MAX_MODULE_LINES}
+    assert not long, long
+
+
+def test_classes_stay_under_300_lines():
+    """No class of the four packages past `MAX_CLASS_LINES`, from its first decorator to its last line (the host
+    scheduler `_Generation` was 753 lines, `Engine` 508, `ModelConfig` 466)."""
+    long = {}
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.ClassDef):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if node.end_lineno - first + 1 > MAX_CLASS_LINES:
+                    long[f"{name}.{node.name}"] = node.end_lineno - first + 1
+    assert not long, long
 
 
 def _choices(parser: argparse.ArgumentParser, flag: str) -> tuple:

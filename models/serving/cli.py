@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax import ModelConfig
-from mla_jax.attention import resolve_cache_impl
+from mla_jax.cache_paths import resolve_cache_impl
 from mla_jax.kv_cache import CacheFullError
 from mla_jax.memory import DEFAULT_MEMORY_FRACTION, check_fraction
 from mla_jax.sharding import make_mesh, parse_mesh, shard_model

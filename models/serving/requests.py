@@ -11,6 +11,8 @@ import numpy as np
 
 from models.serving.sampling import SamplingParams
 
+FINISH_REASONS = ("stop", "length", "context", "error", "cancelled")
+
 
 @dataclasses.dataclass
 class _Request:

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mla_jax.kv_cache import KVCache
@@ -306,6 +307,20 @@ class DraftOracle(NamedTuple):
     tokens_BL: jax.Array
     accept: jax.Array
     key: jax.Array
+
+    @classmethod
+    def of(cls, sequences, accept: float, seed: int, *, slots: int, length: int) -> DraftOracle:
+        """The oracle of `sequences[b]` (token ids: slot b's whole sequence; at most `slots` of them), each cut or
+        zero-padded to `length` positions, drafts right at the rate `accept` in [0, 1], draws from PRNGKey(seed)."""
+        if not 0.0 <= accept <= 1.0:
+            raise ValueError(f"draft_oracle accept must be in [0, 1], got {accept!r}")
+        if len(sequences) > slots:
+            raise ValueError(f"draft_oracle got {len(sequences)} sequences for {slots} slots")
+        table = np.zeros((slots, length), np.int32)
+        for b, seq in enumerate(sequences):
+            table[b, : min(len(seq), length)] = list(seq)[:length]
+        key = np.asarray(jax.random.PRNGKey(seed), np.uint32)
+        return cls(jnp.asarray(table), jnp.float32(accept), jnp.asarray(key))
 
     def drafts(self, pos_B, k: int):
         """Drafts for the k positions after each row's pending token at `pos_B` -> int32 [B, k]."""

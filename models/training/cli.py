@@ -25,7 +25,7 @@ import sys
 
 from mla_jax.attention import DECOMPRESSED_IMPLS
 from models import compile_cache, distributed
-from models.moe import MOE_TRAINING_IMPLS
+from models.experts import MOE_TRAINING_IMPLS
 from models.training.checkpoints import recorded_steps
 from models.training.loop import (
     AUTO_WARMUP,
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--moe-impl",
         default=d.moe_impl,
         choices=MOE_TRAINING_IMPLS,
-        help="expert computation; auto = dense on CPU (faster for a few small experts), else models.moe's auto",
+        help="expert computation; auto = dense on CPU (faster for a few small experts), else models.experts' auto",
     )
     a(
         "--remat",

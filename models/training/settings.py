@@ -16,7 +16,7 @@ from mla_jax.config import ModelConfig
 from mla_jax.sharding import parse_mesh
 from models.data import CORPUS_PATH
 from models.deepseek import REMAT_POLICIES
-from models.moe import MOE_TRAINING_IMPLS
+from models.experts import MOE_TRAINING_IMPLS
 
 DEFAULT_CORPUS = CORPUS_PATH  # inside the package (models/data), so an installed wheel trains with no arguments
 PRESETS = ("tiny", "builtin", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
@@ -73,7 +73,7 @@ class TrainSettings:
     mtp_weight: float = 0.3  # λ of the MTP loss
     balance_alpha: float = 1e-4  # α of the sequence-wise balance loss
     bias_update_rate: float = 1e-2  # γ of the aux-loss-free router-bias update
-    moe_impl: str = "auto"  # expert computation (models.moe.MOE_TRAINING_IMPLS, resolve_moe_impl)
+    moe_impl: str = "auto"  # expert computation (models.experts.MOE_TRAINING_IMPLS, resolve_moe_impl)
     # Not part of the trajectory: a resumed run may change them.
     remat: str = "none"  # rematerialisation of each scanned layer (models.deepseek.REMAT_POLICIES)
     ce_chunk: int = 0  # tokens per LM-head cross-entropy chunk (0 = the whole logits at once)

@@ -22,7 +22,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 from mla_jax.attention import resolve_decompressed_impl
 from mla_jax.sharding import MESH_AXES, make_mesh, model_shardings, model_specs, shard_model
 from models.deepseek import DeepSeekModel
-from models.moe import resolve_moe_impl
+from models.experts import resolve_moe_impl
 from models.training.settings import SettingError, TrainSettings, load_config
 from models.training.step import TrainConfig, init_train_state, loss_fn, make_train_step, optimizer_shardings
 
