@@ -79,13 +79,6 @@ def run_header() -> dict:
     )
 
 
-KEPT_OUTPUT_BYTES = 4 << 30
-
-
-def _tree_bytes(tree) -> int:
-    return sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree))
-
-
 def cupti_median_us(fn, *args, iterations=30, per_kernel=False):
     """Median CUPTI time of ``fn(*args)`` in µs (sum over its kernels), after one warm-up call.
 
@@ -95,24 +88,13 @@ def cupti_median_us(fn, *args, iterations=30, per_kernel=False):
     ``MlaDecodeConfig(schedule="auto")``) has no per-call split of the record: its time is then the
     whole record's sum over ``iterations`` (the mean), and its parts None.
     """
-    # Every call's results are kept until the sync waits for them (as profiler.measure does), up to
-    # KEPT_OUTPUT_BYTES: past that a call's results are dropped as it is enqueued (their buffers return to the
-    # allocator when the call completes). 30 kept copies of the 2 GiB bandwidth probe ran an 80 GB card out of memory.
-    outs = [fn(*args)]
-    kept = [_tree_bytes(outs[0])]
+    outs = [fn(*args)]  # every call's results kept until the sync waits for them (as profiler.measure does)
 
     def sync():
         jax.block_until_ready(outs)
         outs.clear()
-        kept[0] = 0
 
-    def call():
-        out = fn(*args)
-        if kept[0] < KEPT_OUTPUT_BYTES:
-            outs.append(out)
-            kept[0] += _tree_bytes(out)
-
-    us, parts = _cupti_record(call, sync, iterations, warmup=0)
+    us, parts = _cupti_record(lambda: outs.append(fn(*args)), sync, iterations, warmup=0)
     return (us, parts) if per_kernel else us
 
 
@@ -175,14 +157,16 @@ def cupti_kernels(call, *, sync) -> list[tuple[str, float]]:
 def measure_ceilings(iterations=30) -> dict:
     """Bandwidth and matrix-rate ceilings measured now, on this GPU.
 
-    * ``xla_copy_gbps``: XLA ``x * 2`` over 2 GiB of bf16, read + write bytes (a copy XLA cannot
+    * ``xla_copy_gbps``: XLA ``x * 2`` over 1 GiB of bf16, read + write bytes (a copy XLA cannot
       elide).
     * ``torch_copy_gbps``: ``torch`` device-to-device copy of 2 GiB when torch with CUDA is
       importable (measured in a subprocess so the two allocators do not fight).
     * ``xla_matmul_tflops``: XLA bf16 8192^3 matmul.
     ``bandwidth_gbps`` = the larger copy figure; ``matmul_tflops`` = the matmul figure.
     """
-    n = 1 << 30  # 2 GiB of bf16
+    # 1 GiB of bf16, 20x the L2; CUPTI timing keeps each call's output until it syncs (30 GiB here: 30 copies of
+    # 2 GiB ran an 80 GB card's allocator out of memory)
+    n = 1 << 29
     x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.bfloat16)
     t = cupti_median_us(jax.jit(lambda a: a * 2), x, iterations=iterations)
     out = dict(xla_copy_gbps=2 * 2 * n / t / 1e3)

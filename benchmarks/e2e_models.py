@@ -11,9 +11,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax import ModelConfig, fp8_weights, initializers
-from mla_jax.capacity import plan_kv_cache, weight_bytes
+from mla_jax.capacity import plan_kv_cache
 from mla_jax.memory import check_weights_fit, device_bytes_limit
 from mla_jax.sharding import model_shardings, shard_model
+from mla_jax.weights_plan import weight_bytes
 from models import DeepSeekModel
 from pallas_kernels.page_format import NAMES as PAGE_FORMAT_NAMES
 

@@ -152,6 +152,9 @@ def run_cell(model, cfg, name: str, batch: int, prompt: int, args, ceil, *, mtp:
         page_size=PAGE,
         num_pages=kv_pages(cfg, batch, prompt, N),
         max_batch=batch,
+        # what the cell's requests reach: the default (the whole pool's tokens) sizes the widest step's
+        # tables, and so its temporaries, for one sequence holding every page
+        max_context=min(cfg.max_position_embeddings, prompt + N),
         prefill_chunk=args.prefill_chunk or None,
         attention_impl=args.attention_impl,
         kv_dtype=kv_dtype_arg(args.kv_dtype),
@@ -337,6 +340,7 @@ def run_ttft_worker(args) -> None:
         page_size=PAGE,
         num_pages=kv_pages(cfg, b, t, args.new_tokens),
         max_batch=b,
+        max_context=min(cfg.max_position_embeddings, t + args.new_tokens),
         prefill_chunk=args.prefill_chunk or None,
         attention_impl=args.attention_impl,
         kv_dtype=kv_dtype_arg(args.kv_dtype),
