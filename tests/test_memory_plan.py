@@ -166,3 +166,48 @@ def test_a_benchmark_model_too_large_for_the_device_is_refused_before_it_is_buil
     monkeypatch.setattr(e2e_models, "device_bytes_limit", lambda: weight_bytes(fp8, "fp8"))
     with pytest.raises(MemoryPlanError, match="the fp8 weights need"):
         e2e_models.build_model(fp8, jnp.bfloat16, weights="fp8")
+
+
+def test_a_default_prefill_chunk_shrinks_until_the_pool_fits(model, planned):
+    """Where the largest prefill step's temporaries leave no room for the pages, a default chunk is halved until
+    they do (the V3 cut at 32 rows: 31 GiB of temporaries at 512 tokens a row refused every pool of an 80 GB
+    card); an explicit chunk is kept and the engine refused."""
+    _, plan = planned
+    default = {k: v for k, v in STD.items() if k != "prefill_chunk"}
+    big = Engine(model, device_memory=1 << 34, **default)  # the default chunk on a CPU: 512 tokens
+    assert big.prefill_chunk == 512
+    temps = big.step_temporaries
+    allowed = max(temps["mixed"], temps["decode"], int(temps["prefill"] * 0.6))  # not a 512-token prefill's
+    assert allowed < temps["prefill"]
+    room = plan.weight_bytes + 4 * plan.pages_per_sequence * plan.page_bytes + allowed
+    pages = 4 * plan.pages_per_sequence
+    e = Engine(model, device_memory=int(room / 0.9) + 1, num_pages=pages, **default)
+    assert 64 <= e.prefill_chunk < 512 and e.min_chunk_bucket <= e.prefill_chunk
+    assert max(e.step_temporaries.values()) <= allowed
+    assert e.generate(_prompts(3, (60,)), max_new_tokens=4).errors == [None]
+    with pytest.raises(MemoryPlanError, match="num_pages="):
+        Engine(model, device_memory=int(room / 0.9) + 1, num_pages=pages, prefill_chunk=512, **default)
+
+
+def test_a_prefill_step_that_cannot_compile_in_the_device_shrinks_or_is_refused(model, monkeypatch):
+    """XLA failing to compile the largest prefill in the device's memory (its autotuner asked 128 GiB for the V3
+    cut's 65 536-token tables at 32 rows): a default chunk is halved and tried again; an explicit one is refused in
+    one line naming the step, not an XLA traceback."""
+    from models.serving import pool
+
+    real = pool._Generation.step_temporaries
+
+    def fake(self, *a, **k):
+        if self.e.prefill_chunk > 128:
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 128.02GiB\nmore"
+            )
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pool._Generation, "step_temporaries", fake)
+    default = {k: v for k, v in STD.items() if k != "prefill_chunk"}
+    assert Engine(model, device_memory=1 << 34, **default).prefill_chunk == 128
+    with pytest.raises(MemoryPlanError) as err:
+        Engine(model, device_memory=1 << 34, prefill_chunk=512, **default)
+    msg = str(err.value)
+    assert "\n" not in msg and "prefill chunks of 512 tokens in 4 rows" in msg and "128.02GiB" in msg

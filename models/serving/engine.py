@@ -97,7 +97,8 @@ class Engine:
         memory when there is a plan (`memory_fraction`).
       max_batch: slots decoded together (B of every step).
       prefill_chunk: prompt tokens a row prefills per step; None = `default_prefill_chunk` (512 with the jnp
-        attention; up to 8192 when long chunks run the flash forward over the prefix: a Hopper GPU, bf16).
+        attention; up to 8192 when long chunks run the flash forward over the prefix: a Hopper GPU, bf16), halved
+        by the memory plan (down to 64) while the largest prefill step's temporaries leave no room for the pages.
       decompressed_threshold: prefill chunks of at least this many tokens use the decompressed path
         (`naive_threshold` is its earlier name, still accepted).
       attention_impl: how attention reads the cache, one of `ATTENTION_IMPLS` (`mla_jax.cache_paths.
@@ -226,7 +227,7 @@ class Engine:
         self.attention_impl = attention_impl
         self.compile_log: list[dict] = []
         self.cache, self.memory_plan, self.step_temporaries = page_pool(
-            self, o.page_format, num_pages, cache_fill, memory_fraction, device_memory
+            self, o.page_format, num_pages, cache_fill, memory_fraction, device_memory, prefill_chunk is None
         )
         self.num_pages = self.cache.num_pages
         self._sched = _Generation(self)  # the one scheduler: generate() and submit() both queue into it

@@ -14,18 +14,36 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mla_jax.capacity import plan_kv_cache
 from mla_jax.kv_cache import PagedLatentCache, next_pow2
-from mla_jax.memory import MemoryPlan, device_bytes_in_use, device_bytes_limit, plan_pool, tree_device_bytes
+from mla_jax.memory import (
+    MemoryPlan,
+    MemoryPlanError,
+    device_bytes_in_use,
+    device_bytes_limit,
+    plan_pool,
+    tree_device_bytes,
+)
 from models.serving.launches import MIXED_TILE
 from models.serving.scheduler import _Generation
 
+MIN_PLANNED_CHUNK = 64  # the smallest prefill chunk the memory plan shrinks a default chunk to
+
 
 def page_pool(
-    engine, page_format, num_pages: int | None, cache_fill: float, fraction: float, device_memory: int | None
+    engine,
+    page_format,
+    num_pages: int | None,
+    cache_fill: float,
+    fraction: float,
+    device_memory: int | None,
+    chunk_is_default: bool = False,
 ) -> tuple[PagedLatentCache, MemoryPlan | None, dict[str, int]]:
     """The pool of `engine` (its settings, model state and compiled steps set; `page_format` a `PageFormat`) ->
     (the `PagedLatentCache` over every cached layer, the MTP block's included, placed on the engine's mesh; the
     `MemoryPlan` that sized it or None; {step kind: temporary bytes} of the programs the plan measured).
-    `num_pages`: the engine's argument (None: max_batch sequences of max_context tokens, or as many as fit)."""
+    `num_pages`: the engine's argument (None: max_batch sequences of max_context tokens, or as many as fit).
+    `chunk_is_default`: the engine's prefill chunk is its default, which the plan may lower (halving it, down to
+    `MIN_PLANNED_CHUNK`) where the largest prefill step's temporaries leave no room for the pages; the engine's
+    `prefill_chunk` (and `min_chunk_bucket`) are then set to the chunk that fits."""
     cfg, page_size, D = engine.cfg, engine.page_size, engine.data_ranks
     # The capacity planner's arithmetic: pages a sequence holds, bytes a token over every cached layer.
     kv_plan = plan_kv_cache(
@@ -53,7 +71,9 @@ def page_pool(
     )
     wanted = engine.max_batch * kv_plan.pages_per_sequence if num_pages is None else num_pages
     temporaries: dict[str, int] = {}
-    memory_plan = _plan_memory(engine, make_cache, kv_plan, wanted, num_pages, fraction, device_memory, temporaries)
+    memory_plan = _plan_memory(
+        engine, make_cache, kv_plan, wanted, num_pages, fraction, device_memory, temporaries, chunk_is_default
+    )
     cache = make_cache(num_pages=wanted if memory_plan is None else memory_plan.num_pages)
     if engine.mesh is not None:
         # The latent has no head axis to split: every device of a data rank holds all of that rank's
@@ -63,34 +83,63 @@ def page_pool(
     return cache, memory_plan, temporaries
 
 
-def _plan_memory(engine, make_cache, kv_plan, wanted, num_pages, fraction, device_memory, temporaries):
+def _plan_memory(engine, make_cache, kv_plan, wanted, num_pages, fraction, device_memory, temporaries, adapt):
     """The pool that fits the device (`mla_jax.memory.plan_pool`) -> a `MemoryPlan`, or None where the device
     reports no memory and none was given (a CPU). The largest steps are compiled over an abstract pool of
     `wanted` pages to measure their temporaries (`_Generation.step_temporaries`, into `temporaries`); those
-    programs are the ones the engine runs when the plan keeps `wanted` pages."""
+    programs are the ones the engine runs when the plan keeps `wanted` pages. With `adapt` (a default prefill
+    chunk), a plan that fails while the prefill step's temporaries are the largest, or a prefill step that cannot
+    even compile within the device's memory, is tried again at half the chunk."""
     mesh = engine.mesh
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     limit = device_memory if device_memory is not None else device_bytes_limit(device)
     if limit is None:
         return None
-    engine.cache = make_cache(num_pages=wanted, allocate=False)
-    probe = _Generation(engine)
-    try:
-        temporaries.update(probe.step_temporaries())
-    finally:
-        del engine.cache
     weights = tree_device_bytes(engine.state)
     in_use = device_bytes_in_use(device) if device_memory is None else weights
-    return plan_pool(
-        device_bytes=limit,
-        fraction=fraction,
-        weight_bytes=weights,
-        other_bytes=max(0, in_use - weights),
-        temp_bytes=max(temporaries.values()),
-        page_bytes=kv_plan.mla.bytes_per_token * engine.page_size,
-        pages_per_sequence=kv_plan.pages_per_sequence,
-        max_batch=engine.max_batch,
-        num_pages=num_pages,
-        ranks=engine.data_ranks,
-        max_context=engine.max_context,
-    )
+    while True:
+        shrink = adapt and engine.prefill_chunk // 2 >= MIN_PLANNED_CHUNK
+        engine.cache = make_cache(num_pages=wanted, allocate=False)
+        try:
+            measured = _Generation(engine).step_temporaries()
+        except jax.errors.JaxRuntimeError as e:  # XLA could not even compile it in the device's memory
+            if not shrink or "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
+                raise MemoryPlanError(
+                    f"the engine's largest steps (prefill chunks of {engine.prefill_chunk} tokens in "
+                    f"{engine.max_batch} rows over tables of {engine.max_context} tokens) do not compile within the "
+                    f"device's memory ({one_line(e)}): lower max_context, max_batch or prefill_chunk"
+                ) from None
+            _halve_chunk(engine)
+            continue
+        finally:
+            del engine.cache
+        temporaries.clear()
+        temporaries.update(measured)
+        try:
+            return plan_pool(
+                device_bytes=limit,
+                fraction=fraction,
+                weight_bytes=weights,
+                other_bytes=max(0, in_use - weights),
+                temp_bytes=max(measured.values()),
+                page_bytes=kv_plan.mla.bytes_per_token * engine.page_size,
+                pages_per_sequence=kv_plan.pages_per_sequence,
+                max_batch=engine.max_batch,
+                num_pages=num_pages,
+                ranks=engine.data_ranks,
+                max_context=engine.max_context,
+            )
+        except MemoryPlanError:
+            if not shrink or measured.get("prefill", 0) < max(measured.values()):
+                raise
+            _halve_chunk(engine)
+
+
+def _halve_chunk(engine) -> None:
+    engine.prefill_chunk //= 2
+    engine.min_chunk_bucket = min(engine.min_chunk_bucket, engine.prefill_chunk)
+
+
+def one_line(e: BaseException) -> str:
+    """An error's first line."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
