@@ -11,9 +11,12 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _run(args, tmp_path, timeout=600):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The subprocess runs in tmp_path: the checkout goes on its path whether or not it is installed.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
     )
