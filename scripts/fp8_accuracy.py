@@ -39,7 +39,7 @@ from flax import nnx
 from mla_jax.kv_cache import KVCache, PagedLatentCache
 from models import Engine, SamplingParams, load_hf_checkpoint
 from models.builtin import BUILTIN_DIR, BUILTIN_PROMPT
-from models.tokenizer import load_tokenizer
+from models.tokenizer import BYTE_TOKENIZER_FILE, HF_TOKENIZER_FILE, load_tokenizer
 from pallas_kernels import resolve_page_format
 
 PAGE = 64
@@ -117,7 +117,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     model = load_hf_checkpoint(args.checkpoint)
     builtin = os.path.abspath(args.checkpoint) == os.path.abspath(BUILTIN_DIR)
-    tok = load_tokenizer(args.checkpoint) if os.path.exists(os.path.join(args.checkpoint, "tokenizer.json")) else None
+    has_tokenizer = any(
+        os.path.exists(os.path.join(args.checkpoint, f)) for f in (HF_TOKENIZER_FILE, BYTE_TOKENIZER_FILE)
+    )
+    tok = load_tokenizer(args.checkpoint) if has_tokenizer else None
     prompt = tok.encode(args.prompt) if tok else [int(t) for t in args.prompt_ids.split(",")]
     quant = []
     for q in args.formats:
