@@ -126,12 +126,48 @@ def mla_decompressed_attention(
     then -1, and the queries a chunk at consecutive positions p0.. then -1 (a prefill chunk after a cached
     prefix). impl="mgpu" then runs `pallas_kernels.flash_attention_prefill` (query offsets p0, key lengths n;
     forward only) with that backend; other positions give NaN; padding queries give 0. "cudnn" is refused
-    there (its mask cannot be offset).
+    there (its mask cannot be offset). The rows are attended a group at a time (`cached_rows_per_group`), so
+    that no more than `CACHED_GROUP_BYTES` of keys and values are decompressed at once; the values are those
+    of all rows at once.
     """
     if impl not in DECOMPRESSED_IMPLS[1:]:
         raise ValueError(f"impl={impl!r}: must be one of {DECOMPRESSED_IMPLS[1:]} (resolve 'auto' first)")
     if cache_impl is not None and impl == "cudnn":
         raise ValueError("impl='cudnn' cannot attend over a cache (its causal mask has no query offset): use 'mgpu'")
+    args = (q_nope, q_pe, kv_latent, q_positions, kv_positions)
+    kw = dict(softmax_scale=softmax_scale, q_block=q_block, impl=impl, cache_impl=cache_impl)
+    B, S = kv_latent.shape[:2]
+    T = q_nope.shape[1] if impl == "xla" else 0  # the jnp form's float32 scores are the group's too
+    g = B if cache_impl is None else cached_rows_per_group(B, S, *wkv_b_LHK.shape[1:], kv_latent.dtype.itemsize, T)
+    if g == B:
+        return _decompressed_attention(*args, wkv_b_LHK, **kw)
+    # The cached path a group of rows at a time: a group's keys and values decompressed, attended, let go.
+    groups = lambda x: x.reshape(B // g, g, *x.shape[1:])  # noqa: E731
+    o = jax.lax.map(lambda a: _decompressed_attention(*a, wkv_b_LHK, **kw), tuple(groups(x) for x in args))
+    return o.reshape(B, *o.shape[2:])
+
+
+# The up-projected keys and values (S·H·(N + V) values a row, in the compute dtype; with the jnp form, its float32
+# scores too) that a cached call's group of rows holds at once (`cached_rows_per_group`): a prefill chunk of 32
+# rows over 2048-token tables of DeepSeek-V3 held 32 x 128 MiB of them, with their key / value copies about 12 GiB
+# of temporaries a layer.
+CACHED_GROUP_BYTES = 1 << 30
+
+
+def cached_rows_per_group(B: int, S: int, H: int, K: int, itemsize: int = 2, scores_T: int = 0) -> int:
+    """Rows of a cached call (B rows over S cached keys, H heads of up-projected width K = N + V) that
+    `mla_decompressed_attention` decompresses and attends together: the largest divisor of B whose rows'
+    up-projected keys and values (S·H·K values of `itemsize` bytes a row) and float32 scores (H·`scores_T`·S a
+    row: the jnp form's, of T queries; 0 for the flash kernels, which keep them on chip) fit `CACHED_GROUP_BYTES`,
+    at least 1."""
+    fit = max(1, CACHED_GROUP_BYTES // max(1, S * H * (K * itemsize + scores_T * 4)))
+    return max(g for g in range(1, min(B, fit) + 1) if B % g == 0)
+
+
+def _decompressed_attention(
+    q_nope, q_pe, kv_latent, q_positions, kv_positions, wkv_b_LHK, *, softmax_scale, q_block, impl, cache_impl
+):
+    """`mla_decompressed_attention` over all of its rows at once (its arguments, checked)."""
     n = q_nope.shape[-1]
     L = wkv_b_LHK.shape[0]
     c_BSL, k_pe_BSR = kv_latent[..., :L], kv_latent[..., L:]

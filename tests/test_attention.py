@@ -420,6 +420,67 @@ def test_cached_prefill_chunk_through_the_flash_kernel_equals_the_jnp_path(impl,
     assert rel < 1e-2, rel
 
 
+@pytest.mark.parametrize("impl, heads", [("reference", 4), ("interpret", 1)])
+def test_cached_chunk_a_row_at_a_time_equals_all_rows_at_once(monkeypatch, impl, heads):
+    """The cached path's decompressed attention one row a group (`CACHED_GROUP_BYTES` below one row's keys and
+    values) gives what all three rows at once give (a 37-token prefix, none, an idle row), through the jnp form
+    and through the flash kernel in the interpreter. Catches a group attending over another group's cache, or
+    one group's query offsets and key lengths applied to the others."""
+    from mla_jax import attention
+
+    monkeypatch.setattr(attention, "CACHED_GROUP_BYTES", 1 << 40)
+    whole = _cached_chunks(heads, (impl,), [])[impl]
+    monkeypatch.setattr(attention, "CACHED_GROUP_BYTES", 1)
+    calls = []
+    rows = _cached_chunks(heads, (impl,), calls)[impl]
+    assert calls == ([impl] if impl == "interpret" else [])  # the flash kernel traced once, in the groups' map
+    assert np.abs(whole).max() > 1e-2
+    chex.assert_trees_all_close(rows, whole, atol=1e-6, rtol=0)
+
+
+def test_cached_rows_per_group():
+    """DeepSeek-V3's prefill chunk of 32 rows over 2048-token tables (128 heads, N + V = 256: 128 MiB of keys
+    and values a row) attends 8 rows a group; a batch the budget does not divide takes its largest divisor that
+    fits; a row over the budget is a group alone; a small batch is one group; the jnp form's scores count."""
+    from mla_jax.attention import CACHED_GROUP_BYTES, cached_rows_per_group
+
+    assert CACHED_GROUP_BYTES == 1 << 30
+    assert cached_rows_per_group(32, 2048, 128, 256) == 8
+    assert cached_rows_per_group(12, 2048, 128, 256) == 6
+    assert cached_rows_per_group(7, 2048, 128, 256) == 7
+    assert cached_rows_per_group(9, 2048, 128, 256) == 3
+    assert cached_rows_per_group(3, 1 << 20, 128, 256) == 1
+    assert cached_rows_per_group(4, 2048, 128, 256, itemsize=4) == 4
+    assert cached_rows_per_group(16, 2048, 128, 256, itemsize=4) == 4
+    # the jnp form's float32 scores of 512 queries a row (512 MiB) beside its 128 MiB of keys and values
+    assert cached_rows_per_group(32, 2048, 128, 256, scores_T=512) == 1
+    assert cached_rows_per_group(32, 2048, 128, 256, scores_T=64) == 4
+
+
+def test_cached_attention_holds_one_group_of_keys_and_values(monkeypatch):
+    """The compiled cached attention of 8 rows over 256 keys (8 heads, N = V = 128: 1 MiB of up-projected keys
+    and values a row) with a budget of one row holds no array of 4 rows' keys and values or more. Catches the
+    rows decompressed all at once (8 MiB, 12 MiB in the keys' float32 copy on a CPU)."""
+    from mla_jax import attention
+    from tests import hlo
+    from tests.xla_opt import optimized
+
+    B, T, S, H, N, R, L = 8, 16, 256, 8, 128, 64, 512
+    monkeypatch.setattr(attention, "CACHED_GROUP_BYTES", S * H * 2 * N * 2)
+    bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    f = functools.partial(mla_decompressed_attention, softmax_scale=0.1, impl="xla", cache_impl="reference")
+    with optimized():
+        text = (
+            jax.jit(f)
+            .trace(bf(B, T, H, N), bf(B, T, H, R), bf(B, S, L + R), bf(L, H, 2 * N), i32(B, T), i32(B, S))
+            .lower()
+            .compile()
+            .as_text()
+        )
+    assert hlo.buffers(text, 4 * S * H * 2 * N * 2, dtypes=("bf16", "f32")) == []
+
+
 def test_model_cached_prefill_lowers_with_the_offset_kernel():
     """The tiny model's cached prefill step (bf16, a 256-token chunk: the decompressed path) on the "kernel"
     backend, cross-lowered for sm_90: the offset flash kernel runs in its layer scans (the reference backend
