@@ -92,7 +92,7 @@ import benchmarks as bm
 from benchmarks.bench_mla_decode import decode_config
 from benchmarks.e2e_models import build_model, kv_dtype_arg, model_config
 from benchmarks.serve_check import NearTieJudge, check_alone
-from mla_jax.memory import DEFAULT_MEMORY_FRACTION, check_fraction
+from mla_jax.memory import DEFAULT_MEMORY_FRACTION, MemoryPlanError, check_fraction
 from models import DeepSeekModel, Engine, compile_cache
 from models.serving.engine import PREFILL_BUDGET, trace_counts
 
@@ -489,7 +489,10 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     compile_cache.enable(args.compile_cache)
     header = dict(bm.run_header() if jax.default_backend() == "gpu" else {}, backend=jax.default_backend())
-    engine, cfg, build_s, model = build_engine(args)
+    try:
+        engine, cfg, build_s, model = build_engine(args)
+    except MemoryPlanError as e:  # the weights, or one sequence beside them, do not fit: said before anything runs
+        raise SystemExit(f"serve: error: {e}") from None
     reqs = workload(args, cfg.vocab_size)
     bm.log(
         f"# serve: {args.model} ({args.config}, {args.dtype}), {len(reqs)} requests a rate, prompts "

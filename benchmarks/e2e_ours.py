@@ -43,6 +43,7 @@ from benchmarks.e2e_models import (
     weights_label,
 )
 from benchmarks.e2e_report import summary
+from mla_jax.memory import MemoryPlanError
 from mla_jax.sharding import make_mesh
 from models import Engine, SamplingParams, compile_cache
 from models.serving.engine import trace_counts
@@ -280,6 +281,10 @@ def run_ours_worker(args) -> None:
             bm.log(f"# {name}: building {bm.count(total_params(cfg))} parameters ({what}){where} ...")
             try:
                 model, build_s = build_model(cfg, dtype, mesh, weights=model_weights(args))
+            except MemoryPlanError as e:  # its weights alone exceed the device: skipped, as the peer's cells
+                for _, b, t in group:
+                    append_row(args.out, dict(base, B=b, prompt=t, note=f"skipped ({str(e).splitlines()[0]})"))
+                continue
             except Exception as e:  # noqa: BLE001 - an OOM while building must not end the run
                 for _, b, t in group:
                     append_row(args.out, dict(base, B=b, prompt=t, error=f"model build failed: {bm.one_line(e)}"))

@@ -320,6 +320,22 @@ def test_a_cell_that_fails_late_keeps_the_rows_before_and_fails_the_run(tmp_path
     ]
 
 
+def test_a_model_whose_weights_exceed_the_device_is_skipped_not_failed(tmp_path, monkeypatch):
+    """`mla-bench e2e` over a model whose bf16 weights alone exceed the device's planned share (here a device of
+    1 MiB; the V3 cut in bf16 on an 80 GB card): its cells are rows noted "skipped (the bf16 weights need ...)",
+    as the peer's cells that do not fit, nothing is built and the run exits normally (the README's `--quick` on
+    an H100 ended with status 1 on those rows)."""
+    from benchmarks import e2e_models
+
+    monkeypatch.setattr(e2e_models, "device_bytes_limit", lambda *a: 1 << 20)
+    monkeypatch.setattr(e2e_models, "DeepSeekModel", None)  # building anything fails the test
+    argv = ["--config", "tiny", "--cells", "v3-cut:1x16,2x16", "--layers", "1", "--dtype", "bf16", "--no-hf"]
+    rows = e2e.main(argv + ["--in-process", "--out", str(tmp_path)])
+    skipped = "skipped (the bf16 weights need "
+    assert [(r["B"], r["error"], r["note"][: len(skipped)]) for r in rows] == [(1, "", skipped), (2, "", skipped)]
+    assert "the device offers 0.9 MiB" in rows[0]["note"]
+
+
 def test_small_figures_keep_their_digits(tmp_path, capsys):
     """Guards: `mla-bench e2e --config tiny` printed `building 0.00B parameters` (the tiny model's 1.43M) and
     `bf16 matmul 0 TFLOP/s` (a CPU's fraction of one) beside a prefill MFU of 20.8 % computed from it."""

@@ -518,3 +518,16 @@ def test_decode_config_reaches_the_engine_by_name():
     assert bench_serve.build_engine(_args())[0].decode_config is None
     with pytest.raises(SystemExit, match=r"^unknown --decode-config 'scorer2'; known: plain, split_qk, .*pieces4"):
         bench_serve.build_engine(_args(["--decode-config", "scorer2"]))
+
+
+def test_serve_on_a_model_too_large_for_the_device_is_one_line(tmp_path, monkeypatch):
+    """`mla-bench serve` whose model's bf16 weights alone exceed the device (here 1 MiB): `serve: error: the bf16
+    weights need ...` in one line before anything is built (a traceback). Catches the planner's refusal
+    escaping as an exception."""
+    from benchmarks import e2e_models
+
+    monkeypatch.setattr(e2e_models, "device_bytes_limit", lambda *a: 1 << 20)
+    with pytest.raises(SystemExit) as exc:
+        bench_serve.main(TINY_ARGS + ["--dtype", "bf16", "--out", str(tmp_path), "--compile-cache", "off"])
+    msg = exc.value.code
+    assert isinstance(msg, str) and "\n" not in msg and msg.startswith("serve: error: the bf16 weights need "), msg
