@@ -89,13 +89,18 @@ def pytest_xdist_make_scheduler(config, log):
         return None  # another --dist is kept
     from xdist.scheduler import LoadScopeScheduling
 
+    # The GPU tests of those modules use none of their module fixtures (each builds its own engine), so a GPU run
+    # (`-m gpu`) hands them out one by one: kept whole, test_engine.py's seven compiled-engine tests ran in
+    # sequence on one worker, however many workers the run had.
+    whole = frozenset() if config.getoption("markexpr", "").strip() == "gpu" else WHOLE_MODULES
+
     class ModulesWhole(LoadScopeScheduling):
-        """Scope = the module for WHOLE_MODULES, the test itself otherwise; scopes with more tests
-        are handed out first (LoadScopeScheduling's reordering)."""
+        """Scope = the module for WHOLE_MODULES (none in a GPU run), the test itself otherwise; scopes with more
+        tests are handed out first (LoadScopeScheduling's reordering)."""
 
         def _split_scope(self, nodeid):
             module = nodeid.split("::", 1)[0]
-            return module if os.path.basename(module) in WHOLE_MODULES else nodeid
+            return module if os.path.basename(module) in whole else nodeid
 
     return ModulesWhole(config, log)
 
