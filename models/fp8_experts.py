@@ -97,8 +97,9 @@ def fp8_grouped(
     """silu(x W_g) * (x W_u) W_d for each row of x [M, D] (rows sorted by expert) with FP8 experts `blocks`
     (`Fp8Experts.blocks()`: gate / up [E', I, D], down [E', D, I] e4m3 + their scales), experts
     [expert_offset, expert_offset + num_experts) of them (a traced layer · E into a whole stack, or None: 0 and
-    E' = num_experts). `gdot(lhs [M, K], rhs [E, K, N]) -> [M, N]` is the grouped GEMM over the rows' groups (the
-    caller's `ragged_dot` or `ragged_dot_mgpu` with its group sizes). -> [M, D] in x's dtype; the weights are
+    E' = num_experts). `gdot(lhs [M, K], rhs [E, N, K]) -> [M, N]` is the grouped GEMM over the rows' groups with the
+    weights as stored, read transposed (the caller's `ragged_dot` or Mosaic GPU grouped GEMM with its group sizes:
+    a transpose of the chunks here, XLA:GPU moved onto the whole FP8 stacks). -> [M, D] in x's dtype; the weights are
     dequantized to x's dtype in column chunks of at most `budget` bytes (`chunk_columns`), so no whole layer of
     dequantized experts exists. Rows past the groups hold what `gdot` gives them there."""
     gate_q, up_q, down_q, gate_s, up_s, down_s = blocks
@@ -112,17 +113,15 @@ def fp8_grouped(
 
     def hidden(c, h_MI):
         i0 = c * ci
-        g_EDC, u_EDC = (
-            dequantize_rows(q, s, first, E, i0, ci, dt).swapaxes(1, 2) for q, s in ((gate_q, gate_s), (up_q, up_s))
-        )
-        h_MC = jax.nn.silu(gdot(x_MD, g_EDC)) * gdot(x_MD, u_EDC)
+        g_ECD, u_ECD = (dequantize_rows(q, s, first, E, i0, ci, dt) for q, s in ((gate_q, gate_s), (up_q, up_s)))
+        h_MC = jax.nn.silu(gdot(x_MD, g_ECD)) * gdot(x_MD, u_ECD)
         return jax.lax.dynamic_update_slice_in_dim(h_MI, h_MC.astype(dt), i0, axis=1)
 
     h_MI = jax.lax.fori_loop(0, I // ci, hidden, jnp.zeros((M, I), dt))
 
     def out(c, y_MD):
         d0 = c * cd
-        w_EIC = dequantize_rows(down_q, down_s, first, E, d0, cd, dt).swapaxes(1, 2)
-        return jax.lax.dynamic_update_slice_in_dim(y_MD, gdot(h_MI, w_EIC).astype(dt), d0, axis=1)
+        w_ECI = dequantize_rows(down_q, down_s, first, E, d0, cd, dt)
+        return jax.lax.dynamic_update_slice_in_dim(y_MD, gdot(h_MI, w_ECI).astype(dt), d0, axis=1)
 
     return jax.lax.fori_loop(0, D // cd, out, jnp.zeros((M, D), dt))

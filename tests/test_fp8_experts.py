@@ -173,3 +173,39 @@ def test_fp8_steps_hold_no_dequantized_layer_of_experts(monkeypatch, kind, T):
     text = _steps(kind, T).as_text()
     assert hlo.buffers(text, E * D * I, dtypes=("bf16", "f32")) == []
     assert hlo.host_round_trips(text) == []
+
+
+def test_fp8_prefill_on_hopper_transposes_no_expert_weights(monkeypatch):
+    """The FP8 `WIDE` model's prefill step (256 tokens, bf16) on a Hopper GPU's paths ("mgpu" experts), cross-lowered
+    for sm_90: no transpose of expert weights anywhere (the FP8 stacks nor their dequantized chunks). XLA:GPU moved
+    the chunks' transpose onto the whole FP8 stacks before the layers' scan: 21 GiB of copies for the V3 cut
+    (its prefill's temporaries 31 GiB at 32 x 512 tokens, 24 GiB at 1 x 8192; 7 and 4 GiB without, compiled for an
+    H100). Catches the grouped GEMM fed transposed chunks instead of reading them as stored."""
+    import re
+
+    from pallas_kernels import fp8_gemm
+
+    monkeypatch.setattr("pallas_kernels.backend.on_hopper", lambda: True)
+    monkeypatch.setattr(fp8_gemm, "_num_sms", lambda: 132)
+    make = lambda: DeepSeekModel(  # noqa: E731
+        WIDE, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, weights="fp8"
+    )
+    e = Engine(nnx.eval_shape(make), page_size=64, num_pages=8, max_batch=1, kv_dtype=jnp.bfloat16)
+    B, T, P = 1, 256, 4
+    inp = StepInputs(
+        np.zeros((B, T), np.int32),
+        np.arange(T, dtype=np.int32)[None],
+        np.arange(P, dtype=np.int32)[None],
+        np.full((B,), T, np.int32),
+        np.full((B,), T - 1, np.int32),
+        np.zeros((B, 2), np.uint32),
+        SamplingArrays.from_params([SamplingParams()] * B),
+    )
+    cache = KVCache.create(e.cache.pages, inp.block_table, inp.lengths, impl=e.backend, page_format=e.cache.page_format)
+    traced = e.steps.prefill.trace(e.state, cache, inp, None, None, None, None, use_mtp=False, sampler="greedy")
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text  # the Hopper paths were taken
+    E, D, I = WIDE.n_routed_experts, WIDE.hidden_size, WIDE.moe_intermediate_size
+    transposed = re.findall(r"stablehlo\.transpose [^\n]*: \(tensor<(?:\d+x)*(\d+)x(\d+)x(\d+)x(\w+)>\)", text)
+    experts = [t for t in transposed if int(t[0]) == E and {int(t[1]), int(t[2])} & {D, I}]
+    assert experts == [], experts
