@@ -134,23 +134,30 @@ WIDE = ModelConfig.tiny().replace(
 )
 
 
-def _steps(kind: str, T: int):
-    """The compiled program of an engine step of the FP8 `WIDE` model in bf16 (shapes only), one row of T tokens:
-    "prefill" (the chunk, then the MTP layer over it and its one-token draft) or "decode" (one token)."""
+def _wide_engine_and_row(page_size: int, num_pages: int, T: int, P: int):
+    """An engine over the FP8 `WIDE` model in bf16 (shapes only) and the inputs of one row of T tokens at positions
+    0..T-1 over a table of P pages -> (engine, `StepInputs`)."""
     make = lambda: DeepSeekModel(  # noqa: E731
         WIDE, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, weights="fp8"
     )
-    e = Engine(nnx.eval_shape(make), page_size=16, num_pages=32, max_batch=1, kv_dtype=jnp.bfloat16)
-    B, P = 1, 24
+    e = Engine(nnx.eval_shape(make), page_size=page_size, num_pages=num_pages, max_batch=1, kv_dtype=jnp.bfloat16)
     inp = StepInputs(
-        np.zeros((B, T), np.int32),
+        np.zeros((1, T), np.int32),
         np.arange(T, dtype=np.int32)[None],
         np.arange(P, dtype=np.int32)[None],
-        np.full((B,), T, np.int32),
-        np.full((B,), T - 1, np.int32),
-        np.zeros((B, 2), np.uint32),
-        SamplingArrays.from_params([SamplingParams()] * B),
+        np.full((1,), T, np.int32),
+        np.full((1,), T - 1, np.int32),
+        np.zeros((1, 2), np.uint32),
+        SamplingArrays.from_params([SamplingParams()]),
     )
+    return e, inp
+
+
+def _steps(kind: str, T: int):
+    """The compiled program of an engine step of the FP8 `WIDE` model in bf16 (shapes only), one row of T tokens:
+    "prefill" (the chunk, then the MTP layer over it and its one-token draft) or "decode" (one token)."""
+    e, inp = _wide_engine_and_row(16, 32, T, 24)
+    B = 1
     cache = KVCache.create(e.cache.pages, inp.block_table, inp.lengths)
     with optimized():  # what a real run compiles (the suite's CPU default leaves most of XLA's passes out)
         if kind == "decode":
@@ -187,20 +194,7 @@ def test_fp8_prefill_on_hopper_transposes_no_expert_weights(monkeypatch):
 
     monkeypatch.setattr("pallas_kernels.backend.on_hopper", lambda: True)
     monkeypatch.setattr(fp8_gemm, "_num_sms", lambda: 132)
-    make = lambda: DeepSeekModel(  # noqa: E731
-        WIDE, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, weights="fp8"
-    )
-    e = Engine(nnx.eval_shape(make), page_size=64, num_pages=8, max_batch=1, kv_dtype=jnp.bfloat16)
-    B, T, P = 1, 256, 4
-    inp = StepInputs(
-        np.zeros((B, T), np.int32),
-        np.arange(T, dtype=np.int32)[None],
-        np.arange(P, dtype=np.int32)[None],
-        np.full((B,), T, np.int32),
-        np.full((B,), T - 1, np.int32),
-        np.zeros((B, 2), np.uint32),
-        SamplingArrays.from_params([SamplingParams()] * B),
-    )
+    e, inp = _wide_engine_and_row(64, 8, 256, 4)
     cache = KVCache.create(e.cache.pages, inp.block_table, inp.lengths, impl=e.backend, page_format=e.cache.page_format)
     traced = e.steps.prefill.trace(e.state, cache, inp, None, None, None, None, use_mtp=False, sampler="greedy")
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
