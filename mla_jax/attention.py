@@ -556,10 +556,12 @@ class MLA(nnx.Module):
                     page_format=cache.page_format,
                     impl=cache.impl,
                     config=cache.decode_config,
-                    schedule=cache.decode_plan,  # the call's plan (with_decode_plan), or None: planned here
+                    schedule=None if plan is None else plan.schedule,  # None: planned here
                 )[0]
 
-            o_lat = cache.map_pages(decode, q_BTHC, kernel_seq_lens(cache, positions_BT))
+            plan = cache.decode_plan  # the call's (`with_decode_plan`), or None: this call's own
+            seq_lens = kernel_seq_lens(cache, positions_BT) if plan is None else plan.seq_lens
+            o_lat = cache.map_pages(decode, q_BTHC, seq_lens)
             return self.output_from_latent(o_lat.astype(x_BTD.dtype), stacked), cache
         ctx_BSC, kv_pos_BS = cache.gather(dtype=x_BTD.dtype)
         attn_impl = "xla"

@@ -8,6 +8,8 @@ Dimension letters: B batch, T query tokens a row.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -19,6 +21,7 @@ from pallas_kernels.page_format import PageFormat, resolve_page_format
 
 CACHE_IMPLS = backend.IMPLS  # how attention reads the cache: "auto" | "kernel" | "interpret" | "reference"
 CACHED_PATHS = ("decode_kernel", "absorbed", "decompressed")  # what `MLA.cached_path` returns
+SEQ_LENS_SCOPE = "kernel_seq_lens"  # the name scope of `kernel_seq_lens`'s ops (a test finds where they run)
 
 
 def cache_kernel_problems(cfg: ModelConfig, page_size: int, page_format) -> list[str]:
@@ -71,8 +74,9 @@ def kernel_seq_lens(cache, positions_BT: jax.Array) -> jax.Array:
     """The decode kernel's lengths for a call: it places query j at seq_len - T + j. Valid tokens are a prefix of
     T here (decode, verify), so padding queries at the end are counted in: the valid ones land on their positions
     and the padding ones' outputs are discarded."""
-    n_valid = jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
-    return cache.lengths + positions_BT.shape[1] - n_valid
+    with jax.named_scope(SEQ_LENS_SCOPE):
+        n_valid = jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
+        return cache.lengths + positions_BT.shape[1] - n_valid
 
 
 def check_decode_config(config, *, name: str = "decode_config"):
@@ -97,15 +101,29 @@ def step_decode_config(config, lengths_B):
     return host_config(config, lengths_B)
 
 
+class DecodePlan(NamedTuple):
+    """What every layer's decode kernel call of one forward call shares, built once before the layers run
+    (`with_decode_plan`): a layer would otherwise compute it again, a kernel launch or more a layer.
+
+    seq_lens  int32 [B], the kernel's lengths (`kernel_seq_lens`);
+    schedule  the kernel's work plan (`pallas_kernels.mla_decode.PieceSchedule` or `AutoSchedule`) when the
+              cache's config plans on the device (`mla_decode_schedule`), else None (per sequence, or a pool
+              per data rank, whose layer calls plan their rank's rows)."""
+
+    seq_lens: jax.Array
+    schedule: object = None
+
+
 def with_decode_plan(cfg: ModelConfig, cache, positions_BT: jax.Array):
-    """`cache` carrying the decode kernel's work plan for a forward call over these positions
+    """`cache` carrying the decode kernel's `DecodePlan` for a forward call over these positions
     (`KVCache.decode_plan`), built once here for every layer, when the call takes the decode kernel
-    (`cached_path`) and its config plans on the device (`mla_decode_schedule`); else `cache` as is.
-    The plan depends on the lengths, heads and s_q only, which every main layer of the call shares."""
+    (`cached_path`); else `cache` as is. The plan depends on the lengths, heads and s_q only, which every
+    main layer of the call shares."""
     T = positions_BT.shape[1]
-    if cache.data_parallel is not None or cached_path(cfg, T, cache) != "decode_kernel":
+    if cached_path(cfg, T, cache) != "decode_kernel":
         return cache
-    plan = mla_decode_schedule(
-        kernel_seq_lens(cache, positions_BT), heads=cfg.num_attention_heads, query_len=T, config=cache.decode_config
-    )
-    return cache if plan is None else cache.with_decode_plan(plan)
+    seq_lens = kernel_seq_lens(cache, positions_BT)
+    schedule = None
+    if cache.data_parallel is None:
+        schedule = mla_decode_schedule(seq_lens, heads=cfg.num_attention_heads, query_len=T, config=cache.decode_config)
+    return cache.with_decode_plan(DecodePlan(seq_lens, schedule))

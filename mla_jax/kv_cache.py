@@ -372,13 +372,13 @@ class KVCache:
                     `map_pages`, the layer's `mla_decode`.
     decode_config   static: the `pallas_kernels.mla_decode.MlaDecodeConfig` the decode kernel runs with
                     (None: its defaults).
-    decode_plan     None, or the decode kernel's work plan for this forward call (a
-                    `pallas_kernels.mla_decode.PieceSchedule` or `AutoSchedule`, when
-                    ``decode_config`` asks for the pieces or "auto" schedule): built once from the
-                    lengths before the layers run (`mla_jax.cache_paths.with_decode_plan`) and read by every
-                    layer's kernel call, then dropped (`without_decode_plan`) when the call returns, since
-                    the next call's lengths differ.
-                    With a pool per data rank it stays None and each layer's call plans its rank's rows.
+    decode_plan     None, or what every layer's decode kernel call of this forward call shares
+                    (`mla_jax.cache_paths.DecodePlan`: the kernel's lengths and, when ``decode_config``
+                    asks for the pieces or "auto" schedule, its work plan): built once before the layers
+                    run (`mla_jax.cache_paths.with_decode_plan`) and read by every layer's kernel call,
+                    then dropped (`without_decode_plan`) when the call returns, since the next call's
+                    lengths differ. With a pool per data rank its schedule stays None and each layer's
+                    call plans its rank's rows.
 
     A query token at position p (negative = padding, never written, sees nothing) attends causally
     to the row's cached tokens at positions <= p, this step's own tokens included.

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from mla_jax import ModelConfig
-from mla_jax.cache_paths import with_decode_plan
+from mla_jax.cache_paths import SEQ_LENS_SCOPE, with_decode_plan
 from mla_jax.kv_cache import CacheFullError, KVCache, write_latents
 from models import DeepSeekModel
 from models.serving.engine import Engine, GenerationResult, trace_counts
@@ -820,17 +820,18 @@ def test_default_decode_config_takes_pieces_on_ragged_rows_where_the_kernel_runs
     assert auto._decode_config("decode", ragged).schedule == "pieces"
 
 
-def _schedule_ops(jaxpr, in_scan=False, counts=None):
-    """{inside a scan: number of equations in the decode plan's name scope} over a jaxpr and its sub-jaxprs."""
+def _schedule_ops(jaxpr, in_scan=False, counts=None, scope=SCHEDULE_SCOPE):
+    """{inside a scan: number of equations in name scope `scope` (the decode plan's)} over a jaxpr and its
+    sub-jaxprs."""
     counts = {False: 0, True: 0} if counts is None else counts
     for eqn in jaxpr.eqns:
-        if SCHEDULE_SCOPE in str(eqn.source_info.name_stack):
+        if scope in str(eqn.source_info.name_stack):
             counts[in_scan] += 1
         for v in eqn.params.values():
             for sub in v if isinstance(v, (tuple, list)) else (v,):
                 sub = getattr(sub, "jaxpr", sub)
                 if hasattr(sub, "eqns"):
-                    _schedule_ops(sub, in_scan or eqn.primitive.name == "scan", counts)
+                    _schedule_ops(sub, in_scan or eqn.primitive.name == "scan", counts, scope)
     return counts
 
 
@@ -838,8 +839,9 @@ def test_decode_plan_is_built_once_a_forward_call_not_per_layer():
     """The pieces schedule's plan depends on the step's lengths only: the model builds it once, before its
     scanned layers, and each layer's kernel call reads it (`KVCache.decode_plan`). Counted in the traced step:
     the plan's ops sit outside every scan, none inside a layer body (which runs once a layer). Catches the plan
-    built inside the layer (the mutation: `with_decode_plan` not called by the model), and the plan leaking
-    out of the call (its lengths are stale for the next one)."""
+    built inside the layer (the mutation: `with_decode_plan` not called by the model), the kernel's lengths
+    computed again in each layer (`MLA.cached_attention` ignoring `DecodePlan.seq_lens`: one kernel launch a
+    layer on the GPU), and the plan leaking out of the call (its lengths are stale for the next one)."""
     cfg = KERNEL_CFG.replace(num_hidden_layers=3, first_k_dense_replace=1)  # a dense scan and a MoE scan
     m = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
     pages = jnp.zeros((3, 8, 64, 576), jnp.bfloat16)
@@ -852,7 +854,9 @@ def test_decode_plan_is_built_once_a_forward_call_not_per_layer():
     # The kernel counts padding queries in (query j at seq_len - 4 + j): lengths 1+3, 63+3, 66+2, 100+0, so
     # row 1's plan covers two pages, not one.
     want = mla_decode_schedule(jnp.asarray([4, 66, 68, 100], jnp.int32), heads=16, query_len=4, config=PIECES)
-    chex.assert_trees_all_equal(with_decode_plan(cfg, cache, pos).decode_plan, want)
+    plan = with_decode_plan(cfg, cache, pos).decode_plan
+    chex.assert_trees_all_equal(plan.schedule, want)
+    np.testing.assert_array_equal(plan.seq_lens, [4, 66, 68, 100])
     out = jax.eval_shape(lambda c: m(ids, pos, cache=c)[1], cache)
     assert out.decode_plan is None  # dropped when the call returns
     counts = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(cache).jaxpr)
@@ -860,12 +864,16 @@ def test_decode_plan_is_built_once_a_forward_call_not_per_layer():
     assert isinstance(want, PieceSchedule)
     # "auto" (its plan: the pieces one and the rule's choice): built once the same way
     other = dataclasses.replace(cache, decode_config=MlaDecodeConfig(schedule="auto", target_ctas=4))
-    assert isinstance(with_decode_plan(cfg, other, pos).decode_plan, AutoSchedule)
+    assert isinstance(with_decode_plan(cfg, other, pos).decode_plan.schedule, AutoSchedule)
     counts = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(other).jaxpr)
     assert counts[True] == 0 and counts[False] > 0, counts
-    # the same model on the per-sequence schedule plans nothing on the device
+    # the same model on the per-sequence schedule plans nothing on the device, but still hands every layer the
+    # kernel's lengths computed once (a layer computing them again was a kernel launch a layer)
     plain = dataclasses.replace(cache, decode_config=None)
     assert _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(plain).jaxpr) == {False: 0, True: 0}
+    assert with_decode_plan(cfg, plain, pos).decode_plan.schedule is None
+    lens_ops = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(plain).jaxpr, scope=SEQ_LENS_SCOPE)
+    assert lens_ops[True] == 0 and lens_ops[False] > 0, lens_ops
     # a config that is not one: one line naming the argument, at construction
     with pytest.raises(ValueError, match=r"^Engine decode_config must be an MlaDecodeConfig or None, got str: 'pie"):
         Engine(m, decode_config="pieces")
