@@ -130,18 +130,25 @@ def _scan_layers(
         constant = nnx.Any(constant, stacked_filter(rows))
     graphdef, whole_state, state = nnx.split(stack, constant, ...)
     n = jax.tree.leaves(state)[0].shape[0]
+    # The per-layer scalars (the stack index, its experts' offset, the cache's pool) computed here for every layer,
+    # one int32 row a layer that the scan slices in one kernel launch: computed in the body, each was a launch of
+    # its own (scalar arithmetic that feeds kernels, which XLA cannot fuse into them).
+    idx = jnp.arange(n, dtype=jnp.int32)
+    E = stack.mlp.cfg.n_routed_experts if whole else 0
+    per_layer = jnp.stack([idx, idx * E, first_layer + idx], axis=1)
 
     def body(carry, xs):
         h, c = carry
-        layer_state, idx = xs
+        layer_state, at = xs
         layer = nnx.merge(graphdef, whole_state, layer_state)
         h, r, c = layer.forward(
             h,
             positions_BT,
-            None if c is None else c.at_layer(first_layer + idx),
+            None if c is None else c.at_layer(at[2]),
             absorbed=absorbed,
-            stack_index=idx if whole else None,
-            stacked=None if proj_impl is None else Stacked(idx, proj_impl),
+            stack_index=at[0] if whole else None,
+            expert_offset=at[1] if whole else None,
+            stacked=None if proj_impl is None else Stacked(at[0], proj_impl),
             q_block=q_block,
             attn_impl=attn_impl,
         )
@@ -150,7 +157,7 @@ def _scan_layers(
     if remat != "none":
         # prevent_cse=False: inside a scan the recomputation cannot be merged with the forward anyway
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    (h_BTD, cache), routers = jax.lax.scan(body, (h_BTD, cache), (state, jnp.arange(n, dtype=jnp.int32)))
+    (h_BTD, cache), routers = jax.lax.scan(body, (h_BTD, cache), (state, per_layer))
     return h_BTD, routers, cache
 
 

@@ -68,12 +68,14 @@ class DecoderLayer(nnx.Module):
         *,
         absorbed: bool = False,
         stack_index=None,
+        expert_offset=None,
         q_block: int | None = None,
         attn_impl: str = "xla",
         stacked: Stacked | None = None,
     ):
         """-> (out [B,T,D], RouterOutput or None for a dense layer, cache or None). `stack_index`: the
-        routed experts' variables are the whole stack's and this is its layer `stack_index`. `stacked`:
+        routed experts' variables are the whole stack's and this is its layer `stack_index` (`expert_offset`:
+        stack_index · E, when the caller has it; see `MoE`). `stacked`:
         projections may hold the whole stack's kernels (`mla_jax.linear`)."""
         a = self.self_attn(
             self.input_layernorm(x_BTD),
@@ -90,7 +92,9 @@ class DecoderLayer(nnx.Module):
         y = self.post_attention_layernorm(h)
         r = None
         if self.is_moe:
-            y, r = self.mlp(y, return_router=True, stack_index=stack_index, stacked=stacked)
+            y, r = self.mlp(
+                y, return_router=True, stack_index=stack_index, expert_offset=expert_offset, stacked=stacked
+            )
         else:
             y = self.mlp(y, stacked)
         return h + y.astype(h.dtype), r, cache

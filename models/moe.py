@@ -286,9 +286,19 @@ class MoE(nnx.Module):
             return None
         return SharedExperts(*ks, stacked.index if stack else 0)
 
-    def __call__(self, x: jax.Array, *, return_router: bool = False, stack_index=None, stacked: Stacked | None = None):
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        return_router: bool = False,
+        stack_index=None,
+        expert_offset=None,
+        stacked: Stacked | None = None,
+    ):
         """`stack_index` (a scalar, may be traced): the routed experts' variables are a whole scanned
-        stack, [L, E, ...], and this call is layer `stack_index` of it (see `models.deepseek`).
+        stack, [L, E, ...], and this call is layer `stack_index` of it (see `models.deepseek`); `expert_offset`:
+        stack_index · E when the caller has it (a scanned stack slices it with its other per-layer scalars: the
+        product computed here is a kernel launch of its own in each layer), else computed here.
         `stacked`: the shared experts' projections may be whole too (`mla_jax.linear`), and its `impl` runs
         the decode kernel of the routed experts (the step's backend; None: "auto")."""
         lead, D = x.shape[:-1], x.shape[-1]
@@ -303,7 +313,7 @@ class MoE(nnx.Module):
         off = None
         if stack_index is not None:  # [L, E, ...] -> [L·E, ...]: a free reshape, no copy
             ws = tuple(w.reshape((-1,) + w.shape[2:]) for w in ws)
-            off = stack_index * E
+            off = stack_index * E if expert_offset is None else expert_offset
         decode_impl = None if stacked is None else stacked.impl
         # the shared experts inside the decode kernel's launches, where it serves them (not under the expert
         # ranks' shard_map, whose ranks would each add them)

@@ -264,8 +264,23 @@ def moe_route_problems(T: int, E: int, spec: RouteSpec) -> list[str]:
 
 def _route_kernel(
     logits_ref,
+    *refs,
+    spec,
+    T,
+    E,
+):
+    """Refs: logits [Tp, Ep] (padded columns −inf, padded rows 0), the bias [Ep] when the spec has one (`noaux_tc`);
+    out weights, indices, rows [Tp, Kp], sizes and starts [Ep], token_M and weight_M [> M] (written at the sorted
+    rows of the real assignments only), the routed programs' experts, starts and sizes. The experts' groups are
+    computed here, not passed: a constant operand of a kernel inside a scanned layer is materialised by a kernel
+    launch of its own at every layer."""
+    bias_ref = refs[0] if spec.topk_method == "noaux_tc" else None
+    _route_body(logits_ref, bias_ref, *refs[bias_ref is not None :], spec=spec, T=T, E=E)
+
+
+def _route_body(
+    logits_ref,
     bias_ref,
-    gid_ref,
     w_ref,
     idx_ref,
     row_ref,
@@ -281,17 +296,14 @@ def _route_kernel(
     T,
     E,
 ):
-    """Refs: logits [Tp, Ep] (padded columns −inf, padded rows 0), bias [Ep], gid [Ep] (each column's group; G
-    for padded columns); out weights, indices, rows [Tp, Kp], sizes and starts [Ep], token_M and weight_M [> M]
-    (written at the sorted rows of the real assignments only)."""
     x = logits_ref[...].astype(_F32)
     Tp, Ep = x.shape
     Kp = w_ref.shape[1]
     K, G = spec.num_experts_per_tok, spec.n_group
     neg = jnp.float32(-jnp.inf)
     col = lax.broadcasted_iota(jnp.int32, (Tp, Ep), 1)
-    gid = gid_ref[...][None, :]  # [1, Ep]
     real_col = col < E
+    gid = jnp.where(real_col, jnp.minimum(col // (E // G), G), G)  # each column's group; G for padded columns
     real_row = lax.broadcasted_iota(jnp.int32, (Tp, 1), 0) < T
 
     if spec.scoring_func == "sigmoid":
@@ -368,14 +380,12 @@ def _route_kernel(
 
 def _moe_route_kernel(logits_TE, bias_E, *, spec: RouteSpec, interpret: bool) -> DecodeRoute:
     T, E = logits_TE.shape
-    K, G = spec.num_experts_per_tok, spec.n_group
+    K = spec.num_experts_per_tok
     Tp, Ep, Kp = _pow2(T), _pow2(E), _pow2(K)
     M = T * K
     logits = jnp.pad(logits_TE.astype(_F32), ((0, 0), (0, Ep - E)), constant_values=-jnp.inf)
     logits = jnp.pad(logits, ((0, Tp - T), (0, 0)))  # padded rows: finite, routed, and never stored
-    bias = jnp.zeros((Ep,), _F32) if bias_E is None else jnp.pad(bias_E.astype(_F32), (0, Ep - E))
-    gid = jnp.minimum(jnp.arange(Ep, dtype=jnp.int32) // (E // G), G)
-    gid = jnp.where(jnp.arange(Ep) < E, gid, G)
+    bias = () if spec.topk_method != "noaux_tc" else (jnp.pad(bias_E.astype(_F32), (0, Ep - E)),)
     Mo = _pow2(M + 1)  # the sorted rows and a spare slot
     out_shape = (
         jax.ShapeDtypeStruct((Tp, Kp), _F32),
@@ -394,7 +404,7 @@ def _moe_route_kernel(logits_TE, bias_E, *, spec: RouteSpec, interpret: bool) ->
         compiler_params=plt.CompilerParams(num_warps=4 if Tp * Ep <= 4096 else 8, num_stages=1),
         interpret=interpret,
         name="moe_route",
-    )(logits, bias, gid)
+    )(logits, *bias)
     return DecodeRoute(w[:T, :K], idx[:T, :K], sizes[:E], starts[:E], row[:T, :K], tok[:M], wm[:M], tuple(programs))
 
 

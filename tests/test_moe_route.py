@@ -216,6 +216,29 @@ def test_cross_lowers_for_sm90(name):
     assert "stablehlo.sort" not in text
 
 
+def _pallas_calls(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+        for v in eqn.params.values():
+            sub = getattr(v, "jaxpr", v)
+            if hasattr(sub, "eqns"):
+                yield from _pallas_calls(sub)
+
+
+@pytest.mark.parametrize("name", ["v3", "v2_group", "v2_160"])
+def test_the_kernel_takes_no_constant_operand(name):
+    """The kernel computes the experts' groups itself and takes the correction bias only where the rules have one
+    (`noaux_tc`): a constant operand of a kernel (the groups' ids, a zero bias) is materialised by a kernel launch
+    of its own at every scanned layer (two a layer in V2-Lite's decode step compiled for an H100). Catches such an
+    operand coming back."""
+    E, spec, T = SPECS[name]
+    bias = jnp.zeros((E,), jnp.float32) if spec.topk_method == "noaux_tc" else None
+    jaxpr = jax.make_jaxpr(lambda x: moe_route(x, bias, spec=spec, impl="interpret"))(jnp.zeros((T, E)))
+    (call,) = _pallas_calls(jaxpr.jaxpr)
+    assert len(call.invars) == 1 + (bias is not None)
+
+
 @pytest.mark.parametrize("kind", ["v3", "v2"])
 def test_moe_decode_path_with_moe_route_equals_the_path_without(kind, monkeypatch):
     """An MoE layer on the decode path (the decode kernel and the routing kernel in the interpreter) against the

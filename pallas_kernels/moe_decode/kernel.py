@@ -250,6 +250,8 @@ def _moe_decode_kernel(
         y, y_shared = y
         y_shared = jnp.sum(y_shared.reshape(S // I, Tp, D)[:, :T], axis=0)  # the S / I partials, in f32
     y = y[:M] if h_factors is None else y[:M] * h_factors[:M]
+    # rows past the groups were never written. Their end is the last group's (the groups are the rows in expert
+    # order): a scalar the masking fusion reads, where a sum over the groups was a kernel launch of its own.
     rows = jnp.arange(M)[:, None]
-    y = jnp.where(rows < jnp.sum(sizes), y, 0.0)  # rows past the groups were never written
+    y = jnp.where(rows < starts[-1] + sizes[-1], y, 0.0)
     return y if shared is None else (y, y_shared)
