@@ -288,9 +288,19 @@ def write_latents(
     valid = (positions_BT >= 0) & (positions_BT < P * G)
     pos = jnp.where(valid, positions_BT, 0)
     page_BT = jnp.take_along_axis(block_table_BP, pos // G, axis=1)
+    rows = latent_BTC.astype(pages_NGC.dtype)
+    if positions_BT.size == 1:
+        # One row (a B = 1 decode step): an update of the row in place, the old row kept where it is padding. XLA
+        # writes a one-row scatter as a bounds check, a read of the row and the write: three kernel launches a
+        # layer; this is one.
+        at = (page_BT[0, 0], pos[0, 0] % G) if layer is None else (layer, page_BT[0, 0], pos[0, 0] % G)
+        at = tuple(jnp.asarray(i, jnp.int32) for i in at)
+        old = jax.lax.dynamic_slice(pages_NGC, (*at, 0), (1,) * len(at) + (rows.shape[-1],))
+        new = jnp.where(valid[0, 0], rows.reshape(old.shape), old)
+        return jax.lax.dynamic_update_slice(pages_NGC, new, (*at, 0))
     page_BT = jnp.where(valid, page_BT, N)  # N is out of bounds: mode="drop" discards it
     index = (page_BT, pos % G) if layer is None else (layer, page_BT, pos % G)
-    return pages_NGC.at[index].set(latent_BTC.astype(pages_NGC.dtype), mode="drop")
+    return pages_NGC.at[index].set(rows, mode="drop")
 
 
 def gather_latents(

@@ -189,6 +189,34 @@ def test_write_and_gather_match_numpy():
                 assert kv_pos[b, s] == -1 and (dense[b, s] == 0).all()
 
 
+@pytest.mark.parametrize("stacked", [False, True])
+def test_a_single_row_writes_in_place_and_padding_writes_nothing(stacked):
+    """One row (a B = 1 decode step: `write_latents`' in-place update, not the scatter) lands where the scatter puts
+    it, in the named pool of a stack; a padding position (-1) and one past the block table leave every page as it
+    was, NaN included (catches the in-place update writing its row whatever the position, writing the clamped
+    index's row where it is padding, or into the wrong pool)."""
+    rng = np.random.default_rng(1)
+    L, N, G, C = 3, 6, 4, 5
+    pool = jnp.asarray(rng.normal(size=(L, N, G, C)).astype(np.float32)).at[:, 2].set(jnp.nan)
+    table = jnp.asarray([[4, 2, 0]], jnp.int32)
+    for p in (0, 6, 11, -1, 12, -5):
+        lat = jnp.asarray(rng.normal(size=(1, 1, C)).astype(np.float32))
+        pos = jnp.asarray([[p]], jnp.int32)
+        if stacked:
+            got = jax.jit(write_latents)(pool, lat, pos, table, jnp.int32(1))
+        else:
+            got = jax.jit(write_latents)(pool[1], lat, pos, table)
+        # the scatter path's answer: the same row written beside a padding row (two rows: not the one-row update)
+        lat2, pos2 = jnp.concatenate([lat, lat], 0), jnp.asarray([[p], [-1]], jnp.int32)
+        table2 = jnp.concatenate([table, table], 0)
+        want = write_latents(pool[1], lat2, pos2, table2)
+        np.testing.assert_array_equal(np.asarray(got[1] if stacked else got), np.asarray(want))
+        if stacked:
+            np.testing.assert_array_equal(np.asarray(got)[[0, 2]], np.asarray(pool)[[0, 2]])
+        if not 0 <= p < 12:
+            np.testing.assert_array_equal(np.asarray(want), np.asarray(pool[1]))  # NaN pages compare equal
+
+
 def test_next_pow2():
     assert [next_pow2(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
 
