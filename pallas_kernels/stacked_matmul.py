@@ -15,12 +15,7 @@ weights in place, once, with tensor-core dots:
   split_k partials are summed by XLA (a [split_k, M, N] fp32 reduce, small at decode).
 
 The split over K gives a skinny call enough programs to keep the memory system busy; rows are padded to
-a multiple of `block_m` (at least 16, the smallest tensor-core M), except a single row (a B = 1 decode step),
-which the kernel reads as it is and repeats over the 16 rows of its dots: a pad is a kernel launch of its own.
-
-`norm` (a `RowNorm`): the rows are the input of an RMSNorm (`rms_norm`), applied inside the kernel: each
-program computes its rows' root mean square over all of K, then normalises and scales each chunk it loads. A
-decode layer's input norm then costs no launch of its own (XLA's reduction and the normalising pad were two).
+a multiple of `block_m` (at least 16, the smallest tensor-core M).
 
 `stacked_matmul_reference` is the same function in plain XLA.
 """
@@ -29,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -40,25 +34,6 @@ from jax import lax
 from pallas_kernels import backend
 
 MAX_ROWS = 128  # a decode step's rows (B·T) this kernel is for; larger calls are a GEMM's business
-_F32 = jnp.float32
-
-
-def rms_norm(x, weight, eps: float):
-    """DeepSeek's (HF transformers') RMSNorm: normalise in fp32, cast to x's dtype, scale by `weight` [..., K]
-    -> the promoted dtype of x and weight. The one formula of `mla_jax.norm.RMSNorm` and of `RowNorm`."""
-    xf = x.astype(_F32)
-    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * y.astype(x.dtype)
-
-
-class RowNorm(NamedTuple):
-    """An RMSNorm (`rms_norm`) of `stacked_matmul`'s rows, applied in the kernel: `weight` [K], or a scanned
-    stack's [L, K] whose row `layer` the kernel reads in place (as it reads the projection's), `eps`."""
-
-    weight: jax.Array
-    eps: float
-
-
 TARGET_PROGRAMS = 264  # about two programs a streaming multiprocessor of an H100/H200 (132)
 
 
@@ -121,16 +96,10 @@ def _split_k(M: int, K: int, N: int, config: StackedMatmulConfig) -> int:
     return _split(K // config.block_k, pl.cdiv(M, _block_m(M)) * (N // config.block_n), config)
 
 
-def stacked_matmul_reference(x_MK, w_LKN, layer, *, norm: RowNorm | None = None, dtype=None):
-    """[norm](x) [M, K] · w_LKN[layer] [K, N] (fp32 accumulation) -> [M, N] in `dtype` (None: x's dtype)."""
-    dtype = x_MK.dtype if dtype is None else dtype
-    x = x_MK
-    if norm is not None:
-        g = norm.weight
-        g = g if g.ndim == 1 else lax.dynamic_index_in_dim(g, layer, axis=0, keepdims=False)
-        x = rms_norm(x_MK, g, norm.eps)
+def stacked_matmul_reference(x_MK, w_LKN, layer):
+    """x [M, K] · w_LKN[layer] [K, N] (fp32 accumulation) -> [M, N] in x's dtype."""
     w_KN = lax.dynamic_index_in_dim(w_LKN, layer, axis=0, keepdims=False)
-    return jnp.dot(x.astype(dtype), w_KN.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+    return jnp.dot(x_MK, w_KN.astype(x_MK.dtype), preferred_element_type=jnp.float32).astype(x_MK.dtype)
 
 
 def _validate(x_MK, w_LKN, config):
@@ -143,107 +112,56 @@ def _validate(x_MK, w_LKN, config):
         raise ValueError("stacked_matmul: " + "; ".join(problems))
 
 
-def _row_scale(x_ref, rows, n_rows, K, block_k, eps):
-    """1 / the root mean square of x's rows [n_rows, K] + eps, fp32 [n_rows, 1] (`rms_norm`'s)."""
-
-    def ssq(t, acc):
-        x = plt.load(x_ref.at[rows, pl.ds(t * block_k, block_k)]).astype(_F32)
-        return acc + jnp.sum(x * x, axis=1, keepdims=True)
-
-    return lax.rsqrt(lax.fori_loop(0, K // block_k, ssq, jnp.zeros((n_rows, 1), _F32)) / K + eps)
-
-
-def _kernel(layer_ref, x_ref, *refs, block_m, block_n, block_k, k_steps, one_row, norm_eps, dtype):
-    g_ref, w_ref, o_ref = refs if norm_eps is not None else (None, *refs)
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, k_steps):
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    n_rows = 1 if one_row else block_m
-    rows, cols = pl.ds(0 if one_row else i * block_m, n_rows), pl.ds(j * block_n, block_n)
-    K = x_ref.shape[1]
-    scale = None if g_ref is None else _row_scale(x_ref, rows, n_rows, K, block_k, norm_eps)
+    rows, cols = pl.ds(i * block_m, block_m), pl.ds(j * block_n, block_n)
 
     def chunk(t, acc):
         k = pl.ds((s * k_steps + t) * block_k, block_k)
-        x = plt.load(x_ref.at[rows, k])
-        if g_ref is not None:  # rms_norm's arithmetic on this chunk
-            g = plt.load(g_ref.at[k] if len(g_ref.shape) == 1 else g_ref.at[layer, k])
-            y = (x.astype(_F32) * scale).astype(x.dtype)
-            x = (g.astype(_F32)[None, :] * y.astype(_F32)).astype(jnp.result_type(g.dtype, x.dtype))
-        x = x.astype(dtype)
-        if one_row:  # the row repeated over the dot's 16 rows (each row of the product is the same)
-            x = jnp.broadcast_to(x, (block_m, block_k))
-        return acc + plt.dot(x, plt.load(w_ref.at[layer, k, cols]))
+        return acc + plt.dot(plt.load(x_ref.at[rows, k]), plt.load(w_ref.at[layer, k, cols]))
 
-    acc = lax.fori_loop(0, k_steps, chunk, jnp.zeros((block_m, block_n), _F32))
-    if one_row:
-        acc = jnp.max(acc, axis=0, keepdims=True)  # the rows are equal: any one of them
+    acc = lax.fori_loop(0, k_steps, chunk, jnp.zeros((block_m, block_n), jnp.float32))
     plt.store(o_ref.at[s, rows, cols], acc)
 
 
-def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret, norm, dtype):
+def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret):
     M, K = x_MK.shape
     N = w_LKN.shape[2]
     bm = _block_m(M)
     split = _split_k(M, K, N, config)
-    one_row = M == 1
-    Mp = 1 if one_row else pl.cdiv(M, bm) * bm
-    x = x_MK if one_row else jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
-    norm_args = () if norm is None else (norm.weight,)
+    Mp = pl.cdiv(M, bm) * bm
+    x = jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
     partials = pl.pallas_call(
         functools.partial(
-            _kernel,
-            block_m=bm,
-            block_n=config.block_n,
-            block_k=config.block_k,
-            k_steps=K // config.block_k // split,
-            one_row=one_row,
-            norm_eps=None if norm is None else float(norm.eps),
-            dtype=dtype,
+            _kernel, block_m=bm, block_n=config.block_n, block_k=config.block_k, k_steps=K // config.block_k // split
         ),
-        out_shape=jax.ShapeDtypeStruct((split, Mp, N), _F32),
-        grid=(1 if one_row else Mp // bm, N // config.block_n, split),
+        out_shape=jax.ShapeDtypeStruct((split, Mp, N), jnp.float32),
+        grid=(Mp // bm, N // config.block_n, split),
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="stacked_matmul",
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, *norm_args, w_LKN.astype(dtype))
-    return jnp.sum(partials, axis=0)[:M].astype(dtype)
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, w_LKN.astype(x_MK.dtype))
+    return jnp.sum(partials, axis=0)[:M].astype(x_MK.dtype)
 
 
-def stacked_matmul(
-    x_MK,
-    w_LKN,
-    layer,
-    *,
-    norm: RowNorm | None = None,
-    dtype=None,
-    config: StackedMatmulConfig | None = None,
-    impl: str | None = "auto",
-):
-    """[norm](x) [M, K] · w_LKN[layer] [K, N] -> [M, N] in `dtype` (fp32 accumulation).
+def stacked_matmul(x_MK, w_LKN, layer, *, config: StackedMatmulConfig | None = None, impl: str | None = "auto"):
+    """x [M, K] · w_LKN[layer] [K, N] -> [M, N] in x's dtype (fp32 accumulation).
 
     Args:
       x_MK: [M, K] rows, bf16 (or f32), M <= `MAX_ROWS`.
-      w_LKN: [L, K, N] a scanned stack of one projection's weights (cast to `dtype`); read in place.
+      w_LKN: [L, K, N] a scanned stack of one projection's weights (cast to x's dtype); read in place.
       layer: int scalar (may be traced), the layer of the stack to use; 0 <= layer < L (not checked
         when traced).
-      norm: a `RowNorm` (weight [K]) to apply to the rows first, inside the kernel (`rms_norm`); None: none.
-      dtype: the products' operand and result dtype (None: x's); the rows (after the norm) are cast to it.
       config: `StackedMatmulConfig`; K and N must be multiples of its blocks (`stacked_matmul_problems`).
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
     """
     config = StackedMatmulConfig() if config is None else config
     _validate(x_MK, w_LKN, config)
-    if norm is not None and (norm.weight.ndim not in (1, 2) or norm.weight.shape[-1] != x_MK.shape[1]):
-        raise ValueError(
-            f"stacked_matmul: the norm's weight must be [K={x_MK.shape[1]}] or [L, K], got {norm.weight.shape}"
-        )
-    dtype = x_MK.dtype if dtype is None else jnp.dtype(dtype)
     impl = backend.resolve(impl)
     if impl == "reference":
-        return stacked_matmul_reference(x_MK, w_LKN, layer, norm=norm, dtype=dtype)
-    return _stacked_matmul_kernel(
-        x_MK, w_LKN, layer, config=config, interpret=impl == "interpret", norm=norm, dtype=dtype
-    )
+        return stacked_matmul_reference(x_MK, w_LKN, layer)
+    return _stacked_matmul_kernel(x_MK, w_LKN, layer, config=config, interpret=impl == "interpret")
 
 
 # ------------------------------------------------------------------------------------------
@@ -287,14 +205,11 @@ def stacked_head_matmul_reference(
 def _head_kernel(layer_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k_steps, K, N, P, col_offset, contract_rows):
     h, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    one_row = x_ref.shape[0] == 1  # read as it is, repeated over the dot's rows (as `_kernel`)
-    rows = pl.ds(0, 1 if one_row else bm)
+    rows = pl.ds(0, bm)
 
     def chunk(t, acc):
         k0 = (s * k_steps + t) * bk
         x = plt.load(x_ref.at[rows, pl.ds(h * K + k0, bk)])  # [bm, bk]
-        if one_row:
-            x = jnp.broadcast_to(x, (bm, bk))
         if contract_rows:  # w tile [bk, bn]: rows k, the head's columns off + n
             w = plt.load(w_ref.at[layer, pl.ds(k0, bk), pl.ds(h * P + col_offset + j * bn, bn)])
             return acc + plt.dot(x, w)
@@ -302,8 +217,6 @@ def _head_kernel(layer_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k_steps, K, N, P
         return acc + plt.dot(x, w, trans_b=True)
 
     acc = lax.fori_loop(0, k_steps, chunk, jnp.zeros((bm, bn), jnp.float32))
-    if one_row:
-        acc = jnp.max(acc, axis=0, keepdims=True)  # the rows are equal: any one of them
     plt.store(o_ref.at[s, rows, pl.ds(h * N + j * bn, bn)], acc)
 
 
@@ -327,8 +240,7 @@ def stacked_head_matmul(
       contract_rows=False: y[m, h, n] = Σ_k x[m, h, k] · w[layer, n, h·P + col_offset + k], N = R
                            (W_UK folded into the query).
     Grid (H, N / block_n, split over K): a skinny decode call still has a few hundred programs; the split
-    partials are summed by XLA. Rows are padded to 16 (the smallest tensor-core M; a single row is read as it
-    is, as `stacked_matmul` does), M <= `MAX_ROWS`.
+    partials are summed by XLA. Rows are padded to 16 (the smallest tensor-core M), M <= `MAX_ROWS`.
     impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
     """
     config = HEAD_CONFIG if config is None else config
@@ -359,8 +271,7 @@ def stacked_head_matmul(
     bk, bn = min(config.block_k, K), min(config.block_n, N)
     steps = K // bk
     split = _split(steps, H * (N // bn), config)
-    Mp = 1 if M == 1 else bm  # a single row read as it is (a pad is a kernel launch of its own)
-    x = jnp.pad(x_MHK, ((0, Mp - M), (0, 0), (0, 0))).reshape(Mp, H * K)
+    x = jnp.pad(x_MHK, ((0, bm - M), (0, 0), (0, 0))).reshape(bm, H * K)
     partials = pl.pallas_call(
         functools.partial(
             _head_kernel,
@@ -374,7 +285,7 @@ def stacked_head_matmul(
             col_offset=col_offset,
             contract_rows=contract_rows,
         ),
-        out_shape=jax.ShapeDtypeStruct((split, Mp, H * N), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((split, bm, H * N), jnp.float32),
         grid=(H, N // bn, split),
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=impl == "interpret",
