@@ -895,7 +895,11 @@ def test_gpu_kernels_match_reference():
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "plan",
-    [dict(schedule="auto"), dict(schedule="pieces")],
+    full(
+        [dict(schedule="auto"), dict(schedule="pieces")],
+        [dict(schedule="pieces")],
+        "the GPU quick tier runs the pieces plan, which 'auto' picks on ragged rows",
+    ),
     ids=["auto", "pieces"],
 )
 def test_gpu_planned_schedule_engine_matches_reference(plan):
@@ -933,7 +937,12 @@ def test_gpu_flash_prefill_engine_matches_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", ["fp8", "fp4"])
+@pytest.mark.parametrize(
+    "kv_dtype",
+    full(
+        ["fp8", "fp4"], ["fp8"], "the GPU quick tier runs fp8 pages here and test_paged_gather's fp4 bodies bit-exact"
+    ),
+)
 def test_gpu_quantized_kernels_match_reference(kv_dtype):
     """fp8 / fp4 pages on the GPU: paged_gather's quantized bodies (prefill prefixes; fp4 decode too) and
     mla_decode's fp8 body against the jnp path over the same bytes. Catches a body that is bit-exact in

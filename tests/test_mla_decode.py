@@ -720,7 +720,7 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", gpu_full(GPU_CASES, GPU_CASES[::5]))
+@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", gpu_full(GPU_CASES, GPU_CASES[::10]))
 def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
     rng = np.random.default_rng(heads * 100 + s_q * 10 + batch)
     lengths = _ragged_lengths(rng, batch, mean_len, s_q)
@@ -744,7 +744,7 @@ def test_gpu_page_boundaries(s_q, causal, lengths, variant):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", gpu_full(GPU_CASES[1::3], GPU_CASES[1::6]))
+@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", gpu_full(GPU_CASES[1::3], GPU_CASES[1::12]))
 def test_gpu_split_qk_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
     rng = np.random.default_rng(heads + s_q + batch)
     lengths = _ragged_lengths(rng, batch, mean_len, s_q)
@@ -785,7 +785,11 @@ def test_gpu_large_batch(heads, s_q, causal):
 @requires_hopper
 @pytest.mark.parametrize("variant", gpu_full(VARIANTS, VARIANTS[2:]), ids=VARIANT_IDS)
 @pytest.mark.parametrize(
-    "heads,s_q,causal", [(16, 1, False), (64, 1, False), (64, 2, True), (128, 1, False), (128, 4, True)]
+    "heads,s_q,causal",
+    gpu_full(
+        [(16, 1, False), (64, 1, False), (64, 2, True), (128, 1, False), (128, 4, True)],
+        [(64, 2, True), (128, 4, True)],
+    ),
 )
 def test_gpu_pieces_matches_reference(heads, s_q, causal, variant):
     """The pieces schedule on the GPU over the default 132 CTAs: ragged lengths with an idle row, a length-1 one,
