@@ -59,7 +59,8 @@ def fill_slabs(key: jax.Array, out, per: int, draw) -> tuple[jax.Array, ...]:
     def body(i, acc):
         parts = draw(jax.random.fold_in(key, i))
         return tuple(
-            jax.lax.dynamic_update_slice_in_dim(a, p.astype(a.dtype), i * per, axis=0) for a, p in zip(acc, parts)
+            jax.lax.dynamic_update_slice_in_dim(a, p.astype(a.dtype), i if per == 1 else i * per, axis=0)
+            for a, p in zip(acc, parts)
         )
 
     # The loop's buffers start as slab 0 padded, not as zeros: XLA merges equal zero arrays of one program (two
@@ -80,10 +81,12 @@ def _normal_in_slabs(key: jax.Array, *, shape: tuple[int, ...], dtype, stddev: f
     per = largest_divisor(n, MAX_BUCKETED)  # slabs tile the flat parameter exactly: no padded copy at the end
 
     def draw(k):
-        return ((jax.random.normal(k, (per,), jnp.float32) * stddev).astype(dtype),)
+        return ((jax.random.normal(k, (1, per), jnp.float32) * stddev).astype(dtype),)
 
-    (flat,) = fill_slabs(key, (jax.ShapeDtypeStruct((n,), dtype),), per, draw)
-    return flat.reshape(shape)
+    # One slab a row, [n / per, per]: `fill_slabs` places row i at row i. Placed at element i·per of a flat
+    # vector, the int32 offset wrapped past 2**31 elements and the rest of a V3-sized stack stayed zero.
+    (slabs,) = fill_slabs(key, (jax.ShapeDtypeStruct((n // per, per), dtype),), 1, draw)
+    return slabs.reshape(shape)
 
 
 def normal(stddev: float = 1e-2):

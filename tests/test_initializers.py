@@ -71,6 +71,40 @@ def test_a_large_draw_is_its_slabs_each_from_its_own_key(monkeypatch):
         initializers.fill_slabs(key, (jax.ShapeDtypeStruct((8,), jnp.float32),), 3, lambda k: (jnp.zeros(3),))
 
 
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _eqns(sub)
+
+
+def test_a_draw_past_two_to_the_31_elements_places_slabs_by_their_index():
+    """A parameter of more than 2**31 elements (a V3 expert stack is 7.5e9) places slab i by its index along a slab
+    axis, never at the element offset i · per: that int32 product wrapped past 2**31 and every slab beyond stayed
+    zero (the GPU test of the FP8 experts at V3 widths then compared two all-zero layers: 0 / 0). Traced only (the
+    draw itself takes minutes on a CPU): no update's start index is a product. Catches the offset coming back."""
+    n = (1 << 31) + 2 * initializers.MAX_BUCKETED
+    jaxpr = jax.make_jaxpr(lambda k: initializers.normal(64.0)(k, (n,), jnp.float8_e4m3fn))(jax.random.key(3))
+    eqns = list(_eqns(jaxpr.jaxpr))
+    made_by = {id(v): e for e in eqns for v in e.outvars}
+
+    def from_a_product(v) -> bool:  # v, or anything it is computed from, an integer product
+        e = made_by.get(id(v))
+        if e is None:
+            return False
+        if e.primitive.name == "mul" and jnp.issubdtype(v.aval.dtype, jnp.integer):
+            return True
+        return any(from_a_product(u) for u in e.invars if hasattr(u, "aval"))
+
+    updates = [e for e in eqns if e.primitive.name == "dynamic_update_slice"]
+    assert updates
+    for e in updates:
+        assert not any(from_a_product(v) for v in e.invars[2:]), e
+
+
 @pytest.mark.parametrize("weights", [None, "fp8"])
 def test_model_init_program_holds_no_float32_parameter(weights):
     """The init program of a model with wide routed experts (2 scanned MoE layers of 32 experts 2048 x 2048, and
