@@ -22,7 +22,7 @@ from flax import nnx
 from mla_jax.fp8_weights import FP8_BLOCK, Fp8Linear
 from pallas_kernels import backend
 from pallas_kernels.fp8_matvec import fp8_matvec_problems
-from pallas_kernels.stacked_matmul import MAX_ROWS, stacked_matmul, stacked_matmul_problems
+from pallas_kernels.stacked_matmul import MAX_ROWS, RowNorm, rms_norm, stacked_matmul, stacked_matmul_problems
 
 # A decoder layer's projections (module paths inside `models.layer.DecoderLayer`) that may be passed whole.
 # Not `wkv_b` (read per head: `HEAD_PROJECTIONS`) nor the router (fp32, HIGHEST precision).
@@ -43,9 +43,45 @@ STACKED_PROJECTIONS = frozenset(
 )
 
 
+# Norms whose weights pass whole ([L, K]) with the projections: `Normed` rows' norm, applied by `stacked_matmul`
+# reading its layer's row in place (sliced by the scan, a weight was copied by a kernel launch of its own a layer).
+STACKED_NORMS = frozenset({("input_layernorm",)})
+
 # Projections read per head by the absorbed attention (`MLA.absorb_query`, `MLA.output_from_latent`), passed whole
 # as a bf16 / f32 kernel [L, R, H·P] for `pallas_kernels.stacked_matmul.stacked_head_matmul` (FP8 ones stay sliced).
 HEAD_PROJECTIONS = frozenset({("self_attn", "wkv_b")})
+
+
+class Normed(NamedTuple):
+    """Rows with an RMSNorm still to apply: a decode layer's input `x` [..., K] and its `norm`
+    (`mla_jax.norm.RMSNorm`, whose weight may be a scanned stack's whole [L, K]: then `index` is the layer).
+    `project` applies the norm inside `pallas_kernels.stacked_matmul` where the kernel serves the projection (the
+    norm's reduction and its normalising pad were two kernel launches a layer), else first (`apply`). `shape`,
+    `ndim` and `dtype` are the normalised rows'."""
+
+    x: jax.Array
+    norm: nnx.Module
+    index: jax.Array | None = None
+
+    def weight(self) -> jax.Array:
+        """The norm's weight [K] (layer `index` of its stack when the scan passed it whole, [L, K])."""
+        w = self.norm.weight[...]
+        return w if w.ndim == 1 else jax.lax.dynamic_index_in_dim(w, self.index, axis=0, keepdims=False)
+
+    def apply(self) -> jax.Array:
+        return rms_norm(self.x, self.weight(), self.norm.eps)
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.x.ndim
+
+    @property
+    def dtype(self):
+        return jnp.result_type(self.norm.weight[...].dtype, self.x.dtype)
 
 
 class Stacked(NamedTuple):
@@ -67,7 +103,8 @@ def stacked_impl(cache_impl: str | None, rows: int) -> str | None:
 
 
 def stacked_filter(rows: int):
-    """An nnx filter of the projection weights to pass whole for a call of `rows` tokens: those of the modules in
+    """An nnx filter of the projection weights to pass whole for a call of `rows` tokens (and of the norms in
+    `STACKED_NORMS`, whose single row the projections' kernel normalises): those of the modules in
     `STACKED_PROJECTIONS` whose stack the kernel serves: an `nnx.Linear`'s kernel [L, K, N] (`stacked_matmul`),
     `HEAD_PROJECTIONS`' kernels [L, R, H·P] (`stacked_head_matmul`, their MLA layer falls back to the layer's slice
     where it cannot serve the heads' widths),
@@ -76,6 +113,8 @@ def stacked_filter(rows: int):
 
     def keep(path, value) -> bool:
         shape = value.shape if hasattr(value, "shape") else value[...].shape
+        if tuple(path[:-1]) in STACKED_NORMS:  # read by the projections' kernels (`Normed`)
+            return path[-1] == "weight" and len(shape) == 2 and rows == 1
         if tuple(path[:-1]) in HEAD_PROJECTIONS:  # its widths are checked where it is read (per head)
             return path[-1] == "kernel" and len(shape) == 3 and rows <= MAX_ROWS
         if tuple(path[:-1]) not in STACKED_PROJECTIONS:
@@ -93,19 +132,21 @@ def stacked_filter(rows: int):
     return keep
 
 
-def project(lin, x: jax.Array, stacked: Stacked | None = None) -> jax.Array:
+def project(lin, x: jax.Array | Normed, stacked: Stacked | None = None) -> jax.Array:
     """`lin(x)`; with `stacked` and a module holding a whole stack (an `nnx.Linear`'s kernel [L, K, N], an
-    `Fp8Linear`'s weight [L, N, K]), x · W[stacked.index] read in place. x [..., K] -> [..., N] in `lin.dtype`
-    (x's and the kernel's promoted dtype when None)."""
-    if stacked is None:
-        return lin(x)
-    if isinstance(lin, Fp8Linear):
-        if lin.weight_fp8[...].ndim == 2:
+    `Fp8Linear`'s weight [L, N, K]), x · W[stacked.index] read in place. x [..., K] (or `Normed` rows, whose norm
+    the stacked kernel applies) -> [..., N] in `lin.dtype` (x's and the kernel's promoted dtype when None)."""
+    kernel = lin.kernel[...] if isinstance(lin, nnx.Linear) else None
+    if stacked is None or kernel is None or kernel.ndim == 2:
+        if isinstance(x, Normed):
+            x = x.apply()
+        if stacked is None or not isinstance(lin, Fp8Linear) or lin.weight_fp8[...].ndim == 2:
             return lin(x)
         return lin(x, layer=stacked.index, impl=stacked.impl)
-    if not isinstance(lin, nnx.Linear) or lin.kernel[...].ndim == 2:
-        return lin(x)
-    kernel = lin.kernel[...]
     dtype = lin.dtype or jnp.result_type(x.dtype, kernel.dtype)
-    y = stacked_matmul(x.reshape(-1, x.shape[-1]).astype(dtype), kernel, stacked.index, impl=stacked.impl)
+    if isinstance(x, Normed):
+        rows, norm = x.x, RowNorm(x.norm.weight[...], x.norm.eps)
+    else:
+        rows, norm = x, None
+    y = stacked_matmul(rows.reshape(-1, x.shape[-1]), kernel, stacked.index, norm=norm, dtype=dtype, impl=stacked.impl)
     return y.reshape(x.shape[:-1] + (kernel.shape[-1],))

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.stacked_matmul import rms_norm
+
 
 class RMSNorm(nnx.Module):
     """y = weight * (x / sqrt(mean(x², -1) + eps)); `weight` [dim] is the HF checkpoint's `*.weight`."""
@@ -15,6 +17,4 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * y.astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)

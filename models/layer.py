@@ -14,7 +14,7 @@ from flax import nnx
 
 from mla_jax.attention import MLA
 from mla_jax.config import ModelConfig
-from mla_jax.linear import Stacked
+from mla_jax.linear import Normed, Stacked
 from mla_jax.norm import RMSNorm
 from models.mlp import MLP
 from models.moe import MoE
@@ -77,8 +77,13 @@ class DecoderLayer(nnx.Module):
         routed experts' variables are the whole stack's and this is its layer `stack_index` (`expert_offset`:
         stack_index · E, when the caller has it; see `MoE`). `stacked`:
         projections may hold the whole stack's kernels (`mla_jax.linear`)."""
+        # a one-row decode step's projections read the layer input and apply its norm in their kernel (`Normed`)
+        if stacked is not None and x_BTD.shape[0] * x_BTD.shape[1] == 1:
+            attn_in = Normed(x_BTD, self.input_layernorm, stacked.index)
+        else:
+            attn_in = self.input_layernorm(x_BTD)
         a = self.self_attn(
-            self.input_layernorm(x_BTD),
+            attn_in,
             positions_BT,
             absorbed=absorbed,
             cache=cache,

@@ -15,7 +15,14 @@ weights in place, once, with tensor-core dots:
   split_k partials are summed by XLA (a [split_k, M, N] fp32 reduce, small at decode).
 
 The split over K gives a skinny call enough programs to keep the memory system busy; rows are padded to
-a multiple of `block_m` (at least 16, the smallest tensor-core M).
+a multiple of `block_m` (at least 16, the smallest tensor-core M), except a single row (a B = 1 decode step),
+which the kernel reads as it is and repeats over the 16 rows of its dots: a pad is a kernel launch of its own.
+
+`norm` (a `RowNorm`): the rows are the input of an RMSNorm (`rms_norm`). A single row is normalised inside the
+kernel: each program loads the whole row at once for its root mean square (a few 4 KB pieces, in flight together),
+then normalises and scales each chunk it multiplies. A B = 1 decode layer's input norm then costs no launch of its
+own (XLA's reduction and the normalising pad were two). More rows are normalised by XLA first (a program would
+hold 16 rows of K in registers).
 
 `stacked_matmul_reference` is the same function in plain XLA.
 """
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -34,6 +42,25 @@ from jax import lax
 from pallas_kernels import backend
 
 MAX_ROWS = 128  # a decode step's rows (B·T) this kernel is for; larger calls are a GEMM's business
+_F32 = jnp.float32
+
+
+def rms_norm(x, weight, eps: float):
+    """DeepSeek's (HF transformers') RMSNorm: normalise in fp32, cast to x's dtype, scale by `weight` [..., K]
+    -> the promoted dtype of x and weight. The one formula of `mla_jax.norm.RMSNorm` and of `RowNorm`."""
+    xf = x.astype(_F32)
+    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+class RowNorm(NamedTuple):
+    """An RMSNorm (`rms_norm`) of `stacked_matmul`'s rows, applied in the kernel: `weight` [K], or a scanned
+    stack's [L, K] whose row `layer` the kernel reads in place (as it reads the projection's), `eps`."""
+
+    weight: jax.Array
+    eps: float
+
+
 TARGET_PROGRAMS = 264  # about two programs a streaming multiprocessor of an H100/H200 (132)
 
 
@@ -96,10 +123,16 @@ def _split_k(M: int, K: int, N: int, config: StackedMatmulConfig) -> int:
     return _split(K // config.block_k, pl.cdiv(M, _block_m(M)) * (N // config.block_n), config)
 
 
-def stacked_matmul_reference(x_MK, w_LKN, layer):
-    """x [M, K] · w_LKN[layer] [K, N] (fp32 accumulation) -> [M, N] in x's dtype."""
+def stacked_matmul_reference(x_MK, w_LKN, layer, *, norm: RowNorm | None = None, dtype=None):
+    """[norm](x) [M, K] · w_LKN[layer] [K, N] (fp32 accumulation) -> [M, N] in `dtype` (None: x's dtype)."""
+    dtype = x_MK.dtype if dtype is None else dtype
+    x = x_MK
+    if norm is not None:
+        g = norm.weight
+        g = g if g.ndim == 1 else lax.dynamic_index_in_dim(g, layer, axis=0, keepdims=False)
+        x = rms_norm(x_MK, g, norm.eps)
     w_KN = lax.dynamic_index_in_dim(w_LKN, layer, axis=0, keepdims=False)
-    return jnp.dot(x_MK, w_KN.astype(x_MK.dtype), preferred_element_type=jnp.float32).astype(x_MK.dtype)
+    return jnp.dot(x.astype(dtype), w_KN.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
 
 
 def _validate(x_MK, w_LKN, config):
@@ -112,56 +145,116 @@ def _validate(x_MK, w_LKN, config):
         raise ValueError("stacked_matmul: " + "; ".join(problems))
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, k_steps):
+def _row_pieces(K: int) -> int:
+    """The width of the pieces `_row_scale` loads a row in: the largest power of two dividing K, at most 2048."""
+    return min(K & -K, 2048)
+
+
+def _row_scale(x_ref, K, eps):
+    """1 / the root mean square of the single row of x [1, K] + eps, fp32 [1, 1] (`rms_norm`'s). The row is loaded
+    in a few power-of-two pieces unrolled (one for K = 2048, seven of 1024 for 7168), all in flight at once: a loop
+    of dependent loads before the first product cost 9 µs a call."""
+    piece = _row_pieces(K)
+    ssq = jnp.zeros((1, 1), _F32)
+    for t in range(K // piece):
+        x = plt.load(x_ref.at[pl.ds(0, 1), pl.ds(t * piece, piece)]).astype(_F32)
+        ssq = ssq + jnp.sum(x * x, axis=1, keepdims=True)
+    return lax.rsqrt(ssq / K + eps)
+
+
+def _kernel(layer_ref, x_ref, *refs, block_m, block_n, block_k, k_steps, one_row, norm_eps, dtype):
+    g_ref, w_ref, o_ref = refs if norm_eps is not None else (None, *refs)
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    rows, cols = pl.ds(i * block_m, block_m), pl.ds(j * block_n, block_n)
+    n_rows = 1 if one_row else block_m
+    rows, cols = pl.ds(0 if one_row else i * block_m, n_rows), pl.ds(j * block_n, block_n)
+    scale = None if g_ref is None else _row_scale(x_ref, x_ref.shape[1], norm_eps)  # a single row only
 
     def chunk(t, acc):
         k = pl.ds((s * k_steps + t) * block_k, block_k)
-        return acc + plt.dot(plt.load(x_ref.at[rows, k]), plt.load(w_ref.at[layer, k, cols]))
+        x = plt.load(x_ref.at[rows, k])
+        if g_ref is not None:  # rms_norm's arithmetic on this chunk
+            g = plt.load(g_ref.at[k] if len(g_ref.shape) == 1 else g_ref.at[layer, k])
+            y = (x.astype(_F32) * scale).astype(x.dtype)
+            x = (g.astype(_F32)[None, :] * y.astype(_F32)).astype(jnp.result_type(g.dtype, x.dtype))
+        x = x.astype(dtype)
+        if one_row:  # the row repeated over the dot's 16 rows (each row of the product is the same)
+            x = jnp.broadcast_to(x, (block_m, block_k))
+        return acc + plt.dot(x, plt.load(w_ref.at[layer, k, cols]))
 
-    acc = lax.fori_loop(0, k_steps, chunk, jnp.zeros((block_m, block_n), jnp.float32))
+    acc = lax.fori_loop(0, k_steps, chunk, jnp.zeros((block_m, block_n), _F32))
+    if one_row:
+        acc = jnp.max(acc, axis=0, keepdims=True)  # the rows are equal: any one of them
     plt.store(o_ref.at[s, rows, cols], acc)
 
 
-def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret):
+def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret, norm, dtype):
     M, K = x_MK.shape
     N = w_LKN.shape[2]
     bm = _block_m(M)
     split = _split_k(M, K, N, config)
-    Mp = pl.cdiv(M, bm) * bm
-    x = jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
+    one_row = M == 1
+    if norm is not None and not one_row:  # rows' norms in the kernel: a single row's only (`_row_scale`)
+        g = norm.weight if norm.weight.ndim == 1 else lax.dynamic_index_in_dim(norm.weight, layer, 0, False)
+        x_MK, norm = rms_norm(x_MK, g, norm.eps), None
+    Mp = 1 if one_row else pl.cdiv(M, bm) * bm
+    x = x_MK if one_row else jnp.pad(x_MK.astype(dtype), ((0, Mp - M), (0, 0)))
+    norm_args = () if norm is None else (norm.weight,)
     partials = pl.pallas_call(
         functools.partial(
-            _kernel, block_m=bm, block_n=config.block_n, block_k=config.block_k, k_steps=K // config.block_k // split
+            _kernel,
+            block_m=bm,
+            block_n=config.block_n,
+            block_k=config.block_k,
+            k_steps=K // config.block_k // split,
+            one_row=one_row,
+            norm_eps=None if norm is None else float(norm.eps),
+            dtype=dtype,
         ),
-        out_shape=jax.ShapeDtypeStruct((split, Mp, N), jnp.float32),
-        grid=(Mp // bm, N // config.block_n, split),
+        out_shape=jax.ShapeDtypeStruct((split, Mp, N), _F32),
+        grid=(1 if one_row else Mp // bm, N // config.block_n, split),
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="stacked_matmul",
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, w_LKN.astype(x_MK.dtype))
-    return jnp.sum(partials, axis=0)[:M].astype(x_MK.dtype)
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, *norm_args, w_LKN.astype(dtype))
+    return jnp.sum(partials, axis=0)[:M].astype(dtype)
 
 
-def stacked_matmul(x_MK, w_LKN, layer, *, config: StackedMatmulConfig | None = None, impl: str | None = "auto"):
-    """x [M, K] · w_LKN[layer] [K, N] -> [M, N] in x's dtype (fp32 accumulation).
+def stacked_matmul(
+    x_MK,
+    w_LKN,
+    layer,
+    *,
+    norm: RowNorm | None = None,
+    dtype=None,
+    config: StackedMatmulConfig | None = None,
+    impl: str | None = "auto",
+):
+    """[norm](x) [M, K] · w_LKN[layer] [K, N] -> [M, N] in `dtype` (fp32 accumulation).
 
     Args:
       x_MK: [M, K] rows, bf16 (or f32), M <= `MAX_ROWS`.
-      w_LKN: [L, K, N] a scanned stack of one projection's weights (cast to x's dtype); read in place.
+      w_LKN: [L, K, N] a scanned stack of one projection's weights (cast to `dtype`); read in place.
       layer: int scalar (may be traced), the layer of the stack to use; 0 <= layer < L (not checked
         when traced).
+      norm: a `RowNorm` (weight [K]) to apply to the rows first, inside the kernel (`rms_norm`); None: none.
+      dtype: the products' operand and result dtype (None: x's); the rows (after the norm) are cast to it.
       config: `StackedMatmulConfig`; K and N must be multiples of its blocks (`stacked_matmul_problems`).
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
     """
     config = StackedMatmulConfig() if config is None else config
     _validate(x_MK, w_LKN, config)
+    if norm is not None and (norm.weight.ndim not in (1, 2) or norm.weight.shape[-1] != x_MK.shape[1]):
+        raise ValueError(
+            f"stacked_matmul: the norm's weight must be [K={x_MK.shape[1]}] or [L, K], got {norm.weight.shape}"
+        )
+    dtype = x_MK.dtype if dtype is None else jnp.dtype(dtype)
     impl = backend.resolve(impl)
     if impl == "reference":
-        return stacked_matmul_reference(x_MK, w_LKN, layer)
-    return _stacked_matmul_kernel(x_MK, w_LKN, layer, config=config, interpret=impl == "interpret")
+        return stacked_matmul_reference(x_MK, w_LKN, layer, norm=norm, dtype=dtype)
+    return _stacked_matmul_kernel(
+        x_MK, w_LKN, layer, config=config, interpret=impl == "interpret", norm=norm, dtype=dtype
+    )
 
 
 # ------------------------------------------------------------------------------------------

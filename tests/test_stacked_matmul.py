@@ -12,6 +12,7 @@ from mla_jax.kv_cache import KVCache
 from mla_jax.linear import stacked_filter
 from models import DeepSeekModel, Engine
 from pallas_kernels.stacked_matmul import (
+    RowNorm,
     StackedMatmulConfig,
     stacked_head_matmul,
     stacked_head_matmul_problems,
@@ -43,6 +44,35 @@ def test_kernel_reads_the_named_layer_of_the_stack(M, split_k):
         want = np.asarray(x, np.float64) @ np.asarray(w[layer], np.float64)
         chex.assert_trees_all_close(np.asarray(f(x, w, jnp.int32(layer)), np.float64), want, rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(f(x, w, jnp.int32(2)), stacked_matmul_reference(x, w, 2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("M, split_k, stacked_weight", [(1, 3, True), (19, 1, False), (4, 3, True)])
+def test_the_norm_inside_the_kernel_equals_the_norm_then_the_product(M, split_k, stacked_weight):
+    """`norm=RowNorm(...)`: the rows' RMSNorm applied in the kernel equals `rms_norm` then the product, and float64
+    numpy's; for each layer of the stack with a stacked norm weight [L, K]. Catches a program's root mean square
+    taken over its own K range only (split_k = 3 with 3 chunks: every program holds a third), a piece of the row
+    left out of it (K = 96 loads as three pieces of 32), eps left out, another layer's norm weight, the weight
+    applied before the cast to the rows' dtype being skipped, and the single row (read unpadded, repeated over
+    the dot's 16 rows) stored from the wrong row; with more rows (normalised by XLA first), the norm skipped."""
+    rng = np.random.default_rng(M)
+    x, w = _stack(M, K=96, N=64, seed=M)
+    x = (x * 3.0 + 0.5).astype(jnp.bfloat16)
+    g_all = jnp.asarray(rng.uniform(0.5, 1.5, (w.shape[0], 96)), jnp.float32)
+    config = StackedMatmulConfig(block_n=32, block_k=32, split_k=split_k)
+    for layer in range(w.shape[0]):
+        g = g_all if stacked_weight else g_all[layer]
+        norm = RowNorm(g, 1e-6)
+        got = stacked_matmul(x, w, jnp.int32(layer), norm=norm, dtype=jnp.float32, config=config, impl="interpret")
+        ref = stacked_matmul(x, w, jnp.int32(layer), norm=norm, dtype=jnp.float32, config=config, impl="reference")
+        xf = np.asarray(x, np.float64)
+        y = xf / np.sqrt(np.mean(xf * xf, axis=1, keepdims=True) + 1e-6)
+        want = (np.asarray(g_all[layer], np.float64) * y) @ np.asarray(w[layer], np.float64)
+        chex.assert_trees_all_close(got, ref, rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(np.asarray(got, np.float64), want, rtol=2e-2, atol=2e-2)  # y rounded to bf16
+    with pytest.raises(
+        ValueError, match=r"^stacked_matmul: the norm's weight must be \[K=96\] or \[L, K\], got \(95,\)$"
+    ):
+        stacked_matmul(x, w, 0, norm=RowNorm(jnp.ones(95), 1e-6), config=config, impl="interpret")
 
 
 def test_what_it_cannot_serve_is_one_line_each():
@@ -111,7 +141,12 @@ def test_cross_lowers_for_sm90():
     with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",), abstract_device=h200)):
         traced = jax.jit(lambda x, w, i: stacked_matmul(x, w, i, impl="kernel")).trace(x, w, layer)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        # the norm inside (a stacked weight read at the layer): still one kernel and nothing else of size
+        normed = lambda x, w, g, i: stacked_matmul(x, w, i, norm=RowNorm(g, 1e-6), impl="kernel")  # noqa: E731
+        g = jax.ShapeDtypeStruct((26, 2048), jnp.float32)
+        text_norm = jax.jit(normed).trace(x, w, g, layer).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
+    assert text_norm.count("xla.gpu.triton") == 1 and "stablehlo.rsqrt" not in text_norm
 
 
 def test_head_matmul_cross_lowers_for_sm90():
@@ -161,12 +196,17 @@ def test_decode_step_with_whole_stack_projections_equals_the_sliced_one():
 
 
 def test_the_filter_takes_served_projections_only():
-    """Only `STACKED_PROJECTIONS` kernels of served shapes and `HEAD_PROJECTIONS` kernels (wkv_b, read per head by
-    `stacked_head_matmul`) go whole: not the router, not a projection whose widths the blocks do not divide."""
+    """Only `STACKED_PROJECTIONS` kernels of served shapes, `HEAD_PROJECTIONS` kernels (wkv_b, read per head by
+    `stacked_head_matmul`) and, for a single row, the `STACKED_NORMS` weights (the input norm, applied in the
+    projections' kernel) go whole: not the router, not a projection whose widths the blocks do not divide, not the
+    other norms, not the input norm of several rows (XLA normalises those first: a whole weight would be sliced)."""
     stack = nnx.eval_shape(lambda: DeepSeekModel(SERVED, rngs=nnx.Rngs(0))).moe_layers
-    _, whole, _ = nnx.split(stack, stacked_filter(2), ...)
-    paths = sorted("/".join(map(str, p)) for p, _ in nnx.to_flat_state(whole))
-    assert paths == [
+    whole_paths = {}
+    for rows in (1, 2):
+        _, whole, _ = nnx.split(stack, stacked_filter(rows), ...)
+        whole_paths[rows] = sorted("/".join(map(str, p)) for p, _ in nnx.to_flat_state(whole))
+    assert whole_paths[1] == ["input_layernorm/weight"] + whole_paths[2]
+    assert whole_paths[2] == [
         "mlp/shared_experts/down_proj/kernel",
         "mlp/shared_experts/gate_proj/kernel",
         "mlp/shared_experts/up_proj/kernel",
