@@ -236,6 +236,26 @@ def test_gpu_kernel_equals_the_reference_at_v2_lite_shapes(M, K, N):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("K", [2048, 7168])  # V2-Lite's hidden width (one piece), V3's (seven pieces of 1024)
+def test_gpu_single_row_norm_inside_equals_the_norm_then_the_product(K):
+    """The compiled kernel normalising a single row (`RowNorm`, a stacked norm weight read at a traced layer)
+    against `rms_norm` then XLA's GEMM. Catches a compiled piece load of the row reading the wrong columns or
+    the wrong layer's norm weight, which the interpreter's test cannot see."""
+    from pallas_kernels.backend import on_hopper
+
+    if not on_hopper():
+        pytest.skip("needs a Hopper GPU")
+    rng = np.random.default_rng(K)
+    x = jnp.asarray(rng.standard_normal((1, K)) * 4 + 1, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4, K, 576)) / np.sqrt(K), jnp.bfloat16)
+    norm = RowNorm(jnp.asarray(rng.uniform(0.5, 1.5, (4, K)), jnp.bfloat16), 1e-6)
+    f = jax.jit(lambda x, w, g, i, impl: stacked_matmul(x, w, i, norm=RowNorm(g, 1e-6), impl=impl), static_argnums=4)
+    got = f(x, w, norm.weight, jnp.int32(3), "kernel")
+    want = f(x, w, norm.weight, jnp.int32(3), "reference")
+    chex.assert_trees_all_close(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", gpu_full([1, 32, 128], (1, 32)))
 def test_gpu_head_matmul_equals_the_reference_at_v2_lite_shapes(M):
     """The compiled per-head kernel (bf16, V2-Lite's wkv_b stack [26, 512, 16·256], a traced layer), W_UK and
