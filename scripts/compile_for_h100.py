@@ -12,6 +12,10 @@ by CUPTI's.
 
     PYTHONPATH=. python3 scripts/compile_for_h100.py --model v3-cut --weights fp8 --batch 32 --context 1216
     PYTHONPATH=. python3 scripts/compile_for_h100.py --model v2-lite --batch 1 --step decode
+    PYTHONPATH=. python3 scripts/compile_for_h100.py --model builtin --batch 1 --step verify --draft-tokens 1
+
+``--step decode`` is one plain decode step (`Steps.decode`); ``--step verify`` one MTP verify step of
+``--draft-tokens`` drafts with its draft (`Steps.verify_call`, one step a call: the lane's bookkeeping included).
 """
 
 from __future__ import annotations
@@ -50,13 +54,14 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="v3-cut", help="v2-lite | v3-cut (benchmarks.e2e_models)")
+    p.add_argument("--model", default="v3-cut", help="v2-lite | v3-cut (benchmarks.e2e_models) | builtin")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--batch", type=int, default=32, help="the engine's max_batch (the step's rows)")
     p.add_argument("--context", type=int, default=1216, help="the engine's max_context (the widest table)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="default: the engine's")
-    p.add_argument("--step", choices=("prefill", "decode"), default="prefill")
+    p.add_argument("--step", choices=("prefill", "decode", "verify"), default="prefill")
+    p.add_argument("--draft-tokens", type=int, default=1, help="with --step verify: drafts a step verifies")
     p.add_argument("--dump", default=None, help="a folder for XLA's dump of the compiled step")
     args = p.parse_args(argv)
     if args.dump:
@@ -71,11 +76,17 @@ def main(argv=None):
     from models import DeepSeekModel
     from models.serving.engine import Engine
     from models.serving.sampling import SamplingArrays, SamplingParams
-    from models.serving.steps import StepInputs
+    from models.serving.steps import StepInputs, new_lane
 
     topology = get_topology_desc("h100", "cuda", target_config=H100, topology="1x1x1")
     one = NamedSharding(jax.sharding.Mesh(topology.devices, ("x",)), PartitionSpec())
-    cfg = model_config(args.model, config="full", layers=args.layers)
+    if args.model == "builtin":
+        from mla_jax.config import ModelConfig
+        from models.builtin import BUILTIN_DIR
+
+        cfg = ModelConfig.from_hf(BUILTIN_DIR)
+    else:
+        cfg = model_config(args.model, config="full", layers=args.layers)
     weights = "fp8" if args.weights == "fp8" else None
     make = lambda: DeepSeekModel(  # noqa: E731
         cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, weights=weights
@@ -91,6 +102,7 @@ def main(argv=None):
         kv_dtype=jnp.bfloat16,
     )
     T = next_pow2(max(e.min_chunk_bucket, e.prefill_chunk)) if args.step == "prefill" else 1
+    T = args.draft_tokens + 1 if args.step == "verify" else T
     P = e.cache.max_pages_per_seq
     start = max(0, P * 64 - T - 64)  # late in the widest table: a prefill chunk takes the decompressed path
     inp = StepInputs(
@@ -116,6 +128,18 @@ def main(argv=None):
     with jax.sharding.use_abstract_mesh(one.mesh.abstract_mesh):  # the Triton kernels' lowering reads the device
         if args.step == "decode":
             traced = e.steps.decode.trace(state, cache, inp, sampler="greedy")
+        elif args.step == "verify":
+            k, vocab = args.draft_tokens, cfg.vocab_size
+            lane = new_lane(B)
+            drafts, draft_probs = jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k, vocab), jnp.float32)
+            steps_B = spec_B = jnp.ones((B,), jnp.int32) * k
+            end_B, stop_ids = jnp.full((B,), P * 64 - 1, jnp.int32), jnp.full((B, 1), -1, jnp.int32)
+            lane, drafts, draft_probs, steps_B, spec_B, end_B, stop_ids = (
+                jax.tree.map(on_h100, t) for t in (lane, drafts, draft_probs, steps_B, spec_B, end_B, stop_ids)
+            )
+            loop = (steps_B, spec_B, end_B, stop_ids, None)
+            call = e.steps.verify_call
+            traced = call.trace(state, cache, inp, lane, drafts, draft_probs, *loop, sampler="greedy", num_steps=1)
         else:
             args_mtp = (None, None, None, None)
             traced = e.steps.prefill.trace(state, cache, inp, *args_mtp, use_mtp=False, sampler="greedy")
