@@ -408,8 +408,16 @@ def _mla_decode_kernel(
     out, lse = partials(q_rows, kv_pages, block_table, seq_lens, **body_args)
     if plan_.planned or plan_.num_splits > 1:  # fp32 partials (by split or by piece slot) to merge
         pieces = (sched.piece_start, sched.num_pieces) if plan_.planned else None
+        trim = not transposed and Rp == ROWS and R < Rp and R % 8 == 0  # the combine writes the real rows only
         out, lse = _combine(
-            out, lse, out_dtype=q.dtype, config=config, interpret=interpret_params, pieces=pieces, transposed=transposed
+            out,
+            lse,
+            out_dtype=q.dtype,
+            config=config,
+            interpret=interpret_params,
+            pieces=pieces,
+            transposed=transposed,
+            rows_out=R if trim else None,
         )
     if transposed:
         out = jnp.swapaxes(out, 1, 2)

@@ -16,8 +16,14 @@ from pallas_kernels.mla_decode.config import LATENT_DIM, ROWS, MlaDecodeConfig
 from pallas_kernels.mla_decode.steps import _LN2, _M_INIT
 
 
-def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret, pieces=None, transposed=False):
+def _combine(
+    o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret, pieces=None, transposed=False, rows_out=None
+):
     """Split combine: o [B, S, Rp, 512] f32 and lse [B, S, Rp] (log2) -> out [B, Rp, 512], lse (ln).
+
+    ``rows_out`` (R, a multiple of 8 below Rp = 64: the query rows that are real when fewer than a block): out is
+    [B, R, 512], the block's first R rows written through SMEM by TMA (a slice of the padded output was a kernel
+    launch of its own); lse stays [B, Rp].
 
     With ``pieces`` = (piece_start [B], num_pieces [B]) int32 (the pieces schedule): o [NS,
     Rp, 512] and lse [NS, Rp] by piece slot, sequence b's pieces in slots [piece_start[b],
@@ -44,7 +50,10 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret,
     # The query rows run along the tile's rows, or (transposed) along its columns.
     row_layout = plgpu.Layout.WGMMA.reduce(0 if transposed else 1)
     tile, along = ((cb, rows), 1) if transposed else ((rows, cb), 0)
-    out_shape = (B, LATENT_DIM, Rp) if transposed else (B, Rp, LATENT_DIM)
+    if rows_out is not None and (transposed or G != 1 or rows_out % 8 or not 0 < rows_out < rows):
+        raise ValueError(f"combine: rows_out = {rows_out} must be a multiple of 8 below one block of {rows} rows")
+    out_shape = (B, LATENT_DIM, Rp) if transposed else (B, rows_out or Rp, LATENT_DIM)
+    scratch = [] if rows_out is None else [plgpu.SMEM((rows, cb), out_dtype)]
     # A TMA copy into SMEM must start on 128 bytes, and the pipeline's second slot of an lse block starts one block
     # after the first: a block of 16 f32 (the transposed body at R = 16) put it on 64 and the GPU faulted with a
     # misaligned address. So the lse partials' rows are padded to 32 (a few KB in XLA) and the block sliced in SMEM.
@@ -58,6 +67,7 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret,
     @functools.partial(
         plgpu.kernel,
         out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct((B, Rp), jnp.float32)),
+        scratch_types=scratch,
         grid=(C, G, B),
         grid_names=("c", "g", "b"),
         interpret=interpret,
@@ -70,6 +80,8 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret,
             """The block of a partial (``lead``: its leading indices) at this CTA's rows and columns."""
             return (*lead, c, 0) if transposed else (*lead, g, c)
 
+        if rows_out is not None:
+            *refs, out_smem = refs
         if pieces is None:
             o_ref, lse_ref, out_ref, lse_out_ref = refs
             steps = (S,)
@@ -108,6 +120,11 @@ def _combine(o_part, lse_part, *, out_dtype, config: MlaDecodeConfig, interpret,
         o = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [along])).astype(out_ref.dtype)
         if transposed:
             out_ref[b, pl.ds(c * cb, cb), :] = o
+        elif rows_out is not None:  # the block's first rows_out rows only
+            out_smem[...] = o
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows_out)], out_ref.at[b, :, pl.ds(c * cb, cb)])
+            plgpu.wait_smem_to_gmem(0)
         else:
             out_ref[b, pl.ds(g * ROWS, ROWS), pl.ds(c * cb, cb)] = o
 
