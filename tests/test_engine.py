@@ -897,8 +897,9 @@ def test_gpu_kernels_match_reference():
     "plan",
     full(
         [dict(schedule="auto"), dict(schedule="pieces")],
-        [dict(schedule="pieces")],
-        "the GPU quick tier runs the pieces plan, which 'auto' picks on ragged rows",
+        [],
+        "the GPU quick tier runs the pieces kernel in test_mla_decode and the engine in "
+        "test_gpu_kernels_match_reference",
     ),
     ids=["auto", "pieces"],
 )
@@ -940,7 +941,10 @@ def test_gpu_flash_prefill_engine_matches_reference():
 @pytest.mark.parametrize(
     "kv_dtype",
     full(
-        ["fp8", "fp4"], ["fp8"], "the GPU quick tier runs fp8 pages here and test_paged_gather's fp4 bodies bit-exact"
+        ["fp8", "fp4"],
+        [],
+        "the GPU quick tier runs the fp8 decode bodies in test_mla_decode_fp8, the quantized gathers in "
+        "test_paged_gather and the engine in test_gpu_kernels_match_reference",
     ),
 )
 def test_gpu_quantized_kernels_match_reference(kv_dtype):
