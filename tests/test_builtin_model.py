@@ -247,6 +247,9 @@ def _fp8_accuracy_script():
     return module
 
 
+@pytest.mark.full(
+    "the FP8 math against its emulation: test_mla_decode_fp8; fp8 pages on this model: test_fp8_pages_track_bf16_pages"
+)
 def test_heldout_fp8_math_is_wired_and_tracks_bf16_pages(builtin):
     """The held-out measurement of scripts/fp8_accuracy.py (its `heldout`, as the script runs it) on 2 held-out
     windows x 32 decode steps: the FP8-math run's logits differ from the bf16-math run's over the same fp8

@@ -1230,6 +1230,10 @@ def _cached_logits_through(model, impl: str, ids, table) -> list[np.ndarray]:
     return out
 
 
+@pytest.mark.full(
+    "the interpreted kernels' outputs against their references: test_mla_decode; the engine through them: "
+    "test_fp8_pages_through_the_interpret_kernels_match_the_jnp_path"
+)
 def test_interpret_kernels_match_reference_logits_on_the_builtin_model():
     """The kernel-backed cached forward (interpret mode) against the jnp one, on the trained built-in
     model (kernel-shaped: latent 576, 16 heads) and real text, by logits: a kernel bug that leaves a

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mla_jax import initializers
+from tests.tiers import full
 
 
 @pytest.mark.parametrize(
@@ -105,7 +106,9 @@ def test_a_draw_past_two_to_the_31_elements_places_slabs_by_their_index():
         assert not any(from_a_product(v) for v in e.invars[2:]), e
 
 
-@pytest.mark.parametrize("weights", [None, "fp8"])
+@pytest.mark.parametrize(
+    "weights", full([None, "fp8"], ["fp8"], "the fp8 build draws its bf16 parameters through the same initializer")
+)
 def test_model_init_program_holds_no_float32_parameter(weights):
     """The init program of a model with wide routed experts (2 scanned MoE layers of 32 experts 2048 x 2048, and
     the MTP layer's), dense bf16 or FP8, holds no float32 array (nor random bits, uint32) of a quarter of one
