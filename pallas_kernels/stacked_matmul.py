@@ -69,8 +69,8 @@ class StackedMatmulConfig:
     """Static tuning knobs of `stacked_matmul`.
 
     Attributes:
-      block_n: output columns a program computes (divides N).
-      block_k: contraction chunk of a program's loop (divides K).
+      block_n: output columns a program computes (divides N; a narrower N, a power of two >= 16, is one block).
+      block_k: contraction chunk of a program's loop (divides K; likewise a narrower K is one chunk).
       split_k: programs along K (divides K / block_k); None: enough for about `TARGET_PROGRAMS` programs.
       num_warps, num_stages: Triton's launch knobs (warps a program; software-pipeline depth).
     """
@@ -92,15 +92,25 @@ class StackedMatmulConfig:
 
 def stacked_matmul_problems(M: int, K: int, N: int, config: StackedMatmulConfig = StackedMatmulConfig()) -> list[str]:
     """Why `stacked_matmul` cannot take an [M, K] · [K, N] projection (empty when it can)."""
+    return _shape_problems(M, K, N, config)
+
+
+def _blocks(K: int, N: int, config: StackedMatmulConfig) -> tuple[int, int]:
+    """(block_k, block_n) of a call: the config's, or the whole width where it is narrower (a power of two >= 16)."""
+    return min(config.block_k, K), min(config.block_n, N)
+
+
+def _shape_problems(M: int, K: int, N: int, config: StackedMatmulConfig) -> list[str]:
+    """Why an [M, K] · [K, N] product does not fit the kernels' blocks (`_blocks`), the split included."""
     out = []
     if M > MAX_ROWS:
         out.append(f"M = {M} rows is more than the {MAX_ROWS} a decode-shaped call takes")
-    if K % config.block_k:
-        out.append(f"K = {K} is not a multiple of the block {config.block_k}")
-    if N % config.block_n:
-        out.append(f"N = {N} is not a multiple of the block {config.block_n}")
-    if config.split_k is not None and K % config.block_k == 0 and (K // config.block_k) % config.split_k:
-        out.append(f"split_k = {config.split_k} does not divide K / block_k = {K // config.block_k}")
+    for (name, dim, block), b in zip((("K", K, config.block_k), ("N", N, config.block_n)), _blocks(K, N, config)):
+        if dim % b or b < 16 or b & (b - 1):
+            out.append(f"{name} = {dim} is not a multiple of the block {block} (nor a power of two >= 16 below it)")
+    bk = _blocks(K, N, config)[0]
+    if config.split_k is not None and K % bk == 0 and (K // bk) % config.split_k:
+        out.append(f"split_k = {config.split_k} does not divide K / block_k = {K // bk}")
     return out
 
 
@@ -120,7 +130,8 @@ def _split(steps: int, programs: int, config: StackedMatmulConfig) -> int:
 
 
 def _split_k(M: int, K: int, N: int, config: StackedMatmulConfig) -> int:
-    return _split(K // config.block_k, pl.cdiv(M, _block_m(M)) * (N // config.block_n), config)
+    bk, bn = _blocks(K, N, config)
+    return _split(K // bk, pl.cdiv(M, _block_m(M)) * (N // bn), config)
 
 
 def stacked_matmul_reference(x_MK, w_LKN, layer, *, norm: RowNorm | None = None, dtype=None):
@@ -200,19 +211,20 @@ def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret, norm, dtype
     Mp = 1 if one_row else pl.cdiv(M, bm) * bm
     x = x_MK if one_row else jnp.pad(x_MK.astype(dtype), ((0, Mp - M), (0, 0)))
     norm_args = () if norm is None else (norm.weight,)
+    bk, bn = _blocks(K, N, config)
     partials = pl.pallas_call(
         functools.partial(
             _kernel,
             block_m=bm,
-            block_n=config.block_n,
-            block_k=config.block_k,
-            k_steps=K // config.block_k // split,
+            block_n=bn,
+            block_k=bk,
+            k_steps=K // bk // split,
             one_row=one_row,
             norm_eps=None if norm is None else float(norm.eps),
             dtype=dtype,
         ),
         out_shape=jax.ShapeDtypeStruct((split, Mp, N), _F32),
-        grid=(1 if one_row else Mp // bm, N // config.block_n, split),
+        grid=(1 if one_row else Mp // bm, N // bn, split),
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="stacked_matmul",
@@ -266,17 +278,7 @@ HEAD_CONFIG = StackedMatmulConfig(block_n=64, block_k=64)
 
 def stacked_head_matmul_problems(M: int, H: int, K: int, N: int, config: StackedMatmulConfig = HEAD_CONFIG):
     """Why `stacked_head_matmul` cannot take per-head [M, K] · [K, N] products over H heads (empty when it can)."""
-    out = []
-    if M > MAX_ROWS:
-        out.append(f"M = {M} rows is more than the {MAX_ROWS} a decode-shaped call takes")
-    for name, dim, block in (("K", K, config.block_k), ("N", N, config.block_n)):
-        b = min(block, dim)
-        if dim % b or b < 16 or b & (b - 1):
-            out.append(f"{name} = {dim} is not a multiple of the block {block} (nor a power of two >= 16 below it)")
-    steps = K // min(config.block_k, K)
-    if config.split_k is not None and K % min(config.block_k, K) == 0 and steps % config.split_k:
-        out.append(f"split_k = {config.split_k} does not divide K / block_k = {steps}")
-    return out
+    return _shape_problems(M, K, N, config)
 
 
 def stacked_head_matmul_reference(
@@ -368,7 +370,7 @@ def stacked_head_matmul(
             x_MHK, w_LRC, layer, col_offset=col_offset, contract_rows=contract_rows, width=N
         )
     bm = _block_m(M)
-    bk, bn = min(config.block_k, K), min(config.block_n, N)
+    bk, bn = _blocks(K, N, config)
     steps = K // bk
     split = _split(steps, H * (N // bn), config)
     Mp = 1 if M == 1 else bm  # a single row read as it is (measured faster than padded to 16 rows)

@@ -46,6 +46,16 @@ def test_kernel_reads_the_named_layer_of_the_stack(M, split_k):
     chex.assert_trees_all_close(f(x, w, jnp.int32(2)), stacked_matmul_reference(x, w, 2), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("M", [1, 5])
+def test_widths_narrower_than_a_block_are_one_block(M):
+    """K = 64 and N = 32 under the default 128 x 64 blocks (the built-in model's widths are this narrow): one chunk,
+    one column block, equal to numpy (catches the config's block used as it is: a chunk past the row's end)."""
+    x, w = _stack(M, K=64, N=32)
+    got = stacked_matmul(x, w, jnp.int32(1), impl="interpret")
+    want = np.asarray(x, np.float64) @ np.asarray(w[1], np.float64)
+    chex.assert_trees_all_close(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("M, split_k, stacked_weight", [(1, 3, True), (19, 1, False), (4, 3, True)])
 def test_the_norm_inside_the_kernel_equals_the_norm_then_the_product(M, split_k, stacked_weight):
     """`norm=RowNorm(...)`: the rows' RMSNorm applied in the kernel equals `rms_norm` then the product, and float64
@@ -78,13 +88,15 @@ def test_the_norm_inside_the_kernel_equals_the_norm_then_the_product(M, split_k,
 def test_what_it_cannot_serve_is_one_line_each():
     assert stacked_matmul_problems(1, 2048, 3072) == []  # V2-Lite's wq
     assert stacked_matmul_problems(128, 2048, 576) == []  # V2-Lite's wkv_a at batch 128
+    assert stacked_matmul_problems(1, 64, 1280) == []  # the built-in model's wq_b: K narrower than a block
     assert stacked_matmul_problems(129, 100, 48) == [
         "M = 129 rows is more than the 128 a decode-shaped call takes",
-        "K = 100 is not a multiple of the block 128",
-        "N = 48 is not a multiple of the block 64",
+        "K = 100 is not a multiple of the block 128 (nor a power of two >= 16 below it)",
+        "N = 48 is not a multiple of the block 64 (nor a power of two >= 16 below it)",
     ]
     x, w = _stack(2)
-    with pytest.raises(ValueError, match=r"^stacked_matmul: K = 96 is not a multiple of the block 128$"):
+    msg = r"^stacked_matmul: K = 96 is not a multiple of the block 128 \(nor a power of two >= 16 below it\)$"
+    with pytest.raises(ValueError, match=msg):
         stacked_matmul(x, w, 0, impl="interpret")
     with pytest.raises(ValueError, match=r"^w must be a stack \[L, K=96, N\], got shape \(96, 64\)$"):
         stacked_matmul(x, w[0], 0, config=SMALL, impl="interpret")
