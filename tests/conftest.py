@@ -32,9 +32,15 @@ os.environ.setdefault("NPROC", "8")
 # with the optimisations on (the `_xla_optimized` fixture below), where they run 2x faster.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-elif os.environ.get("PYTEST_XDIST_WORKER"):
-    # `pytest -m gpu -n 4`: four processes share the card, so none may take JAX's default 75 % up front.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+else:
+    # The GPU tests check values, not speed: XLA's autotuner (each GEMM and fusion compiled and timed in several
+    # configurations, its trial buffers on the card) is off for them and the tools they start. Under `-n 8` the
+    # autotuners of eight processes ran the card out of memory (an H100, 2026-12-06).
+    if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # `pytest -m gpu -n 4`: four processes share the card, so none may take JAX's default 75 % up front.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 @pytest.fixture(autouse=True)
@@ -113,6 +119,11 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     from tests.tiers import full_tier
 
+    if config.getoption("markexpr", "").strip() == "gpu":
+        # The GPU run's longest tests first (the tools in subprocesses, the compiled engines: 1-3 minutes each,
+        # `mla-bench serve` the longest): handed out last, one of them alone set the run's end. A stable sort.
+        first = ("tests/test_gpu_tools.py::test_gpu_mla_bench_serve", "tests/test_engine.py", "tests/test_gpu_tools.py")
+        items.sort(key=lambda item: next((i for i, f in enumerate(first) if item.nodeid.startswith(f)), len(first)))
     if full_tier(config):
         return
     dropped = [item for item in items if item.get_closest_marker("full") is not None]

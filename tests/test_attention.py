@@ -208,7 +208,9 @@ def test_unknown_attention_impl_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", gpu_full(["cudnn", "mgpu"], ("mgpu",)))
-@pytest.mark.parametrize("N,R,V", [(128, 64, 128), (16, 64, 16)], ids=["v2-v3-widths", "builtin-widths"])
+@pytest.mark.parametrize(
+    "N,R,V", gpu_full([(128, 64, 128), (16, 64, 16)], [(128, 64, 128)]), ids=["v2-v3-widths", "builtin-widths"]
+)
 def test_flash_attention_impls_equal_the_jnp_form_with_gradients(N, R, V, impl):
     """impl="cudnn" (cuDNN's flash attention, training's fast path) and impl="mgpu" (this project's Mosaic
     GPU flash attention, `pallas_kernels.flash_attention`; the built-in widths padded to 128 / 64 inside)

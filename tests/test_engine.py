@@ -889,6 +889,21 @@ def test_gpu_kernels_match_reference():
         pytest.skip("needs a Hopper GPU")
     prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
     _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.full(
+    "the GPU quick tier runs the engine's MTP verify through the kernels at k = 1 (s_q = 2) in "
+    "test_gpu_kernels_match_reference and the kernel at s_q = 4 in test_mla_decode"
+)
+def test_gpu_kernels_match_reference_with_three_drafts():
+    """The compiled engine's MTP verify with three drafts a step (s_q = 4 through `mla_decode`): the jnp path's
+    greedy tokens. Catches a verify step whose queries past the second are mis-ordered or mis-masked."""
+    from pallas_kernels.backend import on_hopper
+
+    if not on_hopper():
+        pytest.skip("needs a Hopper GPU")
+    prompts = _prompts(14, [5, 70, 130, 1, 64, 200])
     _kernel_vs_reference("kernel", prompts, max_new_tokens=24, max_batch=4, plain=False, k=3)
 
 

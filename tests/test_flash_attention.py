@@ -478,7 +478,7 @@ def test_prefill_bad_inputs_are_one_line_value_errors(change, message):
 @requires_hopper
 @pytest.mark.parametrize(
     "B, T, H, causal",
-    gpu_full([(2, 1024, 4, True), (1, 2048, 2, True), (2, 512, 2, False)], [(2, 1024, 4, True), (2, 512, 2, False)]),
+    gpu_full([(2, 1024, 4, True), (1, 2048, 2, True), (2, 512, 2, False)], [(2, 512, 2, False)]),
 )
 def test_gpu_kernel_matches_reference(B, T, H, causal):
     """The production kernels on the GPU (async wgmma, TMA, register-A operands: what the

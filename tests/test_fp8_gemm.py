@@ -299,8 +299,10 @@ requires_hopper = pytest.mark.skipif(not backend.on_hopper(), reason="needs a Ho
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("M", gpu_full([1, 32, 4096], (32, 4096)))
-@pytest.mark.parametrize("name", gpu_full(["q_a", "kv_a", "q_b", "down"], ("kv_a", "down")))
+@pytest.mark.parametrize(
+    "M, name",
+    gpu_full([(m, n) for m in (1, 32, 4096) for n in ("q_a", "kv_a", "q_b", "down")], [(4096, "kv_a"), (32, "down")]),
+)
 def test_gpu_kernel_matches_references_at_v3_shapes(M, name):
     """The kernel on an H200 (async wgmma, TMA, the persistent grid over many tiles: what the
     interpreter cannot model) against the same-recipe reference (tight) and the exact dequantized
@@ -319,11 +321,14 @@ def test_gpu_kernel_matches_references_at_v3_shapes(M, name):
 @requires_hopper
 @pytest.mark.parametrize(
     "config",
-    [
-        Fp8MatmulConfig(block_m=128, block_n=64, max_concurrent_steps=4),
-        Fp8MatmulConfig(block_m=64, block_n=64, max_concurrent_steps=8),
-        Fp8MatmulConfig(block_m=64, block_n=128, wg_split="n", max_concurrent_steps=4),
-    ],
+    gpu_full(
+        [
+            Fp8MatmulConfig(block_m=128, block_n=64, max_concurrent_steps=4),
+            Fp8MatmulConfig(block_m=64, block_n=64, max_concurrent_steps=8),
+            Fp8MatmulConfig(block_m=64, block_n=128, wg_split="n", max_concurrent_steps=4),
+        ],
+        [],
+    ),
     ids=["256x64", "128x64", "64x256"],
 )
 def test_gpu_tuning_configs_match_reference(config):

@@ -66,6 +66,7 @@ def test_gpu_mla_bench_e2e_one_cell(tmp_path):
     out = tmp_path / "e2e"
     p = _run(
         ["benchmarks", "e2e", "--cells", "v2-lite:1x256", "--layers", "2", "--new-tokens", "16", "--no-hf"]
+        + ["--ceiling-iters", "3"]
         + ["--out", str(out)],
         tmp_path,
     )

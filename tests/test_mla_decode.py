@@ -736,7 +736,12 @@ def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_s
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("variant", gpu_full(VARIANTS, VARIANTS[2:]), ids=VARIANT_IDS)
-@pytest.mark.parametrize("s_q,causal,lengths", [(1, False, [1, 63, 64, 65, 130, 192]), (2, True, [4096, 129, 2, 4000])])
+@pytest.mark.parametrize(
+    "s_q,causal,lengths",
+    gpu_full(
+        [(1, False, [1, 63, 64, 65, 130, 192]), (2, True, [4096, 129, 2, 4000])], [(2, True, [4096, 129, 2, 4000])]
+    ),
+)
 def test_gpu_page_boundaries(s_q, causal, lengths, variant):
     args = make_inputs(len(lengths), s_q, 64, lengths, 64, seed=3)
     assert_matches_reference(args, causal=causal, config=MlaDecodeConfig(**variant), impl="kernel")
@@ -744,7 +749,7 @@ def test_gpu_page_boundaries(s_q, causal, lengths, variant):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", gpu_full(GPU_CASES[1::3], GPU_CASES[1::12]))
+@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", gpu_full(GPU_CASES[1::3], GPU_CASES[1:2]))
 def test_gpu_split_qk_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
     rng = np.random.default_rng(heads + s_q + batch)
     lengths = _ragged_lengths(rng, batch, mean_len, s_q)
@@ -758,7 +763,7 @@ def test_gpu_split_qk_matches_reference(heads, s_q, causal, batch, mean_len, num
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", gpu_full(GPU_CASES, GPU_CASES[1::5]))
+@pytest.mark.parametrize("heads,s_q,causal,batch,mean_len,num_splits", gpu_full(GPU_CASES, GPU_CASES[1:2]))
 def test_gpu_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
     args = _gpu_ragged_inputs(heads, s_q, batch, mean_len, 1)
     assert_matches_reference(
@@ -768,7 +773,7 @@ def test_gpu_scorer_matches_reference(heads, s_q, causal, batch, mean_len, num_s
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("heads,s_q,causal", gpu_full([(64, 1, False), (128, 2, True)], [(128, 2, True)]))
+@pytest.mark.parametrize("heads,s_q,causal", gpu_full([(64, 1, False), (128, 2, True)], []))
 def test_gpu_large_batch(heads, s_q, causal):
     """B = 256 (the top of the supported batch range): one split per sequence, ragged lengths."""
     batch = 256
@@ -788,7 +793,7 @@ def test_gpu_large_batch(heads, s_q, causal):
     "heads,s_q,causal",
     gpu_full(
         [(16, 1, False), (64, 1, False), (64, 2, True), (128, 1, False), (128, 4, True)],
-        [(64, 2, True), (128, 4, True)],
+        [(128, 4, True)],
     ),
 )
 def test_gpu_pieces_matches_reference(heads, s_q, causal, variant):

@@ -26,7 +26,7 @@ from pallas_kernels import (
     quantize_latent_fp8,
 )
 from pallas_kernels.mla_decode import mla_decode_fp8_math_reference, mla_decode_schedule, plan, quantize_query_rows
-from tests.tiers import full
+from tests.tiers import full, gpu_full
 
 SCALE = 192**-0.5
 BLOCK_MAGNITUDES = np.repeat([1.0, 4.0, 16.0, 64.0], 128)
@@ -291,16 +291,19 @@ def _gpu_ragged_fp8_inputs(heads, s_q, batch, mean_len, *, seed):
 @requires_hopper
 @pytest.mark.parametrize(
     "heads,s_q,causal,batch,mean_len,num_splits",
-    [
-        (16, 1, False, 40, 300, None),
-        (32, 1, True, 40, 300, None),
-        (16, 2, True, 5, 2000, 7),
-        (32, 2, True, 5, 2000, 7),
-        (64, 1, False, 40, 300, None),
-        (64, 4, False, 5, 2000, 7),
-        (128, 3, True, 40, 300, None),
-        (128, 1, False, 5, 2000, 7),
-    ],
+    gpu_full(
+        [
+            (16, 1, False, 40, 300, None),
+            (32, 1, True, 40, 300, None),
+            (16, 2, True, 5, 2000, 7),
+            (32, 2, True, 5, 2000, 7),
+            (64, 1, False, 40, 300, None),
+            (64, 4, False, 5, 2000, 7),
+            (128, 3, True, 40, 300, None),
+            (128, 1, False, 5, 2000, 7),
+        ],
+        [(16, 2, True, 5, 2000, 7), (128, 3, True, 40, 300, None)],
+    ),
 )
 def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_splits):
     args = _gpu_ragged_fp8_inputs(heads, s_q, batch, mean_len, seed=heads * 100 + s_q)
@@ -309,7 +312,10 @@ def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_s
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("heads,s_q,causal", [(16, 1, False), (32, 1, True), (16, 2, True), (64, 1, False)])
+@pytest.mark.parametrize(
+    "heads,s_q,causal",
+    gpu_full([(16, 1, False), (32, 1, True), (16, 2, True), (64, 1, False)], [(32, 1, True), (16, 2, True)]),
+)
 def test_gpu_pieces_matches_reference(heads, s_q, causal):
     """The pieces schedule's fp8 bodies (transposed at R <= 32, padded above) on the GPU over ragged lengths and
     the default 132 CTAs: long sequences in several pieces on other SMs, launched in another order than their
