@@ -22,7 +22,14 @@ from flax import nnx
 from mla_jax.fp8_weights import FP8_BLOCK, Fp8Linear
 from pallas_kernels import backend
 from pallas_kernels.fp8_matvec import fp8_matvec_problems
-from pallas_kernels.stacked_matmul import MAX_ROWS, RowNorm, rms_norm, stacked_matmul, stacked_matmul_problems
+from pallas_kernels.stacked_matmul import (
+    MAX_ROWS,
+    NORM_ROWS,
+    RowNorm,
+    rms_norm,
+    stacked_matmul,
+    stacked_matmul_problems,
+)
 
 # A decoder layer's projections (module paths inside `models.layer.DecoderLayer`) that may be passed whole.
 # Not `wkv_b` (read per head: `HEAD_PROJECTIONS`) nor the router (fp32, HIGHEST precision).
@@ -104,7 +111,7 @@ def stacked_impl(cache_impl: str | None, rows: int) -> str | None:
 
 def stacked_filter(rows: int):
     """An nnx filter of the projection weights to pass whole for a call of `rows` tokens (and of the norms in
-    `STACKED_NORMS`, whose single row the projections' kernel normalises): those of the modules in
+    `STACKED_NORMS`, whose rows, up to `NORM_ROWS`, the projections' kernel normalises): those of the modules in
     `STACKED_PROJECTIONS` whose stack the kernel serves: an `nnx.Linear`'s kernel [L, K, N] (`stacked_matmul`),
     `HEAD_PROJECTIONS`' kernels [L, R, H·P] (`stacked_head_matmul`, their MLA layer falls back to the layer's slice
     where it cannot serve the heads' widths),
@@ -114,7 +121,7 @@ def stacked_filter(rows: int):
     def keep(path, value) -> bool:
         shape = value.shape if hasattr(value, "shape") else value[...].shape
         if tuple(path[:-1]) in STACKED_NORMS:  # read by the projections' kernels (`Normed`)
-            return path[-1] == "weight" and len(shape) == 2 and rows == 1
+            return path[-1] == "weight" and len(shape) == 2 and rows <= NORM_ROWS
         if tuple(path[:-1]) in HEAD_PROJECTIONS:  # its widths are checked where it is read (per head)
             return path[-1] == "kernel" and len(shape) == 3 and rows <= MAX_ROWS
         if tuple(path[:-1]) not in STACKED_PROJECTIONS:

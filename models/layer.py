@@ -18,6 +18,7 @@ from mla_jax.linear import Normed, Stacked
 from mla_jax.norm import RMSNorm
 from models.mlp import MLP
 from models.moe import MoE
+from pallas_kernels.stacked_matmul import NORM_ROWS
 
 
 class DecoderLayer(nnx.Module):
@@ -77,8 +78,9 @@ class DecoderLayer(nnx.Module):
         routed experts' variables are the whole stack's and this is its layer `stack_index` (`expert_offset`:
         stack_index · E, when the caller has it; see `MoE`). `stacked`:
         projections may hold the whole stack's kernels (`mla_jax.linear`)."""
-        # a one-row decode step's projections read the layer input and apply its norm in their kernel (`Normed`)
-        if stacked is not None and x_BTD.shape[0] * x_BTD.shape[1] == 1:
+        # a decode step of up to NORM_ROWS rows (one, or a B = 1 MTP verify step's): the projections read the layer
+        # input and apply its norm in their kernel (`Normed`)
+        if stacked is not None and x_BTD.shape[0] * x_BTD.shape[1] <= NORM_ROWS:
             attn_in = Normed(x_BTD, self.input_layernorm, stacked.index)
         else:
             attn_in = self.input_layernorm(x_BTD)

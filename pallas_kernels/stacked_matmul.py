@@ -15,14 +15,15 @@ weights in place, once, with tensor-core dots:
   split_k partials are summed by XLA (a [split_k, M, N] fp32 reduce, small at decode).
 
 The split over K gives a skinny call enough programs to keep the memory system busy; rows are padded to
-a multiple of `block_m` (at least 16, the smallest tensor-core M), except a single row (a B = 1 decode step),
-which the kernel reads as it is and repeats over the 16 rows of its dots: a pad is a kernel launch of its own.
+a multiple of `block_m` (at least 16, the smallest tensor-core M), except fewer than 16 (a B = 1 decode step, an
+MTP verify step of B = 1, a small batch), which the kernel reads as they are, a row a load, into the 16 rows of
+its dots (a single row repeated over them): a pad is a kernel launch of its own. The partials keep 16 rows.
 
-`norm` (a `RowNorm`): the rows are the input of an RMSNorm (`rms_norm`). A single row is normalised inside the
-kernel: each program loads the whole row at once for its root mean square (a few 4 KB pieces, in flight together),
-then normalises and scales each chunk it multiplies. A B = 1 decode layer's input norm then costs no launch of its
-own (XLA's reduction and the normalising pad were two). More rows are normalised by XLA first (a program would
-hold 16 rows of K in registers).
+`norm` (a `RowNorm`): the rows are the input of an RMSNorm (`rms_norm`). Up to `NORM_ROWS` rows are normalised
+inside the kernel: each program loads each whole row at once for its root mean square (a few 4 KB pieces, in
+flight together), then normalises and scales each chunk it multiplies. A B = 1 decode layer's input norm, or an
+MTP verify step's, then costs no launch of its own (XLA's reduction and the normalising pad were two). More rows
+are normalised by XLA first (a program would load every row whole before its first product).
 
 `stacked_matmul_reference` is the same function in plain XLA.
 """
@@ -42,6 +43,8 @@ from jax import lax
 from pallas_kernels import backend
 
 MAX_ROWS = 128  # a decode step's rows (B·T) this kernel is for; larger calls are a GEMM's business
+FEW_ROWS = 16  # rows below this (the smallest tensor-core M) are read as they are, a row a load
+NORM_ROWS = 4  # rows up to this are normalised in the kernel (`norm`): one decode row, or a B = 1 MTP verify step's
 _F32 = jnp.float32
 
 
@@ -161,29 +164,54 @@ def _row_pieces(K: int) -> int:
     return min(K & -K, 2048)
 
 
-def _row_scale(x_ref, K, eps):
-    """1 / the root mean square of the single row of x [1, K] + eps, fp32 [1, 1] (`rms_norm`'s). The row is loaded
-    in a few power-of-two pieces unrolled (one for K = 2048, seven of 1024 for 7168), all in flight at once: a loop
-    of dependent loads before the first product cost 9 µs a call."""
+def _row_scale(x_ref, K, eps, n_rows: int = 1, block_m: int = 1):
+    """1 / the root mean square + eps of each of the `n_rows` rows of x [n_rows, K], fp32 [block_m, 1] (`rms_norm`'s;
+    rows past `n_rows` 0). Each row is loaded in a few power-of-two pieces unrolled (one for K = 2048, seven of 1024
+    for 7168), all in flight at once: a loop of dependent loads before the first product cost 9 µs a call."""
     piece = _row_pieces(K)
-    ssq = jnp.zeros((1, 1), _F32)
-    for t in range(K // piece):
-        x = plt.load(x_ref.at[pl.ds(0, 1), pl.ds(t * piece, piece)]).astype(_F32)
-        ssq = ssq + jnp.sum(x * x, axis=1, keepdims=True)
-    return lax.rsqrt(ssq / K + eps)
+    row_id = lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+    scale = jnp.zeros((block_m, 1), _F32)
+    for r in range(n_rows):
+        ssq = jnp.zeros((1, 1), _F32)
+        for t in range(K // piece):
+            x = plt.load(x_ref.at[pl.ds(r, 1), pl.ds(t * piece, piece)]).astype(_F32)
+            ssq = ssq + jnp.sum(x * x, axis=1, keepdims=True)
+        rs = lax.rsqrt(ssq / K + eps)
+        scale = rs if block_m == 1 else jnp.where(row_id == r, jnp.broadcast_to(rs, (block_m, 1)), scale)
+    return scale
 
 
-def _kernel(layer_ref, x_ref, *refs, block_m, block_n, block_k, k_steps, one_row, norm_eps, dtype):
+def _load_rows(x_ref, n_rows: int, block_m: int, rows: pl.Slice, k: pl.Slice):
+    """x_ref[rows, k] as a [block_m, width] tile: `block_m` rows loaded as they are, or (`n_rows` < `FEW_ROWS`, x_ref
+    holding just those rows) each row loaded alone into its row of the tile, the rest 0; with `n_rows` = 1 the
+    single row is loaded [1, width] and repeated by the caller (`_broadcast_row`)."""
+    if n_rows >= FEW_ROWS or n_rows == 1:
+        return plt.load(x_ref.at[rows, k])
+    x = None
+    row_id = None
+    for r in range(n_rows):
+        row = plt.load(x_ref.at[pl.ds(r, 1), k])
+        if x is None:
+            width = row.shape[1]
+            row_id = lax.broadcasted_iota(jnp.int32, (block_m, width), 0)
+            x = jnp.zeros((block_m, width), row.dtype)
+        x = jnp.where(row_id == r, jnp.broadcast_to(row, (block_m, width)), x)
+    return x
+
+
+def _kernel(layer_ref, x_ref, *refs, block_m, block_n, block_k, k_steps, n_rows, norm_eps, dtype):
     g_ref, w_ref, o_ref = refs if norm_eps is not None else (None, *refs)
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    n_rows = 1 if one_row else block_m
-    rows, cols = pl.ds(0 if one_row else i * block_m, n_rows), pl.ds(j * block_n, block_n)
-    scale = None if g_ref is None else _row_scale(x_ref, x_ref.shape[1], norm_eps)  # a single row only
+    one_row = n_rows == 1
+    rows, cols = pl.ds(0 if one_row else i * block_m, 1 if one_row else block_m), pl.ds(j * block_n, block_n)
+    scale = None
+    if g_ref is not None:  # up to NORM_ROWS rows, read as they are
+        scale = _row_scale(x_ref, x_ref.shape[1], norm_eps, n_rows, 1 if one_row else block_m)
 
     def chunk(t, acc):
         k = pl.ds((s * k_steps + t) * block_k, block_k)
-        x = plt.load(x_ref.at[rows, k])
+        x = _load_rows(x_ref, n_rows, block_m, rows, k)
         if g_ref is not None:  # rms_norm's arithmetic on this chunk
             g = plt.load(g_ref.at[k] if len(g_ref.shape) == 1 else g_ref.at[layer, k])
             y = (x.astype(_F32) * scale).astype(x.dtype)
@@ -204,12 +232,12 @@ def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret, norm, dtype
     N = w_LKN.shape[2]
     bm = _block_m(M)
     split = _split_k(M, K, N, config)
-    one_row = M == 1
-    if norm is not None and not one_row:  # rows' norms in the kernel: a single row's only (`_row_scale`)
+    if norm is not None and M > NORM_ROWS:  # more rows' norms by XLA (`_row_scale` loads each row whole)
         g = norm.weight if norm.weight.ndim == 1 else lax.dynamic_index_in_dim(norm.weight, layer, 0, False)
         x_MK, norm = rms_norm(x_MK, g, norm.eps), None
-    Mp = 1 if one_row else pl.cdiv(M, bm) * bm
-    x = x_MK if one_row else jnp.pad(x_MK.astype(dtype), ((0, Mp - M), (0, 0)))
+    few = M < FEW_ROWS  # read as they are (`_load_rows`)
+    Mp = 1 if M == 1 else pl.cdiv(M, bm) * bm  # the partials' rows
+    x = x_MK if few else jnp.pad(x_MK.astype(dtype), ((0, Mp - M), (0, 0)))
     norm_args = () if norm is None else (norm.weight,)
     bk, bn = _blocks(K, N, config)
     partials = pl.pallas_call(
@@ -219,12 +247,12 @@ def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret, norm, dtype
             block_n=bn,
             block_k=bk,
             k_steps=K // bk // split,
-            one_row=one_row,
+            n_rows=M if few else bm,
             norm_eps=None if norm is None else float(norm.eps),
             dtype=dtype,
         ),
         out_shape=jax.ShapeDtypeStruct((split, Mp, N), _F32),
-        grid=(1 if one_row else Mp // bm, N // bn, split),
+        grid=(1 if M == 1 else Mp // bm, N // bn, split),
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="stacked_matmul",
@@ -300,12 +328,13 @@ def stacked_head_matmul_reference(
 def _head_kernel(layer_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k_steps, K, N, P, col_offset, contract_rows):
     h, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    one_row = x_ref.shape[0] == 1  # read as it is and repeated over the dot's rows
+    n_rows = x_ref.shape[0]  # fewer than FEW_ROWS: read as they are (one repeated over the dot's rows)
+    one_row = n_rows == 1
     rows = pl.ds(0, 1 if one_row else bm)
 
     def chunk(t, acc):
         k0 = (s * k_steps + t) * bk
-        x = plt.load(x_ref.at[rows, pl.ds(h * K + k0, bk)])  # [bm, bk]
+        x = _load_rows(x_ref, n_rows, bm, rows, pl.ds(h * K + k0, bk))  # [bm, bk]
         if one_row:
             x = jnp.broadcast_to(x, (bm, bk))
         if contract_rows:  # w tile [bk, bn]: rows k, the head's columns off + n
@@ -340,9 +369,9 @@ def stacked_head_matmul(
       contract_rows=False: y[m, h, n] = Σ_k x[m, h, k] · w[layer, n, h·P + col_offset + k], N = R
                            (W_UK folded into the query).
     Grid (H, N / block_n, split over K): a skinny decode call still has a few hundred programs; the split
-    partials are summed by XLA. Rows are padded to 16 (the smallest tensor-core M), M <= `MAX_ROWS`; a single
-    row is read as it is and repeated over the dot's 16 rows (V2-Lite B = 1 on an H100: 139 against 151 µs a
-    step for the two calls a layer).
+    partials are summed by XLA. Rows are padded to a power of two >= 16 (the smallest tensor-core M), M <=
+    `MAX_ROWS`, except fewer than 16, read as they are (`_load_rows`); a single row repeated over the dot's 16 rows
+    (V2-Lite B = 1 on an H100: 139 against 151 µs a step for the two calls a layer).
     impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
     """
     config = HEAD_CONFIG if config is None else config
@@ -373,8 +402,8 @@ def stacked_head_matmul(
     bk, bn = _blocks(K, N, config)
     steps = K // bk
     split = _split(steps, H * (N // bn), config)
-    Mp = 1 if M == 1 else bm  # a single row read as it is (measured faster than padded to 16 rows)
-    x = jnp.pad(x_MHK, ((0, Mp - M), (0, 0), (0, 0))).reshape(Mp, H * K)
+    Mp = 1 if M == 1 else bm  # the partials' rows (a single row: measured faster than padded to 16 rows)
+    x = (x_MHK if M < FEW_ROWS else jnp.pad(x_MHK, ((0, Mp - M), (0, 0), (0, 0)))).reshape(-1, H * K)
     partials = pl.pallas_call(
         functools.partial(
             _head_kernel,

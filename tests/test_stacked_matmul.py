@@ -12,6 +12,7 @@ from mla_jax.kv_cache import KVCache
 from mla_jax.linear import stacked_filter
 from models import DeepSeekModel, Engine
 from pallas_kernels.stacked_matmul import (
+    NORM_ROWS,
     RowNorm,
     StackedMatmulConfig,
     stacked_head_matmul,
@@ -33,10 +34,11 @@ def _stack(M, K=96, N=64, L=3, seed=0):
     return x, w
 
 
-@pytest.mark.parametrize("M, split_k", [(1, None), (19, 3), (32, 1)])
+@pytest.mark.parametrize("M, split_k", [(1, None), (3, 3), (19, 3), (32, 1)])
 def test_kernel_reads_the_named_layer_of_the_stack(M, split_k):
     """Every layer of the stack through the interpreter equals x · w[layer] computed in numpy (catches a wrong
-    layer offset, the split-K partials summed wrongly or not at all, rows past M leaking from the padding)."""
+    layer offset, the split-K partials summed wrongly or not at all, rows past M leaking from the padding, and
+    at M = 3 (fewer than 16, read a row a load) a row loaded into another's place or left out)."""
     x, w = _stack(M)
     config = StackedMatmulConfig(block_n=32, block_k=32, split_k=split_k)
     f = jax.jit(lambda x, w, layer: stacked_matmul(x, w, layer, config=config, impl="interpret"))
@@ -56,14 +58,17 @@ def test_widths_narrower_than_a_block_are_one_block(M):
     chex.assert_trees_all_close(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("M, split_k, stacked_weight", [(1, 3, True), (19, 1, False), (4, 3, True)])
+@pytest.mark.parametrize(
+    "M, split_k, stacked_weight", [(1, 3, True), (19, 1, False), (2, 1, False), (4, 3, True), (5, 3, True)]
+)
 def test_the_norm_inside_the_kernel_equals_the_norm_then_the_product(M, split_k, stacked_weight):
     """`norm=RowNorm(...)`: the rows' RMSNorm applied in the kernel equals `rms_norm` then the product, and float64
     numpy's; for each layer of the stack with a stacked norm weight [L, K]. Catches a program's root mean square
     taken over its own K range only (split_k = 3 with 3 chunks: every program holds a third), a piece of the row
     left out of it (K = 96 loads as three pieces of 32), eps left out, another layer's norm weight, the weight
     applied before the cast to the rows' dtype being skipped, and the single row (read unpadded, repeated over
-    the dot's 16 rows) stored from the wrong row; with more rows (normalised by XLA first), the norm skipped."""
+    the dot's 16 rows) stored from the wrong row; at 2 and 4 rows (normalised in the kernel, each row's scale its
+    own) a row scaled by another's root mean square; with more rows (normalised by XLA first), the norm skipped."""
     rng = np.random.default_rng(M)
     x, w = _stack(M, K=96, N=64, seed=M)
     x = (x * 3.0 + 0.5).astype(jnp.bfloat16)
@@ -102,11 +107,12 @@ def test_what_it_cannot_serve_is_one_line_each():
         stacked_matmul(x, w[0], 0, config=SMALL, impl="interpret")
 
 
-@pytest.mark.parametrize("M, split_k", [(1, None), (19, 2)])
+@pytest.mark.parametrize("M, split_k", [(1, None), (2, 2), (19, 2)])
 def test_head_matmul_reads_each_head_of_the_named_layer(M, split_k):
     """Both per-head forms through the interpreter against numpy on every layer of a head-interleaved stack
     [L, R, H·(N+V)] (catches a wrong head stride or column offset, W_UK read where W_UV is meant, the contraction
-    taken over the wrong axis, the split partials summed wrongly, another layer's weights)."""
+    taken over the wrong axis, the split partials summed wrongly, another layer's weights, and at M = 2 (read a
+    row a load) a row read from the wrong head's place)."""
     rng = np.random.default_rng(M)
     L, R, H, N, V = 3, 64, 4, 32, 16
     w = jnp.asarray(rng.standard_normal((L, R, H * (N + V))) / 8, jnp.float32)
@@ -157,8 +163,13 @@ def test_cross_lowers_for_sm90():
         normed = lambda x, w, g, i: stacked_matmul(x, w, i, norm=RowNorm(g, 1e-6), impl="kernel")  # noqa: E731
         g = jax.ShapeDtypeStruct((26, 2048), jnp.float32)
         text_norm = jax.jit(normed).trace(x, w, g, layer).lower(lowering_platforms=("cuda",)).as_text()
+        # an MTP verify step's two rows: read as they are and normalised inside, no pad and no norm around it
+        x2 = jax.ShapeDtypeStruct((2, 2048), jnp.bfloat16)
+        text_two = jax.jit(normed).trace(x2, w, g, layer).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
     assert text_norm.count("xla.gpu.triton") == 1 and "stablehlo.rsqrt" not in text_norm
+    assert text_two.count("xla.gpu.triton") == 1 and "stablehlo.rsqrt" not in text_two
+    assert "stablehlo.pad" not in text_two
 
 
 def test_head_matmul_cross_lowers_for_sm90():
@@ -170,7 +181,10 @@ def test_head_matmul_cross_lowers_for_sm90():
     f = lambda q, w, i: stacked_head_matmul(q, w, i, col_offset=0, contract_rows=False, impl="kernel")  # noqa: E731
     with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",), abstract_device=h200)):
         text = jax.jit(f).trace(q, w, layer).lower(lowering_platforms=("cuda",)).as_text()
+        q2 = jax.ShapeDtypeStruct((2, 16, 128), jnp.bfloat16)
+        text_two = jax.jit(f).trace(q2, w, layer).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
+    assert text_two.count("xla.gpu.triton") == 1 and "stablehlo.pad" not in text_two  # two rows read as they are
 
 
 # A narrow V2-Lite whose attention output and shared-expert projections are multiples of the kernel's blocks
@@ -209,16 +223,16 @@ def test_decode_step_with_whole_stack_projections_equals_the_sliced_one():
 
 def test_the_filter_takes_served_projections_only():
     """Only `STACKED_PROJECTIONS` kernels of served shapes, `HEAD_PROJECTIONS` kernels (wkv_b, read per head by
-    `stacked_head_matmul`) and, for a single row, the `STACKED_NORMS` weights (the input norm, applied in the
-    projections' kernel) go whole: not the router, not a projection whose widths the blocks do not divide, not the
-    other norms, not the input norm of several rows (XLA normalises those first: a whole weight would be sliced)."""
+    `stacked_head_matmul`) and, for up to `NORM_ROWS` rows, the `STACKED_NORMS` weights (the input norm, applied in
+    the projections' kernel) go whole: not the router, not a projection whose widths the blocks do not divide, not
+    the other norms, not the input norm of more rows (XLA normalises those first: a whole weight would be sliced)."""
     stack = nnx.eval_shape(lambda: DeepSeekModel(SERVED, rngs=nnx.Rngs(0))).moe_layers
     whole_paths = {}
-    for rows in (1, 2):
+    for rows in (1, NORM_ROWS, NORM_ROWS + 1):
         _, whole, _ = nnx.split(stack, stacked_filter(rows), ...)
         whole_paths[rows] = sorted("/".join(map(str, p)) for p, _ in nnx.to_flat_state(whole))
-    assert whole_paths[1] == ["input_layernorm/weight"] + whole_paths[2]
-    assert whole_paths[2] == [
+    assert whole_paths[1] == whole_paths[NORM_ROWS] == ["input_layernorm/weight"] + whole_paths[NORM_ROWS + 1]
+    assert whole_paths[NORM_ROWS + 1] == [
         "mlp/shared_experts/down_proj/kernel",
         "mlp/shared_experts/gate_proj/kernel",
         "mlp/shared_experts/up_proj/kernel",
