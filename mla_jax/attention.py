@@ -35,7 +35,7 @@ from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cu
 from mla_jax import fp8_weights, initializers
 from mla_jax.cache_paths import cached_path, kernel_seq_lens
 from mla_jax.config import ModelConfig
-from mla_jax.linear import Stacked, project
+from mla_jax.linear import Normed, Stacked, project
 from mla_jax.norm import RMSNorm
 from mla_jax.rope import apply_rope, rope_cos_sin
 from pallas_kernels import (
@@ -45,7 +45,7 @@ from pallas_kernels import (
     mla_decode,
 )
 from pallas_kernels.flash_attention import CTA_ROWS
-from pallas_kernels.stacked_matmul import stacked_head_matmul, stacked_head_matmul_problems
+from pallas_kernels.stacked_matmul import Partials, stacked_head_matmul, stacked_head_matmul_problems
 
 _F32 = jnp.float32
 
@@ -409,7 +409,9 @@ class MLA(nnx.Module):
         if cfg.q_lora_rank is None:
             q = project(self.wq, x_BTD, stacked)
         else:
-            q = project(self.wq_b, self.q_norm(project(self.wq_a, x_BTD, stacked)), stacked)
+            q_a = project(self.wq_a, x_BTD, stacked, keep_splits=True)  # `Partials` where the kernel has them
+            q_a = self.q_norm(q_a) if stacked is None else Normed(q_a, self.q_norm, stacked.index)
+            q = project(self.wq_b, q_a, stacked)  # the norm in wq_b's kernel where it serves these rows
         q_BTHK = q.reshape(q.shape[:2] + (cfg.num_attention_heads, cfg.qk_head_dim))
         q_nope, q_pe = q_BTHK[..., : cfg.qk_nope_head_dim], q_BTHK[..., cfg.qk_nope_head_dim :]
         cos, sin = rope_cos_sin(cfg, positions_BT)
@@ -476,7 +478,11 @@ class MLA(nnx.Module):
                 contract_rows=True,
                 width=V,
                 impl=stacked.impl,
-            ).reshape(B, T, H, V)
+                keep_splits=True,
+            )
+            if isinstance(o, Partials):  # summed by wo's kernel as it loads them: no reduction launch between
+                return project(self.wo, o.reshape(B, T, H * V), stacked)
+            o = o.reshape(B, T, H, V)
         elif isinstance(self.wkv_b, fp8_weights.Fp8Linear):  # W_UV alone, in the stored layout [H, V, L]
             w_uv_HVL = fp8_weights.dequantize_group_rows(self.wkv_b, H, N, N + V)
             o = einsum_f32("bthl,hvl->bthv", o_lat_BTHL, w_uv_HVL.astype(o_lat_BTHL.dtype))

@@ -25,6 +25,7 @@ from pallas_kernels.fp8_matvec import fp8_matvec_problems
 from pallas_kernels.stacked_matmul import (
     MAX_ROWS,
     NORM_ROWS,
+    Partials,
     RowNorm,
     rms_norm,
     stacked_matmul,
@@ -51,8 +52,9 @@ STACKED_PROJECTIONS = frozenset(
 
 
 # Norms whose weights pass whole ([L, K]) with the projections: `Normed` rows' norm, applied by `stacked_matmul`
-# reading its layer's row in place (sliced by the scan, a weight was copied by a kernel launch of its own a layer).
-STACKED_NORMS = frozenset({("input_layernorm",)})
+# reading its layer's row in place (sliced by the scan, a weight was copied by a kernel launch of its own a layer):
+# a layer's input norm, and MLA's query norm between `wq_a` and `wq_b`.
+STACKED_NORMS = frozenset({("input_layernorm",), ("self_attn", "q_norm")})
 
 # Projections read per head by the absorbed attention (`MLA.absorb_query`, `MLA.output_from_latent`), passed whole
 # as a bf16 / f32 kernel [L, R, H·P] for `pallas_kernels.stacked_matmul.stacked_head_matmul` (FP8 ones stay sliced).
@@ -60,7 +62,7 @@ HEAD_PROJECTIONS = frozenset({("self_attn", "wkv_b")})
 
 
 class Normed(NamedTuple):
-    """Rows with an RMSNorm still to apply: a decode layer's input `x` [..., K] and its `norm`
+    """Rows with an RMSNorm still to apply: a decode layer's input `x` [..., K] (or `Partials`) and its `norm`
     (`mla_jax.norm.RMSNorm`, whose weight may be a scanned stack's whole [L, K]: then `index` is the layer).
     `project` applies the norm inside `pallas_kernels.stacked_matmul` where the kernel serves the projection (the
     norm's reduction and its normalising pad were two kernel launches a layer), else first (`apply`). `shape`,
@@ -76,7 +78,8 @@ class Normed(NamedTuple):
         return w if w.ndim == 1 else jax.lax.dynamic_index_in_dim(w, self.index, axis=0, keepdims=False)
 
     def apply(self) -> jax.Array:
-        return rms_norm(self.x, self.weight(), self.norm.eps)
+        x = self.x.total() if isinstance(self.x, Partials) else self.x
+        return rms_norm(x, self.weight(), self.norm.eps)
 
     @property
     def shape(self):
@@ -139,14 +142,17 @@ def stacked_filter(rows: int):
     return keep
 
 
-def project(lin, x: jax.Array | Normed, stacked: Stacked | None = None) -> jax.Array:
+def project(lin, x: jax.Array | Normed | Partials, stacked: Stacked | None = None, *, keep_splits: bool = False):
     """`lin(x)`; with `stacked` and a module holding a whole stack (an `nnx.Linear`'s kernel [L, K, N], an
     `Fp8Linear`'s weight [L, N, K]), x · W[stacked.index] read in place. x [..., K] (or `Normed` rows, whose norm
-    the stacked kernel applies) -> [..., N] in `lin.dtype` (x's and the kernel's promoted dtype when None)."""
+    the stacked kernel applies, or `Partials`, which it sums as it loads them) -> [..., N] in `lin.dtype` (x's and
+    the kernel's promoted dtype when None); ``keep_splits``: the stacked kernel's `Partials` where it has them."""
     kernel = lin.kernel[...] if isinstance(lin, nnx.Linear) else None
     if stacked is None or kernel is None or kernel.ndim == 2:
         if isinstance(x, Normed):
             x = x.apply()
+        if isinstance(x, Partials):
+            x = x.total()
         if stacked is None or not isinstance(lin, Fp8Linear) or lin.weight_fp8[...].ndim == 2:
             return lin(x)
         return lin(x, layer=stacked.index, impl=stacked.impl)
@@ -155,5 +161,13 @@ def project(lin, x: jax.Array | Normed, stacked: Stacked | None = None) -> jax.A
         rows, norm = x.x, RowNorm(x.norm.weight[...], x.norm.eps)
     else:
         rows, norm = x, None
-    y = stacked_matmul(rows.reshape(-1, x.shape[-1]), kernel, stacked.index, norm=norm, dtype=dtype, impl=stacked.impl)
+    y = stacked_matmul(
+        rows.reshape(-1, x.shape[-1]),
+        kernel,
+        stacked.index,
+        norm=norm,
+        dtype=dtype,
+        impl=stacked.impl,
+        keep_splits=keep_splits,
+    )
     return y.reshape(x.shape[:-1] + (kernel.shape[-1],))

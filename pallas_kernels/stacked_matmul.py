@@ -25,6 +25,10 @@ flight together), then normalises and scales each chunk it multiplies. A B = 1 d
 MTP verify step's, then costs no launch of its own (XLA's reduction and the normalising pad were two). More rows
 are normalised by XLA first (a program would load every row whole before its first product).
 
+`Partials`: below `FEW_ROWS` rows a call may hand its split-K partials on unsummed (``keep_splits=True``), and a
+call given `Partials` as its rows sums them as it loads them: a projection feeding another (MLA's W_UV into `wo`,
+`wq_a` into `wq_b`) then costs no reduction launch between the two.
+
 `stacked_matmul_reference` is the same function in plain XLA.
 """
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -62,6 +67,45 @@ class RowNorm(NamedTuple):
 
     weight: jax.Array
     eps: float
+
+
+class Partials(NamedTuple):
+    """Rows held as split-K partial products, not yet summed: `parts` fp32 [S, Mp, C] (S splits, Mp >= the rows),
+    whose sum over S, its first rows cast to `dtype`, is the rows, of logical `shape` [..., C] (`total`).
+    `stacked_matmul` and `stacked_head_matmul` return them with ``keep_splits=True`` (fewer than `FEW_ROWS` rows)
+    and take them as rows, summing in their loads (the same sum in fp32, then the cast)."""
+
+    parts: jax.Array
+    shape: tuple
+    dtype: jnp.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def total(self) -> jax.Array:
+        """The rows [*shape] in `dtype`: the partials summed (by XLA)."""
+        rows = math.prod(self.shape[:-1])
+        return jnp.sum(self.parts, axis=0)[:rows].astype(self.dtype).reshape(self.shape)
+
+    def reshape(self, *shape) -> Partials:
+        """The same partials as rows of another logical shape (its last width the partials' columns; one -1)."""
+        shape = list(shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+        if shape[-1] != self.shape[-1]:
+            raise ValueError(f"Partials of width {self.shape[-1]} cannot be rows of shape {tuple(shape)}")
+        rows = math.prod(self.shape[:-1])
+        if -1 in shape:
+            shape[shape.index(-1)] = rows // max(1, -math.prod(shape[:-1]))
+        if math.prod(shape[:-1]) != rows:
+            raise ValueError(f"Partials of {rows} rows cannot be rows of shape {tuple(shape)}")
+        return self._replace(shape=tuple(shape))
+
+
+def _rows_out(partials, M: int, dtype, keep_splits: bool, shape: tuple):
+    """A call's result from its fp32 partials [S, Mp, N]: `Partials` (``keep_splits``, fewer than `FEW_ROWS`
+    rows), else their sum's first M rows in `dtype`, [*shape]."""
+    out = Partials(partials, tuple(shape), jnp.dtype(dtype))
+    return out if keep_splits and M < FEW_ROWS else out.total()
 
 
 TARGET_PROGRAMS = 264  # about two programs a streaming multiprocessor of an H100/H200 (132)
@@ -164,33 +208,45 @@ def _row_pieces(K: int) -> int:
     return min(K & -K, 2048)
 
 
-def _row_scale(x_ref, K, eps, n_rows: int = 1, block_m: int = 1):
-    """1 / the root mean square + eps of each of the `n_rows` rows of x [n_rows, K], fp32 [block_m, 1] (`rms_norm`'s;
-    rows past `n_rows` 0). Each row is loaded in a few power-of-two pieces unrolled (one for K = 2048, seven of 1024
-    for 7168), all in flight at once: a loop of dependent loads before the first product cost 9 µs a call."""
+def _load_x(x_ref, rows: pl.Slice, k: pl.Slice, dtype):
+    """x_ref[rows, k]; from split-K partials [S, Mp, K] (`Partials`), their sum over S cast to the rows' `dtype`."""
+    if len(x_ref.shape) == 2:
+        return plt.load(x_ref.at[rows, k])
+    total = None
+    for s in range(x_ref.shape[0]):
+        part = plt.load(x_ref.at[jnp.int32(s), rows, k])
+        total = part if total is None else total + part
+    return total.astype(dtype)
+
+
+def _row_scale(x_ref, K, eps, n_rows: int = 1, block_m: int = 1, dtype=None):
+    """1 / the root mean square + eps of each of the `n_rows` rows of x [n_rows, K] (or of `Partials`' parts, the rows
+    in `dtype`), fp32 [block_m, 1] (`rms_norm`'s; rows past `n_rows` 0). Each row is loaded in a few power-of-two
+    pieces unrolled (one for K = 2048, seven of 1024 for 7168), all in flight at once: a loop of dependent loads
+    before the first product cost 9 µs a call."""
     piece = _row_pieces(K)
     row_id = lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
     scale = jnp.zeros((block_m, 1), _F32)
     for r in range(n_rows):
         ssq = jnp.zeros((1, 1), _F32)
         for t in range(K // piece):
-            x = plt.load(x_ref.at[pl.ds(r, 1), pl.ds(t * piece, piece)]).astype(_F32)
+            x = _load_x(x_ref, pl.ds(r, 1), pl.ds(t * piece, piece), dtype).astype(_F32)
             ssq = ssq + jnp.sum(x * x, axis=1, keepdims=True)
         rs = lax.rsqrt(ssq / K + eps)
         scale = rs if block_m == 1 else jnp.where(row_id == r, jnp.broadcast_to(rs, (block_m, 1)), scale)
     return scale
 
 
-def _load_rows(x_ref, n_rows: int, block_m: int, rows: pl.Slice, k: pl.Slice):
+def _load_rows(x_ref, n_rows: int, block_m: int, rows: pl.Slice, k: pl.Slice, dtype=None):
     """x_ref[rows, k] as a [block_m, width] tile: `block_m` rows loaded as they are, or (`n_rows` < `FEW_ROWS`, x_ref
-    holding just those rows) each row loaded alone into its row of the tile, the rest 0; with `n_rows` = 1 the
-    single row is loaded [1, width] and repeated by the caller (`_broadcast_row`)."""
+    holding just those rows, or `Partials`' parts: `_load_x`) each row loaded alone into its row of the tile, the
+    rest 0; with `n_rows` = 1 the single row is loaded [1, width] and repeated by the caller."""
     if n_rows >= FEW_ROWS or n_rows == 1:
-        return plt.load(x_ref.at[rows, k])
+        return _load_x(x_ref, rows, k, dtype)
     x = None
     row_id = None
     for r in range(n_rows):
-        row = plt.load(x_ref.at[pl.ds(r, 1), k])
+        row = _load_x(x_ref, pl.ds(r, 1), k, dtype)
         if x is None:
             width = row.shape[1]
             row_id = lax.broadcasted_iota(jnp.int32, (block_m, width), 0)
@@ -199,7 +255,7 @@ def _load_rows(x_ref, n_rows: int, block_m: int, rows: pl.Slice, k: pl.Slice):
     return x
 
 
-def _kernel(layer_ref, x_ref, *refs, block_m, block_n, block_k, k_steps, n_rows, norm_eps, dtype):
+def _kernel(layer_ref, x_ref, *refs, block_m, block_n, block_k, k_steps, n_rows, norm_eps, x_dtype, dtype):
     g_ref, w_ref, o_ref = refs if norm_eps is not None else (None, *refs)
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
@@ -207,11 +263,11 @@ def _kernel(layer_ref, x_ref, *refs, block_m, block_n, block_k, k_steps, n_rows,
     rows, cols = pl.ds(0 if one_row else i * block_m, 1 if one_row else block_m), pl.ds(j * block_n, block_n)
     scale = None
     if g_ref is not None:  # up to NORM_ROWS rows, read as they are
-        scale = _row_scale(x_ref, x_ref.shape[1], norm_eps, n_rows, 1 if one_row else block_m)
+        scale = _row_scale(x_ref, x_ref.shape[-1], norm_eps, n_rows, 1 if one_row else block_m, x_dtype)
 
     def chunk(t, acc):
         k = pl.ds((s * k_steps + t) * block_k, block_k)
-        x = _load_rows(x_ref, n_rows, block_m, rows, k)
+        x = _load_rows(x_ref, n_rows, block_m, rows, k, x_dtype)
         if g_ref is not None:  # rms_norm's arithmetic on this chunk
             g = plt.load(g_ref.at[k] if len(g_ref.shape) == 1 else g_ref.at[layer, k])
             y = (x.astype(_F32) * scale).astype(x.dtype)
@@ -227,17 +283,22 @@ def _kernel(layer_ref, x_ref, *refs, block_m, block_n, block_k, k_steps, n_rows,
     plt.store(o_ref.at[s, rows, cols], acc)
 
 
-def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret, norm, dtype):
+def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret, norm, dtype, keep_splits):
     M, K = x_MK.shape
     N = w_LKN.shape[2]
     bm = _block_m(M)
     split = _split_k(M, K, N, config)
+    few = M < FEW_ROWS  # read as they are (`_load_rows`); `Partials` only then (more rows are summed by XLA)
+    if isinstance(x_MK, Partials) and not few:
+        x_MK = x_MK.total()
     if norm is not None and M > NORM_ROWS:  # more rows' norms by XLA (`_row_scale` loads each row whole)
         g = norm.weight if norm.weight.ndim == 1 else lax.dynamic_index_in_dim(norm.weight, layer, 0, False)
-        x_MK, norm = rms_norm(x_MK, g, norm.eps), None
-    few = M < FEW_ROWS  # read as they are (`_load_rows`)
+        x_MK, norm = rms_norm(x_MK.total() if isinstance(x_MK, Partials) else x_MK, g, norm.eps), None
     Mp = 1 if M == 1 else pl.cdiv(M, bm) * bm  # the partials' rows
-    x = x_MK if few else jnp.pad(x_MK.astype(dtype), ((0, Mp - M), (0, 0)))
+    if isinstance(x_MK, Partials):
+        x = x_MK.parts
+    else:
+        x = x_MK if few else jnp.pad(x_MK.astype(dtype), ((0, Mp - M), (0, 0)))
     norm_args = () if norm is None else (norm.weight,)
     bk, bn = _blocks(K, N, config)
     partials = pl.pallas_call(
@@ -249,6 +310,7 @@ def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret, norm, dtype
             k_steps=K // bk // split,
             n_rows=M if few else bm,
             norm_eps=None if norm is None else float(norm.eps),
+            x_dtype=x_MK.dtype,
             dtype=dtype,
         ),
         out_shape=jax.ShapeDtypeStruct((split, Mp, N), _F32),
@@ -257,7 +319,7 @@ def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret, norm, dtype
         interpret=interpret,
         name="stacked_matmul",
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, *norm_args, w_LKN.astype(dtype))
-    return jnp.sum(partials, axis=0)[:M].astype(dtype)
+    return _rows_out(partials, M, dtype, keep_splits, (M, N))
 
 
 def stacked_matmul(
@@ -269,11 +331,12 @@ def stacked_matmul(
     dtype=None,
     config: StackedMatmulConfig | None = None,
     impl: str | None = "auto",
+    keep_splits: bool = False,
 ):
     """[norm](x) [M, K] · w_LKN[layer] [K, N] -> [M, N] in `dtype` (fp32 accumulation).
 
     Args:
-      x_MK: [M, K] rows, bf16 (or f32), M <= `MAX_ROWS`.
+      x_MK: [M, K] rows, bf16 (or f32), M <= `MAX_ROWS`; or `Partials` of [M, K] (another call's unsummed result).
       w_LKN: [L, K, N] a scanned stack of one projection's weights (cast to `dtype`); read in place.
       layer: int scalar (may be traced), the layer of the stack to use; 0 <= layer < L (not checked
         when traced).
@@ -281,6 +344,7 @@ def stacked_matmul(
       dtype: the products' operand and result dtype (None: x's); the rows (after the norm) are cast to it.
       config: `StackedMatmulConfig`; K and N must be multiples of its blocks (`stacked_matmul_problems`).
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
+      keep_splits: return the kernel's split-K partials as `Partials` (fewer than `FEW_ROWS` rows; else the sum).
     """
     config = StackedMatmulConfig() if config is None else config
     _validate(x_MK, w_LKN, config)
@@ -291,9 +355,11 @@ def stacked_matmul(
     dtype = x_MK.dtype if dtype is None else jnp.dtype(dtype)
     impl = backend.resolve(impl)
     if impl == "reference":
-        return stacked_matmul_reference(x_MK, w_LKN, layer, norm=norm, dtype=dtype)
+        x = x_MK.total() if isinstance(x_MK, Partials) else x_MK
+        return stacked_matmul_reference(x, w_LKN, layer, norm=norm, dtype=dtype)
+    interpret = impl == "interpret"
     return _stacked_matmul_kernel(
-        x_MK, w_LKN, layer, config=config, interpret=impl == "interpret", norm=norm, dtype=dtype
+        x_MK, w_LKN, layer, config=config, interpret=interpret, norm=norm, dtype=dtype, keep_splits=keep_splits
     )
 
 
@@ -359,8 +425,10 @@ def stacked_head_matmul(
     width: int | None = None,
     config: StackedMatmulConfig | None = None,
     impl: str | None = "auto",
+    keep_splits: bool = False,
 ):
-    """Per-head products against one layer of a head-interleaved stack, read in place -> f32 [M, H, N].
+    """Per-head products against one layer of a head-interleaved stack, read in place -> f32 [M, H, N] (with
+    ``keep_splits`` and fewer than `FEW_ROWS` rows: the kernel's `Partials` of rows [M, H·N] in x's dtype).
 
     `w_LRC` [L, R, H·P] holds for head h the columns [h·P, (h + 1)·P) (MLA's `wkv_b` kernel: R = kv_lora_rank,
     P = qk_nope_head_dim + v_head_dim). Layer `layer` (an int scalar, may be traced) is used:
@@ -423,4 +491,6 @@ def stacked_head_matmul(
         interpret=impl == "interpret",
         name="stacked_head_matmul",
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, w_LRC.astype(x_MHK.dtype))
+    if keep_splits and M < FEW_ROWS:
+        return Partials(partials, (M, H * N), jnp.dtype(x_MHK.dtype))
     return jnp.sum(partials, axis=0)[:M].reshape(M, H, N)

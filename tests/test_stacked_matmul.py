@@ -13,6 +13,7 @@ from mla_jax.linear import stacked_filter
 from models import DeepSeekModel, Engine
 from pallas_kernels.stacked_matmul import (
     NORM_ROWS,
+    Partials,
     RowNorm,
     StackedMatmulConfig,
     stacked_head_matmul,
@@ -88,6 +89,45 @@ def test_the_norm_inside_the_kernel_equals_the_norm_then_the_product(M, split_k,
         ValueError, match=r"^stacked_matmul: the norm's weight must be \[K=96\] or \[L, K\], got \(95,\)$"
     ):
         stacked_matmul(x, w, 0, norm=RowNorm(jnp.ones(95), 1e-6), config=config, impl="interpret")
+
+
+@pytest.mark.parametrize("M, norm", [(1, False), (1, True), (3, True), (7, False), (7, True), (19, True)])
+def test_partials_as_rows_equal_their_sum(M, norm):
+    """`Partials` given as the rows (another call's unsummed split-K partials, Mp >= M rows) equal their sum cast to
+    the rows' dtype given as an array: with few rows summed by the kernel as it loads them (up to `NORM_ROWS` also
+    normalised there), with more by XLA first. Catches a partial left out of the sum (S = 3), the sum not rounded to
+    the rows' bf16 before the product or the norm, and a row read from the wrong partials' row."""
+    rng = np.random.default_rng(M)
+    Mp = 1 if M == 1 else 16 * -(-M // 16)
+    parts = jnp.asarray(rng.standard_normal((3, Mp, 96)), jnp.float32)
+    rows = Partials(parts, (M, 96), jnp.dtype(jnp.bfloat16))
+    _, w = _stack(M, K=96, N=64, seed=M + 1)
+    g = RowNorm(jnp.asarray(rng.uniform(0.5, 1.5, (w.shape[0], 96)), jnp.float32), 1e-6) if norm else None
+    want_rows = (parts[0] + parts[1] + parts[2])[:M].astype(jnp.bfloat16)
+    chex.assert_trees_all_equal(rows.total(), want_rows)
+    for layer in range(w.shape[0]):
+        got = stacked_matmul(rows, w, jnp.int32(layer), norm=g, dtype=jnp.float32, config=SMALL, impl="interpret")
+        want = stacked_matmul_reference(want_rows, w, jnp.int32(layer), norm=g, dtype=jnp.float32)
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("M", [1, 3, 19])
+def test_keep_splits_hands_the_partials_on(M):
+    """``keep_splits=True``: below 16 rows the kernel's split-K partials come back as `Partials` whose sum is the
+    product (a reduction launch fewer between two projections), the logical shape kept through a reshape; from 16
+    rows the product itself. Catches partials of the wrong rows or a split dropped."""
+    x, w = _stack(M, K=96, N=64, seed=M)
+    config = StackedMatmulConfig(block_n=32, block_k=32, split_k=3)
+    kept = stacked_matmul(x, w, jnp.int32(2), dtype=jnp.float32, config=config, impl="interpret", keep_splits=True)
+    want = stacked_matmul_reference(x, w, jnp.int32(2), dtype=jnp.float32)
+    if M < 16:
+        assert isinstance(kept, Partials) and kept.parts.shape[0] == 3 and kept.shape == (M, 64)
+        chex.assert_trees_all_close(kept.reshape(1, M, 64).total(), want[None], rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match=r"^Partials of width 64 cannot be rows of shape \(1, 32\)$"):
+            kept.reshape(1, 32)
+    else:
+        assert not isinstance(kept, Partials)
+        chex.assert_trees_all_close(kept, want, rtol=1e-5, atol=1e-5)
 
 
 def test_what_it_cannot_serve_is_one_line_each():
@@ -187,10 +227,71 @@ def test_head_matmul_cross_lowers_for_sm90():
     assert text_two.count("xla.gpu.triton") == 1 and "stablehlo.pad" not in text_two  # two rows read as they are
 
 
+def test_projections_chained_through_partials_cross_lower_with_nothing_between():
+    """MLA's W_UV into `wo` and `wq_a` into `wq_b` (the query norm between) at a decode step's one row and an MTP
+    verify step's two: two kernels and no reduction, norm or pad of XLA's between them (each was a launch)."""
+    from jax._src import mesh as mesh_lib
+
+    h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    w_uv, w_o = jnp.zeros((26, 512, 4096), jnp.bfloat16), jnp.zeros((26, 2048, 2048), jnp.bfloat16)
+    w_qa, w_qb = jnp.zeros((26, 2048, 1536), jnp.bfloat16), jnp.zeros((26, 1536, 3072), jnp.bfloat16)
+    g = jnp.ones((26, 1536), jnp.float32)
+    layer = jnp.int32(3)
+
+    def out(o, w_uv, w_o, i):
+        o = stacked_head_matmul(
+            o, w_uv, i, col_offset=128, contract_rows=True, width=128, impl="kernel", keep_splits=True
+        )
+        return stacked_matmul(o, w_o, i, impl="kernel")
+
+    def query(x, w_qa, w_qb, g, i):
+        q_a = stacked_matmul(x, w_qa, i, impl="kernel", keep_splits=True)
+        return stacked_matmul(q_a, w_qb, i, norm=RowNorm(g, 1e-6), impl="kernel")
+
+    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        for M in (1, 2):
+            o = jax.ShapeDtypeStruct((M, 16, 512), jnp.bfloat16)
+            x = jax.ShapeDtypeStruct((M, 2048), jnp.bfloat16)
+            for text in (
+                jax.jit(out).trace(o, w_uv, w_o, layer).lower(lowering_platforms=("cuda",)).as_text(),
+                jax.jit(query).trace(x, w_qa, w_qb, g, layer).lower(lowering_platforms=("cuda",)).as_text(),
+            ):
+                between = text.split("xla.gpu.triton", 2)[1]  # from the first kernel's call to the second's
+                assert text.count("xla.gpu.triton") == 2
+                assert not any(op in between for op in ("stablehlo.reduce", "stablehlo.rsqrt", "stablehlo.pad"))
+
+
 # A narrow V2-Lite whose attention output and shared-expert projections are multiples of the kernel's blocks
 # (wq 128 -> 128, wo 128 -> 128, shared experts 128 <-> 128), while wkv_a (128 -> 48) and the dense MLP
 # (width 96) are not: those stay sliced by the scan.
 SERVED = narrow_v2_lite(3).replace(hidden_size=128, v_head_dim=32, moe_intermediate_size=64, n_routed_experts=8)
+
+
+def test_query_lora_decode_step_reads_its_norm_and_partials_in_place():
+    """With a query LoRA (wq_a, q_norm, wq_b: DeepSeek-V3's and the built-in model's), a decode step of one row and
+    of two (an MTP verify step's) on the interpret backend equals the reference backend's logits: wq_a's partials go
+    unsummed into wq_b, whose kernel sums them and applies q_norm (its layer's weight read in place); W_UV's go into
+    wo. Catches the query norm skipped or taken from another layer, and a chained projection reading the partials
+    of the wrong rows."""
+    cfg = SERVED.replace(q_lora_rank=64)
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(1))
+    e = Engine(model, page_size=16, num_pages=8, max_batch=2, kv_dtype=jnp.float32)
+    rng = np.random.default_rng(1)
+    fwd = jax.jit(lambda ids, positions, cache: model(ids, positions, cache=cache))
+    for B, T in ((1, 1), (1, 2)):
+        S = 4 + T
+        ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, S)), jnp.int32)
+        table = jnp.arange(B, dtype=jnp.int32)[:, None]
+
+        def run(impl):
+            cache = KVCache.create(e.cache.pages, table, jnp.zeros((B,), jnp.int32), impl=impl)
+            _, cache = fwd(ids[:, :-T], jnp.broadcast_to(jnp.arange(S - T), (B, S - T)), cache)
+            last = (ids[:, -T:], jnp.broadcast_to(jnp.arange(S - T, S), (B, T)), cache)
+            return fwd(*last)[0], str(jax.make_jaxpr(fwd)(*last))
+
+        (got, jaxpr), (want, _) = run("interpret"), run("reference")
+        chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
+        assert jaxpr.count("name=stacked_matmul") == 9  # wq_a, wq_b, wo a stack; the MoE stack's 3 shared experts
 
 
 def test_decode_step_with_whole_stack_projections_equals_the_sliced_one():
