@@ -402,20 +402,25 @@ class MLA(nnx.Module):
 
     # --- projections --------------------------------------------------------------------
     def project_q(
-        self, x_BTD: jax.Array, positions_BT: jax.Array, stacked: Stacked | None = None
-    ) -> tuple[jax.Array, jax.Array]:
-        """-> q_nope [B,T,H,N], q_pe [B,T,H,R] (roped). `stacked`: see `mla_jax.linear`."""
+        self, x_BTD: jax.Array, positions_BT: jax.Array, stacked: Stacked | None = None, *, keep_splits: bool = False
+    ) -> tuple[jax.Array | Partials, jax.Array]:
+        """-> q_nope [B,T,H,N], q_pe [B,T,H,R] (roped). `stacked`: see `mla_jax.linear`. ``keep_splits``: where the
+        last projection's kernel hands its split-K partials on, q_nope is those `Partials` of the whole per-head
+        query [B,T,H,N+R] (q_nope its first N columns of each head), for `absorb_query` to sum as it loads them."""
         cfg = self.cfg
         if cfg.q_lora_rank is None:
-            q = project(self.wq, x_BTD, stacked)
+            q = project(self.wq, x_BTD, stacked, keep_splits=keep_splits)
         else:
             q_a = project(self.wq_a, x_BTD, stacked, keep_splits=True)  # `Partials` where the kernel has them
             q_a = self.q_norm(q_a) if stacked is None else Normed(q_a, self.q_norm, stacked.index)
-            q = project(self.wq_b, q_a, stacked)  # the norm in wq_b's kernel where it serves these rows
-        q_BTHK = q.reshape(q.shape[:2] + (cfg.num_attention_heads, cfg.qk_head_dim))
+            q = project(self.wq_b, q_a, stacked, keep_splits=keep_splits)  # q_norm in wq_b's kernel where it serves
+        shape = q.shape[:2] + (cfg.num_attention_heads, cfg.qk_head_dim)
+        q_BTHK = q.total().reshape(shape) if isinstance(q, Partials) else q.reshape(shape)
         q_nope, q_pe = q_BTHK[..., : cfg.qk_nope_head_dim], q_BTHK[..., cfg.qk_nope_head_dim :]
         cos, sin = rope_cos_sin(cfg, positions_BT)
-        return q_nope, apply_rope(q_pe, cos, sin, interleave=cfg.rope_interleave)
+        return (q.reshape(shape) if isinstance(q, Partials) else q_nope), apply_rope(
+            q_pe, cos, sin, interleave=cfg.rope_interleave
+        )
 
     def project_kv(self, x_BTD: jax.Array, positions_BT: jax.Array, stacked: Stacked | None = None) -> jax.Array:
         """-> the cached latent [B,T,L+R] = [kv_norm(c_kv) ; rope(k_pe)]."""
@@ -445,17 +450,27 @@ class MLA(nnx.Module):
             kernel = jax.lax.dynamic_index_in_dim(kernel, stacked.index, axis=0, keepdims=False)
         return kernel.reshape(cfg.kv_lora_rank, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
 
-    def absorb_query(self, q_nope: jax.Array, q_pe: jax.Array, stacked: Stacked | None = None) -> jax.Array:
-        """[q_nope · W_UK ; q_pe] -> [B,T,H,L+R]: the query the absorbed path / decode kernel takes."""
+    def absorb_query(self, q_nope, q_pe: jax.Array, stacked: Stacked | None = None) -> jax.Array:
+        """[q_nope · W_UK ; q_pe] -> [B,T,H,L+R]: the query the absorbed path / decode kernel takes. q_nope
+        [B,T,H,N], or `project_q`'s `Partials` of the whole per-head query (its first N columns of each head)."""
         cfg = self.cfg
         N = cfg.qk_nope_head_dim
         B, T, H, _ = q_nope.shape
         whole = self._wkv_b_stack(stacked, B * T, N, cfg.kv_lora_rank)
         if whole is not None:  # W_UK of the stack's layer, read in place
             q_lat = stacked_head_matmul(
-                q_nope.reshape(B * T, H, N), whole, stacked.index, col_offset=0, contract_rows=False, impl=stacked.impl
+                q_nope.reshape(B * T, H, q_nope.shape[-1]),
+                whole,
+                stacked.index,
+                col_offset=0,
+                contract_rows=False,
+                impl=stacked.impl,
+                k_cols=N,
             ).reshape(B, T, H, cfg.kv_lora_rank)
-        elif isinstance(self.wkv_b, fp8_weights.Fp8Linear):  # W_UK alone, in the stored layout [H, N, L]
+            return jnp.concatenate([q_lat.astype(q_pe.dtype), q_pe], axis=-1)
+        if isinstance(q_nope, Partials):
+            q_nope = q_nope.total()[..., :N]
+        if isinstance(self.wkv_b, fp8_weights.Fp8Linear):  # W_UK alone, in the stored layout [H, N, L]
             w_uk_HNL = fp8_weights.dequantize_group_rows(self.wkv_b, cfg.num_attention_heads, 0, N)
             q_lat = einsum_f32("bthn,hnl->bthl", q_nope, w_uk_HNL.astype(q_nope.dtype))
         else:
@@ -542,9 +557,10 @@ class MLA(nnx.Module):
         cfg = self.cfg
         T = x_BTD.shape[1]
         rope_pos = jnp.maximum(positions_BT, 0)  # padding rows get any valid rope position; never seen
-        q_nope, q_pe = self.project_q(x_BTD, rope_pos, stacked)
-        cache = cache.write(self.project_kv(x_BTD, rope_pos, stacked), positions_BT)
         path = self.cached_path(T, cache)
+        # the decode kernel's query: W_UK reads q_nope from the last projection's partials (`absorb_query`)
+        q_nope, q_pe = self.project_q(x_BTD, rope_pos, stacked, keep_splits=path == "decode_kernel")
+        cache = cache.write(self.project_kv(x_BTD, rope_pos, stacked), positions_BT)
         if path == "decode_kernel":
             # bf16 queries: the pages' own dtype, or what fp8 pages dequantise to in the kernel
             q_BTHC = self.absorb_query(q_nope, q_pe, stacked).astype(

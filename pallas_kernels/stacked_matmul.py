@@ -71,9 +71,10 @@ class RowNorm(NamedTuple):
 
 class Partials(NamedTuple):
     """Rows held as split-K partial products, not yet summed: `parts` fp32 [S, Mp, C] (S splits, Mp >= the rows),
-    whose sum over S, its first rows cast to `dtype`, is the rows, of logical `shape` [..., C] (`total`).
-    `stacked_matmul` and `stacked_head_matmul` return them with ``keep_splits=True`` (fewer than `FEW_ROWS` rows)
-    and take them as rows, summing in their loads (the same sum in fp32, then the cast)."""
+    whose sum over S, its first rows cast to `dtype`, is the rows, of logical `shape` (`total`): [..., C], or with
+    a row's C columns split further (per head: [M, H, C / H]). `stacked_matmul` and `stacked_head_matmul` return
+    them with ``keep_splits=True`` (fewer than `FEW_ROWS` rows) and take them as rows, summing in their loads (the
+    same sum in fp32, then the cast)."""
 
     parts: jax.Array
     shape: tuple
@@ -85,19 +86,19 @@ class Partials(NamedTuple):
 
     def total(self) -> jax.Array:
         """The rows [*shape] in `dtype`: the partials summed (by XLA)."""
-        rows = math.prod(self.shape[:-1])
+        rows = math.prod(self.shape) // self.parts.shape[-1]
         return jnp.sum(self.parts, axis=0)[:rows].astype(self.dtype).reshape(self.shape)
 
     def reshape(self, *shape) -> Partials:
-        """The same partials as rows of another logical shape (its last width the partials' columns; one -1)."""
+        """The same partials as rows of another logical shape (one -1 allowed): a row's C columns stay one row's,
+        as its last axes."""
         shape = list(shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
-        if shape[-1] != self.shape[-1]:
-            raise ValueError(f"Partials of width {self.shape[-1]} cannot be rows of shape {tuple(shape)}")
-        rows = math.prod(self.shape[:-1])
+        size = math.prod(self.shape)
         if -1 in shape:
-            shape[shape.index(-1)] = rows // max(1, -math.prod(shape[:-1]))
-        if math.prod(shape[:-1]) != rows:
-            raise ValueError(f"Partials of {rows} rows cannot be rows of shape {tuple(shape)}")
+            shape[shape.index(-1)] = size // max(1, -math.prod(shape))
+        C = self.parts.shape[-1]
+        if math.prod(shape) != size or all(math.prod(shape[k:]) != C for k in range(len(shape))):
+            raise ValueError(f"Partials of {size // C} rows of {C} cannot be rows of shape {tuple(shape)}")
         return self._replace(shape=tuple(shape))
 
 
@@ -391,16 +392,17 @@ def stacked_head_matmul_reference(
     )
 
 
-def _head_kernel(layer_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k_steps, K, N, P, col_offset, contract_rows):
+def _head_kernel(
+    layer_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k_steps, K, N, P, col_offset, contract_rows, n_rows, Px, x_dtype
+):
     h, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    n_rows = x_ref.shape[0]  # fewer than FEW_ROWS: read as they are (one repeated over the dot's rows)
-    one_row = n_rows == 1
+    one_row = n_rows == 1  # fewer than FEW_ROWS: read as they are (one repeated over the dot's rows)
     rows = pl.ds(0, 1 if one_row else bm)
 
     def chunk(t, acc):
         k0 = (s * k_steps + t) * bk
-        x = _load_rows(x_ref, n_rows, bm, rows, pl.ds(h * K + k0, bk))  # [bm, bk]
+        x = _load_rows(x_ref, n_rows, bm, rows, pl.ds(h * Px + k0, bk), x_dtype)  # [bm, bk]
         if one_row:
             x = jnp.broadcast_to(x, (bm, bk))
         if contract_rows:  # w tile [bk, bn]: rows k, the head's columns off + n
@@ -426,6 +428,7 @@ def stacked_head_matmul(
     config: StackedMatmulConfig | None = None,
     impl: str | None = "auto",
     keep_splits: bool = False,
+    k_cols: int | None = None,
 ):
     """Per-head products against one layer of a head-interleaved stack, read in place -> f32 [M, H, N] (with
     ``keep_splits`` and fewer than `FEW_ROWS` rows: the kernel's `Partials` of rows [M, H·N] in x's dtype).
@@ -440,12 +443,21 @@ def stacked_head_matmul(
     partials are summed by XLA. Rows are padded to a power of two >= 16 (the smallest tensor-core M), M <=
     `MAX_ROWS`, except fewer than 16, read as they are (`_load_rows`); a single row repeated over the dot's 16 rows
     (V2-Lite B = 1 on an H100: 139 against 151 µs a step for the two calls a layer).
+    x may be `Partials` of [M, H, Px] (fewer than 16 rows: summed as loaded); `k_cols`: the contraction takes the
+    first `k_cols` of each head's Px columns (MLA's q_nope within a head's query; None: all, K = Px).
     impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
     """
     config = HEAD_CONFIG if config is None else config
     if x_MHK.ndim != 3 or w_LRC.ndim != 3:
         raise ValueError(f"x must be [M, H, K] and w a stack [L, R, H·P], got {x_MHK.shape} and {w_LRC.shape}")
-    M, H, K = x_MHK.shape
+    M, H, Px = x_MHK.shape
+    K = Px if k_cols is None else k_cols
+    if not 0 < K <= Px:
+        raise ValueError(f"k_cols = {k_cols} must be in [1, {Px}], the columns of x's heads")
+    if isinstance(x_MHK, Partials) and M >= FEW_ROWS:
+        x_MHK = x_MHK.total()
+    if not isinstance(x_MHK, Partials) and K < Px:
+        x_MHK, Px = x_MHK[..., :K], K
     L, R, C = w_LRC.shape
     if C % H:
         raise ValueError(f"w's {C} columns do not split into H = {H} heads")
@@ -463,15 +475,19 @@ def stacked_head_matmul(
         raise ValueError("stacked_head_matmul: " + "; ".join(problems))
     impl = backend.resolve(impl)
     if impl == "reference":
+        x = x_MHK.total()[..., :K] if isinstance(x_MHK, Partials) else x_MHK
         return stacked_head_matmul_reference(
-            x_MHK, w_LRC, layer, col_offset=col_offset, contract_rows=contract_rows, width=N
+            x, w_LRC, layer, col_offset=col_offset, contract_rows=contract_rows, width=N
         )
     bm = _block_m(M)
     bk, bn = _blocks(K, N, config)
     steps = K // bk
     split = _split(steps, H * (N // bn), config)
     Mp = 1 if M == 1 else bm  # the partials' rows (a single row: measured faster than padded to 16 rows)
-    x = (x_MHK if M < FEW_ROWS else jnp.pad(x_MHK, ((0, Mp - M), (0, 0), (0, 0)))).reshape(-1, H * K)
+    if isinstance(x_MHK, Partials):
+        x = x_MHK.parts
+    else:
+        x = (x_MHK if M < FEW_ROWS else jnp.pad(x_MHK, ((0, Mp - M), (0, 0), (0, 0)))).reshape(-1, H * Px)
     partials = pl.pallas_call(
         functools.partial(
             _head_kernel,
@@ -484,6 +500,9 @@ def stacked_head_matmul(
             P=P,
             col_offset=col_offset,
             contract_rows=contract_rows,
+            n_rows=M if M < FEW_ROWS else bm,
+            Px=Px,
+            x_dtype=x_MHK.dtype,
         ),
         out_shape=jax.ShapeDtypeStruct((split, Mp, H * N), jnp.float32),
         grid=(H, N // bn, split),

@@ -123,8 +123,8 @@ def test_keep_splits_hands_the_partials_on(M):
     if M < 16:
         assert isinstance(kept, Partials) and kept.parts.shape[0] == 3 and kept.shape == (M, 64)
         chex.assert_trees_all_close(kept.reshape(1, M, 64).total(), want[None], rtol=1e-5, atol=1e-5)
-        with pytest.raises(ValueError, match=r"^Partials of width 64 cannot be rows of shape \(1, 32\)$"):
-            kept.reshape(1, 32)
+        with pytest.raises(ValueError, match=rf"^Partials of {M} rows of 64 cannot be rows of shape \({M}, 32\)$"):
+            kept.reshape(M, 32)
     else:
         assert not isinstance(kept, Partials)
         chex.assert_trees_all_close(kept, want, rtol=1e-5, atol=1e-5)
@@ -173,6 +173,28 @@ def test_head_matmul_reads_each_head_of_the_named_layer(M, split_k):
         want_uv = np.einsum("mhl,lhv->mhv", np.asarray(o, np.float64), w_RHP[..., N:])
         chex.assert_trees_all_close(np.asarray(uk(q, w, jnp.int32(layer)), np.float64), want_uk, rtol=1e-5, atol=1e-5)
         chex.assert_trees_all_close(np.asarray(uv(o, w, jnp.int32(layer)), np.float64), want_uv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("M", [1, 3, 17])
+def test_head_matmul_reads_q_nope_from_the_query_partials(M):
+    """W_UK given the last query projection's `Partials` of whole heads [M, H, Px] and ``k_cols`` (q_nope the first
+    columns of each head's query) equals the product of the summed query's q_nope: each head read at its own stride
+    (Px, not K), the sum over the splits taken and cast to the rows' dtype. Catches a head read at stride K, the
+    rope columns contracted, a split left out; 17 rows are summed by XLA first."""
+    rng = np.random.default_rng(M)
+    H, Px, K, R = 4, 48, 32, 64
+    Mp = 1 if M == 1 else 16 * -(-M // 16)
+    parts = jnp.asarray(rng.standard_normal((2, Mp, H * Px)), jnp.float32)
+    q = Partials(parts, (M, H * Px), jnp.dtype(jnp.bfloat16)).reshape(M, H, Px)
+    w = jnp.asarray(rng.standard_normal((3, R, H * (K + 16))) / 8, jnp.bfloat16)
+    q_nope = q.total()[..., :K]
+    for layer in range(3):
+        kw = dict(col_offset=0, contract_rows=False, config=StackedMatmulConfig(block_n=32, block_k=32))
+        got = stacked_head_matmul(q, w, jnp.int32(layer), impl="interpret", k_cols=K, **kw)
+        want = stacked_head_matmul(q_nope, w, jnp.int32(layer), impl="reference", **kw)
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"^k_cols = 49 must be in \[1, 48\], the columns of x's heads$"):
+        stacked_head_matmul(q, w, 0, col_offset=0, contract_rows=False, impl="interpret", k_cols=49)
 
 
 def test_head_matmul_limits_are_one_line_each():
@@ -228,15 +250,23 @@ def test_head_matmul_cross_lowers_for_sm90():
 
 
 def test_projections_chained_through_partials_cross_lower_with_nothing_between():
-    """MLA's W_UV into `wo` and `wq_a` into `wq_b` (the query norm between) at a decode step's one row and an MTP
-    verify step's two: two kernels and no reduction, norm or pad of XLA's between them (each was a launch)."""
+    """MLA's query projection into W_UK, W_UV into `wo` and `wq_a` into `wq_b` (the query norm between) at a decode
+    step's one row and an MTP verify step's two: two kernels and no reduction, slice, norm or pad of XLA's between
+    them (each was a launch)."""
     from jax._src import mesh as mesh_lib
 
     h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     w_uv, w_o = jnp.zeros((26, 512, 4096), jnp.bfloat16), jnp.zeros((26, 2048, 2048), jnp.bfloat16)
     w_qa, w_qb = jnp.zeros((26, 2048, 1536), jnp.bfloat16), jnp.zeros((26, 1536, 3072), jnp.bfloat16)
+    w_q = jnp.zeros((26, 2048, 3072), jnp.bfloat16)  # V2-Lite's wq: 16 heads of 192
     g = jnp.ones((26, 1536), jnp.float32)
     layer = jnp.int32(3)
+
+    def absorbed(q, w_q, w_uk, i):  # wq's partials into W_UK (q_nope: the first 128 of each head's 192 columns)
+        q = stacked_matmul(q, w_q, i, impl="kernel", keep_splits=True)
+        return stacked_head_matmul(
+            q.reshape(q.shape[0], 16, 192), w_uk, i, col_offset=0, contract_rows=False, impl="kernel", k_cols=128
+        )
 
     def out(o, w_uv, w_o, i):
         o = stacked_head_matmul(
@@ -253,12 +283,14 @@ def test_projections_chained_through_partials_cross_lower_with_nothing_between()
             o = jax.ShapeDtypeStruct((M, 16, 512), jnp.bfloat16)
             x = jax.ShapeDtypeStruct((M, 2048), jnp.bfloat16)
             for text in (
+                jax.jit(absorbed).trace(x, w_q, w_uv, layer).lower(lowering_platforms=("cuda",)).as_text(),
                 jax.jit(out).trace(o, w_uv, w_o, layer).lower(lowering_platforms=("cuda",)).as_text(),
                 jax.jit(query).trace(x, w_qa, w_qb, g, layer).lower(lowering_platforms=("cuda",)).as_text(),
             ):
                 between = text.split("xla.gpu.triton", 2)[1]  # from the first kernel's call to the second's
                 assert text.count("xla.gpu.triton") == 2
-                assert not any(op in between for op in ("stablehlo.reduce", "stablehlo.rsqrt", "stablehlo.pad"))
+                ops = ("stablehlo.reduce", "stablehlo.rsqrt", "stablehlo.pad", "stablehlo.slice")
+                assert not any(op in between for op in ops)
 
 
 # A narrow V2-Lite whose attention output and shared-expert projections are multiples of the kernel's blocks
