@@ -161,6 +161,7 @@ def main(argv=None):
 # Instructions of a compiled GPU module that launch nothing of their own.
 _NO_LAUNCH = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency"}
 _NO_LAUNCH |= {"opt-barrier", "partition-id", "replica-id", "copy-done"}
+_NO_LAUNCH |= {"async-done", "fusion-done"}  # the wait for an async fusion's stream: its start launched the work
 
 
 def kernel_launches(text: str) -> collections.Counter:
