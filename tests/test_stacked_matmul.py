@@ -23,7 +23,7 @@ from pallas_kernels.stacked_matmul import (
     stacked_matmul_reference,
 )
 from tests.micro_configs import narrow_v2_lite
-from tests.tiers import gpu_full
+from tests.tiers import full, gpu_full
 
 SMALL = StackedMatmulConfig(block_n=32, block_k=32)
 
@@ -91,7 +91,14 @@ def test_the_norm_inside_the_kernel_equals_the_norm_then_the_product(M, split_k,
         stacked_matmul(x, w, 0, norm=RowNorm(jnp.ones(95), 1e-6), config=config, impl="interpret")
 
 
-@pytest.mark.parametrize("M, norm", [(1, False), (1, True), (3, True), (7, False), (7, True), (19, True)])
+@pytest.mark.parametrize(
+    "M, norm",
+    full(
+        [(1, False), (1, True), (3, True), (7, False), (7, True), (19, True)],
+        [(1, True), (3, True), (19, True)],
+        "the quick tier takes one row, few rows normalised inside and many rows",
+    ),
+)
 def test_partials_as_rows_equal_their_sum(M, norm):
     """`Partials` given as the rows (another call's unsummed split-K partials, Mp >= M rows) equal their sum cast to
     the rows' dtype given as an array: with few rows summed by the kernel as it loads them (up to `NORM_ROWS` also
@@ -111,7 +118,7 @@ def test_partials_as_rows_equal_their_sum(M, norm):
         chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("M", [1, 3, 19])
+@pytest.mark.parametrize("M", full([1, 3, 19], [3, 19], "the quick tier takes few rows and many"))
 def test_keep_splits_hands_the_partials_on(M):
     """``keep_splits=True``: below 16 rows the kernel's split-K partials come back as `Partials` whose sum is the
     product (a reduction launch fewer between two projections), the logical shape kept through a reshape; from 16
@@ -175,7 +182,7 @@ def test_head_matmul_reads_each_head_of_the_named_layer(M, split_k):
         chex.assert_trees_all_close(np.asarray(uv(o, w, jnp.int32(layer)), np.float64), want_uv, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("M", [1, 3, 17])
+@pytest.mark.parametrize("M", full([1, 3, 17], [3], "the quick tier takes few rows"))
 def test_head_matmul_reads_q_nope_from_the_query_partials(M):
     """W_UK given the last query projection's `Partials` of whole heads [M, H, Px] and ``k_cols`` (q_nope the first
     columns of each head's query) equals the product of the summed query's q_nope: each head read at its own stride
