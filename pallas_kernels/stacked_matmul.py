@@ -26,8 +26,8 @@ MTP verify step's, then costs no launch of its own (XLA's reduction and the norm
 are normalised by XLA first (a program would load every row whole before its first product).
 
 `Partials`: below `FEW_ROWS` rows a call may hand its split-K partials on unsummed (``keep_splits=True``), and a
-call given `Partials` as its rows sums them as it loads them: a projection feeding another (MLA's W_UV into `wo`,
-`wq_a` into `wq_b`) then costs no reduction launch between the two.
+call given `Partials` as its rows sums them as it loads them: a projection feeding another (MLA's `wq` / `wq_b`
+into W_UK, W_UV into `wo`, `wq_a` into `wq_b`) then costs no reduction launch between the two.
 
 `stacked_matmul_reference` is the same function in plain XLA.
 """
