@@ -306,6 +306,7 @@ def test_projections_chained_through_partials_cross_lower_with_nothing_between()
 SERVED = narrow_v2_lite(3).replace(hidden_size=128, v_head_dim=32, moe_intermediate_size=64, n_routed_experts=8)
 
 
+@pytest.mark.full("the partials' kernel tests and the whole-stack decode step cover it in the quick tier")
 def test_query_lora_decode_step_reads_its_norm_and_partials_in_place():
     """With a query LoRA (wq_a, q_norm, wq_b: DeepSeek-V3's and the built-in model's), a decode step of one row and
     of two (an MTP verify step's) on the interpret backend equals the reference backend's logits: wq_a's partials go
