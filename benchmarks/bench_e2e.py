@@ -65,7 +65,8 @@ consecutive same-model cells (clean memory, cold compiles), then the HF peer in 
 preallocation and torch never share the GPU. Every finished cell is appended to ``e2e.csv`` at once (a
 killed run keeps its rows); a failing cell becomes a row with the error's first line (its ``error``), the run
 goes on to the next cell and ends with exit status 1 and one line naming the first failure. ``--time-budget``
-stops starting cells (ours stop ``--hf-reserve`` seconds early so the peer gets its turn).
+stops starting cells (ours stop ``--hf-reserve`` seconds early so the peer gets its turn) and stops a worker
+still running ``--cell-grace`` seconds past it: its cells are rows noted "cut by the time budget", not failures.
 ``--ttft-subprocess`` instead runs the first cell twice in fresh processes with JAX's persistent compilation
 cache on (``--compile-cache DIR``, default a fresh temporary folder) and reports, per process, the
 time from generate to the first token, from process launch to the first token, and the process wall time.
@@ -302,23 +303,20 @@ def drive(args, argv) -> list[dict]:
         if rc == EXIT_NO_GPU:
             raise SystemExit(EXIT_NO_GPU)
         have = _cells_with_rows(args.out)
-        for m, b, t in seg:  # a worker that died leaves its cells without a row
+        # A worker that died leaves its cells without a row: an error, unless the budget's deadline stopped it
+        # (the cell in flight and those after it are then cut, as the budget asked, not failed).
+        why = (
+            dict(note=f"cut by the time budget (its worker stopped {args.cell_grace:.0f} s past it)")
+            if rc == EXIT_CUT
+            else dict(error=f"worker exited with code {rc} before this cell")
+        )
+        for m, b, t in seg:
             for label in map(mesh_label, parse_meshes(args.mesh)):
                 if (m, label, b, t) not in have:
-                    append_row(
-                        args.out,
-                        dict(
-                            model=m,
-                            impl=label,
-                            B=b,
-                            prompt=t,
-                            new_tokens=args.new_tokens,
-                            error=f"worker exited with code {rc} before this cell",
-                        ),
-                    )
+                    append_row(args.out, dict(model=m, impl=label, B=b, prompt=t, new_tokens=args.new_tokens, **why))
     for m in hf_models:
         rc = run_worker(args, argv, "hf", format_cells([c for c in cells if c[0] == m]), [], deadline)
-        if rc != 0:
+        if rc not in (0, EXIT_CUT):
             bm.log(f"# HF peer {m}: worker exited with code {rc}")
     rows = report(os.path.join(args.out, CSV_NAME), args.out)
     bm.exit_if_failed("e2e", rows, os.path.join(args.out, CSV_NAME), name=cell_name)
@@ -329,9 +327,12 @@ def cell_name(row: dict) -> str:
     return f"{row['model']} {row['impl']} B={row['B']} prompt={row['prompt']}"
 
 
+EXIT_CUT = -124  # run_worker's code for a worker it stopped at the budget's deadline (no process exits with it)
+
+
 def run_worker(args, argv, kind: str, cells: str, extra, deadline) -> int:
-    """Runs a worker in a fresh process (in this one with --in-process) -> its exit code. With a deadline, the
-    worker starts no cell after it and is killed --cell-grace seconds after it."""
+    """Runs a worker in a fresh process (in this one with --in-process) -> its exit code, or ``EXIT_CUT``. With a
+    deadline, the worker starts no cell after it and is stopped --cell-grace seconds after it."""
     extra = list(extra) + (["--deadline", repr(deadline)] if deadline else [])
     cmd = worker_command(argv, kind, cells=cells, extra=extra)
     if args.in_process:
@@ -344,8 +345,8 @@ def run_worker(args, argv, kind: str, cells: str, extra, deadline) -> int:
     try:
         return subprocess.run(cmd, env=worker_env(args), timeout=timeout).returncode
     except subprocess.TimeoutExpired:
-        bm.log(f"# {kind} worker ({cells}) killed after {timeout:.0f} s")
-        return 124
+        bm.log(f"# {kind} worker ({cells}) stopped by the time budget after {timeout:.0f} s")
+        return EXIT_CUT
 
 
 # ------------------------------------------------------------------------------------------
@@ -456,7 +457,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=0, help="seconds after which no new cell starts (0: none)")
     p.add_argument("--hf-reserve", type=float, default=120, help="seconds of the budget kept for the HF peer")
     p.add_argument(
-        "--cell-grace", type=float, default=300, help="seconds past the budget before a worker still running is killed"
+        "--cell-grace",
+        type=float,
+        default=300,
+        help="seconds past the budget before a worker still running is stopped (its cells: rows noted cut)",
     )
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers peer")
     p.add_argument(

@@ -320,6 +320,29 @@ def test_a_cell_that_fails_late_keeps_the_rows_before_and_fails_the_run(tmp_path
     ]
 
 
+def test_a_worker_stopped_by_the_time_budget_cuts_its_cells_not_fails_them(tmp_path, monkeypatch):
+    """`mla-bench e2e --quick --time-budget 270 --cell-grace 40` on an H200: the B = 128 cell was still running
+    when the budget's grace ran out; the driver stopped its worker as asked, then wrote the cell as an error
+    ("worker exited with code 124") and the run ended with status 1. A cell cut by the budget is a row noted
+    "cut by the time budget"; a worker that dies on its own is still an error."""
+    import benchmarks as bm
+
+    def stopped(cmd, env=None, timeout=None):
+        assert timeout is not None  # a budget gives the worker a deadline
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(e2e.subprocess, "run", stopped)
+    budget = ("--no-hf", "--time-budget", "100", "--out", str(tmp_path))
+    rows = e2e.drive(_args("--cells", "v2-lite:1x1024,8x1024", *budget), [])
+    assert [(r["B"], r["error"], r["note"]) for r in rows] == [
+        (b, "", "cut by the time budget (its worker stopped 300 s past it)") for b in (1, 8)
+    ]
+    monkeypatch.setattr(e2e.subprocess, "run", lambda cmd, env=None, timeout=None: subprocess.CompletedProcess(cmd, 1))
+    with pytest.raises(SystemExit, match="worker exited with code 1 before this cell"):
+        e2e.drive(_args("--cells", "v2-lite:1x1024", *budget), [])
+    assert bm.read_csv(str(tmp_path / "e2e.csv"))[0]["note"] == ""
+
+
 def test_a_model_whose_weights_exceed_the_device_is_skipped_not_failed(tmp_path, monkeypatch):
     """`mla-bench e2e` over a model whose bf16 weights alone exceed the device's planned share (here a device of
     1 MiB; the V3 cut in bf16 on an 80 GB card): its cells are rows noted "skipped (the bf16 weights need ...)",
