@@ -31,7 +31,7 @@ from pallas_kernels.moe_decode import (
     moe_decode_problems,
     moe_decode_reference,
 )
-from tests.tiers import gpu_full
+from tests.tiers import full, gpu_full
 
 SMALL = MoeDecodeConfig(block_i=32, block_d=32, block_o=32, block_k=32)
 
@@ -342,9 +342,14 @@ def _np_swiglu(x, g, u, d):
     return (a / (1 + np.exp(-a)) * (x @ u)) @ d
 
 
-@pytest.mark.parametrize("stacked", [True, False], ids=["stack", "2d"])
-@pytest.mark.parametrize("n_shared", [1, 2])
-@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize(
+    "T, n_shared, stacked",
+    full(
+        [(T, n, st) for T in (1, 3, 17) for n in (1, 2) for st in (True, False)],
+        [(1, 1, True), (3, 2, False), (17, 2, True)],
+        "each row count, shared-expert count and weight form (stack, 2d) runs in the quick tier",
+    ),
+)
 def test_shared_interpret_matches_reference_and_leaves_the_routed_rows(T, n_shared, stacked):
     """Routed and shared experts in one pair of launches, layer 1 of a 3-layer stack at a traced index (or 2-D
     weights) against the reference. Catches: the shared programs reading another layer (or layer 0), a wrong
@@ -495,6 +500,10 @@ def test_moe_layer_with_fused_shared_experts_equals_the_unfused_layer(monkeypatc
     chex.assert_trees_all_close(fused.astype(jnp.float32), apart.astype(jnp.float32), rtol=2e-2, atol=1e-2 * scale)
 
 
+@pytest.mark.full(
+    "test_moe_layer_with_fused_shared_experts_equals_the_unfused_layer[stack] (the layer at a stack index) and "
+    "test_engine_with_the_decode_experts_reads_each_layer_out_of_the_stack run in the quick tier"
+)
 def test_model_decode_step_runs_the_shared_experts_in_the_moe_kernel():
     """A scanned model's cached decode step with moe_impl="decode" on the interpret backend: the shared experts'
     kernels go in whole ([L, D, S]) and run inside the two moe_decode launches at the scan's layer index. Its

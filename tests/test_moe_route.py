@@ -24,7 +24,7 @@ from pallas_kernels.moe_route import (
     route_reference,
     sort_by_expert,
 )
-from tests.tiers import gpu_full
+from tests.tiers import full, gpu_full
 
 # name: (E, spec, the largest T the kernel takes at that E)
 SPECS = {
@@ -88,7 +88,14 @@ def _assert_sorted_by_expert(r: DecodeRoute, E: int):
     assert experts.size >= A and not counts[touched.size :].any()  # the rest are idle
 
 
-@pytest.mark.parametrize("name, T", [(name, T) for name, (_, _, t_max) in SPECS.items() for T in (1, 5, 32, t_max)])
+_ROUTE_CELLS = [(name, T) for name, (_, _, t_max) in SPECS.items() for T in (1, 5, 32, t_max)]
+# The quick tier: each routing rule once, and each token count once among them (1, 5, 32 and a spec's most).
+_QUICK_ROUTE_CELLS = [("v2_lite", 1), ("v2_group", 5), ("v2_160", 32), ("v3", SPECS["v3"][2])]
+
+
+@pytest.mark.parametrize(
+    "name, T", full(_ROUTE_CELLS, _QUICK_ROUTE_CELLS, "each routing rule and each token count run in the quick tier")
+)
 def test_interpret_equals_reference(name, T):
     """The kernel in the interpreter equals the jnp reference (indices, sort exactly; weights to 1e-6) for V2-Lite,
     V2's group-limited greedy (32 and 160 experts) and V3's noaux_tc, 1 token to the most the kernel takes.

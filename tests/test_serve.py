@@ -407,6 +407,10 @@ def _float32_twin(model):
     return nnx.merge(graphdef, jax.tree.map(up, nnx.state(model)))
 
 
+@pytest.mark.full(
+    "test_near_tie_judge_tells_rounding_from_a_real_difference (the verdicts) and "
+    "test_near_tie_judge_holds_no_float32_copy_of_a_stack (the layer-at-a-time pass) run in the quick tier"
+)
 def test_near_tie_judge_equals_the_float32_twin():
     """The judge's exact pass (float32 compute over the model's bf16 weights, upcast a layer at a time) against a
     float32 twin of the model (its weights upcast whole, called as `model(ids)`, not through the judge): the same

@@ -722,7 +722,11 @@ def two_steps(tmp_path_factory):
     [
         pytest.param(_file_size_limit, id="real-orbax-write-fails-2500-lines-of-tracebacks-tmp-folder-left"),
         pytest.param(_failing_writer(errno.ENOSPC), id="disk-full-no-one-line-error"),
-        pytest.param(_failing_writer(errno.EACCES), id="permission-denied-no-one-line-error"),
+        pytest.param(
+            _failing_writer(errno.EACCES),
+            id="permission-denied-no-one-line-error",
+            marks=pytest.mark.full("the same writer failing with ENOSPC (disk-full) runs in the quick tier"),
+        ),
     ],
 )
 def test_failed_save_is_one_line_and_the_last_checkpoint_still_loads(
@@ -847,6 +851,10 @@ def two_step_run(tmp_path_factory):
     return out, args
 
 
+@pytest.mark.full(
+    "test_resume_is_exact (a resume trains the steps left, bit for bit) and "
+    "test_resume_of_a_finished_run_says_it_is_complete (a finished run read back) run in the quick tier"
+)
 def test_resume_with_more_steps_extends_a_finished_run(two_step_run, tmp_path, capfd):
     """Guards: `--resume --steps 4` on a finished 2-step run refused (steps=2/4) instead of training steps 3
     and 4; it says the steps at its start (with the progress bar on) and ends a run of 4 steps."""
