@@ -1295,6 +1295,25 @@ def test_default_prefill_chunk_rule(model):
     assert (e.prefill_attention, e.prefill_chunk) == ("xla", 512)
 
 
+def test_no_verify_call_behind_one_expected_to_end_the_row(model):
+    """Guards: with MTP the host launched the next verify call while the row's fewest position after the call in
+    flight (one token a step) was short of its end, though that call was expected to end the row: with every
+    draft right, the first call of 8 verify steps makes ~15 tokens, and the second call behind it ran its 8
+    steps for nothing (a prefill and two verify calls launched for 14 new tokens, the second landing after the
+    request ended, in no one's stats; about half of all lengths end in such a call). The calls in flight are now
+    credited with the acceptance seen so far."""
+    e = Engine(model, **{**STD, "max_batch": 1}, decode_steps=8)
+    prompt = _prompts(37, [5])
+    plain = e.generate(prompt, max_new_tokens=40).tokens
+    e.draft_oracle([prompt[0] + plain[0]], accept=1.0)
+    seen = e.generate(prompt, max_new_tokens=40, use_mtp=True)  # the acceptance the engine has seen: ~1
+    launched = e._sched.flights
+    res = e.generate(prompt, max_new_tokens=14, use_mtp=True)
+    e.draft_oracle(None)
+    assert seen.tokens == plain and res.tokens == [plain[0][:14]]
+    assert e._sched.flights - launched == 2  # the prefill and one verify call
+
+
 def test_draft_oracle_sets_the_acceptance_and_keeps_the_tokens(model):
     """The benchmark's oracle drafts (`Engine.draft_oracle`) on a random model, whose own drafts are noise: with
     every draft right (accept 1) nearly all are accepted, with none right almost none, and the tokens are the

@@ -57,6 +57,8 @@ class _Outputs:
             for i, tok in enumerate(toks):
                 if self.emit(b, tok, first + i):
                     break
+        self.mtp_seen[0] += drafted
+        self.mtp_seen[1] += accepted
         for st in self.sinks:
             if f.kind == "mixed":
                 st.record_mixed(f.prompt_tokens, emitted, seconds, compiled)

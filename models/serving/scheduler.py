@@ -21,7 +21,8 @@ rows' inputs from there. So the host enqueues call n + 1 before it reads call n:
 the host, and each token reaches its request as its own call completes. What the host does not know yet it
 bounds: a row's position after the calls in flight lies in [lo, hi] (`_Seq.bounds`; the same with plain
 decoding unless a stop token came, wider with MTP, whose acceptance the device decides), pages are held
-for `hi` and a row runs while `lo` (MTP) or `hi` (plain) is short of its end. A row that stops on a
+for `hi` and a row runs while `hi` (plain) is short of its end, with MTP while `lo` and its expected position
+(the drafts accepted at the rate seen so far) are. A row that stops on a
 stop token (or is cancelled, or fails) is found one call late: the call after it computed one more
 token for it, which is dropped; its pages return when the stop is read, and the device calls that used
 them came before any later owner's, so nothing of another row is touched.
@@ -82,6 +83,7 @@ class _Generation(_Pages, _Launches, _Calls, _Outputs, _WarmUp):
         self.flights = 0
         self.landed_at = 0.0  # when the last call was read
         self.lane = new_lane(engine.max_batch)
+        self.mtp_seen = [0, 0]  # drafts verified and accepted by the verify calls landed so far
         self._traced: list | None = None  # warm-up's traced calls, while it traces
         self.oracle = (
             None  # benchmarks only: a `models.serving.steps.DraftOracle` for the verify calls (`Engine.draft_oracle`)
@@ -160,11 +162,24 @@ class _Generation(_Pages, _Launches, _Calls, _Outputs, _WarmUp):
             self.land(prev)
 
     def _runs(self, b: int) -> bool:
-        """Whether slot b may still make tokens once the calls in flight land: with MTP while its fewest
-        possible position is short of its end, else (known exactly, but for a stop token) its position."""
+        """Whether slot b gets a row in the next call: without MTP while its position after the calls in flight
+        (known exactly, but for a stop token) is short of its end; with MTP while its fewest possible position
+        is, and its expected one too (`_expected`): a call launched behind one that is expected to end the row
+        would most likely run its steps for nothing, so the row waits for that call to land instead (if it
+        did not end the row, the next call takes it)."""
         seq = self.slots[b]
         lo, hi = seq.bounds()
-        return (lo if self.k else hi) < seq.end
+        if not self.k:
+            return hi < seq.end
+        return lo < seq.end and self._expected(seq) < seq.end
+
+    def _expected(self, seq: _Seq) -> float:
+        """Slot `seq`'s expected position once the calls in flight land: each verify call in flight adds its
+        fewest tokens (one a step) and its drafts at the acceptance rate seen so far (`mtp_seen`; none seen: the
+        fewest, as `bounds` has it)."""
+        drafted, accepted = self.mtp_seen
+        rate = accepted / drafted if drafted else 0.0
+        return seq.cached + sum(lo + (hi - lo) * rate for hi, lo in seq.flying.values())
 
     def launch(self) -> _Flight | None:
         """The next call for the rows that can use one, enqueued; None when no row can."""
