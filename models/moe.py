@@ -90,6 +90,9 @@ def route(logits_TE: jax.Array, bias_E: jax.Array | None, cfg: ModelConfig) -> R
     return RouterOutput(*route_reference(logits_TE, bias_E, spec=RouteSpec.from_config(cfg)))
 
 
+ROUTER_REDUCE_ROWS = 4  # `Router.logits` sums products below this many rows (+1); a dot above
+
+
 class Router(nnx.Module):
     """The gate: `router(x [T, D]) -> RouterOutput`. Logits x·Wᵀ in fp32.
 
@@ -108,8 +111,14 @@ class Router(nnx.Module):
             self.e_score_correction_bias = None
 
     def logits(self, x_TD: jax.Array) -> jax.Array:
-        """[T, D] -> fp32 [T, E]."""
-        return jnp.dot(x_TD.astype(_F32), self.kernel[...], precision=jax.lax.Precision.HIGHEST)
+        """[T, D] -> fp32 [T, E]. From 2 to `ROUTER_REDUCE_ROWS` rows, a product and a sum over D rather than a
+        dot: XLA makes it a reduction that reads the layer's router out of a scanned stack in place, where a dot
+        of two rows became a GEMM fusion behind a copy of that layer's [D, E] (an MTP verify step's two rows, a
+        decode step of two to four); one row's dot is already such a reduction."""
+        x, w = x_TD.astype(_F32), self.kernel[...]
+        if 1 < x.shape[0] <= ROUTER_REDUCE_ROWS:
+            return jnp.sum(x[:, :, None] * w[None], axis=1)
+        return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
 
     def bias(self) -> jax.Array | None:
         """The correction bias fp32 [E] (`noaux_tc`), else None."""

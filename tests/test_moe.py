@@ -13,7 +13,7 @@ from flax import nnx
 
 from mla_jax import ModelConfig
 from models.experts import MgpuTuning, moe_dense_reference, moe_grouped, resolve_moe_impl
-from models.moe import MoE, RouterBias, route
+from models.moe import ROUTER_REDUCE_ROWS, MoE, Router, RouterBias, route
 from tests.tiers import gpu_full
 
 V3 = ModelConfig.tiny().replace(
@@ -84,6 +84,21 @@ def test_router_matches_numpy(cfg, seed):
     ref_idx, ref_w = np_route(logits, bias, cfg)
     np.testing.assert_array_equal(idx, ref_idx)
     np.testing.assert_allclose(w, ref_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("T", [1, 2, ROUTER_REDUCE_ROWS, ROUTER_REDUCE_ROWS + 1])
+def test_router_logits_of_a_few_rows_are_a_reduction_equal_to_the_float64_product(T):
+    """`Router.logits` of 2 to ROUTER_REDUCE_ROWS rows is a product summed over D (no dot in its program), within
+    f32 rounding of the float64 product as the dot of other row counts is. Mutation it catches: those rows back
+    on a dot (compiled for an H100, a two-row dot of a scanned layer's router is a GEMM fusion behind a copy of
+    the layer's [D, E]: V2-Lite's decode step at B = 2 launched 709 kernels, 658 with the reduction)."""
+    router = Router(V3, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(T), (T, V3.hidden_size), jnp.bfloat16)
+    got = router.logits(x)
+    want = np.asarray(x, np.float64) @ np.asarray(router.kernel[...], np.float64)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    jaxpr = str(jax.make_jaxpr(router.logits)(x))
+    assert ("dot_general" in jaxpr) == (not 1 < T <= ROUTER_REDUCE_ROWS), jaxpr
 
 
 def test_bias_changes_choice_but_never_weight_values():
