@@ -15,7 +15,8 @@ by CUPTI's.
     PYTHONPATH=. python3 scripts/compile_for_h100.py --model builtin --batch 1 --step verify --draft-tokens 1
 
 ``--step decode`` is one plain decode step (`Steps.decode`); ``--step verify`` one MTP verify step of
-``--draft-tokens`` drafts with its draft (`Steps.verify_call`, one step a call: the lane's bookkeeping included).
+``--draft-tokens`` drafts with its draft (`Steps.verify_call`, one step a call: the lane's bookkeeping included);
+``--steps-a-call N`` compiles the call of N steps the engine runs at ``decode_steps=N`` (its launches the call's).
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ def main(argv=None):
     p.add_argument("--prefill-chunk", type=int, default=None, help="default: the engine's")
     p.add_argument("--step", choices=("prefill", "decode", "verify"), default="prefill")
     p.add_argument("--draft-tokens", type=int, default=1, help="with --step verify: drafts a step verifies")
+    p.add_argument(
+        "--steps-a-call",
+        type=int,
+        default=1,
+        help="with --step decode / verify: model steps in the call (decode: > 1 compiles the lane's decode_call, "
+        "as an engine of that many decode_steps runs it; the launches are then the call's)",
+    )
     p.add_argument("--dump", default=None, help="a folder for XLA's dump of the compiled step")
     args = p.parse_args(argv)
     if args.dump:
@@ -127,7 +135,18 @@ def main(argv=None):
     t0 = time.perf_counter()
     with jax.sharding.use_abstract_mesh(one.mesh.abstract_mesh):  # the Triton kernels' lowering reads the device
         if args.step == "decode":
-            traced = e.steps.decode.trace(state, cache, inp, sampler="greedy")
+            if args.steps_a_call > 1:  # the lane's call of that many plain steps (`Steps.decode_call`)
+                lane, steps_B, stop_ids = (
+                    new_lane(B),
+                    jnp.full((B,), args.steps_a_call, jnp.int32),
+                    jnp.full((B, 1), -1),
+                )
+                lane, steps_B, stop_ids = (jax.tree.map(on_h100, t) for t in (lane, steps_B, stop_ids))
+                traced = e.steps.decode_call.trace(
+                    state, cache, inp, lane, steps_B, stop_ids, sampler="greedy", num_steps=args.steps_a_call
+                )
+            else:
+                traced = e.steps.decode.trace(state, cache, inp, sampler="greedy")
         elif args.step == "verify":
             k, vocab = args.draft_tokens, cfg.vocab_size
             lane = new_lane(B)
@@ -139,7 +158,9 @@ def main(argv=None):
             )
             loop = (steps_B, spec_B, end_B, stop_ids, None)
             call = e.steps.verify_call
-            traced = call.trace(state, cache, inp, lane, drafts, draft_probs, *loop, sampler="greedy", num_steps=1)
+            traced = call.trace(
+                state, cache, inp, lane, drafts, draft_probs, *loop, sampler="greedy", num_steps=args.steps_a_call
+            )
         else:
             args_mtp = (None, None, None, None)
             traced = e.steps.prefill.trace(state, cache, inp, *args_mtp, use_mtp=False, sampler="greedy")
