@@ -90,7 +90,7 @@ def route(logits_TE: jax.Array, bias_E: jax.Array | None, cfg: ModelConfig) -> R
     return RouterOutput(*route_reference(logits_TE, bias_E, spec=RouteSpec.from_config(cfg)))
 
 
-ROUTER_REDUCE_ROWS = 4  # `Router.logits` sums products below this many rows (+1); a dot above
+ROUTER_REDUCE_ROWS = 4  # `Router.logits` of 2 up to this many rows: a sum of products; of others, a dot
 
 
 class Router(nnx.Module):

@@ -139,7 +139,7 @@ def main(argv=None):
                 lane, steps_B, stop_ids = (
                     new_lane(B),
                     jnp.full((B,), args.steps_a_call, jnp.int32),
-                    jnp.full((B, 1), -1),
+                    jnp.full((B, 1), -1, jnp.int32),
                 )
                 lane, steps_B, stop_ids = (jax.tree.map(on_h100, t) for t in (lane, steps_B, stop_ids))
                 traced = e.steps.decode_call.trace(
