@@ -648,6 +648,11 @@ def test_ctrl_c_in_a_real_process_saves_and_exits_130(tmp_path):
     assert [r["step"] for r in _rows(out) if "ce" in r] == list(range(1, step + 2))
 
 
+@pytest.mark.full(
+    "test_second_signal_between_saves_stops_at_once (a second signal stops at once) and "
+    "test_failed_save_is_one_line_and_the_last_checkpoint_still_loads (a save cut short: one line, partial files "
+    "removed) run in the quick tier"
+)
 def test_second_ctrl_c_during_the_save_quits_at_once(tmp_path, capfd):
     """A second signal while the checkpoint is written quits at once, says so in one line, exit 130 (not orbax's
     tracebacks, not "terminate called without an active exception"); the next run removes the partial save."""
