@@ -134,6 +134,9 @@ def _cosine(a, b):
     return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
+@pytest.mark.full(
+    "test_decompressed_equals_absorbed runs the same identity through the MLA layer at every config in the quick tier"
+)
 def test_absorption_identity_at_deepseek_v3_sizes():
     """128 heads, nope 128, latent 512, rope 64, 512 keys: decompressed vs absorbed cosine > 0.999999 in fp32.
 

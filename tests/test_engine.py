@@ -1314,6 +1314,10 @@ def test_no_verify_call_behind_one_expected_to_end_the_row(model):
     assert e._sched.flights - launched == 2  # the prefill and one verify call
 
 
+@pytest.mark.full(
+    "test_no_verify_call_behind_one_expected_to_end_the_row runs the oracle at accept 1 (its drafts accepted, the "
+    "teacher-forced tokens kept) in the quick tier"
+)
 def test_draft_oracle_sets_the_acceptance_and_keeps_the_tokens(model):
     """The benchmark's oracle drafts (`Engine.draft_oracle`) on a random model, whose own drafts are noise: with
     every draft right (accept 1) nearly all are accepted, with none right almost none, and the tokens are the
