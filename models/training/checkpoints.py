@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -95,9 +96,7 @@ def save_checkpoint(mgr, step: int, state, opt_state, meta: dict) -> None:
                     pass
                 raise
     except BaseException as e:
-        for name in os.listdir(directory) if os.path.isdir(directory) else ():
-            if name.startswith(f"{step}.orbax-checkpoint-tmp") or (name == str(step) and not existed):
-                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        _remove_partial_save(directory, step, existed)
         try:
             mgr.reload()  # forget the step it did not finish
             last = mgr.latest_step()
@@ -113,6 +112,25 @@ def save_checkpoint(mgr, step: int, state, opt_state, meta: dict) -> None:
         raise TrainerError(
             f"cannot save checkpoint {where}: {_save_failure(e)}; its partial files were removed; {kept}"
         ) from None
+
+
+def _remove_partial_save(directory: str, step: int, existed: bool, patience_s: float = 5.0) -> None:
+    """Remove what the failed save of `step` wrote (its `*.orbax-checkpoint-tmp*` folders; the step's folder if
+    it was new). A write still finishing in a thread orbax or tensorstore did not join can put a file back as
+    the folder goes (the test suite once found the tmp folder back after the removal), so the removal is
+    repeated until nothing of the save is left, for up to `patience_s` seconds."""
+
+    def leftovers() -> list[str]:
+        names = os.listdir(directory) if os.path.isdir(directory) else ()
+        return [n for n in names if n.startswith(f"{step}.orbax-checkpoint-tmp") or (n == str(step) and not existed)]
+
+    deadline = time.monotonic() + patience_s
+    while True:
+        for name in leftovers():
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        if not leftovers() or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 class _OrbaxNoiseHeld:
