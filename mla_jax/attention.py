@@ -432,12 +432,13 @@ class MLA(nnx.Module):
         c_BTL = self.kv_norm(c_BTL)
         return jnp.concatenate([c_BTL.astype(k_pe_BTR.dtype), k_pe_BTR], axis=-1)
 
-    def _wkv_b_stack(self, stacked: Stacked | None, M: int, K: int, N: int):
+    def _wkv_b_stack(self, stacked: Stacked | None, M: int, K: int, N: int, contract_rows: bool):
         """wkv_b's whole stack [L, R, H·(N+V)] when this call reads it in place with
-        `pallas_kernels.stacked_matmul.stacked_head_matmul` (per-head products of M rows, K -> N), else None."""
+        `pallas_kernels.stacked_matmul.stacked_head_matmul` (per-head products of M rows, K -> N; W_UV's
+        ``contract_rows``), else None."""
         if stacked is None or not isinstance(self.wkv_b, nnx.Linear) or self.wkv_b.kernel[...].ndim != 3:
             return None
-        if stacked_head_matmul_problems(M, self.cfg.num_attention_heads, K, N):
+        if stacked_head_matmul_problems(M, self.cfg.num_attention_heads, K, N, contract_rows=contract_rows):
             return None
         return self.wkv_b.kernel[...]
 
@@ -456,7 +457,7 @@ class MLA(nnx.Module):
         cfg = self.cfg
         N = cfg.qk_nope_head_dim
         B, T, H, _ = q_nope.shape
-        whole = self._wkv_b_stack(stacked, B * T, N, cfg.kv_lora_rank)
+        whole = self._wkv_b_stack(stacked, B * T, N, cfg.kv_lora_rank, contract_rows=False)
         if whole is not None:  # W_UK of the stack's layer, read in place
             q_lat = stacked_head_matmul(
                 q_nope.reshape(B * T, H, q_nope.shape[-1]),
@@ -483,7 +484,7 @@ class MLA(nnx.Module):
         cfg = self.cfg
         N, V = cfg.qk_nope_head_dim, cfg.v_head_dim
         B, T, H, L = o_lat_BTHL.shape
-        whole = self._wkv_b_stack(stacked, B * T, L, V)
+        whole = self._wkv_b_stack(stacked, B * T, L, V, contract_rows=True)
         if whole is not None:  # W_UV of the stack's layer, read in place
             o = stacked_head_matmul(
                 o_lat_BTHL.reshape(B * T, H, L),

@@ -367,12 +367,21 @@ def stacked_matmul(
 # ------------------------------------------------------------------------------------------
 # Per-head products against a head-interleaved stack (MLA's absorbed W_UK / W_UV)
 # ------------------------------------------------------------------------------------------
-# 64-wide blocks: a V2-Lite / V3 head's W_UK (128 x 512) and W_UV (512 x 128) give 128 or more programs a call
-HEAD_CONFIG = StackedMatmulConfig(block_n=64, block_k=64)
+# 32 columns a program and no split over K: a head's W_UK (128 x 512) is 16 programs of one 128-deep chunk, its
+# W_UV (512 x 128) 4 programs of two 256-deep chunks, and no partials to sum. On an H100 (2026-12-06,
+# scripts/lab/sweep_stacked_matmul.py, V2-Lite's 16 heads at 1 / 2 / 32 rows) W_UK took 3.7 / 3.8 / 4.7 µs against
+# 5.5 / 5.4 / 6.4 with 64-wide blocks split over K (the sum included), W_UV 3.5 / 3.6 / 4.0 against 4.2 / 4.3 / 5.0.
+HEAD_CONFIG = StackedMatmulConfig(block_n=32, block_k=128, split_k=1)  # W_UK (contract_rows=False)
+HEAD_ROWS_CONFIG = StackedMatmulConfig(block_n=32, block_k=256, split_k=1)  # W_UV (contract_rows=True)
 
 
-def stacked_head_matmul_problems(M: int, H: int, K: int, N: int, config: StackedMatmulConfig = HEAD_CONFIG):
-    """Why `stacked_head_matmul` cannot take per-head [M, K] · [K, N] products over H heads (empty when it can)."""
+def stacked_head_matmul_problems(
+    M: int, H: int, K: int, N: int, config: StackedMatmulConfig | None = None, *, contract_rows: bool = False
+):
+    """Why `stacked_head_matmul` cannot take per-head [M, K] · [K, N] products over H heads (empty when it can);
+    `config` None: the call's default (`HEAD_ROWS_CONFIG` with ``contract_rows``, else `HEAD_CONFIG`)."""
+    if config is None:
+        config = HEAD_ROWS_CONFIG if contract_rows else HEAD_CONFIG
     return _shape_problems(M, K, N, config)
 
 
@@ -439,15 +448,16 @@ def stacked_head_matmul(
                            (W_UV applied to the attention's latent output);
       contract_rows=False: y[m, h, n] = Σ_k x[m, h, k] · w[layer, n, h·P + col_offset + k], N = R
                            (W_UK folded into the query).
-    Grid (H, N / block_n, split over K): a skinny decode call still has a few hundred programs; the split
-    partials are summed by XLA. Rows are padded to a power of two >= 16 (the smallest tensor-core M), M <=
+    Grid (H, N / block_n, split over K): `config` None takes `HEAD_CONFIG` (W_UK) or `HEAD_ROWS_CONFIG` (W_UV),
+    which do not split K; a config that does leaves the split partials to XLA's sum. Rows are padded to a power of two >= 16 (the smallest tensor-core M), M <=
     `MAX_ROWS`, except fewer than 16, read as they are (`_load_rows`); a single row repeated over the dot's 16 rows
     (V2-Lite B = 1 on an H100: 139 against 151 µs a step for the two calls a layer).
     x may be `Partials` of [M, H, Px] (fewer than 16 rows: summed as loaded); `k_cols`: the contraction takes the
     first `k_cols` of each head's Px columns (MLA's q_nope within a head's query; None: all, K = Px).
     impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
     """
-    config = HEAD_CONFIG if config is None else config
+    if config is None:
+        config = HEAD_ROWS_CONFIG if contract_rows else HEAD_CONFIG
     if x_MHK.ndim != 3 or w_LRC.ndim != 3:
         raise ValueError(f"x must be [M, H, K] and w a stack [L, R, H·P], got {x_MHK.shape} and {w_LRC.shape}")
     M, H, Px = x_MHK.shape
@@ -470,7 +480,7 @@ def stacked_head_matmul(
         if col_offset + K > P:
             raise ValueError(f"col_offset + K = {col_offset + K} is more than the head's P = {P} columns")
         N = R
-    problems = stacked_head_matmul_problems(M, H, K, N, config)
+    problems = stacked_head_matmul_problems(M, H, K, N, config, contract_rows=contract_rows)
     if problems:
         raise ValueError("stacked_head_matmul: " + "; ".join(problems))
     impl = backend.resolve(impl)

@@ -208,7 +208,10 @@ def test_head_matmul_limits_are_one_line_each():
     assert stacked_head_matmul_problems(1, 16, 128, 512) == []  # V2-Lite's W_UK
     assert stacked_head_matmul_problems(129, 16, 24, 512) == [
         "M = 129 rows is more than the 128 a decode-shaped call takes",
-        "K = 24 is not a multiple of the block 64 (nor a power of two >= 16 below it)",
+        "K = 24 is not a multiple of the block 128 (nor a power of two >= 16 below it)",
+    ]
+    assert stacked_head_matmul_problems(1, 16, 384, 128, contract_rows=True) == [  # W_UV's 256-deep chunks
+        "K = 384 is not a multiple of the block 256 (nor a power of two >= 16 below it)"
     ]
     # a split that does not divide the contraction's chunks would drop the last ones: refused, not summed short
     assert stacked_head_matmul_problems(1, 16, 128, 512, StackedMatmulConfig(block_n=64, block_k=32, split_k=3)) == [
