@@ -35,7 +35,7 @@ from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cu
 from mla_jax import fp8_weights, initializers
 from mla_jax.cache_paths import cached_path, kernel_seq_lens
 from mla_jax.config import ModelConfig
-from mla_jax.linear import Normed, Stacked, project
+from mla_jax.linear import Normed, Stacked, project, project_many
 from mla_jax.norm import RMSNorm
 from mla_jax.rope import apply_rope, rope_cos_sin
 from pallas_kernels import (
@@ -407,12 +407,31 @@ class MLA(nnx.Module):
         """-> q_nope [B,T,H,N], q_pe [B,T,H,R] (roped). `stacked`: see `mla_jax.linear`. ``keep_splits``: where the
         last projection's kernel hands its split-K partials on, q_nope is those `Partials` of the whole per-head
         query [B,T,H,N+R] (q_nope its first N columns of each head), for `absorb_query` to sum as it loads them."""
+        first = project(self._q_first(), x_BTD, stacked, keep_splits=self._q_first_keeps(keep_splits))
+        return self._query_from(first, positions_BT, stacked, keep_splits)
+
+    def _q_first(self):
+        """The query's projection of the layer input: `wq`, or `wq_a` with a query LoRA."""
+        return self.wq if self.cfg.q_lora_rank is None else self.wq_a
+
+    def _q_first_keeps(self, keep_splits: bool) -> bool:
+        return keep_splits if self.cfg.q_lora_rank is None else True  # wq_a's `Partials` go to wq_b as they are
+
+    def project_q_kv(
+        self, x_BTD: jax.Array, positions_BT: jax.Array, stacked: Stacked | None = None, *, keep_splits: bool = False
+    ) -> tuple[tuple[jax.Array | Partials, jax.Array], jax.Array]:
+        """(`project_q`, `project_kv`) of the same input, their two projections of it (`wq` or `wq_a`, and `wkv_a`)
+        in one stacked kernel launch where it serves both (`mla_jax.linear.project_many`)."""
+        first, kv = project_many(
+            (self._q_first(), self.wkv_a), x_BTD, stacked, keep_splits=(self._q_first_keeps(keep_splits), False)
+        )
+        return self._query_from(first, positions_BT, stacked, keep_splits), self._latent_from(kv, positions_BT)
+
+    def _query_from(self, q, positions_BT, stacked, keep_splits):
+        """`project_q` from the first projection's result (`wq`'s, or `wq_a`'s, through q_norm and `wq_b`)."""
         cfg = self.cfg
-        if cfg.q_lora_rank is None:
-            q = project(self.wq, x_BTD, stacked, keep_splits=keep_splits)
-        else:
-            q_a = project(self.wq_a, x_BTD, stacked, keep_splits=True)  # `Partials` where the kernel has them
-            q_a = self.q_norm(q_a) if stacked is None else Normed(q_a, self.q_norm, stacked.index)
+        if cfg.q_lora_rank is not None:
+            q_a = self.q_norm(q) if stacked is None else Normed(q, self.q_norm, stacked.index)
             q = project(self.wq_b, q_a, stacked, keep_splits=keep_splits)  # q_norm in wq_b's kernel where it serves
         shape = q.shape[:2] + (cfg.num_attention_heads, cfg.qk_head_dim)
         q_BTHK = q.total().reshape(shape) if isinstance(q, Partials) else q.reshape(shape)
@@ -424,8 +443,11 @@ class MLA(nnx.Module):
 
     def project_kv(self, x_BTD: jax.Array, positions_BT: jax.Array, stacked: Stacked | None = None) -> jax.Array:
         """-> the cached latent [B,T,L+R] = [kv_norm(c_kv) ; rope(k_pe)]."""
+        return self._latent_from(project(self.wkv_a, x_BTD, stacked), positions_BT)
+
+    def _latent_from(self, kv: jax.Array, positions_BT: jax.Array) -> jax.Array:
+        """`project_kv` from `wkv_a`'s result."""
         cfg = self.cfg
-        kv = project(self.wkv_a, x_BTD, stacked)
         c_BTL, k_pe_BTR = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
         cos, sin = rope_cos_sin(cfg, positions_BT)
         k_pe_BTR = apply_rope(k_pe_BTR, cos, sin, interleave=cfg.rope_interleave)
@@ -560,8 +582,8 @@ class MLA(nnx.Module):
         rope_pos = jnp.maximum(positions_BT, 0)  # padding rows get any valid rope position; never seen
         path = self.cached_path(T, cache)
         # the decode kernel's query: W_UK reads q_nope from the last projection's partials (`absorb_query`)
-        q_nope, q_pe = self.project_q(x_BTD, rope_pos, stacked, keep_splits=path == "decode_kernel")
-        cache = cache.write(self.project_kv(x_BTD, rope_pos, stacked), positions_BT)
+        (q_nope, q_pe), latent = self.project_q_kv(x_BTD, rope_pos, stacked, keep_splits=path == "decode_kernel")
+        cache = cache.write(latent, positions_BT)
         if path == "decode_kernel":
             # bf16 queries: the pages' own dtype, or what fp8 pages dequantise to in the kernel
             q_BTHC = self.absorb_query(q_nope, q_pe, stacked).astype(

@@ -171,3 +171,35 @@ def project(lin, x: jax.Array | Normed | Partials, stacked: Stacked | None = Non
         keep_splits=keep_splits,
     )
     return y.reshape(x.shape[:-1] + (kernel.shape[-1],))
+
+
+def project_many(lins, x: jax.Array | Normed, stacked: Stacked | None = None, *, keep_splits=False) -> tuple:
+    """`project` of several projections of the same rows x (MLA's `wq` or `wq_a` beside `wkv_a`) -> a tuple. With
+    `stacked` and every module an `nnx.Linear` holding a whole stack [L, K, N] of one L, K and dtype, one
+    `stacked_matmul` launch computes them all (the rows and their norm read once, the column tiles one after another:
+    a launch a layer fewer than one a projection); else each by `project`. ``keep_splits``: a bool, or one a module."""
+    keeps = tuple(keep_splits) if isinstance(keep_splits, (tuple, list)) else (keep_splits,) * len(lins)
+    kernels = [lin.kernel[...] if isinstance(lin, nnx.Linear) else None for lin in lins]
+    dtypes = {None if k is None else (lin.dtype or jnp.result_type(x.dtype, k.dtype)) for lin, k in zip(lins, kernels)}
+    whole = (
+        stacked is not None
+        and all(k is not None and k.ndim == 3 for k in kernels)
+        and len({k.shape[:2] for k in kernels}) == 1
+        and len(dtypes) == 1
+    )
+    if not whole:
+        return tuple(project(lin, x, stacked, keep_splits=keep) for lin, keep in zip(lins, keeps, strict=True))
+    if isinstance(x, Normed):
+        rows, norm = x.x, RowNorm(x.norm.weight[...], x.norm.eps)
+    else:
+        rows, norm = x, None
+    ys = stacked_matmul(
+        rows.reshape(-1, x.shape[-1]),
+        tuple(kernels),
+        stacked.index,
+        norm=norm,
+        dtype=dtypes.pop(),
+        impl=stacked.impl,
+        keep_splits=keeps,
+    )
+    return tuple(y.reshape(x.shape[:-1] + (k.shape[-1],)) for y, k in zip(ys, kernels))

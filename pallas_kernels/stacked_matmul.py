@@ -29,6 +29,11 @@ are normalised by XLA first (a program would load every row whole before its fir
 call given `Partials` as its rows sums them as it loads them: a projection feeding another (MLA's `wq` / `wq_b`
 into W_UK, W_UV into `wo`, `wq_a` into `wq_b`) then costs no reduction launch between the two.
 
+Several stacks of one L and K (the projections of one layer input: MLA's `wq` or `wq_a`, and `wkv_a`) go in one
+launch: their column tiles follow one another along the grid's columns, one split over K for all, the rows (and
+their norm) loaded once a program as for one stack. V2-Lite's q and kv_a were two launches a layer (8.7 and 5.1 µs
+at one row on an H100, kv_a's 2.4 MB latency-bound).
+
 `stacked_matmul_reference` is the same function in plain XLA.
 """
 
@@ -256,39 +261,58 @@ def _load_rows(x_ref, n_rows: int, block_m: int, rows: pl.Slice, k: pl.Slice, dt
     return x
 
 
-def _kernel(layer_ref, x_ref, *refs, block_m, block_n, block_k, k_steps, n_rows, norm_eps, x_dtype, dtype):
-    g_ref, w_ref, o_ref = refs if norm_eps is not None else (None, *refs)
+def _kernel(layer_ref, x_ref, *refs, tiles, block_m, block_k, k_steps, n_rows, norm_eps, x_dtype, dtype):
+    """Program (i, j, s): the j-th column tile of the weights' tiles laid end to end (`tiles`: (first tile, block_n)
+    of each weight), rows i, K range s. refs: [the norm's weight], the weights, then their outputs."""
+    if norm_eps is not None:
+        g_ref, *refs = refs
+    else:
+        g_ref = None
+    w_refs, o_refs = refs[: len(tiles)], refs[len(tiles) :]
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     one_row = n_rows == 1
-    rows, cols = pl.ds(0 if one_row else i * block_m, 1 if one_row else block_m), pl.ds(j * block_n, block_n)
+    rows = pl.ds(0 if one_row else i * block_m, 1 if one_row else block_m)
     scale = None
     if g_ref is not None:  # up to NORM_ROWS rows, read as they are
         scale = _row_scale(x_ref, x_ref.shape[-1], norm_eps, n_rows, 1 if one_row else block_m, x_dtype)
 
-    def chunk(t, acc):
-        k = pl.ds((s * k_steps + t) * block_k, block_k)
-        x = _load_rows(x_ref, n_rows, block_m, rows, k, x_dtype)
-        if g_ref is not None:  # rms_norm's arithmetic on this chunk
-            g = plt.load(g_ref.at[k] if len(g_ref.shape) == 1 else g_ref.at[layer, k])
-            y = (x.astype(_F32) * scale).astype(x.dtype)
-            x = (g.astype(_F32)[None, :] * y.astype(_F32)).astype(jnp.result_type(g.dtype, x.dtype))
-        x = x.astype(dtype)
-        if one_row:  # the row repeated over the dot's 16 rows (each row of the product is the same)
-            x = jnp.broadcast_to(x, (block_m, block_k))
-        return acc + plt.dot(x, plt.load(w_ref.at[layer, k, cols]))
+    def product(w_ref, o_ref, cols, block_n):
+        def chunk(t, acc):
+            k = pl.ds((s * k_steps + t) * block_k, block_k)
+            x = _load_rows(x_ref, n_rows, block_m, rows, k, x_dtype)
+            if g_ref is not None:  # rms_norm's arithmetic on this chunk
+                g = plt.load(g_ref.at[k] if len(g_ref.shape) == 1 else g_ref.at[layer, k])
+                y = (x.astype(_F32) * scale).astype(x.dtype)
+                x = (g.astype(_F32)[None, :] * y.astype(_F32)).astype(jnp.result_type(g.dtype, x.dtype))
+            x = x.astype(dtype)
+            if one_row:  # the row repeated over the dot's 16 rows (each row of the product is the same)
+                x = jnp.broadcast_to(x, (block_m, block_k))
+            return acc + plt.dot(x, plt.load(w_ref.at[layer, k, cols]))
 
-    acc = lax.fori_loop(0, k_steps, chunk, jnp.zeros((block_m, block_n), _F32))
-    if one_row:
-        acc = jnp.max(acc, axis=0, keepdims=True)  # the rows are equal: any one of them
-    plt.store(o_ref.at[s, rows, cols], acc)
+        acc = lax.fori_loop(0, k_steps, chunk, jnp.zeros((block_m, block_n), _F32))
+        if one_row:
+            acc = jnp.max(acc, axis=0, keepdims=True)  # the rows are equal: any one of them
+        plt.store(o_ref.at[s, rows, cols], acc)
+
+    if len(tiles) == 1:
+        product(w_refs[0], o_refs[0], pl.ds(j * tiles[0][1], tiles[0][1]), tiles[0][1])
+        return
+    ends = [first for first, _ in tiles[1:]] + [None]
+    for w_ref, o_ref, (first, block_n), end in zip(w_refs, o_refs, tiles, ends):
+        mine = j >= first if end is None else (j >= first) & (j < end)
+        pl.when(mine)(functools.partial(product, w_ref, o_ref, pl.ds((j - first) * block_n, block_n), block_n))
 
 
-def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret, norm, dtype, keep_splits):
+def _stacked_matmul_kernel(x_MK, ws, layer, *, config, interpret, norm, dtype, keep_splits):
+    """The weights `ws` (stacks [L, K, N_i] of one K) in one launch -> a result a weight (`keep_splits`: a bool
+    a weight)."""
     M, K = x_MK.shape
-    N = w_LKN.shape[2]
     bm = _block_m(M)
-    split = _split_k(M, K, N, config)
+    blocks = [_blocks(K, w.shape[2], config) for w in ws]
+    bk = blocks[0][0]
+    n_tiles = [w.shape[2] // bn for w, (_, bn) in zip(ws, blocks)]
+    split = _split(K // bk, pl.cdiv(M, bm) * sum(n_tiles), config)
     few = M < FEW_ROWS  # read as they are (`_load_rows`); `Partials` only then (more rows are summed by XLA)
     if isinstance(x_MK, Partials) and not few:
         x_MK = x_MK.total()
@@ -301,12 +325,12 @@ def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret, norm, dtype
     else:
         x = x_MK if few else jnp.pad(x_MK.astype(dtype), ((0, Mp - M), (0, 0)))
     norm_args = () if norm is None else (norm.weight,)
-    bk, bn = _blocks(K, N, config)
+    firsts = [sum(n_tiles[:i]) for i in range(len(ws))]
     partials = pl.pallas_call(
         functools.partial(
             _kernel,
+            tiles=tuple((first, bn) for first, (_, bn) in zip(firsts, blocks)),
             block_m=bm,
-            block_n=bn,
             block_k=bk,
             k_steps=K // bk // split,
             n_rows=M if few else bm,
@@ -314,13 +338,15 @@ def _stacked_matmul_kernel(x_MK, w_LKN, layer, *, config, interpret, norm, dtype
             x_dtype=x_MK.dtype,
             dtype=dtype,
         ),
-        out_shape=jax.ShapeDtypeStruct((split, Mp, N), _F32),
-        grid=(1 if M == 1 else Mp // bm, N // bn, split),
+        out_shape=tuple(jax.ShapeDtypeStruct((split, Mp, w.shape[2]), _F32) for w in ws),
+        grid=(1 if M == 1 else Mp // bm, sum(n_tiles), split),
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="stacked_matmul",
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, *norm_args, w_LKN.astype(dtype))
-    return _rows_out(partials, M, dtype, keep_splits, (M, N))
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, *norm_args, *(w.astype(dtype) for w in ws))
+    return tuple(
+        _rows_out(p, M, dtype, keep, (M, w.shape[2])) for p, w, keep in zip(partials, ws, keep_splits, strict=True)
+    )
 
 
 def stacked_matmul(
@@ -332,23 +358,36 @@ def stacked_matmul(
     dtype=None,
     config: StackedMatmulConfig | None = None,
     impl: str | None = "auto",
-    keep_splits: bool = False,
+    keep_splits: bool | tuple[bool, ...] = False,
 ):
     """[norm](x) [M, K] · w_LKN[layer] [K, N] -> [M, N] in `dtype` (fp32 accumulation).
 
     Args:
       x_MK: [M, K] rows, bf16 (or f32), M <= `MAX_ROWS`; or `Partials` of [M, K] (another call's unsummed result).
-      w_LKN: [L, K, N] a scanned stack of one projection's weights (cast to `dtype`); read in place.
+      w_LKN: [L, K, N] a scanned stack of one projection's weights (cast to `dtype`); read in place. Or a tuple of
+        such stacks of one L and K (projections of the same rows, e.g. MLA's `wq` and `wkv_a`): their products in
+        one launch, whose column tiles follow one another (one split over K for all), -> a tuple of results.
       layer: int scalar (may be traced), the layer of the stack to use; 0 <= layer < L (not checked
         when traced).
       norm: a `RowNorm` (weight [K]) to apply to the rows first, inside the kernel (`rms_norm`); None: none.
       dtype: the products' operand and result dtype (None: x's); the rows (after the norm) are cast to it.
       config: `StackedMatmulConfig`; K and N must be multiples of its blocks (`stacked_matmul_problems`).
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
-      keep_splits: return the kernel's split-K partials as `Partials` (fewer than `FEW_ROWS` rows; else the sum).
+      keep_splits: return the kernel's split-K partials as `Partials` (fewer than `FEW_ROWS` rows; else the sum);
+        with a tuple of stacks, a bool for all or a tuple of one a stack.
     """
     config = StackedMatmulConfig() if config is None else config
-    _validate(x_MK, w_LKN, config)
+    many = isinstance(w_LKN, (tuple, list))
+    ws = tuple(w_LKN) if many else (w_LKN,)
+    if not ws:
+        raise ValueError("stacked_matmul: no weights")
+    for w in ws:
+        _validate(x_MK, w, config)
+    if len({(w.shape[0], w.shape[1]) for w in ws}) > 1:
+        raise ValueError(f"stacked_matmul: the stacks must share L and K, got shapes {[w.shape for w in ws]}")
+    keeps = tuple(keep_splits) if isinstance(keep_splits, (tuple, list)) else (keep_splits,) * len(ws)
+    if len(keeps) != len(ws):
+        raise ValueError(f"stacked_matmul: keep_splits has {len(keeps)} entries for {len(ws)} stacks")
     if norm is not None and (norm.weight.ndim not in (1, 2) or norm.weight.shape[-1] != x_MK.shape[1]):
         raise ValueError(
             f"stacked_matmul: the norm's weight must be [K={x_MK.shape[1]}] or [L, K], got {norm.weight.shape}"
@@ -357,11 +396,12 @@ def stacked_matmul(
     impl = backend.resolve(impl)
     if impl == "reference":
         x = x_MK.total() if isinstance(x_MK, Partials) else x_MK
-        return stacked_matmul_reference(x, w_LKN, layer, norm=norm, dtype=dtype)
-    interpret = impl == "interpret"
-    return _stacked_matmul_kernel(
-        x_MK, w_LKN, layer, config=config, interpret=interpret, norm=norm, dtype=dtype, keep_splits=keep_splits
-    )
+        out = tuple(stacked_matmul_reference(x, w, layer, norm=norm, dtype=dtype) for w in ws)
+    else:
+        out = _stacked_matmul_kernel(
+            x_MK, ws, layer, config=config, interpret=impl == "interpret", norm=norm, dtype=dtype, keep_splits=keeps
+        )
+    return out if many else out[0]
 
 
 # ------------------------------------------------------------------------------------------
@@ -449,9 +489,10 @@ def stacked_head_matmul(
       contract_rows=False: y[m, h, n] = Σ_k x[m, h, k] · w[layer, n, h·P + col_offset + k], N = R
                            (W_UK folded into the query).
     Grid (H, N / block_n, split over K): `config` None takes `HEAD_CONFIG` (W_UK) or `HEAD_ROWS_CONFIG` (W_UV),
-    which do not split K; a config that does leaves the split partials to XLA's sum. Rows are padded to a power of two >= 16 (the smallest tensor-core M), M <=
-    `MAX_ROWS`, except fewer than 16, read as they are (`_load_rows`); a single row repeated over the dot's 16 rows
-    (V2-Lite B = 1 on an H100: 139 against 151 µs a step for the two calls a layer).
+    which do not split K; a config that does leaves the split partials to XLA's sum. Rows are padded to a power of
+    two >= 16 (the smallest tensor-core M), M <= `MAX_ROWS`, except fewer than 16, read as they are (`_load_rows`);
+    a single row repeated over the dot's 16 rows (V2-Lite B = 1 on an H100: 139 against 151 µs a step for the two
+    calls a layer).
     x may be `Partials` of [M, H, Px] (fewer than 16 rows: summed as loaded); `k_cols`: the contraction takes the
     first `k_cols` of each head's Px columns (MLA's q_nope within a head's query; None: all, K = Px).
     impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).

@@ -137,6 +137,40 @@ def test_keep_splits_hands_the_partials_on(M):
         chex.assert_trees_all_close(kept, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("M, split_k", [(1, 3), (3, None), (19, 1)])
+def test_several_stacks_in_one_launch_equal_each_alone(M, split_k):
+    """A tuple of stacks (MLA's `wq` and `wkv_a` on one layer input) in one launch: each result equals float64
+    numpy's product with its own weight of the named layer, the input's norm applied in the kernel (1 and 3 rows) or
+    by XLA (19), the first handed on as `Partials` and the second summed. Catches a program of the second stack's
+    tiles reading the first's weight or columns (its tile index not shifted by the first's tile count), the two
+    stacks' narrower-than-a-block widths mixed up (N = 32 and 64 under 64-wide blocks), a tile written twice or
+    not at all, and the norm left out of the second product."""
+    rng = np.random.default_rng(M)
+    x = jnp.asarray(rng.standard_normal((M, 96)) * 2 + 0.5, jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((3, 96, 192)) / np.sqrt(96), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((3, 96, 32)) / np.sqrt(96), jnp.float32)
+    g = jnp.asarray(rng.uniform(0.5, 1.5, (3, 96)), jnp.float32)
+    config = StackedMatmulConfig(block_n=64, block_k=32, split_k=split_k)
+
+    def f(x, w1, w2, g, i):
+        norm = RowNorm(g, 1e-6)
+        return stacked_matmul(x, (w1, w2), i, norm=norm, config=config, impl="interpret", keep_splits=(True, False))
+
+    for layer in range(3):
+        q, kv = f(x, w1, w2, g, jnp.int32(layer))
+        assert isinstance(q, Partials) == (M < 16) and not isinstance(kv, Partials)
+        q = q.total() if isinstance(q, Partials) else q
+        xf = np.asarray(x, np.float64)
+        xn = xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + 1e-6) * np.asarray(g[layer], np.float64)
+        for got, w in ((q, w1), (kv, w2)):
+            want = xn @ np.asarray(w[layer], np.float64)
+            chex.assert_trees_all_close(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"^stacked_matmul: the stacks must share L and K, got shapes "):
+        stacked_matmul(x, (w1, w2[:2]), 0, config=config, impl="interpret")
+    with pytest.raises(ValueError, match=r"^stacked_matmul: keep_splits has 1 entries for 2 stacks$"):
+        stacked_matmul(x, (w1, w2), 0, config=config, impl="interpret", keep_splits=(True,))
+
+
 def test_what_it_cannot_serve_is_one_line_each():
     assert stacked_matmul_problems(1, 2048, 3072) == []  # V2-Lite's wq
     assert stacked_matmul_problems(128, 2048, 576) == []  # V2-Lite's wkv_a at batch 128
@@ -365,6 +399,32 @@ def test_decode_step_with_whole_stack_projections_equals_the_sliced_one():
     assert "name=stacked_matmul" not in str(ref_jaxpr) and "name=stacked_head_matmul" not in str(ref_jaxpr)
 
 
+@pytest.mark.parametrize("q_lora", full([None, 64], [None], "the query LoRA's decode step is the full tier's"))
+def test_a_decode_step_projects_the_query_and_the_latent_in_one_launch(q_lora):
+    """Where `stacked_matmul` serves both of a layer input's projections (wq or wq_a, and wkv_a: 64 wide here), a
+    decode step runs them as one launch (`MLA.project_q_kv`) and its logits equal the reference backend's. Catches
+    the latent taken from the query's columns (or the other way round), the norm of the layer input applied to one
+    of them only, and a layer falling back to two launches (7 stacked_matmul calls, not 9; with the LoRA 9, not
+    11)."""
+    cfg = SERVED.replace(qk_rope_head_dim=32, q_lora_rank=q_lora)
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(2))
+    e = Engine(model, page_size=16, num_pages=8, max_batch=2, kv_dtype=jnp.float32)
+    B, S = 2, 5
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (B, S)), jnp.int32)
+    table = jnp.asarray([[0], [1]], jnp.int32)
+    fwd = jax.jit(lambda ids, positions, cache: model(ids, positions, cache=cache))
+
+    def run(impl):
+        cache = KVCache.create(e.cache.pages, table, jnp.zeros((B,), jnp.int32), impl=impl)
+        _, cache = fwd(ids[:, :-1], jnp.broadcast_to(jnp.arange(S - 1), (B, S - 1)), cache)
+        last = (ids[:, -1:], jnp.full((B, 1), S - 1, jnp.int32), cache)
+        return fwd(*last)[0], str(jax.make_jaxpr(fwd)(*last))
+
+    (got, jaxpr), (want, _) = run("interpret"), run("reference")
+    chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
+    assert jaxpr.count("name=stacked_matmul") == (7 if q_lora is None else 9)
+
+
 def test_the_filter_takes_served_projections_only():
     """Only `STACKED_PROJECTIONS` kernels of served shapes, `HEAD_PROJECTIONS` kernels (wkv_b, read per head by
     `stacked_head_matmul`) and, for up to `NORM_ROWS` rows, the `STACKED_NORMS` weights (the input norm, applied in
@@ -403,6 +463,30 @@ def test_gpu_kernel_equals_the_reference_at_v2_lite_shapes(M, K, N):
     got = jax.jit(lambda x, w, i: stacked_matmul(x, w, i, impl="kernel"))(x, w, jnp.int32(17))
     want = jax.jit(stacked_matmul_reference)(x, w, jnp.int32(17))
     chex.assert_trees_all_close(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", gpu_full([1, 2, 32], (1, 32)))
+def test_gpu_query_and_latent_projections_in_one_launch_equal_the_reference(M):
+    """V2-Lite's wq (2048 -> 3072) and wkv_a (2048 -> 576) in one compiled launch, the input norm inside at one and
+    two rows, against `rms_norm` then XLA's GEMM of each. Catches the compiled branch on the tile index sending a
+    program to the other stack, which the interpreter's test runs through other code."""
+    from pallas_kernels.backend import on_hopper
+
+    if not on_hopper():
+        pytest.skip("needs a Hopper GPU")
+    rng = np.random.default_rng(M)
+    x = jnp.asarray(rng.standard_normal((M, 2048)) * 3 + 1, jnp.bfloat16)
+    wq = jnp.asarray(rng.standard_normal((27, 2048, 3072)) / np.sqrt(2048), jnp.bfloat16)
+    wkv = jnp.asarray(rng.standard_normal((27, 2048, 576)) / np.sqrt(2048), jnp.bfloat16)
+    g = jnp.asarray(rng.uniform(0.5, 1.5, (27, 2048)), jnp.bfloat16)
+    f = jax.jit(
+        lambda x, w1, w2, g, i, impl: stacked_matmul(x, (w1, w2), i, norm=RowNorm(g, 1e-6), impl=impl), static_argnums=5
+    )
+    got = f(x, wq, wkv, g, jnp.int32(19), "kernel")
+    want = f(x, wq, wkv, g, jnp.int32(19), "reference")
+    for a, b in zip(got, want, strict=True):
+        chex.assert_trees_all_close(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
