@@ -408,9 +408,10 @@ def stacked_matmul(
 # Per-head products against a head-interleaved stack (MLA's absorbed W_UK / W_UV)
 # ------------------------------------------------------------------------------------------
 # 32 columns a program and no split over K: a head's W_UK (128 x 512) is 16 programs of one 128-deep chunk, its
-# W_UV (512 x 128) 4 programs of two 256-deep chunks, and no partials to sum. On an H100 (2026-12-06,
-# the sweep in results/2026-12-06-h100-mtp-census-projection-sweep/, V2-Lite's 16 heads at 1 / 2 / 32 rows) W_UK took 3.7 / 3.8 / 4.7 µs against
-# 5.5 / 5.4 / 6.4 with 64-wide blocks split over K (the sum included), W_UV 3.5 / 3.6 / 4.0 against 4.2 / 4.3 / 5.0.
+# W_UV (512 x 128) 4 programs of two 256-deep chunks, and no partials to sum. On an H100 (2026-12-06, the sweep in
+# results/2026-12-06-h100-mtp-census-projection-sweep/, V2-Lite's 16 heads at 1 / 2 / 32 rows) W_UK took 3.7 / 3.8
+# / 4.7 µs against 5.5 / 5.4 / 6.4 with 64-wide blocks split over K (the sum included), W_UV 3.5 / 3.6 / 4.0 against
+# 4.2 / 4.3 / 5.0.
 HEAD_CONFIG = StackedMatmulConfig(block_n=32, block_k=128, split_k=1)  # W_UK (contract_rows=False)
 HEAD_ROWS_CONFIG = StackedMatmulConfig(block_n=32, block_k=256, split_k=1)  # W_UV (contract_rows=True)
 
