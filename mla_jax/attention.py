@@ -425,7 +425,8 @@ class MLA(nnx.Module):
         first, kv = project_many(
             (self._q_first(), self.wkv_a), x_BTD, stacked, keep_splits=(self._q_first_keeps(keep_splits), False)
         )
-        return self._query_from(first, positions_BT, stacked, keep_splits), self._latent_from(kv, positions_BT)
+        q = self._query_from(first, positions_BT, stacked, keep_splits)
+        return q, self._latent_from(kv, positions_BT, weight_apart=stacked is not None)
 
     def _query_from(self, q, positions_BT, stacked, keep_splits):
         """`project_q` from the first projection's result (`wq`'s, or `wq_a`'s, through q_norm and `wq_b`)."""
@@ -445,13 +446,13 @@ class MLA(nnx.Module):
         """-> the cached latent [B,T,L+R] = [kv_norm(c_kv) ; rope(k_pe)]."""
         return self._latent_from(project(self.wkv_a, x_BTD, stacked), positions_BT)
 
-    def _latent_from(self, kv: jax.Array, positions_BT: jax.Array) -> jax.Array:
-        """`project_kv` from `wkv_a`'s result."""
+    def _latent_from(self, kv: jax.Array, positions_BT: jax.Array, *, weight_apart: bool = False) -> jax.Array:
+        """`project_kv` from `wkv_a`'s result (``weight_apart``: kv_norm's, `mla_jax.norm.RMSNorm`)."""
         cfg = self.cfg
         c_BTL, k_pe_BTR = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
         cos, sin = rope_cos_sin(cfg, positions_BT)
         k_pe_BTR = apply_rope(k_pe_BTR, cos, sin, interleave=cfg.rope_interleave)
-        c_BTL = self.kv_norm(c_BTL)
+        c_BTL = self.kv_norm(c_BTL, weight_apart=weight_apart)
         return jnp.concatenate([c_BTL.astype(k_pe_BTR.dtype), k_pe_BTR], axis=-1)
 
     def _wkv_b_stack(self, stacked: Stacked | None, M: int, K: int, N: int, contract_rows: bool):

@@ -16,5 +16,6 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps)
+    def __call__(self, x: jax.Array, *, weight_apart: bool = False) -> jax.Array:
+        """``weight_apart``: see `rms_norm` (a scanned layer's norm in a decode step: its weight is a slice)."""
+        return rms_norm(x, self.weight[...], self.eps, weight_apart=weight_apart)

@@ -96,7 +96,7 @@ class DecoderLayer(nnx.Module):
         if cache is not None:
             a, cache = a
         h = x_BTD + a.astype(x_BTD.dtype)
-        y = self.post_attention_layernorm(h)
+        y = self.post_attention_layernorm(h, weight_apart=stacked is not None)
         r = None
         if self.is_moe:
             y, r = self.mlp(

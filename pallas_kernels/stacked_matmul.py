@@ -58,12 +58,20 @@ NORM_ROWS = 4  # rows up to this are normalised in the kernel (`norm`): one deco
 _F32 = jnp.float32
 
 
-def rms_norm(x, weight, eps: float):
+def rms_norm(x, weight, eps: float, *, weight_apart: bool = False):
     """DeepSeek's (HF transformers') RMSNorm: normalise in fp32, cast to x's dtype, scale by `weight` [..., K]
-    -> the promoted dtype of x and weight. The one formula of `mla_jax.norm.RMSNorm` and of `RowNorm`."""
+    -> the promoted dtype of x and weight. The one formula of `mla_jax.norm.RMSNorm` and of `RowNorm`.
+
+    ``weight_apart`` (the same values): the weight's multiply is kept out of the normalising fusion (an optimization
+    barrier on the normalised rows) for more than one row. Where the weight is a scanned layer's slice, XLA's row
+    norm over 2 or more rows is a Triton fusion that cannot read a slice in place and copies it first (a launch a
+    norm a layer, at every decode step of B >= 2 and every MTP verify step); apart, the multiply fuses into the
+    norm's consumer, which reads the slice where it is."""
     xf = x.astype(_F32)
-    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * y.astype(x.dtype)
+    y = (xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    if weight_apart and math.prod(x.shape[:-1]) > 1:
+        y = lax.optimization_barrier(y)
+    return weight * y
 
 
 class RowNorm(NamedTuple):
@@ -161,10 +169,25 @@ def _shape_problems(M: int, K: int, N: int, config: StackedMatmulConfig) -> list
     for (name, dim, block), b in zip((("K", K, config.block_k), ("N", N, config.block_n)), _blocks(K, N, config)):
         if dim % b or b < 16 or b & (b - 1):
             out.append(f"{name} = {dim} is not a multiple of the block {block} (nor a power of two >= 16 below it)")
-    bk = _blocks(K, N, config)[0]
+    bk, bn = _blocks(K, N, config)
     if config.split_k is not None and K % bk == 0 and (K // bk) % config.split_k:
         out.append(f"split_k = {config.split_k} does not divide K / block_k = {K // bk}")
+    smem = _smem_bytes(M, bk, bn, config)
+    if M <= MAX_ROWS and smem > SMEM_BYTES:
+        out.append(
+            f"{config.num_stages} stages of a {_block_m(M)} x {bk} row tile and a {bk} x {bn} weight tile need "
+            f"{smem} bytes of shared memory; an H100 / H200 program has {SMEM_BYTES}"
+        )
     return out
+
+
+SMEM_BYTES = 232_448  # shared memory a Triton program may use on an H100 / H200 (227 KB)
+
+
+def _smem_bytes(M: int, block_k: int, block_n: int, config: StackedMatmulConfig, itemsize: int = 2) -> int:
+    """Shared memory of a program's software pipeline: `num_stages` copies of its row tile and its weight tile
+    (bf16 operands). A config over `SMEM_BYTES` fails to compile for the card (Triton: "out of resource")."""
+    return config.num_stages * (_block_m(M) * block_k + block_k * block_n) * itemsize
 
 
 def _block_m(M: int) -> int:
@@ -412,17 +435,25 @@ def stacked_matmul(
 # results/2026-12-06-h100-mtp-census-projection-sweep/, V2-Lite's 16 heads at 1 / 2 / 32 rows) W_UK took 3.7 / 3.8
 # / 4.7 µs against 5.5 / 5.4 / 6.4 with 64-wide blocks split over K (the sum included), W_UV 3.5 / 3.6 / 4.0 against
 # 4.2 / 4.3 / 5.0.
-HEAD_CONFIG = StackedMatmulConfig(block_n=32, block_k=128, split_k=1)  # W_UK (contract_rows=False)
-HEAD_ROWS_CONFIG = StackedMatmulConfig(block_n=32, block_k=256, split_k=1)  # W_UV (contract_rows=True)
+# W_UV's 256-deep chunks only below FEW_ROWS rows: at 32 its 128-deep ones were faster (3.7 against 4.0 µs), and at
+# 128 rows four stages of a 128 x 256 row tile do not fit a program's shared memory.
+HEAD_CONFIG = StackedMatmulConfig(block_n=32, block_k=128, split_k=1)  # W_UK (contract_rows=False); W_UV from 16 rows
+HEAD_ROWS_CONFIG = StackedMatmulConfig(block_n=32, block_k=256, split_k=1)  # W_UV (contract_rows=True) below 16 rows
+
+
+def _head_config(M: int, contract_rows: bool) -> StackedMatmulConfig:
+    """`stacked_head_matmul`'s default config for M rows (W_UV's with ``contract_rows``)."""
+    return HEAD_ROWS_CONFIG if contract_rows and M < FEW_ROWS else HEAD_CONFIG
 
 
 def stacked_head_matmul_problems(
     M: int, H: int, K: int, N: int, config: StackedMatmulConfig | None = None, *, contract_rows: bool = False
 ):
     """Why `stacked_head_matmul` cannot take per-head [M, K] · [K, N] products over H heads (empty when it can);
-    `config` None: the call's default (`HEAD_ROWS_CONFIG` with ``contract_rows``, else `HEAD_CONFIG`)."""
+    `config` None: the call's default (`HEAD_ROWS_CONFIG` with ``contract_rows`` below `FEW_ROWS` rows, else
+    `HEAD_CONFIG`)."""
     if config is None:
-        config = HEAD_ROWS_CONFIG if contract_rows else HEAD_CONFIG
+        config = _head_config(M, contract_rows)
     return _shape_problems(M, K, N, config)
 
 
@@ -489,17 +520,17 @@ def stacked_head_matmul(
                            (W_UV applied to the attention's latent output);
       contract_rows=False: y[m, h, n] = Σ_k x[m, h, k] · w[layer, n, h·P + col_offset + k], N = R
                            (W_UK folded into the query).
-    Grid (H, N / block_n, split over K): `config` None takes `HEAD_CONFIG` (W_UK) or `HEAD_ROWS_CONFIG` (W_UV),
-    which do not split K; a config that does leaves the split partials to XLA's sum. Rows are padded to a power of
-    two >= 16 (the smallest tensor-core M), M <= `MAX_ROWS`, except fewer than 16, read as they are (`_load_rows`);
-    a single row repeated over the dot's 16 rows (V2-Lite B = 1 on an H100: 139 against 151 µs a step for the two
-    calls a layer).
+    Grid (H, N / block_n, split over K): `config` None takes `HEAD_CONFIG` (W_UK; W_UV from 16 rows) or
+    `HEAD_ROWS_CONFIG` (W_UV below 16 rows), which do not split K; a config that does leaves the split partials to
+    XLA's sum. Rows are padded to a power of two >= 16 (the smallest tensor-core M), M <= `MAX_ROWS`, except fewer
+    than 16, read as they are (`_load_rows`); a single row repeated over the dot's 16 rows (V2-Lite B = 1 on an
+    H100: 139 against 151 µs a step for the two calls a layer).
     x may be `Partials` of [M, H, Px] (fewer than 16 rows: summed as loaded); `k_cols`: the contraction takes the
     first `k_cols` of each head's Px columns (MLA's q_nope within a head's query; None: all, K = Px).
     impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
     """
     if config is None:
-        config = HEAD_ROWS_CONFIG if contract_rows else HEAD_CONFIG
+        config = _head_config(x_MHK.shape[0], contract_rows)
     if x_MHK.ndim != 3 or w_LRC.ndim != 3:
         raise ValueError(f"x must be [M, H, K] and w a stack [L, R, H·P], got {x_MHK.shape} and {w_LRC.shape}")
     M, H, Px = x_MHK.shape

@@ -171,6 +171,39 @@ def test_several_stacks_in_one_launch_equal_each_alone(M, split_k):
         stacked_matmul(x, (w1, w2), 0, config=config, impl="interpret", keep_splits=(True,))
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_norm_with_its_weight_apart_is_the_same_norm(rows):
+    """`rms_norm(..., weight_apart=True)` (the weight's multiply kept out of XLA's row-norm fusion, so that a scanned
+    layer's weight slice is read in place and not copied) gives the same bits as the plain formula and float64's
+    value within bf16 rounding, under jit and for a weight of another dtype. Catches the multiply moved before the
+    cast to the rows' dtype (a second rounding), or the rows normalised twice."""
+    from pallas_kernels.stacked_matmul import rms_norm
+
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, 256)) * 3 + 1, jnp.bfloat16)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, 256), jnp.float32)
+    f = jax.jit(lambda x, w, apart: rms_norm(x, w, 1e-6, weight_apart=apart), static_argnums=2)
+    np.testing.assert_array_equal(np.asarray(f(x, w, True)), np.asarray(f(x, w, False)))
+    xf = np.asarray(x, np.float64)
+    want = np.asarray(w, np.float64) * (xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + 1e-6))
+    chex.assert_trees_all_close(np.asarray(f(x, w, True), np.float64), want, rtol=1e-2, atol=1e-2)
+
+
+def test_configs_past_a_programs_shared_memory_are_refused():
+    """A config whose pipeline (stages x the row tile and the weight tile) overflows an H100's shared memory is
+    refused in one line rather than failing the card's compile: W_UV's 256-deep chunks at 128 rows needed 320 KB
+    (V2-Lite's decode at B = 128 did not compile for an H100). Catches the default config of a row count choosing
+    such a config."""
+    assert stacked_head_matmul_problems(128, 16, 512, 128, contract_rows=True) == []  # W_UV's default at 128 rows
+    assert stacked_head_matmul_problems(1, 16, 512, 128, contract_rows=True) == []
+    big = StackedMatmulConfig(block_n=32, block_k=256, split_k=1)
+    assert stacked_head_matmul_problems(128, 16, 512, 128, big) == [
+        "4 stages of a 128 x 256 row tile and a 256 x 32 weight tile need 327680 bytes of shared memory; an H100 /"
+        " H200 program has 232448"
+    ]
+    assert stacked_matmul_problems(128, 2048, 3072) == []  # V2-Lite's wq at batch 128, the default config
+
+
 def test_what_it_cannot_serve_is_one_line_each():
     assert stacked_matmul_problems(1, 2048, 3072) == []  # V2-Lite's wq
     assert stacked_matmul_problems(128, 2048, 576) == []  # V2-Lite's wkv_a at batch 128
