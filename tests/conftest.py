@@ -79,6 +79,7 @@ WHOLE_MODULES = frozenset(
     {
         "test_engine.py",  # the model / spec_model / engine fixtures; steps shared by equal shapes
         "test_generate_cli.py",  # the built-in model's steps, shared by the runs of equal pool shapes
+        "test_memory_plan.py",  # the planned engine, and the largest steps its plan measured (compiled)
         "test_model_hf.py",  # a loaded model per fixture, and eager ops shared across them
         "test_serve.py",  # the engine `mla-bench serve --config tiny` builds; its run last finds the steps compiled
         "test_sharding.py",  # the one 8-device subprocess every multi-device test reads

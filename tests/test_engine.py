@@ -35,6 +35,11 @@ from tests.xla_opt import optimized
 
 CFG = ModelConfig.tiny().replace(num_hidden_layers=2)  # one dense layer, one MoE layer, one MTP module
 STD = dict(page_size=4, num_pages=64, max_batch=4, prefill_chunk=8, kv_dtype=jnp.float32)
+# The MTP verify loop's shapes (a 40-token context, 3 steps a call): the sampled-MTP tests and the context-limit
+# test run engines of these shapes too, so that their steps (greedy and sampled) compile once for the module.
+LOOP = {**STD, "max_context": 40, "decode_steps": 3}
+# One slot, 8 steps a call: the late-verify-call test's shapes, shared by the MTP prefill-state test.
+ONE_SLOT = {**STD, "max_batch": 1, "decode_steps": 8}
 
 
 def _prompts(seed: int, lengths) -> list[list[int]]:
@@ -94,8 +99,7 @@ def engine(model):
 
 @pytest.fixture(scope="module")
 def wide_engine(spec_model):
-    """Room for 64 requests a step: the distribution tests' 2000 requests take few steps, and the
-    sampled-MTP tests share its compiled steps."""
+    """Room for 64 requests a step: the distribution tests' 2000 requests (full tier) take few steps."""
     return Engine(spec_model, **{**STD, "max_batch": 64, "num_pages": 256})
 
 
@@ -153,10 +157,10 @@ def test_stop_tokens_and_streaming(engine):
 
 
 def test_max_context_ends_a_sequence(model):
-    e = Engine(model, **{**STD, "num_pages": 64}, max_context=12)
-    res = e.generate(_prompts(4, [10, 12]), max_new_tokens=8)
-    # Tokens at positions 10, 11, 12 for the first (12 = max_context cannot be fed back), one for the second.
-    assert [len(t) for t in res.tokens] == [3, 1]
+    e = Engine(model, **LOOP)  # max_context 40; the verify loop's shapes, whose plain steps are compiled
+    res = e.generate(_prompts(4, [37, 40]), max_new_tokens=8)
+    # Tokens at positions 37..40 for the first (40 = max_context cannot be fed back), one for the second.
+    assert [len(t) for t in res.tokens] == [4, 1]
     assert res.finish_reasons == ["context", "context"]
 
 
@@ -239,7 +243,7 @@ def test_a_stop_found_one_call_late_returns_its_pages_and_spares_the_others(mode
     slot runs beside the call that still carries the old row. Catches: the dropped token emitted, the pages held
     until the extra call lands (or freed before the call that reads them was enqueued), the new occupant
     reading the old row's lane entry."""
-    e = Engine(model, **{**STD, "max_batch": 2}, cache_fill=float("nan"))
+    e = Engine(model, **STD, cache_fill=float("nan"))  # the `engine` fixture's shapes: its steps compiled
     p0, p1, p2 = _prompts(32, [4, 6, 5])
     alone = [e.generate([p], max_new_tokens=12).tokens[0] for p in (p0, p1, p2)]
     stop = alone[0][2]
@@ -251,6 +255,8 @@ def test_a_stop_found_one_call_late_returns_its_pages_and_spares_the_others(mode
     assert e.cache.pages_of(0) == [] and e._sched.slots[0] is None
     assert e._sched.flight is not None and 0 in e._sched.flight.rows  # the call one step late, still in flight
     h2 = e.submit(p2, max_new_tokens=12)
+    e.step()
+    assert e._sched.slots[0] is not None and e._sched.slots[0].req == h2.id  # the freed slot, the first free
     e.run_until_idle()
     assert h0.output == cut0 and h1.output == alone[1] and h2.output == alone[2]
     assert e.cache.pages_used == 0
@@ -277,7 +283,7 @@ def test_mtp_verify_loop_equals_plain_greedy_and_warm_up_covers_it(spec_model):
     compilation, every page back. Catches: a verify step past a row's budget or context (end_B), a draft
     accepted past a stop, an acceptance count that moves the lane's position wrongly, a verify shape warm-up
     misses."""
-    e = Engine(spec_model, **{**STD, "max_context": 40}, decode_steps=3)
+    e = Engine(spec_model, **LOOP)
     prompts = _prompts(35, [3, 9, 14, 5, 1, 6])
     news = [20, 7, 13, 20, 2, 16]
     plain = [e.generate([p], max_new_tokens=n).tokens[0] for p, n in zip(prompts, news)]
@@ -296,14 +302,14 @@ def test_mtp_verify_loop_equals_plain_greedy_and_warm_up_covers_it(spec_model):
     assert 0 < st.mtp_accepted < st.mtp_drafted and e.cache.pages_used == 0
 
 
-@pytest.mark.xla_optimized  # the wide engine's steps run many times: compiled optimised
-def test_mtp_rejection_sampling_path_with_one_hot_distributions(spec_model, wide_engine):
+def test_mtp_rejection_sampling_path_with_one_hot_distributions(spec_model):
     """temperature 1 with top_k = 1 runs the sampling code (rejection sampling, residual and bonus
     draws, per-position keys) on one-hot p and q, where its result is known: the greedy tokens.
-    (The sampled steps are those of the distribution tests' engine, compiled once.)"""
+    (The verify loop's shapes: its greedy steps, and the sampled ones of the test below, compile once.)"""
     prompts = _prompts(5, [3, 9, 14, 5, 1, 6])
-    greedy = Engine(spec_model, **STD).generate(prompts, max_new_tokens=10)
-    res = wide_engine.generate(
+    e = Engine(spec_model, **LOOP)
+    greedy = e.generate(prompts, max_new_tokens=10)
+    res = e.generate(
         prompts,
         max_new_tokens=10,
         use_mtp=True,
@@ -314,25 +320,26 @@ def test_mtp_rejection_sampling_path_with_one_hot_distributions(spec_model, wide
     assert 0 < res.stats["mtp_accepted"] < res.stats["mtp_drafted"]
 
 
-@pytest.mark.xla_optimized  # the wide engine's steps run many times: compiled optimised
-def test_sampled_generation_reproduces_and_ignores_batching(wide_engine):
-    """temperature > 0 with MTP (rejection sampling): a seed reproduces, and a request's tokens do
-    not depend on which other requests share its batch (the keys fold in positions, not slots)."""
-    e = wide_engine
+def test_sampled_generation_reproduces_and_ignores_batching(spec_model):
+    """temperature > 0 with MTP (rejection sampling, 2 drafts a step: the steps of the test above): a
+    seed reproduces, and a request's tokens do not depend on which other requests share its batch (the
+    keys fold in positions, not slots; five requests on four slots: the fifth runs in another slot beside
+    other rows)."""
+    e = Engine(spec_model, **LOOP)
+    mtp = dict(use_mtp=True, mtp_draft_tokens=2)
     prompts = _prompts(6, [3, 9, 5, 6, 2])
     sp = SamplingParams(temperature=0.9, top_k=40, seed=3)
-    a = e.generate(prompts, max_new_tokens=6, sampling=sp, use_mtp=True)
-    b = e.generate(prompts, max_new_tokens=6, sampling=sp, use_mtp=True)
+    a = e.generate(prompts, max_new_tokens=6, sampling=sp, **mtp)
+    b = e.generate(prompts, max_new_tokens=6, sampling=sp, **mtp)
     assert a.tokens == b.tokens
     assert all(0 <= t < CFG.vocab_size for out in a.tokens for t in out)
     per_request = [SamplingParams(temperature=0.9, top_k=40, seed=100 + i) for i in range(len(prompts))]
-    together = e.generate(prompts, max_new_tokens=6, sampling=per_request, use_mtp=True).tokens
+    together = e.generate(prompts, max_new_tokens=6, sampling=per_request, **mtp).tokens
     alone = [
-        e.generate([p], max_new_tokens=6, sampling=[s], use_mtp=True).tokens[0]
-        for p, s in zip(prompts[:2], per_request[:2])
+        e.generate([p], max_new_tokens=6, sampling=[s], **mtp).tokens[0] for p, s in zip(prompts[:2], per_request[:2])
     ]
     assert together[:2] == alone
-    c = e.generate(prompts, max_new_tokens=6, sampling=SamplingParams(temperature=0.9, top_k=40, seed=4), use_mtp=True)
+    c = e.generate(prompts, max_new_tokens=6, sampling=SamplingParams(temperature=0.9, top_k=40, seed=4), **mtp)
     assert c.tokens != a.tokens
     assert 0.0 <= a.stats["mtp_acceptance"] <= 1.0
 
@@ -519,7 +526,8 @@ def test_a_throwing_stream_callback_frees_every_page(engine):
 
 
 def test_prompt_larger_than_the_pool_fails_alone(model):
-    e = Engine(model, **{**STD, "num_pages": 14, "max_context": 64})  # 56 tokens of pool
+    # 44 tokens of pool: the shapes of the out-of-pages test (decode_steps 1), whose steps are compiled
+    e = Engine(model, **{**STD, "num_pages": 11, "max_context": 64})
     res = e.generate(_prompts(10, [60, 3]), max_new_tokens=2)
     assert res.finish_reasons[0] == "error" and "needs 15 more page(s)" in res.errors[0]
     assert res.errors[1] is None and len(res.tokens[1]) == 2
@@ -843,7 +851,8 @@ def test_decode_plan_is_built_once_a_forward_call_not_per_layer():
     computed again in each layer (`MLA.cached_attention` ignoring `DecodePlan.seq_lens`: one kernel launch a
     layer on the GPU), and the plan leaking out of the call (its lengths are stale for the next one)."""
     cfg = KERNEL_CFG.replace(num_hidden_layers=3, first_k_dense_replace=1)  # a dense scan and a MoE scan
-    m = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    # abstract weights: the model is only traced here (its state an argument of the traced forward)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0))))
     pages = jnp.zeros((3, 8, 64, 576), jnp.bfloat16)
     table = jnp.arange(8, dtype=jnp.int32).reshape(4, 2)
     lens = np.array([1, 63, 66, 100], np.int32)  # after this step's writes
@@ -851,32 +860,36 @@ def test_decode_plan_is_built_once_a_forward_call_not_per_layer():
     # A mixed step's shape: 4 query slots a row, valid ones first, padding (-1) after them.
     pos = jnp.asarray([[0, -1, -1, -1], [62, -1, -1, -1], [64, 65, -1, -1], [96, 97, 98, 99]], jnp.int32)
     ids = jnp.zeros((4, 4), jnp.int32)
+
+    def forward(c):  # the traced step's jaxpr
+        return jax.make_jaxpr(lambda st, c: nnx.merge(graphdef, st)(ids, pos, cache=c))(state, c).jaxpr
+
     # The kernel counts padding queries in (query j at seq_len - 4 + j): lengths 1+3, 63+3, 66+2, 100+0, so
     # row 1's plan covers two pages, not one.
     want = mla_decode_schedule(jnp.asarray([4, 66, 68, 100], jnp.int32), heads=16, query_len=4, config=PIECES)
     plan = with_decode_plan(cfg, cache, pos).decode_plan
     chex.assert_trees_all_equal(plan.schedule, want)
     np.testing.assert_array_equal(plan.seq_lens, [4, 66, 68, 100])
-    out = jax.eval_shape(lambda c: m(ids, pos, cache=c)[1], cache)
+    out = jax.eval_shape(lambda st, c: nnx.merge(graphdef, st)(ids, pos, cache=c)[1], state, cache)
     assert out.decode_plan is None  # dropped when the call returns
-    counts = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(cache).jaxpr)
+    counts = _schedule_ops(forward(cache))
     assert counts[True] == 0 and counts[False] > 0, counts
     assert isinstance(want, PieceSchedule)
     # "auto" (its plan: the pieces one and the rule's choice): built once the same way
     other = dataclasses.replace(cache, decode_config=MlaDecodeConfig(schedule="auto", target_ctas=4))
     assert isinstance(with_decode_plan(cfg, other, pos).decode_plan.schedule, AutoSchedule)
-    counts = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(other).jaxpr)
+    counts = _schedule_ops(forward(other))
     assert counts[True] == 0 and counts[False] > 0, counts
     # the same model on the per-sequence schedule plans nothing on the device, but still hands every layer the
     # kernel's lengths computed once (a layer computing them again was a kernel launch a layer)
     plain = dataclasses.replace(cache, decode_config=None)
-    assert _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(plain).jaxpr) == {False: 0, True: 0}
+    assert _schedule_ops(forward(plain)) == {False: 0, True: 0}
     assert with_decode_plan(cfg, plain, pos).decode_plan.schedule is None
-    lens_ops = _schedule_ops(jax.make_jaxpr(lambda c: m(ids, pos, cache=c))(plain).jaxpr, scope=SEQ_LENS_SCOPE)
+    lens_ops = _schedule_ops(forward(plain), scope=SEQ_LENS_SCOPE)
     assert lens_ops[True] == 0 and lens_ops[False] > 0, lens_ops
     # a config that is not one: one line naming the argument, at construction
     with pytest.raises(ValueError, match=r"^Engine decode_config must be an MlaDecodeConfig or None, got str: 'pie"):
-        Engine(m, decode_config="pieces")
+        Engine(nnx.merge(graphdef, state), decode_config="pieces")
     with pytest.raises(ValueError, match=r"^KVCache decode_config must be an MlaDecodeConfig or None, got dict"):
         dataclasses.replace(cache, decode_config={"schedule": "pieces"})
 
@@ -1209,9 +1222,10 @@ def test_prefill_mtp_state_equals_the_uncached_mtp_forward(model):
     mtp = nnx.jit(lambda m, x, nxt: m.mtp_logits(m.hidden_states(x), nxt))  # one compile, not one an op
     want = jax.nn.softmax(mtp(model, x, pairs_next)[0, n - 1])
     np.testing.assert_allclose(np.asarray(q[0, 0]), np.asarray(want), rtol=1e-4, atol=1e-6)
-    # ... and the engine hands the step those pairs, across chunk boundaries (chunks of 4 here):
-    # row i of a chunk pairs token i with prompt token i + 1.
-    e = Engine(model, page_size=4, num_pages=16, max_batch=1, prefill_chunk=4, kv_dtype=jnp.float32)
+    # ... and the engine hands the step those pairs, across chunk boundaries (chunks of 8 here):
+    # row i of a chunk pairs token i with prompt token i + 1. (The late-verify-call test's shapes: their
+    # steps compile once.)
+    e = Engine(model, **ONE_SLOT)
     seen = []
     real = e.steps.prefill_call
 
@@ -1220,8 +1234,8 @@ def test_prefill_mtp_state_equals_the_uncached_mtp_forward(model):
         return real(state, cache, inp, lane, feed, src, mtp_next_ids, *args, **kw)
 
     e.steps = e.steps._replace(prefill_call=recording)
-    e.generate([prompt], max_new_tokens=2, use_mtp=True)
-    assert len(seen) == 3  # 11 prompt tokens in chunks of 4
+    e.generate([prompt], max_new_tokens=1, use_mtp=True)  # the prefill alone: no verify call to compile
+    assert len(seen) == 2  # 11 prompt tokens in chunks of 8
     for positions, nxt_ids in seen:
         for j, p in enumerate(positions):
             if 0 <= p < n - 1:
@@ -1302,7 +1316,7 @@ def test_no_verify_call_behind_one_expected_to_end_the_row(model):
     steps for nothing (a prefill and two verify calls launched for 14 new tokens, the second landing after the
     request ended, in no one's stats; about half of all lengths end in such a call). The calls in flight are now
     credited with the acceptance seen so far."""
-    e = Engine(model, **{**STD, "max_batch": 1}, decode_steps=8)
+    e = Engine(model, **ONE_SLOT)
     prompt = _prompts(37, [5])
     plain = e.generate(prompt, max_new_tokens=40).tokens
     e.draft_oracle([prompt[0] + plain[0]], accept=1.0)

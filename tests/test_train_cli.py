@@ -30,11 +30,12 @@ from models.training.loop import (
 )
 
 # Small enough for a couple of seconds of steps on 2 CPU cores; the shipped corpus and the tiny config.
-# Every test uses the same trajectory arguments (shorter runs stop early with --stop-at), so the
-# jitted step is compiled once per process: compiling dominates the time of these tests.
+# Every test uses the same trajectory arguments (shorter runs stop early with --stop-at; the schedule's
+# length is one of them), so the jitted step is compiled once per process: compiling dominates the time
+# of these tests.
 FAST = [
     "--steps",
-    "40",
+    "10",
     "--warmup",
     "4",
     "--batch-size",
@@ -52,12 +53,30 @@ def _rows(out):
         return [json.loads(line) for line in f]
 
 
-def test_short_run_lowers_heldout_loss(tmp_path):
-    out = str(tmp_path / "run")
-    # 10 steps (FAST's schedule is 40): held-out CE 4.02 at step 5, 3.22 at 10 (2026-12-03; 2.83 at 20, 2.57
-    # after 40; 10 rather than 20 for the suite's time)
-    rc = main(["--out", out, "--eval-every", "5", "--save-every", "0", *FAST, "--steps", "10"])
-    assert rc == 0
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished FAST run (10 steps, evaluated at 5 and at its end, exported) and the arguments that made it:
+    the short-run test reads it, the resume tests resume copies of it."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    args = ["--eval-every", "5", "--save-every", "0", *FAST]
+    assert main(["--out", str(out), *args]) == 0
+    return out, args
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(tmp_path_factory, finished_run):
+    """A run of the finished run's arguments stopped after step 5 (`--stop-at 5`: its checkpoint, not exported)
+    and those arguments: the resume tests continue copies of it."""
+    out = tmp_path_factory.mktemp("interrupted") / "run"
+    args = finished_run[1]
+    assert main(["--out", str(out), *args, "--stop-at", "5"]) == 0
+    return out, args
+
+
+def test_short_run_lowers_heldout_loss(finished_run):
+    out = str(finished_run[0])
+    # 10 steps: held-out CE 4.02 at step 5, 3.22 at 10 (2026-12-03; 2.83 at 20, 2.57 after 40; 10 rather than 20
+    # for the suite's time)
     evals = [r for r in _rows(out) if "eval_ce" in r]
     assert [r["step"] for r in evals] == [5, 10]
     first, last = evals[0]["eval_ce"], evals[-1]["eval_ce"]
@@ -84,16 +103,19 @@ def _final_checkpoint(out, args):
         mgr.close()
 
 
-def test_resume_is_exact(tmp_path):
-    args = ["--eval-every", "0", "--save-every", "0", *FAST]
+def test_resume_is_exact(finished_run, interrupted_run, tmp_path):
+    """A run interrupted after step 5 and resumed to its end (10) holds the state of the run made in one go."""
+    import shutil
+
+    (whole, args), (part, _) = finished_run, interrupted_run
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    assert main(["--out", a, *args, "--stop-at", "6"]) == 0  # 6 steps in one go
-    assert main(["--out", b, *args, "--stop-at", "3"]) == 0  # "interrupted" after step 3
+    shutil.copytree(whole, a)  # 10 steps in one go
+    shutil.copytree(part, b)  # "interrupted" after step 5
     assert not os.path.exists(os.path.join(b, "export"))  # an unfinished run is not exported
-    assert main(["--out", b, *args, "--resume", "--stop-at", "6"]) == 0
+    assert main(["--out", b, *args, "--resume"]) == 0
     sa, oa, ma = _final_checkpoint(a, args)
     sb, ob, mb = _final_checkpoint(b, args)
-    assert ma["step"] == mb["step"] == 6
+    assert ma["step"] == mb["step"] == 10
     # the router biases moved (so their resume is really tested) ...
     from flax import nnx
 
@@ -105,7 +127,7 @@ def test_resume_is_exact(tmp_path):
     chex.assert_trees_all_equal(sa, sb)
     chex.assert_trees_all_equal(oa, ob)
     # the log of the resumed run has each step once
-    assert [r["step"] for r in _rows(b) if "ce" in r] == list(range(1, 7))
+    assert [r["step"] for r in _rows(b) if "ce" in r] == list(range(1, 11))
 
 
 def test_resume_refuses_other_arguments_and_clobbering(tmp_path, capsys):
@@ -619,10 +641,10 @@ def test_ctrl_c_in_a_real_process_saves_and_exits_130(tmp_path):
     200, a false "resume from the last checkpoint", a KeyboardInterrupt traceback, and the abort "terminate
     called without an active exception" (exit 134) of an orbax thread killed mid-save."""
     out = tmp_path / "run"
-    # 0.2 s a step: the run cannot end first
+    # 0.8 s a step: the run (10 steps) cannot end first
     slow = (
         "from models.training import loop as trainer; step = trainer.Trainer.step; "
-        "trainer.Trainer.step = lambda self, ts: (time.sleep(0.2), step(self, ts))[1]"
+        "trainer.Trainer.step = lambda self, ts: (time.sleep(0.8), step(self, ts))[1]"
     )
     p = _child(slow, ["--out", str(out), "--eval-every", "0", *FAST])
     try:
@@ -714,14 +736,6 @@ def _failing_writer(code):
     return fail
 
 
-@pytest.fixture(scope="module")
-def two_steps(tmp_path_factory):
-    """A run directory with the checkpoint of step 2 (no evaluation before the end, no periodic saves)."""
-    out = tmp_path_factory.mktemp("two_steps") / "run"
-    assert main(["--out", str(out), "--eval-every", "0", "--save-every", "0", *FAST, "--stop-at", "2"]) == 0
-    return out
-
-
 @pytest.mark.parametrize(
     "fault",
     [
@@ -735,32 +749,33 @@ def two_steps(tmp_path_factory):
     ],
 )
 def test_failed_save_is_one_line_and_the_last_checkpoint_still_loads(
-    two_steps, tmp_path, capfd, caplog, monkeypatch, fault
+    interrupted_run, tmp_path, capfd, caplog, monkeypatch, fault
 ):
     """Guards: a full disk while saving printed about 2 500 lines of orbax/asyncio tracebacks, no one-line error,
     and left a `*.orbax-checkpoint-tmp` folder behind. Now: one line naming the checkpoint and the cause, exit 2,
     the partial files removed, and `--resume` continues from the last good checkpoint."""
     import shutil
 
+    run, run_args = interrupted_run  # its checkpoint: step 5
     out = tmp_path / "run"
     ckpts = out / "checkpoints"
-    shutil.copytree(two_steps, out)
-    args = ["--out", str(out), "--eval-every", "0", "--save-every", "0", *FAST]
+    shutil.copytree(run, out)
+    args = ["--out", str(out), *run_args]
     capfd.readouterr()
     caplog.clear()
     with fault(monkeypatch) as code:
-        rc = main([*args, "--resume", "--stop-at", "4"])
+        rc = main([*args, "--resume", "--stop-at", "7"])
     monkeypatch.undo()
     err = capfd.readouterr().err
     assert rc == 2, err
     assert err.splitlines()[1:] == [
-        f"mla-train: error: cannot save checkpoint {ckpts / '4'}: {os.strerror(code)}; its partial files were "
-        f"removed; the last checkpoint, {ckpts / '2'}, is intact (--resume continues from it)"
+        f"mla-train: error: cannot save checkpoint {ckpts / '7'}: {os.strerror(code)}; its partial files were "
+        f"removed; the last checkpoint, {ckpts / '5'}, is intact (--resume continues from it)"
     ], err
     assert not [r for r in caplog.records if r.name in ("absl", "asyncio")], caplog.text  # orbax's tracebacks
-    assert os.listdir(ckpts) == ["2"]
-    assert main([*args, "--resume", "--stop-at", "3"]) == 0
-    assert "steps 2->3" in capfd.readouterr().err
+    assert os.listdir(ckpts) == ["5"]
+    assert main([*args, "--resume", "--stop-at", "6"]) == 0
+    assert "steps 5->6" in capfd.readouterr().err
 
 
 def test_a_late_orbax_thread_report_after_a_failed_save_is_dropped(caplog):
@@ -846,100 +861,95 @@ def test_help_says_how_long_the_default_run_takes():
     assert "about 10 minutes on a 2-core CPU" in text, text
 
 
-@pytest.fixture(scope="module")
-def two_step_run(tmp_path_factory):
-    """A finished run of 2 steps (evaluated at its end) and the arguments that made it."""
-    out = tmp_path_factory.mktemp("two") / "run"
-    args = ["--steps", "2", "--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--eval-windows", "2"]
-    args += ["--eval-every", "0", "--save-every", "0", "--no-progress"]
-    assert main(["--out", str(out), *args]) == 0
-    return out, args
-
-
 @pytest.mark.full(
     "test_resume_is_exact (a resume trains the steps left, bit for bit) and "
     "test_resume_of_a_finished_run_says_it_is_complete (a finished run read back) run in the quick tier"
 )
-def test_resume_with_more_steps_extends_a_finished_run(two_step_run, tmp_path, capfd):
+def test_resume_with_more_steps_extends_a_finished_run(finished_run, tmp_path, capfd):
     """Guards: `--resume --steps 4` on a finished 2-step run refused (steps=2/4) instead of training steps 3
-    and 4; it says the steps at its start (with the progress bar on) and ends a run of 4 steps."""
+    and 4; it says the steps at its start (with the progress bar on) and ends a run of 4 steps. (Here: steps 11
+    and 12 of a finished 10-step run.)"""
     import shutil
 
-    run, args = two_step_run
+    run, args = finished_run
     out = tmp_path / "run"
     shutil.copytree(run, out)
     capfd.readouterr()
     more = [a for a in args if a != "--no-progress"]
-    more[more.index("--steps") + 1] = "4"
+    more[more.index("--steps") + 1] = "12"
     assert main(["--out", str(out), *more, "--resume"]) == 0
     err = capfd.readouterr().err
-    assert "steps 2->4" in err and "step 4/4: train CE" in err and "nan" not in err, err
+    assert "steps 10->12" in err and "step 12/12: train CE" in err and "nan" not in err, err
     rows = _rows(out)
-    assert [r["step"] for r in rows if "ce" in r] == [1, 2, 3, 4]
-    assert [r["step"] for r in rows if "eval_ce" in r] == [2, 4]
-    assert sorted(os.listdir(out / "checkpoints"))[-1] == "4"
+    assert [r["step"] for r in rows if "ce" in r] == list(range(1, 13))
+    assert [r["step"] for r in rows if "eval_ce" in r] == [5, 10, 12]
+    assert sorted(os.listdir(out / "checkpoints"), key=int)[-1] == "12"
     summary = json.load(open(out / "export" / "training.json"))
-    assert summary["step"] == summary["args"]["steps"] == 4
+    assert summary["step"] == summary["args"]["steps"] == 12
 
 
-def test_resume_of_a_finished_run_says_it_is_complete(two_step_run, tmp_path, capfd):
+def test_resume_of_a_finished_run_says_it_is_complete(finished_run, tmp_path, capfd):
     """Guards: `--resume` of a finished run (the same --steps) printed `train CE nan` and wrote its evaluation
     into metrics.jsonl a second time. It says the run is complete, writes nothing, exit 0."""
     import shutil
 
-    run, args = two_step_run
+    run, args = finished_run
     out = tmp_path / "run"
     shutil.copytree(run, out)
     before = (out / "metrics.jsonl").read_text()
     capfd.readouterr()
     assert main(["--out", str(out), *args, "--resume"]) == 0
     err = capfd.readouterr().err
-    assert "nan" not in err and "already complete at step 2/2" in err, err
+    assert "nan" not in err and "already complete at step 10/10" in err, err
     assert (out / "metrics.jsonl").read_text() == before
-    assert [r["step"] for r in _rows(out) if "eval_ce" in r] == [2]
+    assert [r["step"] for r in _rows(out) if "eval_ce" in r] == [5, 10]
 
 
-def test_resume_without_steps_of_a_finished_run_says_it_is_complete(two_step_run, tmp_path, capfd):
+def test_resume_without_steps_of_a_finished_run_says_it_is_complete(finished_run, tmp_path, capfd):
     """Guards: `--resume` without `--steps` took the default total (800): a finished 2-step run printed
     `steps 2->800` and trained on, pruning its checkpoints and re-planning its schedule for 800 steps. It keeps
-    the run's own total: complete, nothing written (`--stop-at 3` bounds the old behaviour to one step)."""
+    the run's own total: complete, nothing written (`--stop-at 11` bounds the old behaviour to one step of this
+    10-step run)."""
     import shutil
 
-    run, args = two_step_run
+    run, args = finished_run
     out = tmp_path / "run"
     shutil.copytree(run, out)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     i = args.index("--steps")
     capfd.readouterr()
-    assert main(["--out", str(out), *args[:i], *args[i + 2 :], "--resume", "--stop-at", "3"]) == 0
+    assert main(["--out", str(out), *args[:i], *args[i + 2 :], "--resume", "--stop-at", "11"]) == 0
     err = capfd.readouterr().err
-    assert "already complete at step 2/2" in err, err
+    assert "already complete at step 10/10" in err, err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
-def test_resume_without_steps_of_an_interrupted_run_ends_at_its_own_total(tmp_path, capfd):
+def test_resume_without_steps_of_an_interrupted_run_ends_at_its_own_total(interrupted_run, tmp_path, capfd):
     """Guards: a run stopped at step 37 of 40 (its message: "continue with --resume"), resumed without
     `--steps`, trained on towards 800 steps with the learning rate of an 800-step schedule and its checkpoints
-    pruned. It ends at step 40, exported, each step's learning rate that of the run's own 40-step schedule."""
+    pruned. It ends at its own total, exported, each step's learning rate that of the run's own schedule (here
+    a run stopped at step 5 of 10)."""
+    import shutil
+
     import optax
 
+    run, args = interrupted_run
     out = str(tmp_path / "run")
-    args = ["--eval-every", "0", "--save-every", "0", *FAST]
-    assert main(["--out", out, *args, "--stop-at", "37"]) == 0
+    shutil.copytree(run, out)
     i = args.index("--steps")
     capfd.readouterr()
     assert main(["--out", out, *args[:i], *args[i + 2 :], "--resume"]) == 0
-    assert "steps 37->40" in capfd.readouterr().err
+    assert "steps 5->10" in capfd.readouterr().err
     rows = [r for r in _rows(out) if "ce" in r]
-    assert [r["step"] for r in rows] == list(range(1, 41))
-    # FAST: --lr default 4e-3, --warmup 4, --min-lr-ratio default 0.1, 40 steps; the row of step n used lr(n - 1)
-    lr = optax.warmup_cosine_decay_schedule(0.0, 4e-3, 4, 40, 4e-4)
-    assert [r["lr"] for r in rows[-3:]] == pytest.approx([float(lr(n)) for n in (37, 38, 39)], rel=1e-6)
-    assert sorted(os.listdir(os.path.join(out, "checkpoints")), key=int) == ["37", "40"]
-    assert json.load(open(os.path.join(out, "export", "training.json")))["step"] == 40
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    # FAST: --lr default 4e-3, --warmup 4, --min-lr-ratio default 0.1, 10 steps; the row of step n used lr(n - 1)
+    lr = optax.warmup_cosine_decay_schedule(0.0, 4e-3, 4, 10, 4e-4)
+    assert [r["lr"] for r in rows[-3:]] == pytest.approx([float(lr(n)) for n in (7, 8, 9)], rel=1e-6)
+    assert sorted(os.listdir(os.path.join(out, "checkpoints")), key=int) == ["5", "10"]
+    assert json.load(open(os.path.join(out, "export", "training.json")))["step"] == 10
 
 
-def test_metrics_are_strict_json(two_step_run):
+def test_metrics_are_strict_json(finished_run):
     """Guards: metrics.jsonl wrote a bare `NaN` (`"tokens_per_s": NaN`, the first step of every call, which
     includes compiling): not JSON, so strict parsers (a browser's JSON.parse) rejected the file. Not measured
     is null there."""
@@ -947,7 +957,7 @@ def test_metrics_are_strict_json(two_step_run):
     def no_constants(name):
         raise ValueError(f"{name} is not JSON")
 
-    run, _ = two_step_run
+    run, _ = finished_run
     with open(run / "metrics.jsonl") as f:
         rows = [json.loads(line, parse_constant=no_constants) for line in f]
     assert rows[0]["step"] == 1 and rows[0]["tokens_per_s"] is None
