@@ -407,26 +407,20 @@ class MLA(nnx.Module):
         """-> q_nope [B,T,H,N], q_pe [B,T,H,R] (roped). `stacked`: see `mla_jax.linear`. ``keep_splits``: where the
         last projection's kernel hands its split-K partials on, q_nope is those `Partials` of the whole per-head
         query [B,T,H,N+R] (q_nope its first N columns of each head), for `absorb_query` to sum as it loads them."""
-        first = project(self._q_first(), x_BTD, stacked, keep_splits=self._q_first_keeps(keep_splits))
-        return self._query_from(first, positions_BT, stacked, keep_splits)
+        lin, keep = self._q_first(keep_splits)
+        return self._query_from(project(lin, x_BTD, stacked, keep_splits=keep), positions_BT, stacked, keep_splits)
 
-    def _q_first(self):
-        """The query's projection of the layer input: `wq`, or `wq_a` with a query LoRA."""
-        return self.wq if self.cfg.q_lora_rank is None else self.wq_a
-
-    def _q_first_keeps(self, keep_splits: bool) -> bool:
-        return keep_splits if self.cfg.q_lora_rank is None else True  # wq_a's `Partials` go to wq_b as they are
+    def _q_first(self, keep_splits: bool):
+        """The input's query projection and its keep_splits: `wq` as asked, or `wq_a` (its `Partials` go to wq_b)."""
+        return (self.wq, keep_splits) if self.cfg.q_lora_rank is None else (self.wq_a, True)
 
     def project_q_kv(
         self, x_BTD: jax.Array, positions_BT: jax.Array, stacked: Stacked | None = None, *, keep_splits: bool = False
     ) -> tuple[tuple[jax.Array | Partials, jax.Array], jax.Array]:
-        """(`project_q`, `project_kv`) of the same input, their two projections of it (`wq` or `wq_a`, and `wkv_a`)
-        in one stacked kernel launch where it serves both (`mla_jax.linear.project_many`)."""
-        first, kv = project_many(
-            (self._q_first(), self.wkv_a), x_BTD, stacked, keep_splits=(self._q_first_keeps(keep_splits), False)
-        )
-        q = self._query_from(first, positions_BT, stacked, keep_splits)
-        return q, self._latent_from(kv, positions_BT, weight_apart=stacked is not None)
+        """(`project_q`, `project_kv`): wq or wq_a, and wkv_a, in one stacked launch where it serves both."""
+        (lin, keep), apart = self._q_first(keep_splits), stacked is not None
+        q, kv = project_many((lin, self.wkv_a), x_BTD, stacked, keep_splits=(keep, False))
+        return self._query_from(q, positions_BT, stacked, keep_splits), self._latent_from(kv, positions_BT, apart)
 
     def _query_from(self, q, positions_BT, stacked, keep_splits):
         """`project_q` from the first projection's result (`wq`'s, or `wq_a`'s, through q_norm and `wq_b`)."""
@@ -438,15 +432,14 @@ class MLA(nnx.Module):
         q_BTHK = q.total().reshape(shape) if isinstance(q, Partials) else q.reshape(shape)
         q_nope, q_pe = q_BTHK[..., : cfg.qk_nope_head_dim], q_BTHK[..., cfg.qk_nope_head_dim :]
         cos, sin = rope_cos_sin(cfg, positions_BT)
-        return (q.reshape(shape) if isinstance(q, Partials) else q_nope), apply_rope(
-            q_pe, cos, sin, interleave=cfg.rope_interleave
-        )
+        q_pe = apply_rope(q_pe, cos, sin, interleave=cfg.rope_interleave)
+        return (q.reshape(shape) if isinstance(q, Partials) else q_nope), q_pe
 
     def project_kv(self, x_BTD: jax.Array, positions_BT: jax.Array, stacked: Stacked | None = None) -> jax.Array:
         """-> the cached latent [B,T,L+R] = [kv_norm(c_kv) ; rope(k_pe)]."""
         return self._latent_from(project(self.wkv_a, x_BTD, stacked), positions_BT)
 
-    def _latent_from(self, kv: jax.Array, positions_BT: jax.Array, *, weight_apart: bool = False) -> jax.Array:
+    def _latent_from(self, kv: jax.Array, positions_BT: jax.Array, weight_apart: bool = False) -> jax.Array:
         """`project_kv` from `wkv_a`'s result (``weight_apart``: kv_norm's, `mla_jax.norm.RMSNorm`)."""
         cfg = self.cfg
         c_BTL, k_pe_BTR = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
@@ -456,14 +449,12 @@ class MLA(nnx.Module):
         return jnp.concatenate([c_BTL.astype(k_pe_BTR.dtype), k_pe_BTR], axis=-1)
 
     def _wkv_b_stack(self, stacked: Stacked | None, M: int, K: int, N: int, contract_rows: bool):
-        """wkv_b's whole stack [L, R, H·(N+V)] when this call reads it in place with
-        `pallas_kernels.stacked_matmul.stacked_head_matmul` (per-head products of M rows, K -> N; W_UV's
-        ``contract_rows``), else None."""
+        """wkv_b's whole stack [L, R, H·(N+V)] when this call reads it in place with `stacked_head_matmul` (per-head
+        products of M rows, K -> N; W_UV's ``contract_rows``), else None."""
         if stacked is None or not isinstance(self.wkv_b, nnx.Linear) or self.wkv_b.kernel[...].ndim != 3:
             return None
-        if stacked_head_matmul_problems(M, self.cfg.num_attention_heads, K, N, contract_rows=contract_rows):
-            return None
-        return self.wkv_b.kernel[...]
+        problems = stacked_head_matmul_problems(M, self.cfg.num_attention_heads, K, N, contract_rows=contract_rows)
+        return None if problems else self.wkv_b.kernel[...]
 
     def wkv_b_LHK(self, stacked: Stacked | None = None) -> jax.Array:
         """wkv_b as [L, H, N+V]: per head, the K_nope columns then the V columns (W_UK ; W_UV); an FP8 wkv_b
