@@ -28,11 +28,29 @@ def _product(x, w_ref, s_ref, e, k0, block_k, c0, block_c, convert):
 
 
 def _gate_up_rows(
-    x_ref, wg_ref, wu_ref, sg_ref, su_ref, rf_ref, h_ref, w, start, n, c0, *, block_i, block_d, D, convert
+    x_ref,
+    wg_ref,
+    wu_ref,
+    sg_ref,
+    su_ref,
+    rf_ref,
+    h_ref,
+    w,
+    start,
+    n,
+    c0,
+    *,
+    block_i,
+    block_d,
+    D,
+    convert,
+    out_start=None,
 ):
-    """h[start : start + n, c0 : c0 + block_i] = silu(x·W_gate[w]) * (x·W_up[w]) over those columns, 16 rows at a
-    time (rows past start + n neither read nor written); `w` the weights' leading index (expert or layer)."""
+    """h[out_start + r, c0 : c0 + block_i] = silu(x[start + r]·W_gate[w]) * (x[start + r]·W_up[w]) over those
+    columns for r < n (out_start None: start), 16 rows at a time (rows past n neither read nor written); `w` the
+    weights' leading index (expert or layer)."""
     cols = pl.ds(c0, block_i)
+    out_start = start if out_start is None else out_start
 
     def row_tile(t, carry):
         r0 = start + t * ROW_TILE
@@ -52,7 +70,7 @@ def _gate_up_rows(
             rf = plt.load(rf_ref.at[pl.ds(r0, ROW_TILE), pl.ds(0, 1)], mask=rmask, other=1.0)  # [R, 1]
             acc_g, acc_u = acc_g * rf, acc_u * rf
         h = jax.nn.silu(acc_g) * acc_u
-        plt.store(h_ref.at[pl.ds(r0, ROW_TILE), cols], h.astype(h_ref.dtype), mask=rmask)
+        plt.store(h_ref.at[pl.ds(out_start + t * ROW_TILE, ROW_TILE), cols], h.astype(h_ref.dtype), mask=rmask)
         return carry
 
     lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
@@ -63,11 +81,11 @@ def _gate_up_kernel(
 ):
     """``row_scaled``: x holds rows scaled into f16 and the next ref their factors [rows, 1], which multiply the
     fp32 products before the SiLU. ``expert_ref``, ``start_ref``, ``size_ref``: each routed program's expert and rows.
-    ``shared`` (None, or (A, I, T)): the last four inputs are the shared experts'
-    layer [1], rows x_shared [T', D], gate and up [L, D, S], and the last output their h [T', S]; programs
-    A + h of axis 0 compute its columns [h·I, (h+1)·I)."""
+    ``shared`` (None, or (A, I, T, M)): the last three inputs are the shared experts'
+    layer [1], gate and up [L, D, S], their T token rows are x's rows [M, M + T), and the last output is their
+    h [T', S]; programs A + h of axis 0 compute its columns [h·I, (h+1)·I)."""
     if shared is not None:
-        *refs, layer_ref, xs_ref, wgs_ref, wus_ref, h_ref, hs_ref = refs
+        *refs, layer_ref, wgs_ref, wus_ref, h_ref, hs_ref = refs
         refs = (*refs, h_ref)
     rf_ref = None
     if row_scaled:
@@ -87,13 +105,13 @@ def _gate_up_kernel(
     if shared is None:
         routed()
         return
-    A, I, T = shared  # A routed programs, then the shared ones
+    A, I, T, M = shared  # A routed programs, then the shared ones
     pl.when(p < A)(routed)
 
     @pl.when(p >= A)
     def _():
         c0 = (p - A) * I + j * block_i
-        _gate_up_rows(xs_ref, wgs_ref, wus_ref, None, None, None, hs_ref, layer_ref[0], 0, T, c0, **kw)
+        _gate_up_rows(x_ref, wgs_ref, wus_ref, None, None, None, hs_ref, layer_ref[0], M, T, c0, **kw, out_start=0)
 
 
 def _down_rows(h_ref, wd_ref, sd_ref, y_ref, w, start, n, out_start, k_base, c0, *, block_o, block_k, I, convert):
@@ -194,8 +212,6 @@ def _moe_decode_kernel(
     if row_scaled:  # f16 rows scaled by powers of two, their factors beside them
         x, _, factors = prepare_rows(x_MD, "f16")
         gate_up = (jnp.pad(factors, ((0, ROW_TILE), (0, 0)), constant_values=1.0), *gate_up)
-    # The row tiles may read past M (masked); pad so that no address leaves the buffers.
-    x = jnp.pad(x, ((0, ROW_TILE), (0, 0)))
     n_programs, gu_shared, down_shared = A, None, None
     gu_out = [jax.ShapeDtypeStruct((M + ROW_TILE, I), h_dtype)]
     down_out = [jax.ShapeDtypeStruct((M + ROW_TILE, D), jnp.float32)]
@@ -209,10 +225,15 @@ def _moe_decode_kernel(
         S = ws[0].shape[-1]
         layer = jnp.reshape(jnp.asarray(shared.layer if shared.gate_LDS.ndim == 3 else 0, jnp.int32), (1,))
         n_programs += S // I
-        gate_up = (*gate_up, layer, jnp.pad(x_shared_TD, ((0, Tp - T), (0, 0))), ws[0], ws[1])
+        # the tokens' rows after the routed rows, in one array: one XLA fusion writes both (their norm, at B = 1 the
+        # routed rows' broadcast of the token), where two arrays were two
+        x = jnp.concatenate([x, x_shared_TD])
+        gate_up = (*gate_up, layer, ws[0], ws[1])
         gu_out.append(jax.ShapeDtypeStruct((Tp, S), dt))
         down_out.append(jax.ShapeDtypeStruct((S // I * Tp, D), jnp.float32))
-        gu_shared, down_shared = (A, I, T), (A, T, Tp)
+        gu_shared, down_shared = (A, I, T, M), (A, T, Tp)
+    # The row tiles may read past the last row (masked); pad so that no address leaves the buffers.
+    x = jnp.pad(x, ((0, ROW_TILE), (0, 0)))
     name = "moe_decode_fp8" if fp8 else "moe_decode"
     h = pl.pallas_call(
         functools.partial(
