@@ -156,24 +156,10 @@ def project(lin, x: jax.Array | Normed | Partials, stacked: Stacked | None = Non
         if stacked is None or not isinstance(lin, Fp8Linear) or lin.weight_fp8[...].ndim == 2:
             return lin(x)
         return lin(x, layer=stacked.index, impl=stacked.impl)
-    dtype = lin.dtype or jnp.result_type(x.dtype, kernel.dtype)
-    if isinstance(x, Normed):
-        rows, norm = x.x, RowNorm(x.norm.weight[...], x.norm.eps)
-    else:
-        rows, norm = x, None
-    y = stacked_matmul(
-        rows.reshape(-1, x.shape[-1]),
-        kernel,
-        stacked.index,
-        norm=norm,
-        dtype=dtype,
-        impl=stacked.impl,
-        keep_splits=keep_splits,
-    )
-    return y.reshape(x.shape[:-1] + (kernel.shape[-1],))
+    return project_many((lin,), x, stacked, keep_splits=keep_splits)[0]  # a whole stack: one stacked_matmul
 
 
-def project_many(lins, x: jax.Array | Normed, stacked: Stacked | None = None, *, keep_splits=False) -> tuple:
+def project_many(lins, x: jax.Array | Normed | Partials, stacked: Stacked | None = None, *, keep_splits=False) -> tuple:
     """`project` of several projections of the same rows x (MLA's `wq` or `wq_a` beside `wkv_a`) -> a tuple. With
     `stacked` and every module an `nnx.Linear` holding a whole stack [L, K, N] of one L, K and dtype, one
     `stacked_matmul` launch computes them all (the rows and their norm read once, the column tiles one after another:

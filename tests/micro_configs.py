@@ -1,4 +1,5 @@
-"""Micro model configs shared by the checkpoint and training tests (every feature on, tiny sizes)."""
+"""Micro model configs shared by the checkpoint, training and kernel-path tests (every feature on, tiny sizes), and
+the cached decode step those kernel-path tests run on two backends."""
 
 from mla_jax import ModelConfig
 
@@ -48,3 +49,30 @@ def narrow_v2_lite(layers: int) -> ModelConfig:
         v_head_dim=16,
         max_position_embeddings=4096,
     )
+
+
+def decode_step_on_both_backends(model, seed: int = 0):
+    """A cached model's decode step, two rows after a 4-token prefill, on the "interpret" and the "reference"
+    cache backends (fp32 pages, 8 pages of 16 tokens, each row's table one page) -> ((logits, jaxpr as text) of the
+    interpret step, the same of the reference step): the harness of the tests that check a kernel path of the
+    decode step against the plain one and count its launches."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mla_jax.kv_cache import KVCache
+    from models import Engine
+
+    e = Engine(model, page_size=16, num_pages=8, max_batch=2, kv_dtype=jnp.float32)
+    B, S = 2, 5
+    ids = jnp.asarray(np.random.default_rng(seed).integers(0, model.cfg.vocab_size, (B, S)), jnp.int32)
+    table = jnp.asarray([[0], [1]], jnp.int32)
+    fwd = jax.jit(lambda ids, positions, cache: model(ids, positions, cache=cache))
+
+    def run(impl):
+        cache = KVCache.create(e.cache.pages, table, jnp.zeros((B,), jnp.int32), impl=impl)
+        _, cache = fwd(ids[:, :-1], jnp.broadcast_to(jnp.arange(S - 1), (B, S - 1)), cache)
+        last = (ids[:, -1:], jnp.full((B, 1), S - 1, jnp.int32), cache)
+        return fwd(*last)[0], str(jax.make_jaxpr(fwd)(*last))
+
+    return run("interpret"), run("reference")

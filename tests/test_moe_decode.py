@@ -511,26 +511,12 @@ def test_model_decode_step_runs_the_shared_experts_in_the_moe_kernel():
     not at all), and the program holds no stacked_matmul for them (wq and wo of the dense and MoE stacks only)
     and two moe_decode launches."""
     from flax import nnx
-    from micro_configs import narrow_v2_lite
+    from micro_configs import decode_step_on_both_backends, narrow_v2_lite
 
-    from mla_jax.kv_cache import KVCache
-    from models import DeepSeekModel, Engine
+    from models import DeepSeekModel
 
     cfg = narrow_v2_lite(3).replace(hidden_size=128, v_head_dim=32, moe_intermediate_size=64, n_routed_experts=8)
-    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0), moe_impl="decode")
-    e = Engine(model, page_size=16, num_pages=8, max_batch=2, kv_dtype=jnp.float32)
-    B, S = 2, 5
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (B, S)), jnp.int32)
-    table = jnp.asarray([[0], [1]], jnp.int32)
-    fwd = jax.jit(lambda ids, positions, cache: model(ids, positions, cache=cache))
-
-    def run(impl):
-        cache = KVCache.create(e.cache.pages, table, jnp.zeros((B,), jnp.int32), impl=impl)
-        _, cache = fwd(ids[:, :-1], jnp.broadcast_to(jnp.arange(S - 1), (B, S - 1)), cache)
-        last = (ids[:, -1:], jnp.full((B, 1), S - 1, jnp.int32), cache)
-        return fwd(*last)[0], str(jax.make_jaxpr(fwd)(*last))
-
-    (got, jaxpr), (want, _) = run("interpret"), run("reference")
+    (got, jaxpr), (want, _) = decode_step_on_both_backends(DeepSeekModel(cfg, rngs=nnx.Rngs(0), moe_impl="decode"))
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
     assert jaxpr.count("name=stacked_matmul") == 4
     assert jaxpr.count("name=moe_decode_gate_up") == jaxpr.count("name=moe_decode_down") == 1

@@ -22,7 +22,7 @@ from pallas_kernels.stacked_matmul import (
     stacked_matmul_problems,
     stacked_matmul_reference,
 )
-from tests.micro_configs import narrow_v2_lite
+from tests.micro_configs import decode_step_on_both_backends, narrow_v2_lite
 from tests.tiers import full, gpu_full
 
 SMALL = StackedMatmulConfig(block_n=32, block_k=32)
@@ -410,26 +410,11 @@ def test_decode_step_with_whole_stack_projections_equals_the_sliced_one():
     layer's weights or skipping the stacked path), and the program holds one stacked_matmul a served projection
     (wq and wo in the dense stack; wq, wo and the three shared-expert ones in the MoE stack) and one
     stacked_head_matmul for each of the absorbed W_UK and W_UV in each stack."""
-    model = DeepSeekModel(SERVED, rngs=nnx.Rngs(0))
-    e = Engine(model, page_size=16, num_pages=8, max_batch=2, kv_dtype=jnp.float32)
-    B, S = 2, 5
-    rng = np.random.default_rng(0)
-    ids = jnp.asarray(rng.integers(0, SERVED.vocab_size, (B, S)), jnp.int32)
-    table = jnp.asarray([[0], [1]], jnp.int32)
-
-    fwd = jax.jit(lambda ids, positions, cache: model(ids, positions, cache=cache))
-
-    def run(impl):
-        cache = KVCache.create(e.cache.pages, table, jnp.zeros((B,), jnp.int32), impl=impl)
-        _, cache = fwd(ids[:, :-1], jnp.broadcast_to(jnp.arange(S - 1), (B, S - 1)), cache)
-        last = (ids[:, -1:], jnp.full((B, 1), S - 1, jnp.int32), cache)
-        return fwd(*last)[0], jax.make_jaxpr(fwd)(*last)
-
-    (got, jaxpr), (want, ref_jaxpr) = run("interpret"), run("reference")
+    (got, jaxpr), (want, ref_jaxpr) = decode_step_on_both_backends(DeepSeekModel(SERVED, rngs=nnx.Rngs(0)))
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
-    assert str(jaxpr).count("name=stacked_matmul") == 7
-    assert str(jaxpr).count("name=stacked_head_matmul") == 4  # W_UK and W_UV in each stack
-    assert "name=stacked_matmul" not in str(ref_jaxpr) and "name=stacked_head_matmul" not in str(ref_jaxpr)
+    assert jaxpr.count("name=stacked_matmul") == 7
+    assert jaxpr.count("name=stacked_head_matmul") == 4  # W_UK and W_UV in each stack
+    assert "name=stacked_matmul" not in ref_jaxpr and "name=stacked_head_matmul" not in ref_jaxpr
 
 
 @pytest.mark.parametrize("q_lora", full([None, 64], [None], "the query LoRA's decode step is the full tier's"))
@@ -440,20 +425,7 @@ def test_a_decode_step_projects_the_query_and_the_latent_in_one_launch(q_lora):
     of them only, and a layer falling back to two launches (7 stacked_matmul calls, not 9; with the LoRA 9, not
     11)."""
     cfg = SERVED.replace(qk_rope_head_dim=32, q_lora_rank=q_lora)
-    model = DeepSeekModel(cfg, rngs=nnx.Rngs(2))
-    e = Engine(model, page_size=16, num_pages=8, max_batch=2, kv_dtype=jnp.float32)
-    B, S = 2, 5
-    ids = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (B, S)), jnp.int32)
-    table = jnp.asarray([[0], [1]], jnp.int32)
-    fwd = jax.jit(lambda ids, positions, cache: model(ids, positions, cache=cache))
-
-    def run(impl):
-        cache = KVCache.create(e.cache.pages, table, jnp.zeros((B,), jnp.int32), impl=impl)
-        _, cache = fwd(ids[:, :-1], jnp.broadcast_to(jnp.arange(S - 1), (B, S - 1)), cache)
-        last = (ids[:, -1:], jnp.full((B, 1), S - 1, jnp.int32), cache)
-        return fwd(*last)[0], str(jax.make_jaxpr(fwd)(*last))
-
-    (got, jaxpr), (want, _) = run("interpret"), run("reference")
+    (got, jaxpr), (want, _) = decode_step_on_both_backends(DeepSeekModel(cfg, rngs=nnx.Rngs(2)), seed=2)
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
     assert jaxpr.count("name=stacked_matmul") == (7 if q_lora is None else 9)
 
