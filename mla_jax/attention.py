@@ -45,7 +45,8 @@ from pallas_kernels import (
     mla_decode,
 )
 from pallas_kernels.flash_attention import CTA_ROWS
-from pallas_kernels.stacked_matmul import Partials, stacked_head_matmul, stacked_head_matmul_problems
+from pallas_kernels.head_matmul import stacked_head_matmul, stacked_head_matmul_problems
+from pallas_kernels.stacked_matmul import Partials
 
 _F32 = jnp.float32
 

@@ -7,7 +7,7 @@ backend, `models.deepseek` passes the projections named in `STACKED_PROJECTIONS`
 stack in place with `pallas_kernels.stacked_matmul`. FP8 projections (`mla_jax.fp8_weights.Fp8Linear`) go the
 same way: their e4m3 weights [L, N, K] and scales [L, nb, kb] pass whole and `pallas_kernels.fp8_matvec` reads
 the layer's in place. MLA's `wkv_b` (`HEAD_PROJECTIONS`) passes whole too, read per head by
-`pallas_kernels.stacked_matmul.stacked_head_matmul` in the absorbed products. A projection whose weights are
+`pallas_kernels.head_matmul.stacked_head_matmul` in the absorbed products. A projection whose weights are
 2-D (a layer of its own, or one the kernel does not serve) is applied as the module it is.
 """
 
@@ -57,7 +57,7 @@ STACKED_PROJECTIONS = frozenset(
 STACKED_NORMS = frozenset({("input_layernorm",), ("self_attn", "q_norm")})
 
 # Projections read per head by the absorbed attention (`MLA.absorb_query`, `MLA.output_from_latent`), passed whole
-# as a bf16 / f32 kernel [L, R, H·P] for `pallas_kernels.stacked_matmul.stacked_head_matmul` (FP8 ones stay sliced).
+# as a bf16 / f32 kernel [L, R, H·P] for `pallas_kernels.head_matmul.stacked_head_matmul` (FP8 ones stay sliced).
 HEAD_PROJECTIONS = frozenset({("self_attn", "wkv_b")})
 
 

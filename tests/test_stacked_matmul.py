@@ -11,13 +11,12 @@ from flax import nnx
 from mla_jax.kv_cache import KVCache
 from mla_jax.linear import stacked_filter
 from models import DeepSeekModel, Engine
+from pallas_kernels.head_matmul import stacked_head_matmul, stacked_head_matmul_problems
 from pallas_kernels.stacked_matmul import (
     NORM_ROWS,
     Partials,
     RowNorm,
     StackedMatmulConfig,
-    stacked_head_matmul,
-    stacked_head_matmul_problems,
     stacked_matmul,
     stacked_matmul_problems,
     stacked_matmul_reference,
@@ -520,7 +519,7 @@ def test_gpu_head_matmul_equals_the_reference_at_v2_lite_shapes(M):
     """The compiled per-head kernel (bf16, V2-Lite's wkv_b stack [26, 512, 16·256], a traced layer), W_UK and
     W_UV, against XLA's einsum of the same layer."""
     from pallas_kernels.backend import on_hopper
-    from pallas_kernels.stacked_matmul import stacked_head_matmul_reference
+    from pallas_kernels.head_matmul import stacked_head_matmul_reference
 
     if not on_hopper():
         pytest.skip("needs a Hopper GPU")

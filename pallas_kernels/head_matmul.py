@@ -1,0 +1,200 @@
+"""Per-head products against one layer of a head-interleaved stack, read in place: MLA's absorbed W_UK (folded into
+the query) and W_UV (applied to the attention's latent output) at decode (Pallas, Triton backend).
+
+Dimension letters: M rows (B·T of a decode step), H heads, K a head's contraction, N its output width, L layers
+of a scanned stack, R and P the stack's rows and a head's columns (MLA's `wkv_b` kernel [L, kv_lora_rank,
+H·(qk_nope_head_dim + v_head_dim)]).
+
+Grid (H, N / block_n, split over K): program (h, j, s) multiplies head h's rows by that head's weights, read in
+place at the layer index (a scalar, may be traced), as `stacked_matmul` does for a whole projection (its configs,
+row loads and `Partials`). `stacked_head_matmul_reference` is the same in plain XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.triton as plt
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import backend
+from pallas_kernels.stacked_matmul import (
+    FEW_ROWS,
+    Partials,
+    StackedMatmulConfig,
+    _block_m,
+    _blocks,
+    _load_rows,
+    _shape_problems,
+    _split,
+)
+
+# 32 columns a program and no split over K: a head's W_UK (128 x 512) is 16 programs of one 128-deep chunk, its
+# W_UV (512 x 128) 4 programs of two 256-deep chunks, and no partials to sum. On an H100 (2026-12-06, the sweep in
+# results/2026-12-06-h100-mtp-census-projection-sweep/, V2-Lite's 16 heads at 1 / 2 / 32 rows) W_UK took 3.7 / 3.8
+# / 4.7 µs against 5.5 / 5.4 / 6.4 with 64-wide blocks split over K (the sum included), W_UV 3.5 / 3.6 / 4.0 against
+# 4.2 / 4.3 / 5.0.
+# W_UV's 256-deep chunks only below FEW_ROWS rows: at 32 its 128-deep ones were faster (3.7 against 4.0 µs), and at
+# 128 rows four stages of a 128 x 256 row tile do not fit a program's shared memory.
+HEAD_CONFIG = StackedMatmulConfig(block_n=32, block_k=128, split_k=1)  # W_UK (contract_rows=False); W_UV from 16 rows
+HEAD_ROWS_CONFIG = StackedMatmulConfig(block_n=32, block_k=256, split_k=1)  # W_UV (contract_rows=True) below 16 rows
+
+
+def _head_config(M: int, contract_rows: bool) -> StackedMatmulConfig:
+    """`stacked_head_matmul`'s default config for M rows (W_UV's with ``contract_rows``)."""
+    return HEAD_ROWS_CONFIG if contract_rows and M < FEW_ROWS else HEAD_CONFIG
+
+
+def stacked_head_matmul_problems(
+    M: int, H: int, K: int, N: int, config: StackedMatmulConfig | None = None, *, contract_rows: bool = False
+):
+    """Why `stacked_head_matmul` cannot take per-head [M, K] · [K, N] products over H heads (empty when it can);
+    `config` None: the call's default (`HEAD_ROWS_CONFIG` with ``contract_rows`` below `FEW_ROWS` rows, else
+    `HEAD_CONFIG`)."""
+    if config is None:
+        config = _head_config(M, contract_rows)
+    return _shape_problems(M, K, N, config)
+
+
+def stacked_head_matmul_reference(
+    x_MHK, w_LRC, layer, *, col_offset: int, contract_rows: bool, width: int | None = None
+):
+    """The per-head products of `stacked_head_matmul` in plain XLA -> f32 [M, H, N]."""
+    M, H, K = x_MHK.shape
+    w = lax.dynamic_index_in_dim(w_LRC, layer, axis=0, keepdims=False)  # [R, H·P]
+    w_RHP = w.reshape(w.shape[0], H, -1).astype(x_MHK.dtype)
+    if contract_rows:  # w[k, h, off + n]
+        return jnp.einsum(
+            "mhk,khn->mhn", x_MHK, w_RHP[..., col_offset : col_offset + width], preferred_element_type=jnp.float32
+        )
+    return jnp.einsum(
+        "mhk,nhk->mhn", x_MHK, w_RHP[..., col_offset : col_offset + K], preferred_element_type=jnp.float32
+    )
+
+
+def _head_kernel(
+    layer_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k_steps, K, N, P, col_offset, contract_rows, n_rows, Px, x_dtype
+):
+    h, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    one_row = n_rows == 1  # fewer than FEW_ROWS: read as they are (one repeated over the dot's rows)
+    rows = pl.ds(0, 1 if one_row else bm)
+
+    def chunk(t, acc):
+        k0 = (s * k_steps + t) * bk
+        x = _load_rows(x_ref, n_rows, bm, rows, pl.ds(h * Px + k0, bk), x_dtype)  # [bm, bk]
+        if one_row:
+            x = jnp.broadcast_to(x, (bm, bk))
+        if contract_rows:  # w tile [bk, bn]: rows k, the head's columns off + n
+            w = plt.load(w_ref.at[layer, pl.ds(k0, bk), pl.ds(h * P + col_offset + j * bn, bn)])
+            return acc + plt.dot(x, w)
+        w = plt.load(w_ref.at[layer, pl.ds(j * bn, bn), pl.ds(h * P + col_offset + k0, bk)])  # [bn, bk]
+        return acc + plt.dot(x, w, trans_b=True)
+
+    acc = lax.fori_loop(0, k_steps, chunk, jnp.zeros((bm, bn), jnp.float32))
+    if one_row:
+        acc = jnp.max(acc, axis=0, keepdims=True)  # the rows are equal: any one of them
+    plt.store(o_ref.at[s, rows, pl.ds(h * N + j * bn, bn)], acc)
+
+
+def stacked_head_matmul(
+    x_MHK,
+    w_LRC,
+    layer,
+    *,
+    col_offset: int,
+    contract_rows: bool,
+    width: int | None = None,
+    config: StackedMatmulConfig | None = None,
+    impl: str | None = "auto",
+    keep_splits: bool = False,
+    k_cols: int | None = None,
+):
+    """Per-head products against one layer of a head-interleaved stack, read in place -> f32 [M, H, N] (with
+    ``keep_splits`` and fewer than `FEW_ROWS` rows: the kernel's `Partials` of rows [M, H·N] in x's dtype).
+
+    `w_LRC` [L, R, H·P] holds for head h the columns [h·P, (h + 1)·P) (MLA's `wkv_b` kernel: R = kv_lora_rank,
+    P = qk_nope_head_dim + v_head_dim). Layer `layer` (an int scalar, may be traced) is used:
+      contract_rows=True:  y[m, h, n] = Σ_k x[m, h, k] · w[layer, k, h·P + col_offset + n], K = R, N = `width`
+                           (W_UV applied to the attention's latent output);
+      contract_rows=False: y[m, h, n] = Σ_k x[m, h, k] · w[layer, n, h·P + col_offset + k], N = R
+                           (W_UK folded into the query).
+    Grid (H, N / block_n, split over K): `config` None takes `HEAD_CONFIG` (W_UK; W_UV from 16 rows) or
+    `HEAD_ROWS_CONFIG` (W_UV below 16 rows), which do not split K; a config that does leaves the split partials to
+    XLA's sum. Rows are padded to a power of two >= 16 (the smallest tensor-core M), M <= `MAX_ROWS`, except fewer
+    than 16, read as they are (`_load_rows`); a single row repeated over the dot's 16 rows (V2-Lite B = 1 on an
+    H100: 139 against 151 µs a step for the two calls a layer).
+    x may be `Partials` of [M, H, Px] (fewer than 16 rows: summed as loaded); `k_cols`: the contraction takes the
+    first `k_cols` of each head's Px columns (MLA's q_nope within a head's query; None: all, K = Px).
+    impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
+    """
+    if config is None:
+        config = _head_config(x_MHK.shape[0], contract_rows)
+    if x_MHK.ndim != 3 or w_LRC.ndim != 3:
+        raise ValueError(f"x must be [M, H, K] and w a stack [L, R, H·P], got {x_MHK.shape} and {w_LRC.shape}")
+    M, H, Px = x_MHK.shape
+    K = Px if k_cols is None else k_cols
+    if not 0 < K <= Px:
+        raise ValueError(f"k_cols = {k_cols} must be in [1, {Px}], the columns of x's heads")
+    if isinstance(x_MHK, Partials) and M >= FEW_ROWS:
+        x_MHK = x_MHK.total()
+    if not isinstance(x_MHK, Partials) and K < Px:
+        x_MHK, Px = x_MHK[..., :K], K
+    L, R, C = w_LRC.shape
+    if C % H:
+        raise ValueError(f"w's {C} columns do not split into H = {H} heads")
+    P = C // H
+    if contract_rows:
+        if R != K or width is None or col_offset + width > P:
+            raise ValueError(f"contract_rows: w's rows R = {R} must equal K = {K} and col_offset + width <= P = {P}")
+        N = width
+    else:
+        if col_offset + K > P:
+            raise ValueError(f"col_offset + K = {col_offset + K} is more than the head's P = {P} columns")
+        N = R
+    problems = stacked_head_matmul_problems(M, H, K, N, config, contract_rows=contract_rows)
+    if problems:
+        raise ValueError("stacked_head_matmul: " + "; ".join(problems))
+    impl = backend.resolve(impl)
+    if impl == "reference":
+        x = x_MHK.total()[..., :K] if isinstance(x_MHK, Partials) else x_MHK
+        return stacked_head_matmul_reference(
+            x, w_LRC, layer, col_offset=col_offset, contract_rows=contract_rows, width=N
+        )
+    bm = _block_m(M)
+    bk, bn = _blocks(K, N, config)
+    steps = K // bk
+    split = _split(steps, H * (N // bn), config)
+    Mp = 1 if M == 1 else bm  # the partials' rows (a single row: measured faster than padded to 16 rows)
+    if isinstance(x_MHK, Partials):
+        x = x_MHK.parts
+    else:
+        x = (x_MHK if M < FEW_ROWS else jnp.pad(x_MHK, ((0, Mp - M), (0, 0), (0, 0)))).reshape(-1, H * Px)
+    partials = pl.pallas_call(
+        functools.partial(
+            _head_kernel,
+            bm=bm,
+            bn=bn,
+            bk=bk,
+            k_steps=steps // split,
+            K=K,
+            N=N,
+            P=P,
+            col_offset=col_offset,
+            contract_rows=contract_rows,
+            n_rows=M if M < FEW_ROWS else bm,
+            Px=Px,
+            x_dtype=x_MHK.dtype,
+        ),
+        out_shape=jax.ShapeDtypeStruct((split, Mp, H * N), jnp.float32),
+        grid=(H, N // bn, split),
+        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=impl == "interpret",
+        name="stacked_head_matmul",
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, w_LRC.astype(x_MHK.dtype))
+    if keep_splits and M < FEW_ROWS:
+        return Partials(partials, (M, H * N), jnp.dtype(x_MHK.dtype))
+    return jnp.sum(partials, axis=0)[:M].reshape(M, H, N)
