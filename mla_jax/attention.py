@@ -38,12 +38,7 @@ from mla_jax.config import ModelConfig
 from mla_jax.linear import Normed, Stacked, project, project_many
 from mla_jax.norm import RMSNorm
 from mla_jax.rope import apply_rope, rope_cos_sin
-from pallas_kernels import (
-    backend,
-    flash_attention,
-    flash_attention_prefill,
-    mla_decode,
-)
+from pallas_kernels import backend, flash_attention, flash_attention_prefill, mla_decode
 from pallas_kernels.flash_attention import CTA_ROWS
 from pallas_kernels.head_matmul import stacked_head_matmul, stacked_head_matmul_problems
 from pallas_kernels.stacked_matmul import Partials
@@ -495,7 +490,7 @@ class MLA(nnx.Module):
         return jnp.concatenate([q_lat.astype(q_pe.dtype), q_pe], axis=-1)
 
     def output_from_latent(self, o_lat_BTHL: jax.Array, stacked: Stacked | None = None) -> jax.Array:
-        """Un-absorb W_UV and apply the output projection: [B,T,H,L] -> [B,T,D]."""
+        """Un-absorb W_UV and apply the output projection: [B,T,H,L] (or a decode call's `SplitPartials`) -> [B,T,D]."""
         cfg = self.cfg
         N, V = cfg.qk_nope_head_dim, cfg.v_head_dim
         B, T, H, L = o_lat_BTHL.shape
@@ -583,6 +578,9 @@ class MLA(nnx.Module):
                 jnp.bfloat16 if cache.quantized else cache.pages.dtype
             )
 
+            merged = T * x_BTD.shape[0] == 1 and cache.data_parallel is None  # W_UV's kernel merges the splits
+            merged = merged and self._wkv_b_stack(stacked, 1, cfg.kv_lora_rank, cfg.v_head_dim, True) is not None
+
             def decode(pages, table, q, seq_lens):  # on the whole pool, or one data rank's (map_pages)
                 return mla_decode(
                     q,
@@ -595,6 +593,7 @@ class MLA(nnx.Module):
                     impl=cache.impl,
                     config=cache.decode_config,
                     schedule=None if plan is None else plan.schedule,  # None: planned here
+                    split_partials=merged,
                 )[0]
 
             plan = cache.decode_plan  # the call's (`with_decode_plan`), or None: this call's own

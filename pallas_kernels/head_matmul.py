@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import backend
+from pallas_kernels.mla_decode import SplitPartials
+from pallas_kernels.mla_decode.steps import _M_INIT
 from pallas_kernels.stacked_matmul import (
     FEW_ROWS,
     Partials,
@@ -75,17 +77,39 @@ def stacked_head_matmul_reference(
     )
 
 
+def _split_weights(lse_ref, h, splits: int):
+    """Head h's weight of each KV split in its merged output, fp32 [Sp, 1] (Sp: splits to a power of two, the rest
+    0): exp2(lse_s - max) / their sum, the combine's log-sum-exp merge (`SplitPartials`)."""
+    Sp = pl.next_power_of_2(splits)
+    mask = (jnp.arange(Sp) < splits)[:, None]
+    lse = plt.load(lse_ref.at[pl.ds(0, Sp), pl.ds(h, 1)], mask=mask, other=-jnp.inf)  # [Sp, 1], base 2
+    w = jnp.exp2(lse - jnp.maximum(jnp.max(lse, axis=0, keepdims=True), _M_INIT))
+    total = jnp.sum(w, axis=0, keepdims=True)
+    return w / jnp.where(total == 0.0, 1.0, total)
+
+
 def _head_kernel(
-    layer_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k_steps, K, N, P, col_offset, contract_rows, n_rows, Px, x_dtype
+    layer_ref, x_ref, *refs, bm, bn, bk, k_steps, K, N, P, col_offset, contract_rows, n_rows, Px, x_dtype, splits
 ):
+    """``splits`` (a count, or None): x_ref holds one row's KV-split partials [S, Rp, Px] and the next ref their lse
+    [S, Rp]; each chunk of head h's row is their merge (`SplitPartials`), rounded to x_dtype as the combine's."""
+    lse_ref, w_ref, o_ref = refs if splits else (None, *refs)
     h, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     one_row = n_rows == 1  # fewer than FEW_ROWS: read as they are (one repeated over the dot's rows)
     rows = pl.ds(0, 1 if one_row else bm)
+    if splits:
+        a = _split_weights(lse_ref, h, splits)
+        Sp = a.shape[0]
 
     def chunk(t, acc):
         k0 = (s * k_steps + t) * bk
-        x = _load_rows(x_ref, n_rows, bm, rows, pl.ds(h * Px + k0, bk), x_dtype)  # [bm, bk]
+        if splits:  # the KV splits' partials of head h's row, merged
+            mask = (jnp.arange(Sp) < splits)[:, None]
+            o = plt.load(x_ref.at[pl.ds(0, Sp), h, pl.ds(k0, bk)], mask=mask, other=0.0)  # [Sp, bk] f32
+            x = jnp.sum(o * a, axis=0, keepdims=True).astype(x_dtype)  # [1, bk]
+        else:
+            x = _load_rows(x_ref, n_rows, bm, rows, pl.ds(h * Px + k0, bk), x_dtype)  # [bm, bk]
         if one_row:
             x = jnp.broadcast_to(x, (bm, bk))
         if contract_rows:  # w tile [bk, bn]: rows k, the head's columns off + n
@@ -128,9 +152,26 @@ def stacked_head_matmul(
     than 16, read as they are (`_load_rows`); a single row repeated over the dot's 16 rows (V2-Lite B = 1 on an
     H100: 139 against 151 µs a step for the two calls a layer).
     x may be `Partials` of [M, H, Px] (fewer than 16 rows: summed as loaded); `k_cols`: the contraction takes the
-    first `k_cols` of each head's Px columns (MLA's q_nope within a head's query; None: all, K = Px).
+    first `k_cols` of each head's Px columns (MLA's q_nope within a head's query; None: all, K = Px). x may be
+    `pallas_kernels.mla_decode.SplitPartials` (the decode kernel's output before its split combine): with
+    ``contract_rows`` at one row (B·s_q = 1) and a power-of-two count of splits, each program merges its head's
+    splits as it loads them (the combine's launch goes); otherwise they are merged first (`combined()`).
     impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
     """
+    merge = None
+    if isinstance(x_MHK, SplitPartials):
+        B, s_q, H, L = x_MHK.shape
+        S = x_MHK.o.shape[1]
+        if (
+            contract_rows
+            and B * s_q == 1
+            and k_cols is None
+            and S & (S - 1) == 0
+            and backend.resolve(impl) != "reference"
+        ):
+            merge, x_MHK = x_MHK, jax.ShapeDtypeStruct((1, H, L), x_MHK.dtype)  # merged as loaded, in the kernel
+        else:
+            x_MHK = x_MHK.combined().reshape(B * s_q, H, L)
     if config is None:
         config = _head_config(x_MHK.shape[0], contract_rows)
     if x_MHK.ndim != 3 or w_LRC.ndim != 3:
@@ -169,10 +210,12 @@ def stacked_head_matmul(
     steps = K // bk
     split = _split(steps, H * (N // bn), config)
     Mp = 1 if M == 1 else bm  # the partials' rows (a single row: measured faster than padded to 16 rows)
-    if isinstance(x_MHK, Partials):
-        x = x_MHK.parts
+    if merge is not None:  # one row's split partials [S, Rp, 512] and their lse [S, Rp]
+        x = (merge.o[0], merge.lse[0])
+    elif isinstance(x_MHK, Partials):
+        x = (x_MHK.parts,)
     else:
-        x = (x_MHK if M < FEW_ROWS else jnp.pad(x_MHK, ((0, Mp - M), (0, 0), (0, 0)))).reshape(-1, H * Px)
+        x = ((x_MHK if M < FEW_ROWS else jnp.pad(x_MHK, ((0, Mp - M), (0, 0), (0, 0)))).reshape(-1, H * Px),)
     partials = pl.pallas_call(
         functools.partial(
             _head_kernel,
@@ -188,13 +231,14 @@ def stacked_head_matmul(
             n_rows=M if M < FEW_ROWS else bm,
             Px=Px,
             x_dtype=x_MHK.dtype,
+            splits=None if merge is None else merge.o.shape[1],
         ),
         out_shape=jax.ShapeDtypeStruct((split, Mp, H * N), jnp.float32),
         grid=(H, N // bn, split),
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=impl == "interpret",
         name="stacked_head_matmul",
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, w_LRC.astype(x_MHK.dtype))
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), *x, w_LRC.astype(x_MHK.dtype))
     if keep_splits and M < FEW_ROWS:
         return Partials(partials, (M, H * N), jnp.dtype(x_MHK.dtype))
     return jnp.sum(partials, axis=0)[:M].reshape(M, H, N)

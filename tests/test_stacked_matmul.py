@@ -533,3 +533,90 @@ def test_gpu_head_matmul_equals_the_reference_at_v2_lite_shapes(M):
         got = jax.jit(lambda x, w, i, kw=kw: stacked_head_matmul(x, w, i, impl="kernel", **kw))(x, w, jnp.int32(17))
         want = jax.jit(lambda x, w, i, kw=kw: stacked_head_matmul_reference(x, w, i, **kw))(x, w, jnp.int32(17))
         chex.assert_trees_all_close(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------------------------------
+# W_UV merging the decode kernel's KV splits as it loads them (`SplitPartials`)
+# ------------------------------------------------------------------------------------------
+def _split_partials(S, rows=1, H=16, seed=0):
+    """Split partials of `rows` query rows as the decode kernel leaves them (64 padded rows, lse base 2), split 1
+    empty (lse -inf, o 0) as a split past a short sequence's pages is."""
+    from pallas_kernels.mla_decode import INTERPRET_PARAMS, MlaDecodeConfig, SplitPartials
+
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    o = jax.random.normal(k1, (1, S, 64, 512), jnp.float32)
+    lse = 3.0 * jax.random.normal(k2, (1, S, 64), jnp.float32)
+    o, lse = o.at[:, 1].set(0.0), lse.at[:, 1].set(-jnp.inf)
+    config = MlaDecodeConfig(interpretable=True)
+    return SplitPartials(o, lse, rows, H, jnp.dtype(jnp.bfloat16), config, INTERPRET_PARAMS)
+
+
+@pytest.mark.parametrize(
+    "S, rows", full([(8, 1), (2, 1), (6, 1), (8, 2)], [(8, 1), (6, 1)], "one count merged, one not")
+)
+def test_w_uv_merges_split_partials_as_it_loads_them(S, rows):
+    """W_UV's kernel given the decode kernel's split partials (interpret mode) equals the kernel given their merge by
+    the combine kernel: merged in the kernel at one row and a power-of-two count of splits, merged first otherwise
+    (6 splits, 2 rows). Catches a split's weight not normalised, a split left out (the empty one taking weight),
+    and a head reading another head's row of the partials."""
+    sp = _split_partials(S, rows)
+    w = (0.05 * jax.random.normal(jax.random.key(7), (3, 512, 16 * 160), jnp.float32)).astype(jnp.bfloat16)
+    kw = dict(col_offset=32, contract_rows=True, width=128, impl="interpret")
+    got = jax.jit(lambda sp, w, i: stacked_head_matmul(sp, w, i, **kw))(sp, w, jnp.int32(2))
+    merged = sp.combined()
+    assert merged.shape == (1, rows, 16, 512) and merged.dtype == jnp.bfloat16
+    want = stacked_head_matmul(merged.reshape(rows, 16, 512), w, jnp.int32(2), **kw)
+    assert got.shape == want.shape == (rows, 16, 128)
+    chex.assert_trees_all_close(got, want, rtol=2e-3, atol=2e-3)  # the merge rounded to bf16 either way
+
+
+def test_a_one_row_decode_step_merges_its_kv_splits_in_w_uv(monkeypatch):
+    """A B = 1 decode step on the interpret backend whose decode kernel runs two KV splits (bf16 pages of 64
+    tokens, a 100-token context): W_UV's kernel merges them and no combine launch is left, with the logits of the
+    same step whose kernel merges them by its combine (`split_partials` off). Catches the layer not asking for the
+    partials (a combine left) and a merge in W_UV that differs from the combine's."""
+    from mla_jax import attention as attention_mod
+    from mla_jax.kv_cache import KVCache
+    from pallas_kernels.mla_decode import MlaDecodeConfig
+
+    cfg = SERVED.replace(num_hidden_layers=2, num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64)
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(3))
+    e = Engine(model, page_size=64, num_pages=4, max_batch=1, kv_dtype=jnp.bfloat16)
+    S = 100
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (1, S)), jnp.int32)
+    table = jnp.asarray([[0, 1]], jnp.int32)
+    fwd = jax.jit(lambda ids, positions, cache: model(ids, positions, cache=cache))
+    cache = KVCache.create(e.cache.pages, table, jnp.full((1,), S - 1, jnp.int32))  # lengths after the writes
+    _, cache = fwd(ids[:, :-1], jnp.arange(S - 1)[None], cache)  # the context, by the reference backend
+    split = MlaDecodeConfig(num_splits=2, min_pages_per_split=1)
+    step = KVCache.create(cache.pages, table, jnp.full((1,), S, jnp.int32), impl="interpret", decode_config=split)
+    last = (ids[:, -1:], jnp.full((1, 1), S - 1, jnp.int32), step)
+    got, jaxpr = fwd(*last)[0], str(jax.make_jaxpr(fwd)(*last))
+    real = attention_mod.mla_decode
+    monkeypatch.setattr(attention_mod, "mla_decode", lambda *a, **k: real(*a, **{**k, "split_partials": False}))
+    fwd = jax.jit(lambda ids, positions, cache: model(ids, positions, cache=cache))
+    want, jaxpr_combined = fwd(*last)[0], str(jax.make_jaxpr(fwd)(*last))
+    assert jaxpr.count("mla_decode_combine") == 0 < jaxpr_combined.count("mla_decode_combine")
+    # the merge's arithmetic differs from the combine's: a few bf16 roundings flip (1.4e-3 here; 4.4e-2 with the
+    # splits' weights not normalised)
+    chex.assert_trees_all_close(got, want, rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_w_uv_merges_split_partials_as_the_combine_does():
+    """On the card: W_UV's compiled kernel merging 8 KV splits of one row as it loads them against the compiled
+    combine kernel's merge followed by W_UV (V2-Lite's 16 heads, 512 x 128 per head)."""
+    from pallas_kernels.backend import on_hopper
+    from pallas_kernels.mla_decode import MlaDecodeConfig, SplitPartials
+
+    if not on_hopper():
+        pytest.skip("needs a Hopper GPU")
+    sp = _split_partials(8)
+    sp = SplitPartials(sp.o, sp.lse, 1, 16, sp.dtype, MlaDecodeConfig())
+    w = (0.05 * jax.random.normal(jax.random.key(7), (27, 512, 16 * 256), jnp.float32)).astype(jnp.bfloat16)
+    kw = dict(col_offset=128, contract_rows=True, width=128, impl="kernel")
+    got = jax.jit(lambda sp, w, i: stacked_head_matmul(sp, w, i, **kw))(sp, w, jnp.int32(26))
+    want = jax.jit(lambda sp, w, i: stacked_head_matmul(sp.combined().reshape(1, 16, 512), w, i, **kw))(
+        sp, w, jnp.int32(26)
+    )
+    chex.assert_trees_all_close(got, want, rtol=2e-3, atol=2e-3)

@@ -104,6 +104,7 @@ __all__ = [
     "SCORER_MEMORY_REGISTERS",
     "SUPPORTED_HEADS",
     "AutoSchedule",
+    "SplitPartials",
     "MlaDecodeConfig",
     "PieceSchedule",
     "branch_configs",
@@ -219,16 +220,18 @@ def mla_decode_reference(
     impl=None,
     checked=False,
     schedule=None,
+    split_partials=False,
 ):
     """Plain-jnp absorbed MLA decode with fp32 math; same contract (and checks) as `mla_decode`, for any
     head count, query length, page size and page format (quantized pages are dequantised to bf16 first,
     what the kernel's tensor cores see).
 
-    ``config``, ``impl`` and ``schedule`` are accepted (and ignored) so the two functions are interchangeable.
+    ``config``, ``impl``, ``schedule`` and ``split_partials`` are accepted (and ignored: the reference's output is
+    merged) so the two functions are interchangeable.
     A query with no visible key (only possible when causal and seq_len < s_q) gets out = 0 and
     lse = -inf, as in the kernel.
     """
-    del config, impl, schedule
+    del config, impl, schedule, split_partials
     fmt = _validate(q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked)
     B, s_q, H, _ = q.shape
     pages = kv_pages[block_table]
@@ -351,9 +354,82 @@ def _check_schedule(schedule, B: int, s_q: int, H: int, config: MlaDecodeConfig)
             )
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "page_format", "config", "interpret"))
+@dataclasses.dataclass(frozen=True)
+class SplitPartials:
+    """A decode call's output before its split combine (`mla_decode(..., split_partials=True)`): each KV split's
+    output and log-sum-exp, for a consumer that merges them as it loads them (`stacked_head_matmul`'s W_UV at one
+    row: the combine's launch then goes). o: f32 [B, S, Rp, 512], lse: f32 [B, S, Rp] (base 2) for S splits, the
+    query rows r = t·H + h padded to Rp; empty splits carry lse = -inf and o = 0. `combined()` merges them as the
+    call would have (the combine kernel) -> [B, s_q, H, 512] in `dtype`; `shape` is that array's."""
+
+    o: jax.Array
+    lse: jax.Array
+    s_q: int
+    heads: int
+    dtype: object
+    config: MlaDecodeConfig
+    interpret: object = None
+
+    @property
+    def shape(self) -> tuple:
+        return (self.o.shape[0], self.s_q, self.heads, LATENT_DIM)
+
+    def astype(self, dtype) -> "SplitPartials":
+        """The same partials, merged into `dtype`."""
+        return dataclasses.replace(self, dtype=jnp.dtype(dtype))
+
+    def reshape(self, *shape) -> "SplitPartials":
+        """The same partials (their rows are B·s_q, H heads of 512 columns whatever the view asked)."""
+        if math.prod(shape[0] if len(shape) == 1 else shape) != math.prod(self.shape):
+            raise ValueError(f"cannot view split partials of {self.shape} as {shape}")
+        return self
+
+    def combined(self) -> jax.Array:
+        out, lse = _merged(self.o, self.lse, self.shape[:3], self.dtype, self.config, self.interpret)
+        return _finish(out, lse, self.shape[:3], self.lse.shape[-1], transposed=False)[0]
+
+
+jax.tree_util.register_dataclass(
+    SplitPartials, data_fields=["o", "lse"], meta_fields=["s_q", "heads", "dtype", "config", "interpret"]
+)
+
+
+def _merged(out, lse, BsH, dtype, config, interpret, pieces=None, transposed=False):
+    """The combine of split (or piece) partials -> out [B, s_q, H, 512] in `dtype` (and lse [B, s_q, H], ln)."""
+    B, s_q, H = BsH
+    R, Rp = s_q * H, lse.shape[-1]
+    trim = not transposed and Rp == ROWS and R < Rp and R % 8 == 0  # the combine writes the real rows only
+    kw = dict(config=config, interpret=interpret, pieces=pieces, transposed=transposed)
+    return _combine(out, lse, out_dtype=dtype, rows_out=R if trim else None, **kw)
+
+
+def _finish(out, lse, BsH, Rp, transposed):
+    """The kernel's (merged) rows -> out [B, s_q, H, 512], lse [B, s_q, H]: the real R = s_q·H of Rp rows."""
+    B, s_q, H = BsH
+    R = s_q * H
+    if transposed:
+        out = jnp.swapaxes(out, 1, 2)
+    elif Rp != R:
+        out, lse = out[:, :R], lse[:, :R]
+    return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("softmax_scale", "causal", "page_format", "config", "interpret", "split_partials")
+)
 def _mla_decode_kernel(
-    q, kv_pages, block_table, seq_lens, schedule, *, softmax_scale, causal, page_format, config, interpret
+    q,
+    kv_pages,
+    block_table,
+    seq_lens,
+    schedule,
+    *,
+    softmax_scale,
+    causal,
+    page_format,
+    config,
+    interpret,
+    split_partials=False,
 ):
     B, s_q, H, _ = q.shape
     if config.schedule == "auto":  # both programs, one taken by the rule (`prefers_pieces`)
@@ -406,24 +482,12 @@ def _mla_decode_kernel(
     if Rp != R and not transposed:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))
     out, lse = partials(q_rows, kv_pages, block_table, seq_lens, **body_args)
+    if split_partials and not plan_.planned and plan_.num_splits > 1 and not transposed:
+        return SplitPartials(out, lse, s_q, H, q.dtype, config, interpret_params)
     if plan_.planned or plan_.num_splits > 1:  # fp32 partials (by split or by piece slot) to merge
         pieces = (sched.piece_start, sched.num_pieces) if plan_.planned else None
-        trim = not transposed and Rp == ROWS and R < Rp and R % 8 == 0  # the combine writes the real rows only
-        out, lse = _combine(
-            out,
-            lse,
-            out_dtype=q.dtype,
-            config=config,
-            interpret=interpret_params,
-            pieces=pieces,
-            transposed=transposed,
-            rows_out=R if trim else None,
-        )
-    if transposed:
-        out = jnp.swapaxes(out, 1, 2)
-    elif Rp != R:
-        out, lse = out[:, :R], lse[:, :R]
-    return out.reshape(B, s_q, H, LATENT_DIM), lse.reshape(B, s_q, H)
+        out, lse = _merged(out, lse, (B, s_q, H), q.dtype, config, interpret_params, pieces, transposed)
+    return _finish(out, lse, (B, s_q, H), Rp, transposed)
 
 
 def mla_decode(
@@ -439,6 +503,7 @@ def mla_decode(
     impl="auto",
     checked=False,
     schedule=None,
+    split_partials=False,
 ):
     """Absorbed MLA decode attention over a paged latent cache.
 
@@ -469,6 +534,10 @@ def mla_decode(
       schedule: with ``config.schedule`` "pieces" or "auto", the work plan `mla_decode_schedule`
         built for these ``seq_lens`` (so the layers of a step share one); None builds it here. It must be the
         plan of these lengths: a plan of other lengths reads the wrong pages.
+      split_partials: where the kernel would merge its KV splits' partials in a launch of its own (the
+        per-sequence schedule at more than one split, bf16 pages or the fp8 row-block body), return them unmerged
+        as (`SplitPartials`, None), for a consumer that merges them as it loads them; elsewhere (out, lse) as
+        without.
 
     Returns:
       out: [B, s_q, H, 512] in q's dtype (bf16); lse: float32 [B, s_q, H], natural log of the
@@ -500,7 +569,7 @@ def mla_decode(
     interpret = impl == "interpret"
     if interpret and not config.interpretable:
         config = dataclasses.replace(config, interpretable=True)
-    return _mla_decode_kernel(
+    out = _mla_decode_kernel(
         q,
         kv_pages,
         block_table,
@@ -511,4 +580,8 @@ def mla_decode(
         page_format=fmt,
         config=config,
         interpret=interpret,
+        split_partials=bool(split_partials),
     )
+    if isinstance(out, SplitPartials):
+        return out, None
+    return out
