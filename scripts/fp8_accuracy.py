@@ -138,8 +138,8 @@ def decode_math(math: str | None):
         problems = mla_decode_problems(cfg.num_attention_heads, cache.page_size, cache.page_format, T)
         return "decode_kernel" if chosen == "absorbed" and not problems else chosen
 
-    def decode(q, kv_pages, block_table, seq_lens, *, impl, config, schedule, **kwargs):
-        del impl, config, schedule  # the kernel's; a reference has no use for them
+    def decode(q, kv_pages, block_table, seq_lens, *, impl, config, schedule, split_partials=False, **kwargs):
+        del impl, config, schedule, split_partials  # the kernel's; a reference has no use for them (and merges)
         traced.append(math)
         return reference(q, kv_pages, block_table, seq_lens, **kwargs)
 
