@@ -395,7 +395,8 @@ jax.tree_util.register_dataclass(
 
 
 def _merged(out, lse, BsH, dtype, config, interpret, pieces=None, transposed=False):
-    """The combine of split (or piece) partials -> out [B, s_q, H, 512] in `dtype` (and lse [B, s_q, H], ln)."""
+    """The combine kernel over split (or piece) partials -> (out [B, R or Rp, 512] in `dtype` ([B, 512, R]
+    transposed), lse [B, Rp], ln): the kernel's rows, which `_finish` trims and shapes."""
     B, s_q, H = BsH
     R, Rp = s_q * H, lse.shape[-1]
     trim = not transposed and Rp == ROWS and R < Rp and R % 8 == 0  # the combine writes the real rows only
