@@ -577,11 +577,10 @@ class MLA(nnx.Module):
             q_BTHC = self.absorb_query(q_nope, q_pe, stacked).astype(
                 jnp.bfloat16 if cache.quantized else cache.pages.dtype
             )
-
             merged = T * x_BTD.shape[0] == 1 and cache.data_parallel is None  # W_UV's kernel merges the splits
             merged = merged and self._wkv_b_stack(stacked, 1, cfg.kv_lora_rank, cfg.v_head_dim, True) is not None
 
-            def decode(pages, table, q, seq_lens):  # on the whole pool, or one data rank's (map_pages)
+            def decode(pages, table, page_offset, q, seq_lens):  # the whole pool, or a data rank's (map_pages)
                 return mla_decode(
                     q,
                     pages,
@@ -594,6 +593,7 @@ class MLA(nnx.Module):
                     config=cache.decode_config,
                     schedule=None if plan is None else plan.schedule,  # None: planned here
                     split_partials=merged,
+                    page_offset=page_offset,
                 )[0]
 
             plan = cache.decode_plan  # the call's (`with_decode_plan`), or None: this call's own

@@ -472,10 +472,11 @@ class KVCache:
         return self.pages.shape[2]
 
     def map_pages(self, fn, *row_args):
-        """`fn(pages, block_table, *row_args)` on this layer's pages, e.g. the decode kernel: `pages` is
-        every pool flat ([num_layers * N, G, W]: a free reshape, so a kernel reads the layer's pages where
-        they are), `block_table` [B, P] offset to this layer in it (page id + layer * N), each row
-        argument [B, ...]; `fn` returns an array [B, ...] or a tuple of them.
+        """`fn(pages, block_table, page_offset, *row_args)` on this layer's pages, e.g. the decode kernel: `pages`
+        is every pool flat ([num_layers * N, G, W]: a free reshape, so a kernel reads the layer's pages where
+        they are), `block_table` [B, P] the pool's own page ids, `page_offset` (int32 scalar, layer * N) where
+        this layer's pool starts in `pages` (the kernel adds it as it reads the table: `mla_decode`'s
+        page_offset), each row argument [B, ...]; `fn` returns an array [B, ...] or a tuple of them.
 
         With a pool per data rank (`data_parallel`), `fn` runs once a device under `jax.shard_map`,
         manual over every mesh axis: on its rank's own N / D pages, its rank's rows of the table (local
@@ -486,7 +487,8 @@ class KVCache:
 
         def on_pool(pages, table, *rest):
             *args, layer = rest
-            return fn(*_flat(pages, table, layer), *args)
+            L, N = pages.shape[:2]
+            return fn(pages.reshape((L * N,) + pages.shape[2:]), table, layer * N, *args)
 
         return self._per_rank(on_pool, batch_args=1 + len(row_args), pool_out=False, kernel=True)(
             self.pages, self.block_table, *row_args, self.layer

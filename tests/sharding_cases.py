@@ -259,7 +259,9 @@ def _cache_kernels(mesh) -> dict:
     def run(impl, q, pages, table, lens):
         c = KVCache.create(pages, table, lens, impl=impl, data_parallel=(mesh, ("data",))).at_layer(1)
         dec = c.map_pages(
-            lambda p, t, q, n: mla_decode(q, p, t, n, softmax_scale=0.1, causal=True, impl=impl)[0], q, c.lengths
+            lambda p, t, o, q, n: mla_decode(q, p, t, n, softmax_scale=0.1, causal=True, impl=impl, page_offset=o)[0],
+            q,
+            c.lengths,
         )
         return dec, c.gather(dtype=jnp.float32)
 

@@ -217,6 +217,47 @@ def test_interpret_query_without_keys_gives_zero_and_minus_inf(variant):
     np.testing.assert_allclose(np.asarray(lse[:, 1]), np.asarray(ref_lse[:, 1]), atol=2e-2)
 
 
+def pools_around(kv_pages, fill):
+    """``kv_pages`` as the middle pool of three back to back, the others all ``fill`` (-> pages, offset)."""
+    pad = jnp.full_like(kv_pages, fill)
+    return jnp.concatenate([pad, kv_pages, pad]), kv_pages.shape[0]
+
+
+PAGE_OFFSET_CASES = [(VARIANTS[2], "per_sequence"), (VARIANTS[0], "per_sequence"), (VARIANTS[2], "pieces")]
+PAGE_OFFSET_IDS = ["scorer", "plain", "scorer-pieces"]
+
+
+def assert_reads_the_table_at_its_page_offset(variant, schedule, impl):
+    """`page_offset` (a layer's pool in every layer's pages, `KVCache.map_pages`): the table's ids plus the offset.
+    Pools 0 and 2 are NaN, so a body that ignores the offset or adds it twice gives NaN, not the reference over
+    pool 1 alone."""
+    q, kv, table, lens = make_inputs(2, 1, 16, [70, 130], 3, seed=9)
+    pages, offset = pools_around(kv, np.nan)
+    config = MlaDecodeConfig(num_splits=2, min_pages_per_split=1, schedule=schedule, **variant)
+    call = jax.jit(
+        lambda o: mla_decode(q, pages, table, lens, softmax_scale=SCALE, config=config, impl=impl, page_offset=o)
+    )
+    out, lse = call(jnp.int32(offset))  # traced, as the scan's layer index is
+    ref_out, ref_lse = mla_decode_reference(q, kv, table, lens, softmax_scale=SCALE)
+    chex.assert_trees_all_close(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), atol=3e-2, rtol=2e-2)
+    chex.assert_trees_all_close(np.asarray(lse), np.asarray(ref_lse), atol=2e-2, rtol=1e-3)
+    shifted = mla_decode_reference(q, pages, table, lens, softmax_scale=SCALE, page_offset=offset)[0]
+    chex.assert_trees_all_equal(shifted, ref_out)  # the reference takes the same offset
+
+
+@pytest.mark.parametrize("variant,schedule", PAGE_OFFSET_CASES, ids=PAGE_OFFSET_IDS)
+def test_interpret_reads_the_table_at_its_page_offset(variant, schedule):
+    assert_reads_the_table_at_its_page_offset(variant, schedule, "interpret")
+
+
+def test_bad_page_offset_raises():
+    args = make_inputs(1, 1, 16, [70], 2)
+    with pytest.raises(ValueError, match=r"page_offset must be an integer scalar, got 1.5"):
+        mla_decode(*args, softmax_scale=SCALE, page_offset=1.5)
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\] = .* is not a page id"):
+        mla_decode(*args, softmax_scale=SCALE, page_offset=args[1].shape[0])  # every id past the pages
+
+
 def test_interpret_handles_unpadded_block_table_width():
     # max_pages = 5 is not a multiple of 4 int32 (16 B): the result must not depend on the wrapper's
     # padding of the table (which GMEM strides on the GPU want; the interpreter does not model them).
@@ -731,6 +772,13 @@ def test_gpu_kernel_matches_reference(heads, s_q, causal, batch, mean_len, num_s
     assert_matches_reference(
         args, causal=causal, config=MlaDecodeConfig(num_splits=num_splits, scorer=False, split_qk=False), impl="kernel"
     )
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("variant,schedule", PAGE_OFFSET_CASES, ids=PAGE_OFFSET_IDS)
+def test_gpu_reads_the_table_at_its_page_offset(variant, schedule):
+    assert_reads_the_table_at_its_page_offset(variant, schedule, "kernel")
 
 
 @pytest.mark.gpu

@@ -208,6 +208,29 @@ def test_interpret_matches_reference(heads, s_q, causal, seq_lens, max_pages, nu
     assert_matches_reference(args, causal=causal, config=config, impl="interpret")
 
 
+@pytest.mark.parametrize("heads", [16, 64], ids=["transposed", "row-block"])
+def test_interpret_reads_the_table_at_its_page_offset(heads):
+    """Both fp8 bodies at a `page_offset` (the layer's pool in every layer's pages): pools 0 and 2 all 0xFF (NaN in
+    e4m3), so a body that ignores the offset, or adds it twice, gives NaN, not the reference over pool 1 alone."""
+    q, pages, table, lens = make_fp8_inputs(2, 1, heads, [70, 130], 3, seed=4)
+    pad = jnp.full_like(pages, 0xFF)
+    config = MlaDecodeConfig(num_splits=2, min_pages_per_split=1)
+    offset = jnp.int32(pages.shape[0])
+    out = mla_decode(
+        q,
+        jnp.concatenate([pad, pages, pad]),
+        table,
+        lens,
+        softmax_scale=SCALE,
+        config=config,
+        impl="interpret",
+        page_offset=offset,
+    )[0]
+    ref = mla_decode_reference(q, pages, table, lens, softmax_scale=SCALE)[0]
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all() and np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+
+
 def test_transposed_body_refuses_more_than_32_rows():
     """Guards: fp8_transposed=True silently falling back (or computing garbage) where the transposed
     body does not serve: more than 32 query rows."""

@@ -158,7 +158,9 @@ def mla_decode_problems(heads: int, page_size: int, page_format: PageFormat, que
     return problems
 
 
-def _validate(q, kv_pages, block_table, seq_lens, softmax_scale, page_format, *, checked=False) -> PageFormat:
+def _validate(
+    q, kv_pages, block_table, seq_lens, softmax_scale, page_format, *, checked=False, page_offset=0
+) -> PageFormat:
     """Checks what both the kernel and the reference need; -> the pages' `PageFormat`."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, s_q, H, {KEY_DIM}], got shape {q.shape}")
@@ -189,7 +191,10 @@ def _validate(q, kv_pages, block_table, seq_lens, softmax_scale, page_format, *,
         raise ValueError(f"softmax_scale must be a Python float (it is baked into the kernel), got {softmax_scale!r}")
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
-    check_page_table(block_table, seq_lens, num_pages=kv_pages.shape[0], page_size=kv_pages.shape[1], checked=checked)
+    if jnp.shape(page_offset) != () or not jnp.issubdtype(jnp.result_type(page_offset), jnp.integer):
+        raise ValueError(f"page_offset must be an integer scalar, got {page_offset!r}")
+    pages = block_table if isinstance(page_offset, int) and page_offset == 0 else block_table + page_offset
+    check_page_table(pages, seq_lens, num_pages=kv_pages.shape[0], page_size=kv_pages.shape[1], checked=checked)
     return fmt
 
 
@@ -221,6 +226,7 @@ def mla_decode_reference(
     checked=False,
     schedule=None,
     split_partials=False,
+    page_offset=0,
 ):
     """Plain-jnp absorbed MLA decode with fp32 math; same contract (and checks) as `mla_decode`, for any
     head count, query length, page size and page format (quantized pages are dequantised to bf16 first,
@@ -232,9 +238,11 @@ def mla_decode_reference(
     lse = -inf, as in the kernel.
     """
     del config, impl, schedule, split_partials
-    fmt = _validate(q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked)
+    fmt = _validate(
+        q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked, page_offset=page_offset
+    )
     B, s_q, H, _ = q.shape
-    pages = kv_pages[block_table]
+    pages = kv_pages[block_table + page_offset]
     if fmt.quantized:
         pages = fmt.dequantize_reference(pages)
     kv_BSK = pages.reshape(B, -1, KEY_DIM).astype(jnp.float32)  # (B, S, K)
@@ -431,8 +439,11 @@ def _mla_decode_kernel(
     config,
     interpret,
     split_partials=False,
+    page_offset=None,
 ):
     B, s_q, H, _ = q.shape
+    if page_offset is None:
+        page_offset = jnp.zeros((1,), jnp.int32)
     if config.schedule == "auto":  # both programs, one taken by the rule (`prefers_pieces`)
         per_sequence, pieces = branch_configs(config)
         if schedule is None:
@@ -447,6 +458,7 @@ def _mla_decode_kernel(
             causal=causal,
             page_format=page_format,
             interpret=interpret,
+            page_offset=page_offset,
         )
         return lax.cond(
             schedule.use_pieces,
@@ -482,7 +494,7 @@ def _mla_decode_kernel(
     transposed = partials is _decode_partials_fp8_t
     if Rp != R and not transposed:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))
-    out, lse = partials(q_rows, kv_pages, block_table, seq_lens, **body_args)
+    out, lse = partials(q_rows, kv_pages, block_table, seq_lens, page_offset, **body_args)
     if split_partials and not plan_.planned and plan_.num_splits > 1 and not transposed:
         return SplitPartials(out, lse, s_q, H, q.dtype, config, interpret_params)
     if plan_.planned or plan_.num_splits > 1:  # fp32 partials (by split or by piece slot) to merge
@@ -505,6 +517,7 @@ def mla_decode(
     checked=False,
     schedule=None,
     split_partials=False,
+    page_offset=0,
 ):
     """Absorbed MLA decode attention over a paged latent cache.
 
@@ -539,6 +552,9 @@ def mla_decode(
         per-sequence schedule at more than one split, bf16 pages or the fp8 row-block body), return them unmerged
         as (`SplitPartials`, None), for a consumer that merges them as it loads them; elsewhere (out, lse) as
         without.
+      page_offset: an int32 scalar (traced or not) added to every block-table entry read: a table of one pool's
+        page ids over ``kv_pages`` holding several pools back to back (`KVCache.map_pages`: every layer's pages,
+        the layer's first page at layer * N). The kernel adds it as it reads the table (no launch to offset it).
 
     Returns:
       out: [B, s_q, H, 512] in q's dtype (bf16); lse: float32 [B, s_q, H], natural log of the
@@ -550,7 +566,9 @@ def mla_decode(
       (`mla_decode_problems`), a concrete seq_len outside [0, page_size * max_pages] or a concrete
       block-table entry it reads outside [0, num_pages).
     """
-    fmt = _validate(q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked)
+    fmt = _validate(
+        q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked, page_offset=page_offset
+    )
     config = checked_config(config)
     B, s_q, H, _ = q.shape
     if schedule is not None:
@@ -566,6 +584,7 @@ def mla_decode(
             causal=causal,
             page_format=fmt,
             checked=checked,
+            page_offset=page_offset,
         )
     interpret = impl == "interpret"
     if interpret and not config.interpretable:
@@ -582,6 +601,7 @@ def mla_decode(
         config=config,
         interpret=interpret,
         split_partials=bool(split_partials),
+        page_offset=jnp.asarray(page_offset, jnp.int32).reshape(1),
     )
     if isinstance(out, SplitPartials):
         return out, None

@@ -28,6 +28,7 @@ def _decode_partials(
     kv_pages,
     block_table,
     seq_lens,
+    page_offset,
     *,
     s_q,
     heads,
@@ -82,7 +83,7 @@ def _decode_partials(
     def mla_decode_partials(
         *refs, q_smem, q_bar, p_smem=None, p_full_smem=None, stat_smem=None, max_bar=None, p_bar=None
     ):
-        (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, plan_.planned)
+        (q_ref, kv_ref, bt_ref, lens_ref, off_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 5, plan_.planned)
         g = lax.axis_index("g")
         wg = lax.axis_index("wg")
         rows = pl.ds(g * ROWS, ROWS)
@@ -99,6 +100,7 @@ def _decode_partials(
             final=final,
             bt_ref=bt_ref,
             lens_ref=lens_ref,
+            off_ref=off_ref,
             sched_refs=sched_refs,
         )
 
@@ -190,8 +192,8 @@ def _decode_partials(
         )(kv_ref)
 
     if plan_.planned:
-        return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens, *schedule)
-    return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens)
+        return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens, page_offset, *schedule)
+    return mla_decode_partials(q_rows, kv_pages, block_table, seq_lens, page_offset)
 
 
 # The scorer body (`MlaDecodeConfig.scorer`): one warpgroup scores each page once, two others

@@ -44,6 +44,7 @@ def _decode_partials_fp8(
     kv_u8,
     block_table,
     seq_lens,
+    page_offset,
     *,
     s_q,
     heads,
@@ -98,8 +99,8 @@ def _decode_partials_fp8(
         interpret=interpret,
     )
     def mla_decode_partials_fp8(*refs, q_smem, q_bar, lat_smem, deq_bar, free_bar, p_smem=None):
-        ins, sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 6, plan_.planned)
-        q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref = ins
+        ins, sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 7, plan_.planned)
+        q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, off_ref = ins
         g = lax.axis_index("g")
         wg = lax.axis_index("wg")
         rows = pl.ds(g * ROWS, ROWS)
@@ -116,6 +117,7 @@ def _decode_partials_fp8(
             final=final,
             bt_ref=bt_ref,
             lens_ref=lens_ref,
+            off_ref=off_ref,
             sched_refs=sched_refs,
         )
 
@@ -155,8 +157,9 @@ def _decode_partials_fp8(
         )(lat_ref, lat_ref, scale_ref, rope_ref)
 
     if plan_.planned:
-        return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens, *schedule)
-    return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens)
+        args = (q_rows, lat_view, scale_view, rope_view, block_table, seq_lens, page_offset)
+        return mla_decode_partials_fp8(*args, *schedule)
+    return mla_decode_partials_fp8(q_rows, lat_view, scale_view, rope_view, block_table, seq_lens, page_offset)
 
 
 # The transposed fp8 body (R = s_q * H <= 32 query rows): scores are computed as Sᵀ = K·Qᵀ with
@@ -245,6 +248,7 @@ def _decode_partials_fp8_t(
     kv_u8,
     block_table,
     seq_lens,
+    page_offset,
     *,
     s_q,
     heads,
@@ -327,8 +331,8 @@ def _decode_partials_fp8_t(
         interpret=interpret,
     )
     def mla_decode_partials_fp8_t(*refs, q_smem, q_bar, kv_smem, part_smem, p_smem, stat_smem, s_bar, p_bar):
-        n_in = 7 if pieces else 6
-        q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, *piece_ref = refs[:n_in]
+        n_in = 8 if pieces else 7
+        q_ref, lat_ref, scale_ref, rope_ref, bt_ref, lens_ref, off_ref, *piece_ref = refs[:n_in]
         o_ref, lse_ref = refs[n_in:]
         wg = lax.axis_index("wg")
         if pieces:
@@ -485,9 +489,9 @@ def _decode_partials_fp8_t(
             wg_axis="wg",
             max_concurrent_steps=config.max_concurrent_steps,
             compute_context=compute_context,
-            in_specs=_fp8_in_specs(lambda i: table[first_page + i]),
+            in_specs=_fp8_in_specs(lambda i: table[first_page + i] + off_ref[0]),
         )(lat_ref, lat_ref, scale_ref, rope_ref)
 
     return mla_decode_partials_fp8_t(
-        q_rows, lat_view, scale_view, rope_view, block_table, seq_lens, *(schedule if pieces else ())
+        q_rows, lat_view, scale_view, rope_view, block_table, seq_lens, page_offset, *(schedule if pieces else ())
     )

@@ -221,6 +221,7 @@ def _schedule_steps(
     lse_ref,
     bt_ref,
     lens_ref,
+    off_ref,
     q_smem,
     q_bar,
     rows,
@@ -233,6 +234,7 @@ def _schedule_steps(
     per_sequence: CTA (g, s, b) reads split s of sequence b; Q is loaded once; the context writes
     the result (final or the split's partial) after the pipeline. pieces (``sched_refs`` = a `PieceSchedule`'s
     `kernel_refs`): CTA (g, c) reads the piece of row c the same way and writes its partial to the row's slot.
+    Page ids are the table's entries plus ``off_ref[0]`` (`mla_decode`'s page_offset).
     """
     wg = lax.axis_index("wg")
     if plan_.schedule == "pieces":  # one piece of one sequence: the per-sequence walk over a table row
@@ -274,7 +276,7 @@ def _schedule_steps(
 
     return _Steps(
         n_steps,
-        lambda i: table[first_page + i],
+        lambda i: table[first_page + i] + off_ref[0],
         lambda i, carry: (carry, _At(b, (first_page + i) * PAGE_SIZE, seq_len)),
         compute_context,
     )

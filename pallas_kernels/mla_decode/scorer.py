@@ -73,6 +73,7 @@ def _decode_partials_scorer(
     kv_pages,
     block_table,
     seq_lens,
+    page_offset,
     *,
     s_q,
     heads,
@@ -139,7 +140,7 @@ def _decode_partials_scorer(
         p_ready,
         p_free,
     ):
-        (q_ref, kv_ref, bt_ref, lens_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 4, pieces)
+        (q_ref, kv_ref, bt_ref, lens_ref, off_ref), sched_refs, (o_ref, lse_ref) = _kernel_refs(refs, 5, pieces)
         g, wg = lax.axis_index("g"), lax.axis_index("wg")
         rows = pl.ds(g * ROWS, ROWS)
         if pieces:
@@ -174,7 +175,9 @@ def _decode_partials_scorer(
         def issue(i):
             """Page i's copy into its slot (by the TMA warpgroup)."""
             slot = lax.rem(i, nslots)
-            plgpu.copy_gmem_to_smem(kv_ref.at[bt_ref[b, first_page + i]], kv_smem.at[slot], kv_ready.at[slot])
+            plgpu.copy_gmem_to_smem(
+                kv_ref.at[bt_ref[b, first_page + i] + off_ref[0]], kv_smem.at[slot], kv_ready.at[slot]
+            )
 
         @pl.when(wg == 3)
         def _memory():
@@ -294,4 +297,6 @@ def _decode_partials_scorer(
             acc, l = lax.fori_loop(0, n_pages, step, (zeros(acc_cols), l0))
             write_out(cols, acc, l)
 
-    return mla_decode_partials_scorer(q_rows, kv_pages, block_table, seq_lens, *(schedule if pieces else ()))
+    return mla_decode_partials_scorer(
+        q_rows, kv_pages, block_table, seq_lens, page_offset, *(schedule if pieces else ())
+    )
