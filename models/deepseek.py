@@ -84,6 +84,12 @@ def remat_policy(name: str):
     }.get(name)
 
 
+def _stack_of_one(layer):
+    """`layer` as a stack of one layer (each parameter with a leading axis of 1: a free reshape), for `_scan_layers`."""
+    graphdef, state = nnx.split(layer)
+    return nnx.merge(graphdef, jax.tree.map(lambda v: v[None], state))
+
+
 def _scan_layers(
     stack,
     h_BTD,
@@ -341,7 +347,13 @@ class DeepSeekModel(nnx.Module):
         the module's latents go to pool `num_hidden_layers`)."""
         if len(self.mtp) == 0:
             raise ValueError("this model has no MTP module (cfg.num_mtp_layers == 0)")
-        return self.mtp[0](h_BTD, self.embed(next_ids_BT), positions_BT, absorbed=absorbed, cache=cache)
+        mtp = self.mtp[0]
+        if cache is None:
+            return mtp(h_BTD, self.embed(next_ids_BT), positions_BT, absorbed=absorbed)
+        # As a stack of one, so its projections take the scanned layers' kernels (weights read in place, norms inside)
+        x = mtp.block_input(h_BTD, self.embed(next_ids_BT))
+        o, _, cache = _scan_layers(_stack_of_one(mtp.block), x, positions_BT, cache, mtp.cache_layer, absorbed)
+        return o, cache
 
     def mtp_head(self, o_BTD: jax.Array) -> jax.Array:
         """Logits of MTP module 0's block output: [..., D] -> [..., V] (the shared LM head)."""

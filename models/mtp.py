@@ -97,12 +97,16 @@ class MTP(nnx.Module):
     ):
         """-> o [B,T,D] (`return_router`: (o, RouterOutput or None)); with a cache: (o, cache), the
         block's latents written to pool `cache_layer`."""
+        x = self.block_input(h_BTD, emb_BTD)
+        if cache is not None:
+            return self.block(x, positions_BT, cache=cache.at_layer(self.cache_layer))
+        return self.block(x, positions_BT, absorbed=absorbed, return_router=return_router)
+
+    def block_input(self, h_BTD: jax.Array, emb_BTD: jax.Array) -> jax.Array:
+        """eh_proj([enorm(emb) ; hnorm(h)]): what `block` reads [B,T,D]."""
         if h_BTD.shape != emb_BTD.shape:
             raise ValueError(f"MTP: hidden {h_BTD.shape} and embedding {emb_BTD.shape} must have the same shape")
-        x = jnp.concatenate([self.enorm(emb_BTD), self.hnorm(h_BTD).astype(emb_BTD.dtype)], axis=-1)
-        if cache is not None:
-            return self.block(self.eh_proj(x), positions_BT, cache=cache.at_layer(self.cache_layer))
-        return self.block(self.eh_proj(x), positions_BT, absorbed=absorbed, return_router=return_router)
+        return self.eh_proj(jnp.concatenate([self.enorm(emb_BTD), self.hnorm(h_BTD).astype(emb_BTD.dtype)], axis=-1))
 
     def head_hidden(self, o_BTD: jax.Array) -> jax.Array:
         """shared_head_norm(o): the hidden the shared LM head reads."""

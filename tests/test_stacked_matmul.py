@@ -620,3 +620,28 @@ def test_gpu_w_uv_merges_split_partials_as_the_combine_does():
         sp, w, jnp.int32(26)
     )
     chex.assert_trees_all_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+def test_a_cached_mtp_block_reads_its_weights_in_place():
+    """The MTP module's block in a cached call (the draft of an MTP verify step) runs as a stack of one layer: its
+    served projections through `stacked_matmul` and its W_UK / W_UV through `stacked_head_matmul`, each weight read in
+    place, and its output equals the reference backend's (the block through XLA's dots). Catches the block through
+    the dots again (no stacked kernel in its program) and a stack of one that reads another module's weights."""
+    model = DeepSeekModel(SERVED.replace(num_mtp_layers=1), rngs=nnx.Rngs(3))
+    e = Engine(model, page_size=16, num_pages=8, max_batch=1, kv_dtype=jnp.float32)
+    rng = np.random.default_rng(3)
+    h = jnp.asarray(rng.standard_normal((1, 2, SERVED.hidden_size)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, SERVED.vocab_size, (1, 2)), jnp.int32)
+    positions = jnp.arange(2, dtype=jnp.int32)[None]
+    draft = jax.jit(lambda h, ids, cache: model.mtp_block(h, ids, positions, cache=cache))
+
+    def run(impl):
+        cache = KVCache.create(e.cache.pages, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), impl=impl)
+        return draft(h, ids, cache)[0], str(jax.make_jaxpr(draft)(h, ids, cache))
+
+    (got, jaxpr), (want, ref_jaxpr) = run("interpret"), run("reference")
+    chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
+    assert (jaxpr.count("name=stacked_matmul"), jaxpr.count("name=stacked_head_matmul")) == (5, 2), jaxpr.count(
+        "name=stacked_matmul"
+    )
+    assert "name=stacked_matmul" not in ref_jaxpr
