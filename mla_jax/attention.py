@@ -360,18 +360,15 @@ def mla_absorbed_attention(
 class MLA(nnx.Module):
     """Multi-head Latent Attention: `mla(x [B,T,D], positions int32 [B,T], *, absorbed=False) -> [B,T,D]`.
 
-    Causal over `positions` (a key is visible when its position is <= the query's; negative
-    positions mark padding).
+    Causal over `positions` (a key is visible when its position is <= the query's; negative positions mark padding).
 
-    With a latent cache (`mla_jax.kv_cache.KVCache`), `mla(x, positions, cache=cache) -> (out,
-    cache)`: the layer writes this step's latents into its pages (pool `cache.layer`), then attends
-    over the row's whole cache, prefix and itself, by the path `cached_path` picks (as DeepSeek-V3's
-    reference `MLA.forward` does): the decode kernel on the pages, or the gathered prefix attended
-    absorbed or decompressed.
-    `absorbed` is ignored with a cache (the cache's threshold decides). The pieces are public:
-    `project_q`, `project_kv` (what the cache stores), `absorb_query`, `output_from_latent`, `attend`.
-    `weights`: the projections' format (`mla_jax.fp8_weights.WEIGHT_FORMATS`: None = `nnx.Linear` in
-    `param_dtype`, "fp8" = `Fp8Linear`); norms stay in `param_dtype`.
+    With a latent cache (`mla_jax.kv_cache.KVCache`), `mla(x, positions, cache=cache) -> (out, cache)`: the layer
+    writes this step's latents into its pages (pool `cache.layer`), then attends over the row's whole cache, prefix
+    and itself, by the path `cached_path` picks (as DeepSeek-V3's reference `MLA.forward` does): the decode kernel on
+    the pages, or the gathered prefix attended absorbed or decompressed. `absorbed` is ignored with a cache (the
+    cache's threshold decides). The pieces are public: `project_q`, `project_kv` (what the cache stores),
+    `absorb_query`, `output_from_latent`, `attend`. `weights`: the projections' format (`fp8_weights.WEIGHT_FORMATS`:
+    None = `nnx.Linear` in `param_dtype`, "fp8" = `Fp8Linear`); norms stay in `param_dtype`.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, weights=None):
@@ -489,8 +486,9 @@ class MLA(nnx.Module):
             q_lat = einsum_f32("bthn,lhn->bthl", q_nope, w_uk_LHN.astype(q_nope.dtype))
         return jnp.concatenate([q_lat.astype(q_pe.dtype), q_pe], axis=-1)
 
-    def output_from_latent(self, o_lat_BTHL: jax.Array, stacked: Stacked | None = None) -> jax.Array:
-        """Un-absorb W_UV and apply the output projection: [B,T,H,L] (or a decode call's `SplitPartials`) -> [B,T,D]."""
+    def output_from_latent(self, o_lat_BTHL: jax.Array, stacked: Stacked | None = None, keep_splits=False) -> jax.Array:
+        """Un-absorb W_UV and apply the output projection: [B,T,H,L] (or a decode call's `SplitPartials`) -> [B,T,D]
+        (``keep_splits``: `wo`'s `Partials` where its kernel has them)."""
         cfg = self.cfg
         N, V = cfg.qk_nope_head_dim, cfg.v_head_dim
         B, T, H, L = o_lat_BTHL.shape
@@ -506,16 +504,16 @@ class MLA(nnx.Module):
                 impl=stacked.impl,
                 keep_splits=True,
             )
-            if isinstance(o, Partials):  # summed by wo's kernel as it loads them: no reduction launch between
-                return project(self.wo, o.reshape(B, T, H * V), stacked)
-            o = o.reshape(B, T, H, V)
+            o = o.reshape(B, T, H * V)  # its Partials: summed by wo's kernel as it loads them, no launch between
         elif isinstance(self.wkv_b, fp8_weights.Fp8Linear):  # W_UV alone, in the stored layout [H, V, L]
             w_uv_HVL = fp8_weights.dequantize_group_rows(self.wkv_b, H, N, N + V)
             o = einsum_f32("bthl,hvl->bthv", o_lat_BTHL, w_uv_HVL.astype(o_lat_BTHL.dtype))
         else:
             w_uv_LHV = self.wkv_b_LHK(stacked)[..., N:]
             o = einsum_f32("bthl,lhv->bthv", o_lat_BTHL, w_uv_LHV.astype(o_lat_BTHL.dtype))
-        return project(self.wo, o.astype(o_lat_BTHL.dtype).reshape(o.shape[:2] + (-1,)), stacked)
+        if not isinstance(o, Partials):
+            o = o.astype(o_lat_BTHL.dtype).reshape(B, T, H * V)
+        return project(self.wo, o, stacked, keep_splits=keep_splits)
 
     # --- attention ----------------------------------------------------------------------
     def attend(
@@ -563,8 +561,9 @@ class MLA(nnx.Module):
         """The path a cached call of T query tokens a row takes: `cached_path` for this layer's model."""
         return cached_path(self.cfg, T, cache)
 
-    def cached_attention(self, x_BTD: jax.Array, positions_BT: jax.Array, cache, stacked: Stacked | None = None):
-        """Write this step's latents into the cache, then attend over it -> (out [B,T,D], cache)."""
+    def cached_attention(self, x_BTD, positions_BT, cache, stacked: Stacked | None = None, keep_splits=False):
+        """Write this step's latents into the cache, then attend over it -> (out [B,T,D], cache) (`keep_splits`: see
+        `output_from_latent`)."""
         cfg = self.cfg
         T = x_BTD.shape[1]
         rope_pos = jnp.maximum(positions_BT, 0)  # padding rows get any valid rope position; never seen
@@ -599,7 +598,7 @@ class MLA(nnx.Module):
             plan = cache.decode_plan  # the call's (`with_decode_plan`), or None: this call's own
             seq_lens = kernel_seq_lens(cache, positions_BT) if plan is None else plan.seq_lens
             o_lat = cache.map_pages(decode, q_BTHC, seq_lens)
-            return self.output_from_latent(o_lat.astype(x_BTD.dtype), stacked), cache
+            return self.output_from_latent(o_lat.astype(x_BTD.dtype), stacked, keep_splits), cache
         ctx_BSC, kv_pos_BS = cache.gather(dtype=x_BTD.dtype)
         attn_impl = "xla"
         if path == "decompressed":
@@ -628,13 +627,14 @@ class MLA(nnx.Module):
         q_block: int | None = None,
         attn_impl: str = "xla",
         stacked: Stacked | None = None,
+        keep_splits: bool = False,
     ):
         if x_BTD.ndim != 3 or x_BTD.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"MLA expects x [B, T, {self.cfg.hidden_size}], got {x_BTD.shape}")
         if positions_BT.shape != x_BTD.shape[:2]:
             raise ValueError(f"positions must be [B, T] = {x_BTD.shape[:2]}, got {positions_BT.shape}")
         if cache is not None:
-            return self.cached_attention(x_BTD, positions_BT, cache, stacked)
+            return self.cached_attention(x_BTD, positions_BT, cache, stacked, keep_splits)
         q_nope, q_pe = self.project_q(x_BTD, positions_BT, stacked)
         kv_latent = self.project_kv(x_BTD, positions_BT, stacked)
         return self.attend(

@@ -90,6 +90,11 @@ def _stack_of_one(layer):
     return nnx.merge(graphdef, jax.tree.map(lambda v: v[None], state))
 
 
+def _GATE_WEIGHTS(path, value) -> bool:
+    """The weights `pallas_kernels.moe_gate` reads: the post-attention norm's and the router's."""
+    return tuple(path[-2:]) == ("post_attention_layernorm", "weight") or tuple(path[-3:]) == ("mlp", "gate", "kernel")
+
+
 def _scan_layers(
     stack,
     h_BTD,
@@ -116,7 +121,8 @@ def _scan_layers(
     in place (the prefill-sized ones a chunk of columns at a time, `models.fp8_experts`), where a slice
     of the layer fed to the chunks' loop may be copied (11 GB of e4m3 a V3 layer). The same holds for
     the layer's projections (`mla_jax.linear`): a decode-sized cached call on a kernel backend passes
-    them whole and `pallas_kernels.stacked_matmul` reads each layer's weights in place.
+    them whole and `pallas_kernels.stacked_matmul` reads each layer's weights in place; and for the
+    post-attention norm's weight and the router where `pallas_kernels.moe_gate` reads them (`MoE.gates_by_kernel`).
 
     `remat` (REMAT_POLICIES, training only; a cached call must leave it "none") wraps the layer body in
     `jax.checkpoint` with that policy, so the backward of the scan keeps per layer only what the policy
@@ -134,6 +140,8 @@ def _scan_layers(
         constant = nnx.PathContains("experts")
     if proj_impl is not None:
         constant = nnx.Any(constant, stacked_filter(rows))
+        if stack.is_moe and stack.mlp.gates_by_kernel(rows):  # `moe_gate` reads its layer's norm and router in place
+            constant = nnx.Any(constant, _GATE_WEIGHTS)
     graphdef, whole_state, state = nnx.split(stack, constant, ...)
     n = jax.tree.leaves(state)[0].shape[0]
     # The per-layer scalars (the stack index, its experts' offset, the cache's pool) computed here for every layer,

@@ -18,6 +18,7 @@ from mla_jax.linear import Normed, Stacked
 from mla_jax.norm import RMSNorm
 from models.mlp import MLP
 from models.moe import MoE
+from pallas_kernels.moe_gate import moe_gate
 from pallas_kernels.stacked_matmul import NORM_ROWS
 
 
@@ -84,6 +85,9 @@ class DecoderLayer(nnx.Module):
             attn_in = Normed(x_BTD, self.input_layernorm, stacked.index)
         else:
             attn_in = self.input_layernorm(x_BTD)
+        # a decode step the MoE's route kernel serves: the residual add, the norm and the router's logits in one
+        # kernel (`moe_gate`), which sums the attention's split-K partials as it loads them
+        gate = stacked is not None and self.is_moe and self.mlp.gates_by_kernel(x_BTD.shape[0] * x_BTD.shape[1])
         a = self.self_attn(
             attn_in,
             positions_BT,
@@ -92,15 +96,36 @@ class DecoderLayer(nnx.Module):
             q_block=q_block,
             attn_impl=attn_impl,
             stacked=stacked,
+            keep_splits=gate,
         )
         if cache is not None:
             a, cache = a
-        h = x_BTD + a.astype(x_BTD.dtype)
-        y = self.post_attention_layernorm(h, weight_apart=stacked is not None)
+        logits = None
+        if gate:
+            norm, D = self.post_attention_layernorm, x_BTD.shape[-1]
+            h, y, logits = moe_gate(
+                x_BTD.reshape(-1, D),
+                a,
+                norm.weight[...],
+                self.mlp.gate.kernel[...],
+                stacked.index,
+                eps=norm.eps,
+                dtype=self.mlp.dtype,
+                impl=stacked.impl,
+            )
+            h, y = h.reshape(x_BTD.shape), y.reshape(x_BTD.shape)
+        else:
+            h = x_BTD + a.astype(x_BTD.dtype)
+            y = self.post_attention_layernorm(h, weight_apart=stacked is not None)
         r = None
         if self.is_moe:
             y, r = self.mlp(
-                y, return_router=True, stack_index=stack_index, expert_offset=expert_offset, stacked=stacked
+                y,
+                return_router=True,
+                stack_index=stack_index,
+                expert_offset=expert_offset,
+                stacked=stacked,
+                logits=logits,
             )
         else:
             y = self.mlp(y, stacked)

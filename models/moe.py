@@ -51,6 +51,7 @@ from pallas_kernels import (
     route_scores,
 )
 from pallas_kernels.moe_decode import SHARED_MAX_ROWS, SharedExperts
+from pallas_kernels.moe_gate import moe_gate_problems
 from pallas_kernels.moe_route import moe_route_is_fast
 
 _F32 = jnp.float32
@@ -124,13 +125,14 @@ class Router(nnx.Module):
         """The correction bias fp32 [E] (`noaux_tc`), else None."""
         return None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
 
-    def __call__(self, x_TD: jax.Array) -> RouterOutput:
-        return route(self.logits(x_TD), self.bias(), self.cfg)
+    def __call__(self, x_TD: jax.Array, logits_TE: jax.Array | None = None) -> RouterOutput:
+        """`logits_TE`: x's logits when the caller has them (`pallas_kernels.moe_gate`'s), else computed here."""
+        return route(self.logits(x_TD) if logits_TE is None else logits_TE, self.bias(), self.cfg)
 
-    def decode(self, x_TD: jax.Array, impl: str | None = None) -> tuple[RouterOutput, DecodeRoute]:
+    def decode(self, x_TD: jax.Array, impl: str | None = None, logits_TE=None) -> tuple[RouterOutput, DecodeRoute]:
         """`__call__`'s routing through `pallas_kernels.moe_route` (`impl`: its backend), with the assignments
         sorted by expert for `moe_grouped`'s decode impls. Forward only."""
-        logits_TE = self.logits(x_TD)
+        logits_TE = self.logits(x_TD) if logits_TE is None else logits_TE
         spec = RouteSpec.from_config(self.cfg)
         r = moe_route(logits_TE, self.bias(), spec=spec, impl=impl)
         return RouterOutput(r.weights_TK, r.indices_TK, route_scores(logits_TE, spec)), r
@@ -250,6 +252,27 @@ class MoE(nnx.Module):
             return self.parallel is None
         return cached and self.resolved_impl(num_tokens) in ("decode", "decode_interpret")
 
+    def routes_by_kernel(self, num_tokens: int, whole: bool) -> bool:
+        """Whether a call over `num_tokens` tokens routes and sorts them by `pallas_kernels.moe_route`: the decode
+        kernel's impl, a tile the route kernel takes faster than XLA's sorts, and not under `parallel`'s shard_map
+        (which renumbers each rank's experts) unless the experts' stack goes in whole (`whole`: `stack_index`)."""
+        E = self.cfg.n_routed_experts
+        return (
+            self.resolved_impl(num_tokens) == "decode"
+            and (self.parallel is None or whole)
+            and not moe_route_problems(num_tokens, E, RouteSpec.from_config(self.cfg))
+            and moe_route_is_fast(num_tokens, E)
+        )
+
+    def gates_by_kernel(self, num_tokens: int) -> bool:
+        """Whether a scanned decode layer of `num_tokens` tokens enters this MoE through `pallas_kernels.moe_gate`
+        (its residual add, norm and router logits in one launch; the layer's norm weight and router passed whole):
+        where the routing is the kernel's (`routes_by_kernel`) and `moe_gate` serves the rows."""
+        cfg = self.cfg
+        return self.routes_by_kernel(num_tokens, True) and not moe_gate_problems(
+            num_tokens, cfg.hidden_size, cfg.n_routed_experts
+        )
+
     def resolved_impl(self, num_tokens: int) -> str:
         """The expert implementation a call over `num_tokens` tokens runs (`impl` with "auto" resolved)."""
         cfg = self.cfg
@@ -303,13 +326,15 @@ class MoE(nnx.Module):
         stack_index=None,
         expert_offset=None,
         stacked: Stacked | None = None,
+        logits=None,
     ):
         """`stack_index` (a scalar, may be traced): the routed experts' variables are a whole scanned
         stack, [L, E, ...], and this call is layer `stack_index` of it (see `models.deepseek`); `expert_offset`:
         stack_index · E when the caller has it (a scanned stack slices it with its other per-layer scalars: the
         product computed here is a kernel launch of its own in each layer), else computed here.
         `stacked`: the shared experts' projections may be whole too (`mla_jax.linear`), and its `impl` runs
-        the decode kernel of the routed experts (the step's backend; None: "auto")."""
+        the decode kernel of the routed experts (the step's backend; None: "auto"). `logits`: the router's logits
+        of x's tokens when the caller has them (`moe_gate`'s)."""
         lead, D = x.shape[:-1], x.shape[-1]
         x_TD = x.reshape(-1, D).astype(self.dtype)
         ex = self.experts
@@ -330,15 +355,10 @@ class MoE(nnx.Module):
         # The decode kernel's routing and sort in one kernel (not under `parallel`'s shard_map, which renumbers
         # the experts of each rank).
         sort = None
-        if (
-            impl == "decode"
-            and (self.parallel is None or off is not None)
-            and not moe_route_problems(x_TD.shape[0], E, RouteSpec.from_config(self.cfg))
-            and moe_route_is_fast(x_TD.shape[0], E)
-        ):
-            r, sort = self.gate.decode(x_TD, decode_impl)
+        if self.routes_by_kernel(x_TD.shape[0], off is not None):
+            r, sort = self.gate.decode(x_TD, decode_impl, logits)
         else:
-            r = self.gate(x_TD)
+            r = self.gate(x_TD, logits)
 
         def routed(x_TD, w_TK, idx_TK, ws, off):
             if impl == "dense":

@@ -1,10 +1,11 @@
-"""Pallas kernels for Hopper (Mosaic GPU, sm_90; `moe_decode`, `moe_route`, `stacked_matmul`, `head_matmul`,
-`fp8_matvec` on Pallas' Triton backend) with their plain-jnp references; `backend`, the one "which implementation"
-vocabulary (auto / kernel / interpret / reference) with the one Hopper check; `page_format`, the one page-format type.
+"""Pallas kernels for Hopper (Mosaic GPU, sm_90; `moe_decode`, `moe_route`, `moe_gate`, `stacked_matmul`,
+`head_matmul`, `fp8_matvec` on Pallas' Triton backend) with their plain-jnp references; `backend`, the one "which
+implementation" vocabulary (auto / kernel / interpret / reference) with the one Hopper check; `page_format`, the one
+page-format type.
 
 Each kernel takes its pages' format explicitly (a `PageFormat`, or read from the pages) and says what it
 serves (`mla_decode_problems`, `paged_gather_problems`, `moe_decode_problems`, `moe_route_problems`,
-`fp8_matmul_problems`, `fp8_matvec_problems`). Imports nothing from the rest of the project.
+`moe_gate_problems`, `fp8_matmul_problems`, `fp8_matvec_problems`). Imports nothing from the rest of the project.
 """
 
 from pallas_kernels import backend
