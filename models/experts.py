@@ -174,48 +174,47 @@ ragged_dot_mgpu.defvjp(_mgpu_fwd, _mgpu_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _experts_decode(
-    x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, expert_offset, kernel_impl, shared=None, layout=None
+    x_TD, gate_EDI, up_EDI, down_EID, group_sizes_E, expert_offset, kernel_impl, token_M, shared=None, layout=None
 ):
-    """silu(x W_g) * (x W_u) W_d per row's expert through `pallas_kernels.moe_decode` -> f32 [M, D]; the
-    gradient is `lax.ragged_dot`'s (the kernel is forward only). `shared` (x_TD, `SharedExperts`): the shared
-    experts too, in the same launches -> (f32 [M, D], f32 [T, D]). `layout` (None, or (group_starts_E,
-    expert_programs) of a `pallas_kernels.moe_route.DecodeRoute`): the rows' layout, already computed."""
-    xs, sh = (None, None) if shared is None else shared
+    """silu(x W_g) * (x W_u) W_d per row's expert through `pallas_kernels.moe_decode` -> f32 [M, D], row r of
+    token `token_M[r]` (the kernel gathers the tokens' rows in its loads); the gradient is `lax.ragged_dot`'s (the
+    kernel is forward only). `shared` (`SharedExperts`): the shared experts of the tokens too, in the same launches
+    -> (f32 [M, D], f32 [T, D]). `layout` (None, or (group_starts_E, expert_programs) of a
+    `pallas_kernels.moe_route.DecodeRoute`): the rows' layout, already computed."""
     starts, programs = (None, None) if layout is None else layout
     return moe_decode(
-        x_MD,
+        x_TD,
         group_sizes_E,
         gate_EDI,
         up_EDI,
         down_EID,
         expert_offset=expert_offset,
         impl=kernel_impl,
-        shared=sh,
-        x_shared_TD=xs,
+        shared=shared,
         group_starts_E=starts,
         expert_programs=programs,
+        row_tokens=token_M,
     )
 
 
-def _experts_decode_fwd(x, g, u, d, gs, off, kernel_impl, shared=None, layout=None):
-    return _experts_decode(x, g, u, d, gs, off, kernel_impl, shared, layout), (x, g, u, d, gs, off, shared)
+def _experts_decode_fwd(x, g, u, d, gs, off, kernel_impl, tok, shared=None, layout=None):
+    return _experts_decode(x, g, u, d, gs, off, kernel_impl, tok, shared, layout), (x, g, u, d, gs, off, tok, shared)
 
 
 def _experts_decode_bwd(kernel_impl, res, ct):
-    x, g, u, d, gs, off, shared = res
+    x, g, u, d, gs, off, tok, shared = res
     if shared is None:
-        _, vjp = jax.vjp(lambda *w: moe_decode_reference(w[0], gs, *w[1:], expert_offset=off), x, g, u, d)
-        return (*vjp(ct.astype(jnp.float32)), None, None, None, None)
-    xs, sh = shared
+        _, vjp = jax.vjp(lambda *w: moe_decode_reference(w[0][tok], gs, *w[1:], expert_offset=off), x, g, u, d)
+        return (*vjp(ct.astype(jnp.float32)), None, None, None, None, None)
 
-    def ref(x, g, u, d, xs, sg, su, sd):
-        s = sh._replace(gate_LDS=sg, up_LDS=su, down_LSD=sd)
-        return moe_decode_reference(x, gs, g, u, d, expert_offset=off, shared=s, x_shared_TD=xs)
+    def ref(x, g, u, d, sg, su, sd):
+        s = shared._replace(gate_LDS=sg, up_LDS=su, down_LSD=sd)
+        return moe_decode_reference(x[tok], gs, g, u, d, expert_offset=off, shared=s, x_shared_TD=x)
 
-    _, vjp = jax.vjp(ref, x, g, u, d, xs, sh.gate_LDS, sh.up_LDS, sh.down_LSD)
-    dx, dg, du, dd, dxs, dsg, dsu, dsd = vjp(tuple(c.astype(jnp.float32) for c in ct))
-    shared_ct = (dxs, sh._replace(gate_LDS=dsg, up_LDS=dsu, down_LSD=dsd, layer=None))
-    return dx, dg, du, dd, None, None, shared_ct, None
+    _, vjp = jax.vjp(ref, x, g, u, d, shared.gate_LDS, shared.up_LDS, shared.down_LSD)
+    dx, dg, du, dd, dsg, dsu, dsd = vjp(tuple(c.astype(jnp.float32) for c in ct))
+    shared_ct = shared._replace(gate_LDS=dsg, up_LDS=dsu, down_LSD=dsd, layer=None)
+    return dx, dg, du, dd, None, None, None, shared_ct, None
 
 
 _experts_decode.defvjp(_experts_decode_fwd, _experts_decode_bwd)
@@ -348,9 +347,12 @@ def moe_grouped(
                 group_starts_E=group_starts_E,
             )
         else:
-            fused = None if shared is None else (x_TD, shared)
             layout = None if route is None else (group_starts_E, route.expert_programs)
-            y_MD = _experts_decode(x_MD, gate_EDI, up_EDI, down_EID, group_sizes_E, off, kernel_impl, fused, layout)
+            # the route kernel's buffer of the rows' tokens as it is (rows past M: not read, and y's are 0)
+            rows = token_M if route is None or route.token_rows is None else route.token_rows
+            y_MD = _experts_decode(
+                x_TD, gate_EDI, up_EDI, down_EID, group_sizes_E, off, kernel_impl, rows, shared, layout
+            )
         y_shared_TD = 0.0
         if shared is not None:
             y_MD, y_shared_TD = y_MD

@@ -110,6 +110,9 @@ class DecodeRoute(NamedTuple):
     expert_programs (experts, starts, sizes) int32 [A] each, A = `num_programs(T·K, E)`: the experts that got rows
       (ascending), then the others (ascending) as far as A goes, with their starts and sizes: the programs
       `pallas_kernels.moe_decode`'s `expert_programs` runs (at most min(E, T·K) of them do any work).
+    token_rows int32 [R >= M] or None: `token_M` as the kernel wrote it, in its buffer of R (a power of two past M;
+      the rows past M unspecified), for a consumer that reads only the rows the groups cover (`moe_decode`'s
+      ``row_tokens``): a slice of it to [M] would be a kernel launch of its own. None from the reference.
     The sorted order is `jnp.argsort(indices_TK.reshape(-1), stable=True)`: rows grouped by expert, in token
     order inside a group.
     """
@@ -122,6 +125,7 @@ class DecodeRoute(NamedTuple):
     token_M: jax.Array
     weight_M: jax.Array
     expert_programs: tuple
+    token_rows: jax.Array | None = None
 
 
 def num_programs(M: int, E: int) -> int:
@@ -405,7 +409,9 @@ def _moe_route_kernel(logits_TE, bias_E, *, spec: RouteSpec, interpret: bool) ->
         interpret=interpret,
         name="moe_route",
     )(logits, *bias)
-    return DecodeRoute(w[:T, :K], idx[:T, :K], sizes[:E], starts[:E], row[:T, :K], tok[:M], wm[:M], tuple(programs))
+    return DecodeRoute(
+        w[:T, :K], idx[:T, :K], sizes[:E], starts[:E], row[:T, :K], tok[:M], wm[:M], tuple(programs), token_rows=tok
+    )
 
 
 def moe_route(logits_TE: jax.Array, bias_E: jax.Array | None, *, spec: RouteSpec, impl: str | None = "auto"):

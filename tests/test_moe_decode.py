@@ -551,3 +551,32 @@ def test_expert_programs_run_only_the_listed_experts(with_shared):
     chex.assert_trees_all_equal(got, want)
     with pytest.raises(ValueError, match=r"^expert_programs must be three int \[A\] arrays"):
         moe_decode(x, gs, g, u, d, config=SMALL, impl="interpret", expert_programs=programs[:2])
+
+
+@pytest.mark.parametrize("with_shared", [False, True], ids=["routed", "shared"])
+def test_rows_gathered_from_their_tokens_equal_the_rows_given(with_shared):
+    """`row_tokens`: x holds the T tokens and the kernel gathers each routed row's token as it loads it (no [M, D]
+    rows made between the route and the experts) -> the same rows as x[row_tokens] given as rows; the shared
+    experts then read the T tokens themselves. The rows past the groups (a buffer's spare rows: their tokens out of
+    range here) come back 0. Catches a row tile reading its rows as they are instead of their tokens and the shared
+    programs reading routed rows; a bad argument is one line."""
+    sizes = [0, 3, 0, 0, 17, 0, 1, 0]
+    rng = np.random.default_rng(5)
+    T, M = 7, sum(sizes)
+    x_TD = jnp.asarray(rng.standard_normal((T, 64)), jnp.bfloat16)
+    _, gs, g, u, d = _problem(sizes)
+    tokens = jnp.asarray(np.concatenate([rng.integers(0, T, M), [10**6, -(10**6), 10**6]]), jnp.int32)
+    kw, given = {}, {}
+    if with_shared:
+        sh = [jnp.asarray(rng.standard_normal(s) / 8, jnp.bfloat16) for s in ((64, 128), (64, 128), (128, 64))]
+        kw, given = dict(shared=SharedExperts(*sh)), dict(shared=SharedExperts(*sh), x_shared_TD=x_TD)
+    rows = x_TD[jnp.clip(tokens, 0, T - 1)]
+    want = moe_decode(rows, gs, g, u, d, config=SMALL, impl="interpret", **given)
+    got = moe_decode(x_TD, gs, g, u, d, config=SMALL, impl="interpret", row_tokens=tokens, **kw)
+    chex.assert_trees_all_equal(got, want)
+    ref = moe_decode(x_TD, gs, g, u, d, config=SMALL, impl="reference", row_tokens=jnp.clip(tokens, 0, T - 1), **kw)
+    chex.assert_trees_all_close(got, ref, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match=r"^row_tokens must be int \[M\], got float32 \(2, 3\)$"):
+        moe_decode(x_TD, gs, g, u, d, config=SMALL, impl="interpret", row_tokens=jnp.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"^moe_decode: with row_tokens the shared experts read x's tokens"):
+        moe_decode(x_TD, gs, g, u, d, config=SMALL, impl="interpret", row_tokens=tokens, x_shared_TD=x_TD)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend
@@ -236,6 +237,7 @@ def moe_decode(
     x_shared_TD=None,
     group_starts_E=None,
     expert_programs=None,
+    row_tokens=None,
 ):
     """The routed experts of sorted assignment rows -> f32 [M, D]; with `shared`, also the shared experts of the
     tokens -> (f32 [M, D], f32 [T, D]).
@@ -261,11 +263,22 @@ def moe_decode(
         (`pallas_kernels.moe_route`'s): A · (I / block_i) gate/up programs instead of E · (I / block_i), none
         of them idle at B = 1 (a program of size 0 returns). None: one program per expert, its rows from
         group_sizes / group_starts. Not checked against group_sizes.
+      row_tokens: int [M] or None. Given, x_MD holds the T tokens [T, D] and row r is token row_tokens[r] (the
+        kernel gathers it as it loads it: no [M, D] rows are made), and the shared experts read the T tokens
+        (`x_shared_TD` then None). Tokens past the rows the groups cover may be anything in [0, T).
     Fast while every expert has at most 16 rows (weights read once); correct for any sizes. The shared programs
     read their weights once per 16 tokens. (`moe_decode_fp8` takes no shared experts.)
     """
     config = default_config(x_MD.shape[-1], gate_EDI.shape[-1]) if config is None else config
-    _validate(x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, config, shared, x_shared_TD)
+    x_rows = x_MD
+    if row_tokens is not None:
+        if jnp.ndim(row_tokens) != 1 or not jnp.issubdtype(jnp.result_type(row_tokens), jnp.integer):
+            raise ValueError(f"row_tokens must be int [M], got {jnp.result_type(row_tokens)} {jnp.shape(row_tokens)}")
+        if x_shared_TD is not None:
+            raise ValueError("moe_decode: with row_tokens the shared experts read x's tokens; x_shared_TD must be None")
+        x_rows = jax.ShapeDtypeStruct((jnp.shape(row_tokens)[0], x_MD.shape[-1]), x_MD.dtype)  # what is checked
+        x_shared_TD = x_MD if shared is not None else None
+    _validate(x_rows, group_sizes_E, gate_EDI, up_EDI, down_EID, config, shared, x_shared_TD)
     if expert_programs is not None:
         A = jnp.shape(expert_programs[0])[0]
         if len(expert_programs) != 3 or any(jnp.shape(a) != (A,) for a in expert_programs):
@@ -275,8 +288,9 @@ def moe_decode(
             )
     impl = backend.resolve(impl)
     if impl == "reference":
+        x_rows = x_MD if row_tokens is None else x_MD[row_tokens]
         return moe_decode_reference(
-            x_MD, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset, shared=shared, x_shared_TD=x_shared_TD
+            x_rows, group_sizes_E, gate_EDI, up_EDI, down_EID, expert_offset, shared=shared, x_shared_TD=x_shared_TD
         )
     return _moe_decode_kernel(
         x_MD,
@@ -292,6 +306,7 @@ def moe_decode(
         x_shared_TD=x_shared_TD,
         group_starts_E=group_starts_E,
         expert_programs=expert_programs,
+        row_tokens=row_tokens,
     )
 
 

@@ -45,21 +45,27 @@ def _gate_up_rows(
     D,
     convert,
     out_start=None,
+    rows_of=None,
 ):
     """h[out_start + r, c0 : c0 + block_i] = silu(x[start + r]·W_gate[w]) * (x[start + r]·W_up[w]) over those
     columns for r < n (out_start None: start), 16 rows at a time (rows past n neither read nor written); `w` the
-    weights' leading index (expert or layer)."""
+    weights' leading index (expert or layer). `rows_of` (None: x's rows as they are): the x rows of rows
+    [r0, r0 + 16), int [16] (gathered in the loads)."""
     cols = pl.ds(c0, block_i)
     out_start = start if out_start is None else out_start
 
     def row_tile(t, carry):
         r0 = start + t * ROW_TILE
         rmask = (r0 + jnp.arange(ROW_TILE) < start + n)[:, None]
+        rows = None if rows_of is None else rows_of(r0)[:, None]
 
         def chunk(k, accs):
             acc_g, acc_u = accs
             d = pl.ds(k * block_d, block_d)
-            x = plt.load(x_ref.at[pl.ds(r0, ROW_TILE), d], mask=rmask, other=0.0)  # [R, block_d]
+            if rows is None:
+                x = plt.load(x_ref.at[pl.ds(r0, ROW_TILE), d], mask=rmask, other=0.0)  # [R, block_d]
+            else:
+                x = plt.load(x_ref.at[rows, k * block_d + jnp.arange(block_d)[None, :]], mask=rmask, other=0.0)
             acc_g += _product(x, wg_ref, sg_ref, w, k * block_d, block_d, c0, block_i, convert)
             acc_u += _product(x, wu_ref, su_ref, w, k * block_d, block_d, c0, block_i, convert)
             return acc_g, acc_u
@@ -77,13 +83,17 @@ def _gate_up_rows(
 
 
 def _gate_up_kernel(
-    expert_ref, start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d, D, convert, row_scaled, shared
+    expert_ref, start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d, D, convert, row_scaled, shared, gather
 ):
     """``row_scaled``: x holds rows scaled into f16 and the next ref their factors [rows, 1], which multiply the
     fp32 products before the SiLU. ``expert_ref``, ``start_ref``, ``size_ref``: each routed program's expert and rows.
     ``shared`` (None, or (A, I, T, M)): the last three inputs are the shared experts'
     layer [1], gate and up [L, D, S], their T token rows are x's rows [M, M + T), and the last output is their
-    h [T', S]; programs A + h of axis 0 compute its columns [h·I, (h+1)·I)."""
+    h [T', S]; programs A + h of axis 0 compute its columns [h·I, (h+1)·I). ``gather``: x is the T tokens [T, D] and
+    the next ref the token of each routed row [M] (the shared programs read the T tokens as they are)."""
+    tok_ref = None
+    if gather:
+        tok_ref, *refs = refs
     if shared is not None:
         *refs, layer_ref, wgs_ref, wus_ref, h_ref, hs_ref = refs
         refs = (*refs, h_ref)
@@ -96,11 +106,26 @@ def _gate_up_kernel(
         wg_ref, wu_ref, sg_ref, su_ref, h_ref = refs
     p, j = pl.program_id(0), pl.program_id(1)
     kw = dict(block_i=block_i, block_d=block_d, D=D, convert=convert)
+    routed_rows = shared_rows = None
+    if gather:  # a routed row's token (its 16 scalars loaded once a row tile); a shared row r is token r
+        last, T_x = tok_ref.shape[0] - 1, x_ref.shape[0]
+        lanes = jnp.arange(ROW_TILE)
+
+        def routed_rows(r0):
+            tokens = jnp.zeros((ROW_TILE,), jnp.int32)
+            for i in range(ROW_TILE):  # rows past the last are masked: any token will do
+                tokens = jnp.where(lanes == i, tok_ref[jnp.minimum(r0 + i, last)], tokens)
+            return tokens
+
+        def shared_rows(r0):
+            return jnp.minimum(r0 - M + lanes, T_x - 1)
 
     def routed():
         e = off_ref[0] + expert_ref[p]  # the expert's index in the weights (a layer stack, flattened)
         start, n = start_ref[p], size_ref[p]
-        _gate_up_rows(x_ref, wg_ref, wu_ref, sg_ref, su_ref, rf_ref, h_ref, e, start, n, j * block_i, **kw)
+        _gate_up_rows(
+            x_ref, wg_ref, wu_ref, sg_ref, su_ref, rf_ref, h_ref, e, start, n, j * block_i, **kw, rows_of=routed_rows
+        )
 
     if shared is None:
         routed()
@@ -111,7 +136,10 @@ def _gate_up_kernel(
     @pl.when(p >= A)
     def _():
         c0 = (p - A) * I + j * block_i
-        _gate_up_rows(x_ref, wgs_ref, wus_ref, None, None, None, hs_ref, layer_ref[0], M, T, c0, **kw, out_start=0)
+        layer = layer_ref[0]
+        _gate_up_rows(
+            x_ref, wgs_ref, wus_ref, None, None, None, hs_ref, layer, M, T, c0, **kw, out_start=0, rows_of=shared_rows
+        )
 
 
 def _down_rows(h_ref, wd_ref, sd_ref, y_ref, w, start, n, out_start, k_base, c0, *, block_o, block_k, I, convert):
@@ -180,11 +208,15 @@ def _moe_decode_kernel(
     x_shared_TD=None,
     group_starts_E=None,
     expert_programs=None,
+    row_tokens=None,
 ):
     """The two pallas_calls. bf16 experts: gate/up [E', D, I], down [E', I, D], `scales` None; FP8 experts:
     gate/up [E', I, D], down [E', D, I] e4m3 and `scales` (gate, up, down). `shared` (bf16 experts only): the
-    shared experts run as S / I more programs of each grid -> (y [M, D], y_shared [T, D]), both f32."""
-    M, D = x_MD.shape
+    shared experts run as S / I more programs of each grid -> (y [M, D], y_shared [T, D]), both f32. `row_tokens`
+    (bf16 experts only): x_MD is the T tokens, row r is token row_tokens[r] (M rows), the shared experts' rows
+    the tokens themselves."""
+    gather = row_tokens is not None
+    M, D = (row_tokens.shape[0], x_MD.shape[1]) if gather else x_MD.shape
     E = group_sizes_E.shape[0]
     fp8 = scales is not None
     I = gate.shape[1] if fp8 else gate.shape[2]
@@ -218,22 +250,25 @@ def _moe_decode_kernel(
     if shared is not None:
         if fp8:
             raise ValueError("moe_decode_fp8 does not take shared experts")
-        T = x_shared_TD.shape[0]
+        T = x_MD.shape[0] if gather else x_shared_TD.shape[0]
         Tp = pl.cdiv(T, ROW_TILE) * ROW_TILE  # whole row tiles: no tile reads past the buffer
         ws = [w.astype(dt) for w in (shared.gate_LDS, shared.up_LDS, shared.down_LSD)]
         ws = [w[None] if w.ndim == 2 else w for w in ws]  # one layer: a stack of one (a free reshape)
         S = ws[0].shape[-1]
         layer = jnp.reshape(jnp.asarray(shared.layer if shared.gate_LDS.ndim == 3 else 0, jnp.int32), (1,))
         n_programs += S // I
-        # the tokens' rows after the routed rows, in one array: one XLA fusion writes both (their norm, at B = 1 the
-        # routed rows' broadcast of the token), where two arrays were two
-        x = jnp.concatenate([x, x_shared_TD])
+        if not gather:
+            # the tokens' rows after the routed rows, in one array: one XLA fusion writes both (their norm, at B = 1
+            # the routed rows' broadcast of the token), where two arrays were two
+            x = jnp.concatenate([x, x_shared_TD])
         gate_up = (*gate_up, layer, ws[0], ws[1])
         gu_out.append(jax.ShapeDtypeStruct((Tp, S), dt))
         down_out.append(jax.ShapeDtypeStruct((S // I * Tp, D), jnp.float32))
         gu_shared, down_shared = (A, I, T, M), (A, T, Tp)
-    # The row tiles may read past the last row (masked); pad so that no address leaves the buffers.
-    x = jnp.pad(x, ((0, ROW_TILE), (0, 0)))
+    if gather:  # the kernel gathers each row's token in its loads: no [M, D] rows made for it
+        x = (x, row_tokens.astype(jnp.int32))
+    else:  # the row tiles may read past the last row (masked); pad so that no address leaves the buffers
+        x = (jnp.pad(x, ((0, ROW_TILE), (0, 0))),)
     name = "moe_decode_fp8" if fp8 else "moe_decode"
     h = pl.pallas_call(
         functools.partial(
@@ -244,13 +279,14 @@ def _moe_decode_kernel(
             convert=convert,
             row_scaled=row_scaled,
             shared=gu_shared,
+            gather=gather,
         ),
         out_shape=tuple(gu_out) if shared is not None else gu_out[0],
         grid=(n_programs, I // config.block_i),
         compiler_params=params,
         interpret=interpret,
         name=name + "_gate_up",
-    )(*programs, off, x, *gate_up)
+    )(*programs, off, *x, *gate_up)
     if shared is not None:
         h, h_shared = h
         down_w = (*down_w, layer, h_shared, ws[2])
