@@ -127,6 +127,31 @@ def test_gpu_kernel_matches_reference_at_v2_lite_widths(tokens):
     assert not np.asarray(got[int(sizes.sum()) :]).any()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", gpu_full([1, 16], (1,)))
+def test_gpu_rows_gathered_from_their_tokens_equal_the_rows_given(tokens):
+    """The compiled kernel at V2-Lite's widths with `row_tokens` (each row's token gathered in the loads, the shared
+    experts reading the tokens, a spare row's token out of range and never read) against the same rows given."""
+    from pallas_kernels.backend import on_hopper
+
+    if not on_hopper():
+        pytest.skip("needs a Hopper GPU")
+    rng = np.random.default_rng(tokens)
+    E, K = 64, 6
+    picks = np.concatenate([rng.choice(E, K, replace=False) for _ in range(tokens)])
+    order = np.argsort(picks, kind="stable")
+    sizes = np.bincount(picks, minlength=E)
+    _, gs, g, u, d = _problem(sizes.tolist(), D=2048, I=1408, pad=0)
+    x_TD = jnp.asarray(rng.standard_normal((tokens, 2048)), jnp.bfloat16)
+    row_tokens = jnp.asarray(np.concatenate([order // K, [10**6] * 3]), jnp.int32)
+    sh = [jnp.asarray(rng.standard_normal(s) / 40, jnp.bfloat16) for s in ((2048, 2816), (2048, 2816), (2816, 2048))]
+    shared = SharedExperts(*sh)
+    got = jax.jit(lambda *a: moe_decode(*a, impl="kernel", shared=shared, row_tokens=row_tokens))(x_TD, gs, g, u, d)
+    rows = x_TD[jnp.clip(row_tokens, 0, tokens - 1)]
+    want = jax.jit(lambda *a: moe_decode(*a, impl="kernel", shared=shared, x_shared_TD=x_TD))(rows, gs, g, u, d)
+    chex.assert_trees_all_equal(got, want)
+
+
 def test_engine_with_the_decode_experts_reads_each_layer_out_of_the_stack():
     """moe_impl="decode" (the kernel's reference on CPU) makes the cached forward hand the MoE the
     whole [L, E, ...] expert stack with a layer offset instead of a per-layer slice: a wrong offset
