@@ -90,7 +90,7 @@ def _stack_of_one(layer):
     return nnx.merge(graphdef, jax.tree.map(lambda v: v[None], state))
 
 
-def _GATE_WEIGHTS(path, value) -> bool:
+def _gate_weights(path, value) -> bool:
     """The weights `pallas_kernels.moe_gate` reads: the post-attention norm's and the router's."""
     return tuple(path[-2:]) == ("post_attention_layernorm", "weight") or tuple(path[-3:]) == ("mlp", "gate", "kernel")
 
@@ -141,7 +141,7 @@ def _scan_layers(
     if proj_impl is not None:
         constant = nnx.Any(constant, stacked_filter(rows))
         if stack.is_moe and stack.mlp.gates_by_kernel(rows):  # `moe_gate` reads its layer's norm and router in place
-            constant = nnx.Any(constant, _GATE_WEIGHTS)
+            constant = nnx.Any(constant, _gate_weights)
     graphdef, whole_state, state = nnx.split(stack, constant, ...)
     n = jax.tree.leaves(state)[0].shape[0]
     # The per-layer scalars (the stack index, its experts' offset, the cache's pool) computed here for every layer,
