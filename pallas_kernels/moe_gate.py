@@ -31,20 +31,22 @@ from jax import lax
 from pallas_kernels import backend
 from pallas_kernels.stacked_matmul import Partials, rms_norm
 
-MAX_ROWS = 16  # the rows (T) a call serves: each is a load of its own (a decode step of B <= 16, a verify step's)
+MAX_ROWS = 32  # the rows (T) a call serves: each is a load of its own (a decode step of B <= 32, a verify step's)
 BLOCK_E = 16  # router columns a program computes (fewer experts: all of them)
-PRODUCT = 4096  # elements of a program's chunk product [block_d, block_e]: block_d = PRODUCT / block_e
+PRODUCT = 4096  # elements of a program's chunk product [block_d, block_e]: block_d = PRODUCT / block_e up to 8 rows
 _F32 = jnp.float32
 
 
-def _blocks(D: int, E: int) -> tuple[int, int]:
+def _blocks(T: int, D: int, E: int) -> tuple[int, int]:
+    """(block_d, block_e): the chunk narrows past 8 rows, whose chunks a program holds at once."""
     block_e = min(BLOCK_E, E)
-    return min(D, PRODUCT // block_e), block_e
+    tiles = 1 << max(0, (T + 7) // 8 - 1).bit_length()  # eight rows a tile, to a power of two
+    return min(D, PRODUCT // block_e // tiles), block_e
 
 
 def moe_gate_problems(T: int, D: int, E: int) -> list[str]:
     """Why `moe_gate`'s kernel cannot serve T rows of width D into E experts (empty when it can)."""
-    block_d, block_e = _blocks(D, E)
+    block_d, block_e = _blocks(T, D, E)
     out = []
     if not 1 <= T <= MAX_ROWS:
         out.append(f"T = {T} rows: the kernel loads 1 to {MAX_ROWS} rows, a load each")
@@ -151,7 +153,7 @@ def moe_gate(x_TD, attn, norm_weight, router, layer=None, *, eps: float, dtype=N
     dtype = jnp.dtype(dtype or x_TD.dtype)
     if impl == "reference":
         return moe_gate_reference(x_TD, attn, norm_weight, router, layer, eps=eps, dtype=dtype)
-    block_d, block_e = _blocks(D, E)
+    block_d, block_e = _blocks(T, D, E)
     S = rows.shape[0] if parts else 0
     a = rows if parts else rows.reshape(T, D)
     layer = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
