@@ -76,6 +76,7 @@ def _kernel(layer_ref, x_ref, a_ref, w_ref, r_ref, h_ref, y_ref, l_ref, *, T, D,
     weight [D] or [L, D]; the router [D, E] or [L, D, E] fp32; out h, y [T, D] and the logits [T, E]."""
     j = pl.program_id(0)
     layer = layer_ref[0]
+    weighted = jnp.result_type(w_ref.dtype, x_ref.dtype)
     cols = pl.ds(pl.multiple_of(j * block_e, block_e), block_e)
 
     def rows_h(k):
@@ -102,8 +103,9 @@ def _kernel(layer_ref, x_ref, a_ref, w_ref, r_ref, h_ref, y_ref, l_ref, *, T, D,
         d, hs = rows_h(k)
         w = plt.load(w_ref.at[d] if len(w_ref.shape) == 1 else w_ref.at[layer, d]).astype(_F32)
         r = plt.load(r_ref.at[d, cols] if len(r_ref.shape) == 2 else r_ref.at[layer, d, cols])  # [block_d, block_e]
-        ys = [
-            (w * (h.astype(_F32) * c).astype(x_ref.dtype).astype(_F32)).astype(y_ref.dtype) for h, c in zip(hs, scales)
+        ys = [  # `rms_norm`'s: the normalised row in x's dtype, times the weight in their promoted dtype
+            (w * (h.astype(_F32) * c).astype(x_ref.dtype).astype(_F32)).astype(weighted).astype(y_ref.dtype)
+            for h, c in zip(hs, scales)
         ]
 
         @pl.when(j == 0)

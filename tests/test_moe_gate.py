@@ -66,14 +66,16 @@ def test_interpret_equals_reference(T, D, E, S, weight_dtype):
     assert not np.allclose(np.asarray(got[2]), np.asarray(other[2]), atol=1e-3)
 
 
-def test_one_layer_and_y_in_another_dtype():
+@pytest.mark.parametrize("weight_dtype", [jnp.float32, jnp.bfloat16])
+def test_one_layer_and_y_in_another_dtype(weight_dtype):
     """Unstacked weights ([D], [D, E]) take no layer, and y comes in the `dtype` asked (fp32 here, the MoE's own
-    dtype), its values the bf16 norm's (`rms_norm` casts to x's dtype before the weight)."""
-    x, attn, w, r = _inputs(2, 128, 16, 2)
+    dtype), its values `rms_norm`'s: the bf16 normalised row times the weight in their promoted dtype (a bf16 weight's
+    product rounded to bf16 before the cast to fp32; catches the product left in fp32)."""
+    x, attn, w, r = _inputs(2, 128, 16, 2, weight_dtype=weight_dtype)
     got = moe_gate(x, attn, w[0], r[0], eps=EPS, dtype=jnp.float32, impl="interpret")
     want = moe_gate_reference(x, attn, w[0], r[0], eps=EPS, dtype=jnp.float32)
     assert got[1].dtype == jnp.float32
-    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_what_it_cannot_serve_is_one_line_each():
