@@ -35,13 +35,14 @@ from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cu
 from mla_jax import fp8_weights, initializers
 from mla_jax.cache_paths import cached_path, kernel_seq_lens
 from mla_jax.config import ModelConfig
+from mla_jax.kv_cache import UnfinishedLatent
 from mla_jax.linear import Normed, Stacked, project, project_many
 from mla_jax.norm import RMSNorm
-from mla_jax.rope import apply_rope, rope_cos_sin
+from mla_jax.rope import apply_rope, rope_cos_sin, rope_frequencies
 from pallas_kernels import backend, flash_attention, flash_attention_prefill, mla_decode
 from pallas_kernels.flash_attention import CTA_ROWS
 from pallas_kernels.head_matmul import stacked_head_matmul, stacked_head_matmul_problems
-from pallas_kernels.stacked_matmul import Partials
+from pallas_kernels.stacked_matmul import ANY_ROWS, Partials
 
 _F32 = jnp.float32
 
@@ -407,13 +408,13 @@ class MLA(nnx.Module):
         """The input's query projection and its keep_splits: `wq` as asked, or `wq_a` (its `Partials` go to wq_b)."""
         return (self.wq, keep_splits) if self.cfg.q_lora_rank is None else (self.wq_a, True)
 
-    def project_q_kv(
-        self, x_BTD: jax.Array, positions_BT: jax.Array, stacked: Stacked | None = None, *, keep_splits: bool = False
-    ) -> tuple[tuple[jax.Array | Partials, jax.Array], jax.Array]:
-        """(`project_q`, `project_kv`): wq or wq_a, and wkv_a, in one stacked launch where it serves both."""
-        (lin, keep), apart = self._q_first(keep_splits), stacked is not None
-        q, kv = project_many((lin, self.wkv_a), x_BTD, stacked, keep_splits=(keep, False))
-        return self._query_from(q, positions_BT, stacked, keep_splits), self._latent_from(kv, positions_BT, apart)
+    def project_q_kv(self, x_BTD, positions_BT, stacked: Stacked | None = None, *, keep_splits=False, unfinished=False):
+        """(`project_q`, `project_kv`): wq or wq_a, and wkv_a, in one stacked launch where it serves both; the latent
+        an `UnfinishedLatent` (``unfinished``, wkv_a's partials kept) for a cache that `finishes_latents`."""
+        lin, keep = self._q_first(keep_splits)
+        q, kv = project_many((lin, self.wkv_a), x_BTD, stacked, keep_splits=(keep, unfinished and ANY_ROWS))
+        latent = self._latent_from(kv, positions_BT, stacked, unfinished)
+        return self._query_from(q, positions_BT, stacked, keep_splits), latent
 
     def _query_from(self, q, positions_BT, stacked, keep_splits):
         """`project_q` from the first projection's result (`wq`'s, or `wq_a`'s, through q_norm and `wq_b`)."""
@@ -430,16 +431,14 @@ class MLA(nnx.Module):
 
     def project_kv(self, x_BTD: jax.Array, positions_BT: jax.Array, stacked: Stacked | None = None) -> jax.Array:
         """-> the cached latent [B,T,L+R] = [kv_norm(c_kv) ; rope(k_pe)]."""
-        return self._latent_from(project(self.wkv_a, x_BTD, stacked), positions_BT)
+        return self._latent_from(project(self.wkv_a, x_BTD, stacked), positions_BT, stacked)
 
-    def _latent_from(self, kv: jax.Array, positions_BT: jax.Array, weight_apart: bool = False) -> jax.Array:
-        """`project_kv` from `wkv_a`'s result (``weight_apart``: kv_norm's, `mla_jax.norm.RMSNorm`)."""
-        cfg = self.cfg
-        c_BTL, k_pe_BTR = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
-        cos, sin = rope_cos_sin(cfg, positions_BT)
-        k_pe_BTR = apply_rope(k_pe_BTR, cos, sin, interleave=cfg.rope_interleave)
-        c_BTL = self.kv_norm(c_BTL, weight_apart=weight_apart)
-        return jnp.concatenate([c_BTL.astype(k_pe_BTR.dtype), k_pe_BTR], axis=-1)
+    def _latent_from(self, kv, positions_BT, stacked: Stacked | None = None, unfinished: bool = False):
+        """`project_kv` from `wkv_a`'s result, or (``unfinished``) that result with the norm and RoPE to apply.
+        kv_norm's weight is the layer's [K], or (a call whose cache `finishes_latents`) the stack's whole [L, K]."""
+        w, rope = self.kv_norm.weight[...], rope_frequencies(self.cfg) + (self.cfg.rope_interleave,)
+        latent = UnfinishedLatent(kv, w, None if w.ndim == 1 else stacked.index, self.kv_norm.eps, positions_BT, *rope)
+        return latent if unfinished else latent.finish(weight_apart=stacked is not None)
 
     def _wkv_b_stack(self, stacked: Stacked | None, M: int, K: int, N: int, contract_rows: bool):
         """wkv_b's whole stack [L, R, H·(N+V)] when this call reads it in place with `stacked_head_matmul` (per-head
@@ -565,18 +564,19 @@ class MLA(nnx.Module):
         """Write this step's latents into the cache, then attend over it -> (out [B,T,D], cache) (`keep_splits`: see
         `output_from_latent`)."""
         cfg = self.cfg
-        T = x_BTD.shape[1]
         rope_pos = jnp.maximum(positions_BT, 0)  # padding rows get any valid rope position; never seen
-        path = self.cached_path(T, cache)
-        # the decode kernel's query: W_UK reads q_nope from the last projection's partials (`absorb_query`)
-        (q_nope, q_pe), latent = self.project_q_kv(x_BTD, rope_pos, stacked, keep_splits=path == "decode_kernel")
+        path = self.cached_path(x_BTD.shape[1], cache)
+        # The decode kernel's query: W_UK reads q_nope from the last projection's partials (`absorb_query`). A decode-
+        # sized call of a scanned stack: the latent's norm and RoPE in the page write's kernel, where it serves.
+        unfinished = stacked is not None and cache.finishes_latents(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        kw = dict(keep_splits=path == "decode_kernel", unfinished=unfinished)
+        (q_nope, q_pe), latent = self.project_q_kv(x_BTD, rope_pos, stacked, **kw)
         cache = cache.write(latent, positions_BT)
         if path == "decode_kernel":
             # bf16 queries: the pages' own dtype, or what fp8 pages dequantise to in the kernel
-            q_BTHC = self.absorb_query(q_nope, q_pe, stacked).astype(
-                jnp.bfloat16 if cache.quantized else cache.pages.dtype
-            )
-            merged = T * x_BTD.shape[0] == 1 and cache.data_parallel is None  # W_UV's kernel merges the splits
+            q_dtype = jnp.bfloat16 if cache.quantized else cache.pages.dtype
+            q_BTHC = self.absorb_query(q_nope, q_pe, stacked).astype(q_dtype)
+            merged = x_BTD.shape[:2] == (1, 1) and cache.data_parallel is None  # W_UV's kernel merges the splits
             merged = merged and self._wkv_b_stack(stacked, 1, cfg.kv_lora_rank, cfg.v_head_dim, True) is not None
 
             def decode(pages, table, page_offset, q, seq_lens):  # the whole pool, or a data rank's (map_pages)

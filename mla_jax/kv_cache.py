@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ from jax.sharding import PartitionSpec
 
 from pallas_kernels import paged_gather, paged_gather_problems
 from pallas_kernels.backend import RESOLVED as BACKENDS  # "kernel" | "interpret" | "reference"
+from pallas_kernels.latent_write import latent_rows_reference, latent_write, latent_write_problems
 from pallas_kernels.mla_decode.config import checked_config
 from pallas_kernels.page_format import PageFormat, page_format_of, resolve_page_format
 
@@ -55,6 +57,36 @@ INTERPRET_ON_DATA_RANKS = (
     "the Pallas interpreter cannot run a kernel on several devices at once (jax 0.11.2); "
     "use 'kernel' on GPUs or 'reference'"
 )
+
+
+class UnfinishedLatent(NamedTuple):
+    """wkv_a's rows [B, T, K + R] (or their split-K `Partials`) with the latent's RMSNorm and the key's RoPE still to
+    apply: what `MLA` hands `KVCache.write` where the cache writes them through `pallas_kernels.latent_write`
+    (`KVCache.finishes_latents`), which sums, normalises, rotates and writes in one launch (XLA's partials sum, norm
+    reduction and page update were three a layer). `norm_weight` [K] is kv_norm's weight, or a scanned stack's whole
+    [L, K] with `norm_layer` the layer; `positions` [B, T] the rotation's (non-negative), `inv_freq` [R/2] and
+    `rope_scale` its frequencies and factor (`mla_jax.rope`); `finish` the rows the kernel writes, in plain jnp."""
+
+    kv: object
+    norm_weight: jax.Array
+    norm_layer: jax.Array | None
+    eps: float
+    positions: jax.Array
+    inv_freq: np.ndarray
+    rope_scale: float
+    interleave: bool
+
+    @property
+    def widths(self) -> tuple[int, int]:
+        """(K, R): the latent's and the rotary key's columns."""
+        R = 2 * len(self.inv_freq)
+        return self.kv.shape[-1] - R, R
+
+    def finish(self, weight_apart: bool = False) -> jax.Array:
+        """The latents [B, T, K + R] = [kv_norm(c) ; rope(k_pe)] in kv's dtype (``weight_apart``: `rms_norm`'s)."""
+        kw = dict(eps=self.eps, interleave=self.interleave, rope_scale=self.rope_scale, norm_layer=self.norm_layer)
+        args = (self.kv, self.norm_weight, self.positions, self.inv_freq)
+        return latent_rows_reference(*args, weight_apart=weight_apart, **kw)
 
 
 class CacheFullError(RuntimeError):
@@ -499,9 +531,37 @@ class KVCache:
         """Whether the pages hold a quantized format (their rows are bytes, not values)."""
         return self.page_format.quantized
 
-    def write(self, latent_BTC: jax.Array, positions_BT: jax.Array) -> "KVCache":
+    def finishes_latents(self, kv_lora_rank: int, rope_dim: int) -> bool:
+        """Whether `write` takes an `UnfinishedLatent` of these widths and finishes it in `pallas_kernels.latent_write`
+        as it writes: a kernel backend, pages of values (not encoded) that the kernel serves, one pool for all."""
+        if self.impl == "reference" or self.quantized or self.data_parallel is not None:
+            return False
+        return not latent_write_problems(self.pages.dtype, kv_lora_rank, rope_dim)
+
+    def write(self, latent_BTC, positions_BT: jax.Array) -> "KVCache":
         """Scatter this step's latents [B,T,C] into this layer's pages (padding, position < 0, dropped),
-        encoded in the cache's page format (fp8 / fp4: quantised here, inside the step)."""
+        encoded in the cache's page format (fp8 / fp4: quantised here, inside the step); an `UnfinishedLatent`
+        (where `finishes_latents`) normalised, rotated and written by one kernel."""
+        if isinstance(latent_BTC, UnfinishedLatent):
+            u = latent_BTC
+            if not self.finishes_latents(*u.widths):
+                latent_BTC = u.finish()
+            else:
+                pages = latent_write(
+                    self.pages,
+                    u.kv,
+                    positions_BT,
+                    self.block_table,
+                    u.norm_weight,
+                    u.inv_freq,
+                    eps=u.eps,
+                    interleave=u.interleave,
+                    rope_scale=u.rope_scale,
+                    layer=self.layer,
+                    norm_layer=u.norm_layer,
+                    impl=self.impl,
+                )
+                return dataclasses.replace(self, pages=pages)
         rows = self.page_format.encode(latent_BTC) if self.quantized else latent_BTC
         write = self._per_rank(_write_pool, batch_args=3, pool_out=True)
         return dataclasses.replace(self, pages=write(self.pages, rows, positions_BT, self.block_table, self.layer))

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_jax.config import ModelConfig, yarn_get_mscale
+from pallas_kernels.latent_write import rotate, rotation
 
 
 def _correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -> float:
@@ -60,29 +61,17 @@ def attention_factor(cfg: ModelConfig) -> float:
     return yarn_get_mscale(cfg.rope_factor)
 
 
+def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """(inv_frequencies, attention_factor): what `rotation` turns positions into cos / sin with."""
+    return inv_frequencies(cfg), attention_factor(cfg)
+
+
 def rope_cos_sin(cfg: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """cos, sin float32 [..., R/2] for integer `positions` [...]."""
-    freqs = jnp.asarray(inv_frequencies(cfg))
-    angles = positions.astype(jnp.float32)[..., None] * freqs  # (..., R/2)
-    scale = attention_factor(cfg)
-    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    """cos, sin float32 [..., R/2] for integer `positions` [...] (`pallas_kernels.latent_write.rotation`)."""
+    return rotation(positions, *rope_frequencies(cfg))
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, *, interleave: bool = True) -> jnp.ndarray:
-    """Rotate the last axis of `x` [B, T, ..., R] by cos/sin [B, T, R/2] (broadcast over the middle axes).
-
-    The rotation is computed in fp32 and cast back to x.dtype.
-    """
-    extra = x.ndim - cos.ndim
-    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:])
-    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:])
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    if interleave:
-        pairs = xf.reshape(x.shape[:-1] + (half, 2))  # (..., R/2, 2)
-        re, im = pairs[..., 0], pairs[..., 1]
-        out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1).reshape(x.shape)
-    else:
-        re, im = xf[..., :half], xf[..., half:]
-        out = jnp.concatenate([re * cos - im * sin, re * sin + im * cos], axis=-1)
-    return out.astype(x.dtype)
+    """Rotate the last axis of `x` [B, T, ..., R] by cos/sin [B, T, R/2] (broadcast over the middle axes), in fp32,
+    cast back to x.dtype: `pallas_kernels.latent_write.rotate`, the formula the latent's page-writing kernel uses."""
+    return rotate(x, cos, sin, interleave=interleave)

@@ -95,6 +95,11 @@ def _gate_weights(path, value) -> bool:
     return tuple(path[-2:]) == ("post_attention_layernorm", "weight") or tuple(path[-3:]) == ("mlp", "gate", "kernel")
 
 
+def _latent_norm_weight(path, value) -> bool:
+    """The weight `pallas_kernels.latent_write` reads: kv_norm's."""
+    return tuple(path[-2:]) == ("kv_norm", "weight")
+
+
 def _scan_layers(
     stack,
     h_BTD,
@@ -122,7 +127,8 @@ def _scan_layers(
     of the layer fed to the chunks' loop may be copied (11 GB of e4m3 a V3 layer). The same holds for
     the layer's projections (`mla_jax.linear`): a decode-sized cached call on a kernel backend passes
     them whole and `pallas_kernels.stacked_matmul` reads each layer's weights in place; and for the
-    post-attention norm's weight and the router where `pallas_kernels.moe_gate` reads them (`MoE.gates_by_kernel`).
+    post-attention norm's weight and the router where `pallas_kernels.moe_gate` reads them (`MoE.gates_by_kernel`), and
+    for kv_norm's where `pallas_kernels.latent_write` does (`MLA.finishes_latents`).
 
     `remat` (REMAT_POLICIES, training only; a cached call must leave it "none") wraps the layer body in
     `jax.checkpoint` with that policy, so the backward of the scan keeps per layer only what the policy
@@ -142,8 +148,11 @@ def _scan_layers(
         constant = nnx.Any(constant, stacked_filter(rows))
         if stack.is_moe and stack.mlp.gates_by_kernel(rows):  # `moe_gate` reads its layer's norm and router in place
             constant = nnx.Any(constant, _gate_weights)
+        if cache.finishes_latents(stack.self_attn.cfg.kv_lora_rank, stack.self_attn.cfg.qk_rope_head_dim):
+            # `latent_write` reads kv_norm's in place (`MLA.cached_attention`)
+            constant = nnx.Any(constant, _latent_norm_weight)
     graphdef, whole_state, state = nnx.split(stack, constant, ...)
-    n = jax.tree.leaves(state)[0].shape[0]
+    n = jax.tree.leaves((state, whole_state))[0].shape[0]  # every weight is stacked [n, ...] (the state may be empty)
     # The per-layer scalars (the stack index, its experts' offset, the cache's pool) computed here for every layer,
     # one int32 row a layer that the scan slices in one kernel launch: computed in the body, each was a launch of
     # its own (scalar arithmetic that feeds kernels, which XLA cannot fuse into them).

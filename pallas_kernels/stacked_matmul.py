@@ -54,6 +54,7 @@ from pallas_kernels import backend
 
 MAX_ROWS = 128  # a decode step's rows (B·T) this kernel is for; larger calls are a GEMM's business
 FEW_ROWS = 16  # rows below this (the smallest tensor-core M) are read as they are, a row a load
+ANY_ROWS = "any_rows"  # keep_splits: `Partials` at any number of rows (for a consumer that sums a row's as it loads it)
 NORM_ROWS = 4  # rows up to this are normalised in the kernel (`norm`): one decode row, or a B = 1 MTP verify step's
 _F32 = jnp.float32
 
@@ -117,9 +118,9 @@ class Partials(NamedTuple):
 
 def _rows_out(partials, M: int, dtype, keep_splits: bool, shape: tuple):
     """A call's result from its fp32 partials [S, Mp, N]: `Partials` (``keep_splits``, fewer than `FEW_ROWS`
-    rows), else their sum's first M rows in `dtype`, [*shape]."""
+    rows, or `ANY_ROWS`), else their sum's first M rows in `dtype`, [*shape]."""
     out = Partials(partials, tuple(shape), jnp.dtype(dtype))
-    return out if keep_splits and M < FEW_ROWS else out.total()
+    return out if keep_splits == ANY_ROWS or (keep_splits and M < FEW_ROWS) else out.total()
 
 
 TARGET_PROGRAMS = 264  # about two programs a streaming multiprocessor of an H100/H200 (132)
@@ -407,8 +408,9 @@ def stacked_matmul(
       dtype: the products' operand and result dtype (None: x's); the rows (after the norm) are cast to it.
       config: `StackedMatmulConfig`; K and N must be multiples of its blocks (`stacked_matmul_problems`).
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
-      keep_splits: return the kernel's split-K partials as `Partials` (fewer than `FEW_ROWS` rows; else the sum);
-        with a tuple of stacks, a bool for all or a tuple of one a stack.
+      keep_splits: return the kernel's split-K partials as `Partials` (fewer than `FEW_ROWS` rows; else the sum), or
+        `ANY_ROWS` at any number of rows (a consumer that sums each row's as it loads it, `latent_write`); with a tuple
+        of stacks, one for all or a tuple of one a stack.
     """
     config = StackedMatmulConfig() if config is None else config
     many = isinstance(w_LKN, (tuple, list))

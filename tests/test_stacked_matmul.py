@@ -13,6 +13,7 @@ from mla_jax.linear import stacked_filter
 from models import DeepSeekModel, Engine
 from pallas_kernels.head_matmul import stacked_head_matmul, stacked_head_matmul_problems
 from pallas_kernels.stacked_matmul import (
+    ANY_ROWS,
     NORM_ROWS,
     Partials,
     RowNorm,
@@ -130,7 +131,8 @@ def test_partials_as_rows_equal_their_sum(M, norm):
 def test_keep_splits_hands_the_partials_on(M):
     """``keep_splits=True``: below 16 rows the kernel's split-K partials come back as `Partials` whose sum is the
     product (a reduction launch fewer between two projections), the logical shape kept through a reshape; from 16
-    rows the product itself. Catches partials of the wrong rows or a split dropped."""
+    rows the product itself; with `ANY_ROWS` the partials at every row count. Catches partials of the wrong rows or a
+    split dropped, and `ANY_ROWS` summed at 16 rows or more."""
     x, w = _stack(M, K=96, N=64, seed=M)
     config = StackedMatmulConfig(block_n=32, block_k=32, split_k=3)
     kept = stacked_matmul(x, w, jnp.int32(2), dtype=jnp.float32, config=config, impl="interpret", keep_splits=True)
@@ -143,6 +145,12 @@ def test_keep_splits_hands_the_partials_on(M):
     else:
         assert not isinstance(kept, Partials)
         chex.assert_trees_all_close(kept, want, rtol=1e-5, atol=1e-5)
+    # `ANY_ROWS`: the partials at any number of rows (for `latent_write`, which sums each row's as it loads it)
+    anyway = stacked_matmul(
+        x, w, jnp.int32(2), dtype=jnp.float32, config=config, impl="interpret", keep_splits=ANY_ROWS
+    )
+    assert isinstance(anyway, Partials) and anyway.shape == (M, 64)
+    chex.assert_trees_all_close(anyway.total(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("M, split_k", [(1, 3), (3, None), (19, 1)])
