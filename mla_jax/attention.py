@@ -576,7 +576,7 @@ class MLA(nnx.Module):
             # bf16 queries: the pages' own dtype, or what fp8 pages dequantise to in the kernel
             q_dtype = jnp.bfloat16 if cache.quantized else cache.pages.dtype
             q_BTHC = self.absorb_query(q_nope, q_pe, stacked).astype(q_dtype)
-            merged = x_BTD.shape[:2] == (1, 1) and cache.data_parallel is None  # W_UV's kernel merges the splits
+            merged = x_BTD.shape[0] == 1 and cache.data_parallel is None  # W_UV's kernel merges the splits
             merged = merged and self._wkv_b_stack(stacked, 1, cfg.kv_lora_rank, cfg.v_head_dim, True) is not None
 
             def decode(pages, table, page_offset, q, seq_lens):  # the whole pool, or a data rank's (map_pages)

@@ -89,25 +89,55 @@ def _split_weights(lse_ref, h, splits: int):
 
 
 def _head_kernel(
-    layer_ref, x_ref, *refs, bm, bn, bk, k_steps, K, N, P, col_offset, contract_rows, n_rows, Px, x_dtype, splits
+    layer_ref,
+    x_ref,
+    *refs,
+    bm,
+    bn,
+    bk,
+    k_steps,
+    K,
+    N,
+    P,
+    col_offset,
+    contract_rows,
+    n_rows,
+    Px,
+    x_dtype,
+    splits,
+    heads,
 ):
-    """``splits`` (a count, or None): x_ref holds one row's KV-split partials [S, Rp, Px] and the next ref their lse
-    [S, Rp]; each chunk of head h's row is their merge (`SplitPartials`), rounded to x_dtype as the combine's."""
+    """``splits`` (a count, or None): x_ref holds one sequence's KV-split partials [S, Rp, Px] (row t·H + h: query
+    token t, head h of ``heads``) and the next ref their lse [S, Rp]; each chunk of head h's `n_rows` rows (a query
+    token each) is their merge (`SplitPartials`), rounded to x_dtype as the combine's."""
     lse_ref, w_ref, o_ref = refs if splits else (None, *refs)
     h, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     one_row = n_rows == 1  # fewer than FEW_ROWS: read as they are (one repeated over the dot's rows)
     rows = pl.ds(0, 1 if one_row else bm)
     if splits:
-        a = _split_weights(lse_ref, h, splits)
-        Sp = a.shape[0]
+        weights = [_split_weights(lse_ref, t * heads + h, splits) for t in range(n_rows)]  # a query token's each
+        Sp = weights[0].shape[0]
+
+    def merged_rows(k0):
+        """Head h's rows of the chunk at k0, each the merge of its KV splits' partials: [1, bk], or [bm, bk]."""
+        mask = (jnp.arange(Sp) < splits)[:, None]
+        x = row_id = None
+        for t, a in enumerate(weights):
+            o = plt.load(x_ref.at[pl.ds(0, Sp), t * heads + h, pl.ds(k0, bk)], mask=mask, other=0.0)  # [Sp, bk] f32
+            row = jnp.sum(o * a, axis=0, keepdims=True).astype(x_dtype)  # [1, bk]
+            if one_row:
+                return row
+            if x is None:
+                row_id = lax.broadcasted_iota(jnp.int32, (bm, bk), 0)
+                x = jnp.zeros((bm, bk), x_dtype)
+            x = jnp.where(row_id == t, jnp.broadcast_to(row, (bm, bk)), x)
+        return x
 
     def chunk(t, acc):
         k0 = (s * k_steps + t) * bk
-        if splits:  # the KV splits' partials of head h's row, merged
-            mask = (jnp.arange(Sp) < splits)[:, None]
-            o = plt.load(x_ref.at[pl.ds(0, Sp), h, pl.ds(k0, bk)], mask=mask, other=0.0)  # [Sp, bk] f32
-            x = jnp.sum(o * a, axis=0, keepdims=True).astype(x_dtype)  # [1, bk]
+        if splits:  # the KV splits' partials of head h's rows, merged
+            x = merged_rows(k0)
         else:
             x = _load_rows(x_ref, n_rows, bm, rows, pl.ds(h * Px + k0, bk), x_dtype)  # [bm, bk]
         if one_row:
@@ -154,22 +184,17 @@ def stacked_head_matmul(
     x may be `Partials` of [M, H, Px] (fewer than 16 rows: summed as loaded); `k_cols`: the contraction takes the
     first `k_cols` of each head's Px columns (MLA's q_nope within a head's query; None: all, K = Px). x may be
     `pallas_kernels.mla_decode.SplitPartials` (the decode kernel's output before its split combine): with
-    ``contract_rows`` at one row (B·s_q = 1) and a power-of-two count of splits, each program merges its head's
-    splits as it loads them (the combine's launch goes); otherwise they are merged first (`combined()`).
+    ``contract_rows`` at one sequence (B = 1: a decode step's row, a verify step's s_q rows) and a power-of-two count
+    of splits, each program merges its head's splits as it loads them (the combine's launch goes); otherwise they
+    are merged first (`combined()`).
     impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
     """
     merge = None
     if isinstance(x_MHK, SplitPartials):
         B, s_q, H, L = x_MHK.shape
         S = x_MHK.o.shape[1]
-        if (
-            contract_rows
-            and B * s_q == 1
-            and k_cols is None
-            and S & (S - 1) == 0
-            and backend.resolve(impl) != "reference"
-        ):
-            merge, x_MHK = x_MHK, jax.ShapeDtypeStruct((1, H, L), x_MHK.dtype)  # merged as loaded, in the kernel
+        if contract_rows and B == 1 and k_cols is None and S & (S - 1) == 0 and backend.resolve(impl) != "reference":
+            merge, x_MHK = x_MHK, jax.ShapeDtypeStruct((s_q, H, L), x_MHK.dtype)  # merged as loaded, in the kernel
         else:
             x_MHK = x_MHK.combined().reshape(B * s_q, H, L)
     if config is None:
@@ -210,7 +235,7 @@ def stacked_head_matmul(
     steps = K // bk
     split = _split(steps, H * (N // bn), config)
     Mp = 1 if M == 1 else bm  # the partials' rows (a single row: measured faster than padded to 16 rows)
-    if merge is not None:  # one row's split partials [S, Rp, 512] and their lse [S, Rp]
+    if merge is not None:  # one sequence's split partials [S, Rp, 512] and their lse [S, Rp]
         x = (merge.o[0], merge.lse[0])
     elif isinstance(x_MHK, Partials):
         x = (x_MHK.parts,)
@@ -232,6 +257,7 @@ def stacked_head_matmul(
             Px=Px,
             x_dtype=x_MHK.dtype,
             splits=None if merge is None else merge.o.shape[1],
+            heads=H,
         ),
         out_shape=jax.ShapeDtypeStruct((split, Mp, H * N), jnp.float32),
         grid=(H, N // bn, split),

@@ -575,13 +575,15 @@ def _split_partials(S, rows=1, H=16, seed=0):
 
 
 @pytest.mark.parametrize(
-    "S, rows", full([(8, 1), (2, 1), (6, 1), (8, 2)], [(8, 1), (6, 1)], "one count merged, one not")
+    "S, rows",
+    full([(8, 1), (2, 1), (6, 1), (8, 2), (4, 3)], [(8, 1), (6, 1), (8, 2)], "one count merged, one not, two rows"),
 )
 def test_w_uv_merges_split_partials_as_it_loads_them(S, rows):
     """W_UV's kernel given the decode kernel's split partials (interpret mode) equals the kernel given their merge by
-    the combine kernel: merged in the kernel at one row and a power-of-two count of splits, merged first otherwise
-    (6 splits, 2 rows). Catches a split's weight not normalised, a split left out (the empty one taking weight),
-    and a head reading another head's row of the partials."""
+    the combine kernel: merged in the kernel for one sequence's rows (a decode step's one, a verify step's 2 or 3)
+    and a power-of-two count of splits, merged first otherwise (6 splits). Catches a split's weight not normalised, a
+    split left out (the empty one taking weight), a head reading another head's row of the partials, and a query
+    token's row merged with another token's weights."""
     sp = _split_partials(S, rows)
     w = (0.05 * jax.random.normal(jax.random.key(7), (3, 512, 16 * 160), jnp.float32)).astype(jnp.bfloat16)
     kw = dict(col_offset=32, contract_rows=True, width=128, impl="interpret")
