@@ -628,20 +628,22 @@ def test_a_one_row_decode_step_merges_its_kv_splits_in_w_uv(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_w_uv_merges_split_partials_as_the_combine_does():
-    """On the card: W_UV's compiled kernel merging 8 KV splits of one row as it loads them against the compiled
-    combine kernel's merge followed by W_UV (V2-Lite's 16 heads, 512 x 128 per head)."""
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gpu_w_uv_merges_split_partials_as_the_combine_does(rows):
+    """On the card: W_UV's compiled kernel merging 8 KV splits of one sequence's rows (a decode step's one, a verify
+    step's two) as it loads them against the compiled combine kernel's merge followed by W_UV (V2-Lite's 16 heads,
+    512 x 128 per head)."""
     from pallas_kernels.backend import on_hopper
     from pallas_kernels.mla_decode import MlaDecodeConfig, SplitPartials
 
     if not on_hopper():
         pytest.skip("needs a Hopper GPU")
-    sp = _split_partials(8)
-    sp = SplitPartials(sp.o, sp.lse, 1, 16, sp.dtype, MlaDecodeConfig())
+    sp = _split_partials(8, rows)
+    sp = SplitPartials(sp.o, sp.lse, rows, 16, sp.dtype, MlaDecodeConfig())
     w = (0.05 * jax.random.normal(jax.random.key(7), (27, 512, 16 * 256), jnp.float32)).astype(jnp.bfloat16)
     kw = dict(col_offset=128, contract_rows=True, width=128, impl="kernel")
     got = jax.jit(lambda sp, w, i: stacked_head_matmul(sp, w, i, **kw))(sp, w, jnp.int32(26))
-    want = jax.jit(lambda sp, w, i: stacked_head_matmul(sp.combined().reshape(1, 16, 512), w, i, **kw))(
+    want = jax.jit(lambda sp, w, i: stacked_head_matmul(sp.combined().reshape(rows, 16, 512), w, i, **kw))(
         sp, w, jnp.int32(26)
     )
     chex.assert_trees_all_close(got, want, rtol=2e-3, atol=2e-3)
