@@ -158,19 +158,8 @@ def stacked_matmul_problems(M: int, K: int, N: int, config: StackedMatmulConfig 
 
 
 def _blocks(K: int, N: int, config: StackedMatmulConfig) -> tuple[int, int]:
-    """(block_k, block_n) of a call: the config's, or the largest power of two >= 16 below it that divides a width
-    it does not (V2-Lite's dense MLP, 10944 = 64 · 171: XLA's GEMM copied its [10944, 2048] weight padded to a
-    multiple of 128 every decode step): a narrower width is one block where it is a power of two."""
-    return _fit(K, config.block_k), _fit(N, config.block_n)
-
-
-def _fit(width: int, block: int) -> int:
-    if width <= block:
-        return width
-    b = block
-    while b > 16 and width % b:
-        b //= 2
-    return b
+    """(block_k, block_n) of a call: the config's, or the whole width where it is narrower (a power of two >= 16)."""
+    return min(config.block_k, K), min(config.block_n, N)
 
 
 def _shape_problems(M: int, K: int, N: int, config: StackedMatmulConfig) -> list[str]:
