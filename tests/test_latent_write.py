@@ -189,6 +189,6 @@ def test_gpu_kernel_equals_the_reference(name):
         pytest.skip("needs a Hopper GPU")
     B, T, S = {"v2_lite": (1, 1, 4), "v2_lite_32": (32, 1, 0), "verify": (4, 3, 0)}[name]
     pages, kv, pos, table, w, freqs, scale = _inputs(B, T, 512, 64, S=S, L=4, N=200, G=64, P=4)
-    kw = dict(eps=EPS, rope_scale=scale, layer=jnp.int32(3), norm_layer=jnp.int32(1))
-    got = jax.jit(lambda *a: latent_write(*a, freqs, impl="kernel", **kw))(pages, kv, pos, table, w)
+    kw = dict(eps=EPS, interleave=True, rope_scale=scale, layer=jnp.int32(3), norm_layer=jnp.int32(1))
+    got = jax.jit(lambda pages, w: latent_write(pages, kv, pos, table, w, freqs, impl="kernel", **kw))(pages, w)
     _assert_written(got, latent_write_reference(pages, kv, pos, table, w, freqs, **kw), pages)

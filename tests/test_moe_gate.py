@@ -154,5 +154,5 @@ def test_gpu_kernel_equals_the_reference(name):
         "builtin": (2, 128, 8, 0),
     }[name]
     x, attn, w, r = _inputs(T, D, E, S, L=4)
-    got = jax.jit(lambda x, a, w, r: moe_gate(x, a, w, r, jnp.int32(3), eps=EPS, impl="kernel"))(x, attn, w, r)
+    got = jax.jit(lambda x, w, r: moe_gate(x, attn, w, r, jnp.int32(3), eps=EPS, impl="kernel"))(x, w, r)
     _assert_close(got, moe_gate_reference(x, attn, w, r, 3, eps=EPS))
