@@ -32,7 +32,7 @@ from pallas_kernels import backend
 from pallas_kernels.stacked_matmul import Partials, rms_norm
 
 MAX_ROWS = 32  # the rows (T) a call serves: each is a load of its own (a decode step of B <= 32, a verify step's)
-BLOCK_E = 16  # router columns a program computes (fewer experts: all of them)
+BLOCK_E = 4  # router columns a program computes (fewer experts: all of them); 16 measured slower (see PERFORMANCE)
 PRODUCT = 4096  # elements of a program's chunk product [block_d, block_e]: block_d = PRODUCT / block_e up to 8 rows
 _F32 = jnp.float32
 

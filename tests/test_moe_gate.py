@@ -83,8 +83,8 @@ def test_what_it_cannot_serve_is_one_line_each():
     (on CPU it is the reference anyway), "interpret" refuses naming the problem; bad shapes are refused."""
     assert moe_gate_problems(1, 2048, 64) == []
     assert moe_gate_problems(33, 2048, 64) == ["T = 33 rows: the kernel loads 1 to 32 rows, a load each"]
-    assert moe_gate_problems(1, 2048, 24) == ["E = 24 experts is not a multiple of the 16 columns a program computes"]
-    assert moe_gate_problems(1, 384, 16) == ["D = 384 is not a multiple of the 256-wide chunks the kernel walks"]
+    assert moe_gate_problems(1, 2048, 18) == ["E = 18 experts is not a multiple of the 4 columns a program computes"]
+    assert moe_gate_problems(1, 1536, 16) == ["D = 1536 is not a multiple of the 1024-wide chunks the kernel walks"]
     x, attn, w, r = _inputs(MAX_ROWS + 1, 128, 16, 0)
     with pytest.raises(ValueError, match=r"^moe_gate impl='interpret': the kernels cannot serve this: T = 33 rows"):
         moe_gate(x, attn, w, r, 0, eps=EPS, impl="interpret")
