@@ -239,18 +239,8 @@ def latent_write(
     impl = backend.choose(impl, latent_write_problems(pages.dtype, K, R), name="latent_write impl")
     kw = dict(eps=eps, interleave=interleave)
     if impl == "reference":
-        return latent_write_reference(
-            pages,
-            kv,
-            positions_BT,
-            block_table_BP,
-            norm_weight,
-            inv_freq,
-            layer=layer,
-            norm_layer=norm_layer,
-            rope_scale=rope_scale,
-            **kw,
-        )
+        args = (pages, kv, positions_BT, block_table_BP, norm_weight, inv_freq)
+        return latent_write_reference(*args, layer=layer, norm_layer=norm_layer, rope_scale=rope_scale, **kw)
     w_ = _piece(R, interleave)
     S = rows.shape[0] if parts else 0
     kv_in = rows.reshape(rows.shape[:-1] + (C // w_, w_)) if parts else rows.reshape(B * T, C // w_, w_)
