@@ -128,7 +128,7 @@ def _scan_layers(
     the layer's projections (`mla_jax.linear`): a decode-sized cached call on a kernel backend passes
     them whole and `pallas_kernels.stacked_matmul` reads each layer's weights in place; and for the
     post-attention norm's weight and the router where `pallas_kernels.moe_gate` reads them (`MoE.gates_by_kernel`), and
-    for kv_norm's where `pallas_kernels.latent_write` does (`MLA.finishes_latents`).
+    for kv_norm's where `pallas_kernels.latent_write` does (`KVCache.finishes_latents`).
 
     `remat` (REMAT_POLICIES, training only; a cached call must leave it "none") wraps the layer body in
     `jax.checkpoint` with that policy, so the backward of the scan keeps per layer only what the policy
