@@ -72,6 +72,12 @@ def _stacked_layers(n: int, make, rngs: nnx.Rngs):
 #                   experts, not the attention's [B,H,T,S] scores and weighted values)
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
+# Layers an iteration of the scan in a decode-sized call on the kernels (`_scan_layers`), where they divide the
+# stack: each iteration costs a launch for its counter and one for its per-layer row besides the layers' kernels
+# (V2-Lite B = 1, compiled for an H100: 394 -> 368 launches a step at 2). An odd stack stays at 1 (its remainder
+# layer, outside the loop, cost the built-in model's verify step more launches than it saved).
+DECODE_UNROLL = 2
+
 
 def remat_policy(name: str):
     """The `jax.checkpoint` policy of a REMAT_POLICIES name (None: save nothing; "none" has no policy)."""
@@ -128,7 +134,8 @@ def _scan_layers(
     the layer's projections (`mla_jax.linear`): a decode-sized cached call on a kernel backend passes
     them whole and `pallas_kernels.stacked_matmul` reads each layer's weights in place; and for the
     post-attention norm's weight and the router where `pallas_kernels.moe_gate` reads them (`MoE.gates_by_kernel`), and
-    for kv_norm's where `pallas_kernels.latent_write` does (`KVCache.finishes_latents`).
+    for kv_norm's where `pallas_kernels.latent_write` does (`KVCache.finishes_latents`). Such a call runs
+    `DECODE_UNROLL` layers an iteration of the scan where they divide the stack.
 
     `remat` (REMAT_POLICIES, training only; a cached call must leave it "none") wraps the layer body in
     `jax.checkpoint` with that policy, so the backward of the scan keeps per layer only what the policy
@@ -180,7 +187,8 @@ def _scan_layers(
     if remat != "none":
         # prevent_cse=False: inside a scan the recomputation cannot be merged with the forward anyway
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    (h_BTD, cache), routers = jax.lax.scan(body, (h_BTD, cache), (state, per_layer))
+    unroll = DECODE_UNROLL if proj_impl is not None and n % DECODE_UNROLL == 0 else 1
+    (h_BTD, cache), routers = jax.lax.scan(body, (h_BTD, cache), (state, per_layer), unroll=unroll)
     return h_BTD, routers, cache
 
 

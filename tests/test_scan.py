@@ -7,6 +7,8 @@ returns them as outputs, or any other path that copies the whole cache each step
 cache not being donated (no input/output alias: XLA would write a second pool every step).
 """
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -104,3 +106,27 @@ def test_gpu_decode_step_through_the_kernels_copies_no_pool_and_no_experts():
     ).compile()
     assert hlo_text.big_copies(loop.as_text()) == []
     assert hlo_text.host_round_trips(loop.as_text()) == []
+
+
+def test_a_decode_step_on_the_kernels_scans_two_layers_an_iteration():
+    """A decode-sized call on a kernel backend scans an even stack two layers an iteration (the loop's counter and
+    its per-layer row are a launch each an iteration: V2-Lite's step had 26 of each), an odd one (the dense layer)
+    one; the reference backend, which launches per operation anyway, one. Catches `DECODE_UNROLL` dropped, or applied
+    to an odd stack (its remainder layer cost the built-in model's verify step launches)."""
+    import jax
+    from micro_configs import narrow_v2_lite
+
+    from models.deepseek import DECODE_UNROLL
+
+    model = DeepSeekModel(narrow_v2_lite(3), rngs=nnx.Rngs(0))  # a dense layer, then a stack of 2 MoE layers
+    e = Engine(model, page_size=16, num_pages=8, max_batch=2, kv_dtype=jnp.float32)
+    fwd = lambda ids, positions, cache: model(ids, positions, cache=cache)  # noqa: E731
+    args = (jnp.zeros((2, 1), jnp.int32), jnp.full((2, 1), 3, jnp.int32))
+    table, lengths = jnp.asarray([[0], [1]], jnp.int32), jnp.full((2,), 3, jnp.int32)
+    unrolls = {}
+    for impl in ("interpret", "reference"):
+        cache = KVCache.create(e.cache.pages, table, lengths, impl=impl)
+        text = str(jax.make_jaxpr(fwd)(*args, cache))
+        unrolls[impl] = re.findall(r"unroll=(\d+)", text)  # the interpreted kernels have loops of their own, at 1
+    assert DECODE_UNROLL == 2
+    assert unrolls["interpret"].count("2") == 1 and unrolls["reference"] == ["1", "1"], unrolls
