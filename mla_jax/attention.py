@@ -28,20 +28,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-# jax.nn.dot_product_attention wants equal qk and v widths; its cuDNN backend takes MLA's 192 / 128 (jax 0.11)
-from jax._src.cudnn.fused_attention_stablehlo import MaskType
-from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
-
 from mla_jax import fp8_weights, initializers
 from mla_jax.cache_paths import cached_path, kernel_seq_lens
 from mla_jax.config import ModelConfig
+from mla_jax.flash_forms import _cudnn_causal_attention, _mgpu_causal_attention, _mgpu_prefill_attention
 from mla_jax.kv_cache import UnfinishedLatent
 from mla_jax.linear import Normed, Stacked, project, project_many
 from mla_jax.norm import RMSNorm
 from mla_jax.rope import apply_rope, rope_cos_sin, rope_frequencies
-from pallas_kernels import backend, flash_attention, flash_attention_prefill, mla_decode
-from pallas_kernels.flash_attention import CTA_ROWS
-from pallas_kernels.head_matmul import stacked_head_matmul, stacked_head_matmul_problems
+from pallas_kernels import backend, mla_decode
+from pallas_kernels.head_matmul import (
+    absorbed_query,
+    absorbed_query_problems,
+    stacked_head_matmul,
+    stacked_head_matmul_problems,
+)
 from pallas_kernels.stacked_matmul import ANY_ROWS, Partials
 
 _F32 = jnp.float32
@@ -229,110 +230,6 @@ def resolve_decompressed_impl(impl: str, *, dtype, on_mesh: bool = False, cache_
 mla_naive_attention = mla_decompressed_attention  # the earlier name
 
 
-def _right_padded(q_positions, kv_positions, impl):
-    """(ok: scalar bool, n [B] int32, valid [B, T] bool): whether both position rows are 0..n-1 then -1
-    (right-padded self-attention, what a by-index causal kernel computes), each row's n, and which queries
-    are real."""
-    B, T = q_positions.shape
-    if kv_positions.shape != (B, T):
-        raise ValueError(f"impl={impl!r} is self-attention: kv positions {kv_positions.shape} != queries' {(B, T)}")
-    n_B = jnp.sum(q_positions >= 0, axis=1).astype(jnp.int32)
-    idx = jnp.arange(T, dtype=jnp.int32)[None]
-    expected = jnp.where(idx < n_B[:, None], idx, -1)
-    ok = jnp.all(q_positions == expected) & jnp.all(kv_positions == expected)
-    return ok, n_B, idx < n_B[:, None]
-
-
-def _mgpu_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale, *, kernel_impl=None):
-    """`pallas_kernels.flash_attention` (causal by index, forward and backward kernels) over right-padded
-    self-attention, with `_cudnn_causal_attention`'s contract: other positions give NaN. Padding queries
-    give 0 (as the jnp form). The kernel computes in bf16 (inputs are cast) and wants T a multiple of 128
-    and widths multiples of 64: T is padded with zero rows at the end (no real query sees them: causal),
-    the widths with zero columns. ``kernel_impl``: None = the kernel (a Hopper GPU), or "interpret" (the
-    Pallas interpreter on a CPU; tests)."""
-    if kernel_impl is None:
-        if not backend.on_hopper():
-            where = jax.default_backend()
-            if where == "gpu":
-                where += f" ({jax.devices()[0].device_kind})"
-            raise ValueError(
-                f"impl='mgpu' needs a Hopper GPU (the Mosaic GPU flash attention kernel); the backend "
-                f"is {where}: use impl='xla'"
-            )
-        kernel_impl = "kernel"
-    ok, _, valid_BT = _right_padded(q_positions, kv_positions, "mgpu")
-    T, D, V = q_BTHD.shape[1], q_BTHD.shape[3], v_BSHV.shape[3]
-    dtype = q_BTHD.dtype
-    # Zero rows at the end (T), zero q/k columns (D: no change to any score) and zero v columns (V: sliced
-    # off) bring the shapes to the kernel's multiples; a no-op at V2/V3's 4096 x 192 / 128.
-    pad = lambda x, t, c: jnp.pad(x, ((0, 0), (0, t), (0, 0), (0, c))) if t or c else x  # noqa: E731
-    t_pad, d_pad, v_pad = -T % CTA_ROWS, -D % 64, -V % 64
-    q, k = (pad(x, t_pad, d_pad).astype(jnp.bfloat16) for x in (q_BTHD, k_BSHD))
-    v = pad(v_BSHV, t_pad, v_pad).astype(jnp.bfloat16)
-    o = flash_attention(q, k, v, softmax_scale=float(softmax_scale), causal=True, impl=kernel_impl)[:, :T, :, :V]
-    o = jnp.where(valid_BT[:, :, None, None], o, 0)
-    return jnp.where(ok, o, jnp.nan).astype(dtype)
-
-
-def _pad_widths(q_BTHD, k_BSHD, v_BSHV):
-    """q, k zero-padded to a multiple of 64 columns (no score changes) and v likewise (sliced off after), bf16."""
-    pad = lambda x, c: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, c))) if c else x  # noqa: E731
-    d_pad, v_pad = -q_BTHD.shape[3] % 64, -v_BSHV.shape[3] % 64
-    return tuple(pad(x, c).astype(jnp.bfloat16) for x, c in ((q_BTHD, d_pad), (k_BSHD, d_pad), (v_BSHV, v_pad)))
-
-
-def _mgpu_prefill_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale, kernel_impl):
-    """`pallas_kernels.flash_attention_prefill` over a row's gathered cache: queries at positions p0..p0+m-1
-    then -1, keys at 0..n-1 then -1 (what `KVCache.gather` and a prefill chunk give), so row b's query
-    offset is its first position and its key length its valid keys. Rows of other positions give NaN;
-    padding queries give 0 (as the jnp form). Inputs are cast to bf16, widths padded to multiples of 64.
-    ``kernel_impl``: the `pallas_kernels.backend` name the kernel runs with."""
-    B, T = q_positions.shape
-    S = kv_positions.shape[1]
-    n_q_B = jnp.sum(q_positions >= 0, axis=1).astype(jnp.int32)
-    off_B = jnp.where(n_q_B > 0, q_positions[:, 0], 0).astype(jnp.int32)
-    kv_len_B = jnp.sum(kv_positions >= 0, axis=1).astype(jnp.int32)
-    t, s = jnp.arange(T, dtype=jnp.int32)[None], jnp.arange(S, dtype=jnp.int32)[None]
-    valid_BT = t < n_q_B[:, None]
-    ok = jnp.all(q_positions == jnp.where(valid_BT, off_B[:, None] + t, -1))
-    ok &= jnp.all(kv_positions == jnp.where(s < kv_len_B[:, None], s, -1))
-    q, k, v = _pad_widths(q_BTHD, k_BSHD, v_BSHV)
-    o = flash_attention_prefill(
-        q, k, v, off_B, kv_len_B, softmax_scale=float(softmax_scale), causal=True, impl=kernel_impl
-    )[..., : v_BSHV.shape[3]]
-    o = jnp.where(valid_BT[:, :, None, None], o, 0)
-    return jnp.where(ok, o, jnp.nan).astype(q_BTHD.dtype)
-
-
-def _cudnn_causal_attention(q_BTHD, k_BSHD, v_BSHV, q_positions, kv_positions, softmax_scale):
-    """cuDNN's flash attention (qk width D, v width V; jax's MLA form of it) over right-padded self-attention.
-
-    Rows must be positions 0..n-1 then -1 on both sides (n = the row's valid tokens): cuDNN masks by index
-    (causal, and the padding past n), which equals `attention_mask` on exactly those rows. Other positions
-    (left padding, a cached prefix, packed documents) give NaN outputs instead of a wrong attention. The
-    padding queries' outputs are cuDNN's (the jnp form gives 0 there; the loss masks them either way).
-    """
-    if jax.default_backend() != "gpu":
-        raise ValueError(
-            f"impl='cudnn' needs a CUDA GPU (cuDNN's flash attention); the backend is "
-            f"{jax.default_backend()}: use impl='xla'"
-        )
-    ok, n_B, _ = _right_padded(q_positions, kv_positions, "cudnn")
-    o = cudnn_attention(
-        q_BTHD,
-        k_BSHD,
-        v_BSHV,
-        None,
-        None,
-        n_B,
-        n_B,
-        scale=float(softmax_scale),
-        mask_type=MaskType.PADDING_CAUSAL,
-        qkv_layout="BTNH",
-    )
-    return jnp.where(ok, o, jnp.nan).astype(q_BTHD.dtype)
-
-
 def mla_absorbed_attention(
     q_abs: jax.Array,
     kv_latent: jax.Array,
@@ -465,15 +362,9 @@ class MLA(nnx.Module):
         B, T, H, _ = q_nope.shape
         whole = self._wkv_b_stack(stacked, B * T, N, cfg.kv_lora_rank, contract_rows=False)
         if whole is not None:  # W_UK of the stack's layer, read in place
-            q_lat = stacked_head_matmul(
-                q_nope.reshape(B * T, H, q_nope.shape[-1]),
-                whole,
-                stacked.index,
-                col_offset=0,
-                contract_rows=False,
-                impl=stacked.impl,
-                k_cols=N,
-            ).reshape(B, T, H, cfg.kv_lora_rank)
+            kw = dict(col_offset=0, contract_rows=False, impl=stacked.impl, k_cols=N)
+            q_lat = stacked_head_matmul(q_nope.reshape(B * T, H, q_nope.shape[-1]), whole, stacked.index, **kw)
+            q_lat = q_lat.reshape(B, T, H, cfg.kv_lora_rank)
             return jnp.concatenate([q_lat.astype(q_pe.dtype), q_pe], axis=-1)
         if isinstance(q_nope, Partials):
             q_nope = q_nope.total()[..., :N]
@@ -484,6 +375,22 @@ class MLA(nnx.Module):
             w_uk_LHN = self.wkv_b_LHK(stacked)[..., :N]
             q_lat = einsum_f32("bthn,lhn->bthl", q_nope, w_uk_LHN.astype(q_nope.dtype))
         return jnp.concatenate([q_lat.astype(q_pe.dtype), q_pe], axis=-1)
+
+    def _decode_query(self, q_nope, q_pe, positions_BT, stacked: Stacked | None, cache):
+        """The decode kernel's query (`absorb_query`'s) in bf16, the pages' own dtype or what fp8 pages dequantise to;
+        as `QueryRows` in one launch where `absorbed_query` serves (W_UK read in place, q_pe rotated beside it from
+        `project_q`'s `Partials`, the rows padded as the kernel takes them; bf16 pages, one pool)."""
+        cfg = self.cfg
+        B, T, H, _ = q_nope.shape
+        N, R, L = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        q_dtype = jnp.bfloat16 if cache.quantized else cache.pages.dtype
+        whole = self._wkv_b_stack(stacked, B * T, N, L, contract_rows=False)
+        serves = cache.data_parallel is None and not absorbed_query_problems(B, T, H, N, R, L)
+        if whole is not None and isinstance(q_nope, Partials) and q_dtype == jnp.bfloat16 and serves:
+            inv_freq, scale = rope_frequencies(cfg)
+            kw = dict(heads=H, nope=N, rope_scale=scale, interleave=cfg.rope_interleave, impl=stacked.impl)
+            return absorbed_query(q_nope, whole, stacked.index, positions_BT, inv_freq, **kw)
+        return self.absorb_query(q_nope, q_pe, stacked).astype(q_dtype)
 
     def output_from_latent(self, o_lat_BTHL: jax.Array, stacked: Stacked | None = None, keep_splits=False) -> jax.Array:
         """Un-absorb W_UV and apply the output projection: [B,T,H,L] (or a decode call's `SplitPartials`) -> [B,T,D]
@@ -573,9 +480,7 @@ class MLA(nnx.Module):
         (q_nope, q_pe), latent = self.project_q_kv(x_BTD, rope_pos, stacked, **kw)
         cache = cache.write(latent, positions_BT)
         if path == "decode_kernel":
-            # bf16 queries: the pages' own dtype, or what fp8 pages dequantise to in the kernel
-            q_dtype = jnp.bfloat16 if cache.quantized else cache.pages.dtype
-            q_BTHC = self.absorb_query(q_nope, q_pe, stacked).astype(q_dtype)
+            q_BTHC = self._decode_query(q_nope, q_pe, positions_BT, stacked, cache)
             merged = x_BTD.shape[0] == 1 and cache.data_parallel is None  # W_UV's kernel merges the splits
             merged = merged and self._wkv_b_stack(stacked, 1, cfg.kv_lora_rank, cfg.v_head_dim, True) is not None
 

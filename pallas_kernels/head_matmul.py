@@ -8,6 +8,9 @@ H·(qk_nope_head_dim + v_head_dim)]).
 Grid (H, N / block_n, split over K): program (h, j, s) multiplies head h's rows by that head's weights, read in
 place at the layer index (a scalar, may be traced), as `stacked_matmul` does for a whole projection (its configs,
 row loads and `Partials`). `stacked_head_matmul_reference` is the same in plain XLA.
+
+`absorbed_query` is W_UK's product for the decode kernel's query, finished in the same launch: each head's q_pe
+rotated beside it and the rows laid out and padded as `mla_decode` takes them (`QueryRows`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import backend
-from pallas_kernels.mla_decode import SplitPartials
+from pallas_kernels.latent_write import rotate, rotation
+from pallas_kernels.mla_decode import QueryRows, SplitPartials
 from pallas_kernels.mla_decode.steps import _M_INIT
 from pallas_kernels.stacked_matmul import (
     FEW_ROWS,
@@ -41,6 +45,7 @@ from pallas_kernels.stacked_matmul import (
 # 4.2 / 4.3 / 5.0.
 # W_UV's 256-deep chunks only below FEW_ROWS rows: at 32 its 128-deep ones were faster (3.7 against 4.0 µs), and at
 # 128 rows four stages of a 128 x 256 row tile do not fit a program's shared memory.
+_F32 = jnp.float32
 HEAD_CONFIG = StackedMatmulConfig(block_n=32, block_k=128, split_k=1)  # W_UK (contract_rows=False); W_UV from 16 rows
 HEAD_ROWS_CONFIG = StackedMatmulConfig(block_n=32, block_k=256, split_k=1)  # W_UV (contract_rows=True) below 16 rows
 
@@ -268,3 +273,199 @@ def stacked_head_matmul(
     if keep_splits and M < FEW_ROWS:
         return Partials(partials, (M, H * N), jnp.dtype(x_MHK.dtype))
     return jnp.sum(partials, axis=0)[:M].reshape(M, H, N)
+
+
+# ------------------------------------------------------------------------------------------------
+# The decode kernel's query in one launch
+# ------------------------------------------------------------------------------------------------
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def absorbed_query_problems(B: int, s_q: int, H: int, N: int, R: int, L: int) -> list[str]:
+    """Why `absorbed_query`'s kernel cannot make the query of B sequences of s_q tokens, H heads of N nope and R
+    rotary columns, over an L-wide latent (empty when it can)."""
+    out = []
+    Tp = QueryRows.padded(s_q, H) // H
+    if QueryRows.padded(s_q, H) % H or B * Tp > FEW_ROWS:
+        out.append(f"B·{Tp} = {B * Tp} padded query rows a head: more than one {FEW_ROWS}-row tile")
+    if not _pow2(N) or N < 16:
+        out.append(f"N = {N} nope columns is not a power of two >= 16 (one dot's contraction)")
+    if not (R % 2 == 0 and _pow2(R // 2)):
+        out.append(f"R = {R} rotary columns is not twice a power of two (a load a half)")
+    if L % HEAD_CONFIG.block_n:
+        out.append(f"L = {L} latent columns is not a multiple of {HEAD_CONFIG.block_n}")
+    return out
+
+
+def absorbed_query_reference(
+    q, w_LRC, layer, positions_BT, inv_freq, *, heads, nope, rope_scale=1.0, interleave=True, dtype=jnp.bfloat16
+):
+    """`absorbed_query` in plain XLA: `MLA.absorb_query`'s arithmetic, padded into `QueryRows`."""
+    B, s_q = positions_BT.shape
+    x = (q.total() if isinstance(q, Partials) else q)[: B * s_q].reshape(B, s_q, heads, -1)
+    q_lat = stacked_head_matmul_reference(
+        x[..., :nope].reshape(B * s_q, heads, nope), w_LRC, layer, col_offset=0, contract_rows=False
+    ).reshape(B, s_q, heads, -1)
+    q_pe = rotate(x[..., nope:], *rotation(jnp.maximum(positions_BT, 0), inv_freq, rope_scale), interleave=interleave)
+    return QueryRows.of(jnp.concatenate([q_lat.astype(x.dtype), q_pe], axis=-1).astype(dtype))
+
+
+def _query_kernel(
+    layer_ref,
+    pos_ref,
+    x_ref,
+    xp_ref,
+    w_ref,
+    f_ref,
+    o_ref,
+    *,
+    B,
+    s_q,
+    Tp,
+    N,
+    Px,
+    P,
+    L,
+    R,
+    S,
+    bn,
+    interleave,
+    scale,
+    x_dtype,
+):
+    """Program (h, j): head h's latent columns [j·bn, (j + 1)·bn) of every row (j < L / bn), or its rotary columns
+    (j = L / bn). Refs: the layer [1]; positions [B·s_q]; the query rows [B·s_q', H·Px] or their S partials
+    [S, B·s_q', H·Px], and the same viewed as [..., H·Px / 2, 2] (an interleaved rotary pair a row); W_UK's stack
+    [L', L, H·P]; the frequencies [R/2]; the rows [B·Tp, H, L + R]."""
+    h, j = pl.program_id(0), pl.program_id(1)
+    real = [(b * s_q + t, b * Tp + t) for b in range(B) for t in range(s_q)]  # (query row, its padded row)
+    padding = [b * Tp + t for b in range(B) for t in range(s_q, Tp)]
+    out = o_ref.dtype
+
+    def load(ref, *at):  # ref[at], partials summed in fp32 and rounded to the rows' dtype
+        if not S:
+            return plt.load(ref.at[at])
+        parts = [plt.load(ref.at[(jnp.int32(s), *at)]) for s in range(S)]
+        return functools.reduce(jnp.add, parts).astype(x_dtype)
+
+    @pl.when(j < L // bn)
+    def _():
+        bm = FEW_ROWS
+        row_id = lax.broadcasted_iota(jnp.int32, (bm, N), 0)
+        x = jnp.zeros((bm, N), x_dtype)
+        for i, (r, _) in enumerate(real):
+            row = load(x_ref, pl.ds(r, 1), pl.ds(h * Px, N))  # [1, N]
+            x = jnp.where(row_id == i, jnp.broadcast_to(row, (bm, N)), x)
+        w = plt.load(w_ref.at[layer_ref[0], pl.ds(j * bn, bn), pl.ds(h * P, N)])  # [bn, N]
+        acc = plt.dot(x, w, trans_b=True)  # [bm, bn] fp32, row i: real row i's
+        acc_id = lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+        for i, (_, m) in enumerate(real):
+            y = jnp.sum(jnp.where(acc_id == i, acc, 0.0), axis=0, keepdims=True)
+            plt.store(o_ref.at[pl.ds(m, 1), h, pl.ds(j * bn, bn)], y.astype(x_dtype).astype(out))
+        for m in padding:
+            plt.store(o_ref.at[pl.ds(m, 1), h, pl.ds(j * bn, bn)], jnp.zeros((1, bn), out))
+
+    @pl.when(j == L // bn)
+    def _():
+        half = R // 2
+        f = plt.load(f_ref.at[pl.ds(0, half)])
+        for r, m in real:
+            if interleave:  # pair i is row (h·Px + N) / 2 + i of the pairs' view
+                re, im = (load(xp_ref, jnp.int32(r), pl.ds((h * Px + N) // 2, half), jnp.int32(c)) for c in (0, 1))
+            else:
+                re, im = (load(x_ref, jnp.int32(r), pl.ds(h * Px + N + c, half)) for c in (0, half))
+            re, im = re.astype(_F32), im.astype(_F32)
+            angles = jnp.maximum(pos_ref[r], 0).astype(_F32) * f  # `rotation` (padding: as position 0)
+            cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
+            y_re, y_im = ((y.astype(x_dtype).astype(out)) for y in (re * cos - im * sin, re * sin + im * cos))
+            if interleave:  # `rotate`
+                plt.store(o_ref.at[pl.ds(m, 1), h, pl.ds(L, R)], jnp.stack([y_re, y_im], axis=-1).reshape(1, R))
+            else:
+                plt.store(o_ref.at[jnp.int32(m), h, pl.ds(L, half)], y_re)
+                plt.store(o_ref.at[jnp.int32(m), h, pl.ds(L + half, half)], y_im)
+        for m in padding:
+            plt.store(o_ref.at[pl.ds(m, 1), h, pl.ds(L, R)], jnp.zeros((1, R), out))
+
+
+def absorbed_query(
+    q,
+    w_LRC,
+    layer,
+    positions_BT,
+    inv_freq,
+    *,
+    heads: int,
+    nope: int,
+    rope_scale: float = 1.0,
+    interleave: bool = True,
+    dtype=jnp.bfloat16,
+    impl: str | None = "auto",
+) -> QueryRows:
+    """The decode kernel's query in one launch: per head [q_nope · W_UK ; rope(q_pe)] in `dtype`, laid out and padded
+    as `mla_decode` takes it (`QueryRows`) -> `MLA.absorb_query`'s values without the XLA launch that rotated,
+    concatenated and padded them.
+
+    Args:
+      q: the per-head query rows [B·s_q, H·(N + R)] (head h's nope columns then its rotary ones; more rows allowed,
+        the first B·s_q used), or their split-K `Partials`, summed as loaded and rounded to their dtype.
+      w_LRC: wkv_b's stack [L', L, H·P] (head h's columns [h·P, h·P + N) are its W_UK: y = x · w[layer, :, cols]ᵀ);
+        layer: an int scalar (may be traced), read in place.
+      positions_BT: int32 [B, s_q] the tokens' positions (a negative one, padding, rotated as position 0); inv_freq
+        fp32 [R/2] and rope_scale: `rotation`'s; interleave: the rotary pairs' layout (`rotate`).
+      heads, nope: H and N. dtype: the rows' (bf16 for the decode kernel); q_lat is rounded to q's dtype first,
+        as the model's concatenation does.
+      impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU where
+        `absorbed_query_problems` is empty, else `absorbed_query_reference`).
+    """
+    B, s_q = positions_BT.shape
+    H, N, R = heads, nope, 2 * len(inv_freq)
+    rows = q.parts if isinstance(q, Partials) else q
+    Lw, L, C = w_LRC.shape
+    Px = rows.shape[-1] // H
+    if rows.shape[-1] != H * (N + R) or rows.shape[-2] < B * s_q or rows.ndim != (3 if isinstance(q, Partials) else 2):
+        raise ValueError(
+            f"absorbed_query: q must be rows [>= B·s_q = {B * s_q}, H·(N + R) = {H * (N + R)}] (or their Partials), "
+            f"got {tuple(rows.shape)}"
+        )
+    if C % H or C // H < N:
+        raise ValueError(f"absorbed_query: w's {C} columns do not hold H = {H} heads of >= N = {N} columns")
+    kw = dict(heads=H, nope=N, rope_scale=rope_scale, interleave=interleave, dtype=dtype)
+    impl = backend.choose(impl, absorbed_query_problems(B, s_q, H, N, R, L), name="absorbed_query impl")
+    if impl == "reference":
+        return absorbed_query_reference(q, w_LRC, layer, positions_BT, inv_freq, **kw)
+    Rp = QueryRows.padded(s_q, H)
+    Tp, bn = Rp // H, HEAD_CONFIG.block_n
+    out = pl.pallas_call(
+        functools.partial(
+            _query_kernel,
+            B=B,
+            s_q=s_q,
+            Tp=Tp,
+            N=N,
+            Px=Px,
+            P=C // H,
+            L=L,
+            R=R,
+            S=rows.shape[0] if isinstance(q, Partials) else 0,
+            bn=bn,
+            interleave=interleave,
+            scale=float(rope_scale),
+            x_dtype=jnp.dtype(q.dtype),
+        ),
+        out_shape=jax.ShapeDtypeStruct((B * Tp, H, L + R), dtype),
+        grid=(H, L // bn + 1),
+        compiler_params=plt.CompilerParams(num_warps=HEAD_CONFIG.num_warps, num_stages=1),
+        interpret=impl == "interpret",
+        name="absorbed_query",
+    )(
+        jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
+        positions_BT.reshape(B * s_q).astype(jnp.int32),
+        rows,
+        rows.reshape(rows.shape[:-1] + (rows.shape[-1] // 2, 2)),
+        w_LRC.astype(q.dtype),
+        jnp.asarray(inv_freq, _F32),
+    )
+    return QueryRows(out.reshape(B, Rp, L + R), s_q, H)

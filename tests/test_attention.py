@@ -358,7 +358,7 @@ def _cached_chunks(heads, impls, calls):
     trace-time calls."""
     import dataclasses
 
-    from mla_jax import attention
+    from mla_jax import flash_forms
     from mla_jax.kv_cache import KVCache, PagedLatentCache
 
     cfg = ModelConfig.tiny().replace(num_attention_heads=heads)
@@ -375,7 +375,7 @@ def _cached_chunks(heads, impls, calls):
     for b in range(3):
         pos[0, b, : prefix[b]] = np.arange(prefix[b])
         pos[1, b, : chunk[b]] = prefix[b] + np.arange(chunk[b])
-    original = attention.flash_attention_prefill
+    original = flash_forms.flash_attention_prefill
 
     def counted(*a, **kw):
         calls.append(kw["impl"])
@@ -386,13 +386,13 @@ def _cached_chunks(heads, impls, calls):
     _, cache = step(mla, x[:, :T], jnp.asarray(pos[0]), cache)
     cache = cache.with_lengths([p + c for p, c in zip(prefix, chunk)])
     outs = {}
-    attention.flash_attention_prefill = counted
+    flash_forms.flash_attention_prefill = counted
     try:
         for impl in impls:
             out, _ = step(mla, x[:, T:], jnp.asarray(pos[1]), dataclasses.replace(cache, impl=impl))
             outs[impl] = np.asarray(out, np.float32)
     finally:
-        attention.flash_attention_prefill = original
+        flash_forms.flash_attention_prefill = original
     return outs
 
 

@@ -119,6 +119,7 @@ __all__ = [
     "plan",
     "prefers_pieces",
     "quantize_query_rows",
+    "QueryRows",
 ]
 
 
@@ -275,6 +276,48 @@ jax.tree_util.register_dataclass(
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class QueryRows:
+    """A decode call's query already in the kernel's row layout (`pallas_kernels.head_matmul.absorbed_query` makes
+    it, so that no launch pads it): rows [B, Rp, 576] in bf16, row t·H + h query token t's head h, the Rp - s_q·H
+    rows past them zero, Rp = `padded(s_q, heads)` (whole 64-row blocks). `shape` and `dtype` are the query's
+    [B, s_q, H, 576] that `mla_decode` takes; `unpadded()` is that array."""
+
+    rows: jax.Array
+    s_q: int
+    heads: int
+
+    @staticmethod
+    def padded(s_q: int, heads: int) -> int:
+        """The rows a sequence's s_q·heads query rows take in the kernel: whole 64-row (`ROWS`) blocks."""
+        return -(-s_q * heads // ROWS) * ROWS
+
+    @classmethod
+    def of(cls, q) -> "QueryRows":
+        """`QueryRows` of a query [B, s_q, H, 576] (its rows padded with zeros)."""
+        B, s_q, H, C = q.shape
+        rows = q.reshape(B, s_q * H, C)
+        return cls(jnp.pad(rows, ((0, 0), (0, cls.padded(s_q, H) - s_q * H), (0, 0))), s_q, H)
+
+    @property
+    def shape(self) -> tuple:
+        return (self.rows.shape[0], self.s_q, self.heads, self.rows.shape[-1])
+
+    @property
+    def dtype(self):
+        return self.rows.dtype
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    def unpadded(self) -> jax.Array:
+        return self.rows[:, : self.s_q * self.heads].reshape(self.shape)
+
+
+jax.tree_util.register_dataclass(QueryRows, data_fields=["rows"], meta_fields=["s_q", "heads"])
+
+
 def _merged(out, lse, BsH, dtype, config, interpret, pieces=None, transposed=False):
     """The combine kernel over split (or piece) partials -> (out [B, R or Rp, 512] in `dtype` ([B, 512, R]
     transposed), lse [B, Rp], ln): the kernel's rows, which `_finish` trims and shapes."""
@@ -341,7 +384,7 @@ def _mla_decode_kernel(
     R = s_q * H
     plan_ = plan(B, s_q, H, block_table.shape[1], config)
     Rp = plan_.row_blocks * ROWS
-    q_rows = q.reshape(B, R, KEY_DIM)  # (B, R, K), row = t*H + h
+    q_rows = q.rows if isinstance(q, QueryRows) else q.reshape(B, R, KEY_DIM)  # (B, R or Rp, K), row = t*H + h
     # TMA needs 16-byte GMEM strides: pad the table to a multiple of 4 int32 columns. The kernel
     # never reads past cdiv(seq_len, 64) pages, so the padding value is irrelevant.
     pad = -block_table.shape[1] % 4
@@ -365,7 +408,9 @@ def _mla_decode_kernel(
     # The transposed fp8 body takes the R rows as they are and returns oᵀ ([..., 512, R]); the others take
     # whole 64-row blocks.
     transposed = partials is _decode_partials_fp8_t
-    if Rp != R and not transposed:
+    if transposed and isinstance(q, QueryRows):
+        q_rows = q_rows[:, :R]
+    elif Rp != R and not transposed and not isinstance(q, QueryRows):
         q_rows = jnp.pad(q_rows, ((0, 0), (0, Rp - R), (0, 0)))
     out, lse = partials(q_rows, kv_pages, block_table, seq_lens, page_offset, **body_args)
     if split_partials and not plan_.planned and plan_.num_splits > 1 and not transposed:
@@ -395,8 +440,9 @@ def mla_decode(
     """Absorbed MLA decode attention over a paged latent cache.
 
     Args:
-      q: bf16 [B, s_q, H, 576]: absorbed latent query (512) ; rope query (64). The kernel takes H in
-        `SUPPORTED_HEADS` and s_q in [1, 4]; the reference any.
+      q: bf16 [B, s_q, H, 576]: absorbed latent query (512) ; rope query (64), or that query as `QueryRows`
+        (already padded to the kernel's rows). The kernel takes H in `SUPPORTED_HEADS` and s_q in [1, 4]; the
+        reference any.
       kv_pages: [num_pages, page_size, W]: one layer's cache pages, rows = tokens. bf16 pages are
         [num_pages, 64, 576]: normalised latent (512) ; roped key (64), and V is the first 512 columns of
         the same rows. fp8 pages are uint8 [num_pages, 64, 656] (`pallas_kernels.page_format`: 512 e4m3
@@ -444,12 +490,14 @@ def mla_decode(
     )
     config = checked_config(config)
     B, s_q, H, _ = q.shape
+    if isinstance(q, QueryRows) and q.rows.shape[1] != QueryRows.padded(s_q, H):
+        raise ValueError(f"QueryRows of s_q={s_q}, H={H} need {QueryRows.padded(s_q, H)} rows, got {q.rows.shape[1]}")
     if schedule is not None:
         _check_schedule(schedule, B, s_q, H, config)
     impl = backend.choose(impl, mla_decode_problems(H, kv_pages.shape[1], fmt, s_q))
     if impl == "reference":
         return mla_decode_reference(
-            q,
+            q.unpadded() if isinstance(q, QueryRows) else q,
             kv_pages,
             block_table,
             seq_lens,
