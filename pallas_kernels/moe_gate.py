@@ -31,7 +31,10 @@ from jax import lax
 from pallas_kernels import backend
 from pallas_kernels.stacked_matmul import Partials, rms_norm
 
-MAX_ROWS = 32  # the rows (T) a call serves: each is a load of its own (a decode step of B <= 32, a verify step's)
+# The rows (T) a call serves, each a load of its own that every program repeats: a B = 1 decode step's row or a
+# verify step's few. On an H100 (2026-12-07) the kernel took 9.5 µs a layer at one row but 99.5 at 32, where XLA's
+# add, norm and router product take ~11: 2.1 ms a V2-Lite step at B = 32.
+MAX_ROWS = 4
 BLOCK_E = 4  # router columns a program computes (fewer experts: all of them); 16 measured slower (see PERFORMANCE)
 PRODUCT = 4096  # elements of a program's chunk product [block_d, block_e]: block_d = PRODUCT / block_e up to 8 rows
 _F32 = jnp.float32

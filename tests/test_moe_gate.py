@@ -82,18 +82,18 @@ def test_what_it_cannot_serve_is_one_line_each():
     """Rows past `MAX_ROWS`, experts or widths off its blocks: one line each; "auto" falls back to the reference
     (on CPU it is the reference anyway), "interpret" refuses naming the problem; bad shapes are refused."""
     assert moe_gate_problems(1, 2048, 64) == []
-    assert moe_gate_problems(33, 2048, 64) == ["T = 33 rows: the kernel loads 1 to 32 rows, a load each"]
+    assert moe_gate_problems(5, 2048, 64) == ["T = 5 rows: the kernel loads 1 to 4 rows, a load each"]
     assert moe_gate_problems(1, 2048, 18) == ["E = 18 experts is not a multiple of the 4 columns a program computes"]
     assert moe_gate_problems(1, 1536, 16) == ["D = 1536 is not a multiple of the 1024-wide chunks the kernel walks"]
     x, attn, w, r = _inputs(MAX_ROWS + 1, 128, 16, 0)
-    with pytest.raises(ValueError, match=r"^moe_gate impl='interpret': the kernels cannot serve this: T = 33 rows"):
+    with pytest.raises(ValueError, match=r"^moe_gate impl='interpret': the kernels cannot serve this: T = 5 rows"):
         moe_gate(x, attn, w, r, 0, eps=EPS, impl="interpret")
     with pytest.raises(ValueError, match=r"^moe_gate: stacked weights need `layer`, got None$"):
         moe_gate(x, attn, w, r, eps=EPS, impl="reference")
-    with pytest.raises(ValueError, match=r"^moe_gate: the attention rows must be \[T=33, D=128\] .*, got \(3, 128\)$"):
+    with pytest.raises(ValueError, match=r"^moe_gate: the attention rows must be \[T=5, D=128\] .*, got \(3, 128\)$"):
         moe_gate(x, attn[:3], w, r, 0, eps=EPS, impl="reference")
     parts = Partials(jnp.zeros((2, 4, 128)), (4, 128), jnp.dtype(jnp.bfloat16))
-    with pytest.raises(ValueError, match=r"^moe_gate: the attention rows must be Partials \[S, >= T=33, D=128\]"):
+    with pytest.raises(ValueError, match=r"^moe_gate: the attention rows must be Partials \[S, >= T=5, D=128\]"):
         moe_gate(x, parts, w, r, 0, eps=EPS, impl="reference")
     with pytest.raises(ValueError, match=r"^moe_gate: norm weight \[D=128\] and router \[D=128, E\]"):
         moe_gate(x, attn, w, r[0], 0, eps=EPS, impl="reference")
@@ -101,12 +101,12 @@ def test_what_it_cannot_serve_is_one_line_each():
 
 @pytest.mark.parametrize("name", ["v2_lite", "v3"])
 def test_cross_lowers_for_sm90(name):
-    """Traced and lowered for an H100 on a CPU host at V2-Lite's (one row, wo's 8 partials, 26 layers) and V3's (8
-    rows, 7168 wide, 256 experts, 58 layers: moe_route's largest at 256 experts) shapes: one Triton call and no XLA
+    """Traced and lowered for an H100 on a CPU host at V2-Lite's (one row, wo's 8 partials, 26 layers) and V3's (4
+    rows, 7168 wide, 256 experts, 58 layers: a verify step's rows) shapes: one Triton call and no XLA
     dot or reduction beside it (catches an op the Triton lowering refuses, or the router's product left to XLA)."""
     from jax._src import mesh as mesh_lib
 
-    T, D, E, L, S = {"v2_lite": (1, 2048, 64, 26, 8), "v3": (8, 7168, 256, 58, 4)}[name]
+    T, D, E, L, S = {"v2_lite": (1, 2048, 64, 26, 8), "v3": (MAX_ROWS, 7168, 256, 58, 4)}[name]
 
     def f(x, parts, w, r, layer):
         return moe_gate(x, Partials(parts, (T, D), jnp.dtype(jnp.bfloat16)), w, r, layer, eps=EPS, impl="kernel")
@@ -138,10 +138,10 @@ def test_a_scanned_decode_step_enters_its_moe_layers_through_the_gate_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", gpu_full(["v2_lite", "v3", "v2_lite_32", "builtin"], ["v2_lite", "v2_lite_32"]))
+@pytest.mark.parametrize("name", gpu_full(["v2_lite", "v3", "v2_lite_rows", "builtin"], ["v2_lite", "v2_lite_rows"]))
 def test_gpu_kernel_equals_the_reference(name):
     """The compiled kernel against the jnp reference at V2-Lite's decode step (one row, wo's 8 partials), V3's width
-    and experts at 8 rows, V2-Lite's B = 32 step (summed rows, narrower chunks), and the built-in model's 8
+    and experts at 4 rows, V2-Lite's widths at `MAX_ROWS` summed rows (a verify step's), and the built-in model's 8
     experts."""
     from pallas_kernels.backend import on_hopper
 
@@ -149,8 +149,8 @@ def test_gpu_kernel_equals_the_reference(name):
         pytest.skip("needs a Hopper GPU")
     T, D, E, S = {
         "v2_lite": (1, 2048, 64, 8),
-        "v3": (8, 7168, 256, 4),
-        "v2_lite_32": (MAX_ROWS, 2048, 64, 0),
+        "v3": (4, 7168, 256, 4),
+        "v2_lite_rows": (MAX_ROWS, 2048, 64, 0),
         "builtin": (2, 128, 8, 0),
     }[name]
     x, attn, w, r = _inputs(T, D, E, S, L=4)

@@ -16,7 +16,8 @@ P·V steps every body shares, `bf16` and `scorer` the bodies over bf16 pages, `f
 
 * Query rows: the (T, H) pairs of a sequence are packed row-major into R = T·H rows (row = t·H + h)
   and padded to a multiple of 64, the wgmma M tile. A CTA owns one 64-row block, so H=16, T=1 pads
-  16 rows to 64, and H=128 uses two CTAs (row blocks) per sequence and KV split.
+  16 rows to 64, and H=128 uses two CTAs (row blocks) per sequence and KV split. A query made in that layout
+  (`QueryRows`, `pallas_kernels.head_matmul.absorbed_query`) is taken as it is, with no pad.
 * Split-KV: each sequence's pages are cut into ``num_splits`` contiguous ranges so that
   B·row_blocks·num_splits fills about one wave of the GPU's SMs. With one split, the kernel
   writes the final bf16 output and natural-log LSE itself. With more, it writes fp32 partials and a
@@ -76,7 +77,12 @@ from pallas_kernels.mla_decode.config import (
 )
 from pallas_kernels.mla_decode.fp8 import NARROW_ROWS, _decode_partials_fp8, _decode_partials_fp8_t, _use_transposed_fp8
 from pallas_kernels.mla_decode.fp8_math import quantize_query_rows
-from pallas_kernels.mla_decode.reference import _validate, mla_decode_fp8_math_reference, mla_decode_reference
+from pallas_kernels.mla_decode.reference import (
+    QueryRows,
+    _validate,
+    mla_decode_fp8_math_reference,
+    mla_decode_reference,
+)
 from pallas_kernels.mla_decode.schedule import (
     AutoSchedule,
     PieceSchedule,
@@ -276,48 +282,6 @@ jax.tree_util.register_dataclass(
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class QueryRows:
-    """A decode call's query already in the kernel's row layout (`pallas_kernels.head_matmul.absorbed_query` makes
-    it, so that no launch pads it): rows [B, Rp, 576] in bf16, row t·H + h query token t's head h, the Rp - s_q·H
-    rows past them zero, Rp = `padded(s_q, heads)` (whole 64-row blocks). `shape` and `dtype` are the query's
-    [B, s_q, H, 576] that `mla_decode` takes; `unpadded()` is that array."""
-
-    rows: jax.Array
-    s_q: int
-    heads: int
-
-    @staticmethod
-    def padded(s_q: int, heads: int) -> int:
-        """The rows a sequence's s_q·heads query rows take in the kernel: whole 64-row (`ROWS`) blocks."""
-        return -(-s_q * heads // ROWS) * ROWS
-
-    @classmethod
-    def of(cls, q) -> "QueryRows":
-        """`QueryRows` of a query [B, s_q, H, 576] (its rows padded with zeros)."""
-        B, s_q, H, C = q.shape
-        rows = q.reshape(B, s_q * H, C)
-        return cls(jnp.pad(rows, ((0, 0), (0, cls.padded(s_q, H) - s_q * H), (0, 0))), s_q, H)
-
-    @property
-    def shape(self) -> tuple:
-        return (self.rows.shape[0], self.s_q, self.heads, self.rows.shape[-1])
-
-    @property
-    def dtype(self):
-        return self.rows.dtype
-
-    @property
-    def ndim(self) -> int:
-        return 4
-
-    def unpadded(self) -> jax.Array:
-        return self.rows[:, : self.s_q * self.heads].reshape(self.shape)
-
-
-jax.tree_util.register_dataclass(QueryRows, data_fields=["rows"], meta_fields=["s_q", "heads"])
-
-
 def _merged(out, lse, BsH, dtype, config, interpret, pieces=None, transposed=False):
     """The combine kernel over split (or piece) partials -> (out [B, R or Rp, 512] in `dtype` ([B, 512, R]
     transposed), lse [B, Rp], ln): the kernel's rows, which `_finish` trims and shapes."""
@@ -497,7 +461,7 @@ def mla_decode(
     impl = backend.choose(impl, mla_decode_problems(H, kv_pages.shape[1], fmt, s_q))
     if impl == "reference":
         return mla_decode_reference(
-            q.unpadded() if isinstance(q, QueryRows) else q,
+            q,
             kv_pages,
             block_table,
             seq_lens,

@@ -1,18 +1,62 @@
 """`mla_decode`'s checks of its arguments and its plain-jnp references: `mla_decode_reference` (fp32 math over the
 pages as the kernel's tensor cores see them) and `mla_decode_fp8_math_reference` (the FP8 math decided for fp8
-pages), each with `mla_decode`'s contract."""
+pages), each with `mla_decode`'s contract; `QueryRows`, a query already in the kernel's row layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._page_table import check_page_table
-from pallas_kernels.mla_decode.config import KEY_DIM, LATENT_DIM
+from pallas_kernels.mla_decode.config import KEY_DIM, LATENT_DIM, ROWS
 from pallas_kernels.mla_decode.fp8_math import fp8_math_decode
 from pallas_kernels.page_format import PageFormat, check_pages
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryRows:
+    """A decode call's query already in the kernel's row layout (`pallas_kernels.head_matmul.absorbed_query` makes
+    it, so that no launch pads it): rows [B, Rp, 576] in bf16, row t·H + h query token t's head h, the Rp - s_q·H
+    rows past them zero, Rp = `padded(s_q, heads)` (whole 64-row blocks). `shape` and `dtype` are the query's
+    [B, s_q, H, 576] that `mla_decode` takes; `unpadded()` is that array."""
+
+    rows: jax.Array
+    s_q: int
+    heads: int
+
+    @staticmethod
+    def padded(s_q: int, heads: int) -> int:
+        """The rows a sequence's s_q·heads query rows take in the kernel: whole 64-row (`ROWS`) blocks."""
+        return -(-s_q * heads // ROWS) * ROWS
+
+    @classmethod
+    def of(cls, q) -> "QueryRows":
+        """`QueryRows` of a query [B, s_q, H, 576] (its rows padded with zeros)."""
+        B, s_q, H, C = q.shape
+        rows = q.reshape(B, s_q * H, C)
+        return cls(jnp.pad(rows, ((0, 0), (0, cls.padded(s_q, H) - s_q * H), (0, 0))), s_q, H)
+
+    @property
+    def shape(self) -> tuple:
+        return (self.rows.shape[0], self.s_q, self.heads, self.rows.shape[-1])
+
+    @property
+    def dtype(self):
+        return self.rows.dtype
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    def unpadded(self) -> jax.Array:
+        return self.rows[:, : self.s_q * self.heads].reshape(self.shape)
+
+
+jax.tree_util.register_dataclass(QueryRows, data_fields=["rows"], meta_fields=["s_q", "heads"])
 
 
 def _validate(
@@ -90,6 +134,7 @@ def mla_decode_reference(
     lse = -inf, as in the kernel.
     """
     del config, impl, schedule, split_partials
+    q = q.unpadded() if isinstance(q, QueryRows) else q
     fmt = _validate(
         q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked, page_offset=page_offset
     )
@@ -127,6 +172,7 @@ def mla_decode_fp8_math_reference(
     (docs/PERFORMANCE.md, "Limits and open gaps"). Same arguments and checks as `mla_decode_reference`, for fp8
     pages only (a ValueError names any other format).
     """
+    q = q.unpadded() if isinstance(q, QueryRows) else q
     fmt = _validate(
         q, kv_pages, block_table, seq_lens, softmax_scale, page_format, checked=checked, page_offset=page_offset
     )
