@@ -75,8 +75,12 @@ def kernel_seq_lens(cache, positions_BT: jax.Array) -> jax.Array:
     T here (decode, verify), so padding queries at the end are counted in: the valid ones land on their positions
     and the padding ones' outputs are discarded."""
     with jax.named_scope(SEQ_LENS_SCOPE):
-        n_valid = jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
-        return cache.lengths + positions_BT.shape[1] - n_valid
+        T = positions_BT.shape[1]
+        # a decode or verify step's few columns summed by elementwise adds, which fuse with their neighbours
+        # (a reduction is a launch of its own)
+        valid = [(positions_BT[:, t] >= 0).astype(jnp.int32) for t in range(T)] if T <= 8 else None
+        n_valid = sum(valid[1:], valid[0]) if valid else jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
+        return cache.lengths + T - n_valid
 
 
 def check_decode_config(config, *, name: str = "decode_config"):

@@ -444,6 +444,26 @@ def test_sampling_finite_rows_flags_nan_and_inf():
     assert issubclass(NonFiniteLogitsError, ValueError)  # the CLIs' one-line path
 
 
+def test_greedy_finite_check_from_the_drawn_logit_equals_finite_rows():
+    """The greedy steps judge a row by its argmax's own logit (one reduction over the vocabulary, not two): a NaN
+    that the argmax passed over (a NaN after a larger finite logit), a +inf, or a row of -inf would slip through
+    if the argmax did not pick NaN first, then +inf; rows of [B, k + 1, V] (a verify step) as of [B, V]."""
+    from models.serving.sampling import finite_rows
+    from models.serving.steps import _finite
+
+    x = np.zeros((6, 8), np.float32)
+    x[0, 5] = 3.0  # finite
+    x[1, 0], x[1, 6] = 9.0, np.nan  # a NaN after the largest finite logit
+    x[2, 2], x[2, 4] = np.inf, np.nan
+    x[3, 7] = np.inf
+    x[4, :] = -np.inf
+    x[5, :3] = -np.inf  # masked tokens are fine
+    for logits in (jnp.asarray(x), jnp.asarray(x).reshape(3, 2, 8)):
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        got = np.asarray(jax.jit(_finite, static_argnums=2)(logits, tokens, "greedy")).reshape(-1)
+        assert got.tolist() == np.asarray(finite_rows(logits)).reshape(-1).tolist() == [1, 0, 0, 0, 0, 1]
+
+
 # ------------------------------------------------------------------------------------------------
 # Capacity planner (mla_jax.capacity: plan_kv_cache and mla-capacity)
 # ------------------------------------------------------------------------------------------------

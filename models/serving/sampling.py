@@ -156,12 +156,13 @@ def filtered_probs(logits_BV: jax.Array, s: SamplingArrays, *, filtered: bool = 
 
 
 def finite_rows(logits_BV: jax.Array) -> jax.Array:
-    """bool [B]: whether each row of logits [B, V] defines a distribution: no NaN, no +inf, and at
+    """bool [...]: whether each row of logits [..., V] defines a distribution: no NaN, no +inf, and at
     least one finite logit (-inf entries are fine: masked tokens). Jit-able; compute it in the step
     beside the sampled tokens and pass it to `check_finite_rows` on the host. A False row came
     from non-finite weights or activations; its "sampled" token is meaningless."""
-    x = logits_BV.astype(_F32)
-    return ~jnp.any(jnp.isnan(x) | (x == jnp.inf), axis=-1) & jnp.any(jnp.isfinite(x), axis=-1)
+    # One reduction (a launch where two were): the row's max is NaN where a logit is (max propagates NaN), +inf
+    # where one is, -inf where all are; else finite.
+    return jnp.isfinite(jnp.max(logits_BV.astype(_F32), axis=-1))
 
 
 class NonFiniteLogitsError(ValueError):

@@ -52,6 +52,56 @@ _BONUS_STREAM = 2
 _DRAFT_STREAM = 16
 
 
+# The verify step's bookkeeping reduces axes of k + 1 <= 4 tokens and of a few stop ids: unrolled into elementwise
+# ops, XLA fuses it with its neighbours, where each reduction or scatter was a kernel launch of its own (the
+# built-in model's verify step is launch-bound: a launch costs more than its work).
+_UNROLL = 8  # the widest stop-id axis compared by unrolled ops
+
+
+def _columns(x_BN):
+    return [x_BN[:, c] for c in range(x_BN.shape[1])]
+
+
+def _count(x_BN):
+    """int32 [B]: the True entries of each row of bool x [B, N]."""
+    return functools.reduce(
+        jnp.add, [c.astype(jnp.int32) for c in _columns(x_BN)], jnp.zeros(x_BN.shape[:1], jnp.int32)
+    )
+
+
+def _leading(x_BN):
+    """int32 [B]: how many of each row's first entries are all True (the drafts accepted in order)."""
+    run, n = jnp.ones(x_BN.shape[:1], bool), jnp.zeros(x_BN.shape[:1], jnp.int32)
+    for c in _columns(x_BN):
+        run = run & c
+        n = n + run
+    return n
+
+
+def _any(x_BN):
+    """bool [B]: a row of bool x [B, N] holds a True."""
+    return functools.reduce(jnp.logical_or, _columns(x_BN), jnp.zeros(x_BN.shape[:1], bool))
+
+
+def _is_stop(tok, stop_ids_BS):
+    """bool, tok's shape ([B] or [B, N]): tok is one of its row's stop ids (stop_ids_BS int32 [B, S], -1 where
+    a row has fewer)."""
+    ids = stop_ids_BS if tok.ndim == 1 else stop_ids_BS[:, None, :]
+    if stop_ids_BS.shape[1] > _UNROLL:
+        return jnp.any(tok[..., None] == ids, axis=-1)
+    return functools.reduce(
+        jnp.logical_or, [tok == ids[..., s] for s in range(ids.shape[-1])], jnp.zeros(tok.shape, bool)
+    )
+
+
+def _pick(x_BN, i_B, other_B):
+    """x[b, i_B[b]] where 0 <= i_B[b] < N, else other_B[b]: N selects, where a gather was a launch."""
+    out = other_B
+    for c, col in enumerate(_columns(x_BN)):
+        out = jnp.where(i_B == c, col, out)
+    return out
+
+
 class StepInputs(NamedTuple):
     """Arrays of one step (B = max_batch rows; idle rows are all padding).
 
@@ -111,6 +161,15 @@ def _sample(logits_BV, inp: StepInputs, counter_B, sampler: str, stream: int = 0
     return sample_from_probs(row_keys(inp.base_keys, counter_B, stream), probs), probs
 
 
+def _finite(logits, tokens, sampler: str):
+    """`finite_rows(logits)` for rows that drew `tokens`. Greedy: the drawn token's own logit is finite, which
+    says the same (an argmax picks a NaN first, then a +inf, and leaves -inf only where all are) with no second
+    reduction over the vocabulary (a launch of its own, which XLA does not fuse with the argmax)."""
+    if sampler == "greedy":
+        return jnp.isfinite(jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0])
+    return finite_rows(logits)
+
+
 def _draft_chain(model, cache: KVCache, o_BD, pos_B, active_B, inp: StepInputs, k: int, sampler: str):
     """k drafts from the MTP block output o at position pos (the pair (h_pos, t_{pos+1})).
 
@@ -164,7 +223,7 @@ def prefill_step(
     logits = model.logits_from_hidden(h_post[rows, inp.last_idx])
     last_pos = inp.positions[rows, inp.last_idx]
     tokens, _ = _sample(logits, inp, last_pos + 1, sampler)
-    tokens = jnp.where(finite_rows(logits), tokens, NON_FINITE)
+    tokens = jnp.where(_finite(logits, tokens, sampler), tokens, NON_FINITE)
     if use_mtp:
         at_end = prompt_ends[:, None] & (jnp.arange(T)[None, :] == inp.last_idx[:, None])
         nxt = jnp.where(at_end, tokens[:, None], mtp_next_ids)
@@ -195,7 +254,8 @@ def decode_loop(model, cache: KVCache, inp: StepInputs, steps_B, stop_ids_BS, *,
     `steps_B` steps, after sampling a stop token (kept), or on non-finite logits (token `NON_FINITE`);
     a stopped row is padding for the rest of the loop (position -1: no write, no attention).
     Draws use the same keys as `decode_step` (the row's key folded with the token's position), so the tokens
-    equal `num_steps` calls of it. -> (cache, tokens int32 [B, num_steps] (-1 past a row's last), count [B]).
+    equal `num_steps` calls of it. -> (cache, tokens int32 [B, num_steps] (-1 past a row's last), count [B],
+    last int32 [B] (the row's last token, else its input token)).
     """
     B = inp.ids.shape[0]
     zero_B = jnp.zeros((B,), jnp.int32)
@@ -210,7 +270,7 @@ def decode_loop(model, cache: KVCache, inp: StepInputs, steps_B, stop_ids_BS, *,
             model, cache.with_lengths(lengths), step_inp, None, None, None, None, use_mtp=False, sampler=sampler
         )
         tok_B = jnp.where(active, tok_B, -1)
-        stop = jnp.any(tok_B[:, None] == stop_ids_BS, axis=1) | (tok_B == NON_FINITE)
+        stop = _is_stop(tok_B, stop_ids_BS) | (tok_B == NON_FINITE)
         out_BK = jax.lax.dynamic_update_slice_in_dim(out_BK, tok_B[:, None], i, axis=1)
         return (
             cache,
@@ -230,10 +290,10 @@ def decode_loop(model, cache: KVCache, inp: StepInputs, steps_B, stop_ids_BS, *,
         zero_B,
     )
     if num_steps == 1:  # no loop: a while loop costs a device-to-host read of its predicate per trip
-        cache, _, _, _, tokens, count = step(0, init)
+        cache, last, _, _, tokens, count = step(0, init)
     else:
-        cache, _, _, _, tokens, count = jax.lax.fori_loop(0, num_steps, step, init)
-    return cache, tokens, count
+        cache, last, _, _, tokens, count = jax.lax.fori_loop(0, num_steps, step, init)
+    return cache, tokens, count, last
 
 
 def verify_step(model, cache: KVCache, inp: StepInputs, drafts, draft_probs, n_spec, *, sampler: str):
@@ -263,8 +323,9 @@ def verify_step(model, cache: KVCache, inp: StepInputs, drafts, draft_probs, n_s
     if sampler == "greedy":  # one-hot p and q: a draft is accepted iff it is the argmax
         best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B,k+1]
         ok = (best[:, :k] == drafts) & verifiable
-        accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+        accepted = _leading(ok)
         tokens = best  # tokens before `accepted` equal the drafts; the one at `accepted` is the argmax
+        finite_BT = _finite(logits, best, sampler)
     else:
         keys = jnp.repeat(inp.base_keys, k + 1, axis=0)
         flat = StepInputs(
@@ -279,13 +340,14 @@ def verify_step(model, cache: KVCache, inp: StepInputs, drafts, draft_probs, n_s
             drafts.reshape(B * k),
         )
         ok = acc.reshape(B, k) & verifiable
-        accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+        accepted = _leading(ok)
         repl = jnp.concatenate([repl.reshape(B, k), jnp.zeros((B, 1), jnp.int32)], axis=1)
         # At index `accepted`: the residual replacement after a rejection, else (all verified
         # drafts accepted) the bonus token drawn from p.
         last = jnp.where(accepted < n_spec, repl[rows, accepted], bonus.reshape(B, k + 1)[rows, accepted])
         tokens = jnp.where(j < accepted[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1), last[:, None])
-    finite = finite_rows(logits.reshape(B * (k + 1), V)).reshape(B, k + 1).all(axis=1)
+        finite_BT = finite_rows(logits)
+    finite = ~_any(~finite_BT)
     tokens = jnp.where(finite[:, None], tokens, NON_FINITE)
     # MTP pairs (h_{n+i}, t_{n+i+1}) for the kept positions i = 0 .. accepted (rows of rejected drafts
     # and chain rows of the last step are overwritten or left past the length).
@@ -341,7 +403,7 @@ class DraftOracle(NamedTuple):
         q = pos_B[:, None] + 1 + jnp.arange(k + 1)[None, :]
         true = jnp.take_along_axis(self.tokens_BL, jnp.clip(q, 0, L - 1), axis=1)
         ok = (drafts_Bk == true[:, :k]) & (jnp.arange(k)[None, :] < n_spec_B[:, None])
-        accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+        accepted = _leading(ok)
         return true, accepted
 
 
@@ -375,12 +437,12 @@ def verify_loop(
     kept with probability `accept` and made wrong otherwise. The model, the MTP module and the verification still
     run: a verify step's cost timed at a chosen acceptance on a model whose own drafts are noise.
     -> (cache, tokens int32 [B, num_steps * (k + 1)] (-1 past a row's last), count [B] (its new tokens, the
-    tokens its cache gained), drafted [B], accepted [B], drafts, draft_probs).
+    tokens its cache gained), last [B] (the row's last new token, else its pending one), drafted [B], accepted [B],
+    drafts, draft_probs).
     """
     B, k = drafts.shape
     W = num_steps * (k + 1)
     j = jnp.arange(k + 1)[None, :]
-    rows = jnp.arange(B)[:, None]
     zero_B = jnp.zeros((B,), jnp.int32)
 
     def step(i, carry):
@@ -389,7 +451,7 @@ def verify_loop(
         n_spec = jnp.where(active, jnp.clip(jnp.minimum(spec_B, end_B - pos_B - 1), 0, k), 0)
         positions = jnp.where(active[:, None] & (j <= n_spec[:, None]), pos_B[:, None] + j, -1)
         lengths = jnp.where(active, pos_B + 1 + n_spec, 0)
-        ids = jnp.zeros((B, k + 1), jnp.int32).at[:, 0].set(pend_B)
+        ids = jnp.concatenate([pend_B[:, None], jnp.zeros((B, k), jnp.int32)], axis=1)
         step_inp = inp._replace(ids=ids, positions=positions, lengths=lengths)
         cache, toks, acc, d, q = verify_step(
             model, cache.with_lengths(lengths), step_inp, drafts, draft_probs, n_spec, sampler=sampler
@@ -400,16 +462,21 @@ def verify_loop(
         if oracle is not None:
             d = oracle.drafts(pos_B + 1 + acc, k)
         emit = active[:, None] & (j <= acc[:, None])
-        stop = (jnp.any(toks[:, :, None] == stop_ids_BS[:, None, :], axis=-1) | (toks == NON_FINITE)) & emit
-        emit &= (jnp.cumsum(stop, axis=1) - stop) == 0  # nothing after the first stop
-        n_emit = jnp.sum(emit, axis=1)
-        out = out.at[rows, jnp.where(emit, count_B[:, None] + j, W)].set(toks, mode="drop")
-        last = jnp.take_along_axis(toks, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0]
+        stop = (_is_stop(toks, stop_ids_BS) | (toks == NON_FINITE)) & emit
+        before, cols = jnp.zeros((B,), bool), []  # nothing after the first stop
+        for c in range(k + 1):
+            cols.append(emit[:, c] & ~before)
+            before |= stop[:, c]
+        emit = jnp.stack(cols, axis=1)
+        n_emit = _count(emit)
+        dest = jnp.arange(W)[None, :] - count_B[:, None]  # output column w takes the token of index w - count
+        for c in range(k + 1):
+            out = jnp.where((dest == c) & emit[:, c : c + 1], toks[:, c : c + 1], out)
         return (
             cache,
-            jnp.where(n_emit > 0, last, pend_B),
+            _pick(toks, n_emit - 1, pend_B),
             pos_B + jnp.where(active, 1 + acc, 0),
-            done_B | jnp.any(stop, axis=1),
+            done_B | _any(stop),
             out,
             count_B + n_emit,
             drafted_B + n_spec,
@@ -434,8 +501,8 @@ def verify_loop(
         carry = step(0, init)
     else:
         carry = jax.lax.fori_loop(0, num_steps, step, init)
-    cache, _, _, _, tokens, count, drafted, accepted, drafts, draft_probs = carry
-    return cache, tokens, count, drafted, accepted, drafts, draft_probs
+    cache, last, _, _, tokens, count, drafted, accepted, drafts, draft_probs = carry
+    return cache, tokens, count, last, drafted, accepted, drafts, draft_probs
 
 
 # ------------------------------------------------------------------------------------------
@@ -459,20 +526,20 @@ def decode_call(model, cache, inp, lane, steps_B, stop_ids_BS, *, sampler, num_s
     """`decode_loop` from the slots' pending tokens and positions (the lane): -> (cache, tokens [B, num_steps],
     count [B], lane)."""
     inp = inp._replace(ids=lane.pending[:, None], positions=lane.pos[:, None])
-    cache, tokens, count = decode_loop(model, cache, inp, steps_B, stop_ids_BS, sampler=sampler, num_steps=num_steps)
-    last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
-    return cache, tokens, count, Lane(jnp.where(count > 0, last, lane.pending), lane.pos + count)
+    cache, tokens, count, last = decode_loop(
+        model, cache, inp, steps_B, stop_ids_BS, sampler=sampler, num_steps=num_steps
+    )
+    return cache, tokens, count, Lane(last, lane.pos + count)
 
 
 def verify_call(model, cache, inp, lane, drafts, draft_probs, *loop_args, sampler, num_steps):
     """`verify_loop` from the slots' pending tokens and positions (the lane); `loop_args`: its steps_B, spec_B,
     end_B, stop_ids_BS and oracle. -> (cache, tokens, count, drafted, accepted, lane, drafts, draft_probs)."""
-    inp = inp._replace(ids=inp.ids.at[:, 0].set(lane.pending), positions=inp.positions.at[:, 0].set(lane.pos))
-    cache, tokens, count, drafted, accepted, drafts, draft_probs = verify_loop(
+    inp = inp._replace(ids=lane.pending[:, None], positions=lane.pos[:, None])
+    cache, tokens, count, last, drafted, accepted, drafts, draft_probs = verify_loop(
         model, cache, inp, drafts, draft_probs, *loop_args, sampler=sampler, num_steps=num_steps
     )
-    last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
-    lane = Lane(jnp.where(count > 0, last, lane.pending), lane.pos + count)
+    lane = Lane(last, lane.pos + count)
     return cache, tokens, count, drafted, accepted, lane, drafts, draft_probs
 
 
