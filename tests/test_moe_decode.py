@@ -25,7 +25,6 @@ from models.experts import moe_dense_reference, moe_grouped, resolve_moe_impl
 from models.moe import MoE
 from pallas_kernels.moe_decode import (
     SHARED_MAX_ROWS,
-    WIDE_ROWS_FROM,
     MoeDecodeConfig,
     SharedExperts,
     default_config,
@@ -169,20 +168,11 @@ def test_widths_the_blocks_do_not_divide_are_refused():
         MoeDecodeConfig(block_i=48)
 
 
-def test_default_row_tile_follows_the_rows_an_expert():
-    """default_config takes 32-row tiles once the routed rows average more than WIDE_ROWS_FROM (8) an expert, 16
-    below and without the counts; V2-Lite's (top-6 of 64) turn is at B = 86. Catches the threshold compared with
-    >= or on the tokens rather than the rows, 32-row tiles at a narrow batch (twice the rows computed for
-    nothing), and 16 kept at B = 128 (an expert of more than 16 of its 768 rows reading its weights twice).
-    A row tile that is not a power of two from 16 to 64 is refused in one line naming it."""
-    D, I, E, K = 2048, 1408, 64, 6
-    assert WIDE_ROWS_FROM == 8
-    assert default_config(D, I) == default_config(D, I, rows=K * 128) == MoeDecodeConfig(block_k=128)
-    for B, row_tile in ((1, 16), (32, 16), (85, 16), (86, 32), (128, 32)):
-        config = default_config(D, I, rows=K * B, experts=E)
-        assert config.row_tile == row_tile, (B, config)
-        assert config == MoeDecodeConfig(block_k=128, row_tile=row_tile)  # the rest as before
-    assert default_config(D, I, rows=8 * E, experts=E).row_tile == 16  # exactly 8 an expert: still 16
+def test_row_tile_is_16_unless_given_and_refused_in_one_line():
+    """The default keeps 16-row tiles (taller ones are untimed on a card); a row tile that is not a power of two
+    from 16 to 64 is refused in one line naming it (24 would step rows past a tile's mask, 128 overflow the
+    registers of two fp32 accumulators)."""
+    assert default_config(2048, 1408) == MoeDecodeConfig(block_k=128) and MoeDecodeConfig().row_tile == 16
     for bad in (24, 8, 128):
         with pytest.raises(ValueError, match=rf"^MoeDecodeConfig.row_tile must be a power of two .*, got {bad}$"):
             MoeDecodeConfig(row_tile=bad)

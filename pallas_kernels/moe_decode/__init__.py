@@ -15,8 +15,8 @@ A program reads its expert's weights once a row tile, so with at most R rows per
 read exactly once, which is the floor of a decode step's MoE: Σ over touched experts of 3·D·I weights. An expert
 routed more rows than a tile reads them again per tile, from HBM (the programs of a step stream more weights than
 the L2 holds): at R = 16, V2-Lite at B = 128 (768 rows over 64 experts, 12 an expert on average) has about one
-expert in eleven above 16 rows. `default_config` therefore takes R = 32 where the rows average more than
-`WIDE_ROWS_FROM` (8) an expert, 16 below (the smallest tile: where experts get few rows a taller one idles).
+expert in eleven above 16 rows, which 32-row tiles would read once (`MoeDecodeConfig(row_tile=32)`; the default is
+16, the smallest tile: where experts get few rows a taller one idles; 32 is not yet timed on a card).
 Rows are the assignments sorted by expert (`group_sizes` [E] rows each, in expert order); rows past
 sum(group_sizes) are not written (the caller masks them). Accumulation in fp32, inputs bf16.
 
@@ -61,7 +61,6 @@ __all__ = [
     "SHARED_MAX_ROWS",
     "MoeDecodeConfig",
     "SharedExperts",
-    "WIDE_ROWS_FROM",
     "default_config",
     "fp8_default_config",
     "moe_decode",
@@ -78,11 +77,6 @@ __all__ = [
 # B = 32 / 128 with them against 4.6 / 5.6 ms without, 16-row tiles; docs/PERFORMANCE.md, "Tried and rejected").
 # The smallest tile's height: the tokens fit one tile at any `MoeDecodeConfig.row_tile`.
 SHARED_MAX_ROWS = ROW_TILE
-
-# Routed rows an expert on average above which `default_config` takes 32-row tiles (half a 16-row tile): V2-Lite
-# (top-6 of 64) from B = 86. With 16-row tiles an expert past 16 rows re-reads its weights; at B = 128 (12 an expert
-# on average) about one expert in eleven is. Not yet timed on a card (docs/PERFORMANCE.md).
-WIDE_ROWS_FROM = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +100,7 @@ class MoeDecodeConfig:
       row_tile: rows a program computes at a time (routed and shared), a power of two from 16 (`ROW_TILE`, the
         smallest M of a tensor-core dot) to 64. A program reads its expert's weights once a tile, so once while
         the expert has at most `row_tile` rows; a taller tile costs registers and idle rows where experts have
-        few. `default_config` picks 16 or 32 from the rows an expert.
+        few. 16 unless given.
     """
 
     block_i: int = 64
@@ -168,19 +162,11 @@ def moe_decode_problems(D: int, I: int, config: MoeDecodeConfig = MoeDecodeConfi
     return out
 
 
-def default_config(D: int, I: int, rows: int | None = None, experts: int | None = None) -> MoeDecodeConfig:
+def default_config(D: int, I: int) -> MoeDecodeConfig:
     """`moe_decode`'s config when none is given: the down kernel's contraction chunk 128 wide where I allows
     (V2-Lite B = 1: 14.0 against 16.1 us a layer; B = 32 unchanged, at the copy rate: docs/PERFORMANCE.md,
-    "End-to-end decode against the weight + KV floor"), the rest `MoeDecodeConfig`'s defaults, except the row tile:
-    32 rows where the `rows` (M, the routed rows of the call) average more than `WIDE_ROWS_FROM` (8) an expert over
-    the `experts` (E, routed experts), else 16 (also when either is None). A program reads its expert's weights once
-    a row tile, so an expert routed more rows than a tile reads them once per tile (from HBM); 32-row tiles keep the
-    experts that get more than 16 rows, no longer rare past 8 an expert on average (V2-Lite at B = 128: 768 rows
-    over 64 experts, about one in eleven past 16), at one read."""
-    wide = rows is not None and experts is not None and rows > WIDE_ROWS_FROM * experts
-    return MoeDecodeConfig(
-        block_k=QUANT_BLOCK if I % QUANT_BLOCK == 0 else 64, row_tile=2 * ROW_TILE if wide else ROW_TILE
-    )
+    "End-to-end decode against the weight + KV floor"), the rest `MoeDecodeConfig`'s defaults."""
+    return MoeDecodeConfig(block_k=QUANT_BLOCK if I % QUANT_BLOCK == 0 else 64)
 
 
 def fp8_default_config(D: int, I: int) -> MoeDecodeConfig:
@@ -277,8 +263,7 @@ def moe_decode(
         scanned stack's [L, E, ...]); group e then uses weights `expert_offset + e` (an int scalar,
         may be traced: layer · E). The kernel reads them in place: no per-layer copy.
       config: `MoeDecodeConfig`; D and I must be multiples of its blocks (`moe_decode_problems`). None:
-        `default_config(D, I, rows=M, experts=E)` (M the routed rows, row_tokens' length when given): 32-row tiles
-        where the rows average more than `WIDE_ROWS_FROM` an expert, else 16.
+        `default_config(D, I)`.
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
       shared: `SharedExperts` or None. Given, the shared experts (width S, a multiple of I:
         `moe_decode_problems(D, I, config, S)`) run in the same two launches over `x_shared_TD`, and the call
@@ -307,9 +292,7 @@ def moe_decode(
             raise ValueError("moe_decode: with row_tokens the shared experts read x's tokens; x_shared_TD must be None")
         x_rows = jax.ShapeDtypeStruct((jnp.shape(row_tokens)[0], x_MD.shape[-1]), x_MD.dtype)  # what is checked
         x_shared_TD = x_MD if shared is not None else None
-    if config is None:  # the routed rows M (the gathered ones with row_tokens) over the E groups
-        experts = group_sizes_E.shape[0] if group_sizes_E.ndim == 1 else None
-        config = default_config(x_MD.shape[-1], gate_EDI.shape[-1], rows=x_rows.shape[0], experts=experts)
+    config = default_config(x_MD.shape[-1], gate_EDI.shape[-1]) if config is None else config
     _validate(x_rows, group_sizes_E, gate_EDI, up_EDI, down_EID, config, shared, x_shared_TD)
     if expert_programs is not None:
         A = jnp.shape(expert_programs[0])[0]
