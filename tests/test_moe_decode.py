@@ -1,13 +1,17 @@
 """The decode-shaped MoE kernel (`pallas_kernels.moe_decode`, Pallas Triton backend) against its
 `lax.ragged_dot` reference: interpret mode on CPU, cross-lowered for sm_90, and on a Hopper GPU.
 
-Guards against: a row tile that skips or double-counts rows when an expert has more than 16 rows
-(or 0); rows past the groups written with garbage; the contraction loop missing a chunk (block
-sizes not dividing D / I are refused instead); the custom gradient drifting from ragged_dot's;
+Guards against: a row tile that skips or double-counts rows when an expert has more rows than a tile
+(16 or 32: `MoeDecodeConfig.row_tile`) or 0; buffers padded for another tile than the config's; the default
+config's row tile not following the rows an expert; rows past the groups written with garbage; the contraction
+loop missing a chunk (block sizes not dividing D / I are refused instead); the custom gradient drifting from
+ragged_dot's;
 "auto" choosing the decode kernel for prefill-sized calls (its weights would be re-read per tile);
 the shared experts run as pseudo-experts in the same launches reading another layer, another pseudo-expert's
 columns or the routed rows, or added twice (or not at all) by the MoE layer.
 """
+
+import dataclasses
 
 import chex
 import jax
@@ -23,6 +27,7 @@ from pallas_kernels.moe_decode import (
     SHARED_MAX_ROWS,
     MoeDecodeConfig,
     SharedExperts,
+    default_config,
     fp8_default_config,
     moe_decode,
     moe_decode_fp8,
@@ -36,6 +41,11 @@ from tests.tiers import full, gpu_full
 SMALL = MoeDecodeConfig(block_i=32, block_d=32, block_o=32, block_k=32)
 
 
+def small(row_tile=16):
+    """SMALL's blocks at `row_tile` rows a tile."""
+    return dataclasses.replace(SMALL, row_tile=row_tile)
+
+
 def _problem(sizes, D=64, I=64, pad=3, seed=0, dtype=jnp.bfloat16):
     rng = np.random.default_rng(seed)
     E = len(sizes)
@@ -45,17 +55,77 @@ def _problem(sizes, D=64, I=64, pad=3, seed=0, dtype=jnp.bfloat16):
     return x, jnp.asarray(sizes, jnp.int32), *w
 
 
-@pytest.mark.parametrize("sizes", [[1, 0, 0, 2], [0, 17, 3, 0], [33, 1, 0, 16]], ids=["few", "17-rows", "3-tiles"])
-def test_interpret_matches_reference(sizes):
-    args = _problem(sizes)
+@pytest.mark.parametrize("row_tile", [16, 32])
+@pytest.mark.parametrize(
+    "sizes, pad",
+    [([1, 0, 0, 2], 3), ([0, 17, 3, 0], 3), ([33, 1, 0, 16], 3), ([17, 0, 49, 33], 0)],
+    ids=["few", "17-rows", "3-tiles", "49-rows"],
+)
+def test_interpret_matches_reference(sizes, pad, row_tile):
+    """At 16- and 32-row tiles, groups of 17, 33 and 49 rows (one past one, two and three 16-row tiles; one past
+    one 32-row tile, and 49 > 32 + 16). Catches a tile stepping by other than its height (32-row tiles 16 apart:
+    cdiv(49, 32) = 2 tiles leave row 48; 16-row tiles 32 apart skip rows 16-31 of 33) and a mask of another
+    height than the tile. (The interpreter pads a ref to any slice it is given, so padding shows only in
+    test_row_tiles_stay_in_their_buffers.)"""
+    args = _problem(sizes, pad=pad)
     ref = moe_decode_reference(*args)
-    got = moe_decode(*args, config=SMALL, impl="interpret")
+    got = moe_decode(*args, config=small(row_tile), impl="interpret")
     assert got.dtype == jnp.float32 and got.shape == ref.shape
     chex.assert_trees_all_close(got, ref, rtol=1e-2, atol=1e-2)  # bf16 h rounded alike; sums in fp32
     assert not np.asarray(got[int(sum(sizes)) :]).any()  # rows past the groups are 0
 
 
-def test_cross_lowers_for_sm90():
+def _reach_past_buffers(monkeypatch):
+    """Records, as the interpreted kernels run, each `plt.load` / `plt.store` whose slice of a dimension ends past
+    the ref's (masked rows included): (what, end, size) tuples. The list returned fills as the kernels run."""
+    import jax.experimental.pallas.triton as plt
+    from jax._src.state.indexing import NDIndexer, Slice
+    from jax._src.state.types import TransformedRef
+
+    past = []
+
+    def checked(op, name):
+        def run(ref, *args, **kwargs):
+            assert isinstance(ref, TransformedRef) and len(ref.transforms) == 1, ref
+            (idx,) = ref.transforms
+            assert isinstance(idx, NDIndexer), idx
+            for size, s in zip(ref.ref.shape, idx.indices):
+                if isinstance(s, Slice):
+                    cb = lambda end, size=size: end > size and past.append((name, int(end), size))  # noqa: E731
+                    jax.debug.callback(cb, s.start + s.size)
+            return op(ref, *args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(plt, "load", checked(plt.load, "load"))
+    monkeypatch.setattr(plt, "store", checked(plt.store, "store"))
+    return past
+
+
+@pytest.mark.parametrize("row_tile", [16, 32])
+def test_row_tiles_stay_in_their_buffers(monkeypatch, row_tile):
+    """No row tile's load or store reaches past its buffer, masked rows included: x, h and y are padded by the
+    config's tile (a 16-row pad at 32-row tiles lets the last tile of the 33-row group ending at the last row reach
+    15 rows past), the shared experts' h and partials by whole tiles of it (3 tokens at 32-row tiles: 16 rows
+    padded would be written 32), the fp8 rows' f16 factors likewise. The interpreter pads a ref to whatever slice it
+    is given, so the values cannot show it; a GPU's masked lanes are not read either, but an address past the buffer
+    is one a later change (a load without its mask) would read."""
+    config = small(row_tile)
+    args = _problem([17, 0, 49, 33], pad=0)
+    xs, ws = _shared(3, 2)
+    past = _reach_past_buffers(monkeypatch)
+    y, _ = moe_decode(*args, config=config, impl="interpret", shared=SharedExperts(*ws, 1), x_shared_TD=xs)
+    fp8 = _fp8_problem([2, 0, 33], dtype=jnp.bfloat16, layers=1, pad=0)
+    fp8_config = dataclasses.replace(config, block_d=64, block_i=64, block_o=64, block_k=64, fp8_f16=True)
+    moe_decode_fp8(*fp8, config=fp8_config, impl="interpret")
+    jax.effects_barrier()
+    assert past == []
+    chex.assert_trees_all_close(y, moe_decode_reference(*args), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("row_tile", [16, 32, 64])
+def test_cross_lowers_for_sm90(row_tile):
+    """Each row tile the config takes lowers to Triton (a tile shape Triton refuses fails here)."""
     from jax._src import mesh as mesh_lib
 
     args = _problem([2, 0, 5, 1])
@@ -63,7 +133,7 @@ def test_cross_lowers_for_sm90():
     # Triton's lowering asks the device for its compute capability: name an abstract H200 (the
     # arguments are made before, outside the abstract mesh, where no eager op can run).
     with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",), abstract_device=h200)):
-        traced = jax.jit(lambda *a: moe_decode(*a, config=SMALL, impl="kernel")).trace(*args)
+        traced = jax.jit(lambda *a: moe_decode(*a, config=small(row_tile), impl="kernel")).trace(*args)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 2, "gate/up and down kernels"
 
@@ -96,6 +166,16 @@ def test_widths_the_blocks_do_not_divide_are_refused():
         moe_decode(*_problem([1, 1], D=48), impl="interpret")
     with pytest.raises(ValueError, match="power of two"):
         MoeDecodeConfig(block_i=48)
+
+
+def test_row_tile_is_16_unless_given_and_refused_in_one_line():
+    """The default keeps 16-row tiles (taller ones are untimed on a card); a row tile that is not a power of two
+    from 16 to 64 is refused in one line naming it (24 would step rows past a tile's mask, 128 overflow the
+    registers of two fp32 accumulators)."""
+    assert default_config(2048, 1408) == MoeDecodeConfig(block_k=128) and MoeDecodeConfig().row_tile == 16
+    for bad in (24, 8, 128):
+        with pytest.raises(ValueError, match=rf"^MoeDecodeConfig.row_tile must be a power of two .*, got {bad}$"):
+            MoeDecodeConfig(row_tile=bad)
 
 
 def test_auto_takes_the_decode_kernel_only_for_decode_shaped_calls(monkeypatch):
@@ -368,32 +448,33 @@ def _np_swiglu(x, g, u, d):
 
 
 @pytest.mark.parametrize(
-    "T, n_shared, stacked",
+    "T, n_shared, stacked, row_tile",
     full(
-        [(T, n, st) for T in (1, 3, 17) for n in (1, 2) for st in (True, False)],
-        [(1, 1, True), (3, 2, False), (17, 2, True)],
-        "each row count, shared-expert count and weight form (stack, 2d) runs in the quick tier",
+        [(T, n, st, rt) for T in (1, 3, 17) for n in (1, 2) for st in (True, False) for rt in (16, 32)],
+        [(1, 1, True, 16), (3, 2, False, 16), (17, 2, True, 16), (3, 2, True, 32), (17, 1, False, 32)],
+        "each row count, shared-expert count, weight form (stack, 2d) and row tile runs in the quick tier",
     ),
 )
-def test_shared_interpret_matches_reference_and_leaves_the_routed_rows(T, n_shared, stacked):
+def test_shared_interpret_matches_reference_and_leaves_the_routed_rows(T, n_shared, stacked, row_tile):
     """Routed and shared experts in one pair of launches, layer 1 of a 3-layer stack at a traced index (or 2-D
     weights) against the reference. Catches: the shared programs reading another layer (or layer 0), a wrong
     column offset h·I of a pseudo-expert, a partial dropped from the sum (S/I = 2), the second row tile of 17
     tokens skipped, and shared programs writing into the routed rows (the routed output must be bit-identical
-    to a call without shared experts)."""
+    to a call without shared experts); at 16- and 32-row tiles (17 tokens: two tiles or one)."""
     args = _problem([1, 0, 17, 2])
     xs, ws = _shared(T, n_shared, stacked=stacked)
+    config = small(row_tile)
 
     @jax.jit
     def run(layer):
         sh = SharedExperts(*ws, layer)
-        return moe_decode(*args, config=SMALL, impl="interpret", shared=sh, x_shared_TD=xs)
+        return moe_decode(*args, config=config, impl="interpret", shared=sh, x_shared_TD=xs)
 
     y, ys = run(jnp.int32(1))
     y_ref, ys_ref = moe_decode_reference(*args, shared=SharedExperts(*ws, 1), x_shared_TD=xs)
     assert ys.dtype == jnp.float32 and ys.shape == (T, 64)
     chex.assert_trees_all_close(ys, ys_ref, rtol=1e-2, atol=1e-2)  # bf16 h rounded alike; sums in fp32
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(moe_decode(*args, config=SMALL, impl="interpret")))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(moe_decode(*args, config=config, impl="interpret")))
     chex.assert_trees_all_close(y, y_ref, rtol=1e-2, atol=1e-2)
 
 
@@ -578,14 +659,18 @@ def test_expert_programs_run_only_the_listed_experts(with_shared):
         moe_decode(x, gs, g, u, d, config=SMALL, impl="interpret", expert_programs=programs[:2])
 
 
+@pytest.mark.parametrize("row_tile", [16, 32])
 @pytest.mark.parametrize("with_shared", [False, True], ids=["routed", "shared"])
-def test_rows_gathered_from_their_tokens_equal_the_rows_given(with_shared):
+def test_rows_gathered_from_their_tokens_equal_the_rows_given(with_shared, row_tile):
     """`row_tokens`: x holds the T tokens and the kernel gathers each routed row's token as it loads it (no [M, D]
     rows made between the route and the experts) -> the same rows as x[row_tokens] given as rows; the shared
     experts then read the T tokens themselves. The rows past the groups (a buffer's spare rows: their tokens out of
     range here) come back 0. Catches a row tile reading its rows as they are instead of their tokens and the shared
-    programs reading routed rows; a bad argument is one line."""
-    sizes = [0, 3, 0, 0, 17, 0, 1, 0]
+    programs reading routed rows; at 16- and 32-row tiles (a group of 33: a whole 32-row tile of gathered rows),
+    a tile's token indices built for 16 rows (the rest of a 32-row tile reading another token); a bad argument is
+    one line."""
+    sizes = [0, 3, 0, 0, 33, 0, 1, 0]
+    config = small(row_tile)
     rng = np.random.default_rng(5)
     T, M = 7, sum(sizes)
     x_TD = jnp.asarray(rng.standard_normal((T, 64)), jnp.bfloat16)
@@ -596,12 +681,12 @@ def test_rows_gathered_from_their_tokens_equal_the_rows_given(with_shared):
         sh = [jnp.asarray(rng.standard_normal(s) / 8, jnp.bfloat16) for s in ((64, 128), (64, 128), (128, 64))]
         kw, given = dict(shared=SharedExperts(*sh)), dict(shared=SharedExperts(*sh), x_shared_TD=x_TD)
     rows = x_TD[jnp.clip(tokens, 0, T - 1)]
-    want = moe_decode(rows, gs, g, u, d, config=SMALL, impl="interpret", **given)
-    got = moe_decode(x_TD, gs, g, u, d, config=SMALL, impl="interpret", row_tokens=tokens, **kw)
+    want = moe_decode(rows, gs, g, u, d, config=config, impl="interpret", **given)
+    got = moe_decode(x_TD, gs, g, u, d, config=config, impl="interpret", row_tokens=tokens, **kw)
     chex.assert_trees_all_equal(got, want)
-    ref = moe_decode(x_TD, gs, g, u, d, config=SMALL, impl="reference", row_tokens=jnp.clip(tokens, 0, T - 1), **kw)
+    ref = moe_decode(x_TD, gs, g, u, d, config=config, impl="reference", row_tokens=jnp.clip(tokens, 0, T - 1), **kw)
     chex.assert_trees_all_close(got, ref, rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match=r"^row_tokens must be int \[M\], got float32 \(2, 3\)$"):
-        moe_decode(x_TD, gs, g, u, d, config=SMALL, impl="interpret", row_tokens=jnp.zeros((2, 3)))
+        moe_decode(x_TD, gs, g, u, d, config=config, impl="interpret", row_tokens=jnp.zeros((2, 3)))
     with pytest.raises(ValueError, match=r"^moe_decode: with row_tokens the shared experts read x's tokens"):
-        moe_decode(x_TD, gs, g, u, d, config=SMALL, impl="interpret", row_tokens=tokens, x_shared_TD=x_TD)
+        moe_decode(x_TD, gs, g, u, d, config=config, impl="interpret", row_tokens=tokens, x_shared_TD=x_TD)

@@ -1,18 +1,22 @@
 """Decode-shaped routed experts: a grouped GEMM over few rows per expert (Pallas, Triton backend).
 
 Dimension letters: M assignment rows (token, chosen expert) sorted by expert, E experts,
-D model width, I expert width, R = 16 rows a tile (the smallest tensor-core M).
+D model width, I expert width, R rows a tile (`MoeDecodeConfig.row_tile`: 16, the smallest tensor-core M, or 32).
 
 A decode step routes T·K rows (B = 1: 6 rows for V2-Lite) over E experts. A grouped GEMM tiled for
 prefill pads each expert's rows to 128-row tiles and schedules tiles for experts that got none;
 this one gives every expert its own programs and lets those of untouched experts return at once:
 
-  gate_up: grid (E, I / block_i). Program (e, j) loops over expert e's rows 16 at a time and, for
+  gate_up: grid (E, I / block_i). Program (e, j) loops over expert e's rows R at a time and, for
            each row tile, over D in `block_d` chunks: h = silu(x·W_gate[e][:, j]) * (x·W_up[e][:, j]).
   down:    grid (E, D / block_o): y = h·W_down[e][:, j] over I in `block_k` chunks.
 
-With at most 16 rows per expert (decode up to B ≈ 128 on V2-Lite) every expert's weights are read
-exactly once, which is the floor of a decode step's MoE: Σ over touched experts of 3·D·I weights.
+A program reads its expert's weights once a row tile, so with at most R rows per expert every expert's weights are
+read exactly once, which is the floor of a decode step's MoE: Σ over touched experts of 3·D·I weights. An expert
+routed more rows than a tile reads them again per tile, from HBM (the programs of a step stream more weights than
+the L2 holds): at R = 16, V2-Lite at B = 128 (768 rows over 64 experts, 12 an expert on average) has about one
+expert in eleven above 16 rows, which 32-row tiles would read once (`MoeDecodeConfig(row_tile=32)`; the default is
+16, the smallest tile: where experts get few rows a taller one idles; 32 is not yet timed on a card).
 Rows are the assignments sorted by expert (`group_sizes` [E] rows each, in expert order); rows past
 sum(group_sizes) are not written (the caller masks them). Accumulation in fp32, inputs bf16.
 
@@ -20,7 +24,7 @@ Shared experts (`SharedExperts`, optional): DeepSeek's n_shared experts are one 
 S = n_shared · I over every token, stored as a model keeps an `nnx.Linear` stack (gate/up [L, D, S], down
 [L, S, D], read in place at a layer index). They run inside the same two launches as S / I pseudo-experts of
 width I after the E routed ones (grids (E + S/I, ...)): program h reads columns (gate/up) or rows (down)
-[h·I, (h+1)·I) of the shared weights and all T token rows, 16 at a time. The gate/up launch writes their h
+[h·I, (h+1)·I) of the shared weights and all T token rows, R at a time. The gate/up launch writes their h
 [T, S] as a second output, the down launch their partial products f32 [S/I, T, D] (summed after). A decode
 step's MoE layer is then two launches, routed and shared experts together.
 
@@ -68,9 +72,10 @@ __all__ = [
     "shared_experts_reference",
 ]
 
-# Tokens up to which the shared experts ride in the routed launches: their programs read the weights once a 16-row
+# Tokens up to which the shared experts ride in the routed launches: their programs read the weights once a row
 # tile, so past one tile they outlast the routed programs (V2-Lite on an H200, gate/up of a step: 5.2 / 7.9 ms at
-# B = 32 / 128 with them against 4.6 / 5.6 ms without; docs/PERFORMANCE.md, "Tried and rejected").
+# B = 32 / 128 with them against 4.6 / 5.6 ms without, 16-row tiles; docs/PERFORMANCE.md, "Tried and rejected").
+# The smallest tile's height: the tokens fit one tile at any `MoeDecodeConfig.row_tile`.
 SHARED_MAX_ROWS = ROW_TILE
 
 
@@ -92,6 +97,10 @@ class MoeDecodeConfig:
         fp32 between the kernels and its rows scaled the same way for the down products (undone on y). None or
         False: off (`fp8_default_config`, the config `moe_decode_fp8` takes when given none, sets it); float32
         rows never (exact).
+      row_tile: rows a program computes at a time (routed and shared), a power of two from 16 (`ROW_TILE`, the
+        smallest M of a tensor-core dot) to 64. A program reads its expert's weights once a tile, so once while
+        the expert has at most `row_tile` rows; a taller tile costs registers and idle rows where experts have
+        few. 16 unless given.
     """
 
     block_i: int = 64
@@ -102,12 +111,16 @@ class MoeDecodeConfig:
     num_stages: int = 3
     fp8_convert: str = "cast"
     fp8_f16: bool | None = None
+    row_tile: int = ROW_TILE
 
     def __post_init__(self):
         for f in ("block_i", "block_d", "block_o", "block_k"):
             v = getattr(self, f)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MoeDecodeConfig.{f} must be a power of two >= 16, got {v}")
+        rt = self.row_tile
+        if not ROW_TILE <= rt <= 4 * ROW_TILE or rt & (rt - 1):  # 64 at most: two fp32 [rt, block_i] accumulators
+            raise ValueError(f"MoeDecodeConfig.row_tile must be a power of two from {ROW_TILE} to 64, got {rt}")
         if self.fp8_convert not in CONVERTS:
             raise ValueError(f"MoeDecodeConfig.fp8_convert must be one of {CONVERTS}, got {self.fp8_convert!r}")
         if self.fp8_f16 and self.fp8_convert != "cast":
@@ -249,7 +262,8 @@ def moe_decode(
         may hold the experts of every layer of a stack, flattened ([L·E, ...], a free reshape of a
         scanned stack's [L, E, ...]); group e then uses weights `expert_offset + e` (an int scalar,
         may be traced: layer · E). The kernel reads them in place: no per-layer copy.
-      config: `MoeDecodeConfig`; D and I must be multiples of its blocks (`moe_decode_problems`).
+      config: `MoeDecodeConfig`; D and I must be multiples of its blocks (`moe_decode_problems`). None:
+        `default_config(D, I)`.
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else the reference).
       shared: `SharedExperts` or None. Given, the shared experts (width S, a multiple of I:
         `moe_decode_problems(D, I, config, S)`) run in the same two launches over `x_shared_TD`, and the call
@@ -266,10 +280,10 @@ def moe_decode(
       row_tokens: int [M] or None. Given, x_MD holds the T tokens [T, D] and row r is token row_tokens[r] (the
         kernel gathers it as it loads it: no [M, D] rows are made), and the shared experts read the T tokens
         (`x_shared_TD` then None). Tokens past the rows the groups cover may be anything in [0, T).
-    Fast while every expert has at most 16 rows (weights read once); correct for any sizes. The shared programs
-    read their weights once per 16 tokens. (`moe_decode_fp8` takes no shared experts.)
+    A program reads its expert's weights once per row tile (`config.row_tile` rows) of the expert's rows: once
+    while every expert has at most a tile's rows; correct for any sizes. The shared programs read their weights once
+    per row tile of tokens. (`moe_decode_fp8` takes no shared experts.)
     """
-    config = default_config(x_MD.shape[-1], gate_EDI.shape[-1]) if config is None else config
     x_rows = x_MD
     if row_tokens is not None:
         if jnp.ndim(row_tokens) != 1 or not jnp.issubdtype(jnp.result_type(row_tokens), jnp.integer):
@@ -278,6 +292,7 @@ def moe_decode(
             raise ValueError("moe_decode: with row_tokens the shared experts read x's tokens; x_shared_TD must be None")
         x_rows = jax.ShapeDtypeStruct((jnp.shape(row_tokens)[0], x_MD.shape[-1]), x_MD.dtype)  # what is checked
         x_shared_TD = x_MD if shared is not None else None
+    config = default_config(x_MD.shape[-1], gate_EDI.shape[-1]) if config is None else config
     _validate(x_rows, group_sizes_E, gate_EDI, up_EDI, down_EID, config, shared, x_shared_TD)
     if expert_programs is not None:
         A = jnp.shape(expert_programs[0])[0]
@@ -363,9 +378,9 @@ def moe_decode_fp8(
       impl: one of `pallas_kernels.backend.IMPLS` ("auto": the kernel on a Hopper GPU, else
         `moe_decode_fp8_reference`).
       group_starts_E: as `moe_decode`.
-    Each touched expert's e4m3 bytes are read once while every expert has at most 16 rows. "auto" takes the
-    reference for expert stacks the Triton lowering cannot index (`backend.triton_offset_problems`), "kernel"
-    refuses them.
+    Each touched expert's e4m3 bytes are read once while every expert has at most `config.row_tile` rows
+    (`fp8_default_config`: 16). "auto" takes the reference for expert stacks the Triton lowering cannot index
+    (`backend.triton_offset_problems`), "kernel" refuses them.
     """
     config = fp8_default_config(x_MD.shape[-1], gate_EID.shape[1]) if config is None else config
     scales = (gate_scale, up_scale, down_scale)

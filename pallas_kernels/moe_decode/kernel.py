@@ -1,5 +1,6 @@
 """`moe_decode`'s two Pallas Triton launches (gate/up, down): the routed programs over their listed experts'
-rows, 16 at a time, and the shared experts as more programs of the same grids."""
+rows, `rt` (`MoeDecodeConfig.row_tile`, a power of two from 16 to 64) at a time, and the shared experts as more
+programs of the same grids."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from jax import lax
 from pallas_kernels.fp8_gemm.config import QUANT_BLOCK
 from pallas_kernels.fp8_matvec import prepare_rows, to_compute
 
-ROW_TILE = 16  # rows a tile: the smallest M of a tensor-core dot
+ROW_TILE = 16  # the smallest row tile: the smallest M of a tensor-core dot (`MoeDecodeConfig.row_tile` >= it)
 
 
 def _product(x, w_ref, s_ref, e, k0, block_k, c0, block_c, convert):
@@ -44,46 +45,47 @@ def _gate_up_rows(
     block_d,
     D,
     convert,
+    rt,
     out_start=None,
     rows_of=None,
 ):
     """h[out_start + r, c0 : c0 + block_i] = silu(x[start + r]·W_gate[w]) * (x[start + r]·W_up[w]) over those
-    columns for r < n (out_start None: start), 16 rows at a time (rows past n neither read nor written); `w` the
+    columns for r < n (out_start None: start), `rt` rows at a time (rows past n neither read nor written); `w` the
     weights' leading index (expert or layer). `rows_of` (None: x's rows as they are): the x rows of rows
-    [r0, r0 + 16), int [16] (gathered in the loads)."""
+    [r0, r0 + rt), int [rt] (gathered in the loads)."""
     cols = pl.ds(c0, block_i)
     out_start = start if out_start is None else out_start
 
     def row_tile(t, carry):
-        r0 = start + t * ROW_TILE
-        rmask = (r0 + jnp.arange(ROW_TILE) < start + n)[:, None]
+        r0 = start + t * rt
+        rmask = (r0 + jnp.arange(rt) < start + n)[:, None]
         rows = None if rows_of is None else rows_of(r0)[:, None]
 
         def chunk(k, accs):
             acc_g, acc_u = accs
             d = pl.ds(k * block_d, block_d)
             if rows is None:
-                x = plt.load(x_ref.at[pl.ds(r0, ROW_TILE), d], mask=rmask, other=0.0)  # [R, block_d]
+                x = plt.load(x_ref.at[pl.ds(r0, rt), d], mask=rmask, other=0.0)  # [R, block_d]
             else:
                 x = plt.load(x_ref.at[rows, k * block_d + jnp.arange(block_d)[None, :]], mask=rmask, other=0.0)
             acc_g += _product(x, wg_ref, sg_ref, w, k * block_d, block_d, c0, block_i, convert)
             acc_u += _product(x, wu_ref, su_ref, w, k * block_d, block_d, c0, block_i, convert)
             return acc_g, acc_u
 
-        zero = jnp.zeros((ROW_TILE, block_i), jnp.float32)
+        zero = jnp.zeros((rt, block_i), jnp.float32)
         acc_g, acc_u = lax.fori_loop(0, D // block_d, chunk, (zero, zero))
         if rf_ref is not None:
-            rf = plt.load(rf_ref.at[pl.ds(r0, ROW_TILE), pl.ds(0, 1)], mask=rmask, other=1.0)  # [R, 1]
+            rf = plt.load(rf_ref.at[pl.ds(r0, rt), pl.ds(0, 1)], mask=rmask, other=1.0)  # [R, 1]
             acc_g, acc_u = acc_g * rf, acc_u * rf
         h = jax.nn.silu(acc_g) * acc_u
-        plt.store(h_ref.at[pl.ds(out_start + t * ROW_TILE, ROW_TILE), cols], h.astype(h_ref.dtype), mask=rmask)
+        plt.store(h_ref.at[pl.ds(out_start + t * rt, rt), cols], h.astype(h_ref.dtype), mask=rmask)
         return carry
 
-    lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
+    lax.fori_loop(0, pl.cdiv(n, rt), row_tile, 0)
 
 
 def _gate_up_kernel(
-    expert_ref, start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d, D, convert, row_scaled, shared, gather
+    expert_ref, start_ref, size_ref, off_ref, x_ref, *refs, block_i, block_d, D, convert, rt, row_scaled, shared, gather
 ):
     """``row_scaled``: x holds rows scaled into f16 and the next ref their factors [rows, 1], which multiply the
     fp32 products before the SiLU. ``expert_ref``, ``start_ref``, ``size_ref``: each routed program's expert and rows.
@@ -105,15 +107,15 @@ def _gate_up_kernel(
     else:
         wg_ref, wu_ref, sg_ref, su_ref, h_ref = refs
     p, j = pl.program_id(0), pl.program_id(1)
-    kw = dict(block_i=block_i, block_d=block_d, D=D, convert=convert)
+    kw = dict(block_i=block_i, block_d=block_d, D=D, convert=convert, rt=rt)
     routed_rows = shared_rows = None
-    if gather:  # a routed row's token (its 16 scalars loaded once a row tile); a shared row r is token r
+    if gather:  # a routed row's token (its rt scalars loaded once a row tile); a shared row r is token r
         last, T_x = tok_ref.shape[0] - 1, x_ref.shape[0]
-        lanes = jnp.arange(ROW_TILE)
+        lanes = jnp.arange(rt)
 
         def routed_rows(r0):
-            tokens = jnp.zeros((ROW_TILE,), jnp.int32)
-            for i in range(ROW_TILE):  # rows past the last are masked: any token will do
+            tokens = jnp.zeros((rt,), jnp.int32)
+            for i in range(rt):  # rows past the last are masked: any token will do
                 tokens = jnp.where(lanes == i, tok_ref[jnp.minimum(r0 + i, last)], tokens)
             return tokens
 
@@ -142,28 +144,28 @@ def _gate_up_kernel(
         )
 
 
-def _down_rows(h_ref, wd_ref, sd_ref, y_ref, w, start, n, out_start, k_base, c0, *, block_o, block_k, I, convert):
+def _down_rows(h_ref, wd_ref, sd_ref, y_ref, w, start, n, out_start, k_base, c0, *, block_o, block_k, I, convert, rt):
     """y[out_start + r, c0 : c0 + block_o] = h[start + r, k_base : k_base + I] · W_down[w][k_base : k_base + I,
-    those columns] for r < n, 16 rows at a time."""
+    those columns] for r < n, `rt` rows at a time."""
     cols = pl.ds(c0, block_o)
 
     def row_tile(t, carry):
-        r0 = start + t * ROW_TILE
-        rmask = (r0 + jnp.arange(ROW_TILE) < start + n)[:, None]
+        r0 = start + t * rt
+        rmask = (r0 + jnp.arange(rt) < start + n)[:, None]
 
         def chunk(k, acc):
             k0 = k_base + k * block_k
-            h = plt.load(h_ref.at[pl.ds(r0, ROW_TILE), pl.ds(k0, block_k)], mask=rmask, other=0.0)  # [R, block_k]
+            h = plt.load(h_ref.at[pl.ds(r0, rt), pl.ds(k0, block_k)], mask=rmask, other=0.0)  # [R, block_k]
             return acc + _product(h, wd_ref, sd_ref, w, k0, block_k, c0, block_o, convert)
 
-        acc = lax.fori_loop(0, I // block_k, chunk, jnp.zeros((ROW_TILE, block_o), jnp.float32))
-        plt.store(y_ref.at[pl.ds(out_start + t * ROW_TILE, ROW_TILE), cols], acc, mask=rmask)
+        acc = lax.fori_loop(0, I // block_k, chunk, jnp.zeros((rt, block_o), jnp.float32))
+        plt.store(y_ref.at[pl.ds(out_start + t * rt, rt), cols], acc, mask=rmask)
         return carry
 
-    lax.fori_loop(0, pl.cdiv(n, ROW_TILE), row_tile, 0)
+    lax.fori_loop(0, pl.cdiv(n, rt), row_tile, 0)
 
 
-def _down_kernel(expert_ref, start_ref, size_ref, off_ref, h_ref, *refs, block_o, block_k, I, convert, shared):
+def _down_kernel(expert_ref, start_ref, size_ref, off_ref, h_ref, *refs, block_o, block_k, I, convert, rt, shared):
     """``shared`` (None, or (A, T, T')): the last three inputs are the shared experts' layer [1], h [T', S] and
     down weights [L, S, D], and the last output their partial products [S/I · T', D]: program A + h of axis 0
     writes rows [h·T', h·T' + T), the product of h's columns [h·I, (h+1)·I) (A: the routed programs)."""
@@ -175,7 +177,7 @@ def _down_kernel(expert_ref, start_ref, size_ref, off_ref, h_ref, *refs, block_o
     else:
         wd_ref, sd_ref, y_ref = refs
     p, j = pl.program_id(0), pl.program_id(1)
-    kw = dict(block_o=block_o, block_k=block_k, I=I, convert=convert)
+    kw = dict(block_o=block_o, block_k=block_k, I=I, convert=convert, rt=rt)
 
     def routed():
         start, n = start_ref[p], size_ref[p]
@@ -214,8 +216,10 @@ def _moe_decode_kernel(
     gate/up [E', I, D], down [E', D, I] e4m3 and `scales` (gate, up, down). `shared` (bf16 experts only): the
     shared experts run as S / I more programs of each grid -> (y [M, D], y_shared [T, D]), both f32. `row_tokens`
     (bf16 experts only): x_MD is the T tokens, row r is token row_tokens[r] (M rows), the shared experts' rows
-    the tokens themselves."""
+    the tokens themselves. Rows go `config.row_tile` (rt) at a time, routed and shared alike: every buffer a tile
+    reads or writes holds rt rows past the last one a tile can start at."""
     gather = row_tokens is not None
+    rt = config.row_tile
     M, D = (row_tokens.shape[0], x_MD.shape[1]) if gather else x_MD.shape
     E = group_sizes_E.shape[0]
     fp8 = scales is not None
@@ -243,15 +247,15 @@ def _moe_decode_kernel(
     x = x_MD
     if row_scaled:  # f16 rows scaled by powers of two, their factors beside them
         x, _, factors = prepare_rows(x_MD, "f16")
-        gate_up = (jnp.pad(factors, ((0, ROW_TILE), (0, 0)), constant_values=1.0), *gate_up)
+        gate_up = (jnp.pad(factors, ((0, rt), (0, 0)), constant_values=1.0), *gate_up)
     n_programs, gu_shared, down_shared = A, None, None
-    gu_out = [jax.ShapeDtypeStruct((M + ROW_TILE, I), h_dtype)]
-    down_out = [jax.ShapeDtypeStruct((M + ROW_TILE, D), jnp.float32)]
+    gu_out = [jax.ShapeDtypeStruct((M + rt, I), h_dtype)]  # a tile starting at row M - 1 ends within them
+    down_out = [jax.ShapeDtypeStruct((M + rt, D), jnp.float32)]
     if shared is not None:
         if fp8:
             raise ValueError("moe_decode_fp8 does not take shared experts")
         T = x_MD.shape[0] if gather else x_shared_TD.shape[0]
-        Tp = pl.cdiv(T, ROW_TILE) * ROW_TILE  # whole row tiles: no tile reads past the buffer
+        Tp = pl.cdiv(T, rt) * rt  # whole row tiles: no tile reads past the buffer
         ws = [w.astype(dt) for w in (shared.gate_LDS, shared.up_LDS, shared.down_LSD)]
         ws = [w[None] if w.ndim == 2 else w for w in ws]  # one layer: a stack of one (a free reshape)
         S = ws[0].shape[-1]
@@ -268,7 +272,7 @@ def _moe_decode_kernel(
     if gather:  # the kernel gathers each row's token in its loads: no [M, D] rows made for it
         x = (x, row_tokens.astype(jnp.int32))
     else:  # the row tiles may read past the last row (masked); pad so that no address leaves the buffers
-        x = (jnp.pad(x, ((0, ROW_TILE), (0, 0))),)
+        x = (jnp.pad(x, ((0, rt), (0, 0))),)
     name = "moe_decode_fp8" if fp8 else "moe_decode"
     h = pl.pallas_call(
         functools.partial(
@@ -277,6 +281,7 @@ def _moe_decode_kernel(
             block_d=config.block_d,
             D=D,
             convert=convert,
+            rt=rt,
             row_scaled=row_scaled,
             shared=gu_shared,
             gather=gather,
@@ -295,7 +300,13 @@ def _moe_decode_kernel(
         h, _, h_factors = prepare_rows(h, "f16")
     y = pl.pallas_call(
         functools.partial(
-            _down_kernel, block_o=config.block_o, block_k=config.block_k, I=I, convert=convert, shared=down_shared
+            _down_kernel,
+            block_o=config.block_o,
+            block_k=config.block_k,
+            I=I,
+            convert=convert,
+            rt=rt,
+            shared=down_shared,
         ),
         out_shape=tuple(down_out) if shared is not None else down_out[0],
         grid=(n_programs, D // config.block_o),
