@@ -1,7 +1,11 @@
 """Benchmark of one MoE layer's routed experts: the decode kernel, the Mosaic GPU grouped GEMM and
 `lax.ragged_dot`, per token count, against the weight-read floor and the matmul rate.
 
-Usage: ``python -m benchmarks moe [--model v2-lite|v3] [--tokens 1,8,32,128,4096] [--out DIR]``
+Usage: ``python -m benchmarks moe [--model v2-lite|v3] [--tokens 1,8,32,128,4096] [--row-tiles 16,32] [--out DIR]``
+
+``--row-tiles``: the decode kernel once per row tile (`MoeDecodeConfig.row_tile`, the rest its default config): a
+program reads its expert's weights once per tile of the expert's rows, so where experts get more rows than 16
+(V2-Lite at 128 tokens: 768 rows over 64 experts) the tiles decide how often the weights are read.
 
 A call routes T tokens to K of E experts (uniformly at random, K distinct per token), so the
 weights it must read are the touched experts' 3·D·I values: floor = touched · 3·D·I · 2 B / the
@@ -18,6 +22,7 @@ with exit status 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import jax
@@ -27,6 +32,7 @@ import numpy as np
 import benchmarks as bm
 from mla_jax import ModelConfig
 from models.experts import moe_grouped
+from pallas_kernels.moe_decode import MoeDecodeConfig, default_config
 
 IMPLS = ("decode", "mgpu", "ragged_dot")
 
@@ -42,6 +48,10 @@ def run(args):
     down = (jax.random.normal(k2, (E, I, D), jnp.bfloat16) * scale).astype(jnp.bfloat16)
     csv_path = os.path.join(args.out, f"moe_{args.model}.csv")
     bm.write_json(os.path.join(args.out, f"moe_{args.model}_meta.json"), dict(header, ceilings=ceil))
+    tiles = args.row_tiles
+    configs = [dataclasses.replace(default_config(D, I), row_tile=t) for t in tiles]
+    variants = [("decode", c) for c in configs] + [(impl, None) for impl in IMPLS if impl != "decode"]
+    label = lambda impl, c: impl if c is None or len(tiles) == 1 else f"{impl} row_tile {c.row_tile}"  # noqa: E731
     rows = []
     for T in bm.progress([int(t) for t in args.tokens.split(",")], desc="moe cells"):
         try:
@@ -53,16 +63,19 @@ def run(args):
             idx = jnp.asarray(idx)
             ref = jax.jit(lambda *a: moe_grouped(*a, impl="ragged_dot"))(x, w, idx, gate, up, down).astype(jnp.float32)
         except Exception as e:  # noqa: BLE001 - one cell's failure (out of memory) must not cost the others
-            for impl in IMPLS:
-                rows.append(bm.record_failure(dict(model=args.model, T=T, impl=impl), f"T={T} inputs", e))
+            for impl, c in variants:
+                row = dict(model=args.model, T=T, impl=impl, row_tile=c.row_tile if c else "")
+                rows.append(bm.record_failure(row, f"T={T} inputs", e))
             bm.write_csv(csv_path, rows)
             continue
         wbytes = touched * 3 * D * I * 2
         floor_us = wbytes / (ceil["bandwidth_gbps"] * 1e3)
         flops = 2 * T * K * 3 * D * I
-        for impl in IMPLS:
-            row = dict(model=args.model, T=T, impl=impl, touched=touched, weight_mb=wbytes / 1e6, floor_us=floor_us)
-            fn = jax.jit(lambda *a, impl=impl: moe_grouped(*a, impl=impl))
+        for impl, c in variants:
+            row = dict(model=args.model, T=T, impl=impl, row_tile=c.row_tile if c else "", touched=touched)
+            row.update(weight_mb=wbytes / 1e6, floor_us=floor_us)
+            kw = dict(impl=impl) if c is None else dict(impl=impl, decode_config=c)
+            fn = jax.jit(lambda *a, kw=kw: moe_grouped(*a, **kw))
             try:
                 got = fn(x, w, idx, gate, up, down).astype(jnp.float32)
                 row["rel_err"] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
@@ -77,7 +90,7 @@ def run(args):
                     mfu=flops / us / 1e6 / ceil["matmul_tflops"],
                 )
             except Exception as e:  # noqa: BLE001
-                bm.record_failure(row, f"T={T} {impl}", e)
+                bm.record_failure(row, f"T={T} {label(impl, c)}", e)
             rows.append(row)
             bm.write_csv(csv_path, rows)
     bm.print_table(
@@ -85,6 +98,7 @@ def run(args):
         [
             ("T", "T", "{}"),
             ("impl", "impl", "{}"),
+            ("row_tile", "row tile", "{}"),
             ("touched", "experts", "{}"),
             ("weight_mb", "weights MB", "{:.1f}"),
             ("floor_us", "floor µs", "{:.1f}"),
@@ -97,7 +111,9 @@ def run(args):
             ("error", "error", "{}"),
         ],
     )
-    bm.exit_if_failed("moe", rows, csv_path, name=lambda r: f"T={r['T']} {r['impl']}")
+    multi = len(tiles) > 1
+    name = lambda r: f"T={r['T']} {r['impl']}" + (f" row_tile {r['row_tile']}" if multi and r["row_tile"] else "")  # noqa: E731
+    bm.exit_if_failed("moe", rows, csv_path, name=name)
     return rows
 
 
@@ -107,9 +123,19 @@ def main(argv=None):
     )
     p.add_argument("--model", choices=("v2-lite", "v3"), default="v2-lite", help="the layer's shape")
     p.add_argument("--tokens", default="1,8,32,128,512,4096", help="tokens a call (comma-separated)")
+    p.add_argument(
+        "--row-tiles", default="16", help="the decode kernel's row tiles to time (comma-separated: 16, 32 or 64)"
+    )
     p.add_argument("--out", default="runs/bench_moe", help="directory for CSV/JSON")
     p.add_argument("--iters", type=int, default=30, help="CUPTI iterations per timing (median)")
     args = p.parse_args(argv)
+    raw = args.row_tiles
+    try:
+        args.row_tiles = [int(t) for t in raw.split(",")]
+        for t in args.row_tiles:
+            MoeDecodeConfig(row_tile=t)
+    except ValueError as e:
+        p.error(f"--row-tiles {raw}: {e}")
     bm.require_gpu("moe")
     return run(args)
 

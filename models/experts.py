@@ -172,15 +172,26 @@ def _mgpu_bwd(tuning, res, g):
 ragged_dot_mgpu.defvjp(_mgpu_fwd, _mgpu_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 10))
 def _experts_decode(
-    x_TD, gate_EDI, up_EDI, down_EID, group_sizes_E, expert_offset, kernel_impl, token_M, shared=None, layout=None
+    x_TD,
+    gate_EDI,
+    up_EDI,
+    down_EID,
+    group_sizes_E,
+    expert_offset,
+    kernel_impl,
+    token_M,
+    shared=None,
+    layout=None,
+    config=None,
 ):
     """silu(x W_g) * (x W_u) W_d per row's expert through `pallas_kernels.moe_decode` -> f32 [M, D], row r of
     token `token_M[r]` (the kernel gathers the tokens' rows in its loads); the gradient is `lax.ragged_dot`'s (the
     kernel is forward only). `shared` (`SharedExperts`): the shared experts of the tokens too, in the same launches
     -> (f32 [M, D], f32 [T, D]). `layout` (None, or (group_starts_E, expert_programs) of a
-    `pallas_kernels.moe_route.DecodeRoute`): the rows' layout, already computed."""
+    `pallas_kernels.moe_route.DecodeRoute`): the rows' layout, already computed. `config`: the kernel's
+    `MoeDecodeConfig` (None: its default)."""
     starts, programs = (None, None) if layout is None else layout
     return moe_decode(
         x_TD,
@@ -194,14 +205,16 @@ def _experts_decode(
         group_starts_E=starts,
         expert_programs=programs,
         row_tokens=token_M,
+        config=config,
     )
 
 
-def _experts_decode_fwd(x, g, u, d, gs, off, kernel_impl, tok, shared=None, layout=None):
-    return _experts_decode(x, g, u, d, gs, off, kernel_impl, tok, shared, layout), (x, g, u, d, gs, off, tok, shared)
+def _experts_decode_fwd(x, g, u, d, gs, off, kernel_impl, tok, shared=None, layout=None, config=None):
+    y = _experts_decode(x, g, u, d, gs, off, kernel_impl, tok, shared, layout, config)
+    return y, (x, g, u, d, gs, off, tok, shared)
 
 
-def _experts_decode_bwd(kernel_impl, res, ct):
+def _experts_decode_bwd(kernel_impl, config, res, ct):
     x, g, u, d, gs, off, tok, shared = res
     if shared is None:
         _, vjp = jax.vjp(lambda *w: moe_decode_reference(w[0][tok], gs, *w[1:], expert_offset=off), x, g, u, d)
@@ -274,6 +287,7 @@ def moe_grouped(
     decode_impl: str | None = None,
     shared: SharedExperts | None = None,
     route: DecodeRoute | None = None,
+    decode_config=None,
 ) -> jax.Array:
     """Σ_k w_k · expert_{idx_k}(x) as a grouped GEMM over the T·K assignments sorted by expert. -> [T, D].
 
@@ -298,6 +312,8 @@ def moe_grouped(
     run inside the decode kernel's two launches, and the result is routed + shared (summed in fp32, rounded once).
     `route` (decode impls only): these assignments already sorted by expert (`pallas_kernels.moe_route`, of
     `weights_TK` and `indices_TK` over the E experts), used instead of sorting them here.
+    `decode_config` (decode impls only): the decode kernel's `MoeDecodeConfig` (None: `moe_decode`'s or
+    `moe_decode_fp8`'s default), e.g. its `row_tile` (`mla-bench moe --row-tiles`).
     """
     T, D = x_TD.shape
     K = indices_TK.shape[1]
@@ -345,13 +361,14 @@ def moe_grouped(
                 expert_offset=off,
                 impl=kernel_impl,
                 group_starts_E=group_starts_E,
+                config=decode_config,
             )
         else:
             layout = None if route is None else (group_starts_E, route.expert_programs)
             # the route kernel's buffer of the rows' tokens as it is (rows past M: not read, and y's are 0)
             rows = token_M if route is None or route.token_rows is None else route.token_rows
             y_MD = _experts_decode(
-                x_TD, gate_EDI, up_EDI, down_EID, group_sizes_E, off, kernel_impl, rows, shared, layout
+                x_TD, gate_EDI, up_EDI, down_EID, group_sizes_E, off, kernel_impl, rows, shared, layout, decode_config
             )
         y_shared_TD = 0.0
         if shared is not None:

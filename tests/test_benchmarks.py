@@ -255,7 +255,7 @@ def test_moe_cell_that_fails_keeps_the_rows_before(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_moe, "ModelConfig", SimpleNamespace(deepseek_v2_lite=ModelConfig.tiny))
     real = bench_moe.moe_grouped
 
-    def grouped(x, *a, impl):
+    def grouped(x, *a, impl, **kw):
         if impl == "mgpu" and x.shape[0] == 8:
             raise RuntimeError(OOM)
         return real(x, *a, impl="ragged_dot")
@@ -275,6 +275,44 @@ def test_moe_cell_that_fails_keeps_the_rows_before(tmp_path, monkeypatch):
         (8, "mgpu", True, ""),
         (8, "ragged_dot", False, 10.0),
     ]
+
+
+def test_moe_row_tiles_time_the_decode_kernel_once_a_tile(tmp_path, monkeypatch, capsys):
+    """`mla-bench moe --row-tiles 16,32`: a decode row per tile, each call given the default config with that row
+    tile (the kernel's reads of an expert's weights are once a tile, so the two must really differ in the config the
+    kernel gets); the other impls once; a tile the kernel refuses is one line before anything runs."""
+    from types import SimpleNamespace
+
+    from benchmarks import bench_moe
+    from mla_jax import ModelConfig
+
+    _no_gpu_timing(monkeypatch)
+    monkeypatch.setattr(bench_moe, "ModelConfig", SimpleNamespace(deepseek_v2_lite=ModelConfig.tiny))
+    real, seen = bench_moe.moe_grouped, []
+
+    def grouped(x, *a, impl, **kw):
+        seen.append((impl, kw.get("decode_config")))
+        return real(x, *a, impl="decode_interpret" if impl == "decode" else "ragged_dot", **kw)
+
+    monkeypatch.setattr(bench_moe, "moe_grouped", grouped)
+    bench_moe.main(["--tokens", "8", "--row-tiles", "16,32", "--out", str(tmp_path)])
+    import benchmarks as bm
+
+    rows = bm.read_csv(str(tmp_path / "moe_v2-lite.csv"))
+    assert [(r["impl"], r["row_tile"], r.get("error", "")) for r in rows] == [
+        ("decode", 16, ""),
+        ("decode", 32, ""),
+        ("mgpu", "", ""),
+        ("ragged_dot", "", ""),
+    ]
+    assert all(r["rel_err"] < 1e-2 for r in rows)
+    tiles = {c.row_tile for impl, c in seen if impl == "decode"}
+    assert tiles == {16, 32} and all(c is None for impl, c in seen if impl != "decode")
+    with pytest.raises(SystemExit) as exc:
+        bench_moe.main(["--row-tiles", "16,24", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m benchmarks moe: error: --row-tiles 16,24: ") and err.endswith("got 24"), err
 
 
 def test_mla_decode_cell_that_fails_keeps_the_rows_before(tmp_path, monkeypatch):

@@ -138,7 +138,15 @@ def test_cross_lowers_for_sm90(row_tile):
     assert text.count("xla.gpu.triton") == 2, "gate/up and down kernels"
 
 
-def test_moe_grouped_decode_equals_the_dense_oracle_and_ragged_dot_gradients():
+@pytest.mark.parametrize("row_tile", [None, 32])
+def test_moe_grouped_decode_equals_the_dense_oracle_and_ragged_dot_gradients(monkeypatch, row_tile):
+    """Also with `decode_config` (`mla-bench moe --row-tiles`): the config reaches the kernel (a dropped one would
+    time 16-row tiles under a 32 label), and the gradient's custom VJP takes it as a static argument."""
+    import models.experts as ex
+
+    config = None if row_tile is None else MoeDecodeConfig(row_tile=row_tile)
+    seen, real = [], ex.moe_decode
+    monkeypatch.setattr(ex, "moe_decode", lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
     rng = np.random.default_rng(1)
     T, K, E, D, I = 5, 2, 4, 128, 64  # multiples of the default blocks
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
@@ -147,11 +155,13 @@ def test_moe_grouped_decode_equals_the_dense_oracle_and_ragged_dot_gradients():
     gate, up, down = (
         jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32) for s in ((E, D, I), (E, D, I), (E, I, D))
     )
-    got = moe_grouped(x, w, idx, gate, up, down, impl="decode_interpret")
+    got = moe_grouped(x, w, idx, gate, up, down, impl="decode_interpret", decode_config=config)
     chex.assert_trees_all_close(got, moe_dense_reference(x, w, idx, gate, up, down), rtol=1e-4, atol=1e-4)
+    assert seen == [config]
 
     def loss(impl, x, gate):
-        return jnp.sum(moe_grouped(x, w, idx, gate, up, down, impl=impl) ** 2)
+        kw = dict(decode_config=config) if impl == "decode_interpret" else {}
+        return jnp.sum(moe_grouped(x, w, idx, gate, up, down, impl=impl, **kw) ** 2)
 
     g_dec = jax.grad(lambda *a: loss("decode_interpret", *a), argnums=(0, 1))(x, gate)
     g_ref = jax.grad(lambda *a: loss("ragged_dot", *a), argnums=(0, 1))(x, gate)
