@@ -2,6 +2,9 @@
 # GPU checks and measurements of the kernels, one mode a call; results and a log under $OUT (default runs/gpu).
 #   scripts/gpu_run.sh tests [PYTEST ARGS]  # the GPU tests (-m gpu) of the kernels, engine and MoE, or of the
 #                                           #   given paths / -k filter
+#   scripts/gpu_run.sh suite [PYTEST ARGS]  # the full GPU suite as the README runs it (-m gpu --full -n 4), each
+#                                           #   test's end and time logged as it comes (suite_log.txt): a run cut
+#                                           #   by its limit ($LIMIT, 560 s) still says what it covered
 #   scripts/gpu_run.sh ptxas                # ptxas register / spill report of mla_decode's bodies (bf16 plain,
 #                                           #   split-QK and scorer, per sequence and in pieces; fp8 transposed and
 #                                           #   padded)
@@ -45,6 +48,18 @@ gpu_tests() {  # $1: time limit (s), rest: pytest arguments
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout "$limit" $PY -m pytest -m gpu -v -rfs \
     -p no:cacheprovider --timeout=120 --durations=8 "$@" > "$f" 2>&1
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|s call" "$f" | tail -40 | tee -a "$LOG"
+}
+
+suite() {  # the full GPU suite in parallel, as the README says to run it; rest: pytest arguments (files, -k)
+  stage "GPU suite (-m gpu --full -n 4) $*"
+  local t0=$(date +%s)
+  : > "$R/suite_log.txt"
+  timeout "${LIMIT:-560}" $PY -m pytest -m gpu --full -n 4 -q -rfEs -p no:cacheprovider \
+    --test-log "$R/suite_log.txt" "$@" > "$R/suite.txt" 2>&1
+  local rc=$?
+  echo "exit $rc after $(( $(date +%s) - t0 )) s; tests ended: $(wc -l < "$R/suite_log.txt")" | tee -a "$LOG"
+  tail -5 "$R/suite.txt" | tee -a "$LOG"
+  sort -k2 -n -r "$R/suite_log.txt" | head -10 | tee -a "$LOG"  # the longest tests
 }
 
 ptxas_report() {
@@ -96,11 +111,12 @@ case "$MODE" in
            gpu_tests 250 tests/test_mla_decode.py tests/test_mla_decode_fp8.py tests/test_paged_gather.py
            gpu_tests 250 tests/test_engine.py tests/test_moe.py tests/test_moe_decode.py
          fi ;;
+  suite) suite "$@" ;;
   ptxas) ptxas_report ;;
   quick) decode_bench 330 --quick
          bench paged_gather 60 ;;
   grid)  decode_bench 560 --no-decompressed ;;
   peers) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" decode_bench 560 --no-decompressed --peers .peers ;;
   ncu)   ncu_stage ;;
-  *) echo "unknown mode $MODE (tests, ptxas, quick, grid, peers, ncu)" >&2; exit 2 ;;
+  *) echo "unknown mode $MODE (tests, suite, ptxas, quick, grid, peers, ncu)" >&2; exit 2 ;;
 esac

@@ -115,6 +115,34 @@ def pytest_xdist_make_scheduler(config, log):
 # Two tiers (tests/tiers.py): the quick tier (the default run: the README's command) and `pytest --full`.
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", default=False, help="also run the full tier (tests marked `full`)")
+    parser.addoption(
+        "--test-log",
+        default=None,
+        metavar="FILE",
+        help="append a line per test as it ends (seconds since the run began, its own seconds, outcome, id), so a "
+        "run cut by a time limit still says what it covered and how long each test took (`scripts/gpu_run.sh suite`)",
+    )
+
+
+_TEST_LOG = {}
+
+
+def pytest_configure(config):
+    # the controller's (xdist's workers send it their reports: a worker writing too would write each line twice)
+    if (path := config.getoption("--test-log", None)) and not hasattr(config, "workerinput"):
+        import time
+
+        _TEST_LOG.update(file=open(path, "a", buffering=1), t0=time.monotonic())  # noqa: SIM115 - open for the run
+
+
+def pytest_runtest_logreport(report):
+    """With --test-log: one line per test (its call; a setup that did not pass, which has none), written as it ends
+    (on the xdist controller for a parallel run)."""
+    if "file" in _TEST_LOG and (report.when == "call" or (report.when == "setup" and not report.passed)):
+        import time
+
+        elapsed = time.monotonic() - _TEST_LOG["t0"]
+        _TEST_LOG["file"].write(f"{elapsed:8.1f} {report.duration:7.1f} {report.outcome:7s} {report.nodeid}\n")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -138,3 +138,27 @@ def test_the_checkpoint_walk_through_downloads_with_the_current_client():
     walk = _blocks("bash", _section("Serving a real DeepSeek checkpoint"))[0].splitlines()
     assert any(line.startswith("hf download deepseek-ai/") for line in walk), walk
     assert not any(line.startswith("huggingface-cli") for line in walk), walk
+
+
+def test_test_log_writes_a_line_per_test_as_it_ends_once_under_xdist(tmp_path):
+    """`pytest --test-log FILE` (the GPU suite's timing, `scripts/gpu_run.sh suite`): one line per test, with its
+    outcome, in a parallel run too. Catches xdist's workers writing beside the controller (every line twice) and a
+    failed setup (no call report) left out."""
+    import subprocess
+
+    (tmp_path / "test_a.py").write_text(
+        "import pytest\n\n@pytest.fixture\ndef broken():\n    raise RuntimeError\n\n"
+        "def test_ok():\n    pass\n\ndef test_no(broken):\n    pass\n\ndef test_fails():\n    assert False\n"
+    )
+    log = tmp_path / "log.txt"
+    conftest = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
+    (tmp_path / "conftest.py").write_text(open(conftest).read())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(conftest)), str(tmp_path)]))
+    args = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", "--test-log", str(log)]
+    subprocess.run([*args, str(tmp_path / "test_a.py")], cwd=tmp_path, env=env, capture_output=True, timeout=120)
+    lines = sorted(line.split()[2:] for line in log.read_text().splitlines())
+    assert [(outcome, node.split("::")[-1]) for outcome, node in lines] == [
+        ("failed", "test_fails"),
+        ("failed", "test_no"),
+        ("passed", "test_ok"),
+    ]
