@@ -12,6 +12,8 @@
 #   scripts/gpu_run.sh grid                 # the full mla_decode grid (kernel and XLA)
 #   scripts/gpu_run.sh peers                # mla_decode beside FlashMLA and vLLM's Triton kernel (the peer bundle
 #                                           #   in .peers/, `benchmarks.peers`; XLA autotuner off: kernel vs kernel)
+#   scripts/gpu_run.sh moe                  # mla-bench moe at V2-Lite's widths, the decode kernel at 16- and 32-row
+#                                           #   tiles beside the grouped GEMMs ($TOKENS: 1,32,86,128,512)
 #   scripts/gpu_run.sh ncu                  # Nsight Compute on mla_decode's main kernel at each of $NCU_CELLS
 #                                           #   ($VARIANT: a name of `mla-bench mla_decode --variants`)
 # $CELLS (a --cell-list) and $VARIANTS (a --variants list) narrow the benchmark modes. Benchmarks write their CSV
@@ -117,6 +119,7 @@ case "$MODE" in
          bench paged_gather 60 ;;
   grid)  decode_bench 560 --no-decompressed ;;
   peers) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" decode_bench 560 --no-decompressed --peers .peers ;;
+  moe)   bench moe 300 --tokens "${TOKENS:-1,32,86,128,512}" --row-tiles 16,32 ;;
   ncu)   ncu_stage ;;
-  *) echo "unknown mode $MODE (tests, suite, ptxas, quick, grid, peers, ncu)" >&2; exit 2 ;;
+  *) echo "unknown mode $MODE (tests, suite, ptxas, quick, grid, peers, moe, ncu)" >&2; exit 2 ;;
 esac
