@@ -2,9 +2,10 @@
 # GPU checks and measurements of the kernels, one mode a call; results and a log under $OUT (default runs/gpu).
 #   scripts/gpu_run.sh tests [PYTEST ARGS]  # the GPU tests (-m gpu) of the kernels, engine and MoE, or of the
 #                                           #   given paths / -k filter
-#   scripts/gpu_run.sh suite [PYTEST ARGS]  # the full GPU suite as the README runs it (-m gpu --full -n 4), each
-#                                           #   test's end and time logged as it comes (suite_log.txt): a run cut
-#                                           #   by its limit ($LIMIT, 560 s) still says what it covered
+#   scripts/gpu_run.sh suite [PYTEST ARGS]  # the full GPU suite as the README runs it (-m gpu --full -n 4; the
+#                                           #   quick tier with QUICK=1), each test's end and time logged as it
+#                                           #   comes (suite_log.txt): a run cut by its limit ($LIMIT, 560 s) still
+#                                           #   says what it covered
 #   scripts/gpu_run.sh ptxas                # ptxas register / spill report of mla_decode's bodies (bf16 plain,
 #                                           #   split-QK and scorer, per sequence and in pieces; fp8 transposed and
 #                                           #   padded)
@@ -53,10 +54,12 @@ gpu_tests() {  # $1: time limit (s), rest: pytest arguments
 }
 
 suite() {  # the full GPU suite in parallel, as the README says to run it; rest: pytest arguments (files, -k)
-  stage "GPU suite (-m gpu --full -n 4) $*"
+  local tier=--full
+  [ "${QUICK:-0}" = 1 ] && tier=""
+  stage "GPU suite (-m gpu $tier -n 4) $*"
   local t0=$(date +%s)
   : > "$R/suite_log.txt"
-  timeout "${LIMIT:-560}" $PY -m pytest -m gpu --full -n 4 -q -rfEs -p no:cacheprovider \
+  timeout "${LIMIT:-560}" $PY -m pytest -m gpu $tier -n 4 -q -rfEs -p no:cacheprovider \
     --test-log "$R/suite_log.txt" "$@" > "$R/suite.txt" 2>&1
   local rc=$?
   echo "exit $rc after $(( $(date +%s) - t0 )) s; tests ended: $(wc -l < "$R/suite_log.txt")" | tee -a "$LOG"
